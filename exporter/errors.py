@@ -1,0 +1,29 @@
+"""One error hierarchy; every message says what was expected, what was found and what to do.
+
+The CLI turns these into a one-line message and exit code 2 (usage or input
+error). Parity failures are results, not errors: they exit with 1.
+"""
+
+
+class ToolkitError(Exception):
+    """Base of every error a user can cause; the message is shown as is."""
+
+
+class ArtifactError(ToolkitError):
+    """An artifact folder is missing, incomplete, or does not match its manifest."""
+
+
+class OutputPathError(ToolkitError):
+    """The export destination cannot be used without losing what is there."""
+
+
+class ExportFailed(ToolkitError):
+    """torch.onnx or a post-export check failed; nothing was written to the destination."""
+
+
+class InputError(ToolkitError):
+    """Token ids, lengths or options outside what the model accepts."""
+
+
+class ProviderError(ToolkitError):
+    """A requested ONNX Runtime execution provider is not available here."""

@@ -1,0 +1,237 @@
+"""Export a reference model as prefill.onnx + decode.onnx into an artifact folder.
+
+The folder is built in a temporary sibling, checked (onnx.checker, the axis
+lint, a smoke run in ONNX Runtime) and only then moved into place, so a failed
+or interrupted export never touches an earlier artifact at the destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from torch.export import Dim
+
+from exporter.axes import name_axes
+from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
+from exporter.errors import ExportFailed, OutputPathError
+from exporter.graphs import DecodeGraph, PrefillGraph
+from exporter.manifest import MANIFEST, Manifest, file_entries
+from exporter.runtime import OrtRunner, position_ids_from_mask
+from exporter.weights import write_shared_weights
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "weights.onnx.data"
+OPSET = 20
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Example sizes for tracing; none is 0 or 1, so no axis can be specialised to them.
+EXAMPLE_BATCH, EXAMPLE_SEQUENCE, EXAMPLE_PAST = 2, 3, 4
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    folder: Path
+    manifest: Manifest
+    seconds: float
+    bytes: int  # all files of the artifact
+
+    def to_dict(self) -> dict:
+        return {"folder": str(self.folder), "dtype": self.manifest.dtype, "seconds": round(self.seconds, 2),
+                "bytes": self.bytes, "files": self.manifest.files}
+
+
+def _dynamic_shapes(contract: GraphContract, argument_names: list[str]) -> dict:
+    # One Dim object per contract axis name, so torch.export ties equal axes together.
+    # The total length (past + sequence) is a sum of two dims, which Dim cannot
+    # express, so it is left to torch.export to derive (Dim.AUTO).
+    dims: dict[str, object] = {}
+    shapes = {}
+    specs = {spec.name: spec for spec in contract.inputs}
+
+    def axes_of(spec):
+        return {i: Dim.AUTO if axis == TOTAL else dims.setdefault(axis, Dim(axis))
+                for i, axis in enumerate(spec.axes) if isinstance(axis, str)}
+
+    for name in argument_names:
+        if name == "past_key_values":
+            shapes[name] = [axes_of(s) for s in contract.inputs if s.name.startswith("past_key_values.")]
+        else:
+            shapes[name] = axes_of(specs[name])
+    return shapes
+
+
+def _example_inputs(config, dtype: torch.dtype, with_loss: bool, past: bool):
+    generator = torch.Generator().manual_seed(0)
+    b, t, p = EXAMPLE_BATCH, EXAMPLE_SEQUENCE, EXAMPLE_PAST
+    input_ids = torch.randint(0, config.vocab_size, (b, t), generator=generator)
+    total = p + t if past else t
+    mask = torch.ones(b, total, dtype=torch.int64)
+    position_ids = torch.arange(total - t, total).expand(b, t).contiguous()
+    if past:
+        cache = cache_layout(config, "")
+        kv = [torch.randn(b, cache.num_key_value_heads, p, cache.head_dim, generator=generator).to(dtype)
+              for _ in range(2 * cache.num_layers)]
+        return (input_ids, mask, position_ids, kv), ["input_ids", "attention_mask", "position_ids",
+                                                     "past_key_values"]
+    if with_loss:
+        labels = input_ids.clone()
+        labels[:, 0] = -100
+        return (input_ids, mask, position_ids, labels), ["input_ids", "attention_mask", "position_ids", "labels"]
+    return (input_ids, mask, position_ids), ["input_ids", "attention_mask", "position_ids"]
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names):
+    # torch.onnx and its optimiser log every pass at INFO; keep our own progress readable.
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx.ModelProto:
+    log.info("exporting %s with torch.onnx (dynamo)", contract.file)
+    start = time.perf_counter()
+    noise = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), \
+                _quiet_loggers("torch", "onnx_ir", "onnxscript"):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, args, dynamo=True, opset_version=OPSET, optimize=True, verbose=False,
+                input_names=contract.input_names, output_names=contract.output_names,
+                dynamic_shapes=_dynamic_shapes(contract, argument_names))
+            model = program.model_proto
+    except Exception as exc:  # torch.onnx raises many unrelated types; report them as one failure
+        log.debug("torch.onnx output:\n%s", noise.getvalue())
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line}") from exc
+    log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
+    _strip_trace_metadata(model)
+    problems = name_axes(model, contract)
+    if problems:
+        raise ExportFailed(f"{contract.file} breaks the I/O contract: {'; '.join(problems[:5])}")
+    return model
+
+
+def _strip_trace_metadata(model: onnx.ModelProto) -> None:
+    # Stack traces carry this machine's absolute paths; the module namespace is kept.
+    for node in model.graph.node:
+        kept = [p for p in node.metadata_props if p.key not in ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node")]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+
+
+def _smoke_run(folder: Path, manifest: Manifest) -> None:
+    """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
+    runner = OrtRunner(folder, "cpu", manifest=manifest)
+    vocab = manifest.config.vocab_size
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (3, 5)):
+        ids = rng.integers(0, vocab, (batch, length), dtype=np.int64)
+        mask = np.ones_like(ids)
+        feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+        if manifest.with_loss:
+            feeds["labels"] = ids
+        out = runner.prefill(feeds)
+        if out["logits"].shape != (batch, length, vocab) or not np.isfinite(out["logits"]).all():
+            raise ExportFailed(f"smoke run: prefill gave logits of shape {out['logits'].shape} "
+                               f"(finite: {np.isfinite(out['logits']).all()}) for batch {batch}, length {length}")
+        decode_feeds = {"input_ids": ids[:, :1], "attention_mask": np.ones((batch, 1), np.int64),
+                        "position_ids": np.zeros((batch, 1), np.int64), **runner.empty_past(batch)}
+        step = runner.decode(decode_feeds)
+        if not np.allclose(step["logits"][:, 0], out["logits"][:, 0], rtol=1e-3, atol=1e-3):
+            raise ExportFailed("smoke run: decode with past length 0 disagrees with prefill on the first token")
+
+
+def _prepare_destination(folder: Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"output path {folder} is a file; choose a folder path (e.g. artifacts/<preset>)")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file():
+        raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST}; refusing to "
+                              "overwrite files this toolkit did not write: choose another --output or empty it")
+
+
+def _move_into_place(built: Path, folder: Path) -> None:
+    """Swap the finished folder in; an earlier artifact is removed only after the new one is in place."""
+    old = None
+    if folder.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+        os.rename(folder, old / folder.name)
+    try:
+        os.rename(built, folder)
+    except BaseException:
+        if old is not None:
+            os.rename(old / folder.name, folder)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
+                    source: dict | None = None) -> ExportResult:
+    """Export `model` (a reference MiniMindForCausalLM) as an artifact folder."""
+    if dtype not in DTYPES:
+        raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    folder = Path(folder)
+    _prepare_destination(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    config = model.config
+    model = copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval()
+    prefill = prefill_contract(config, dtype, with_loss)
+    decode = decode_contract(config, dtype)
+
+    built = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
+    try:
+        with torch.no_grad():
+            args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
+            prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
+            args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
+            decode_model = _torch_export(DecodeGraph(model), args, names, decode)
+        shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
+        log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors,
+                 shared.bytes / 1e6)
+        for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
+            onnx.save_model(proto, built / contract.file)
+            try:
+                onnx.checker.check_model(str(built / contract.file), full_check=True)
+            except Exception as exc:
+                raise ExportFailed(f"onnx.checker rejected {contract.file}: {str(exc).splitlines()[0]}") from exc
+        files = [prefill.file, decode.file, WEIGHTS_FILE]
+        manifest = Manifest(
+            config=config, source=source or {"kind": "in-memory"}, dtype=dtype, opset=OPSET,
+            prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
+            versions={"torch": torch.__version__, "onnx": onnx.__version__,
+                      "onnxruntime": onnxruntime.__version__},
+            files=file_entries(built, files))
+        log.info("smoke-testing the graphs in onnxruntime")
+        _smoke_run(built, manifest)
+        manifest.write(built)
+        _move_into_place(built, folder)
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+    total = sum(entry["bytes"] for entry in manifest.files.values())
+    return ExportResult(folder, manifest, time.perf_counter() - start, total)

@@ -1,0 +1,72 @@
+"""Export wrappers: the reference model seen through the ONNX I/O contract.
+
+The reference keeps MiniMind's Python API (a list of (k, v) per layer, each
+(B, L, Hkv, D)). The graphs follow the contract consumers expect (ANCHORS.md):
+flat named past/present tensors laid out (B, Hkv, L, D). That plumbing lives
+here, not in the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def masked_shifted_loss(logits, labels):
+    """MiniMind's shifted cross entropy, written without empty tensors.
+
+    `logits[:, :-1]` is empty at sequence length 1, and ONNX Runtime fails in a
+    Reshape on it where PyTorch returns NaN. Shifting the labels left and
+    padding with IGNORE_INDEX keeps every tensor non-empty; the mean over
+    non-ignored targets is then sum / count, which is 0 / 0 = NaN exactly when
+    PyTorch's mean is NaN.
+    """
+    b = labels.shape[0]
+    pad = torch.full((b, 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    targets = torch.cat([labels[:, 1:], pad], dim=1)  # (B, T)
+    keep = targets != IGNORE_INDEX
+    logits32 = logits.float()
+    log_z = torch.logsumexp(logits32, dim=-1)  # (B, T)
+    picked = torch.gather(logits32, -1, torch.where(keep, targets, 0)[..., None])[..., 0]
+    nll = torch.where(keep, log_z - picked, 0.0)
+    return nll.sum() / keep.sum().float()
+
+
+def _flatten_presents(presents):
+    flat = []
+    for k, v in presents:
+        flat += [k.transpose(1, 2), v.transpose(1, 2)]  # (B, Hkv, L, D)
+    return flat
+
+
+class PrefillGraph(nn.Module):
+    """input_ids, attention_mask, position_ids[, labels] -> logits, present.*[, loss]."""
+
+    def __init__(self, model: nn.Module, with_loss: bool):
+        super().__init__()
+        self.model = model
+        self.with_loss = with_loss
+
+    def forward(self, input_ids, attention_mask, position_ids, labels=None):
+        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        outputs = [out.logits, *_flatten_presents(out.past_key_values)]
+        if self.with_loss:
+            outputs.append(masked_shifted_loss(out.logits, labels))
+        return tuple(outputs)
+
+
+class DecodeGraph(nn.Module):
+    """input_ids, attention_mask, position_ids, past_key_values.* -> logits, present.*."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+        pairs = [(past_key_values[2 * i].transpose(1, 2), past_key_values[2 * i + 1].transpose(1, 2))
+                 for i in range(len(past_key_values) // 2)]
+        out = self.model(input_ids, attention_mask=attention_mask, past_key_values=pairs,
+                         position_ids=position_ids, use_cache=True)
+        return (out.logits, *_flatten_presents(out.past_key_values))

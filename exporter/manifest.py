@@ -1,0 +1,101 @@
+"""manifest.json: what an artifact folder holds, and the checks that it still holds it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.contract import CacheLayout, GraphContract
+from exporter.errors import ArtifactError
+from reference.errors import ConfigError
+from reference.minimind import MiniMindConfig
+
+MANIFEST = "manifest.json"
+FORMAT = "minimind-onnx-artifact"
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_entries(folder: Path, names: list[str]) -> dict:
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+            for name in names}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    config: MiniMindConfig
+    source: dict  # where the weights came from, e.g. {"kind": "seeded", "preset": ..., "seed": 0}
+    dtype: str
+    opset: int
+    prefill: GraphContract
+    decode: GraphContract
+    cache: CacheLayout
+    weights_file: str
+    versions: dict
+    files: dict  # name -> {"bytes", "sha256"}
+
+    @property
+    def with_loss(self) -> bool:
+        return "loss" in self.prefill.output_names
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "model": {"family": "minimind", "config": self.config.to_dict(), "source": self.source},
+            "dtype": self.dtype, "opset": self.opset,
+            "graphs": {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()},
+            "cache": self.cache.to_dict(), "weights_file": self.weights_file,
+            "versions": self.versions, "files": self.files,
+        }
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"manifest format is {data.get('format')!r} v{data.get('format_version')}, "
+                                f"expected {FORMAT!r} v{FORMAT_VERSION}; re-export the folder with this toolkit")
+        return cls(
+            config=MiniMindConfig.from_dict(data["model"]["config"]), source=data["model"]["source"],
+            dtype=data["dtype"], opset=data["opset"],
+            prefill=GraphContract.from_dict(data["graphs"]["prefill"]),
+            decode=GraphContract.from_dict(data["graphs"]["decode"]),
+            cache=CacheLayout.from_dict(data["cache"]), weights_file=data["weights_file"],
+            versions=data["versions"], files=data["files"],
+        )
+
+
+def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
+    """Load folder/manifest.json and check that every file it lists is there, intact."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder} is not a folder; pass an artifact folder written by 'export-onnx export'")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{folder} has no {MANIFEST}; it is not an artifact folder "
+                            "(export one with 'export-onnx export')")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
+    missing = [name for name in manifest.files if not (folder / name).is_file()]
+    if missing:
+        raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "
+                            "re-export the folder")
+    if check_hashes:
+        changed = [name for name, entry in manifest.files.items()
+                   if sha256_file(folder / name) != entry["sha256"]]
+        if changed:
+            raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
+                                "(file modified or corrupted); re-export the folder")
+    return manifest

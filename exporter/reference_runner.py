@@ -1,0 +1,74 @@
+"""The PyTorch reference behind the same named-feed interface as OrtRunner.
+
+It calls the reference model through its own Python API (a list of (k, v)
+per layer, MiniMind's loss), not through the export wrappers, so parity
+compares the graphs with the model rather than with themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from exporter.contract import KV_KINDS
+from exporter.export import TORCH_DTYPES
+from exporter.manifest import Manifest
+
+
+class TorchRunner:
+    def __init__(self, model: torch.nn.Module, manifest: Manifest):
+        self.manifest = manifest
+        dtype = TORCH_DTYPES[manifest.dtype]
+        same = next(model.parameters()).dtype == dtype
+        self.model = (model if same else copy.deepcopy(model).to(dtype)).eval()
+
+    name = "pytorch reference"
+
+    def _outputs(self, out) -> dict:
+        cache = self.manifest.cache
+        result = {"logits": out.logits.numpy()}
+        for layer, (k, v) in enumerate(out.past_key_values):
+            for kind, tensor in zip(KV_KINDS, (k, v)):
+                result[cache.present(layer, kind)] = tensor.transpose(1, 2).numpy()  # (B, Hkv, L, D)
+        if out.loss is not None:
+            result["loss"] = np.float32(out.loss.item())
+        return result
+
+    @torch.no_grad()
+    def prefill(self, feeds: dict) -> dict:
+        labels = torch.from_numpy(feeds["labels"]) if "labels" in feeds else None
+        out = self.model(torch.from_numpy(feeds["input_ids"]),
+                         attention_mask=torch.from_numpy(feeds["attention_mask"]),
+                         position_ids=torch.from_numpy(feeds["position_ids"]), use_cache=True, labels=labels)
+        return self._outputs(out)
+
+    @torch.no_grad()
+    def decode(self, feeds: dict) -> dict:
+        cache = self.manifest.cache
+        past = [tuple(torch.from_numpy(feeds[cache.past(layer, kind)]).transpose(1, 2) for kind in KV_KINDS)
+                for layer in range(cache.num_layers)]
+        out = self.model(torch.from_numpy(feeds["input_ids"]),
+                         attention_mask=torch.from_numpy(feeds["attention_mask"]), past_key_values=past,
+                         position_ids=torch.from_numpy(feeds["position_ids"]), use_cache=True)
+        return self._outputs(out)
+
+
+@torch.no_grad()
+def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
+                     eos_token_id: int | None) -> list[int]:
+    """MiniMind-style greedy decoding with the model's own KV cache and default positions."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    new_ids: list[int] = []
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        new_ids.append(token)
+        if token == eos_token_id or len(new_ids) == max_new_tokens:
+            return new_ids
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+@torch.no_grad()
+def reference_next_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    return model(torch.tensor([ids])).logits[0, -1].float().numpy()

@@ -1,0 +1,110 @@
+"""The export-onnx command: the thin layer users meet first."""
+
+from __future__ import annotations
+
+import json
+
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from exporter.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def cli_artifact(tmp_path_factory):
+    """An inference-only (no loss) tiny artifact exported through the CLI."""
+    folder = tmp_path_factory.mktemp("cli") / "tiny"
+    result = invoke("export", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--json", "-q")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["folder"] == str(folder) and data["dtype"] == "float32"
+    return folder
+
+
+def test_help_explains_commands_and_exit_codes():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for word in ("run", "export", "verify", "generate", "inspect", "Exit codes"):
+        assert word in result.output
+
+
+def test_no_loss_export_drops_labels_and_loss(cli_artifact):
+    manifest = json.loads((cli_artifact / "manifest.json").read_text())
+    prefill = manifest["graphs"]["prefill"]
+    assert [s["name"] for s in prefill["inputs"]] == ["input_ids", "attention_mask", "position_ids"]
+    assert "loss" not in [s["name"] for s in prefill["outputs"]]
+
+
+def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["providers"][0]["provider"] == "CPUExecutionProvider"
+    assert "prefill loss" not in [c["name"] for c in report["providers"][0]["comparisons"]]
+
+
+def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
+    # Same config, other weights: claim seed 1 in a copy of the manifest (hashes still match the files).
+    import shutil
+    copy = shutil.copytree(cli_artifact, tmp_path / "wrong")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model"]["source"]["seed"] = 1
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = invoke("verify", copy, "--provider", "cpu", "-q")
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.stdout
+
+
+def test_table_output_names_every_check(cli_artifact):
+    result = invoke("verify", cli_artifact, "-q")
+    assert result.exit_code == 0, result.output
+    for row in ("prefill logits", "decode logits (17 steps)", "greedy tokens", "overall: PASS"):
+        assert row in result.stdout
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        assert "CUDAExecutionProvider: skipped" in result.stdout
+
+
+def test_generate_and_inspect(cli_artifact):
+    result = invoke("generate", cli_artifact, "--prompt-ids", "1,17,230", "--max-new-tokens", "6", "-q")
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.split()) == 6
+    result = invoke("inspect", cli_artifact)
+    assert result.exit_code == 0, result.output
+    assert "past_key_values.1.value" in result.stdout and "past_sequence_length" in result.stdout
+
+
+def test_reexport_replaces_the_artifact(cli_artifact):
+    before = json.loads((cli_artifact / "manifest.json").read_text())
+    result = invoke("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", cli_artifact, "-q")
+    assert result.exit_code == 0, result.output
+    after = json.loads((cli_artifact / "manifest.json").read_text())
+    assert after["model"]["source"]["seed"] == 3
+    assert after["files"]["weights.onnx.data"]["sha256"] != before["files"]["weights.onnx.data"]["sha256"]
+    assert sorted(p.name for p in cli_artifact.parent.iterdir()) == [cli_artifact.name]
+
+
+def _one_line_error(result, code, fragment):
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    _one_line_error(invoke("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
+    _one_line_error(invoke("export", "--preset", "minimind-3-tiny", "-o", a_file, "-q"), 2, "is a file")
+    _one_line_error(invoke("verify", tmp_path, "-q"), 2, "has no manifest.json")
+    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1,99999", "-q"), 2, "outside the vocabulary")
+    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1,x", "-q"), 2, "not a list of integers")
+    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
+                    "exceeds max_position_embeddings")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
+    assert a_file.read_text() == "x"

@@ -1,0 +1,142 @@
+"""The exported artifact: files, manifest, shared weights, symbolic axes, atomic replacement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from exporter import export as export_module
+from exporter.axes import lint_axes
+from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
+from exporter.errors import ExportFailed, OutputPathError
+from exporter.export import export_artifact
+from exporter.manifest import read_manifest, sha256_file
+from exporter.weights import INLINE_LIMIT_BYTES
+
+
+def _load(folder: Path, name: str) -> onnx.ModelProto:
+    return onnx.load(str(folder / name), load_external_data=False)
+
+
+def _external(model: onnx.ModelProto) -> dict:
+    """initializer name -> (location, offset, length) for tensors stored outside the graph."""
+    result = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            result[tensor.name] = (info["location"], int(info["offset"]), int(info["length"]))
+    return result
+
+
+def test_artifact_folder_holds_two_graphs_one_weights_file_and_a_manifest(artifact_fp32):
+    names = sorted(p.name for p in artifact_fp32.iterdir())
+    assert names == ["decode.onnx", "manifest.json", "prefill.onnx", "weights.onnx.data"]
+    manifest = json.loads((artifact_fp32 / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert sha256_file(artifact_fp32 / name) == entry["sha256"]
+    assert set(manifest["versions"]) == {"torch", "onnx", "onnxruntime"}
+    assert manifest["opset"] == 20 and manifest["dtype"] == "float32"
+    assert manifest["model"]["source"] == {"kind": "seeded", "preset": "minimind-3-tiny", "seed": 0}
+    assert manifest["cache"]["axes"] == [BATCH, "num_key_value_heads", "sequence", "head_dim"]
+
+
+def test_weights_are_stored_once_and_shared_by_both_graphs(artifact_fp32, tiny_model):
+    prefill, decode = _external(_load(artifact_fp32, "prefill.onnx")), _external(_load(artifact_fp32, "decode.onnx"))
+    assert {loc for loc, _, _ in [*prefill.values(), *decode.values()]} == {"weights.onnx.data"}
+    # Every large weight of the decode graph points at bytes the prefill graph also uses.
+    assert {(o, n) for _, o, n in decode.values()} == {(o, n) for _, o, n in prefill.values()}
+    distinct = {(o, n) for _, o, n in prefill.values()}
+    stored = sum(n for _, n in distinct)
+    params = sum(p.numel() * 4 for p in tiny_model.parameters() if p.numel() * 4 >= INLINE_LIMIT_BYTES)
+    assert stored == params  # the tied embedding/lm_head and every matrix exactly once
+    assert (artifact_fp32 / "weights.onnx.data").stat().st_size < stored + 4096 * len(distinct)
+
+
+@pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
+def test_every_declared_axis_stays_symbolic(artifact_fp32, graph):
+    manifest = read_manifest(artifact_fp32)
+    contract = manifest.prefill if graph == "prefill.onnx" else manifest.decode
+    model = _load(artifact_fp32, graph)
+    assert lint_axes(model, contract) == []
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in [*model.graph.input, *model.graph.output]}
+    if graph == "decode.onnx":
+        assert dims["attention_mask"] == [BATCH, TOTAL]
+        assert dims["past_key_values.0.key"] == [BATCH, 2, PAST, 16]
+        assert dims["present.1.value"] == [BATCH, 2, TOTAL, 16]
+    else:
+        assert dims["logits"] == [BATCH, SEQUENCE, 512]
+        assert dims["loss"] == []
+
+
+def test_axis_lint_catches_a_baked_dimension(artifact_fp32):
+    manifest = read_manifest(artifact_fp32)
+    model = _load(artifact_fp32, "decode.onnx")
+    dim = model.graph.input[3].type.tensor_type.shape.dim[2]  # past_key_values.0.key, past axis
+    dim.dim_value = 4  # what torch.export leaves when an axis is specialised to the example
+    problems = lint_axes(model, manifest.decode)
+    assert problems == ["decode.onnx: past_key_values.0.key axis 2 (past_sequence_length) was baked to 4"]
+
+
+def test_float16_artifact_has_float16_logits_and_cache(artifact_fp16, artifact_fp32):
+    manifest = read_manifest(artifact_fp16)
+    model = _load(artifact_fp16, "decode.onnx")
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+    assert types["logits"] == types["past_key_values.0.key"] == types["present.0.value"] == onnx.TensorProto.FLOAT16
+    assert manifest.dtype == "float16" and manifest.cache.dtype == "float16"
+    stored16 = sum(n for _, n in {(o, n) for _, o, n in _external(model).values()})
+    stored32 = sum(n for _, n in {(o, n) for _, o, n in _external(_load(artifact_fp32, "decode.onnx")).values()})
+    assert stored16 * 2 == stored32
+
+
+def _tree(folder: Path) -> dict:
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
+
+
+def test_failed_export_leaves_the_earlier_artifact_untouched(artifact_copy, tiny_model, monkeypatch):
+    before = _tree(artifact_copy)
+
+    def broken_smoke_run(folder, manifest):
+        raise ExportFailed("smoke run: injected failure")
+
+    monkeypatch.setattr(export_module, "_smoke_run", broken_smoke_run)
+    with pytest.raises(ExportFailed, match="injected"):
+        export_artifact(tiny_model, artifact_copy)
+    assert _tree(artifact_copy) == before
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
+
+
+def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy, tiny_model, monkeypatch):
+    before = _tree(artifact_copy)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "_torch_export", interrupt)  # Ctrl-C during the long torch export
+    with pytest.raises(KeyboardInterrupt):
+        export_artifact(tiny_model, artifact_copy)
+    assert _tree(artifact_copy) == before
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+
+
+def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_model):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    with pytest.raises(OutputPathError, match="is a file"):
+        export_artifact(tiny_model, target)
+    assert target.read_text() == "keep me"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match="holds no manifest.json"):
+        export_artifact(tiny_model, foreign)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
+    with pytest.raises(ExportFailed, match="bfloat16"):
+        export_artifact(tiny_model, tmp_path / "x", dtype="bfloat16")
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,136 @@
+"""ONNX Runtime against the PyTorch reference: logits, present KV, loss, greedy tokens, at many shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from exporter.manifest import read_manifest
+from exporter.parity import TOLERANCES, Tolerance, compare, verify_artifact
+from exporter.reference_runner import TorchRunner
+from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+from reference import build_model
+
+CUDA = "CUDAExecutionProvider"
+requires_cuda = pytest.mark.skipif(CUDA not in ort.get_available_providers(),
+                                   reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and a GPU)")
+
+
+def _assert_report_passes(report):
+    failures = [c.to_dict() for r in report.reports for c in r.comparisons if not c.passed]
+    greedy = [r.greedy.note for r in report.reports if not r.greedy.passed]
+    assert report.passed, f"failed comparisons: {failures}; greedy: {greedy}"
+
+
+def test_fp32_artifact_matches_reference_on_cpu(artifact_fp32, tiny_model):
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"])
+    _assert_report_passes(report)
+    [cpu] = report.reports
+    names = [c.name for c in cpu.comparisons]
+    assert names == ["prefill logits", "prefill present (all layers)", "prefill loss",
+                     "decode logits (17 steps)", "decode present (17 steps, all layers)"]
+    assert cpu.greedy.reference_ids == cpu.greedy.onnx_ids and len(cpu.greedy.onnx_ids) == 32
+
+
+def test_fp16_artifact_matches_float16_reference_on_cpu(artifact_fp16, tiny_model):
+    _assert_report_passes(verify_artifact(artifact_fp16, tiny_model, ["cpu"]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
+def test_artifacts_match_reference_on_cuda(artifact, tiny_model, request):
+    _assert_report_passes(verify_artifact(request.getfixturevalue(artifact), tiny_model, ["cuda"]))
+
+
+def test_default_providers_report_unavailable_ones_as_skipped(artifact_fp32, tiny_model):
+    report = verify_artifact(artifact_fp32, tiny_model)
+    verified = {r.provider for r in report.reports}
+    assert "CPUExecutionProvider" in verified
+    assert (CUDA in verified) != (CUDA in report.skipped)
+
+
+def test_a_different_model_fails_parity(artifact_fp32, tiny_config):
+    """The check can fail: the same architecture with other weights must not pass."""
+    report = verify_artifact(artifact_fp32, build_model(tiny_config, seed=1), ["cpu"])
+    assert not report.passed
+    assert not any(c.passed for c in report.reports[0].comparisons if "logits" in c.name)
+
+
+# Shapes other than the export example (batch 2, sequence 3, past 4), including the edge cases
+# a traced export tends to specialise: batch 1, sequence 1, past 0.
+SHAPES = [(1, 1, 0), (1, 1, 1), (3, 1, 17), (2, 7, 0), (3, 2, 5), (1, 64, 1)]
+
+
+@pytest.mark.parametrize("batch,length,past", SHAPES)
+def test_decode_graph_matches_reference_at_other_sizes(artifact_fp32, tiny_model, batch, length, past):
+    manifest = read_manifest(artifact_fp32, check_hashes=False)
+    onnx, reference = OrtRunner(artifact_fp32, manifest=manifest), TorchRunner(tiny_model, manifest)
+    rng = np.random.default_rng(batch * 100 + length * 10 + past)
+    vocab = manifest.config.vocab_size
+    # Build the past with a prefill of the reference, so it is a real cache (ragged when batch > 1).
+    mask = np.ones((batch, past + length), dtype=np.int64)
+    mask[1:, : past // 2] = 0
+    feeds = {}
+    if past:
+        prompt = rng.integers(0, vocab, (batch, past), dtype=np.int64)
+        prior = reference.prefill({"input_ids": prompt, "attention_mask": mask[:, :past],
+                                   "position_ids": position_ids_from_mask(mask[:, :past])})
+        feeds = presents_as_past(manifest, prior)
+    else:
+        feeds = onnx.empty_past(batch)
+    feeds.update(input_ids=rng.integers(0, vocab, (batch, length), dtype=np.int64), attention_mask=mask,
+                 position_ids=position_ids_from_mask(mask, past))
+    expected, actual = reference.decode(feeds), onnx.decode(feeds)
+    tolerances = TOLERANCES["float32"]
+    for name, value in expected.items():
+        assert actual[name].shape == value.shape, name
+        result = compare(name, "logits" if name == "logits" else "kv", actual[name], value,
+                         tolerances["logits" if name == "logits" else "kv"])
+        assert result.passed, result.to_dict()
+
+
+@pytest.mark.parametrize("batch,length", [(1, 1), (3, 2), (2, 33)])
+def test_prefill_graph_matches_reference_including_one_token_loss(artifact_fp32, tiny_model, batch, length):
+    manifest = read_manifest(artifact_fp32, check_hashes=False)
+    onnx, reference = OrtRunner(artifact_fp32, manifest=manifest), TorchRunner(tiny_model, manifest)
+    rng = np.random.default_rng(length)
+    ids = rng.integers(0, manifest.config.vocab_size, (batch, length), dtype=np.int64)
+    mask = np.ones_like(ids)
+    labels = ids.copy()
+    labels[0, -1] = -100
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+             "labels": labels}
+    expected, actual = reference.prefill(feeds), onnx.prefill(feeds)
+    if length == 1:
+        assert np.isnan(expected["loss"]) and np.isnan(actual["loss"])  # no target: PyTorch's NaN
+    tolerances = TOLERANCES["float32"]
+    for name, value in expected.items():
+        kind = name if name in ("logits", "loss") else "kv"
+        assert compare(name, kind, actual[name], value, tolerances[kind]).passed, name
+
+
+def test_decode_with_past_zero_equals_prefill(artifact_fp32):
+    onnx = OrtRunner(artifact_fp32, check_hashes=False)
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    mask = np.ones_like(ids)
+    base = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+    prefill = onnx.prefill({**base, "labels": ids})
+    decode = onnx.decode({**base, **onnx.empty_past(1)})
+    for name, value in decode.items():
+        np.testing.assert_array_equal(value, prefill[name], err_msg=name)
+
+
+def test_compare_applies_allclose_and_nan_rules():
+    tol = Tolerance(atol=1e-3, rtol=1e-2)
+    assert compare("x", "logits", [1.0, 100.5], [1.0005, 100.0], tol).passed  # 0.5 <= 1e-3 + 1.0
+    failed = compare("x", "logits", [1.0, 102.0], [1.0, 100.0], tol)
+    assert not failed.passed and failed.max_abs == pytest.approx(2.0) and failed.max_rel == pytest.approx(0.02)
+    assert compare("loss", "loss", np.nan, np.nan, tol).passed
+    assert not compare("loss", "loss", np.nan, 1.0, tol).passed
+    assert not compare("loss", "loss", 1.0, np.nan, tol).passed
+    assert not compare("x", "kv", np.zeros((2, 3)), np.zeros((3, 2)), tol).passed
+    # The peak term: an element near zero may be off by a fraction of the tensor's largest magnitude.
+    peak = Tolerance(atol=0.0, rtol=0.0, peak=0.01)
+    assert compare("x", "logits", [0.9, 100.0], [0.0, 100.0], peak).passed
+    assert not compare("x", "logits", [1.1, 100.0], [0.0, 100.0], peak).passed

@@ -1,0 +1,81 @@
+"""The ONNX Runtime generation loop and the artifact checks it relies on."""
+
+from __future__ import annotations
+
+import json
+
+import onnxruntime as ort
+import pytest
+
+from exporter.errors import ArtifactError, InputError, ProviderError
+from exporter.reference_runner import reference_greedy
+from exporter.runtime import OrtRunner, generate_greedy
+
+
+@pytest.fixture(scope="module")
+def runner(artifact_fp32):
+    return OrtRunner(artifact_fp32)
+
+
+def test_greedy_generation_equals_the_reference(runner, tiny_model):
+    prompt = [1, 17, 230, 4, 99]
+    result = generate_greedy(runner, prompt, 40)
+    assert result.new_ids == reference_greedy(tiny_model, prompt, 40, None)
+    assert len(set(result.new_ids)) > 5, "degenerate model output makes token equality meaningless"
+
+
+def test_one_token_prompt_generates(runner, tiny_model):
+    assert generate_greedy(runner, [7], 5).new_ids == reference_greedy(tiny_model, [7], 5, None)
+
+
+def test_generation_stops_at_eos(runner):
+    tokens = generate_greedy(runner, [1, 17, 230], 20).new_ids
+    eos = tokens[6]  # pretend the 7th generated token is the eos id
+    result = generate_greedy(runner, [1, 17, 230], 20, eos_token_id=eos)
+    assert result.stopped_at_eos and result.new_ids == tokens[: tokens.index(eos) + 1]
+
+
+@pytest.mark.parametrize("prompt,max_new,message", [
+    ([], 4, "prompt is empty"),
+    ([3, 512], 4, r"outside the vocabulary \[0, 512\)"),
+    ([3, -1], 4, "outside the vocabulary"),
+    ([3] * 250, 7, r"exceeds max_position_embeddings \(256\)"),
+])
+def test_bad_prompts_are_refused_before_running(runner, prompt, max_new, message):
+    with pytest.raises(InputError, match=message):
+        generate_greedy(runner, prompt, max_new)
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(), reason="CUDA is available here")
+def test_requesting_an_absent_cuda_provider_is_an_error(artifact_fp32):
+    with pytest.raises(ProviderError, match="CUDAExecutionProvider is not available"):
+        OrtRunner(artifact_fp32, "cuda")
+
+
+def test_folder_without_manifest_is_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="has no manifest.json"):
+        OrtRunner(tmp_path)
+
+
+def test_missing_file_is_refused(artifact_copy):
+    (artifact_copy / "weights.onnx.data").unlink()
+    with pytest.raises(ArtifactError, match="lacks 1 file.*weights.onnx.data"):
+        OrtRunner(artifact_copy)
+
+
+def test_modified_file_is_refused(artifact_copy):
+    with open(artifact_copy / "weights.onnx.data", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x01\x02")
+    with pytest.raises(ArtifactError, match="sha256 of weights.onnx.data does not match"):
+        OrtRunner(artifact_copy)
+
+
+def test_unreadable_manifest_is_refused(artifact_copy):
+    (artifact_copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="unreadable"):
+        OrtRunner(artifact_copy)
+    data = {"format": "something-else", "format_version": 1}
+    (artifact_copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="re-export"):
+        OrtRunner(artifact_copy)

@@ -210,24 +210,72 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
-@click.option("--prompt-ids", required=True, help="Prompt token ids, comma or space separated.")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
+              help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).")
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="Prompt text (needs a tokenizer). Repeat for a batch.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="tokenizer.json for text in and out [default: the artifact's own, if it has one].")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
+@click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
+@click.option("--temperature", type=float, default=0.85, show_default=True, help="With --sample.")
+@click.option("--top-k", type=int, default=50, show_default=True, help="With --sample; 0 disables.")
+@click.option("--top-p", type=float, default=0.85, show_default=True, help="With --sample; 1 disables.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the logits of ids already present by this (MiniMind's rule).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
+@click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @common_options
 @handle_errors
-def generate(folder, prompt_ids, max_new_tokens, provider, ignore_eos, as_json, quiet, verbose):
-    """Generate greedily with ONNX Runtime from prompt token ids."""
-    from exporter.runtime import OrtRunner, check_prompt, generate_greedy
+def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, temperature, top_k, top_p,
+             repetition_penalty, seed, stop_ids, ignore_eos, provider, as_json, quiet, verbose):
+    """Generate with ONNX Runtime, printing tokens as they are produced.
+
+    Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
+    --sample the decoding is greedy. Every prompt and option is checked before the model loads.
+    """
+    from exporter.generation import SamplingConfig, check_prompts, stream
     from exporter.manifest import read_manifest
+    from exporter.runtime import OrtRunner
+    from exporter.tokenizer import TOKENIZER_FILE, TextStream, load_tokenizer
     _setup_logging(verbose, quiet)
-    ids = _parse_ids(prompt_ids)
+    if bool(prompt_ids) == bool(prompts):
+        raise click.UsageError("give the prompt as --prompt-ids or as --prompt text (one of the two)")
     manifest = read_manifest(folder)
-    check_prompt(manifest.config, ids, max_new_tokens)  # before the sessions load
+    config = manifest.config
+    if tokenizer is None and (folder / TOKENIZER_FILE).is_file():
+        tokenizer = folder / TOKENIZER_FILE
+    text_tokenizer = load_tokenizer(tokenizer, config.vocab_size) if tokenizer is not None else None
+    if prompts and text_tokenizer is None:
+        raise click.UsageError(f"--prompt needs a tokenizer: pass --tokenizer PATH or put a {TOKENIZER_FILE} "
+                               "in the artifact folder")
+    batch = ([text_tokenizer.encode(text).ids for text in prompts] if prompts
+             else [_parse_ids(text) for text in prompt_ids])
+    sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    check_prompts(config, batch, max_new_tokens)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest)
-    eos = None if ignore_eos else manifest.config.eos_token_id
-    result = generate_greedy(runner, ids, max_new_tokens, eos)
-    _emit(result.to_dict(), as_json, " ".join(map(str, result.new_ids)))
+    eos = None if ignore_eos else config.eos_token_id
+    steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
+    rows: list[list[int]] = [[] for _ in batch]
+    live = len(batch) == 1 and not as_json
+    text = TextStream(text_tokenizer) if text_tokenizer is not None else None
+    for tokens in steps:
+        for row, token in zip(rows, tokens):
+            if token is not None:
+                row.append(token)
+        if live and tokens[0] is not None:
+            click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+    if live:
+        click.echo()
+        return
+    decoded = [text_tokenizer.decode(row) if text_tokenizer else None for row in rows]
+    results = [{"prompt_ids": prompt, "new_ids": row, **({"text": t} if t is not None else {})}
+               for prompt, row, t in zip(batch, rows, decoded)]
+    _emit(results, as_json, "\n".join(t if t is not None else " ".join(map(str, row))
+                                      for row, t in zip(rows, decoded)))
 
 
 @main.command()

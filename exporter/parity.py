@@ -21,8 +21,9 @@ import torch
 
 from exporter.manifest import Manifest, read_manifest
 from exporter.reference_runner import TorchRunner, reference_greedy, reference_next_logits
-from exporter.runtime import (OrtRunner, available_parity_providers, check_provider, generate_greedy,
-                              position_ids_from_mask, presents_as_past)
+from exporter.generation import generate_greedy
+from exporter.runtime import (OrtRunner, available_parity_providers, check_provider, position_ids_from_mask,
+                              presents_as_past)
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ manifest; nothing here is specific to one model.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,28 +71,94 @@ def check_prompt(config: MiniMindConfig, prompt_ids, max_new_tokens: int) -> lis
     return ids
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """ONNX Runtime session options, with defaults measured on the benchmark (README)."""
+
+    intra_op_threads: int = 0  # 0: one per physical core
+    optimization: str = "all"  # disable | basic | extended | all
+    prepack_weights: bool = False  # see _session_options
+    optimized_model_dir: Path | None = None  # save the optimised graphs here (inspection, faster reloads)
+
+    def __post_init__(self):
+        if self.optimization not in GRAPH_OPTIMIZATION:
+            raise InputError(f"optimization must be one of {', '.join(GRAPH_OPTIMIZATION)}, "
+                             f"got {self.optimization!r}")
+        if self.intra_op_threads < 0:
+            raise InputError(f"intra_op_threads must be >= 0 (0 = one per core), got {self.intra_op_threads}")
+
+
+GRAPH_OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+_global_pool_threads: int | None = None
+
+
+def _use_global_thread_pool(threads: int) -> None:
+    """One intra-op pool for every session of the process.
+
+    With a pool per session, the pool of the session that just ran keeps its
+    threads spinning for a while, competing for the cores with the pool of the
+    session called next: alternating prefill and decode calls ran about twice
+    as slow as calls to one session. A shared pool has no idle spinner to fight.
+    """
+    global _global_pool_threads
+    if _global_pool_threads is None:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _global_pool_threads = threads
+    elif _global_pool_threads != threads:
+        log.warning("the global thread pool already has %d threads; ignoring the request for %d",
+                    _global_pool_threads, threads)
+
+
+def _session_options(settings: SessionSettings, graph_file: str) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = GRAPH_OPTIMIZATION[settings.optimization]
+    options.log_severity_level = 3
+    _use_global_thread_pool(settings.intra_op_threads)
+    options.use_per_session_threads = False
+    if not settings.prepack_weights:
+        # Prepacking copies every MatMul weight into a session-private buffer, so two
+        # sessions hold two copies besides the memory-mapped file both can share.
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if settings.optimized_model_dir is not None:
+        settings.optimized_model_dir.mkdir(parents=True, exist_ok=True)
+        stem = Path(graph_file).stem
+        options.optimized_model_filepath = str(settings.optimized_model_dir / f"{stem}.optimized.onnx")
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         f"{stem}.optimized.onnx.data")
+    return options
+
+
 class OrtRunner:
-    """Both graphs of an artifact folder in ONNX Runtime, called with named numpy feeds."""
+    """Both graphs of an artifact folder in ONNX Runtime.
+
+    `prefill`/`decode` take and return named numpy arrays (for parity checks).
+    `start`/`step` serve generation: they keep the KV cache as OrtValues bound
+    with IO binding, never converted to numpy, and on CUDA left on the device.
+    """
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,
-                 manifest: Manifest | None = None, intra_op_threads: int = 0):
+                 manifest: Manifest | None = None, settings: SessionSettings = SessionSettings()):
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
         self.provider = check_provider(provider)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = intra_op_threads
-        options.log_severity_level = 3
         providers = [self.provider] if self.provider == "CPUExecutionProvider" else [self.provider,
                                                                                     "CPUExecutionProvider"]
-        self.prefill_session = ort.InferenceSession(str(self.folder / self.manifest.prefill.file), options,
-                                                    providers=providers)
-        self.decode_session = ort.InferenceSession(str(self.folder / self.manifest.decode.file), options,
-                                                   providers=providers)
+        self.prefill_session, self.decode_session = (
+            ort.InferenceSession(str(self.folder / contract.file), _session_options(settings, contract.file),
+                                 providers=providers)
+            for contract in (self.manifest.prefill, self.manifest.decode))
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(f"{self.provider} could not be initialised (onnxruntime fell back to "
                                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation")
+        self.cache_device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
+        self._cache: dict[str, ort.OrtValue] = {}
 
     @property
     def name(self) -> str:
@@ -112,46 +178,39 @@ class OrtRunner:
         return {cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
                 for layer in range(cache.num_layers) for kind in KV_KINDS}
 
+    def _run_bound(self, session, contract, feeds: dict) -> np.ndarray:
+        """Run with IO binding; keep present as the next past; return the last position's logits."""
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name, value in self._cache.items():
+            binding.bind_ortvalue_input(name, value)
+        for name in contract.output_names:
+            binding.bind_output(name, "cpu" if name in ("logits", "loss") else self.cache_device)
+        session.run_with_iobinding(binding)
+        outputs = dict(zip(contract.output_names, binding.get_outputs()))
+        cache = self.manifest.cache
+        self._cache = {cache.past(layer, kind): outputs[cache.present(layer, kind)]
+                       for layer in range(cache.num_layers) for kind in KV_KINDS}
+        return outputs["logits"].numpy()[:, -1].astype(np.float32)
+
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Prefill a (left-padded) batch; return next-token logits (B, V) float32."""
+        self._cache = {}
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if self.manifest.with_loss:
+            feeds["labels"] = np.full_like(input_ids, -100)
+        return self._run_bound(self.prefill_session, self.manifest.prefill, feeds)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Decode new tokens on top of the cache that start/step left; return next-token logits."""
+        if not self._cache:
+            raise InputError("step() needs a cache: call start() with the prompt first")
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return self._run_bound(self.decode_session, self.manifest.decode, feeds)
+
 
 def presents_as_past(manifest: Manifest, outputs: dict) -> dict:
     cache = manifest.cache
     return {cache.past(layer, kind): outputs[cache.present(layer, kind)]
             for layer in range(cache.num_layers) for kind in KV_KINDS}
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    new_ids: list[int] = field(default_factory=list)
-    stopped_at_eos: bool = False
-
-    def to_dict(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "new_ids": self.new_ids, "stopped_at_eos": self.stopped_at_eos}
-
-
-def generate_greedy(runner, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
-    """Prefill the prompt, then decode one token at a time feeding present back as past."""
-    manifest = runner.manifest
-    ids = check_prompt(manifest.config, prompt_ids, max_new_tokens)
-    result = Generation(ids)
-    if max_new_tokens == 0:
-        return result
-    input_ids = np.array([ids], dtype=np.int64)
-    mask = np.ones_like(input_ids)
-    feeds = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
-    if manifest.with_loss:
-        feeds["labels"] = np.full_like(input_ids, -100)
-    outputs = runner.prefill(feeds)
-    while True:
-        token = int(np.argmax(outputs["logits"][0, -1]))
-        result.new_ids.append(token)
-        if token == eos_token_id:
-            result.stopped_at_eos = True
-            return result
-        if len(result.new_ids) == max_new_tokens:
-            return result
-        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
-        feeds = {"input_ids": np.array([[token]], dtype=np.int64), "attention_mask": mask,
-                 "position_ids": np.array([[mask.shape[1] - 1]], dtype=np.int64),
-                 **presents_as_past(manifest, outputs)}
-        outputs = runner.decode(feeds)

@@ -9,7 +9,8 @@ import pytest
 
 from exporter.errors import ArtifactError, InputError, ProviderError
 from exporter.reference_runner import reference_greedy
-from exporter.runtime import OrtRunner, generate_greedy
+from exporter.generation import generate_greedy
+from exporter.runtime import OrtRunner
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,197 @@
+"""Generation: MiniMind's sampling rules, batching with left padding, streaming, stop ids, text."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from exporter.cli import main
+from exporter.errors import InputError
+from exporter.generation import SamplingConfig, generate, process_logits, stream
+from exporter.reference_runner import reference_greedy
+from exporter.runtime import OrtRunner, SessionSettings
+
+
+@pytest.fixture(scope="module")
+def runner(artifact_fp32):
+    return OrtRunner(artifact_fp32)
+
+
+def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):
+    """MiniMind's generate() logits processing, as upstream writes it in torch (the oracle)."""
+    logits = logits / temperature
+    if penalty != 1.0:
+        for i in range(input_ids.shape[0]):
+            logits[i, torch.unique(input_ids[i])] /= penalty
+    if top_k > 0:
+        logits[logits < torch.topk(logits, top_k)[0][..., -1, None]] = -float("inf")
+    if top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(logits, descending=True)
+        mask = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+        mask[..., 1:] = mask[..., :-1].clone()
+        mask[..., 0] = 0
+        logits[mask.scatter(1, sorted_indices, mask)] = -float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,penalty", [
+    (0.85, 50, 0.85, 1.0), (1.0, 0, 0.5, 1.3), (0.5, 7, 1.0, 1.1), (1.3, 1, 0.9, 1.0), (1.0, 0, 1.0, 1.0)])
+def test_logits_processing_matches_minimind(temperature, top_k, top_p, penalty):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((3, 200)) * 3).astype(np.float32)
+    input_ids = rng.integers(0, 200, (3, 15))
+    seen = np.zeros((3, 200), dtype=bool)
+    for row, ids in enumerate(input_ids):
+        seen[row, ids] = True
+    config = SamplingConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=penalty)
+    ours = process_logits(logits, seen, config)
+    expected = minimind_processing(torch.from_numpy(logits.copy()), torch.from_numpy(input_ids), temperature,
+                                   top_k, top_p, penalty).numpy()
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(expected))
+    np.testing.assert_allclose(ours[~np.isinf(ours)], expected[~np.isinf(expected)], rtol=1e-6)
+
+
+def test_batched_prompts_of_different_lengths_equal_each_prompt_alone(runner, tiny_model):
+    prompts = [[5, 9, 100, 3, 77, 41, 2, 8, 300], [17], [250, 251, 252, 253]]
+    batched = generate(runner, prompts, 24)
+    for prompt, result in zip(prompts, batched):
+        alone = generate(runner, [prompt], 24)[0]
+        assert result.new_ids == alone.new_ids == reference_greedy(tiny_model, prompt, 24, None)
+
+
+def test_sampling_is_seeded_and_reproducible(runner):
+    config = SamplingConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=7)
+    first = generate(runner, [[1, 2, 3], [4, 5]], 30, config)
+    again = generate(runner, [[1, 2, 3], [4, 5]], 30, config)
+    other = generate(runner, [[1, 2, 3], [4, 5]], 30, SamplingConfig(do_sample=True, seed=8))
+    assert [r.new_ids for r in first] == [r.new_ids for r in again]
+    assert [r.new_ids for r in first] != [r.new_ids for r in other]
+    greedy = generate(runner, [[1, 2, 3]], 30)[0].new_ids
+    assert first[0].new_ids != greedy, "sampling at temperature 1 over 512 tokens should leave the argmax path"
+
+
+def test_top_k_one_sampling_is_greedy(runner):
+    sampled = generate(runner, [[3, 1, 4, 1, 5]], 20, SamplingConfig(do_sample=True, top_k=1, seed=3))
+    assert sampled[0].new_ids == generate(runner, [[3, 1, 4, 1, 5]], 20)[0].new_ids
+
+
+def test_repetition_penalty_changes_greedy_choices(runner):
+    plain = generate(runner, [[3, 1, 4, 1, 5]], 40)[0].new_ids
+    penalised = generate(runner, [[3, 1, 4, 1, 5]], 40, SamplingConfig(repetition_penalty=2.0))[0].new_ids
+    assert plain != penalised
+
+
+def test_stop_ids_end_each_row_and_are_kept(runner):
+    free = generate(runner, [[1, 17, 230], [9, 9]], 20)
+    stop = free[0].new_ids[4]
+    stopped = generate(runner, [[1, 17, 230], [9, 9]], 20, stop_ids=[stop])
+    assert stopped[0].new_ids == free[0].new_ids[: free[0].new_ids.index(stop) + 1]
+    assert stopped[0].stopped_at_eos
+    if stop not in free[1].new_ids:
+        assert stopped[1].new_ids == free[1].new_ids  # the other row runs on to max_new_tokens
+
+
+class CountingRunner:
+    """Wraps a runner to count model calls."""
+
+    def __init__(self, inner):
+        self.inner, self.manifest, self.calls = inner, inner.manifest, 0
+
+    def start(self, *args):
+        self.calls += 1
+        return self.inner.start(*args)
+
+    def step(self, *args):
+        self.calls += 1
+        return self.inner.step(*args)
+
+
+def test_stream_yields_each_token_as_it_is_produced(runner):
+    counting = CountingRunner(runner)
+    steps = stream(counting, [[1, 2, 3]], 10)
+    assert counting.calls == 0
+    assert len(next(steps)) == 1 and counting.calls == 1  # the prefill only
+    next(steps)
+    assert counting.calls == 2
+    assert len(list(steps)) == 8
+
+
+@pytest.mark.parametrize("prompts,kwargs,message", [
+    ([[1, 2], []], {}, "prompt 1: the prompt is empty"),
+    ([[1, 600]], {}, "outside the vocabulary"),
+    ([[1] * 200, [1]], {"max_new_tokens": 100}, "prompt 0: .*exceeds max_position_embeddings"),
+    ([[1]], {"stop_ids": [9999]}, "stop ids"),
+])
+def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwargs, message):
+    counting = CountingRunner(runner)
+    with pytest.raises(InputError, match=message):
+        stream(counting, prompts, kwargs.pop("max_new_tokens", 5), **kwargs)
+    assert counting.calls == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"do_sample": True, "temperature": 0.0}, "temperature must be > 0"),
+    ({"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
+    ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must lie in \(0, 1\]"),
+    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+])
+def test_bad_sampling_settings_are_refused(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_optimised_graphs_can_be_saved(artifact_fp32, tmp_path):
+    OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=tmp_path / "optimized"))
+    saved = sorted(p.name for p in (tmp_path / "optimized").iterdir())
+    assert "decode.optimized.onnx" in saved and "prefill.optimized.onnx" in saved
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(509)]  # exactly the tiny vocabulary
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_text_in_and_out_through_a_tokenizer(artifact_fp32, tokenizer_file, runner):
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17 w230",
+                                       "--tokenizer", str(tokenizer_file), "--max-new-tokens", "8",
+                                       "--ignore-eos", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)
+    assert row["prompt_ids"] == [8, 20, 233]
+    assert row["new_ids"] == generate(runner, [[8, 20, 233]], 8)[0].new_ids
+    words = row["text"].split()
+    assert len(words) == 8 and all(w.startswith("w") or w.startswith("<") for w in words)
+
+
+def test_streamed_text_is_printed(artifact_fp32, tokenizer_file):
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17",
+                                       "--tokenizer", str(tokenizer_file), "--max-new-tokens", "5",
+                                       "--ignore-eos", "-q"])
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.split()) == 5
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    big = Tokenizer(models.WordLevel({f"t{i}": i for i in range(600)}, unk_token="t0"))
+    big.save(str(tmp_path / "tokenizer.json"))
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "t1",
+                                       "--tokenizer", str(tmp_path / "tokenizer.json"), "-q"])
+    assert result.exit_code == 2
+    assert "ids up to 599" in result.stderr and "vocabulary has 512" in result.stderr

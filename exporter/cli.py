@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from exporter.errors import ToolkitError
-from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
+from reference import DEFAULT_PRESET, PRESETS, get_preset
 from reference.errors import ConfigError
 
 EXIT_PARITY_FAILURE = 1
@@ -122,7 +122,8 @@ def provider_option(func):
 
 
 def _export(preset, seed, output, dtype, no_loss):
-    from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
+    from exporter.export import export_artifact  # torch is slow to import; keep --help fast
+    from reference.build import build_model
     model = build_model(get_preset(preset), seed)
     folder = output or DEFAULT_ROOT / (preset if dtype == "float32" else f"{preset}-{dtype}")
     source = {"kind": "seeded", "preset": preset, "seed": seed}
@@ -132,6 +133,7 @@ def _export(preset, seed, output, dtype, no_loss):
 def _verify(folder, providers, model=None):
     from exporter.manifest import read_manifest
     from exporter.parity import verify_artifact
+    from reference.build import build_model
     if model is None:
         manifest = read_manifest(folder)
         if manifest.source.get("kind") != "seeded":

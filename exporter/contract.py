@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from reference.minimind import MiniMindConfig
+from reference.minimind_config import MiniMindConfig
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"

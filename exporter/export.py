@@ -28,7 +28,7 @@ from torch.export import Dim
 from exporter.axes import name_axes
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, OutputPathError
-from exporter.graphs import DecodeGraph, PrefillGraph
+from exporter.graphs import DecodeGraph, PrefillGraph, use_head_major_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.weights import write_shared_weights
@@ -198,6 +198,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     start = time.perf_counter()
     config = model.config
     model = copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval()
+    use_head_major_tied_table(model)
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)
 
@@ -224,6 +225,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
         manifest = Manifest(
             config=config, source=source or {"kind": "in-memory"}, dtype=dtype, opset=OPSET,
             prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
+            initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
             versions={"torch": torch.__version__, "onnx": onnx.__version__,
                       "onnxruntime": onnxruntime.__version__},
             files=file_entries(built, files))

@@ -34,6 +34,40 @@ def masked_shifted_loss(logits, labels):
     return nll.sum() / keep.sum().float()
 
 
+class _HeadMajorEmbedding(nn.Module):
+    def __init__(self, table: nn.Parameter):
+        super().__init__()
+        self.table = table  # (hidden, vocab)
+
+    def forward(self, input_ids):
+        rows = torch.index_select(self.table, 1, input_ids.reshape(-1))  # (H, B*T)
+        return rows.t().reshape(*input_ids.shape, -1)  # (B, T, H)
+
+
+class _HeadMajorLMHead(nn.Module):
+    def __init__(self, table: nn.Parameter):
+        super().__init__()
+        self.table = table  # (hidden, vocab)
+
+    def forward(self, hidden):
+        return hidden @ self.table
+
+
+def use_head_major_tied_table(model: nn.Module) -> None:
+    """Hold a tied embedding/lm_head table as one (hidden, vocab) parameter (in place; export copies only).
+
+    lm_head's MatMul needs the table as (hidden, vocab) and the embedding's
+    Gather as (vocab, hidden). Exported as is, the graph keeps the table plus a
+    Transpose that ONNX Runtime folds into a second, session-private copy
+    (20 MB per session for minimind-3). Gathering columns of a (hidden, vocab)
+    table instead lets both ops read one tensor; a gather copies values exactly.
+    """
+    if model.config.tie_word_embeddings:
+        table = nn.Parameter(model.lm_head.weight.detach().t().contiguous(), requires_grad=False)
+        model.model.embed_tokens = _HeadMajorEmbedding(table)
+        model.lm_head = _HeadMajorLMHead(table)
+
+
 def _flatten_presents(presents):
     flat = []
     for k, v in presents:

@@ -10,7 +10,7 @@ from pathlib import Path
 from exporter.contract import CacheLayout, GraphContract
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
-from reference.minimind import MiniMindConfig
+from reference.minimind_config import MiniMindConfig
 
 MANIFEST = "manifest.json"
 FORMAT = "minimind-onnx-artifact"
@@ -40,6 +40,7 @@ class Manifest:
     decode: GraphContract
     cache: CacheLayout
     weights_file: str
+    initializers: dict  # graph file -> [{"name", "offset", "length", "dtype", "shape"}] in weights_file
     versions: dict
     files: dict  # name -> {"bytes", "sha256"}
 
@@ -53,7 +54,8 @@ class Manifest:
             "model": {"family": "minimind", "config": self.config.to_dict(), "source": self.source},
             "dtype": self.dtype, "opset": self.opset,
             "graphs": {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()},
-            "cache": self.cache.to_dict(), "weights_file": self.weights_file,
+            "cache": self.cache.to_dict(),
+            "weights": {"file": self.weights_file, "initializers": self.initializers},
             "versions": self.versions, "files": self.files,
         }
 
@@ -70,7 +72,8 @@ class Manifest:
             dtype=data["dtype"], opset=data["opset"],
             prefill=GraphContract.from_dict(data["graphs"]["prefill"]),
             decode=GraphContract.from_dict(data["graphs"]["decode"]),
-            cache=CacheLayout.from_dict(data["cache"]), weights_file=data["weights_file"],
+            cache=CacheLayout.from_dict(data["cache"]), weights_file=data["weights"]["file"],
+            initializers=data["weights"]["initializers"],
             versions=data["versions"], files=data["files"],
         )
 

@@ -16,7 +16,7 @@ import onnxruntime as ort
 from exporter.contract import KV_KINDS
 from exporter.errors import InputError, ProviderError
 from exporter.manifest import Manifest, read_manifest
-from reference.minimind import MiniMindConfig
+from reference.minimind_config import MiniMindConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,37 @@ def _use_global_thread_pool(threads: int) -> None:
                     _global_pool_threads, threads)
 
 
-def _session_options(settings: SessionSettings, graph_file: str) -> ort.SessionOptions:
+class SharedWeightMap:
+    """The weights file mapped once; every session gets OrtValues viewing the same pages.
+
+    Left to itself, each session maps each tensor on its own, so two sessions
+    hold two mappings of every weight (twice the RSS, and twice the TLB and
+    cache footprint). Handing both the same read-only views keeps one copy.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        self._file = np.memmap(folder / manifest.weights_file, dtype=np.uint8, mode="r")
+        self._values: dict[tuple[int, int], ort.OrtValue] = {}
+        self._tables = manifest.initializers
+
+    def initializers(self, graph_file: str) -> tuple[list[str], list[ort.OrtValue]]:
+        names, values = [], []
+        for entry in self._tables[graph_file]:
+            key = (entry["offset"], entry["length"])
+            if key not in self._values:
+                dtype = np.dtype(entry["dtype"])
+                view = np.frombuffer(self._file, dtype=dtype, count=entry["length"] // dtype.itemsize,
+                                     offset=entry["offset"]).reshape(entry["shape"])
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(view)
+            names.append(entry["name"])
+            values.append(self._values[key])
+        return names, values
+
+
+def _session_options(settings: SessionSettings, graph_file: str, weights: SharedWeightMap) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    for name, value in zip(*weights.initializers(graph_file)):
+        options.add_initializer(name, value)  # used in place; add_external_initializers would copy
     options.graph_optimization_level = GRAPH_OPTIMIZATION[settings.optimization]
     options.log_severity_level = 3
     _use_global_thread_pool(settings.intra_op_threads)
@@ -134,6 +163,15 @@ def _session_options(settings: SessionSettings, graph_file: str) -> ort.SessionO
     return options
 
 
+def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
+    batch, length = input_ids.shape
+    if position_ids.shape != input_ids.shape:
+        raise InputError(f"position_ids has shape {position_ids.shape}, expected {input_ids.shape}")
+    if attention_mask.shape != (batch, past_length + length):
+        raise InputError(f"attention_mask has shape {attention_mask.shape}, expected ({batch}, "
+                         f"{past_length + length}): the cached length {past_length} plus {length} new tokens")
+
+
 class OrtRunner:
     """Both graphs of an artifact folder in ONNX Runtime.
 
@@ -149,9 +187,10 @@ class OrtRunner:
         self.provider = check_provider(provider)
         providers = [self.provider] if self.provider == "CPUExecutionProvider" else [self.provider,
                                                                                     "CPUExecutionProvider"]
+        self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
         self.prefill_session, self.decode_session = (
-            ort.InferenceSession(str(self.folder / contract.file), _session_options(settings, contract.file),
-                                 providers=providers)
+            ort.InferenceSession(str(self.folder / contract.file),
+                                 _session_options(settings, contract.file, self._weights), providers=providers)
             for contract in (self.manifest.prefill, self.manifest.decode))
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
@@ -197,6 +236,7 @@ class OrtRunner:
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Prefill a (left-padded) batch; return next-token logits (B, V) float32."""
         self._cache = {}
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if self.manifest.with_loss:
             feeds["labels"] = np.full_like(input_ids, -100)
@@ -206,6 +246,10 @@ class OrtRunner:
         """Decode new tokens on top of the cache that start/step left; return next-token logits."""
         if not self._cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
+        cached = next(iter(self._cache.values())).shape()
+        if input_ids.shape[0] != cached[0]:
+            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return self._run_bound(self.decode_session, self.manifest.decode, feeds)
 

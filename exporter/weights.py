@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 # Small constants (scalars, shape vectors) stay inline in the graph.
 INLINE_LIMIT_BYTES = 1024
@@ -26,7 +26,10 @@ class SharedWeights:
     file: str
     bytes: int
     tensors: int  # distinct tensors in the file
-    references: int  # initializers, over all graphs, that point into it
+    # Per model (in the order given): its external initializers as
+    # {"name", "offset", "length", "dtype", "shape"}, so a runtime can map the file
+    # once and hand both sessions the same memory.
+    initializers: list[list[dict]]
 
 
 def _raw_bytes(tensor: onnx.TensorProto) -> bytes:
@@ -38,9 +41,11 @@ def _raw_bytes(tensor: onnx.TensorProto) -> bytes:
 def write_shared_weights(models: list[onnx.ModelProto], folder: Path, file_name: str) -> SharedWeights:
     """Move every large initializer of `models` into folder/file_name, deduplicated by content."""
     offsets: dict[tuple, tuple[int, int]] = {}
-    references = 0
+    tables: list[list[dict]] = []
     with open(folder / file_name, "wb") as out:
         for model in models:
+            table = []
+            tables.append(table)
             for tensor in model.graph.initializer:
                 data = _raw_bytes(tensor)
                 if len(data) < INLINE_LIMIT_BYTES:
@@ -60,6 +65,8 @@ def write_shared_weights(models: list[onnx.ModelProto], folder: Path, file_name:
                 for k, v in (("location", file_name), ("offset", str(offset)), ("length", str(length))):
                     entry = tensor.external_data.add()
                     entry.key, entry.value = k, v
-                references += 1
+                table.append({"name": tensor.name, "offset": offset, "length": length,
+                              "dtype": helper.tensor_dtype_to_np_dtype(tensor.data_type).name,
+                              "shape": list(tensor.dims)})
         size = out.tell()
-    return SharedWeights(file_name, size, len(offsets), references)
+    return SharedWeights(file_name, size, len(offsets), tables)

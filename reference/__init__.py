@@ -1,14 +1,26 @@
-"""PyTorch reference models that the ONNX exports must reproduce."""
+"""PyTorch reference models that the ONNX exports must reproduce.
+
+Configs and presets import without torch (the ONNX Runtime side reads them);
+the model classes load torch on first use.
+"""
 
 from reference.errors import ConfigError
-from reference.init import seeded_init_
-from reference.minimind import CausalLMOutput, MiniMindConfig, MiniMindForCausalLM
+from reference.minimind_config import MiniMindConfig
 from reference.presets import DEFAULT_PRESET, PRESETS, get_preset
 
+_TORCH_EXPORTS = {
+    "CausalLMOutput": "reference.minimind",
+    "MiniMindForCausalLM": "reference.minimind",
+    "seeded_init_": "reference.init",
+    "build_model": "reference.build",
+}
 
-def build_model(config: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
-    """A reference model with seeded weights, in eval mode."""
-    return seeded_init_(MiniMindForCausalLM(config), seed).eval()
+
+def __getattr__(name):
+    if name in _TORCH_EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
+    raise AttributeError(f"module 'reference' has no attribute {name!r}")
 
 
 __all__ = ["CausalLMOutput", "ConfigError", "DEFAULT_PRESET", "MiniMindConfig", "MiniMindForCausalLM",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from reference.errors import ConfigError
-from reference.minimind import MiniMindConfig
+from reference.minimind_config import MiniMindConfig
 
 PRESETS: dict[str, MiniMindConfig] = {
     # 63,912,192 parameters (REFERENCE-MODELS.md section 3).

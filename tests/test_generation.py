@@ -195,3 +195,12 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_pa
                                        "--tokenizer", str(tmp_path / "tokenizer.json"), "-q"])
     assert result.exit_code == 2
     assert "ids up to 599" in result.stderr and "vocabulary has 512" in result.stderr
+
+
+def test_step_refuses_a_mask_that_does_not_cover_cache_and_new_tokens(runner):
+    ids = np.array([[1, 2, 3]], dtype=np.int64)
+    runner.start(ids, np.ones_like(ids), np.arange(3)[None])
+    with pytest.raises(InputError, match=r"attention_mask has shape \(1, 3\), expected \(1, 4\)"):
+        runner.step(np.array([[4]]), np.ones((1, 3), dtype=np.int64), np.array([[3]]))
+    with pytest.raises(InputError, match="batch of 2 rows for a cache of 1"):
+        runner.step(np.array([[4], [5]]), np.ones((2, 4), dtype=np.int64), np.array([[3], [3]]))

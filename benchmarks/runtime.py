@@ -1,0 +1,219 @@
+"""Runtime benchmark: ONNX Runtime against the PyTorch reference, measured in the same run.
+
+For minimind-3 (fp32 by default) at batch 1 it prints prefill latency at 128
+and 512 tokens, decode tokens/s over 128 steps and peak RSS, for ONNX Runtime
+and for PyTorch eager; the ratios; and the weight-read floor (weight bytes
+divided by the memory bandwidth measured in this run). Each side runs in its
+own process so peak RSS is its own. Figures are medians of several runs.
+
+    .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PREFILL_LENGTHS = (128, 512)
+DECODE_STEPS = 128
+PROMPT_FOR_DECODE = 16
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def prompt(length: int, vocab: int):
+    import numpy as np
+    return np.random.default_rng(length).integers(3, vocab, (1, length), dtype=np.int64)
+
+
+def worker_ort(artifact: Path, provider: str, threads: int, repeats: int) -> dict:
+    import numpy as np
+
+    from exporter.runtime import OrtRunner, SessionSettings, position_ids_from_mask
+
+    runner = OrtRunner(artifact, provider, settings=SessionSettings(intra_op_threads=threads))
+    vocab = runner.manifest.config.vocab_size
+    loaded_mb = peak_rss_mb()
+    result = {"name": f"onnxruntime {provider}", "loaded_peak_rss_mb": loaded_mb}
+
+    def start(ids):
+        mask = np.ones_like(ids)
+        return runner.start(ids, mask, position_ids_from_mask(mask))
+
+    for length in PREFILL_LENGTHS:
+        ids = prompt(length, vocab)
+        start(ids)  # warm-up: first-call allocations
+        result[f"prefill_{length}_ms"] = median_ms(lambda: start(ids), repeats)
+
+    def decode_run():
+        ids = prompt(PROMPT_FOR_DECODE, vocab)
+        logits = start(ids)
+        mask = np.ones((1, PROMPT_FOR_DECODE), dtype=np.int64)
+        begin = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            token = np.array([[int(logits.argmax())]], dtype=np.int64)
+            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+            logits = runner.step(token, mask, np.array([[mask.shape[1] - 1]], dtype=np.int64))
+        return DECODE_STEPS / (time.perf_counter() - begin)
+
+    decode_run()
+    result["decode_tokens_per_s"] = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
+    # Alternating prefill and decode calls against a lone session's decode step.
+    ids = prompt(PROMPT_FOR_DECODE, vocab)
+    step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
+                   np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
+    alternating = []
+    for _ in range(20):
+        start(ids)
+        begin = time.perf_counter()
+        runner.step(*step_inputs)
+        alternating.append(time.perf_counter() - begin)
+    result["decode_step_after_prefill_ms"] = statistics.median(alternating) * 1000
+    result["decode_step_ms"] = 1000 / result["decode_tokens_per_s"]
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+def worker_torch(artifact: Path, threads: int, repeats: int) -> dict:
+    import torch
+
+    from exporter.manifest import read_manifest
+    from reference import build_model
+
+    torch.set_num_threads(threads or os.cpu_count())
+    manifest = read_manifest(artifact, check_hashes=False)
+    model = build_model(manifest.config, manifest.source.get("seed", 0))
+    vocab = manifest.config.vocab_size
+    result = {"name": "pytorch eager", "loaded_peak_rss_mb": peak_rss_mb()}
+    with torch.inference_mode():
+        for length in PREFILL_LENGTHS:
+            ids = torch.from_numpy(prompt(length, vocab))
+            model(ids, use_cache=True)
+            result[f"prefill_{length}_ms"] = median_ms(lambda: model(ids, use_cache=True), repeats)
+
+        def decode_run():
+            out = model(torch.from_numpy(prompt(PROMPT_FOR_DECODE, vocab)), use_cache=True)
+            begin = time.perf_counter()
+            for _ in range(DECODE_STEPS):
+                token = out.logits[:, -1:].argmax(-1)
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            return DECODE_STEPS / (time.perf_counter() - begin)
+
+        decode_run()
+        result["decode_tokens_per_s"] = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
+    result["decode_step_ms"] = 1000 / result["decode_tokens_per_s"]
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+def worker_bandwidth(threads: int, repeats: int) -> dict:
+    """Memory read bandwidth: summing a 512 MiB buffer, split over `threads` threads (numpy frees the GIL)."""
+    import numpy as np
+
+    data = np.ones(512 * 2**20 // 8, dtype=np.float64)
+    parts = np.array_split(data, threads)
+
+    def read_all():
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    read_all()
+    seconds = median_ms(read_all, repeats) / 1000
+    return {"name": "memory bandwidth", "read_gb_per_s": data.nbytes / seconds / 1e9}
+
+
+def run_worker(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"benchmark worker {args[1]} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ensure_artifact(folder: Path) -> None:
+    if (folder / "manifest.json").is_file():
+        return
+    print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
+    from exporter.export import export_artifact
+    from reference import build_model, get_preset
+    export_artifact(build_model(get_preset("minimind-3"), 0), folder,
+                    source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
+
+
+def format_table(report: dict) -> str:
+    ort, torch_, floor = report["onnxruntime"], report["pytorch"], report["floor"]
+    rows = [("prefill 128 tokens (ms)", "prefill_128_ms", False), ("prefill 512 tokens (ms)", "prefill_512_ms", False),
+            ("decode tokens/s (128 steps)", "decode_tokens_per_s", True), ("decode step (ms)", "decode_step_ms", False),
+            ("peak RSS (MB)", "peak_rss_mb", False)]
+    lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}", "-" * 68]
+    for label, key, higher_is_better in rows:
+        ratio = ort[key] / torch_[key] if higher_is_better else torch_[key] / ort[key]
+        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratio:>9.2f}x")
+    lines += ["",
+              f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
+              f"weight-read floor {floor['floor_step_ms']:.1f} ms/token ({floor['floor_tokens_per_s']:.1f} tok/s)",
+              f"onnxruntime decode step / floor: {ort['decode_step_ms'] / floor['floor_step_ms']:.2f}x; "
+              f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x",
+              f"decode step after a prefill call (alternating sessions): {ort['decode_step_after_prefill_ms']:.1f} ms "
+              f"vs {ort['decode_step_ms']:.1f} ms in a decode-only run"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", type=Path, default=Path("artifacts/minimind-3"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both sides")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--provider", default="cpu")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", choices=["ort", "torch", "bandwidth"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "ort":
+        print(json.dumps(worker_ort(args.artifact, args.provider, args.threads, args.repeats)))
+        return
+    if args.worker == "torch":
+        print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats)))
+        return
+    if args.worker == "bandwidth":
+        print(json.dumps(worker_bandwidth(args.threads, args.repeats)))
+        return
+
+    ensure_artifact(args.artifact)
+    common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--repeats", str(args.repeats)]
+    bandwidth = run_worker(["--worker", "bandwidth", *common])
+    ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
+    torch_ = run_worker(["--worker", "torch", *common])
+    weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
+    floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
+    report = {"artifact": str(args.artifact), "threads": args.threads, "onnxruntime": ort, "pytorch": torch_,
+              "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": bandwidth["read_gb_per_s"],
+                        "floor_step_ms": floor_s * 1000, "floor_tokens_per_s": 1 / floor_s}}
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+
+
+if __name__ == "__main__":
+    main()

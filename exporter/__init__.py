@@ -1,0 +1,6 @@
+"""Export MiniMind to ONNX, run it in ONNX Runtime, and prove parity with the PyTorch reference.
+
+Modules follow the data: contract (I/O names and axes) -> graphs (export
+wrappers) -> export (pipeline, weights, axes, manifest) -> runtime / generation
+(ONNX Runtime) -> reference_runner / parity (comparison) -> report / cli.
+"""

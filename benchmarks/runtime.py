@@ -96,29 +96,36 @@ def worker_ort(artifact: Path, provider: str, threads: int, repeats: int) -> dic
     return result
 
 
-def worker_torch(artifact: Path, threads: int, repeats: int) -> dict:
+def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dict:
     import torch
 
     from exporter.manifest import read_manifest
-    from reference import build_model
+    from reference.build import build_model
 
     torch.set_num_threads(threads or os.cpu_count())
     manifest = read_manifest(artifact, check_hashes=False)
-    model = build_model(manifest.config, manifest.source.get("seed", 0))
+    model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device)
     vocab = manifest.config.vocab_size
-    result = {"name": "pytorch eager", "loaded_peak_rss_mb": peak_rss_mb()}
+    result = {"name": f"pytorch eager ({device})", "loaded_peak_rss_mb": peak_rss_mb()}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def forward(ids, **kwargs):
+        out = model(ids, use_cache=True, **kwargs)
+        sync()
+        return out
+
     with torch.inference_mode():
         for length in PREFILL_LENGTHS:
-            ids = torch.from_numpy(prompt(length, vocab))
-            model(ids, use_cache=True)
-            result[f"prefill_{length}_ms"] = median_ms(lambda: model(ids, use_cache=True), repeats)
+            ids = torch.from_numpy(prompt(length, vocab)).to(device)
+            forward(ids)
+            result[f"prefill_{length}_ms"] = median_ms(lambda: forward(ids), repeats)
 
         def decode_run():
-            out = model(torch.from_numpy(prompt(PROMPT_FOR_DECODE, vocab)), use_cache=True)
+            out = forward(torch.from_numpy(prompt(PROMPT_FOR_DECODE, vocab)).to(device))
             begin = time.perf_counter()
             for _ in range(DECODE_STEPS):
                 token = out.logits[:, -1:].argmax(-1)
-                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                out = forward(token, past_key_values=out.past_key_values)
             return DECODE_STEPS / (time.perf_counter() - begin)
 
         decode_run()
@@ -188,7 +195,8 @@ def main() -> None:
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/minimind-3"))
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both sides")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--provider", default="cpu")
+    parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
+                        help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=["ort", "torch", "bandwidth"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,7 +204,8 @@ def main() -> None:
         print(json.dumps(worker_ort(args.artifact, args.provider, args.threads, args.repeats)))
         return
     if args.worker == "torch":
-        print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats)))
+        device = "cuda" if args.provider == "cuda" else "cpu"
+        print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats, device)))
         return
     if args.worker == "bandwidth":
         print(json.dumps(worker_bandwidth(args.threads, args.repeats)))
@@ -206,7 +215,7 @@ def main() -> None:
     common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--repeats", str(args.repeats)]
     bandwidth = run_worker(["--worker", "bandwidth", *common])
     ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
-    torch_ = run_worker(["--worker", "torch", *common])
+    torch_ = run_worker(["--worker", "torch", "--provider", args.provider, *common])
     weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
     floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
     report = {"artifact": str(args.artifact), "threads": args.threads, "onnxruntime": ort, "pytorch": torch_,

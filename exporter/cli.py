@@ -229,10 +229,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
+@click.option("--threads", type=int, default=0, show_default=True,
+              help="Intra-op threads of ONNX Runtime's (shared) pool; 0 = one per core.")
+@click.option("--save-optimized", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Also save the graphs as ONNX Runtime optimised them, into DIR.")
 @common_options
 @handle_errors
 def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, temperature, top_k, top_p,
-             repetition_penalty, seed, stop_ids, ignore_eos, provider, as_json, quiet, verbose):
+             repetition_penalty, seed, stop_ids, ignore_eos, provider, threads, save_optimized, as_json, quiet,
+             verbose):
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
@@ -240,7 +245,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     """
     from exporter.generation import SamplingConfig, check_prompts, stream
     from exporter.manifest import read_manifest
-    from exporter.runtime import OrtRunner
+    from exporter.runtime import OrtRunner, SessionSettings
     from exporter.tokenizer import TOKENIZER_FILE, TextStream, load_tokenizer
     _setup_logging(verbose, quiet)
     if bool(prompt_ids) == bool(prompts):
@@ -257,8 +262,9 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
              else [_parse_ids(text) for text in prompt_ids])
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
+    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized)
     check_prompts(config, batch, max_new_tokens)  # before the sessions load
-    runner = OrtRunner(folder, provider, manifest=manifest)
+    runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     eos = None if ignore_eos else config.eos_token_id
     steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
     rows: list[list[int]] = [[] for _ in batch]

@@ -48,12 +48,13 @@ def prompt(length: int, vocab: int):
     return np.random.default_rng(length).integers(3, vocab, (1, length), dtype=np.int64)
 
 
-def worker_ort(artifact: Path, provider: str, threads: int, repeats: int) -> dict:
+def worker_ort(artifact: Path, provider: str, threads: int, repeats: int, shared_pool: bool = True) -> dict:
     import numpy as np
 
     from exporter.runtime import OrtRunner, SessionSettings, position_ids_from_mask
 
-    runner = OrtRunner(artifact, provider, settings=SessionSettings(intra_op_threads=threads))
+    runner = OrtRunner(artifact, provider,
+                       settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool))
     vocab = runner.manifest.config.vocab_size
     loaded_mb = peak_rss_mb()
     result = {"name": f"onnxruntime {provider}", "loaded_peak_rss_mb": loaded_mb}
@@ -185,8 +186,10 @@ def format_table(report: dict) -> str:
               f"weight-read floor {floor['floor_step_ms']:.1f} ms/token ({floor['floor_tokens_per_s']:.1f} tok/s)",
               f"onnxruntime decode step / floor: {ort['decode_step_ms'] / floor['floor_step_ms']:.2f}x; "
               f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x",
-              f"decode step after a prefill call (alternating sessions): {ort['decode_step_after_prefill_ms']:.1f} ms "
-              f"vs {ort['decode_step_ms']:.1f} ms in a decode-only run"]
+              "decode step right after a prefill call (alternating sessions) vs in a decode-only run:",
+              f"  shared thread pool:    {ort['decode_step_after_prefill_ms']:.1f} ms vs {ort['decode_step_ms']:.1f} ms",
+              f"  per-session pools:     {report['onnxruntime_per_session_pools']['decode_step_after_prefill_ms']:.1f} ms "
+              f"vs {report['onnxruntime_per_session_pools']['decode_step_ms']:.1f} ms"]
     return "\n".join(lines)
 
 
@@ -198,10 +201,12 @@ def main() -> None:
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", choices=["ort", "torch", "bandwidth"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ort", "ort-session-pools", "torch", "bandwidth"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "ort":
-        print(json.dumps(worker_ort(args.artifact, args.provider, args.threads, args.repeats)))
+    if args.worker in ("ort", "ort-session-pools"):
+        shared = args.worker == "ort"
+        print(json.dumps(worker_ort(args.artifact, args.provider, args.threads, args.repeats, shared)))
         return
     if args.worker == "torch":
         device = "cuda" if args.provider == "cuda" else "cpu"
@@ -215,10 +220,12 @@ def main() -> None:
     common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--repeats", str(args.repeats)]
     bandwidth = run_worker(["--worker", "bandwidth", *common])
     ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
+    per_session = run_worker(["--worker", "ort-session-pools", "--provider", args.provider, *common])
     torch_ = run_worker(["--worker", "torch", "--provider", args.provider, *common])
     weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
     floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
     report = {"artifact": str(args.artifact), "threads": args.threads, "onnxruntime": ort, "pytorch": torch_,
+              "onnxruntime_per_session_pools": per_session,
               "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": bandwidth["read_gb_per_s"],
                         "floor_step_ms": floor_s * 1000, "floor_tokens_per_s": 1 / floor_s}}
     print(json.dumps(report, indent=2) if args.json else format_table(report))

@@ -78,6 +78,7 @@ class SessionSettings:
     intra_op_threads: int = 0  # 0: one per physical core
     optimization: str = "all"  # disable | basic | extended | all
     prepack_weights: bool = False  # see _session_options
+    shared_thread_pool: bool = True  # see _use_global_thread_pool
     optimized_model_dir: Path | None = None  # save the optimised graphs here (inspection, faster reloads)
 
     def __post_init__(self):
@@ -148,8 +149,14 @@ def _session_options(settings: SessionSettings, graph_file: str, weights: Shared
         options.add_initializer(name, value)  # used in place; add_external_initializers would copy
     options.graph_optimization_level = GRAPH_OPTIMIZATION[settings.optimization]
     options.log_severity_level = 3
-    _use_global_thread_pool(settings.intra_op_threads)
-    options.use_per_session_threads = False
+    if settings.shared_thread_pool:
+        _use_global_thread_pool(settings.intra_op_threads)
+        options.use_per_session_threads = False
+    else:
+        if _global_pool_threads is not None:
+            raise InputError("this process already runs onnxruntime's shared thread pool, which rules out "
+                             "per-session pools; choose shared_thread_pool=False before the first runner")
+        options.intra_op_num_threads = settings.intra_op_threads
     if not settings.prepack_weights:
         # Prepacking copies every MatMul weight into a session-private buffer, so two
         # sessions hold two copies besides the memory-mapped file both can share.

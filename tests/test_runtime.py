@@ -80,3 +80,41 @@ def test_unreadable_manifest_is_refused(artifact_copy):
     (artifact_copy / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ArtifactError, match="re-export"):
         OrtRunner(artifact_copy)
+
+
+def test_both_sessions_get_the_same_views_of_one_weights_mapping(runner):
+    weights = runner._weights
+    tables = runner.manifest.initializers
+    distinct = {(e["offset"], e["length"]) for table in tables.values() for e in table}
+    assert len(weights._values) == len(distinct)
+    base = weights._file.ctypes.data
+    for (offset, _), value in weights._values.items():
+        assert value.data_ptr() == base + offset  # a view into the mapping, not a copy
+    prefill_names, prefill_values = weights.initializers("prefill.onnx")
+    decode_names, decode_values = weights.initializers("decode.onnx")
+    assert {id(v) for v in prefill_values} == {id(v) for v in decode_values}
+
+
+def test_per_session_thread_pools_work_in_a_fresh_process(artifact_fp32, tiny_model, runner):
+    import subprocess
+    import sys
+
+    from exporter.runtime import SessionSettings
+    script = ("import sys; from exporter.runtime import OrtRunner, SessionSettings; "
+              "from exporter.generation import generate_greedy; "
+              "r = OrtRunner(sys.argv[1], settings=SessionSettings(shared_thread_pool=False, intra_op_threads=1)); "
+              "print(generate_greedy(r, [3, 4], 6).new_ids)")
+    out = subprocess.run([sys.executable, "-c", script, str(artifact_fp32)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(reference_greedy(tiny_model, [3, 4], 6, None))
+    # In this process the shared pool already exists (the runner fixture), which excludes per-session pools.
+    with pytest.raises(InputError, match="shared thread pool"):
+        OrtRunner(artifact_fp32, settings=SessionSettings(shared_thread_pool=False))
+
+
+def test_bad_session_settings_are_refused():
+    from exporter.runtime import SessionSettings
+    with pytest.raises(InputError, match="optimization must be one of"):
+        SessionSettings(optimization="max")
+    with pytest.raises(InputError, match="intra_op_threads must be >= 0"):
+        SessionSettings(intra_op_threads=-2)

@@ -112,6 +112,9 @@ def export_options(func):
                         show_default=True, help="Precision of the weights and activations.")(func)
     func = click.option("--no-loss", is_flag=True,
                         help="Drop the labels input and loss output of prefill.onnx (inference-only).")(func)
+    func = click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+                        help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
+                             "artifact for text generation; its ids must fit the model's vocabulary.")(func)
     return func
 
 
@@ -121,15 +124,22 @@ def provider_option(func):
                              "Default: every available one, the others reported as skipped.")(func)
 
 
-def _export(preset, seed, output, dtype, no_loss):
+def genai_option(func):
+    return click.option("--genai/--no-genai", "genai", default=None,
+                        help="Also load the folder in onnxruntime-genai and compare its greedy tokens with the "
+                             "reference. Default: when onnxruntime-genai is installed and the family runs in it.")(func)
+
+
+def _export(preset, seed, output, dtype, no_loss, tokenizer):
     from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
     model = build_model(get_preset(preset), seed)
     folder = output or DEFAULT_ROOT / (preset if dtype == "float32" else f"{preset}-{dtype}")
     source = {"kind": "seeded", "preset": preset, "seed": seed}
-    return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source)
+    return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
+                                  tokenizer=tokenizer)
 
 
-def _verify(folder, providers, model=None):
+def _verify(folder, providers, genai, model=None):
     from exporter.manifest import read_manifest
     from exporter.parity import verify_artifact
     if model is None:
@@ -138,7 +148,7 @@ def _verify(folder, providers, model=None):
             raise ToolkitError(f"{folder} was exported from weights this command cannot rebuild "
                                f"({manifest.source}); verify it from Python with verify_artifact(folder, model)")
         model = build_model(manifest.config, manifest.source["seed"])
-    return verify_artifact(folder, model, list(providers) or None)
+    return verify_artifact(folder, model, list(providers) or None, genai=genai)
 
 
 @click.group(cls=OneLineErrorGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -159,14 +169,15 @@ def main(ctx):
 @main.command()
 @export_options
 @provider_option
+@genai_option
 @common_options
 @handle_errors
-def run(preset, seed, output, dtype, no_loss, providers, as_json, quiet, verbose):
+def run(preset, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet, verbose):
     """Export a preset, then verify the artifact against the reference (the default command)."""
     from exporter.report import format_export, format_verify
     _setup_logging(verbose, quiet)
-    model, exported = _export(preset, seed, output, dtype, no_loss)
-    report = _verify(exported.folder, providers, model)
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
+    report = _verify(exported.folder, providers, genai, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
           format_export(exported) + "\n\n" + format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
@@ -176,27 +187,30 @@ def run(preset, seed, output, dtype, no_loss, providers, as_json, quiet, verbose
 @export_options
 @common_options
 @handle_errors
-def export(preset, seed, output, dtype, no_loss, as_json, quiet, verbose):
-    """Export prefill.onnx, decode.onnx, one shared weights file and manifest.json."""
+def export(preset, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
+    """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
+    onnxruntime-genai and Optimum load the folder as it is."""
     from exporter.report import format_export
     _setup_logging(verbose, quiet)
-    _, exported = _export(preset, seed, output, dtype, no_loss)
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
     _emit(exported.to_dict(), as_json, format_export(exported))
 
 
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @provider_option
+@genai_option
 @common_options
 @handle_errors
-def verify(folder, providers, as_json, quiet, verbose):
-    """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens).
+def verify(folder, providers, genai, as_json, quiet, verbose):
+    """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens),
+    and onnxruntime-genai's greedy tokens on the folder as it is with the reference's.
 
     The reference is rebuilt from the manifest (config and weight seed). Exits 1 when any check fails.
     """
     from exporter.report import format_verify
     _setup_logging(verbose, quiet)
-    report = _verify(folder, providers)
+    report = _verify(folder, providers, genai)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
@@ -210,24 +224,33 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
-@click.option("--prompt-ids", required=True, help="Prompt token ids, comma or space separated.")
+@click.option("--prompt-ids", default=None, help="Prompt token ids, comma or space separated.")
+@click.option("--prompt", default=None, help="Prompt text (the artifact must hold a tokenizer; see export --tokenizer).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
 @common_options
 @handle_errors
-def generate(folder, prompt_ids, max_new_tokens, provider, ignore_eos, as_json, quiet, verbose):
-    """Generate greedily with ONNX Runtime from prompt token ids."""
-    from exporter.runtime import OrtRunner, check_prompt, generate_greedy
+def generate(folder, prompt_ids, prompt, max_new_tokens, provider, ignore_eos, as_json, quiet, verbose):
+    """Generate greedily with ONNX Runtime from prompt token ids or text."""
     from exporter.manifest import read_manifest
+    from exporter.runtime import OrtRunner, check_prompt, generate_greedy
+    from exporter.tokenizer import load_tokenizer
     _setup_logging(verbose, quiet)
-    ids = _parse_ids(prompt_ids)
+    if (prompt_ids is None) == (prompt is None):
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     manifest = read_manifest(folder)
+    tokenizer = None if prompt is None else load_tokenizer(folder)
+    ids = _parse_ids(prompt_ids) if tokenizer is None else tokenizer.encode(prompt).ids
     check_prompt(manifest.config, ids, max_new_tokens)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest)
     eos = None if ignore_eos else manifest.config.eos_token_id
     result = generate_greedy(runner, ids, max_new_tokens, eos)
-    _emit(result.to_dict(), as_json, " ".join(map(str, result.new_ids)))
+    if tokenizer is None:
+        _emit(result.to_dict(), as_json, " ".join(map(str, result.new_ids)))
+    else:
+        text = tokenizer.decode(result.new_ids)
+        _emit({**result.to_dict(), "text": text}, as_json, text)
 
 
 @main.command()

@@ -225,7 +225,8 @@ def _parse_ids(text: str) -> list[int]:
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @click.option("--prompt-ids", default=None, help="Prompt token ids, comma or space separated.")
-@click.option("--prompt", default=None, help="Prompt text (the artifact must hold a tokenizer; see export --tokenizer).")
+@click.option("--prompt", default=None,
+              help="Prompt text (the artifact must hold a tokenizer; see export --tokenizer).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")

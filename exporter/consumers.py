@@ -13,12 +13,15 @@ from the manifest. What each consumer needs was measured (../shared/ECOSYSTEM.md
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.contract import KV_KINDS
 from exporter.manifest import Manifest
 from exporter.tokenizer import TokenizerSource, copy_tokenizer, minimal_tokenizer_config
+
+log = logging.getLogger(__name__)
 
 GENAI_CONFIG = "genai_config.json"
 HF_CONFIG = "config.json"
@@ -153,9 +156,13 @@ def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerS
     """Write the configs of every consumer this family runs in, and copy the tokenizer; return the names."""
     sizes = ModelSizes.of(manifest, tokenizer.pad_token_id() if tokenizer else None)
     documents = {}
-    if not genai_unsupported(manifest):
+    if genai_unsupported(manifest):
+        log.warning("no %s: onnxruntime-genai cannot run this artifact (%s)", GENAI_CONFIG, genai_unsupported(manifest))
+    else:
         documents[GENAI_CONFIG] = genai_config(manifest, sizes)
-    if not optimum_unsupported(manifest):
+    if optimum_unsupported(manifest):
+        log.warning("no %s: Optimum cannot run this artifact (%s)", HF_CONFIG, optimum_unsupported(manifest))
+    else:
         documents[HF_CONFIG] = hf_config(manifest, sizes)
         documents[GENERATION_CONFIG] = generation_config(sizes)
     for name, document in documents.items():

@@ -112,6 +112,9 @@ def export_options(func):
                         show_default=True, help="Precision of the weights and activations.")(func)
     func = click.option("--no-loss", is_flag=True,
                         help="Drop the labels input and loss output of prefill.onnx (inference-only).")(func)
+    func = click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+                        help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
+                             "artifact for text generation; its ids must fit the model's vocabulary.")(func)
     return func
 
 
@@ -121,16 +124,23 @@ def provider_option(func):
                              "Default: every available one, the others reported as skipped.")(func)
 
 
-def _export(preset, seed, output, dtype, no_loss):
+def genai_option(func):
+    return click.option("--genai/--no-genai", "genai", default=None,
+                        help="Also load the folder in onnxruntime-genai and compare its greedy tokens with the "
+                             "reference. Default: when onnxruntime-genai is installed and the family runs in it.")(func)
+
+
+def _export(preset, seed, output, dtype, no_loss, tokenizer):
     from exporter.export import export_artifact  # torch is slow to import; keep --help fast
     from reference.build import build_model
     model = build_model(get_preset(preset), seed)
     folder = output or DEFAULT_ROOT / (preset if dtype == "float32" else f"{preset}-{dtype}")
     source = {"kind": "seeded", "preset": preset, "seed": seed}
-    return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source)
+    return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
+                                  tokenizer=tokenizer)
 
 
-def _verify(folder, providers, model=None):
+def _verify(folder, providers, genai, model=None):
     from exporter.manifest import read_manifest
     from exporter.parity import verify_artifact
     from reference.build import build_model
@@ -140,7 +150,7 @@ def _verify(folder, providers, model=None):
             raise ToolkitError(f"{folder} was exported from weights this command cannot rebuild "
                                f"({manifest.source}); verify it from Python with verify_artifact(folder, model)")
         model = build_model(manifest.config, manifest.source["seed"])
-    return verify_artifact(folder, model, list(providers) or None)
+    return verify_artifact(folder, model, list(providers) or None, genai=genai)
 
 
 @click.group(cls=OneLineErrorGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -161,14 +171,15 @@ def main(ctx):
 @main.command()
 @export_options
 @provider_option
+@genai_option
 @common_options
 @handle_errors
-def run(preset, seed, output, dtype, no_loss, providers, as_json, quiet, verbose):
+def run(preset, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet, verbose):
     """Export a preset, then verify the artifact against the reference (the default command)."""
     from exporter.report import format_export, format_verify
     _setup_logging(verbose, quiet)
-    model, exported = _export(preset, seed, output, dtype, no_loss)
-    report = _verify(exported.folder, providers, model)
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
+    report = _verify(exported.folder, providers, genai, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
           format_export(exported) + "\n\n" + format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
@@ -178,27 +189,30 @@ def run(preset, seed, output, dtype, no_loss, providers, as_json, quiet, verbose
 @export_options
 @common_options
 @handle_errors
-def export(preset, seed, output, dtype, no_loss, as_json, quiet, verbose):
-    """Export prefill.onnx, decode.onnx, one shared weights file and manifest.json."""
+def export(preset, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
+    """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
+    onnxruntime-genai and Optimum load the folder as it is."""
     from exporter.report import format_export
     _setup_logging(verbose, quiet)
-    _, exported = _export(preset, seed, output, dtype, no_loss)
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
     _emit(exported.to_dict(), as_json, format_export(exported))
 
 
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @provider_option
+@genai_option
 @common_options
 @handle_errors
-def verify(folder, providers, as_json, quiet, verbose):
-    """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens).
+def verify(folder, providers, genai, as_json, quiet, verbose):
+    """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens),
+    and onnxruntime-genai's greedy tokens on the folder as it is with the reference's.
 
     The reference is rebuilt from the manifest (config and weight seed). Exits 1 when any check fails.
     """
     from exporter.report import format_verify
     _setup_logging(verbose, quiet)
-    report = _verify(folder, providers)
+    report = _verify(folder, providers, genai)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
@@ -217,7 +231,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (needs a tokenizer). Repeat for a batch.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
-              help="tokenizer.json for text in and out [default: the artifact's own, if it has one].")
+              help="tokenizer.json for --prompt text [default: the artifact's own].")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True)
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
 @click.option("--temperature", type=float, default=0.85, show_default=True, help="With --sample.")
@@ -246,18 +260,18 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     from exporter.generation import SamplingConfig, check_prompts, stream
     from exporter.manifest import read_manifest
     from exporter.runtime import OrtRunner, SessionSettings
-    from exporter.tokenizer import TOKENIZER_FILE, TextStream, load_tokenizer
+    from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
     _setup_logging(verbose, quiet)
     if bool(prompt_ids) == bool(prompts):
-        raise click.UsageError("give the prompt as --prompt-ids or as --prompt text (one of the two)")
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     manifest = read_manifest(folder)
     config = manifest.config
-    if tokenizer is None and (folder / TOKENIZER_FILE).is_file():
-        tokenizer = folder / TOKENIZER_FILE
-    text_tokenizer = load_tokenizer(tokenizer, config.vocab_size) if tokenizer is not None else None
-    if prompts and text_tokenizer is None:
-        raise click.UsageError(f"--prompt needs a tokenizer: pass --tokenizer PATH or put a {TOKENIZER_FILE} "
-                               "in the artifact folder")
+    text_tokenizer = None
+    if prompts:  # text in, text out; ids in, ids out
+        if tokenizer is None and not (folder / TOKENIZER).is_file():
+            raise click.UsageError(f"--prompt needs a tokenizer: {folder} holds no {TOKENIZER}; pass --tokenizer "
+                                   "PATH or re-export with --tokenizer")
+        text_tokenizer = load_tokenizer(tokenizer or folder, config.vocab_size)
     batch = ([text_tokenizer.encode(text).ids for text in prompts] if prompts
              else [_parse_ids(text) for text in prompt_ids])
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,

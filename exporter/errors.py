@@ -27,3 +27,11 @@ class InputError(ToolkitError):
 
 class ProviderError(ToolkitError):
     """A requested ONNX Runtime execution provider is not available here."""
+
+
+class TokenizerError(ToolkitError):
+    """A tokenizer is missing, unreadable, or does not fit the model's vocabulary."""
+
+
+class ConsumerError(ToolkitError):
+    """A consumer runtime (onnxruntime-genai) is missing or cannot load an artifact."""

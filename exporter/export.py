@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -26,11 +27,13 @@ import torch
 from torch.export import Dim
 
 from exporter.axes import name_axes
+from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, OutputPathError
 from exporter.graphs import DecodeGraph, PrefillGraph, use_head_major_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries
 from exporter.runtime import OrtRunner, position_ids_from_mask
+from exporter.tokenizer import find_tokenizer
 from exporter.weights import write_shared_weights
 
 log = logging.getLogger(__name__)
@@ -188,12 +191,18 @@ def _move_into_place(built: Path, folder: Path) -> None:
 
 
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
-                    source: dict | None = None) -> ExportResult:
-    """Export `model` (a reference MiniMindForCausalLM) as an artifact folder."""
+                    source: dict | None = None, tokenizer: Path | None = None) -> ExportResult:
+    """Export `model` (a reference MiniMindForCausalLM) as an artifact folder.
+
+    `tokenizer` (a tokenizer.json, or a folder holding one and optionally
+    tokenizer_config.json) is checked against the model's vocabulary and
+    copied into the artifact, for text generation in every consumer.
+    """
     if dtype not in DTYPES:
         raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     folder = Path(folder)
     _prepare_destination(folder)
+    tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, model.config.vocab_size)
     folder.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     config = model.config
@@ -221,14 +230,15 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
                 onnx.checker.check_model(str(built / contract.file), full_check=True)
             except Exception as exc:
                 raise ExportFailed(f"onnx.checker rejected {contract.file}: {str(exc).splitlines()[0]}") from exc
-        files = [prefill.file, decode.file, WEIGHTS_FILE]
         manifest = Manifest(
             config=config, source=source or {"kind": "in-memory"}, dtype=dtype, opset=OPSET,
             prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
             initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
             versions={"torch": torch.__version__, "onnx": onnx.__version__,
                       "onnxruntime": onnxruntime.__version__},
-            files=file_entries(built, files))
+            files={})
+        files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
+        manifest = dataclasses.replace(manifest, files=file_entries(built, files))
         log.info("smoke-testing the graphs in onnxruntime")
         _smoke_run(built, manifest)
         manifest.write(built)

@@ -6,7 +6,9 @@ Checks, per execution provider:
 - decode: after a prefill, single-token steps and a final 3-token chunk, each
   side feeding its own present back as past; logits and present every step;
 - greedy generation: the ONNX Runtime loop against the reference's own cached
-  decoding.
+  decoding;
+and once per artifact, when it can run, onnxruntime-genai's own generation
+loop over the folder as it is (the consumer check).
 Comparison functions are pure and return frozen result objects.
 """
 
@@ -19,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exporter.consumers import GENAI_CONFIG, genai_unsupported
+from exporter.errors import ConsumerError
+from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
 from exporter.reference_runner import TorchRunner, reference_greedy, reference_next_logits
 from exporter.generation import generate_greedy
@@ -161,18 +166,38 @@ class ProviderReport:
 
 
 @dataclass(frozen=True)
+class ConsumerReport:
+    """Another runtime (onnxruntime-genai) loading the folder as it is, against the reference."""
+
+    consumer: str  # name and version
+    model_type: str
+    greedy: GreedyResult
+
+    @property
+    def passed(self) -> bool:
+        return self.greedy.passed
+
+    def to_dict(self) -> dict:
+        return {"consumer": self.consumer, "model_type": self.model_type, "passed": self.passed,
+                "greedy": self.greedy.to_dict()}
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     folder: str
     reports: list[ProviderReport]
     skipped: dict[str, str] = field(default_factory=dict)  # provider -> reason
+    consumers: list[ConsumerReport] = field(default_factory=list)
+    consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
 
     @property
     def passed(self) -> bool:
-        return bool(self.reports) and all(r.passed for r in self.reports)
+        return bool(self.reports) and all(r.passed for r in self.reports) and all(c.passed for c in self.consumers)
 
     def to_dict(self) -> dict:
         return {"folder": self.folder, "passed": self.passed, "providers": [r.to_dict() for r in self.reports],
-                "skipped": self.skipped}
+                "skipped": self.skipped, "consumers": [c.to_dict() for c in self.consumers],
+                "consumers_skipped": self.consumers_skipped}
 
 
 def _prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Generator) -> dict:
@@ -229,19 +254,18 @@ def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: Par
             aggregate(f"decode present ({len(chunks)} steps, all layers)", presents)]
 
 
-def check_greedy(model: torch.nn.Module, onnx, manifest: Manifest, settings: ParitySettings,
-                 rng: np.random.Generator) -> GreedyResult:
+def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:
+    return [int(i) for i in rng.integers(0, manifest.config.vocab_size, 8)]
+
+
+def judge_greedy(model: torch.nn.Module, manifest: Manifest, prompt: list[int], expected: list[int],
+                 actual: list[int]) -> GreedyResult:
     """Token ids must be equal; a divergence passes only at a near-tie of the reference's logits.
 
     At a near-tie (the two candidates' reference logits closer than the logits
     tolerance) either choice is within the dtype's precision, which happens in
     float16; it is reported in the note.
     """
-    config = manifest.config
-    prompt = [int(i) for i in rng.integers(0, config.vocab_size, 8)]
-    eos = config.eos_token_id
-    expected = reference_greedy(model, prompt, settings.greedy_tokens, eos)
-    actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
     match = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), min(len(actual), len(expected)))
     if actual == expected:
         return GreedyResult(expected, actual, match, True, f"{len(actual)} tokens identical")
@@ -254,6 +278,16 @@ def check_greedy(model: torch.nn.Module, onnx, manifest: Manifest, settings: Par
     note = (f"diverged at token {match}: reference {expected[match]} vs onnx {actual[match]}, "
             f"reference logit gap {gap:.3g} ({'a near-tie within tolerance' if near_tie else 'not a tie'})")
     return GreedyResult(expected, actual, match, near_tie, note)
+
+
+def check_greedy(model: torch.nn.Module, onnx, manifest: Manifest, settings: ParitySettings,
+                 rng: np.random.Generator) -> GreedyResult:
+    """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt."""
+    prompt = greedy_prompt(manifest, rng)
+    eos = manifest.config.eos_token_id
+    expected = reference_greedy(model, prompt, settings.greedy_tokens, eos)
+    actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
+    return judge_greedy(model, manifest, prompt, expected, actual)
 
 
 def run_parity(model: torch.nn.Module, folder: Path, provider: str, manifest: Manifest,
@@ -270,13 +304,53 @@ def run_parity(model: torch.nn.Module, folder: Path, provider: str, manifest: Ma
     return ProviderReport(onnx.provider, manifest.dtype, rows, greedy)
 
 
+def check_genai(model: torch.nn.Module, folder: Path, manifest: Manifest,
+                settings: ParitySettings = ParitySettings()) -> ConsumerReport:
+    """onnxruntime-genai's own loop over the folder against the reference, from check_greedy's prompt.
+
+    onnxruntime-genai stops at EOS and leaves it out, so a final EOS of the
+    reference is dropped before comparing.
+    """
+    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
+    eos = manifest.config.eos_token_id
+    expected = reference_greedy(model, prompt, settings.greedy_tokens, eos)
+    if expected and expected[-1] == eos:
+        expected = expected[:-1]
+    log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
+    generator = GenaiGenerator(folder)
+    actual = generator.greedy(prompt, settings.greedy_tokens)
+    return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type,
+                          judge_greedy(model, manifest, prompt, expected, actual))
+
+
+def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
+    if genai_version() is None:
+        return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
+    if genai_unsupported(manifest):
+        return genai_unsupported(manifest)
+    if not (Path(folder) / GENAI_CONFIG).is_file():
+        return f"the folder has no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
+    return ""
+
+
 def verify_artifact(folder: Path, model: torch.nn.Module, providers: list[str] | None = None,
-                    settings: ParitySettings = ParitySettings()) -> VerifyReport:
-    """Parity on the given providers (each must exist), or on every available one when None."""
+                    settings: ParitySettings = ParitySettings(), genai: bool | None = None) -> VerifyReport:
+    """Parity on the given providers (each must exist), or on every available one when None.
+
+    genai: also check onnxruntime-genai's greedy tokens against the reference; None runs the check when
+    it can (installed, a family it runs, a genai_config.json) and reports why not otherwise, True makes
+    each of those a ConsumerError, False skips it.
+    """
     manifest = read_manifest(folder)
     if providers is None:
         chosen, skipped = available_parity_providers()
     else:
         chosen, skipped = [check_provider(p) for p in providers], {}
     reports = [run_parity(model, folder, provider, manifest, settings) for provider in chosen]
-    return VerifyReport(str(folder), reports, skipped)
+    reason = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
+    if reason and genai:
+        raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {reason}")
+    if reason:
+        return VerifyReport(str(folder), reports, skipped, consumers_skipped={"onnxruntime-genai": reason})
+    consumer = check_genai(TorchRunner(model, manifest).model, folder, manifest, settings)
+    return VerifyReport(str(folder), reports, skipped, consumers=[consumer])

@@ -28,6 +28,14 @@ def format_verify(report: VerifyReport) -> str:
                                             rows) + f"\n  greedy: {greedy.note}")
     for provider, reason in report.skipped.items():
         blocks.append(f"{provider}: skipped ({reason})")
+    for consumer in report.consumers:
+        greedy = consumer.greedy
+        blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "
+                      f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
+                      f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
+                      "compared: onnxruntime-genai leaves it out)")
+    for consumer, reason in report.consumers_skipped.items():
+        blocks.append(f"consumer {consumer}: skipped ({reason})")
     blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'}")
     return "\n\n".join(blocks)
 

@@ -1,46 +1,135 @@
-"""Text in and out through a user-supplied tokenizer.json (the `tokenizers` library).
+"""A user's tokenizer in an artifact: checked against the model, copied beside the graphs, loaded for text.
 
-Without a tokenizer the toolkit works on token ids; nothing is downloaded.
+The export copies `tokenizer.json` (Hugging Face `tokenizers` format) and
+`tokenizer_config.json` when there is one, or writes a minimal one: both
+onnxruntime-genai and transformers need that file beside tokenizer.json.
+Validation reads the JSON directly; turning text into ids and back
+(`load_tokenizer`, `TextStream`) uses the `tokenizers` library.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.errors import InputError
+from exporter.errors import TokenizerError
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# transformers' generic class for a tokenizer.json; onnxruntime-genai tokenises like `tokenizers` with it.
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """A validated tokenizer.json (and its tokenizer_config.json, if any) to copy into an artifact."""
+
+    tokenizer: Path
+    config: Path | None
+    tokens: dict[int, str]  # id -> token, the model vocabulary and the added tokens
+
+    @property
+    def max_id(self) -> int:
+        return max(self.tokens)
+
+    def token_id(self, token) -> int | None:
+        """The id of a special token as tokenizer_config.json writes it (a string or {"content": ...})."""
+        content = token.get("content") if isinstance(token, dict) else token
+        return next((i for i, t in self.tokens.items() if t == content), None)
+
+    def pad_token_id(self) -> int | None:
+        if self.config is None:
+            return None
+        return self.token_id(_read_json(self.config).get("pad_token"))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path} ({type(exc).__name__}: {exc}); pass a valid JSON file") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} holds a {type(data).__name__}, expected a JSON object")
+    return data
+
+
+def _tokens(path: Path, data: dict) -> dict[int, str]:
+    """Every id the tokenizer can produce: its model's vocabulary plus the added (special) tokens."""
+    model = data.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):  # BPE, WordLevel, WordPiece: token -> id
+        tokens = {int(i): str(t) for t, i in vocab.items()}
+    elif isinstance(vocab, list):  # Unigram: [token, score] in id order
+        tokens = {i: str(entry[0]) for i, entry in enumerate(vocab)}
+    else:
+        raise TokenizerError(f"{path} has no model.vocab; expected a Hugging Face tokenizers file "
+                             "(tokenizer.json, as written by Tokenizer.save or save_pretrained)")
+    for added in data.get("added_tokens") or []:
+        tokens[int(added["id"])] = str(added["content"])
+    if not tokens:
+        raise TokenizerError(f"{path} has an empty vocabulary")
+    return tokens
+
+
+def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
+    """Resolve a tokenizer.json (or a folder holding one) and check that its ids fit the model."""
+    path = Path(path)
+    tokenizer = path / TOKENIZER if path.is_dir() else path
+    if not tokenizer.is_file():
+        raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
+    tokens = _tokens(tokenizer, _read_json(tokenizer))
+    config = tokenizer.parent / TOKENIZER_CONFIG
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens)
+    if source.config is not None:
+        _read_json(source.config)
+    if min(tokens) < 0 or source.max_id >= vocab_size:
+        raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
+                             f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
+                             f"in [0, {vocab_size}); pass the tokenizer the model was trained with")
+    return source
+
+
+def minimal_tokenizer_config(source: TokenizerSource, context_length: int, bos_token_id: int,
+                             eos_token_id: int, pad_token_id: int) -> dict:
+    """What transformers and onnxruntime-genai need to load tokenizer.json, with the model's special tokens."""
+    # model_input_names: without it transformers also returns token_type_ids, which generate() rejects.
+    config = {"tokenizer_class": TOKENIZER_CLASS, "model_max_length": context_length,
+              "model_input_names": ["input_ids", "attention_mask"], "clean_up_tokenization_spaces": False}
+    for name, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id), ("pad_token", pad_token_id)):
+        if token_id in source.tokens:
+            config[name] = source.tokens[token_id]
+    return config
+
+
+def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) -> list[str]:
+    """Copy tokenizer.json and tokenizer_config.json (or write `minimal_config`) into folder; return the names."""
+    folder = Path(folder)
+    shutil.copyfile(source.tokenizer, folder / TOKENIZER)  # a copy: onnxruntime rejects links out of the folder
+    if source.config is not None:
+        shutil.copyfile(source.config, folder / TOKENIZER_CONFIG)
+    else:
+        (folder / TOKENIZER_CONFIG).write_text(json.dumps(minimal_config, indent=2) + "\n")
+    return [TOKENIZER, TOKENIZER_CONFIG]
 
 
 def load_tokenizer(path: Path, vocab_size: int):
-    """A `tokenizers.Tokenizer` from a tokenizer.json file, or from a folder holding one.
-
-    A tokenizer with ids the model cannot embed is refused: text would encode
-    to ids outside the vocabulary.
-    """
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or a folder (an artifact) holding one, checked to fit."""
     from tokenizers import Tokenizer
 
-    path = Path(path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise InputError(f"no tokenizer at {file}; pass the path of a {TOKENIZER_FILE}")
+    source = find_tokenizer(path, vocab_size)
     try:
-        tokenizer = Tokenizer.from_file(str(file))
+        return Tokenizer.from_file(str(source.tokenizer))
     except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-        raise InputError(f"{file} is not a readable {TOKENIZER_FILE}: {str(exc).splitlines()[0]}") from None
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    if largest >= vocab_size:
-        raise InputError(f"tokenizer {file} has ids up to {largest} ({size} tokens) but the model's vocabulary "
-                         f"has {vocab_size}; use the tokenizer the model was trained with")
-    return tokenizer
+        raise TokenizerError(f"{source.tokenizer} is not a readable {TOKENIZER}: {str(exc).splitlines()[0]}") from None
 
 
 class TextStream:
     """Turns a growing list of ids into the text to print now.
 
     Decoding ids one by one breaks multi-byte characters and merges; decoding
-    the whole sequence and printing what was added does not.
+    the whole sequence and printing what it added does not.
     """
 
     def __init__(self, tokenizer):

@@ -45,6 +45,7 @@ def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and report["providers"][0]["provider"] == "CPUExecutionProvider"
+    assert report["consumers"][0]["model_type"] == "qwen3" and report["consumers"][0]["passed"]
     assert "prefill loss" not in [c["name"] for c in report["providers"][0]["comparisons"]]
 
 
@@ -63,10 +64,13 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
 def test_table_output_names_every_check(cli_artifact):
     result = invoke("verify", cli_artifact, "-q")
     assert result.exit_code == 0, result.output
-    for row in ("prefill logits", "decode logits (17 steps)", "greedy tokens", "overall: PASS"):
+    for row in ("prefill logits", "decode logits (17 steps)", "greedy tokens", "overall: PASS",
+                "consumer onnxruntime-genai", "32/32 match, 32 tokens identical"):
         assert row in result.stdout
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         assert "CUDAExecutionProvider: skipped" in result.stdout
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q")
+    assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
 
 def test_generate_and_inspect(cli_artifact):
@@ -105,6 +109,11 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path):
     _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1,x", "-q"), 2, "not a list of integers")
     _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
                     "exceeds max_position_embeddings")
+    _one_line_error(invoke("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
+    _one_line_error(invoke("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "holds no tokenizer.json")
+    _one_line_error(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
+                           "-q"), 2, "cannot read")
+    assert not (tmp_path / "t").exists()
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
     assert a_file.read_text() == "x"

@@ -33,8 +33,10 @@ def _external(model: onnx.ModelProto) -> dict:
 
 def test_artifact_folder_holds_two_graphs_one_weights_file_and_a_manifest(artifact_fp32):
     names = sorted(p.name for p in artifact_fp32.iterdir())
-    assert names == ["decode.onnx", "manifest.json", "prefill.onnx", "weights.onnx.data"]
+    assert names == ["config.json", "decode.onnx", "genai_config.json", "generation_config.json", "manifest.json",
+                     "prefill.onnx", "tokenizer.json", "tokenizer_config.json", "weights.onnx.data"]
     manifest = json.loads((artifact_fp32 / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == sorted(set(names) - {"manifest.json"})
     for name, entry in manifest["files"].items():
         assert sha256_file(artifact_fp32 / name) == entry["sha256"]
     assert set(manifest["versions"]) == {"torch", "onnx", "onnxruntime"}

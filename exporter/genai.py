@@ -1,0 +1,77 @@
+"""onnxruntime-genai as a consumer of an artifact folder: its own generation loop over decode.onnx.
+
+The folder is loaded as it is (genai_config.json beside the graph), on the
+CPU. onnxruntime-genai stops at EOS and leaves the EOS token out of what it
+returns; our runtime and the reference keep it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from exporter.consumers import GENAI_CONFIG, genai_unsupported
+from exporter.errors import ConsumerError
+from exporter.manifest import read_manifest
+from exporter.runtime import check_prompt
+
+INSTALL_HINT = "pip install onnxruntime-genai"
+
+
+def genai_version() -> str | None:
+    """The installed onnxruntime-genai version, or None when it cannot be imported."""
+    try:
+        import onnxruntime_genai
+    except ImportError:
+        return None
+    return onnxruntime_genai.__version__
+
+
+def _import_genai():
+    try:
+        import onnxruntime_genai
+    except ImportError:
+        raise ConsumerError(f"onnxruntime-genai is not installed; {INSTALL_HINT}") from None
+    return onnxruntime_genai
+
+
+class GenaiGenerator:
+    """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` may be called many times."""
+
+    def __init__(self, folder: Path):
+        og = _import_genai()
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder, check_hashes=False)
+        reason = genai_unsupported(self.manifest)
+        if reason:
+            raise ConsumerError(f"{folder} cannot run in onnxruntime-genai: {reason}")
+        if not (self.folder / GENAI_CONFIG).is_file():
+            raise ConsumerError(f"{folder} has no {GENAI_CONFIG}; re-export it with this toolkit to run it in "
+                                "onnxruntime-genai")
+        self.model_type = json.loads((self.folder / GENAI_CONFIG).read_text())["model"]["type"]
+        try:
+            config = og.Config(str(self.folder))
+            config.clear_providers()  # the CPU
+            self.model = og.Model(config)
+        except Exception as exc:  # onnxruntime-genai raises RuntimeError with the runtime's message
+            raise ConsumerError(f"onnxruntime-genai could not load {folder}: {str(exc).strip().splitlines()[0]}") \
+                from exc
+        self._og = og
+
+    def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        """New token ids, greedy; stops at EOS, which onnxruntime-genai leaves out."""
+        ids = check_prompt(self.manifest.config, prompt_ids, max_new_tokens)
+        if max_new_tokens == 0:
+            return []
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, num_beams=1, max_length=len(ids) + max_new_tokens)
+        generator = self._og.Generator(self.model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return [int(token) for token in generator.get_sequence(0)[len(ids):]]
+
+
+def genai_greedy(folder: Path, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Greedy new tokens from onnxruntime-genai for one prompt (EOS, where reached, is left out)."""
+    return GenaiGenerator(folder).greedy(prompt_ids, max_new_tokens)

@@ -1,0 +1,132 @@
+"""Consumer configs (genai_config.json, config.json, generation_config.json) and the tokenizer copy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from exporter import consumers
+from exporter.consumers import FamilyTypes, optimum_unsupported, write_consumer_files
+from exporter.errors import TokenizerError
+from exporter.export import export_artifact
+from exporter.manifest import read_manifest, sha256_file
+from exporter.tokenizer import find_tokenizer
+
+
+def _json(folder, name):
+    return json.loads((folder / name).read_text())
+
+
+def test_genai_config_describes_the_decode_graph(artifact_fp32, tiny_config):
+    config = _json(artifact_fp32, "genai_config.json")
+    model, decoder = config["model"], config["model"]["decoder"]
+    assert model["type"] == "qwen3"
+    assert (model["context_length"], model["vocab_size"]) == (tiny_config.max_position_embeddings, 512)
+    assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (1, 2, 2)
+    assert decoder["filename"] == "decode.onnx"
+    assert (decoder["head_size"], decoder["hidden_size"], decoder["num_attention_heads"],
+            decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (16, 64, 4, 2, 2)
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert set(decoder["session_options"]) >= {"intra_op_num_threads", "inter_op_num_threads"}
+    assert config["search"]["past_present_share_buffer"] is False  # the graph concatenates past and new keys
+
+
+def test_hf_configs_carry_model_type_sizes_and_special_tokens(artifact_fp32, artifact_fp16):
+    config = _json(artifact_fp32, "config.json")
+    assert config["model_type"] == "qwen3" and config["torch_dtype"] == "float32"
+    assert {k: config[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                                   "num_hidden_layers", "head_dim")} == {
+        "vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "head_dim": 16}
+    assert _json(artifact_fp32, "generation_config.json")["eos_token_id"] == 2
+    assert _json(artifact_fp16, "config.json")["torch_dtype"] == "float16"
+
+
+def test_every_written_file_is_in_the_manifest_with_its_hash(artifact_fp32, artifact_fp16):
+    for folder in (artifact_fp32, artifact_fp16):
+        files = read_manifest(folder).files  # also checks every hash
+        for name in ("genai_config.json", "config.json", "generation_config.json"):
+            assert files[name]["sha256"] == sha256_file(folder / name)
+    assert "tokenizer.json" not in read_manifest(artifact_fp16).files  # exported without a tokenizer
+    assert not (artifact_fp16 / "tokenizer.json").exists()
+
+
+def test_tokenizer_is_copied_and_a_minimal_config_written(artifact_fp32, tiny_tokenizer):
+    assert (artifact_fp32 / "tokenizer.json").read_bytes() == (tiny_tokenizer / "tokenizer.json").read_bytes()
+    assert not (artifact_fp32 / "tokenizer.json").is_symlink()
+    config = _json(artifact_fp32, "tokenizer_config.json")
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (config["bos_token"], config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert config["model_input_names"] == ["input_ids", "attention_mask"]
+
+
+def test_a_users_tokenizer_config_is_copied_and_names_the_pad_token(artifact_fp32, tiny_tokenizer, tmp_path):
+    source = tmp_path / "tok"
+    source.mkdir()
+    (source / "tokenizer.json").write_bytes((tiny_tokenizer / "tokenizer.json").read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"pad_token": {"content": "<|endoftext|>"}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    names = write_consumer_files(out, read_manifest(artifact_fp32), find_tokenizer(source, 512))
+    assert names == ["genai_config.json", "config.json", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json"]
+    assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    assert _json(out, "genai_config.json")["model"]["pad_token_id"] == 0
+    assert _json(out, "config.json")["pad_token_id"] == 0
+
+
+def test_a_family_without_consumer_types_gets_no_config(artifact_fp32, tmp_path, monkeypatch):
+    reason = "no consumer runs this family"
+    monkeypatch.setitem(consumers.FAMILY_TYPES, "minimind", FamilyTypes(None, None, reason, reason))
+    assert write_consumer_files(tmp_path, read_manifest(artifact_fp32)) == []
+    assert list(tmp_path.iterdir()) == []
+    assert optimum_unsupported(read_manifest(artifact_fp32)) == reason
+
+
+def test_optimum_is_refused_when_head_dim_is_not_hidden_over_heads(artifact_fp32, tmp_path):
+    manifest = read_manifest(artifact_fp32)
+    manifest = dataclasses.replace(manifest, cache=dataclasses.replace(manifest.cache, head_dim=32))
+    assert "Optimum would build a wrong empty cache" in optimum_unsupported(manifest)
+    assert write_consumer_files(tmp_path, manifest) == ["genai_config.json"]
+
+
+def _tokenizer_json(tiny_tokenizer) -> dict:
+    return json.loads((tiny_tokenizer / "tokenizer.json").read_text())
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_export(tiny_model, tiny_tokenizer, tmp_path):
+    data = _tokenizer_json(tiny_tokenizer)
+    data["added_tokens"].append({"id": 600, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "tokenizer.json").write_text(json.dumps(data))
+    target = tmp_path / "out"
+    with pytest.raises(TokenizerError, match=r"ids in \[0, 600\] \(513 tokens\).*vocab_size is 512"):
+        export_artifact(tiny_model, target, tokenizer=big)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big"]  # nothing written
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (None, "no tokenizer at"),
+    ("{not json", "cannot read"),
+    ('{"model": {"type": "BPE"}}', "has no model.vocab"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_bad_tokenizers_are_one_line_errors(tmp_path, content, fragment):
+    if content is not None:
+        (tmp_path / "tokenizer.json").write_text(content)
+    with pytest.raises(TokenizerError, match=fragment) as info:
+        find_tokenizer(tmp_path, 512)
+    assert "\n" not in str(info.value)
+
+
+def test_a_unigram_vocabulary_counts_by_position(tmp_path):
+    vocab = [["<unk>", 0.0], *[[f"t{i}", -1.0] for i in range(9)]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram", "vocab": vocab}}))
+    assert find_tokenizer(tmp_path, 10).max_id == 9
+    with pytest.raises(TokenizerError, match="vocab_size is 9"):
+        find_tokenizer(tmp_path / "tokenizer.json", 9)

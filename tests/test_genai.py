@@ -1,0 +1,141 @@
+"""onnxruntime-genai loads a freshly exported artifact as it is and generates what we and the reference do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnxruntime_genai as og
+import pytest
+from click.testing import CliRunner
+from tokenizers import Tokenizer
+
+from exporter import consumers, parity
+from exporter.cli import main
+from exporter.consumers import FamilyTypes
+from exporter.errors import ConsumerError
+from exporter.genai import GenaiGenerator, genai_greedy
+from exporter.manifest import read_manifest
+from exporter.parity import judge_greedy, verify_artifact
+from exporter.reference_runner import TorchRunner, reference_greedy
+from exporter.generation import generate_greedy
+from exporter.runtime import OrtRunner
+
+PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
+
+
+def without_final_eos(ids: list[int], eos: int) -> list[int]:
+    """What onnxruntime-genai returns for a sequence that ended at EOS: the EOS left out."""
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+@pytest.fixture(scope="module")
+def generator(artifact_fp32):
+    return GenaiGenerator(artifact_fp32)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_genai_tokens_equal_our_runtime_and_the_reference(artifact_fp32, tiny_model, generator, prompt):
+    eos = tiny_model.config.eos_token_id
+    genai = generator.greedy(prompt, 40)
+    ours = generate_greedy(OrtRunner(artifact_fp32), prompt, 40, eos).new_ids
+    reference = reference_greedy(tiny_model, prompt, 40, eos)
+    assert ours == reference
+    assert genai == without_final_eos(reference, eos)
+    assert len(genai) == 40 and len(set(genai)) > 5, "degenerate output makes token equality meaningless"
+    assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form the benchmark uses
+
+
+def test_genai_runs_the_float16_artifact(artifact_fp16, tiny_model):
+    manifest = read_manifest(artifact_fp16)
+    eos = manifest.config.eos_token_id
+    generator = GenaiGenerator(artifact_fp16)
+    model16 = TorchRunner(tiny_model, manifest).model
+    for prompt in PROMPTS:
+        genai = generator.greedy(prompt, 40)
+        assert genai == without_final_eos(generate_greedy(OrtRunner(artifact_fp16), prompt, 40, eos).new_ids, eos)
+        # Against the float16 reference with our own greedy rule: identical, or a divergence at a near-tie.
+        expected = without_final_eos(reference_greedy(model16, prompt, 40, eos), eos)
+        result = judge_greedy(model16, manifest, prompt, expected, genai)
+        assert result.passed, result.note
+
+
+def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
+    """With the EOS set to a token the model emits, genai stops there; our runtime keeps the EOS."""
+    prompt = PROMPTS[0]
+    free_run = reference_greedy(tiny_model, prompt, 40, None)
+    eos = free_run[10]
+    stop = free_run.index(eos)
+    path = artifact_copy / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["eos_token_id"] = eos
+    path.write_text(json.dumps(config))
+    ours = generate_greedy(OrtRunner(artifact_copy, check_hashes=False), prompt, 40, eos).new_ids
+    assert ours == free_run[:stop + 1] and ours[-1] == eos
+    assert GenaiGenerator(artifact_copy).greedy(prompt, 40) == free_run[:stop]
+
+
+def test_text_generation_agrees_across_genai_tokenizers_and_our_cli(artifact_fp32, generator):
+    text = "kalo mine ruto savi"
+    ours = Tokenizer.from_file(str(artifact_fp32 / "tokenizer.json"))
+    genai_tokenizer = og.Tokenizer(generator.model)
+    ids = ours.encode(text).ids
+    assert [int(i) for i in genai_tokenizer.encode(text)] == ids and len(ids) > 1
+    new_ids = generator.greedy(ids, 12)
+    assert genai_tokenizer.decode(new_ids) == ours.decode(new_ids)
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", text, "--max-new-tokens", "12",
+                                       "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    [data] = json.loads(result.stdout)
+    assert data["prompt_ids"] == ids and data["new_ids"] == new_ids
+    assert data["text"] == ours.decode(new_ids)
+
+
+def test_verify_runs_the_genai_check_when_it_can(artifact_fp32, tiny_model):
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"])
+    assert report.passed and report.consumers_skipped == {}
+    (consumer,) = report.consumers
+    assert consumer.consumer == f"onnxruntime-genai {og.__version__}" and consumer.model_type == "qwen3"
+    assert consumer.greedy.passed and consumer.greedy.note == "32 tokens identical"
+    assert report.to_dict()["consumers"][0]["passed"] is True
+
+
+def test_verify_fails_when_genai_generates_other_tokens(artifact_copy, tiny_model, monkeypatch):
+    class Wrong(GenaiGenerator):
+        def greedy(self, prompt_ids, max_new_tokens):
+            tokens = super().greedy(prompt_ids, max_new_tokens)
+            return tokens[:5] + [(tokens[5] + 1) % 512] + tokens[6:]
+
+    monkeypatch.setattr(parity, "GenaiGenerator", Wrong)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"])
+    assert all(r.passed for r in report.reports) and not report.passed
+    assert report.consumers[0].greedy.match_length == 5 and "not a tie" in report.consumers[0].greedy.note
+
+
+def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_model, monkeypatch):
+    assert verify_artifact(artifact_copy, tiny_model, ["cpu"], genai=False).consumers_skipped == {
+        "onnxruntime-genai": "turned off"}
+    with monkeypatch.context() as patch:  # a family onnxruntime-genai cannot run
+        patch.setitem(consumers.FAMILY_TYPES, "minimind", FamilyTypes(None, "qwen3", genai_unsupported="reason X"))
+        assert verify_artifact(artifact_copy, tiny_model, ["cpu"]).consumers_skipped == {
+            "onnxruntime-genai": "reason X"}
+        with pytest.raises(ConsumerError, match="cannot run in onnxruntime-genai: reason X"):
+            GenaiGenerator(artifact_copy)
+    monkeypatch.setattr(parity, "genai_version", lambda: None)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"])
+    assert report.passed and "pip install onnxruntime-genai" in report.consumers_skipped["onnxruntime-genai"]
+    with pytest.raises(ConsumerError, match="not installed"):
+        verify_artifact(artifact_copy, tiny_model, ["cpu"], genai=True)
+
+
+def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path):
+    old = shutil.copytree(artifact_copy, tmp_path / "old")
+    (old / "genai_config.json").unlink()
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["files"]["genai_config.json"]  # as an earlier toolkit wrote it
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConsumerError, match="has no genai_config.json; re-export"):
+        GenaiGenerator(old)
+    result = CliRunner().invoke(main, ["verify", str(old), "--provider", "cpu", "--genai", "-q"])
+    assert result.exit_code == 2 and "genai_config.json" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

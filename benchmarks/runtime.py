@@ -12,6 +12,7 @@ own process so peak RSS is its own. Figures are medians of several runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -136,6 +137,31 @@ def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dic
     return result
 
 
+def worker_genai(artifact: Path, repeats: int) -> dict:
+    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options)."""
+    from exporter.genai import GenaiGenerator
+
+    generator = GenaiGenerator(artifact)
+    og, model = generator._og, generator.model
+    ids = [int(i) for i in prompt(PROMPT_FOR_DECODE, generator.manifest.config.vocab_size)[0]]
+
+    def decode_run():
+        params = og.GeneratorParams(model)
+        total = len(ids) + DECODE_STEPS  # min_length keeps eos from ending the run early
+        params.set_search_options(do_sample=False, min_length=total, max_length=total)
+        run = og.Generator(model, params)
+        run.append_tokens(ids)  # the prompt
+        begin = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            run.generate_next_token()
+        return DECODE_STEPS / (time.perf_counter() - begin)
+
+    decode_run()
+    tokens_per_s = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
+    return {"name": "onnxruntime-genai", "decode_tokens_per_s": tokens_per_s, "decode_step_ms": 1000 / tokens_per_s,
+            "peak_rss_mb": peak_rss_mb()}
+
+
 def worker_bandwidth(threads: int, repeats: int) -> dict:
     """Memory read bandwidth: summing a 512 MiB buffer, split over `threads` threads (numpy frees the GIL)."""
     import numpy as np
@@ -181,6 +207,12 @@ def format_table(report: dict) -> str:
     for label, key, higher_is_better in rows:
         ratio = ort[key] / torch_[key] if higher_is_better else torch_[key] / ort[key]
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratio:>9.2f}x")
+    genai = report["onnxruntime_genai"]
+    if genai:
+        lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
+                     f"{'':>12}{ort['decode_tokens_per_s'] / genai['decode_tokens_per_s']:>9.2f}x (ours / genai)")
+    else:
+        lines.append("onnxruntime-genai: not installed, column skipped")
     lines += ["",
               f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
               f"weight-read floor {floor['floor_step_ms']:.1f} ms/token ({floor['floor_tokens_per_s']:.1f} tok/s)",
@@ -201,7 +233,7 @@ def main() -> None:
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", choices=["ort", "ort-session-pools", "torch", "bandwidth"],
+    parser.add_argument("--worker", choices=["ort", "ort-session-pools", "torch", "genai", "bandwidth"],
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker in ("ort", "ort-session-pools"):
@@ -211,6 +243,9 @@ def main() -> None:
     if args.worker == "torch":
         device = "cuda" if args.provider == "cuda" else "cpu"
         print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats, device)))
+        return
+    if args.worker == "genai":
+        print(json.dumps(worker_genai(args.artifact, args.repeats)))
         return
     if args.worker == "bandwidth":
         print(json.dumps(worker_bandwidth(args.threads, args.repeats)))
@@ -222,10 +257,11 @@ def main() -> None:
     ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
     per_session = run_worker(["--worker", "ort-session-pools", "--provider", args.provider, *common])
     torch_ = run_worker(["--worker", "torch", "--provider", args.provider, *common])
+    genai = run_worker(["--worker", "genai", *common]) if importlib.util.find_spec("onnxruntime_genai") else None
     weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
     floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
     report = {"artifact": str(args.artifact), "threads": args.threads, "onnxruntime": ort, "pytorch": torch_,
-              "onnxruntime_per_session_pools": per_session,
+              "onnxruntime_per_session_pools": per_session, "onnxruntime_genai": genai,
               "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": bandwidth["read_gb_per_s"],
                         "floor_step_ms": floor_s * 1000, "floor_tokens_per_s": 1 / floor_s}}
     print(json.dumps(report, indent=2) if args.json else format_table(report))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -82,17 +83,24 @@ def test_unreadable_manifest_is_refused(artifact_copy):
         OrtRunner(artifact_copy)
 
 
-def test_both_sessions_get_the_same_views_of_one_weights_mapping(runner):
+def test_prefill_session_reads_the_weights_in_place(runner):
     weights = runner._weights
-    tables = runner.manifest.initializers
-    distinct = {(e["offset"], e["length"]) for table in tables.values() for e in table}
-    assert len(weights._values) == len(distinct)
+    table = runner.manifest.initializers["prefill.onnx"]
+    assert len(weights._values) == len({(e["offset"], e["length"]) for e in table})
     base = weights._file.ctypes.data
     for (offset, _), value in weights._values.items():
-        assert value.data_ptr() == base + offset  # a view into the mapping, not a copy
-    prefill_names, prefill_values = weights.initializers("prefill.onnx")
-    decode_names, decode_values = weights.initializers("decode.onnx")
-    assert {id(v) for v in prefill_values} == {id(v) for v in decode_values}
+        assert value.data_ptr() == base + offset  # a view into the one mapping, not a copy
+    assert runner.prefill_session.get_session_options().get_session_config_entry(
+        "session.disable_prepacking") == "1"
+
+
+def test_generation_runs_the_prompt_through_decode_like_prefill(runner):
+    ids = np.array([[5, 9, 100, 3], [7, 7, 8, 9]], dtype=np.int64)
+    mask = np.ones_like(ids)
+    started = runner.start(ids, mask, np.tile(np.arange(4), (2, 1)))
+    prefilled = runner.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": np.tile(np.arange(4), (2, 1)),
+                                "labels": ids})
+    np.testing.assert_allclose(started, prefilled["logits"][:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_per_session_thread_pools_work_in_a_fresh_process(artifact_fp32, tiny_model, runner):

@@ -221,7 +221,7 @@ def format_table(report: dict) -> str:
     for label, key, higher_is_better in rows:
         ratio = ort[key] / torch_[key] if higher_is_better else torch_[key] / ort[key]
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratio:>9.2f}x")
-    genai = report["onnxruntime_genai"]
+    genai, per_session = report["onnxruntime_genai"], report["onnxruntime_per_session_pools"]
     if genai:
         lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
                      f"{'':>12}{ort['decode_tokens_per_s'] / genai['decode_tokens_per_s']:>9.2f}x (ours / genai)")
@@ -236,8 +236,8 @@ def format_table(report: dict) -> str:
               "decode step right after a prefill.onnx call (alternating sessions) vs right after a decode step:",
               f"  shared thread pool:    {ort['decode_step_after_prefill_ms']:.1f} ms vs "
               f"{ort['decode_step_in_a_row_ms']:.1f} ms",
-              f"  per-session pools:     {report['onnxruntime_per_session_pools']['decode_step_after_prefill_ms']:.1f} ms "
-              f"vs {report['onnxruntime_per_session_pools']['decode_step_in_a_row_ms']:.1f} ms"]
+              f"  per-session pools:     {per_session['decode_step_after_prefill_ms']:.1f} ms "
+              f"vs {per_session['decode_step_in_a_row_ms']:.1f} ms"]
     return "\n".join(lines)
 
 

@@ -153,7 +153,8 @@ def _verify(folder, providers, genai, model=None):
     return verify_artifact(folder, model, list(providers) or None, genai=genai)
 
 
-@click.group(cls=OneLineErrorGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrorGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def main(ctx):
     """Export MiniMind to ONNX (prefill + cached decode graphs) and prove that ONNX Runtime reproduces

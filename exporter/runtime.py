@@ -104,8 +104,9 @@ def _use_global_thread_pool(threads: int) -> None:
 
     With a pool per session, the pool of the session that just ran keeps its
     threads spinning for a while, competing for the cores with the pool of the
-    session called next: alternating prefill and decode calls ran about twice
-    as slow as calls to one session. A shared pool has no idle spinner to fight.
+    session called next: a decode step right after a prefill.onnx call took
+    44 ms against 27 ms after another decode step (minimind-3, 2 cores). With
+    one shared pool there is no idle spinner to fight: 17.9 against 17.6 ms.
     """
     global _global_pool_threads
     if _global_pool_threads is None:
@@ -117,11 +118,11 @@ def _use_global_thread_pool(threads: int) -> None:
 
 
 class SharedWeightMap:
-    """The weights file mapped once; every session gets OrtValues viewing the same pages.
+    """The weights file mapped once; a session given these OrtValues reads the weights in place.
 
     Left to itself, each session maps each tensor on its own, so two sessions
-    hold two mappings of every weight (twice the RSS, and twice the TLB and
-    cache footprint). Handing both the same read-only views keeps one copy.
+    hold two mappings of every weight (twice the RSS). Read-only views of one
+    mapping are used without a copy (`add_initializer`).
     """
 
     def __init__(self, folder: Path, manifest: Manifest):

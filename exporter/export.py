@@ -189,7 +189,12 @@ def _move_into_place(built: Path, folder: Path) -> None:
 
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
                     source: dict | None = None) -> ExportResult:
-    """Export `model` (a reference MiniMindForCausalLM) as an artifact folder."""
+    """Export `model` as an artifact folder.
+
+    `model` is a reference model of a known family (reference/families.py) or a
+    bring-your-own adapter (reference/byo.py): `model.config` gives the contract's
+    sizes, `model.forward` the shared signature with a list-of-(k, v) cache.
+    """
     if dtype not in DTYPES:
         raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     folder = Path(folder)

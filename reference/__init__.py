@@ -1,15 +1,15 @@
-"""PyTorch reference models that the ONNX exports must reproduce."""
+"""PyTorch reference models that the ONNX exports must reproduce, one file per family."""
 
-from reference.errors import ConfigError
+from reference.byo import DecoderAdapter, DecoderSpec, check_adapter
+from reference.errors import CheckpointError, ConfigError, ContextLengthError, ReferenceError
+from reference.families import FAMILIES, build_model, family_of, get_family
 from reference.init import seeded_init_
-from reference.minimind import CausalLMOutput, MiniMindConfig, MiniMindForCausalLM
+from reference.layers import CausalLMOutput
+from reference.minimind import MiniMindConfig, MiniMindForCausalLM, YarnScaling
 from reference.presets import DEFAULT_PRESET, PRESETS, get_preset
+from reference.teaching_gpt import TeachingGPT, TeachingGPTConfig
 
-
-def build_model(config: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
-    """A reference model with seeded weights, in eval mode."""
-    return seeded_init_(MiniMindForCausalLM(config), seed).eval()
-
-
-__all__ = ["CausalLMOutput", "ConfigError", "DEFAULT_PRESET", "MiniMindConfig", "MiniMindForCausalLM",
-           "PRESETS", "build_model", "get_preset", "seeded_init_"]
+__all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "ContextLengthError", "DEFAULT_PRESET",
+           "DecoderAdapter", "DecoderSpec", "FAMILIES", "MiniMindConfig", "MiniMindForCausalLM", "PRESETS",
+           "ReferenceError", "TeachingGPT", "TeachingGPTConfig", "YarnScaling", "build_model", "check_adapter",
+           "family_of", "get_family", "get_preset", "seeded_init_"]

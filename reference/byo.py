@@ -1,0 +1,112 @@
+"""Bring your own decoder: export and verify a PyTorch decoder the toolkit did not define.
+
+The exporter and the verifier need two things from a model:
+
+1. `model.config`, exposing the sizes of the I/O contract. For your own model
+   that is a `DecoderSpec` (num_hidden_layers, num_key_value_heads, head_dim,
+   vocab_size, max_position_embeddings, eos/bos ids).
+2. `model.forward(input_ids, attention_mask=None, past_key_values=None,
+   use_cache=False, logits_to_keep=0, labels=None, position_ids=None)`
+   returning a `CausalLMOutput`, with the cache a list of (k, v) per layer,
+   each (B, L, num_key_value_heads, head_dim).
+
+Most teaching decoders have no cache and no padding mask. Subclass
+`DecoderAdapter`: it keeps your module as `self.model` (its weights untouched,
+its state-dict keys under `model.`), and you write `forward` by calling your
+submodules, with `reference.layers.attend` doing the cache, the causal mask and
+the padding mask. `check_adapter` then proves, before any export, that the
+adapter equals your original forward and that cached decoding equals the full
+forward. README "Bring your own decoder" walks through the seed 001 demo model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reference.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The sizes the two graphs' I/O contract needs, for a decoder the toolkit did not define."""
+
+    name: str
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"config field name must be a non-empty string, got {self.name!r}")
+        for field in ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
+        for field in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"config field {field} ({value}) must be None or lie in [0, vocab_size)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DecoderSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+
+class DecoderAdapter(nn.Module):
+    """Base class: your decoder as `self.model`, its sizes as `self.config`; override `forward`."""
+
+    def __init__(self, model: nn.Module, spec: DecoderSpec):
+        super().__init__()
+        self.model = model
+        self.config = spec
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0, labels=None, position_ids=None):
+        raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
+
+
+@dataclass(frozen=True)
+class AdapterCheck:
+    """How far the adapter is from the original model, and cached decoding from the full forward."""
+
+    full_forward_max_abs: float  # adapter (no cache, no mask) vs the original forward
+    cached_decode_max_abs: float  # adapter token by token through its cache vs adapter in one pass
+    atol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.full_forward_max_abs <= self.atol and self.cached_decode_max_abs <= self.atol
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+@torch.no_grad()
+def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5) -> AdapterCheck:
+    """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward."""
+    adapter = adapter.eval()
+    full = adapter(input_ids, use_cache=True)
+    original = original_logits(input_ids)
+    past, steps = None, []
+    for t in range(input_ids.shape[1]):
+        out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        steps.append(out.logits)
+    full_diff = (full.logits.double() - original.double()).abs().max().item()
+    cached_diff = (torch.cat(steps, dim=1).double() - full.logits.double()).abs().max().item()
+    return AdapterCheck(full_diff, cached_diff, atol)

@@ -1,0 +1,82 @@
+"""The model families the toolkit knows, as data: manifest name -> config class, model class, initialiser.
+
+A family's config exposes the sizes the export contract reads (num_hidden_layers,
+num_key_value_heads, head_dim, vocab_size, max_position_embeddings,
+bos_token_id, eos_token_id) and round-trips through to_dict/from_dict; its
+model takes the shared forward signature and returns a CausalLMOutput. The
+manifest records `model.family`, and everything that reads an artifact finds
+the config class here instead of branching on architecture names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from torch import nn
+
+from reference.byo import DecoderSpec
+from reference.errors import ConfigError
+from reference.init import seeded_init_
+from reference.minimind import MiniMindConfig, MiniMindForCausalLM
+from reference.teaching_gpt import TeachingGPT, TeachingGPTConfig
+
+
+class DecoderConfig(Protocol):
+    """What the exporter, runtime and verifier read from any family's config."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as written in manifest.json's model.family
+    config_class: type
+    model_class: Callable[..., nn.Module] | None  # None: the user brings the model (DecoderSpec)
+    init: Callable[[nn.Module, int], nn.Module] = seeded_init_
+
+    def build(self, config, seed: int = 0) -> nn.Module:
+        """A model with seeded weights, in eval mode."""
+        if self.model_class is None:
+            raise ConfigError(f"family {self.name!r} has no model the toolkit can build; "
+                              "pass your own model (see reference/byo.py)")
+        return self.init(self.model_class(config), seed).eval()
+
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (
+    Family("minimind", MiniMindConfig, MiniMindForCausalLM),
+    Family("teaching-gpt", TeachingGPTConfig, TeachingGPT),
+    Family("custom", DecoderSpec, None),
+)}
+
+
+def get_family(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown model family {name!r}; known families: {', '.join(FAMILIES)}") from None
+
+
+def family_of(config) -> Family:
+    for family in FAMILIES.values():
+        if type(config) is family.config_class:
+            return family
+    raise ConfigError(f"{type(config).__name__} is not the config of a known family ({', '.join(FAMILIES)}); "
+                      "describe your own decoder with reference.byo.DecoderSpec")
+
+
+def config_from_dict(family: str, data: dict):
+    return get_family(family).config_class.from_dict(data)
+
+
+def build_model(config, seed: int = 0) -> nn.Module:
+    """A reference model of the config's family with seeded weights, in eval mode."""
+    return family_of(config).build(config, seed)

@@ -21,17 +21,17 @@ forward. README "Bring your own decoder" walks through the seed 001 demo model.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from reference.configs import JsonConfig, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class DecoderSpec:
+class DecoderSpec(JsonConfig):
     """The sizes the two graphs' I/O contract needs, for a decoder the toolkit did not define."""
 
     name: str
@@ -46,25 +46,9 @@ class DecoderSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"config field name must be a non-empty string, got {self.name!r}")
-        for field in ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {field} must be a positive integer, got {value!r}")
-        for field in ("bos_token_id", "eos_token_id"):
-            value = getattr(self, field)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ConfigError(f"config field {field} ({value}) must be None or lie in [0, vocab_size)")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DecoderSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
+        check_positive_ints(self, ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size",
+                                   "max_position_embeddings"))
+        check_token_ids(self)
 
 
 class DecoderAdapter(nn.Module):

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reference.configs import JsonConfig, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
-from reference.layers import (ATTENTION, CausalLMOutput, attend, default_position_ids, repeat_kv,  # noqa: F401
-                              shifted_cross_entropy)
+from reference.layers import ATTENTION, CausalLMOutput, attend, default_position_ids, shifted_cross_entropy
 
 MOE_IMPLEMENTATIONS = ("dense", "sparse")
 # Defaults that differ between the generations: field -> {version: value}.
@@ -61,7 +61,7 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
-class MiniMindConfig:
+class MiniMindConfig(JsonConfig):
     version: int = 3  # 3: minimind-3, 2: MiniMind2
     vocab_size: int = 6400
     hidden_size: int = 768
@@ -109,12 +109,9 @@ class MiniMindConfig:
         self._validate()
 
     def _validate(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-                     "moe_intermediate_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+                                   "num_experts", "num_experts_per_tok", "moe_intermediate_size"))
         if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
             raise ConfigError(f"config field n_shared_experts must be an integer >= 0, got {self.n_shared_experts!r}")
         if self.hidden_size % self.num_attention_heads:
@@ -138,9 +135,7 @@ class MiniMindConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"config field {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("bos_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ConfigError(f"config field {name} ({getattr(self, name)}) must lie in [0, vocab_size)")
+        check_token_ids(self, optional=False)
 
     @property
     def head_dim(self) -> int:
@@ -149,17 +144,6 @@ class MiniMindConfig:
     @property
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MiniMindConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

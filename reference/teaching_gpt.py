@@ -23,18 +23,18 @@ model dtype: equal to rounding in float32).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from reference.configs import JsonConfig, check_positive_ints, check_token_ids
 from reference.errors import ConfigError, ContextLengthError
 from reference.layers import CausalLMOutput, attend, default_position_ids, shifted_cross_entropy
 
 
 @dataclass(frozen=True)
-class TeachingGPTConfig:
+class TeachingGPTConfig(JsonConfig):
     vocab_size: int = 50304
     n_embed: int = 1024
     n_head: int = 16
@@ -44,16 +44,10 @@ class TeachingGPTConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_embed", "n_head", "n_blocks", "context_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "n_embed", "n_head", "n_blocks", "context_length"))
         if self.n_embed % self.n_head:
             raise ConfigError(f"config field n_embed ({self.n_embed}) must be divisible by n_head ({self.n_head})")
-        for name in ("bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ConfigError(f"config field {name} ({value}) must be None or lie in [0, vocab_size)")
+        check_token_ids(self)
 
     # The sizes the export contract reads, under the names every family shares.
     @property
@@ -71,17 +65,6 @@ class TeachingGPTConfig:
     @property
     def max_position_embeddings(self) -> int:
         return self.context_length
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TeachingGPTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
 
 
 class Head(nn.Module):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import upstream
+from helpers import assert_cached_decoding_equals_full_forward, assert_close
 from reference import (ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling, build_model,
                        get_preset)
 from reference.families import FAMILIES, config_from_dict, family_of
@@ -22,12 +23,6 @@ PUBLISHED = {  # REFERENCE-MODELS.md section 3, tied embeddings counted once
     "minimind-3-moe": 198_416_640,
     "teaching-gpt-smoke": 13_356_928,  # seed 003's smoke config
 }
-
-
-def assert_close(actual, expected, atol, rtol=0.0):
-    diff = (actual.double() - expected.double()).abs()
-    assert torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol), (
-        f"max abs diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
 
 
 def _ids(vocab, batch, length, seed=0):
@@ -210,22 +205,9 @@ def test_teaching_gpt_equals_the_original_forward():
     assert model.lm_head.bias is not None and model.lm_head.weight is not model.token_embed.weight
 
 
-@torch.no_grad()
 def test_teaching_gpt_cached_decoding_equals_full_forward():
     model = build_model(get_preset("teaching-gpt-tiny"))
-    ids = _ids(512, 2, 13)
-    full = model(ids, use_cache=True)
-    for chunks in ([1] * 13, [5, 1, 3, 4]):
-        past, logits, start = None, [], 0
-        for size in chunks:
-            out = model(ids[:, start:start + size], past_key_values=past, use_cache=True)
-            past, start = out.past_key_values, start + size
-            logits.append(out.logits)
-        assert_close(torch.cat(logits, 1), full.logits, atol=1e-5)
-        for (k, v), (fk, fv) in zip(past, full.past_key_values):
-            assert k.shape == (2, 13, 4, 16)
-            assert_close(k, fk, atol=1e-5)
-            assert_close(v, fv, atol=1e-5)
+    assert_cached_decoding_equals_full_forward(model, _ids(512, 2, 13), (2, 13, 4, 16))
 
 
 @torch.no_grad()

@@ -3,10 +3,11 @@
 The graphs' outputs are the I/O contract only; which experts a token chose is
 an intermediate. On the reference side a forward hook on every router module
 (one with `is_moe_router = True` at `...layers.{i}.mlp.gate`, returning
-scores, top-k weights, top-k ids) records it. On the ONNX side the probe finds each router's TopK node by the
-module scope the exporter records in node metadata, adds its indices as extra
-outputs to an in-memory copy of the graph, and runs that copy (the weights are
-read from the artifact folder; nothing on disk changes).
+scores, top-k weights, top-k ids) records it. On the ONNX side the probe finds
+each router's TopK node by the module scope the exporter records in node
+metadata, adds its indices as extra outputs to an in-memory copy of the graph,
+and runs that copy (the weights are read from the artifact folder; nothing on
+disk changes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import onnxruntime as ort
 import torch
 
 from exporter.contract import GraphContract
+from exporter.runtime import position_ids_from_mask, presents_as_past
 
 ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -137,7 +139,6 @@ def check_expert_choice(reference, folder: Path, manifest, provider: str, batch:
     identical inputs at every step, so this measures the graphs' routing alone. None for models
     without routers.
     """
-    from exporter.runtime import position_ids_from_mask, presents_as_past
     layers = manifest.cache.num_layers
     feeds = {name: batch[name] for name in manifest.prefill.input_names}
     with record_reference_routing(reference.model) as calls:

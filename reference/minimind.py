@@ -331,6 +331,7 @@ class MiniMindBlock(nn.Module):
     def __init__(self, config: MiniMindConfig):
         super().__init__()
         cast_first = config.version == 2
+        self.config = config
         self.self_attn = Attention(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_first)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_first)
@@ -339,8 +340,8 @@ class MiniMindBlock(nn.Module):
     def forward(self, x, cos, sin, past_key_value=None, attention_mask=None):
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, attention_mask)
         h = x + attn_out
-        mlp_out = self.mlp(self.post_attention_layernorm(h))
-        mlp_out, aux = mlp_out if isinstance(mlp_out, tuple) else (mlp_out, None)
+        x = self.post_attention_layernorm(h)
+        mlp_out, aux = self.mlp(x) if self.config.use_moe else (self.mlp(x), None)  # MoE adds its aux loss
         return h + mlp_out, present, aux
 
 

@@ -79,11 +79,15 @@ def moe3_model():
     return build_model(config, seed=0)
 
 
+def _export_once(tmp_path_factory, model, name: str, source: dict):
+    folder = tmp_path_factory.mktemp(name) / name
+    export_artifact(model, folder, source=source)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def moe3_artifact(tmp_path_factory, moe3_model):
-    folder = tmp_path_factory.mktemp("moe3") / "minimind-3-moe-yarn-tiny"
-    export_artifact(moe3_model, folder, source={"kind": "in-memory"})
-    return folder
+    return _export_once(tmp_path_factory, moe3_model, "minimind-3-moe-yarn-tiny", {"kind": "in-memory"})
 
 
 @pytest.fixture(scope="session")
@@ -95,9 +99,7 @@ def moe2_model():
 
 @pytest.fixture(scope="session")
 def moe2_artifact(tmp_path_factory, moe2_model):
-    folder = tmp_path_factory.mktemp("moe2") / "minimind2-moe-tiny"
-    export_artifact(moe2_model, folder, source={"kind": "in-memory"})
-    return folder
+    return _export_once(tmp_path_factory, moe2_model, "minimind2-moe-tiny", {"kind": "in-memory"})
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +109,8 @@ def gpt_model():
 
 @pytest.fixture(scope="session")
 def gpt_artifact(tmp_path_factory, gpt_model):
-    folder = tmp_path_factory.mktemp("gpt") / "teaching-gpt-tiny"
-    export_artifact(gpt_model, folder, source={"kind": "seeded", "preset": "teaching-gpt-tiny", "seed": 0})
-    return folder
+    source = {"kind": "seeded", "preset": "teaching-gpt-tiny", "seed": 0}
+    return _export_once(tmp_path_factory, gpt_model, "teaching-gpt-tiny", source)
 
 
 @pytest.fixture(scope="session")
@@ -119,9 +120,7 @@ def byo_adapter(byo_example):
 
 @pytest.fixture(scope="session")
 def byo_artifact(tmp_path_factory, byo_adapter):
-    folder = tmp_path_factory.mktemp("byo") / "seed001-demo"
-    export_artifact(byo_adapter, folder, source={"kind": "custom", "model": "seed001-demo"})
-    return folder
+    return _export_once(tmp_path_factory, byo_adapter, "seed001-demo", {"kind": "custom", "model": "seed001-demo"})
 
 
 @pytest.fixture(scope="session")

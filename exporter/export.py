@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime
+import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 import torch
 from torch.export import Dim
 
@@ -233,7 +234,11 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
                       "onnxruntime": onnxruntime.__version__},
             files=file_entries(built, files))
         log.info("smoke-testing the graphs in onnxruntime")
-        _smoke_run(built, manifest)
+        try:
+            _smoke_run(built, manifest)
+        except (_ort_errors.Fail, _ort_errors.RuntimeException) as exc:  # e.g. an op this build lacks for a dtype
+            raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs "
+                               f"({str(exc).strip().splitlines()[0][:300]})") from exc
         manifest.write(built)
         _move_into_place(built, folder)
     finally:

@@ -281,13 +281,18 @@ def dense_dispatch(x, experts, weight, idx):
 
 
 def sparse_dispatch(x, experts, weight, idx):
-    """Each expert on its own tokens only, gathered by index (data-dependent sizes, no Python `if`)."""
+    """Each expert on its own tokens only, gathered by index (data-dependent sizes, no Python `if`).
+
+    A token picks an expert at most once, so its output is copied to the token's
+    row (zeros elsewhere) and added: the sums of upstream's index_add_, without
+    the scatter-add that ONNX Runtime's CPU provider lacks for float16.
+    """
     y = torch.zeros_like(x)
     for e, expert in enumerate(experts):
         hit = idx == e  # (N, k)
         token_idx = hit.any(dim=-1).nonzero().flatten()  # (n_e,), possibly empty
-        token_weight = (weight * hit).sum(dim=-1)[token_idx, None]  # (n_e, 1): a token picks e at most once
-        y = y.index_add(0, token_idx, expert(x[token_idx]) * token_weight)
+        token_weight = (weight * hit).sum(dim=-1)[token_idx, None]  # (n_e, 1)
+        y = y + torch.zeros_like(x).index_copy(0, token_idx, expert(x[token_idx]) * token_weight)
     return y
 
 

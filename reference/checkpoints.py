@@ -177,7 +177,7 @@ class MiniMindCheckpoints:
     aliases = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
     ignored = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
                "_name_or_path", "flash_attn", "use_cache", "pad_token_id", "head_dim", "scoring_func",
-               "return_dict", "output_hidden_states", "output_attentions", "tie_word_embeddings_"}
+               "return_dict", "output_hidden_states", "output_attentions"}
 
     @staticmethod
     def claims(state: dict) -> bool:
@@ -189,6 +189,10 @@ class MiniMindCheckpoints:
         """Toolkit config fields from a config.json (upstream names accepted); None values dropped."""
         if data.get("scoring_func", "softmax") != "softmax":
             raise ConfigError(f"config field scoring_func must be 'softmax', got {data['scoring_func']!r}")
+        hidden, heads, head_dim = data.get("hidden_size"), data.get("num_attention_heads"), data.get("head_dim")
+        if None not in (hidden, heads, head_dim) and head_dim != hidden // heads:
+            raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
+                              f"({hidden // heads}); the reference supports only that head size")
         return {cls.aliases.get(k, k): v for k, v in data.items() if k not in cls.ignored and v is not None}
 
     @staticmethod
@@ -338,7 +342,11 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
                                   f"{family_of(config).name}; pass a {loader.family} preset or config, or none")
         source, assumed = "given", {}
     else:
-        base = loader.translate(config_json) if config_json is not None else {}
+        try:
+            base = loader.translate(config_json) if config_json is not None else {}
+        except ConfigError as exc:
+            where = "the given config fields" if config_data is not None else "its config.json"
+            raise CheckpointError(f"{path}: {where}: {exc}") from None
         inferred, assumed = loader.infer(state, base)
         fields = {**inferred, **base}
         try:

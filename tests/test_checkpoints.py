@@ -249,3 +249,12 @@ def test_cli_checkpoint_option_errors_are_one_line(minimind2_checkpoint, tmp_pat
     (tmp_path / "c.json").write_text(json.dumps({"hiden_size": 3}))
     assert "unknown config fields ['hiden_size']" in error("--checkpoint", minimind2_checkpoint,
                                                           "--config", tmp_path / "c.json")
+
+
+def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path):
+    model = build_model(get_preset("minimind-3-tiny"))
+    path = _write("hf-safetensors", model, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "head_dim": 32}))  # hidden 64 / 4 heads = 16
+    with pytest.raises(CheckpointError, match=r"head_dim \(32\) differs from hidden_size / num_attention_heads \(16\)"):
+        load_checkpoint(path)

@@ -91,6 +91,14 @@ def moe3_artifact(tmp_path_factory, moe3_model):
 
 
 @pytest.fixture(scope="session")
+def moe3_artifact_fp16(tmp_path_factory, moe3_model):
+    """float16 too: ONNX Runtime's CPU provider lacks some float16 kernels (a scatter-add did not run)."""
+    folder = tmp_path_factory.mktemp("moe3-fp16") / "minimind-3-moe-yarn-tiny-float16"
+    export_artifact(moe3_model, folder, dtype="float16", source={"kind": "in-memory"})
+    return folder
+
+
+@pytest.fixture(scope="session")
 def moe2_model():
     """MiniMind2 MoE (4 routed + 1 shared expert, top-2), dense dispatch."""
     import dataclasses

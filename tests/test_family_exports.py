@@ -56,6 +56,13 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
                                               "custom"}.get(family, "minimind")
 
 
+def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, moe3_model):
+    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"])
+    assert report.passed, _failures(report)
+    experts = report.reports[0].experts
+    assert experts.measured and experts.passed and experts.pairs > 100, experts.note
+
+
 def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind2_artifact, minimind2_checkpoint):
     manifest = json.loads((minimind2_artifact / "manifest.json").read_text())
     source = manifest["model"]["source"]

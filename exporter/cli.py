@@ -17,7 +17,7 @@ import click
 
 from exporter.errors import ToolkitError
 from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
-from reference.errors import ReferenceError
+from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
 EXIT_INPUT_ERROR = 2
@@ -43,7 +43,7 @@ def handle_errors(func):
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (ToolkitError, ReferenceError) as exc:
+        except (ToolkitError, ModelError) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_INPUT_ERROR)
         except KeyboardInterrupt:

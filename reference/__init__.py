@@ -1,7 +1,7 @@
 """PyTorch reference models that the ONNX exports must reproduce, one file per family."""
 
 from reference.byo import DecoderAdapter, DecoderSpec, check_adapter
-from reference.errors import CheckpointError, ConfigError, ContextLengthError, ReferenceError
+from reference.errors import CheckpointError, ConfigError, ContextLengthError, ModelError
 from reference.families import FAMILIES, build_model, family_of, get_family
 from reference.init import seeded_init_
 from reference.layers import CausalLMOutput
@@ -11,5 +11,5 @@ from reference.teaching_gpt import TeachingGPT, TeachingGPTConfig
 
 __all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "ContextLengthError", "DEFAULT_PRESET",
            "DecoderAdapter", "DecoderSpec", "FAMILIES", "MiniMindConfig", "MiniMindForCausalLM", "PRESETS",
-           "ReferenceError", "TeachingGPT", "TeachingGPTConfig", "YarnScaling", "build_model", "check_adapter",
+           "ModelError", "TeachingGPT", "TeachingGPTConfig", "YarnScaling", "build_model", "check_adapter",
            "family_of", "get_family", "get_preset", "seeded_init_"]

@@ -4,17 +4,17 @@ Every message names the problem and the fix; the CLI shows it as one line (exit 
 """
 
 
-class ReferenceError(ValueError):
+class ModelError(ValueError):
     """Base of the errors a user can cause in `reference/`."""
 
 
-class ConfigError(ReferenceError):
+class ConfigError(ModelError):
     """A model configuration field is invalid; the message names the field."""
 
 
-class CheckpointError(ReferenceError):
+class CheckpointError(ModelError):
     """A checkpoint file cannot be read safely, or does not fit the model it is loaded into."""
 
 
-class ContextLengthError(ReferenceError):
+class ContextLengthError(ModelError):
     """A sequence is longer than the positions the model has (learned absolute positions)."""

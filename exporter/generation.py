@@ -125,8 +125,11 @@ def stream(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = Samp
     bad_stops = [i for i in stop_ids if not 0 <= i < runner.manifest.config.vocab_size]
     if bad_stops:
         raise InputError(f"stop ids {bad_stops} lie outside the vocabulary [0, {runner.manifest.config.vocab_size})")
-    stops = set(stop_ids) | ({eos_token_id} if eos_token_id is not None else set())
-    return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops)
+    return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, _stop_set(eos_token_id, stop_ids))
+
+
+def _stop_set(eos_token_id: int | None, stop_ids) -> set[int]:
+    return set(stop_ids) | ({eos_token_id} if eos_token_id is not None else set())
 
 
 def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> Iterator[list[int | None]]:
@@ -158,7 +161,7 @@ def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = Sa
     """Run `stream` to the end and collect each row's tokens."""
     steps = stream(runner, prompts, max_new_tokens, sampling, eos_token_id, stop_ids)
     results = [Generation(list(map(int, p))) for p in prompts]
-    stops = set(stop_ids) | ({eos_token_id} if eos_token_id is not None else set())
+    stops = _stop_set(eos_token_id, stop_ids)
     for tokens in steps:
         for result, token in zip(results, tokens):
             if token is not None:

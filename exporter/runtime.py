@@ -237,17 +237,18 @@ class OrtRunner:
         return {cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
                 for layer in range(cache.num_layers) for kind in KV_KINDS}
 
-    def _run_bound(self, session, contract, feeds: dict) -> np.ndarray:
-        """Run with IO binding; keep present as the next past; return the last position's logits."""
-        binding = session.io_binding()
+    def _run_decode(self, feeds: dict) -> np.ndarray:
+        """Run decode.onnx with IO binding; keep present as the next past; return the last position's logits."""
+        names = self.manifest.decode.output_names
+        binding = self.decode_session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         for name, value in self._cache.items():
             binding.bind_ortvalue_input(name, value)
-        for name in contract.output_names:
-            binding.bind_output(name, "cpu" if name in ("logits", "loss") else self.cache_device)
-        session.run_with_iobinding(binding)
-        outputs = dict(zip(contract.output_names, binding.get_outputs()))
+        for name in names:
+            binding.bind_output(name, "cpu" if name == "logits" else self.cache_device)
+        self.decode_session.run_with_iobinding(binding)
+        outputs = dict(zip(names, binding.get_outputs()))
         cache = self.manifest.cache
         self._cache = {cache.past(layer, kind): outputs[cache.present(layer, kind)]
                        for layer in range(cache.num_layers) for kind in KV_KINDS}
@@ -259,7 +260,7 @@ class OrtRunner:
         self._cache = {name: ort.OrtValue.ortvalue_from_numpy(value)
                        for name, value in self.empty_past(len(input_ids)).items()}
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self._run_bound(self.decode_session, self.manifest.decode, feeds)
+        return self._run_decode(feeds)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Decode new tokens on top of the cache that start/step left; return next-token logits."""
@@ -270,7 +271,7 @@ class OrtRunner:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
         _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self._run_bound(self.decode_session, self.manifest.decode, feeds)
+        return self._run_decode(feeds)
 
 
 def presents_as_past(manifest: Manifest, outputs: dict) -> dict:

@@ -116,7 +116,7 @@ def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dic
     import torch
 
     from exporter.manifest import read_manifest
-    from reference.build import build_model
+    from reference import build_model
 
     torch.set_num_threads(threads or os.cpu_count())
     manifest = read_manifest(artifact, check_hashes=False)

@@ -16,8 +16,8 @@ from pathlib import Path
 import click
 
 from exporter.errors import ToolkitError
-from reference import DEFAULT_PRESET, PRESETS, get_preset
-from reference.errors import ConfigError
+from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
+from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
 EXIT_INPUT_ERROR = 2
@@ -43,7 +43,7 @@ def handle_errors(func):
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (ToolkitError, ConfigError) as exc:
+        except (ToolkitError, ModelError) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_INPUT_ERROR)
         except KeyboardInterrupt:
@@ -101,8 +101,16 @@ def common_options(func):
 
 
 def export_options(func):
-    func = click.option("--preset", type=click.Choice(list(PRESETS)), default=DEFAULT_PRESET, show_default=True,
-                        help="Model configuration to export (weights are seeded).")(func)
+    func = click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
+                        help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
+                             "--checkpoint, which must then fit the preset exactly.")(func)
+    func = click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                        help="Weights to export: a MiniMind .pth, a .safetensors file, a Transformers folder "
+                             "(config.json + model.safetensors) or a teaching-GPT {'model_state_dict': ...} file. "
+                             "Family and sizes are inferred from it unless --preset or --config is given.")(func)
+    func = click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                        help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
+                             "upstream names); fields it lacks are inferred from the checkpoint.")(func)
     func = click.option("--seed", type=int, default=0, show_default=True,
                         help="Seed of the deterministic weight initialisation.")(func)
     func = click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
@@ -130,26 +138,63 @@ def genai_option(func):
                              "reference. Default: when onnxruntime-genai is installed and the family runs in it.")(func)
 
 
-def _export(preset, seed, output, dtype, no_loss, tokenizer):
-    from exporter.export import export_artifact  # torch is slow to import; keep --help fast
-    from reference.build import build_model
-    model = build_model(get_preset(preset), seed)
-    folder = output or DEFAULT_ROOT / (preset if dtype == "float32" else f"{preset}-{dtype}")
-    source = {"kind": "seeded", "preset": preset, "seed": seed}
+def _read_config_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ToolkitError(f"--config {path} is not a readable JSON file ({exc}); pass a JSON object of config fields")
+    if not isinstance(data, dict):
+        raise ToolkitError(f"--config {path} holds a {type(data).__name__}, not a JSON object of config fields")
+    return data
+
+
+def _model_and_source(preset, seed, checkpoint, config_path):
+    """The model to export and the manifest's record of where its weights came from."""
+    if checkpoint is None:
+        if config_path is not None:
+            raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
+        preset = preset or DEFAULT_PRESET
+        return build_model(get_preset(preset), seed), {"kind": "seeded", "preset": preset.lower(), "seed": seed}, preset
+    from reference.checkpoints import fingerprint, load_checkpoint
+    if preset is not None and config_path is not None:
+        raise ToolkitError("give --preset or --config for a checkpoint, not both")
+    config = get_preset(preset) if preset else None
+    data = _read_config_file(config_path) if config_path is not None else None
+    model, report = load_checkpoint(checkpoint, config=config, config_data=data)
+    source = {"kind": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": fingerprint(checkpoint),
+              **{k: v for k, v in report.to_dict().items() if k != "path"}}
+    return model, source, (preset or Path(checkpoint).stem).lower()
+
+
+def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
+    from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
+    model, source, name = _model_and_source(preset, seed, checkpoint, config_path)
+    folder = output or DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
     return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
                                   tokenizer=tokenizer)
+
+
+def _rebuild(folder, manifest):
+    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
+    source = manifest.source
+    if source.get("kind") == "seeded":
+        return build_model(manifest.config, source["seed"])
+    if source.get("kind") == "checkpoint":
+        from reference.checkpoints import fingerprint, load_checkpoint
+        path = Path(source["path"])
+        if not path.exists() or fingerprint(path) != source["sha256"]:
+            raise ToolkitError(f"{folder} was exported from checkpoint {path}, which is "
+                               f"{'gone' if not path.exists() else 'changed since'}; restore it or re-export")
+        return load_checkpoint(path, config=manifest.config)[0]
+    raise ToolkitError(f"{folder} was exported from weights this command cannot rebuild ({source}); "
+                       "verify it from Python with verify_artifact(folder, model)")
 
 
 def _verify(folder, providers, genai, model=None):
     from exporter.manifest import read_manifest
     from exporter.parity import verify_artifact
-    from reference.build import build_model
     if model is None:
-        manifest = read_manifest(folder)
-        if manifest.source.get("kind") != "seeded":
-            raise ToolkitError(f"{folder} was exported from weights this command cannot rebuild "
-                               f"({manifest.source}); verify it from Python with verify_artifact(folder, model)")
-        model = build_model(manifest.config, manifest.source["seed"])
+        model = _rebuild(folder, read_manifest(folder))
     return verify_artifact(folder, model, list(providers) or None, genai=genai)
 
 
@@ -175,11 +220,12 @@ def main(ctx):
 @genai_option
 @common_options
 @handle_errors
-def run(preset, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet, verbose):
-    """Export a preset, then verify the artifact against the reference (the default command)."""
+def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet,
+        verbose):
+    """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
     from exporter.report import format_export, format_verify
     _setup_logging(verbose, quiet)
-    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
           format_export(exported) + "\n\n" + format_verify(report))
@@ -190,12 +236,12 @@ def run(preset, seed, output, dtype, no_loss, tokenizer, providers, genai, as_js
 @export_options
 @common_options
 @handle_errors
-def export(preset, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
+def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
     """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
     onnxruntime-genai and Optimum load the folder as it is."""
     from exporter.report import format_export
     _setup_logging(verbose, quiet)
-    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer)
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     _emit(exported.to_dict(), as_json, format_export(exported))
 
 
@@ -209,7 +255,8 @@ def verify(folder, providers, genai, as_json, quiet, verbose):
     """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens),
     and onnxruntime-genai's greedy tokens on the folder as it is with the reference's.
 
-    The reference is rebuilt from the manifest (config and weight seed). Exits 1 when any check fails.
+    The reference is rebuilt from the manifest: the config with the weight seed, or the checkpoint file it
+    was exported from (which must be unchanged). Exits 1 when any check fails.
     """
     from exporter.report import format_verify
     _setup_logging(verbose, quiet)

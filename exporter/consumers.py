@@ -6,7 +6,7 @@
 
 Both consumers only run the graph; the model type tells them which defaults
 to assume (input names, tokenizer handling), not how to compute. A family
-therefore supplies just two names, in FAMILY_TYPES; everything else comes
+therefore supplies just two names, in consumer_types; everything else comes
 from the manifest. What each consumer needs was measured (../shared/ECOSYSTEM.md).
 """
 
@@ -38,11 +38,29 @@ class FamilyTypes:
     hf_unsupported: str = ""
 
 
-# Keyed by the manifest's model.family. MiniMind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU);
-# qwen3 ran its graph unmodified in both consumers with tokens equal to a plain ONNX Runtime loop.
-FAMILY_TYPES: dict[str, FamilyTypes] = {
-    "minimind": FamilyTypes(genai="qwen3", hf="qwen3"),
-}
+# What each consumer is told the model is. The types only choose the consumers' defaults (input names,
+# how to size the first-step cache from config.json); neither rebuilds the architecture, so a type is
+# chosen for the attention layout it implies. Measured (../shared/ECOSYSTEM.md): qwen3, llama and the
+# generic "decoder" type ran a contract-following graph unmodified in onnxruntime-genai, qwen3 and llama
+# in Optimum.
+# - minimind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU): qwen3.
+# - MiniMind2 has no q/k norm and no biases, Llama's layout: llama.
+# - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it
+#   would not compute anyway, so they are "decoder" there (the generic type), and their generation's
+#   type for Optimum, which reads only the sizes.
+# - The teaching GPT (learned positions, LayerNorm) and bring-your-own decoders: "decoder" in genai;
+#   Optimum's types for learned-position models (gpt2) expect other input names, so Optimum gets llama,
+#   which it uses only to size the cache.
+def consumer_types(manifest: Manifest) -> FamilyTypes:
+    config = manifest.config
+    if manifest.family == "minimind":
+        attention = "qwen3" if config.version == 3 else "llama"
+        return FamilyTypes(genai="decoder" if config.use_moe else attention, hf=attention)
+    if manifest.family in ("teaching-gpt", "custom"):
+        return FamilyTypes(genai="decoder", hf="llama")
+    reason = f"model family {manifest.family!r} has no consumer types in exporter.consumers.consumer_types"
+    return FamilyTypes(None, None, reason, reason)
+
 
 # Config fields that keep their meaning under the same name in a Hugging Face config.json.
 _HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -54,7 +72,7 @@ _HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 class ModelSizes:
     """What both consumers read about a model, gathered from the manifest once."""
 
-    family: str
+    types: FamilyTypes
     vocab_size: int
     context_length: int
     hidden_size: int
@@ -62,50 +80,47 @@ class ModelSizes:
     num_key_value_heads: int
     num_hidden_layers: int
     head_size: int
-    bos_token_id: int
-    eos_token_id: int
-    pad_token_id: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
 
     @classmethod
     def of(cls, manifest: Manifest, pad_token_id: int | None = None) -> ModelSizes:
         config, cache = manifest.config, manifest.cache
-        return cls(family=family_of(manifest), vocab_size=config.vocab_size,
-                   context_length=config.max_position_embeddings, hidden_size=config.hidden_size,
-                   num_attention_heads=config.num_attention_heads, num_key_value_heads=cache.num_key_value_heads,
+        # Families without grouped-query attention name no query-head count; it is then the kv-head count.
+        heads = getattr(config, "num_attention_heads", cache.num_key_value_heads)
+        return cls(types=consumer_types(manifest), vocab_size=config.vocab_size,
+                   context_length=config.max_position_embeddings,
+                   hidden_size=getattr(config, "hidden_size", heads * cache.head_dim),
+                   num_attention_heads=heads, num_key_value_heads=cache.num_key_value_heads,
                    num_hidden_layers=cache.num_layers, head_size=cache.head_dim,
                    bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                    pad_token_id=config.eos_token_id if pad_token_id is None else pad_token_id)
 
 
-def family_of(manifest: Manifest) -> str:
-    return manifest.to_dict()["model"]["family"]
-
-
-def family_types(family: str) -> FamilyTypes:
-    types = FAMILY_TYPES.get(family)
-    if types is None:
-        reason = f"model family {family!r} has no consumer types in exporter.consumers.FAMILY_TYPES"
-        return FamilyTypes(None, None, reason, reason)
-    return types
-
-
 def genai_unsupported(manifest: Manifest) -> str:
     """Why onnxruntime-genai cannot run this artifact, or '' when it can."""
-    types = family_types(family_of(manifest))
+    types = consumer_types(manifest)
     return "" if types.genai else types.genai_unsupported
 
 
 def optimum_unsupported(manifest: Manifest) -> str:
     """Why Optimum cannot run this artifact, or '' when it can."""
-    types = family_types(family_of(manifest))
+    types = consumer_types(manifest)
     if types.hf is None:
         return types.hf_unsupported
-    config = manifest.config
-    if manifest.cache.head_dim * config.num_attention_heads != config.hidden_size:
+    sizes = ModelSizes.of(manifest)
+    if sizes.head_size * sizes.num_attention_heads != sizes.hidden_size:
         # Optimum sizes the empty first-step cache as hidden_size / num_attention_heads, ignoring head_dim.
-        return (f"head_dim {manifest.cache.head_dim} != hidden_size / num_attention_heads "
-                f"({config.hidden_size} / {config.num_attention_heads}); Optimum would build a wrong empty cache")
+        return (f"head_dim {sizes.head_size} != hidden_size / num_attention_heads "
+                f"({sizes.hidden_size} / {sizes.num_attention_heads}); Optimum would build a wrong empty cache")
     return ""
+
+
+def _token_ids(sizes: ModelSizes) -> dict:
+    """The special ids a family has; onnxruntime-genai reads a missing one as "none", not a JSON null."""
+    ids = {"bos_token_id": sizes.bos_token_id, "eos_token_id": sizes.eos_token_id, "pad_token_id": sizes.pad_token_id}
+    return {name: value for name, value in ids.items() if value is not None}
 
 
 def genai_config(manifest: Manifest, sizes: ModelSizes) -> dict:
@@ -127,9 +142,8 @@ def genai_config(manifest: Manifest, sizes: ModelSizes) -> dict:
                     "present_value_names": names["value"][1]},
     }
     return {
-        "model": {"type": family_types(sizes.family).genai, "context_length": sizes.context_length,
-                  "vocab_size": sizes.vocab_size, "bos_token_id": sizes.bos_token_id,
-                  "eos_token_id": sizes.eos_token_id, "pad_token_id": sizes.pad_token_id, "decoder": decoder},
+        "model": {"type": sizes.types.genai, "context_length": sizes.context_length,
+                  "vocab_size": sizes.vocab_size, **_token_ids(sizes), "decoder": decoder},
         # The graph concatenates past and new keys, so past and present cannot share one buffer.
         "search": {"max_length": sizes.context_length, "past_present_share_buffer": False, "do_sample": False,
                    "num_beams": 1, "num_return_sequences": 1, "min_length": 0, "top_k": 1, "top_p": 1.0,
@@ -141,8 +155,11 @@ def genai_config(manifest: Manifest, sizes: ModelSizes) -> dict:
 def hf_config(manifest: Manifest, sizes: ModelSizes) -> dict:
     """A Hugging Face config.json: what Optimum reads to build its cache and stop at EOS."""
     config = manifest.config.to_dict()
-    return {"model_type": family_types(sizes.family).hf,
+    return {"model_type": sizes.types.hf,
             **{name: config[name] for name in _HF_FIELDS if name in config},
+            "hidden_size": sizes.hidden_size, "num_attention_heads": sizes.num_attention_heads,
+            "num_key_value_heads": sizes.num_key_value_heads, "num_hidden_layers": sizes.num_hidden_layers,
+            "vocab_size": sizes.vocab_size, "max_position_embeddings": sizes.context_length,
             "head_dim": sizes.head_size, "bos_token_id": sizes.bos_token_id, "eos_token_id": sizes.eos_token_id,
             "pad_token_id": sizes.pad_token_id, "torch_dtype": manifest.dtype, "use_cache": True}
 

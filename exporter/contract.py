@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from reference.minimind_config import MiniMindConfig
+from reference.families import DecoderConfig
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"
@@ -88,7 +88,7 @@ class CacheLayout:
 KV_KINDS = ("key", "value")
 
 
-def cache_layout(config: MiniMindConfig, dtype: str) -> CacheLayout:
+def cache_layout(config: DecoderConfig, dtype: str) -> CacheLayout:
     return CacheLayout(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
 
 
@@ -98,7 +98,7 @@ def _kv_specs(cache: CacheLayout, name_of, length_axis: str) -> list[TensorSpec]
             for layer in range(cache.num_layers) for kind in KV_KINDS]
 
 
-def prefill_contract(config: MiniMindConfig, dtype: str, with_loss: bool) -> GraphContract:
+def prefill_contract(config: DecoderConfig, dtype: str, with_loss: bool) -> GraphContract:
     cache = cache_layout(config, dtype)
     tokens = (BATCH, SEQUENCE)
     inputs = [TensorSpec("input_ids", "int64", tokens), TensorSpec("attention_mask", "int64", tokens),
@@ -111,7 +111,7 @@ def prefill_contract(config: MiniMindConfig, dtype: str, with_loss: bool) -> Gra
     return GraphContract("prefill.onnx", tuple(inputs), tuple(outputs))
 
 
-def decode_contract(config: MiniMindConfig, dtype: str) -> GraphContract:
+def decode_contract(config: DecoderConfig, dtype: str) -> GraphContract:
     cache = cache_layout(config, dtype)
     inputs = [TensorSpec("input_ids", "int64", (BATCH, SEQUENCE)),
               TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),

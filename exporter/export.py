@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime
+import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 import torch
 from torch.export import Dim
 
@@ -192,8 +193,11 @@ def _move_into_place(built: Path, folder: Path) -> None:
 
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
                     source: dict | None = None, tokenizer: Path | None = None) -> ExportResult:
-    """Export `model` (a reference MiniMindForCausalLM) as an artifact folder.
+    """Export `model` as an artifact folder.
 
+    `model` is a reference model of a known family (reference/families.py) or a
+    bring-your-own adapter (reference/byo.py): `model.config` gives the contract's
+    sizes, `model.forward` the shared signature with a list-of-(k, v) cache.
     `tokenizer` (a tokenizer.json, or a folder holding one and optionally
     tokenizer_config.json) is checked against the model's vocabulary and
     copied into the artifact, for text generation in every consumer.
@@ -240,7 +244,11 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
         files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
         manifest = dataclasses.replace(manifest, files=file_entries(built, files))
         log.info("smoke-testing the graphs in onnxruntime")
-        _smoke_run(built, manifest)
+        try:
+            _smoke_run(built, manifest)
+        except (_ort_errors.Fail, _ort_errors.RuntimeException) as exc:  # e.g. an op this build lacks for a dtype
+            raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs "
+                               f"({str(exc).strip().splitlines()[0][:300]})") from exc
         manifest.write(built)
         _move_into_place(built, folder)
     finally:

@@ -62,7 +62,13 @@ def use_head_major_tied_table(model: nn.Module) -> None:
     (20 MB per session for minimind-3). Gathering columns of a (hidden, vocab)
     table instead lets both ops read one tensor; a gather copies values exactly.
     """
-    if model.config.tie_word_embeddings:
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    # Only a table actually shared by an nn.Embedding and a bias-free nn.Linear (MiniMind's tie); other
+    # families and bring-your-own decoders export their modules as they are.
+    tied = (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None
+            and head.weight is embed.weight)
+    if tied:
         table = nn.Parameter(model.lm_head.weight.detach().t().contiguous(), requires_grad=False)
         model.model.embed_tokens = _HeadMajorEmbedding(table)
         model.lm_head = _HeadMajorLMHead(table)

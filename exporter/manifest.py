@@ -10,7 +10,7 @@ from pathlib import Path
 from exporter.contract import CacheLayout, GraphContract
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
-from reference.minimind_config import MiniMindConfig
+from reference.families import DecoderConfig, config_from_dict, family_of
 
 MANIFEST = "manifest.json"
 FORMAT = "minimind-onnx-artifact"
@@ -32,7 +32,7 @@ def file_entries(folder: Path, names: list[str]) -> dict:
 
 @dataclass(frozen=True)
 class Manifest:
-    config: MiniMindConfig
+    config: DecoderConfig  # of the family recorded as model.family
     source: dict  # where the weights came from, e.g. {"kind": "seeded", "preset": ..., "seed": 0}
     dtype: str
     opset: int
@@ -45,13 +45,17 @@ class Manifest:
     files: dict  # name -> {"bytes", "sha256"}
 
     @property
+    def family(self) -> str:
+        return family_of(self.config).name
+
+    @property
     def with_loss(self) -> bool:
         return "loss" in self.prefill.output_names
 
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION,
-            "model": {"family": "minimind", "config": self.config.to_dict(), "source": self.source},
+            "model": {"family": self.family, "config": self.config.to_dict(), "source": self.source},
             "dtype": self.dtype, "opset": self.opset,
             "graphs": {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()},
             "cache": self.cache.to_dict(),
@@ -68,7 +72,8 @@ class Manifest:
             raise ArtifactError(f"manifest format is {data.get('format')!r} v{data.get('format_version')}, "
                                 f"expected {FORMAT!r} v{FORMAT_VERSION}; re-export the folder with this toolkit")
         return cls(
-            config=MiniMindConfig.from_dict(data["model"]["config"]), source=data["model"]["source"],
+            config=config_from_dict(data["model"]["family"], data["model"]["config"]),
+            source=data["model"]["source"],
             dtype=data["dtype"], opset=data["opset"],
             prefill=GraphContract.from_dict(data["graphs"]["prefill"]),
             decode=GraphContract.from_dict(data["graphs"]["decode"]),

@@ -7,6 +7,9 @@ Checks, per execution provider:
   side feeding its own present back as past; logits and present every step;
 - greedy generation: the ONNX Runtime loop against the reference's own cached
   decoding;
+- for MoE models, expert-choice agreement: the fraction of (token, layer)
+  pairs whose chosen experts are the same in the graphs and the reference
+  (exporter/routing.py).
 and once per artifact, when it can run, onnxruntime-genai's own generation
 loop over the folder as it is (the consumer check).
 Comparison functions are pure and return frozen result objects.
@@ -27,6 +30,7 @@ from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
 from exporter.reference_runner import TorchRunner, reference_greedy, reference_next_logits
 from exporter.generation import generate_greedy
+from exporter.routing import ExpertAgreement, check_expert_choice
 from exporter.runtime import (OrtRunner, available_parity_providers, check_provider, position_ids_from_mask,
                               presents_as_past)
 
@@ -155,14 +159,17 @@ class ProviderReport:
     dtype: str
     comparisons: list[Comparison]
     greedy: GreedyResult
+    experts: ExpertAgreement | None = None  # MoE models only
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons) and self.greedy.passed
+        experts_ok = self.experts is None or self.experts.passed
+        return all(c.passed for c in self.comparisons) and self.greedy.passed and experts_ok
 
     def to_dict(self) -> dict:
         return {"provider": self.provider, "dtype": self.dtype, "passed": self.passed,
-                "comparisons": [c.to_dict() for c in self.comparisons], "greedy": self.greedy.to_dict()}
+                "comparisons": [c.to_dict() for c in self.comparisons], "greedy": self.greedy.to_dict(),
+                "expert_choice": self.experts.to_dict() if self.experts is not None else None}
 
 
 @dataclass(frozen=True)
@@ -301,7 +308,12 @@ def run_parity(model: torch.nn.Module, folder: Path, provider: str, manifest: Ma
     rows += check_decode(reference, onnx, manifest, batch, settings, np.random.default_rng(settings.seed + 1))
     log.info("parity on %s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     greedy = check_greedy(reference.model, onnx, manifest, settings, np.random.default_rng(settings.seed + 2))
-    return ProviderReport(onnx.provider, manifest.dtype, rows, greedy)
+    rng = np.random.default_rng(settings.seed + 3)
+    steps = [rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
+             for n in [1] * settings.decode_steps + [3]]
+    experts = check_expert_choice(reference, folder, manifest, onnx.provider, batch, steps,
+                                  TOLERANCES[manifest.dtype]["logits"])
+    return ProviderReport(onnx.provider, manifest.dtype, rows, greedy, experts)
 
 
 def check_genai(model: torch.nn.Module, folder: Path, manifest: Manifest,

@@ -23,9 +23,14 @@ def format_verify(report: VerifyReport) -> str:
         greedy = provider.greedy
         rows.append(["greedy tokens", f"{greedy.match_length}/{len(greedy.reference_ids)} match", "", "", "",
                      "pass" if greedy.passed else "FAIL"])
+        experts = provider.experts
+        if experts is not None:
+            agreement = f"{100 * experts.fraction:.2f}% agree" if experts.measured else "not measured"
+            rows.append(["expert choice", agreement, "", "", "", "pass" if experts.passed else "FAIL"])
         title = f"{provider.provider} ({provider.dtype}): {'PASS' if provider.passed else 'FAIL'}"
         blocks.append(title + "\n" + _table(["check", "max abs", "max rel", "mean abs", "atol/rtol/peak", "result"],
-                                            rows) + f"\n  greedy: {greedy.note}")
+                                            rows) + f"\n  greedy: {greedy.note}"
+                      + (f"\n  experts: {experts.note}" if experts is not None else ""))
     for provider, reason in report.skipped.items():
         blocks.append(f"{provider}: skipped ({reason})")
     for consumer in report.consumers:
@@ -53,9 +58,8 @@ def format_export(result: ExportResult) -> str:
 def format_inspect(manifest: Manifest, folder: str) -> str:
     config = manifest.config
     lines = [f"artifact {folder}",
-             f"  model: minimind, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-             f"heads {config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}, "
-             f"max positions {config.max_position_embeddings}",
+             f"  model: {manifest.family}, {config.num_hidden_layers} layers, kv heads {config.num_key_value_heads} "
+             f"x {config.head_dim}, vocab {config.vocab_size}, max positions {config.max_position_embeddings}",
              f"  weights from: {manifest.source}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]

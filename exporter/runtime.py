@@ -16,7 +16,7 @@ import onnxruntime as ort
 from exporter.contract import KV_KINDS
 from exporter.errors import InputError, ProviderError
 from exporter.manifest import Manifest, read_manifest
-from reference.minimind_config import MiniMindConfig
+from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> 
     return positions[:, past_length:].astype(np.int64)
 
 
-def check_prompt(config: MiniMindConfig, prompt_ids, max_new_tokens: int) -> list[int]:
+def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list[int]:
     """Validate one prompt before anything runs; return it as a list of ints."""
     ids = [int(i) for i in prompt_ids]
     if not ids:

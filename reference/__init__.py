@@ -1,18 +1,23 @@
-"""PyTorch reference models that the ONNX exports must reproduce.
+"""PyTorch reference models that the ONNX exports must reproduce, one file per family.
 
-Configs and presets import without torch (the ONNX Runtime side reads them);
-the model classes load torch on first use.
+Configs, presets and the family registry import without torch (the ONNX
+Runtime side reads them); the model classes load torch on first use.
 """
 
-from reference.errors import ConfigError
-from reference.minimind_config import MiniMindConfig
+from reference.configs import DecoderSpec
+from reference.errors import CheckpointError, ConfigError, ContextLengthError, ModelError
+from reference.families import FAMILIES, build_model, family_of, get_family
+from reference.minimind_config import MiniMindConfig, YarnScaling
 from reference.presets import DEFAULT_PRESET, PRESETS, get_preset
+from reference.teaching_gpt_config import TeachingGPTConfig
 
 _TORCH_EXPORTS = {
-    "CausalLMOutput": "reference.minimind",
+    "CausalLMOutput": "reference.layers",
+    "DecoderAdapter": "reference.byo",
+    "check_adapter": "reference.byo",
     "MiniMindForCausalLM": "reference.minimind",
+    "TeachingGPT": "reference.teaching_gpt",
     "seeded_init_": "reference.init",
-    "build_model": "reference.build",
 }
 
 
@@ -23,5 +28,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'reference' has no attribute {name!r}")
 
 
-__all__ = ["CausalLMOutput", "ConfigError", "DEFAULT_PRESET", "MiniMindConfig", "MiniMindForCausalLM",
-           "PRESETS", "build_model", "get_preset", "seeded_init_"]
+__all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "ContextLengthError", "DEFAULT_PRESET",
+           "DecoderAdapter", "DecoderSpec", "FAMILIES", "MiniMindConfig", "MiniMindForCausalLM", "PRESETS",
+           "ModelError", "TeachingGPT", "TeachingGPTConfig", "YarnScaling", "build_model", "check_adapter",
+           "family_of", "get_family", "get_preset", "seeded_init_"]

@@ -1,5 +1,20 @@
-"""Errors raised by the reference models for bad configurations or inputs."""
+"""Errors raised by the reference models for bad configurations, checkpoints or inputs.
+
+Every message names the problem and the fix; the CLI shows it as one line (exit 2).
+"""
 
 
-class ConfigError(ValueError):
+class ModelError(ValueError):
+    """Base of the errors a user can cause in `reference/`."""
+
+
+class ConfigError(ModelError):
     """A model configuration field is invalid; the message names the field."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint file cannot be read safely, or does not fit the model it is loaded into."""
+
+
+class ContextLengthError(ModelError):
+    """A sequence is longer than the positions the model has (learned absolute positions)."""

@@ -27,10 +27,13 @@ def _stream(seed: int, name: str) -> np.random.Generator:
 
 @torch.no_grad()
 def seeded_init_(model: nn.Module, seed: int = 0, std: float = DEFAULT_STD) -> nn.Module:
-    """Norm weights (1-D, named *norm*) are ones; every other tensor is uniform with the given std."""
+    """Norm weights (1-D weights named *norm*, or of a LayerNorm) are ones; every other tensor
+    (LayerNorm and Linear biases included) is uniform with the given std."""
     half_width = std * math.sqrt(3.0)
+    layer_norms = {f"{name}.weight" if name else "weight" for name, module in model.named_modules()
+                   if isinstance(module, nn.LayerNorm)}
     for name, param in model.named_parameters():  # tied parameters are yielded once
-        if param.ndim == 1 and "norm" in name:
+        if param.ndim == 1 and name.endswith("weight") and ("norm" in name or name in layer_norms):
             param.fill_(1.0)
             continue
         values = _stream(seed, name).uniform(-half_width, half_width, size=tuple(param.shape))

@@ -1,52 +1,76 @@
-"""MiniMind, current generation ("minimind-3"): the PyTorch reference.
+"""MiniMind, both generations: the PyTorch reference.
 
-Behaviour follows ../shared/REFERENCE-MODELS.md section 1. Parameter names are
-MiniMind's state-dict keys, so real checkpoints load one to one.
+`version=3` is minimind-3 (REFERENCE-MODELS.md section 1), `version=2` is
+MiniMind2 (section 2): no q/k norms, RMSNorm eps 1e-5 cast back before the
+weight, 2 kv heads, FFN width 64 * ceil(int(8h/3) / 64), and MoE layers with
+top-2 routing plus a shared expert. Fields left None take their generation's
+default. Parameter names are MiniMind's state-dict keys, so real checkpoints
+load one to one.
 
-Two deliberate, numerically neutral departures from the upstream code, both so
-the model exports without Python branches on tensor values:
+Deliberate, numerically neutral departures from the upstream code, all so the
+model exports without Python branches on tensor values:
 - RoPE cos/sin are computed in float32 from position ids (`pos * inv_freq`, the
-  same float ops the upstream table uses) instead of slicing a 32768-row table
-  (25 MB of constants per graph); this also lets callers pass explicit position
-  ids (left padding, the ONNX contract).
+  float ops of the upstream table, YaRN included) instead of slicing a
+  32768-row table; callers can pass explicit position ids (left padding).
 - The fused attention path is chosen when there is no cache and no mask
   (upstream also takes it for an all-ones mask, which needs a tensor test).
+- MoE routing: upstream loops over experts with `if mask.any()` / bincount, so
+  the set of experts that run depends on the data. Here every expert's
+  contribution is added in expert order through a weight that is zero for
+  tokens that did not choose it ("dense"), or the tokens of each expert are
+  gathered by index without any Python test ("sparse"). Adding an exact zero
+  changes nothing, so both give upstream's sums in upstream's order.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reference.layers import CausalLMOutput, attend, default_position_ids, shifted_cross_entropy
 from reference.minimind_config import MiniMindConfig
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, cast_before_weight: bool = False):
         super().__init__()
         self.eps = eps
+        self.cast_before_weight = cast_before_weight  # MiniMind2's order
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise and scale in float32, then cast back to the input dtype.
+        # Normalise in float32; minimind-3 scales in float32 then casts, MiniMind2 casts then scales.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_before_weight:
+            return self.weight * normed.type_as(x)
         return (self.weight * normed).type_as(x)
 
 
 def rope_inv_freq(config: MiniMindConfig) -> torch.Tensor:
-    dim = config.head_dim
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    """(D/2,) float32 frequencies, YaRN-scaled when rope_scaling applies."""
+    dim, base = config.head_dim, config.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    yarn = config.rope_scaling
+    if yarn is not None and config.max_position_embeddings / yarn.original_max_position_embeddings > 1.0:
+        orig = yarn.original_max_position_embeddings
+
+        def inv_dim(beta):
+            return (dim * math.log(orig / (beta * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = max(math.floor(inv_dim(yarn.beta_fast)), 0), min(math.ceil(inv_dim(yarn.beta_slow)), dim // 2 - 1)
+        ramp = torch.clamp((torch.arange(dim // 2).float() - low) / max(high - low, 0.001), 0, 1)
+        freqs = freqs * (1 - ramp + ramp / yarn.factor)
+    return freqs
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor):
-    """cos/sin of shape (B, T, head_dim) for integer positions (B, T)."""
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, scale: float = 1.0):
+    """cos/sin of shape (B, T, head_dim) for integer positions (B, T), times YaRN's attention factor."""
     freqs = position_ids[..., None].float() * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.cos(emb), torch.sin(emb)
+    return torch.cos(emb) * scale, torch.sin(emb) * scale
 
 
 def rotate_half(x):
@@ -60,37 +84,6 @@ def apply_rotary(x, cos, sin):
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def repeat_kv(x, n_rep: int):
-    """(B, L, Hkv, D) -> (B, L, Hkv * n_rep, D), each kv head repeated n_rep times in a row."""
-    if n_rep == 1:
-        return x
-    b, length, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, length, h, n_rep, d).reshape(b, length, h * n_rep, d)
-
-
-def attention_bias(attention_mask, query_len: int, key_len: int, device):
-    """Additive float32 bias (B or 1, 1, T, L): causal aligned bottom-right, -1e9 on padded keys."""
-    past_len = key_len - query_len
-    q_pos = torch.arange(query_len, device=device)[:, None] + past_len
-    k_pos = torch.arange(key_len, device=device)[None, :]
-    bias = torch.zeros(query_len, key_len, device=device).masked_fill(k_pos > q_pos, float("-inf"))[None, None]
-    if attention_mask is not None:
-        bias = bias + (1.0 - attention_mask[:, None, None, :].float()) * -1e9
-    return bias
-
-
-def eager_attention(q, k, v, attention_mask):
-    # q: (B, H, T, D); k, v: (B, H, L, D)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.float() + attention_bias(attention_mask, q.shape[-2], k.shape[-2], q.device)
-    probs = F.softmax(scores, dim=-1).type_as(q)
-    return probs @ v
-
-
-def sdpa_attention(q, k, v, attention_mask):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 class Attention(nn.Module):
     def __init__(self, config: MiniMindConfig):
         super().__init__()
@@ -100,8 +93,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        if config.version == 3:  # Qwen3-style per-head norms; MiniMind2 has none
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_key_value=None, attention_mask=None):
@@ -110,45 +104,124 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.version == 3:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if past_key_value is not None:
-            k = torch.cat([past_key_value[0], k], dim=1)  # (B, P+T, Hkv, D)
-            v = torch.cat([past_key_value[1], v], dim=1)
-        present = (k, v)
-        q = q.transpose(1, 2)  # (B, H, T, D)
-        k = repeat_kv(k, cfg.n_rep).transpose(1, 2)  # (B, H, P+T, D)
-        v = repeat_kv(v, cfg.n_rep).transpose(1, 2)
-        fused = cfg.attn_implementation == "sdpa" and past_key_value is None and attention_mask is None and t > 1
-        out = (sdpa_attention if fused else eager_attention)(q, k, v, attention_mask)
-        out = out.transpose(1, 2).reshape(b, t, -1)
+        out, present = attend(q, k, v, past_key_value, attention_mask, cfg.attn_implementation)
         return self.dropout(self.o_proj(out)), present
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
+class Router(nn.Module):
+    """The MoE gate (key `mlp.gate.weight`, (E, hidden)): softmax scores, top-k experts and their weights."""
+
+    is_moe_router = True  # parity records its choices (exporter/routing.py)
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        # minimind-3 renormalises any top-k; MiniMind2 only when it picks more than one expert.
+        self.normalize = config.norm_topk_prob and (config.version == 3 or self.top_k > 1)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, x):
+        # x: (N, C) -> scores (N, E), top-k weights (N, k), top-k expert ids (N, k)
+        scores = F.softmax(F.linear(x, self.weight), dim=-1)
+        weight, idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        if self.normalize:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, weight, idx
+
+
+def dense_dispatch(x, experts, weight, idx):
+    """Every expert on every token, weighted by a (N, E) matrix that is zero off each token's top-k."""
+    dense = torch.zeros(x.shape[0], len(experts), dtype=weight.dtype, device=x.device).scatter(1, idx, weight)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        y = y + expert(x) * dense[:, e:e + 1]
+    return y
+
+
+def sparse_dispatch(x, experts, weight, idx):
+    """Each expert on its own tokens only, gathered by index (data-dependent sizes, no Python `if`).
+
+    A token picks an expert at most once, so its output is copied to the token's
+    row (zeros elsewhere) and added: the sums of upstream's index_add_, without
+    the scatter-add that ONNX Runtime's CPU provider lacks for float16.
+    """
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        hit = idx == e  # (N, k)
+        token_idx = hit.any(dim=-1).nonzero().flatten()  # (n_e,), possibly empty
+        token_weight = (weight * hit).sum(dim=-1)[token_idx, None]  # (n_e, 1)
+        y = y + torch.zeros_like(x).index_copy(0, token_idx, expert(x[token_idx]) * token_weight)
+    return y
+
+
+MOE_DISPATCH = {"dense": dense_dispatch, "sparse": sparse_dispatch}
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.config = config
+        self.gate = Router(config)
+        self.experts = nn.ModuleList([FeedForward(config, config.moe_intermediate_size)
+                                      for _ in range(config.num_experts)])
+        if config.n_shared_experts:
+            self.shared_experts = nn.ModuleList([FeedForward(config) for _ in range(config.n_shared_experts)])
+
+    def forward(self, x):
+        b, t, c = x.shape
+        flat = x.reshape(-1, c)
+        scores, weight, idx = self.gate(flat)
+        y = MOE_DISPATCH[self.config.moe_implementation](flat, self.experts, weight, idx).view(b, t, c)
+        for expert in getattr(self, "shared_experts", []):
+            y = y + expert(x)
+        aux = self.aux_loss(scores, idx, b) if self.training else x.new_zeros((), dtype=torch.float32)
+        return y, aux
+
+    def aux_loss(self, scores, idx, batch: int):
+        """Load-balancing loss as upstream computes it while training (0 in eval mode)."""
+        cfg = self.config
+        e, coef = cfg.num_experts, cfg.router_aux_loss_coef
+        if not cfg.seq_aux:
+            load = F.one_hot(idx, e).float().mean(0)  # (k, E)
+            return (load * scores.float().mean(0)).sum() * e * coef
+        per_seq = idx.view(batch, -1)  # (B, T*k)
+        load = torch.zeros(batch, e, device=scores.device).scatter_add_(
+            1, per_seq, torch.ones(per_seq.shape, device=scores.device)).div_(per_seq.shape[1] / e)
+        return (load * scores.float().view(batch, -1, e).mean(1)).sum(1).mean() * coef
+
+
 class MiniMindBlock(nn.Module):
     def __init__(self, config: MiniMindConfig):
         super().__init__()
+        cast_first = config.version == 2
+        self.config = config
         self.self_attn = Attention(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_first)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_first)
+        self.mlp = MoEFeedForward(config) if config.use_moe else FeedForward(config)
 
     def forward(self, x, cos, sin, past_key_value=None, attention_mask=None):
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, attention_mask)
         h = x + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h)), present
+        x = self.post_attention_layernorm(h)
+        mlp_out, aux = self.mlp(x) if self.config.use_moe else (self.mlp(x), None)  # MoE adds its aux loss
+        return h + mlp_out, present, aux
 
 
 class MiniMindModel(nn.Module):
@@ -158,38 +231,23 @@ class MiniMindModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList([MiniMindBlock(config) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.version == 2)
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
-        b, t = input_ids.shape
         if position_ids is None:
-            # Positions continue after the cache: P .. P+T-1.
-            past_len = past_key_values[0][0].shape[1] if past_key_values is not None else 0
-            position_ids = (torch.arange(t, device=input_ids.device) + past_len).expand(b, t)
+            position_ids = default_position_ids(input_ids, past_key_values)
         # Recomputed per call (D/2 values) rather than held as a buffer, so that
         # casting the model to float16 can never round the frequencies.
-        cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids)
+        scale = self.config.rope_scaling.attention_factor if self.config.rope_scaling is not None else 1.0
+        cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids, scale)
         h = self.dropout(self.embed_tokens(input_ids))
-        presents = []
+        presents, aux_loss = [], h.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):
             past = past_key_values[i] if past_key_values is not None else None
-            h, present = layer(h, cos, sin, past, attention_mask)
+            h, present, aux = layer(h, cos, sin, past, attention_mask)
             presents.append(present)
-        return self.norm(h), presents
-
-
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor  # (B, T_kept, V)
-    past_key_values: list | None  # per layer (k, v), each (B, P+T, Hkv, D)
-    loss: torch.Tensor | None
-    aux_loss: torch.Tensor
-
-
-def shifted_cross_entropy(logits, labels):
-    """Token t predicts token t+1; labels of -100 are ignored (MiniMind's training loss)."""
-    x, y = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
-    return F.cross_entropy(x.view(-1, x.size(-1)).float(), y.view(-1), ignore_index=-100)
+            aux_loss = aux_loss + aux if aux is not None else aux_loss
+        return self.norm(h), presents, aux_loss
 
 
 class MiniMindForCausalLM(nn.Module):
@@ -203,8 +261,7 @@ class MiniMindForCausalLM(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
                 logits_to_keep=0, labels=None, position_ids=None) -> CausalLMOutput:
-        hidden, presents = self.model(input_ids, attention_mask, past_key_values, position_ids)
+        hidden, presents, aux_loss = self.model(input_ids, attention_mask, past_key_values, position_ids)
         logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # -0 keeps every position
         loss = shifted_cross_entropy(logits, labels) if labels is not None else None
-        aux_loss = hidden.new_zeros((), dtype=torch.float32)  # dense: no router
         return CausalLMOutput(logits, presents if use_cache else None, loss, aux_loss)

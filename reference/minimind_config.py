@@ -1,5 +1,5 @@
-"""Configuration of the MiniMind family, kept free of torch so that the ONNX Runtime
-side (manifest, runtime) can read it without importing PyTorch."""
+"""Configuration of the MiniMind family (both generations), kept free of torch so that the
+ONNX Runtime side (manifest, runtime) can read it without importing PyTorch."""
 
 from __future__ import annotations
 
@@ -8,37 +8,87 @@ import json
 import math
 from dataclasses import dataclass
 
+from reference.configs import JsonConfig, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+MOE_IMPLEMENTATIONS = ("dense", "sparse")
+# Defaults that differ between the generations: field -> {version: value}.
+GENERATION_DEFAULTS = {
+    "num_key_value_heads": {3: 4, 2: 2},
+    "rms_norm_eps": {3: 1e-6, 2: 1e-5},
+    "num_experts_per_tok": {3: 1, 2: 2},
+    "n_shared_experts": {3: 0, 2: 1},
+    "router_aux_loss_coef": {3: 5e-4, 2: 0.01},
+    "seq_aux": {3: False, 2: True},
+}
 
 
 @dataclass(frozen=True)
-class MiniMindConfig:
+class YarnScaling:
+    """YaRN rope scaling (upstream `rope_scaling` when `inference_rope_scaling`)."""
+
+    factor: float = 16.0
+    original_max_position_embeddings: int = 2048
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MiniMindConfig(JsonConfig):
+    version: int = 3  # 3: minimind-3, 2: MiniMind2
     vocab_size: int = 6400
     hidden_size: int = 768
     num_hidden_layers: int = 8
     num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    intermediate_size: int | None = None  # None: ceil(hidden * pi / 64) * 64
+    num_key_value_heads: int | None = None  # None: 4 (v3), 2 (v2)
+    intermediate_size: int | None = None  # None: ceil(h * pi / 64) * 64 (v3), 64 * ceil(int(8h/3) / 64) (v2)
     max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float | None = None  # None: 1e-6 (v3), 1e-5 (v2)
     rope_theta: float = 1e6
+    inference_rope_scaling: bool = False
+    rope_scaling: YarnScaling | None = None  # None with inference_rope_scaling: YarnScaling()
     tie_word_embeddings: bool = True
     hidden_act: str = "silu"
     dropout: float = 0.0
     bos_token_id: int = 1
     eos_token_id: int = 2
     attn_implementation: str = "sdpa"
+    use_moe: bool = False
+    num_experts: int = 4  # routed experts
+    num_experts_per_tok: int | None = None  # None: 1 (v3), 2 (v2)
+    n_shared_experts: int | None = None  # None: 0 (v3), 1 (v2); added at weight 1 for every token
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float | None = None  # None: 5e-4 (v3), aux_loss_alpha 0.01 (v2)
+    seq_aux: bool | None = None  # None: False (v3), True (v2): per-sequence load in the aux loss
+    moe_implementation: str = "sparse"  # "dense": every expert on every token (E times the FFN compute)
 
     def __post_init__(self):
+        if self.version not in (2, 3):
+            raise ConfigError(f"config field version must be 2 (MiniMind2) or 3 (minimind-3), got {self.version!r}")
+        for name, by_version in GENERATION_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, by_version[self.version])
         if self.intermediate_size is None:
-            object.__setattr__(self, "intermediate_size", math.ceil(self.hidden_size * math.pi / 64) * 64)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+            h = self.hidden_size
+            size = math.ceil(h * math.pi / 64) * 64 if self.version == 3 else 64 * ((int(h * 8 / 3) + 63) // 64)
+            object.__setattr__(self, "intermediate_size", size)
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", _yarn_from_dict(self.rope_scaling))
+        if self.inference_rope_scaling and self.rope_scaling is None:
+            object.__setattr__(self, "rope_scaling", YarnScaling())
+        self._validate()
+
+    def _validate(self):
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "max_position_embeddings",
+                                   "num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+        if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+            raise ConfigError(f"config field n_shared_experts must be an integer >= 0, got {self.n_shared_experts!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"config field hidden_size ({self.hidden_size}) must be divisible by "
                               f"num_attention_heads ({self.num_attention_heads})")
@@ -47,14 +97,20 @@ class MiniMindConfig:
                               f"by num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim (hidden_size / num_attention_heads = {self.head_dim}) must be even for RoPE")
-        if self.hidden_act != "silu":
-            raise ConfigError(f"config field hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
-            raise ConfigError(f"config field attn_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
-                              f"got {self.attn_implementation!r}")
-        for name in ("bos_token_id", "eos_token_id"):
-            if not 0 <= getattr(self, name) < self.vocab_size:
-                raise ConfigError(f"config field {name} ({getattr(self, name)}) must lie in [0, vocab_size)")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
+                              f"num_experts ({self.num_experts})")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError(f"config field rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.rope_scaling is not None and not self.inference_rope_scaling:
+            raise ConfigError("config field rope_scaling is set but inference_rope_scaling is False; "
+                              "set inference_rope_scaling=True to apply it, or drop rope_scaling")
+        choices = {"hidden_act": ("silu",), "attn_implementation": ATTENTION_IMPLEMENTATIONS,
+                   "moe_implementation": MOE_IMPLEMENTATIONS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"config field {name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_token_ids(self, optional=False)
 
     @property
     def head_dim(self) -> int:
@@ -64,16 +120,15 @@ class MiniMindConfig:
     def n_rep(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MiniMindConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
-        return cls(**data)
-
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def _yarn_from_dict(data: dict) -> YarnScaling:
+    fields = {f.name for f in dataclasses.fields(YarnScaling)}
+    kind = data.get("type", data.get("rope_type", "yarn"))
+    unknown = sorted(set(data) - fields - {"type", "rope_type"})
+    if kind != "yarn" or unknown:
+        raise ConfigError(f"config field rope_scaling must describe YaRN with fields {sorted(fields)}; "
+                          f"got type {kind!r} and unknown fields {unknown}")
+    return YarnScaling(**{k: v for k, v in data.items() if k in fields})

@@ -83,3 +83,111 @@ def artifact_fp16(tmp_path_factory, tiny_model):
 def artifact_copy(artifact_fp32, tmp_path):
     """A private copy of the fp32 artifact that a test may damage."""
     return shutil.copytree(artifact_fp32, tmp_path / TINY)
+
+
+# ---------------------------------------------------------------- one export per family / variant
+# Each costs one dynamo export (~30-45 s on 2 cores); every test of that family shares it.
+
+def _load_example(name: str):
+    """A module from examples/ (not an installed package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def byo_example():
+    return _load_example("byo_seed001")
+
+
+@pytest.fixture(scope="session")
+def moe3_model():
+    """minimind-3 MoE (4 experts, top-1), sparse dispatch, with YaRN on (original max 16 positions)
+    so that one export proves both the MoE graph and rope scaling beyond the original window."""
+    import dataclasses
+    from reference import YarnScaling
+    config = dataclasses.replace(get_preset("minimind-3-moe-tiny"), moe_implementation="sparse",
+                                 inference_rope_scaling=True,
+                                 rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16))
+    return build_model(config, seed=0)
+
+
+def _export_once(tmp_path_factory, model, name: str, source: dict):
+    folder = tmp_path_factory.mktemp(name) / name
+    export_artifact(model, folder, source=source)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def moe3_artifact(tmp_path_factory, moe3_model):
+    return _export_once(tmp_path_factory, moe3_model, "minimind-3-moe-yarn-tiny", {"kind": "in-memory"})
+
+
+@pytest.fixture(scope="session")
+def moe3_artifact_fp16(tmp_path_factory, moe3_model):
+    """float16 too: ONNX Runtime's CPU provider lacks some float16 kernels (a scatter-add did not run)."""
+    folder = tmp_path_factory.mktemp("moe3-fp16") / "minimind-3-moe-yarn-tiny-float16"
+    export_artifact(moe3_model, folder, dtype="float16", source={"kind": "in-memory"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def moe2_model():
+    """MiniMind2 MoE (4 routed + 1 shared expert, top-2), dense dispatch."""
+    import dataclasses
+    return build_model(dataclasses.replace(get_preset("minimind2-moe-tiny"), moe_implementation="dense"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def moe2_artifact(tmp_path_factory, moe2_model):
+    return _export_once(tmp_path_factory, moe2_model, "minimind2-moe-tiny", {"kind": "in-memory"})
+
+
+@pytest.fixture(scope="session")
+def gpt_model():
+    return build_model(get_preset("teaching-gpt-tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def gpt_artifact(tmp_path_factory, gpt_model):
+    source = {"kind": "seeded", "preset": "teaching-gpt-tiny", "seed": 0}
+    return _export_once(tmp_path_factory, gpt_model, "teaching-gpt-tiny", source)
+
+
+@pytest.fixture(scope="session")
+def byo_adapter(byo_example):
+    return byo_example.SeedDemoAdapter(byo_example.demo_model(seed=0))
+
+
+@pytest.fixture(scope="session")
+def byo_artifact(tmp_path_factory, byo_adapter):
+    return _export_once(tmp_path_factory, byo_adapter, "seed001-demo", {"kind": "custom", "model": "seed001-demo"})
+
+
+@pytest.fixture(scope="session")
+def minimind2_checkpoint(tmp_path_factory):
+    """A MiniMind2 (dense) checkpoint as users hold them: a float16 .pth state dict without a config."""
+    import torch
+    model = build_model(get_preset("minimind2-tiny"), seed=0)
+    path = tmp_path_factory.mktemp("ckpt") / "full_sft_64.pth"
+    torch.save({k: v.half() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def minimind2_artifact(tmp_path_factory, minimind2_checkpoint):
+    """MiniMind2 dense, exported through the CLI from the float16 .pth with --config for what shapes cannot show."""
+    import json
+    from click.testing import CliRunner
+    from exporter.cli import main
+    folder = tmp_path_factory.mktemp("minimind2") / "minimind2-tiny"
+    config = folder.parent / "config.json"
+    config.write_text(json.dumps({"num_attention_heads": 4, "max_position_embeddings": 256}))
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(minimind2_checkpoint), "--config", str(config),
+                                       "-o", str(folder), "-q", "--json"])
+    assert result.exit_code == 0, result.output
+    return folder

@@ -80,7 +80,7 @@ def test_a_users_tokenizer_config_is_copied_and_names_the_pad_token(artifact_fp3
 
 def test_a_family_without_consumer_types_gets_no_config(artifact_fp32, tmp_path, monkeypatch):
     reason = "no consumer runs this family"
-    monkeypatch.setitem(consumers.FAMILY_TYPES, "minimind", FamilyTypes(None, None, reason, reason))
+    monkeypatch.setattr(consumers, "consumer_types", lambda manifest: FamilyTypes(None, None, reason, reason))
     assert write_consumer_files(tmp_path, read_manifest(artifact_fp32)) == []
     assert list(tmp_path.iterdir()) == []
     assert optimum_unsupported(read_manifest(artifact_fp32)) == reason

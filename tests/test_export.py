@@ -142,3 +142,25 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
     with pytest.raises(ExportFailed, match="bfloat16"):
         export_artifact(tiny_model, tmp_path / "x", dtype="bfloat16")
     assert not (tmp_path / "x").exists()
+
+
+def test_an_onnxruntime_failure_in_the_smoke_run_is_an_export_error(artifact_copy, artifact_fp32, tiny_model,
+                                                                     monkeypatch):
+    """E.g. a kernel this onnxruntime build lacks for the dtype: one clear error, the old artifact kept."""
+    import copy
+
+    import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
+    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
+    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
+                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+
+    def unsupported(folder, manifest):
+        raise ort_errors.RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code "
+                                          "returned while running ScatterND node: MLFloat16 is not supported\nmore")
+
+    monkeypatch.setattr(export_module, "_smoke_run", unsupported)
+    before = _tree(artifact_copy)
+    with pytest.raises(ExportFailed, match=r"smoke run: onnxruntime could not run the exported graphs \(.*ScatterND"):
+        export_artifact(tiny_model, artifact_copy)
+    assert _tree(artifact_copy) == before
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]

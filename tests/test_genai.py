@@ -116,7 +116,8 @@ def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_mode
     assert verify_artifact(artifact_copy, tiny_model, ["cpu"], genai=False).consumers_skipped == {
         "onnxruntime-genai": "turned off"}
     with monkeypatch.context() as patch:  # a family onnxruntime-genai cannot run
-        patch.setitem(consumers.FAMILY_TYPES, "minimind", FamilyTypes(None, "qwen3", genai_unsupported="reason X"))
+        patch.setattr(consumers, "consumer_types",
+                      lambda manifest: FamilyTypes(None, "qwen3", genai_unsupported="reason X"))
         assert verify_artifact(artifact_copy, tiny_model, ["cpu"]).consumers_skipped == {
             "onnxruntime-genai": "reason X"}
         with pytest.raises(ConsumerError, match="cannot run in onnxruntime-genai: reason X"):

@@ -9,7 +9,8 @@ import pytest
 from exporter.manifest import read_manifest
 from exporter.parity import TOLERANCES, Tolerance, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter.runtime import OrtRunner, position_ids_from_mask
+from helpers import assert_decode_graph_matches
 from reference import build_model
 
 CUDA = "CUDAExecutionProvider"
@@ -64,30 +65,8 @@ SHAPES = [(1, 1, 0), (1, 1, 1), (3, 1, 17), (2, 7, 0), (3, 2, 5), (1, 64, 1)]
 
 @pytest.mark.parametrize("batch,length,past", SHAPES)
 def test_decode_graph_matches_reference_at_other_sizes(artifact_fp32, tiny_model, batch, length, past):
-    manifest = read_manifest(artifact_fp32, check_hashes=False)
-    onnx, reference = OrtRunner(artifact_fp32, manifest=manifest), TorchRunner(tiny_model, manifest)
-    rng = np.random.default_rng(batch * 100 + length * 10 + past)
-    vocab = manifest.config.vocab_size
-    # Build the past with a prefill of the reference, so it is a real cache (ragged when batch > 1).
-    mask = np.ones((batch, past + length), dtype=np.int64)
-    mask[1:, : past // 2] = 0
-    feeds = {}
-    if past:
-        prompt = rng.integers(0, vocab, (batch, past), dtype=np.int64)
-        prior = reference.prefill({"input_ids": prompt, "attention_mask": mask[:, :past],
-                                   "position_ids": position_ids_from_mask(mask[:, :past])})
-        feeds = presents_as_past(manifest, prior)
-    else:
-        feeds = onnx.empty_past(batch)
-    feeds.update(input_ids=rng.integers(0, vocab, (batch, length), dtype=np.int64), attention_mask=mask,
-                 position_ids=position_ids_from_mask(mask, past))
-    expected, actual = reference.decode(feeds), onnx.decode(feeds)
-    tolerances = TOLERANCES["float32"]
-    for name, value in expected.items():
-        assert actual[name].shape == value.shape, name
-        result = compare(name, "logits" if name == "logits" else "kv", actual[name], value,
-                         tolerances["logits" if name == "logits" else "kv"])
-        assert result.passed, result.to_dict()
+    # The past is built by a prefill of the reference, so it is a real cache (ragged when batch > 1).
+    assert_decode_graph_matches(artifact_fp32, tiny_model, batch, length, past)
 
 
 @pytest.mark.parametrize("batch,length", [(1, 1), (3, 2), (2, 33)])

@@ -10,16 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
+from helpers import assert_cached_decoding_equals_full_forward, assert_close
 from reference.init import DEFAULT_STD
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
-
-
-def assert_close(actual, expected, atol, rtol=0.0):
-    diff = (actual.double() - expected.double()).abs()
-    assert torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol), (
-        f"max abs diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
 
 
 def test_minimind3_has_exactly_the_published_parameter_count():
@@ -68,21 +62,9 @@ def _ids(config, batch, length, seed=0):
     return torch.randint(0, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@torch.no_grad()
 def test_cached_decoding_equals_full_forward_token_by_token_and_in_chunks(tiny_model, tiny_config):
-    ids = _ids(tiny_config, 2, 13)
-    full = tiny_model(ids, use_cache=True)
-    for chunks in ([1] * 13, [5, 1, 3, 4]):
-        past, logits, start = None, [], 0
-        for size in chunks:
-            out = tiny_model(ids[:, start:start + size], past_key_values=past, use_cache=True)
-            past, start = out.past_key_values, start + size
-            logits.append(out.logits)
-        assert_close(torch.cat(logits, 1), full.logits, atol=1e-5)
-        for (k, v), (fk, fv) in zip(past, full.past_key_values):
-            assert k.shape == (2, 13, tiny_config.num_key_value_heads, tiny_config.head_dim)
-            assert_close(k, fk, atol=1e-5)
-            assert_close(v, fv, atol=1e-5)
+    kv_shape = (2, 13, tiny_config.num_key_value_heads, tiny_config.head_dim)
+    assert_cached_decoding_equals_full_forward(tiny_model, _ids(tiny_config, 2, 13), kv_shape)
 
 
 @torch.no_grad()

@@ -1,0 +1,74 @@
+"""Bring your own decoder: export and verify a PyTorch decoder the toolkit did not define.
+
+The exporter and the verifier need two things from a model:
+
+1. `model.config`, exposing the sizes of the I/O contract. For your own model
+   that is a `DecoderSpec` (num_hidden_layers, num_key_value_heads, head_dim,
+   vocab_size, max_position_embeddings, eos/bos ids).
+2. `model.forward(input_ids, attention_mask=None, past_key_values=None,
+   use_cache=False, logits_to_keep=0, labels=None, position_ids=None)`
+   returning a `CausalLMOutput`, with the cache a list of (k, v) per layer,
+   each (B, L, num_key_value_heads, head_dim).
+
+Most teaching decoders have no cache and no padding mask. Subclass
+`DecoderAdapter`: it keeps your module as `self.model` (its weights untouched,
+its state-dict keys under `model.`), and you write `forward` by calling your
+submodules, with `reference.layers.attend` doing the cache, the causal mask and
+the padding mask. `check_adapter` then proves, before any export, that the
+adapter equals your original forward and that cached decoding equals the full
+forward. README "Bring your own decoder" walks through the seed 001 demo model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from reference.configs import DecoderSpec
+
+
+class DecoderAdapter(nn.Module):
+    """Base class: your decoder as `self.model`, its sizes as `self.config`; override `forward`."""
+
+    def __init__(self, model: nn.Module, spec: DecoderSpec):
+        super().__init__()
+        self.model = model
+        self.config = spec
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
+                logits_to_keep=0, labels=None, position_ids=None):
+        raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
+
+
+@dataclass(frozen=True)
+class AdapterCheck:
+    """How far the adapter is from the original model, and cached decoding from the full forward."""
+
+    full_forward_max_abs: float  # adapter (no cache, no mask) vs the original forward
+    cached_decode_max_abs: float  # adapter token by token through its cache vs adapter in one pass
+    atol: float
+
+    @property
+    def passed(self) -> bool:
+        return self.full_forward_max_abs <= self.atol and self.cached_decode_max_abs <= self.atol
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+@torch.no_grad()
+def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5) -> AdapterCheck:
+    """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward."""
+    adapter = adapter.eval()
+    full = adapter(input_ids, use_cache=True)
+    original = original_logits(input_ids)
+    past, steps = None, []
+    for t in range(input_ids.shape[1]):
+        out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        steps.append(out.logits)
+    full_diff = (full.logits.double() - original.double()).abs().max().item()
+    cached_diff = (torch.cat(steps, dim=1).double() - full.logits.double()).abs().max().item()
+    return AdapterCheck(full_diff, cached_diff, atol)

@@ -1,0 +1,370 @@
+"""Load real checkpoints into the reference models, safely.
+
+Formats read:
+- MiniMind `.pth` files of either generation, dense or MoE: a flat state dict,
+  usually float16 (`full_sft_768.pth`, `pretrain_512.pth`, `full_sft_640_moe.pth`);
+- Transformers-format folders: `config.json` plus `model.safetensors` (preferred),
+  sharded safetensors with `model.safetensors.index.json`, or `pytorch_model.bin`;
+- a single `.safetensors` file;
+- the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
+  it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped).
+
+Safety: a pickle is read with `torch.load(weights_only=True)`, which rebuilds
+tensors and plain containers only; a file that needs any other Python object is
+refused with CheckpointError and none of its code runs. safetensors holds no
+code at all and is used wherever a folder offers it.
+
+Configuration, in order of precedence: a config given by the caller (a preset
+or `--config`), the folder's `config.json`, else inferred from tensor shapes
+(family, sizes, generation, experts); fields the weights cannot show take
+their generation's defaults and the LoadReport says which. A given config that
+does not fit the tensors is an error listing the missing, unexpected and
+mis-shaped keys, never a silent reshape. Tensors are converted to float32; the
+export casts to its own dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from reference.errors import CheckpointError, ConfigError
+from reference.families import family_of, get_family
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel
+SHOWN = 5  # keys listed per kind in an error message
+
+
+@dataclass
+class LoadReport:
+    path: str
+    format: str
+    family: str
+    config_source: str  # "given", "config.json" or "inferred"
+    converted: dict = field(default_factory=dict)  # original dtype -> number of tensors converted to float32
+    dropped: list = field(default_factory=list)  # buffers checked and dropped
+    assumed: dict = field(default_factory=dict)  # config fields the weights cannot show -> default used
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "format": self.format, "family": self.family, "config_source": self.config_source,
+                "converted": self.converted, "dropped": self.dropped, "assumed": self.assumed}
+
+
+# ---------------------------------------------------------------- reading files
+
+
+def _torch_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        if found is None:  # not an object it refused: a broken or unusual pickle ("Unsupported operand 110")
+            detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(exc))
+            raise CheckpointError(f"{path} is not a readable torch checkpoint (unpickler: "
+                                  f"{detail.group(1) if detail else str(exc)[:120]}); the file is damaged or not "
+                                  "a torch.save file; nothing in it was run") from None
+        raise CheckpointError(
+            f"{path} needs arbitrary Python objects to load (it references {found.group(1)}); refusing to run code "
+            "from a pickle: re-save it as a plain state dict of tensors (torch.save(model.state_dict(), ...)) "
+            "or as safetensors") from None
+    except Exception as exc:  # a truncated zip, not a torch file at all, ...
+        raise CheckpointError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
+
+
+def _safetensors_load(path: Path) -> dict:
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
+
+
+def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
+    config = None
+    if (folder / "config.json").is_file():
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({exc}); fix or remove it") from None
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        return _safetensors_load(folder / "model.safetensors"), config, "transformers-folder (safetensors)"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        state = {}
+        for shard in shards:
+            state.update(_safetensors_load(folder / shard))
+        return state, config, "transformers-folder (sharded safetensors)"
+    if (folder / "pytorch_model.bin").is_file():
+        return _torch_load(folder / "pytorch_model.bin"), config, "transformers-folder (pytorch_model.bin)"
+    present = sorted(p.name for p in folder.iterdir())[:10]
+    raise CheckpointError(f"{folder} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin "
+                          f"(found: {', '.join(present) or 'nothing'}); pass a checkpoint file or a Transformers folder")
+
+
+def read_checkpoint(path) -> tuple[dict, dict | None, str]:
+    """(flat state dict of tensors, config.json contents or None, format name), without running any code."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a .pth/.safetensors file or a model folder")
+    if path.is_dir():
+        state, config, fmt = _read_folder(path)
+    elif path.suffix == ".safetensors":
+        state, config, fmt = _safetensors_load(path), None, "safetensors"
+    elif path.suffix in PICKLE_SUFFIXES:
+        state, config, fmt = _torch_load(path), None, "pth"
+    else:
+        raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
+                              f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}")
+    if isinstance(state, dict) and "model_state_dict" in state:
+        state, fmt = state["model_state_dict"], f"{fmt} (model_state_dict)"
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__}); "
+                              "save one with torch.save(model.state_dict(), path)")
+    not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise CheckpointError(f"{path} is not a flat state dict: {len(not_tensors)} entries are not tensors "
+                              f"({', '.join(map(str, not_tensors[:SHOWN]))}); save model.state_dict() itself")
+    return _strip_wrappers(state), config, fmt
+
+
+def _strip_wrappers(state: dict) -> dict:
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def fingerprint(path) -> str:
+    """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents)."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json")))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- per-family config inference
+
+
+def _count(state: dict, pattern: str) -> int:
+    found = {int(m.group(1)) for k in state if (m := re.match(pattern, k))}
+    return max(found) + 1 if found else 0
+
+
+class MiniMindCheckpoints:
+    """minimind-3 and MiniMind2, dense and MoE: `model.embed_tokens.weight`, `model.layers.{i}...`."""
+
+    family = "minimind"
+    # Transformers config.json keys: upstream name -> toolkit field, and bookkeeping keys without effect here.
+    aliases = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
+    ignored = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
+               "_name_or_path", "flash_attn", "use_cache", "pad_token_id", "head_dim", "scoring_func",
+               "return_dict", "output_hidden_states", "output_attentions"}
+
+    @staticmethod
+    def claims(state: dict) -> bool:
+        return "model.embed_tokens.weight" in state or "lm_head.weight" in state and any(
+            k.startswith("model.layers.") for k in state)
+
+    @classmethod
+    def translate(cls, data: dict) -> dict:
+        """Toolkit config fields from a config.json (upstream names accepted); None values dropped."""
+        if data.get("scoring_func", "softmax") != "softmax":
+            raise ConfigError(f"config field scoring_func must be 'softmax', got {data['scoring_func']!r}")
+        hidden, heads, head_dim = data.get("hidden_size"), data.get("num_attention_heads"), data.get("head_dim")
+        if None not in (hidden, heads, head_dim) and head_dim != hidden // heads:
+            raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
+                              f"({hidden // heads}); the reference supports only that head size")
+        return {cls.aliases.get(k, k): v for k, v in data.items() if k not in cls.ignored and v is not None}
+
+    @staticmethod
+    def infer(state: dict, base: dict) -> tuple[dict, dict]:
+        """Config fields read from tensor shapes (base: fields already known from config.json), and assumptions."""
+        embed = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
+        fields = {"vocab_size": embed.shape[0], "hidden_size": embed.shape[1],
+                  "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\.")}
+        q_norm = state.get("model.layers.0.self_attn.q_norm.weight")
+        fields["version"] = 3 if q_norm is not None else 2
+        assumed = {}
+        if q_norm is not None:
+            fields["num_attention_heads"] = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // q_norm.shape[0]
+        elif "num_attention_heads" not in base:
+            assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
+        heads = base.get("num_attention_heads") or fields["num_attention_heads"]
+        head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads
+        fields["num_key_value_heads"] = state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
+        experts = _count(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.")
+        if experts:
+            fields.update(use_moe=True, num_experts=experts,
+                          n_shared_experts=_count(state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\."),
+                          moe_intermediate_size=state["model.layers.0.mlp.experts.0.gate_proj.weight"].shape[0])
+            shared = state.get("model.layers.0.mlp.shared_experts.0.gate_proj.weight")
+            fields["intermediate_size"] = shared.shape[0] if shared is not None else fields["moe_intermediate_size"]
+            if "num_experts_per_tok" not in base:
+                assumed["num_experts_per_tok"] = {3: 1, 2: 2}[fields["version"]]
+        else:
+            fields["intermediate_size"] = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
+        lm_head, embed_w = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+        if lm_head is not None and embed_w is not None and not torch.equal(lm_head, embed_w):
+            fields["tie_word_embeddings"] = False
+        return fields, assumed
+
+    @staticmethod
+    def prepare(state: dict, model, report: LoadReport) -> dict:
+        """Tied embeddings: either key provides both; both present must agree."""
+        if getattr(model.config, "tie_word_embeddings", False):
+            lm_head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+            if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
+                raise CheckpointError("lm_head.weight and model.embed_tokens.weight differ but the config ties them "
+                                      "(tie_word_embeddings=True); pass a config with tie_word_embeddings false")
+            shared = lm_head if lm_head is not None else embed
+            if shared is not None:
+                state = {**state, "lm_head.weight": shared, "model.embed_tokens.weight": shared}
+        return state
+
+
+class TeachingGPTCheckpoints:
+    """The teaching GPT: `token_embed.weight`, `attn_blocks.{i}...`, buffers `pos_idxs` and `...tril`."""
+
+    family = "teaching-gpt"
+    ignored = {"device", "amp_dtype", "seed", "compile", "ckpt_dir", "log_dir", "use_wandb", "wandb_project",
+               "dropout", "batch_size", "lr", "learning_rate", "max_iters", "eval_interval", "eval_iters"}
+
+    @staticmethod
+    def claims(state: dict) -> bool:
+        return "token_embed.weight" in state
+
+    @classmethod
+    def translate(cls, data: dict) -> dict:
+        """Toolkit config fields from the series' JSON config (its training keys dropped)."""
+        return {"n_blocks" if k == "N_BLOCKS" else k: v for k, v in data.items() if k not in cls.ignored}
+
+    @staticmethod
+    def infer(state: dict, base: dict) -> tuple[dict, dict]:
+        vocab, n_embed = state["token_embed.weight"].shape
+        return {"vocab_size": vocab, "n_embed": n_embed, "context_length": state["position_embed.weight"].shape[0],
+                "n_blocks": _count(state, r"attn_blocks\.(\d+)\."),
+                "n_head": _count(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.")}, {}
+
+    @staticmethod
+    def prepare(state: dict, model, report: LoadReport) -> dict:
+        """Check the buffers the original saves (they must be what the reference computes) and drop them."""
+        ctx = model.config.context_length
+        kept = {}
+        for key, value in state.items():
+            if key == "pos_idxs":
+                if not torch.equal(value.long(), torch.arange(ctx)):
+                    raise CheckpointError(f"buffer pos_idxs is not 0..{ctx - 1} (shape {tuple(value.shape)}); "
+                                          "the checkpoint does not match context_length")
+            elif key.endswith(".tril"):
+                if tuple(value.shape) != (ctx, ctx) or not torch.equal(value.float(), torch.ones(ctx, ctx).tril()):
+                    raise CheckpointError(f"buffer {key} is not a lower-triangular mask of ones of shape ({ctx}, {ctx}) "
+                                          f"(got {tuple(value.shape)}); the reference cannot reproduce this model")
+            else:
+                kept[key] = value
+                continue
+            report.dropped.append(key)
+        return kept
+
+
+LOADERS = (MiniMindCheckpoints, TeachingGPTCheckpoints)
+
+
+def _loader_for(state: dict, path):
+    for loader in LOADERS:
+        if loader.claims(state):
+            return loader
+    raise CheckpointError(f"{path}: no known model family has these keys (first: {', '.join(list(state)[:SHOWN])}); "
+                          "export your own decoder with reference.byo instead")
+
+
+def config_from_json(family: str, data: dict):
+    """A family's config from a JSON dict: the toolkit's own fields, or the upstream config.json names."""
+    loader = next(loader for loader in LOADERS if loader.family == family)
+    return get_family(family).config_class.from_dict(loader.translate(data))
+
+
+# ---------------------------------------------------------------- fitting tensors to a model
+
+
+def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if keys:
+            parts.append(f"{len(keys)} {label} ({', '.join(keys[:SHOWN])}{', ...' if len(keys) > SHOWN else ''})")
+    return CheckpointError(f"checkpoint {path} does not fit the {family_of(config).name} config: {'; '.join(parts)}; "
+                           "pass the preset or --config that matches the checkpoint, or neither to infer it")
+
+
+def _check_fit(path, config, model, state: dict) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    misshaped = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
+                 for k in expected if k in state and tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or misshaped:
+        raise _fit_error(path, config, missing, unexpected, misshaped)
+
+
+def load_checkpoint(path, config=None, config_data: dict | None = None):
+    """(reference model in float32 and eval mode, LoadReport) for a checkpoint file or folder.
+
+    `config`: a family config that the checkpoint must fit exactly (a preset).
+    `config_data`: config fields as JSON data (toolkit or upstream names) that
+    take the place of a config.json; the remaining fields are inferred. With
+    neither, config.json beside the weights is read when there is one.
+    """
+    state, config_json, fmt = read_checkpoint(path)
+    if config_data is not None:
+        config_json = config_data
+    loader = _loader_for(state, path)
+    if config is not None:
+        if family_of(config).name != loader.family:
+            raise CheckpointError(f"checkpoint {path} holds a {loader.family} model but the given config is "
+                                  f"{family_of(config).name}; pass a {loader.family} preset or config, or none")
+        source, assumed = "given", {}
+    else:
+        try:
+            base = loader.translate(config_json) if config_json is not None else {}
+        except ConfigError as exc:
+            where = "the given config fields" if config_data is not None else "its config.json"
+            raise CheckpointError(f"{path}: {where}: {exc}") from None
+        inferred, assumed = loader.infer(state, base)
+        fields = {**inferred, **base}
+        try:
+            config = get_family(loader.family).config_class.from_dict(fields)
+        except ConfigError as exc:
+            raise CheckpointError(f"{path}: no valid config from the checkpoint's shapes and the given fields "
+                                  f"({exc})") from None
+        source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
+    report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
+    for name, value in assumed.items():
+        log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
+    family = get_family(loader.family)
+    model = family.model_type()(config)
+    state = loader.prepare(state, model, report)
+    _check_fit(path, config, model, state)
+    for value in state.values():
+        if value.dtype != torch.float32:
+            report.converted[str(value.dtype).replace("torch.", "")] = report.converted.get(
+                str(value.dtype).replace("torch.", ""), 0) + 1
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return model.eval(), report

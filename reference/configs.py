@@ -1,0 +1,62 @@
+"""What every family's frozen config dataclass shares (JSON round trip, field checks naming the field),
+and DecoderSpec, the config of a decoder the toolkit did not define (reference/byo.py). No torch here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from reference.errors import ConfigError
+
+
+class JsonConfig:
+    """Mixin for frozen dataclass configs: to_dict / from_dict, unknown fields refused by name."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+
+def check_positive_ints(config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+
+
+def check_token_ids(config, names=("bos_token_id", "eos_token_id"), optional: bool = True) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or not 0 <= value < config.vocab_size:
+            raise ConfigError(f"config field {name} ({value!r}) must {'be None or ' if optional else ''}"
+                              f"lie in [0, vocab_size)")
+
+
+@dataclass(frozen=True)
+class DecoderSpec(JsonConfig):
+    """The sizes the two graphs' I/O contract needs, for a decoder the toolkit did not define."""
+
+    name: str
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"config field name must be a non-empty string, got {self.name!r}")
+        check_positive_ints(self, ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size",
+                                   "max_position_embeddings"))
+        check_token_ids(self)

@@ -1,0 +1,94 @@
+"""Pieces every decoder family shares: the output type, the training loss, attention over a KV cache.
+
+Attention math is one pure function chosen by name (`ATTENTION`), not one
+class per backend. `attend` adds the cache: it appends the new keys/values to
+the past, returns the present (B, P+T, Hkv, D) before the kv-head repetition,
+and masks causally aligned bottom-right plus padded keys. Families and
+bring-your-own adapters call it instead of re-implementing a cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # (B, T_kept, V)
+    past_key_values: list | None  # per layer (k, v), each (B, P+T, Hkv, D)
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+
+
+def shifted_cross_entropy(logits, labels):
+    """Token t predicts token t+1; labels of -100 are ignored (MiniMind's training loss)."""
+    x, y = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+    return F.cross_entropy(x.view(-1, x.size(-1)).float(), y.view(-1), ignore_index=-100)
+
+
+def default_position_ids(input_ids, past_key_values):
+    """Positions continue after the cache: P .. P+T-1 for every row."""
+    b, t = input_ids.shape
+    past_len = past_key_values[0][0].shape[1] if past_key_values is not None else 0
+    return (torch.arange(t, device=input_ids.device) + past_len).expand(b, t)
+
+
+def repeat_kv(x, n_rep: int):
+    """(B, L, Hkv, D) -> (B, L, Hkv * n_rep, D), each kv head repeated n_rep times in a row."""
+    if n_rep == 1:
+        return x
+    b, length, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, length, h, n_rep, d).reshape(b, length, h * n_rep, d)
+
+
+def attention_bias(attention_mask, query_len: int, key_len: int, device):
+    """Additive float32 bias (B or 1, 1, T, L): causal aligned bottom-right, -1e9 on padded keys."""
+    past_len = key_len - query_len
+    q_pos = torch.arange(query_len, device=device)[:, None] + past_len
+    k_pos = torch.arange(key_len, device=device)[None, :]
+    bias = torch.zeros(query_len, key_len, device=device).masked_fill(k_pos > q_pos, float("-inf"))[None, None]
+    if attention_mask is not None:
+        bias = bias + (1.0 - attention_mask[:, None, None, :].float()) * -1e9
+    return bias
+
+
+def eager_attention(q, k, v, attention_mask):
+    # q: (B, H, T, D); k, v: (B, H, L, D). Scores and softmax in float32.
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    scores = scores.float() + attention_bias(attention_mask, q.shape[-2], k.shape[-2], q.device)
+    probs = F.softmax(scores, dim=-1).type_as(q)
+    return probs @ v
+
+
+def sdpa_attention(q, k, v, attention_mask):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: str = "eager"):
+    """Causal attention over a cache.
+
+    q: (B, T, H, D); k, v: (B, T, Hkv, D) for the new tokens; past_key_value:
+    (k, v) each (B, P, Hkv, D) or None; attention_mask: (B, P+T), 1 keep, 0 pad.
+    Returns the output (B, T, H * D) and the present (k, v), each (B, P+T, Hkv, D).
+    The fused path is used only without a cache and without a mask, where
+    its top-left causal alignment is right.
+    """
+    b, t, heads, _ = q.shape
+    if past_key_value is not None:
+        k = torch.cat([past_key_value[0], k], dim=1)
+        v = torch.cat([past_key_value[1], v], dim=1)
+    present = (k, v)
+    n_rep = heads // k.shape[2]
+    qh = q.transpose(1, 2)  # (B, H, T, D)
+    kh = repeat_kv(k, n_rep).transpose(1, 2)  # (B, H, P+T, D)
+    vh = repeat_kv(v, n_rep).transpose(1, 2)
+    fused = implementation == "sdpa" and past_key_value is None and attention_mask is None and t > 1
+    out = ATTENTION["sdpa" if fused else "eager"](qh, kh, vh, attention_mask)
+    return out.transpose(1, 2).reshape(b, t, -1), present

@@ -1,0 +1,59 @@
+"""Checks several test modules share: closeness with a diagnostic message, cache equivalence, decode parity."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from exporter.manifest import read_manifest
+from exporter.parity import TOLERANCES, compare
+from exporter.reference_runner import TorchRunner
+from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+
+
+def assert_close(actual, expected, atol, rtol=0.0):
+    diff = (actual.double() - expected.double()).abs()
+    assert torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol), (
+        f"max abs diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+
+
+@torch.no_grad()
+def assert_cached_decoding_equals_full_forward(model, ids, kv_shape, chunkings=None):
+    """Token by token and in uneven chunks through the model's own cache: logits and the final cache."""
+    length = ids.shape[1]
+    full = model(ids, use_cache=True)
+    for chunks in chunkings or ([1] * length, [5, 1, 3, length - 9]):
+        past, logits, start = None, [], 0
+        for size in chunks:
+            out = model(ids[:, start:start + size], past_key_values=past, use_cache=True)
+            past, start = out.past_key_values, start + size
+            logits.append(out.logits)
+        assert_close(torch.cat(logits, 1), full.logits, atol=1e-5)
+        for (k, v), (fk, fv) in zip(past, full.past_key_values):
+            assert k.shape == kv_shape
+            assert_close(k, fk, atol=1e-5)
+            assert_close(v, fv, atol=1e-5)
+
+
+def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: int) -> None:
+    """The decode graph on a real, ragged cache (built by a reference prefill) at the given sizes."""
+    manifest = read_manifest(artifact, check_hashes=False)
+    onnx, reference = OrtRunner(artifact, manifest=manifest), TorchRunner(model, manifest)
+    rng = np.random.default_rng(batch * 100 + length * 10 + past)
+    vocab = manifest.config.vocab_size
+    mask = np.ones((batch, past + length), dtype=np.int64)
+    mask[1:, : past // 2] = 0
+    feeds = onnx.empty_past(batch)
+    if past:
+        prompt = rng.integers(0, vocab, (batch, past), dtype=np.int64)
+        feeds = presents_as_past(manifest, reference.prefill({
+            "input_ids": prompt, "attention_mask": mask[:, :past],
+            "position_ids": position_ids_from_mask(mask[:, :past])}))
+    feeds.update(input_ids=rng.integers(0, vocab, (batch, length), dtype=np.int64), attention_mask=mask,
+                 position_ids=position_ids_from_mask(mask, past))
+    expected, actual = reference.decode(feeds), onnx.decode(feeds)
+    for name, value in expected.items():
+        assert actual[name].shape == value.shape, name
+        kind = "logits" if name == "logits" else "kv"
+        result = compare(name, kind, actual[name], value, TOLERANCES["float32"][kind])
+        assert result.passed, result.to_dict()

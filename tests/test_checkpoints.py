@@ -1,0 +1,260 @@
+"""Checkpoint loading: every format users hold, written here; safe unpickling; clear errors on keys and configs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from exporter.cli import main
+from reference import CheckpointError, build_model, get_preset
+from reference.checkpoints import load_checkpoint
+
+MINIMIND_PRESETS = ["minimind-3-tiny", "minimind-3-moe-tiny", "minimind2-tiny", "minimind2-moe-tiny"]
+
+
+def _half_state(model) -> dict:
+    """What MiniMind's trainers save: every tensor in float16."""
+    return {k: v.detach().half() for k, v in model.state_dict().items()}
+
+
+def _gpt_checkpoint(model) -> dict:
+    """The teaching GPT's training checkpoint: model_state_dict with its buffers, plus optimizer state."""
+    cfg = model.config
+    state = _half_state(model)
+    state["pos_idxs"] = torch.arange(cfg.context_length)
+    for block in range(cfg.n_blocks):
+        for head in range(cfg.n_head):
+            state[f"attn_blocks.{block}.attn.heads.{head}.tril"] = torch.ones(cfg.context_length,
+                                                                               cfg.context_length).tril()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3).state_dict()
+    return {"model_state_dict": state, "optimizer_state_dict": optimizer, "epoch": 2, "loss": 3.25}
+
+
+def _upstream_config_json(config) -> dict:
+    """config.json as MiniMind's save_pretrained writes it: upstream names, bookkeeping keys included."""
+    data = {k: v for k, v in config.to_dict().items()
+            if k not in ("attn_implementation", "moe_implementation", "rope_scaling", "inference_rope_scaling")}
+    data.update(architectures=["MiniMindForCausalLM"], model_type="minimind", torch_dtype="float16",
+                transformers_version="4.57.1", flash_attn=True, rope_scaling=None)
+    if config.version == 2:
+        data["n_routed_experts"] = data.pop("num_experts")
+        data["aux_loss_alpha"] = data.pop("router_aux_loss_coef")
+        data["scoring_func"] = "softmax"
+    del data["version"]  # upstream configs do not carry it: the loader reads it from the q/k norm keys
+    return data
+
+
+def _write(kind: str, model, folder):
+    """Write `model` as a checkpoint of the given kind; return the path to load."""
+    state = _half_state(model)
+    if kind == "pth":
+        path = folder / "full_sft_64.pth"
+        torch.save(state, path)
+    elif kind == "safetensors":
+        path = folder / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(path))
+    elif kind in ("hf-safetensors", "hf-bin"):
+        path = folder / "hf"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(_upstream_config_json(model.config)))
+        (path / "tokenizer.json").write_text("{}")
+        if kind == "hf-safetensors":  # save_pretrained drops the tied duplicate
+            save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"},
+                      str(path / "model.safetensors"))
+        else:
+            torch.save(state, path / "pytorch_model.bin")
+    return path
+
+
+def _rounded(model):
+    """The model as its float16 checkpoint holds it, back in float32: what loading must give exactly."""
+    rounded = build_model(model.config)
+    rounded.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+    return rounded
+
+
+@pytest.mark.parametrize("preset", MINIMIND_PRESETS)
+@pytest.mark.parametrize("kind", ["pth", "safetensors", "hf-safetensors", "hf-bin"])
+def test_minimind_checkpoints_load_exactly_in_every_format(preset, kind, tmp_path):
+    model = build_model(get_preset(preset), seed=3)
+    path = _write(kind, model, tmp_path)
+    given = None if kind.startswith("hf") else get_preset(preset)  # .pth/.safetensors carry no config
+    loaded, report = load_checkpoint(path, config=given)
+    assert loaded.config == model.config
+    assert report.config_source == ("config.json" if kind.startswith("hf") else "given")
+    assert set(report.converted) == {"float16"} and next(loaded.parameters()).dtype == torch.float32
+    expected = _rounded(model).state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("preset", MINIMIND_PRESETS)
+def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_path):
+    config = get_preset(preset)
+    path = _write("pth", build_model(config), tmp_path)
+    loaded, report = load_checkpoint(path)
+    inferred = loaded.config
+    assert report.config_source == "inferred" and report.family == "minimind"
+    for field in ("version", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "use_moe",
+                  "num_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "rms_norm_eps"):
+        assert getattr(inferred, field) == getattr(config, field), field
+    assert inferred.max_position_embeddings == 32768  # not in the weights: the generation's default
+    if config.version == 3:  # head_dim is the q_norm width: heads and kv heads follow
+        assert (inferred.num_attention_heads, inferred.num_key_value_heads) == (4, 2)
+    else:  # MiniMind2 weights do not show the head count: assumed (8, as published), and said
+        assert report.assumed["num_attention_heads"] == 8 and inferred.num_key_value_heads == 4
+    # Supplying what the weights cannot show gives the config exactly.
+    exact, report = load_checkpoint(path, config_data={"num_attention_heads": 4, "max_position_embeddings": 256})
+    assert exact.config == config and report.config_source == "given fields" and "num_attention_heads" not in \
+        report.assumed
+
+
+def test_teaching_gpt_training_checkpoint_loads_and_drops_its_buffers(tmp_path):
+    model = build_model(get_preset("teaching-gpt-tiny"), seed=1)
+    path = tmp_path / "checkpoint_epoch2.pt"
+    checkpoint = _gpt_checkpoint(model)
+    checkpoint["model_state_dict"] = {f"_orig_mod.{k}": v for k, v in checkpoint["model_state_dict"].items()}
+    torch.save(checkpoint, path)  # as saved from a torch.compile'd model
+    loaded, report = load_checkpoint(path)
+    assert loaded.config == model.config and report.family == "teaching-gpt"
+    assert report.format == "pth (model_state_dict)"
+    assert report.dropped[0] == "pos_idxs" and len(report.dropped) == 1 + 2 * 4
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, _rounded_gpt(model)(ids).logits)
+
+
+def _rounded_gpt(model):
+    rounded = build_model(model.config)
+    rounded.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+    return rounded
+
+
+def test_teaching_gpt_buffers_that_the_reference_cannot_reproduce_are_refused(tmp_path):
+    model = build_model(get_preset("teaching-gpt-tiny"))
+    checkpoint = _gpt_checkpoint(model)
+    checkpoint["model_state_dict"]["attn_blocks.1.attn.heads.2.tril"] = torch.ones(64, 64)  # not causal
+    torch.save(checkpoint, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=r"attn_blocks.1.attn.heads.2.tril is not a lower-triangular"):
+        load_checkpoint(tmp_path / "bad.pt")
+
+
+class _Payload:
+    """A pickle that runs code when unpickled: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("wrap", [lambda p: {"model.embed_tokens.weight": torch.zeros(2, 2), "x": p},
+                                  lambda p: {"model_state_dict": {"a": torch.zeros(1)}, "optimizer": p},
+                                  lambda p: p])
+def test_a_malicious_pickle_is_refused_and_never_runs(wrap, tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "full_sft_512.pth"
+    torch.save(wrap(_Payload(marker)), path)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(CheckpointError, match=r"needs arbitrary Python objects.*posix.system.*refusing to run code"):
+        load_checkpoint(path)
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(path), "-o", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "refusing to run code from a pickle" in result.stderr
+    assert not marker.exists(), "the pickle's code ran"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before and not (tmp_path / "out").exists()
+
+
+def test_missing_unexpected_and_misshaped_keys_are_listed_with_counts(tmp_path):
+    config = get_preset("minimind-3-tiny")
+    state = _half_state(build_model(config))
+    for layer in range(2):
+        del state[f"model.layers.{layer}.self_attn.q_norm.weight"]
+        del state[f"model.layers.{layer}.mlp.up_proj.weight"]
+    for i in range(7):
+        state[f"model.extra.{i}"] = torch.zeros(1)
+    state["model.norm.weight"] = torch.ones(65)
+    torch.save(state, tmp_path / "broken.pth")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(tmp_path / "broken.pth", config=config)
+    message = str(info.value)
+    assert "4 missing (model.layers.0.self_attn.q_norm.weight, model.layers.0.mlp.up_proj.weight" in message
+    assert "7 unexpected (model.extra.0, model.extra.1, model.extra.2, model.extra.3, model.extra.4, ...)" in message
+    assert "1 mis-shaped (model.norm.weight: checkpoint (65,) vs model (64,))" in message
+    assert "\n" not in message
+
+
+def test_a_preset_that_does_not_fit_the_checkpoint_is_an_error_not_a_reshape(minimind2_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match=r"4 missing \(model.layers.0.self_attn.q_norm.weight.*6 mis-shaped"):
+        load_checkpoint(minimind2_checkpoint, config=get_preset("minimind-3-tiny"))
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(minimind2_checkpoint), "--preset",
+                                       "minimind-3-tiny", "-o", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 2 and "does not fit the minimind config" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="holds a minimind model but the given config is teaching-gpt"):
+        load_checkpoint(minimind2_checkpoint, config=get_preset("teaching-gpt-tiny"))
+
+
+def test_tied_and_untied_embeddings(tmp_path):
+    state = _half_state(build_model(get_preset("minimind-3-tiny")))
+    state["lm_head.weight"] = state["lm_head.weight"].clone() + 1
+    torch.save(state, tmp_path / "untied.pth")
+    with pytest.raises(CheckpointError, match="differ but the config ties them"):
+        load_checkpoint(tmp_path / "untied.pth", config=get_preset("minimind-3-tiny"))
+    loaded, _ = load_checkpoint(tmp_path / "untied.pth")  # inferred: an untied model
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, state["lm_head.weight"].float())
+
+
+@pytest.mark.parametrize("setup,message", [
+    (lambda d: d / "nope.pth", "does not exist"),
+    (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
+    (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
+    (lambda d: (d / "t.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}") and d / "t.safetensors",
+     "not a readable safetensors file"),
+    (lambda d: d, "holds no model.safetensors"),
+    (lambda d: torch.save([torch.zeros(1)], d / "list.pth") or d / "list.pth", "does not hold a state dict"),
+    (lambda d: torch.save({"w": torch.zeros(1), "step": 3}, d / "mixed.pth") or d / "mixed.pth",
+     r"1 entries are not tensors \(step\)"),
+    (lambda d: torch.save({"encoder.w": torch.zeros(1)}, d / "other.pth") or d / "other.pth",
+     "no known model family has these keys"),
+])
+def test_unreadable_checkpoints_give_one_clear_error(setup, message, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    path = setup(folder)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path)
+
+
+def test_cli_checkpoint_option_errors_are_one_line(minimind2_checkpoint, tmp_path):
+    def error(*args):
+        result = CliRunner().invoke(main, ["export", *map(str, args), "-q"])
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+        return result.stderr
+
+    assert "for seeded weights choose a --preset" in error("--config", tmp_path / "c.json")
+    (tmp_path / "c.json").write_text("[1]")
+    assert "not a JSON object" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json")
+    assert "not both" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json",
+                               "--preset", "minimind2-tiny")
+    (tmp_path / "c.json").write_text(json.dumps({"hiden_size": 3}))
+    assert "unknown config fields ['hiden_size']" in error("--checkpoint", minimind2_checkpoint,
+                                                          "--config", tmp_path / "c.json")
+
+
+def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path):
+    model = build_model(get_preset("minimind-3-tiny"))
+    path = _write("hf-safetensors", model, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "head_dim": 32}))  # hidden 64 / 4 heads = 16
+    with pytest.raises(CheckpointError, match=r"head_dim \(32\) differs from hidden_size / num_attention_heads \(16\)"):
+        load_checkpoint(path)

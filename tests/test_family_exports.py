@@ -1,0 +1,184 @@
+"""Every family exported once and checked on ONNX Runtime: logits, present KV, loss, greedy tokens, expert choice.
+
+MoE graphs are also run on inputs that route tokens differently from the
+export example, including inputs that leave experts without any token, which
+is where a graph with baked-in routing would go wrong.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from exporter.cli import main
+from exporter.contract import PAST
+from exporter.errors import InputError
+from exporter.export import _example_inputs
+from exporter.manifest import read_manifest
+from exporter.parity import TOLERANCES, compare, verify_artifact
+from exporter.reference_runner import TorchRunner
+from exporter.routing import RouterProbe, record_reference_routing
+from exporter.runtime import OrtRunner, generate_greedy, position_ids_from_mask
+from helpers import assert_decode_graph_matches
+from reference.checkpoints import load_checkpoint
+
+FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
+    "minimind-3 MoE + YaRN (sparse)": ("moe3_artifact", "moe3_model"),
+    "MiniMind2 MoE (dense)": ("moe2_artifact", "moe2_model"),
+    "teaching GPT": ("gpt_artifact", "gpt_model"),
+    "seed 001 demo (bring your own)": ("byo_artifact", "byo_adapter"),
+}
+
+
+def _failures(report):
+    return ([c.to_dict() for r in report.reports for c in r.comparisons if not c.passed],
+            [r.greedy.note for r in report.reports if not r.greedy.passed],
+            [r.experts.note for r in report.reports if r.experts is not None and not r.experts.passed])
+
+
+@pytest.mark.parametrize("family", FAMILY_ARTIFACTS)
+def test_family_artifact_matches_its_reference_on_cpu(family, request):
+    artifact, model = (request.getfixturevalue(name) for name in FAMILY_ARTIFACTS[family])
+    report = verify_artifact(artifact, model, ["cpu"])
+    assert report.passed, _failures(report)
+    [cpu] = report.reports
+    assert [c.name for c in cpu.comparisons][:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
+    assert cpu.greedy.onnx_ids == cpu.greedy.reference_ids and len(set(cpu.greedy.onnx_ids)) > 3
+    if "MoE" in family:
+        assert cpu.experts.measured and cpu.experts.pairs > 100 and cpu.experts.passed, cpu.experts.note
+    else:
+        assert cpu.experts is None
+    assert read_manifest(artifact).family == {"teaching GPT": "teaching-gpt", "seed 001 demo (bring your own)":
+                                              "custom"}.get(family, "minimind")
+
+
+def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, moe3_model):
+    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"])
+    assert report.passed, _failures(report)
+    experts = report.reports[0].experts
+    assert experts.measured and experts.passed and experts.pairs > 100, experts.note
+
+
+def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind2_artifact, minimind2_checkpoint):
+    manifest = json.loads((minimind2_artifact / "manifest.json").read_text())
+    source = manifest["model"]["source"]
+    assert source["kind"] == "checkpoint" and source["converted"] == {"float16": 21}
+    assert manifest["model"]["config"]["version"] == 2 and manifest["cache"]["num_key_value_heads"] == 2
+    # verify re-reads the checkpoint named in the manifest (and checks it is unchanged).
+    result = CliRunner().invoke(main, ["verify", str(minimind2_artifact), "--provider", "cpu", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["providers"][0]["expert_choice"] is None
+    model, _ = load_checkpoint(minimind2_checkpoint, config=read_manifest(minimind2_artifact).config)
+    prompt = [1, 17, 230, 4]
+    assert generate_greedy(OrtRunner(minimind2_artifact), prompt, 12).new_ids == [
+        int(t) for t in _reference_greedy(model, prompt, 12)]
+
+
+def _reference_greedy(model, prompt, n):
+    from exporter.reference_runner import reference_greedy
+    return reference_greedy(model, prompt, n, None)
+
+
+def test_a_changed_checkpoint_is_refused_by_verify(minimind2_artifact, minimind2_checkpoint, tmp_path):
+    import shutil
+    moved = tmp_path / "copy"
+    shutil.copytree(minimind2_artifact, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    other = tmp_path / "other.pth"
+    other.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
+    manifest["model"]["source"]["path"] = str(other)
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(moved), "-q"])
+    assert result.exit_code == 2 and "changed since" in result.stderr, result.output
+
+
+# ------------------------------------------------------------------ MoE routing on inputs other than the example
+
+
+def _routing(model, config, ids, layers):
+    """{layer: set of experts receiving tokens} for a reference prefill of `ids`."""
+    with record_reference_routing(model) as calls, torch.no_grad():
+        model(torch.as_tensor(ids))
+    return {layer: set(calls[layer][0][1].flatten().tolist()) for layer in range(layers)}
+
+
+def _covering_single_tokens(model, config):
+    """A few one-token prompts such that every (layer, expert) receives the token in one and not in another."""
+    candidates = np.arange(config.vocab_size)[:, None]  # every token id as its own batch row
+    with record_reference_routing(model) as calls, torch.no_grad():
+        model(torch.as_tensor(candidates))
+    chosen = []
+    for layer in range(config.num_hidden_layers):
+        ids = calls[layer][0][1]  # (vocab, k)
+        for expert in range(config.num_experts):
+            chose = (ids == expert).any(-1)
+            assert chose.any() and not chose.all(), f"expert {expert} of layer {layer}: no token or every token"
+            chosen += [int(np.flatnonzero(chose)[0]), int(np.flatnonzero(~chose)[0])]
+    return sorted(set(chosen))
+
+
+@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant, request):
+    artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")
+    manifest = read_manifest(artifact, check_hashes=False)
+    config, layers = manifest.config, manifest.cache.num_layers
+    onnx, reference = OrtRunner(artifact, manifest=manifest), TorchRunner(model, manifest)
+    probe = RouterProbe(artifact, manifest.prefill, "CPUExecutionProvider", layers)
+    example_ids = _example_inputs(config, torch.float32, with_loss=True, past=False)[0][0].numpy()
+    example = _routing(model, config, example_ids, layers)
+
+    receives = {(layer, e): False for layer in range(layers) for e in range(config.num_experts)}
+    starved = dict(receives)
+    differs = False
+    tolerance = TOLERANCES["float32"]
+    for token in _covering_single_tokens(model, config):
+        ids = np.array([[token]], dtype=np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.zeros_like(ids),
+                 "labels": ids}
+        expected, actual = reference.prefill(feeds), onnx.prefill(feeds)
+        assert compare("logits", "logits", actual["logits"], expected["logits"], tolerance["logits"]).passed
+        routed = _routing(model, config, ids, layers)
+        onnx_routed = {layer: set(v.flatten().tolist()) for layer, v in probe.expert_ids(feeds).items()}
+        assert onnx_routed == routed, f"token {token}: onnx {onnx_routed} vs reference {routed}"
+        differs |= routed != example
+        for layer, experts in routed.items():
+            for e in range(config.num_experts):
+                receives[layer, e] |= e in experts
+                starved[layer, e] |= e not in experts
+    assert differs, "the test inputs must route differently from the export example"
+    assert all(receives.values()) and all(starved.values()), (receives, starved)
+
+
+@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+@pytest.mark.parametrize("batch,length,past", [(1, 1, 0), (3, 1, 17), (2, 9, 5)])
+def test_moe_decode_graph_matches_at_other_sizes(variant, batch, length, past, request):
+    artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")
+    assert_decode_graph_matches(artifact, model, batch, length, past)
+
+
+# ------------------------------------------------------------------ teaching GPT specifics in the graphs
+
+
+def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_model):
+    manifest = read_manifest(gpt_artifact, check_hashes=False)
+    onnx = OrtRunner(gpt_artifact, manifest=manifest)
+    rng = np.random.default_rng(5)
+    short = rng.integers(0, 512, (1, 6), dtype=np.int64)
+    pad = 4
+    ids = np.concatenate([np.zeros((1, pad), np.int64), short], axis=1)
+    mask = (np.arange(10) >= pad).astype(np.int64)[None]
+    padded = onnx.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+                           "labels": np.full_like(ids, -100)})["logits"][0, pad:]
+    alone = gpt_model(torch.as_tensor(short)).logits[0].detach().numpy()
+    assert compare("padded", "logits", padded, alone, TOLERANCES["float32"]["logits"]).passed
+    assert manifest.config.max_position_embeddings == 64 and manifest.decode.inputs[3].axes[2] == PAST
+    with pytest.raises(InputError, match=r"exceeds max_position_embeddings \(64\)"):
+        generate_greedy(onnx, [1] * 60, 5)
+    ids = np.ones((1, 1), np.int64)
+    with pytest.raises(Exception, match="(?i)indices|out of (range|bounds)"):  # never a silent wrap
+        onnx.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, 64), "labels": ids})

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import torch
 
 from exporter.contract import GraphContract
-from exporter.runtime import position_ids_from_mask, presents_as_past
+from exporter.runtime import plain_session_options, position_ids_from_mask, presents_as_past
 
 ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -75,7 +75,7 @@ class RouterProbe:
         self.complete = sorted(self.layers) == list(range(num_layers))
         for name in self.layers.values():
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
-        options = ort.SessionOptions()
+        options = plain_session_options()
         options.log_severity_level = 3
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]

@@ -117,6 +117,17 @@ def _use_global_thread_pool(threads: int) -> None:
                     _global_pool_threads, threads)
 
 
+def plain_session_options() -> ort.SessionOptions:
+    """Options for a helper session (a probe, a debug copy of a graph) that fits this process's threading.
+
+    Once the global thread pool exists, ONNX Runtime refuses a session that asks for a pool of its own.
+    """
+    options = ort.SessionOptions()
+    if _global_pool_threads is not None:
+        options.use_per_session_threads = False
+    return options
+
+
 class SharedWeightMap:
     """The weights file mapped once; a session given these OrtValues reads the weights in place.
 

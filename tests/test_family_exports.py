@@ -22,7 +22,8 @@ from exporter.manifest import read_manifest
 from exporter.parity import TOLERANCES, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
 from exporter.routing import RouterProbe, record_reference_routing
-from exporter.runtime import OrtRunner, generate_greedy, position_ids_from_mask
+from exporter.generation import generate_greedy
+from exporter.runtime import OrtRunner, position_ids_from_mask
 from helpers import assert_decode_graph_matches
 from reference.checkpoints import load_checkpoint
 
@@ -54,6 +55,11 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
         assert cpu.experts is None
     assert read_manifest(artifact).family == {"teaching GPT": "teaching-gpt", "seed 001 demo (bring your own)":
                                               "custom"}.get(family, "minimind")
+    # onnxruntime-genai (a test dependency) ran the folder as it is: its greedy tokens equal the reference's
+    # (and so ours, asserted above), EOS aside.
+    [genai] = report.consumers
+    assert genai.passed and genai.greedy.match_length == len(genai.greedy.reference_ids) > 3, genai.greedy.note
+    assert genai.model_type == json.loads((artifact / "genai_config.json").read_text())["model"]["type"]
 
 
 def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, moe3_model):

@@ -61,3 +61,16 @@ def test_optimum_generates_text_with_the_artifacts_tokenizer(artifact_fp32):
                                manifest.config.eos_token_id).new_ids
     assert out.tolist() == expected
     assert tokenizer.decode(out) == ours.decode(expected)
+
+
+@pytest.mark.parametrize("artifact", ["moe3_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact",
+                                      "minimind2_artifact"])
+def test_optimum_runs_every_family(request, artifact):
+    """Optimum reads only the sizes from config.json; its tokens equal our runtime's for every family."""
+    folder = request.getfixturevalue(artifact)
+    eos = read_manifest(folder).config.eos_token_id
+    model, runner = _load(folder), OrtRunner(folder)
+    for prompt in PROMPTS[:2]:
+        optimum = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        ours = generate_greedy(runner, prompt, 24, eos).new_ids
+        assert optimum == ours and len(set(ours)) > 3

@@ -4,40 +4,7 @@ from __future__ import annotations
 
 from exporter.export import ExportResult
 from exporter.manifest import Manifest
-from exporter.parity import VerifyReport
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
-             for row in [header, ["-" * w for w in widths], *rows]]
-    return "\n".join(lines)
-
-
-def format_verify(report: VerifyReport) -> str:
-    blocks = []
-    for provider in report.reports:
-        rows = [[c.name, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.mean_abs:.3g}",
-                 f"{c.tolerance.atol:g}/{c.tolerance.rtol:.3g}/{c.tolerance.peak:.3g}", "pass" if c.passed else "FAIL"]
-                for c in provider.comparisons]
-        greedy = provider.greedy
-        rows.append(["greedy tokens", f"{greedy.match_length}/{len(greedy.reference_ids)} match", "", "", "",
-                     "pass" if greedy.passed else "FAIL"])
-        title = f"{provider.provider} ({provider.dtype}): {'PASS' if provider.passed else 'FAIL'}"
-        blocks.append(title + "\n" + _table(["check", "max abs", "max rel", "mean abs", "atol/rtol/peak", "result"],
-                                            rows) + f"\n  greedy: {greedy.note}")
-    for provider, reason in report.skipped.items():
-        blocks.append(f"{provider}: skipped ({reason})")
-    for consumer in report.consumers:
-        greedy = consumer.greedy
-        blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "
-                      f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
-                      f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
-                      "compared: onnxruntime-genai leaves it out)")
-    for consumer, reason in report.consumers_skipped.items():
-        blocks.append(f"consumer {consumer}: skipped ({reason})")
-    blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'}")
-    return "\n\n".join(blocks)
+from exporter.verify.reports.text import table as _table
 
 
 def _files_table(files: dict) -> str:

@@ -18,7 +18,7 @@ from exporter.manifest import read_manifest, sha256_file
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch
 from exporter.verify.inputs import ParitySettings
-from exporter.verify.probe import DebugGraph
+from exporter.verify.probe import module_of
 from exporter.verify.reports import format_verify, render_html, render_junit
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
@@ -69,13 +69,10 @@ def _perturb(folder, module: str, delta: float) -> str:
     """Add `delta` to the weight read by the MatMul of `module` (prefill and decode share it), keeping the
     manifest's hashes consistent; returns the initializer's name."""
     manifest = read_manifest(folder)
-    graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
-    nodes = DebugGraph.__new__(DebugGraph)  # only for the module mapping of each node
-    from exporter.verify.probe import _module_of
-    node = next(n for n in graph.node if n.op_type == "MatMul" and _module_of(n) == module)
+    graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
+    node = next(n for n in graph.node if n.op_type == "MatMul" and module_of(n) == module)
     name = node.input[1]
     entry = next(e for e in manifest.initializers["prefill.onnx"] if e["name"] == name)
-    del nodes
     weights = np.memmap(folder / manifest.weights_file, dtype=entry["dtype"], mode="r+", offset=entry["offset"],
                         shape=tuple(entry["shape"]))
     weights += delta

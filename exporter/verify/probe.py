@@ -32,7 +32,7 @@ class NodeInfo:
     module: str  # module path inside the exported model ('' when unknown or at its root)
 
 
-def _module_of(node: onnx.NodeProto) -> str | None:
+def module_of(node: onnx.NodeProto) -> str | None:
     """The reference module path of a node from torch.onnx's name scopes, e.g. 'model.layers.1.self_attn.k_proj'.
 
     The scopes run from the exported wrapper ('') through its child holding the model ('model') down to the op
@@ -63,7 +63,7 @@ class DebugGraph:
             exposed = tuple(o for o in node.output if o in types and o not in declared
                             and types[o].type.tensor_type.elem_type in FLOAT_TYPES)
             model.graph.output.extend(types[o] for o in exposed)
-            module = _module_of(node)
+            module = module_of(node)
             self.has_scopes |= module is not None
             outputs = exposed + tuple(o for o in node.output if o in declared)
             self.nodes.append(NodeInfo(index, node.name, node.op_type, outputs, module or ""))

@@ -9,14 +9,14 @@ import sys
 
 
 def _pytest(cwd, *args):
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, args)],
                           cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
 def test_plugin_does_nothing_without_the_option(tmp_path):
     (tmp_path / "test_x.py").write_text("def test_one():\n    pass\n")
     out = _pytest(tmp_path)
-    assert out.returncode == 0 and "1 passed" in out.stdout and "artifact" not in out.stdout
+    assert out.returncode == 0 and "1 passed" in out.stdout and "--artifacts" not in out.stdout and "reference =" not in out.stdout
 
 
 def test_plugin_runs_invariants_when_no_reference_is_available(artifact_fp32, tmp_path):

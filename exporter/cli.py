@@ -174,28 +174,54 @@ def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=Non
                                   tokenizer=tokenizer)
 
 
-def _rebuild(folder, manifest):
-    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
-    source = manifest.source
-    if source.get("kind") == "seeded":
-        return build_model(manifest.config, source["seed"])
-    if source.get("kind") == "checkpoint":
-        from reference.checkpoints import fingerprint, load_checkpoint
-        path = Path(source["path"])
-        if not path.exists() or fingerprint(path) != source["sha256"]:
-            raise ToolkitError(f"{folder} was exported from checkpoint {path}, which is "
-                               f"{'gone' if not path.exists() else 'changed since'}; restore it or re-export")
-        return load_checkpoint(path, config=manifest.config)[0]
-    raise ToolkitError(f"{folder} was exported from weights this command cannot rebuild ({source}); "
-                       "verify it from Python with verify_artifact(folder, model)")
+def verify_options(func):
+    """The verification engine's options, shared by `verify` and `run`."""
+    options = [
+        click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Stateful decode steps (each feeding ONNX Runtime's own present back as past)."),
+        click.option("--sweep/--no-sweep", default=True, show_default=True,
+                     help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
+        click.option("--probe", is_flag=True, help="Node-level localisation: a debug copy of prefill.onnx exposing "
+                                                   "intermediate values names the first diverging operator."),
+        click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
+                                                                     "loss (repeatable), e.g. --atol logits=1e-3."),
+        click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),
+        click.option("--peak", multiple=True, metavar="KIND=V", help="Override the peak term, e.g. --peak logits=0."),
+        click.option("--tolerances", "tolerance_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
+        click.option("--report-json", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write the full JSON report here."),
+        click.option("--junit", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write a JUnit XML report here (for CI systems)."),
+        click.option("--html", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write a self-contained HTML report with plots here."),
+        click.option("--golden-save", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                     help="Record the reference's inputs and outputs as a golden bundle in DIR."),
+        click.option("--fp16-companion", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                     help="A float16 export of the same model: the precision leg of the CUDA attribution."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
 
 
-def _verify(folder, providers, genai, model=None):
+def _verify(folder, providers, genai, options: dict, model=None, golden=None):
+    """Run the engine with the CLI's options; torch is imported only when the reference model is needed."""
     from exporter.manifest import read_manifest
-    from exporter.parity import verify_artifact
-    if model is None:
-        model = _rebuild(folder, read_manifest(folder))
-    return verify_artifact(folder, model, list(providers) or None, genai=genai)
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.reports import write_reports
+    from exporter.verify.tolerances import parse_overrides
+    overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
+    settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
+    if model is None and golden is None:
+        from exporter.reference_runner import rebuild_reference
+        model = rebuild_reference(folder, read_manifest(folder))
+    report = verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
+                             golden_save=options["golden_save"], overrides=overrides,
+                             fp16_companion=options["fp16_companion"])
+    write_reports(report, options["report_json"], options["junit"], options["html"])
+    return report
 
 
 @click.group(cls=OneLineErrorGroup, invoke_without_command=True,
@@ -218,15 +244,17 @@ def main(ctx):
 @export_options
 @provider_option
 @genai_option
+@verify_options
 @common_options
 @handle_errors
 def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet,
-        verbose):
+        verbose, **options):
     """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
-    from exporter.report import format_export, format_verify
+    from exporter.report import format_export
+    from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
-    report = _verify(exported.folder, providers, genai, model)
+    report = _verify(exported.folder, providers, genai, options, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
           format_export(exported) + "\n\n" + format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
@@ -249,18 +277,23 @@ def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokeni
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @provider_option
 @genai_option
+@verify_options
+@click.option("--golden", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Compare with a golden bundle instead of the PyTorch model (needs no torch).")
 @common_options
 @handle_errors
-def verify(folder, providers, genai, as_json, quiet, verbose):
-    """Compare an artifact FOLDER with the PyTorch reference (prefill, 17 decode steps, greedy tokens),
-    and onnxruntime-genai's greedy tokens on the folder as it is with the reference's.
+def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options):
+    """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
+    greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
+    providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
 
-    The reference is rebuilt from the manifest: the config with the weight seed, or the checkpoint file it
-    was exported from (which must be unchanged). Exits 1 when any check fails.
+    The reference is rebuilt from the manifest (the config with the weight seed, or the checkpoint file it
+    was exported from, which must be unchanged), or replayed from a golden bundle (--golden). Exits 1 when
+    any check fails, 2 on bad input (e.g. a bundle of another artifact).
     """
-    from exporter.report import format_verify
+    from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
-    report = _verify(folder, providers, genai)
+    report = _verify(folder, providers, genai, options, golden=golden)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 

@@ -8,13 +8,16 @@ compares the graphs with the model rather than with themselves.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from exporter.contract import KV_KINDS
+from exporter.errors import ArtifactError
 from exporter.export import TORCH_DTYPES
 from exporter.manifest import Manifest
+from exporter.verify.checks import GreedyTrace
 
 
 class TorchRunner:
@@ -54,21 +57,65 @@ class TorchRunner:
                          position_ids=torch.from_numpy(feeds["position_ids"]), use_cache=True)
         return self._outputs(out)
 
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> GreedyTrace:
+        ids, logits = reference_greedy(self.model, prompt_ids, max_new_tokens, eos_token_id, with_logits=True)
+        return GreedyTrace(ids, logits)
+
+    @torch.no_grad()
+    def module_outputs(self, feeds: dict) -> dict:
+        """Every submodule's output (its first tensor) for a prefill of `feeds`, by module path; the probe
+        matches them to intermediate values of the graph."""
+        outputs: dict[str, np.ndarray] = {}
+
+        def hook(path):
+            def record(module, args, output):
+                first = output if isinstance(output, torch.Tensor) else next(
+                    (o for o in output if isinstance(o, torch.Tensor)), None) if isinstance(output, tuple) else None
+                if first is not None and first.is_floating_point():
+                    outputs[path] = first.float().numpy()
+            return record
+
+        handles = [module.register_forward_hook(hook(path)) for path, module in self.model.named_modules() if path]
+        try:
+            self.prefill({name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")})
+        finally:
+            for handle in handles:
+                handle.remove()
+        return outputs
+
 
 @torch.no_grad()
 def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
-                     eos_token_id: int | None) -> list[int]:
-    """MiniMind-style greedy decoding with the model's own KV cache and default positions."""
+                     eos_token_id: int | None, with_logits: bool = False):
+    """MiniMind-style greedy decoding with the model's own KV cache and default positions.
+
+    Returns the new ids, and with `with_logits` also the (new ids, vocab) float32 logits each was chosen from.
+    """
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     new_ids: list[int] = []
+    logits = []
     while True:
         token = int(out.logits[0, -1].argmax())
         new_ids.append(token)
+        logits.append(out.logits[0, -1].float().numpy())
         if token == eos_token_id or len(new_ids) == max_new_tokens:
-            return new_ids
+            return (new_ids, np.stack(logits)) if with_logits else new_ids
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
 
 
-@torch.no_grad()
-def reference_next_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    return model(torch.tensor([ids])).logits[0, -1].float().numpy()
+def rebuild_reference(folder: Path, manifest: Manifest) -> torch.nn.Module:
+    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
+    source = manifest.source
+    if source.get("kind") == "seeded":
+        from reference import build_model
+        return build_model(manifest.config, source["seed"])
+    if source.get("kind") == "checkpoint":
+        from reference.checkpoints import fingerprint, load_checkpoint
+        path = Path(source["path"])
+        if not path.exists() or fingerprint(path) != source["sha256"]:
+            raise ArtifactError(f"{folder} was exported from checkpoint {path}, which is "
+                                f"{'gone' if not path.exists() else 'changed since'}; restore it or re-export")
+        return load_checkpoint(path, config=manifest.config)[0]
+    raise ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({source}); verify it "
+                        "against a golden bundle (--golden DIR), from Python with verify_artifact(folder, model), "
+                        "or with the invariants alone (pytest --artifacts)")

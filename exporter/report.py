@@ -4,45 +4,7 @@ from __future__ import annotations
 
 from exporter.export import ExportResult
 from exporter.manifest import Manifest
-from exporter.parity import VerifyReport
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
-             for row in [header, ["-" * w for w in widths], *rows]]
-    return "\n".join(lines)
-
-
-def format_verify(report: VerifyReport) -> str:
-    blocks = []
-    for provider in report.reports:
-        rows = [[c.name, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.mean_abs:.3g}",
-                 f"{c.tolerance.atol:g}/{c.tolerance.rtol:.3g}/{c.tolerance.peak:.3g}", "pass" if c.passed else "FAIL"]
-                for c in provider.comparisons]
-        greedy = provider.greedy
-        rows.append(["greedy tokens", f"{greedy.match_length}/{len(greedy.reference_ids)} match", "", "", "",
-                     "pass" if greedy.passed else "FAIL"])
-        experts = provider.experts
-        if experts is not None:
-            agreement = f"{100 * experts.fraction:.2f}% agree" if experts.measured else "not measured"
-            rows.append(["expert choice", agreement, "", "", "", "pass" if experts.passed else "FAIL"])
-        title = f"{provider.provider} ({provider.dtype}): {'PASS' if provider.passed else 'FAIL'}"
-        blocks.append(title + "\n" + _table(["check", "max abs", "max rel", "mean abs", "atol/rtol/peak", "result"],
-                                            rows) + f"\n  greedy: {greedy.note}"
-                      + (f"\n  experts: {experts.note}" if experts is not None else ""))
-    for provider, reason in report.skipped.items():
-        blocks.append(f"{provider}: skipped ({reason})")
-    for consumer in report.consumers:
-        greedy = consumer.greedy
-        blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "
-                      f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
-                      f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
-                      "compared: onnxruntime-genai leaves it out)")
-    for consumer, reason in report.consumers_skipped.items():
-        blocks.append(f"consumer {consumer}: skipped ({reason})")
-    blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'}")
-    return "\n\n".join(blocks)
+from exporter.verify.reports.text import table as _table
 
 
 def _files_table(files: dict) -> str:
@@ -58,8 +20,9 @@ def format_export(result: ExportResult) -> str:
 def format_inspect(manifest: Manifest, folder: str) -> str:
     config = manifest.config
     lines = [f"artifact {folder}",
-             f"  model: {manifest.family}, {config.num_hidden_layers} layers, kv heads {config.num_key_value_heads} "
-             f"x {config.head_dim}, vocab {config.vocab_size}, max positions {config.max_position_embeddings}",
+             f"  model: minimind, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+             f"heads {config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}, "
+             f"max positions {config.max_position_embeddings}",
              f"  weights from: {manifest.source}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]

@@ -16,14 +16,17 @@ import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-import torch
 
 from exporter.contract import GraphContract
 from exporter.runtime import plain_session_options, position_ids_from_mask, presents_as_past
+
+if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model
+    import torch
 
 ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"

@@ -182,6 +182,15 @@ def _session_options(settings: SessionSettings, graph_file: str, weights: Shared
     return options
 
 
+def graph_session(path: Path, graph_file: str, weights: SharedWeightMap, provider: str,
+                  settings: SessionSettings = SessionSettings()) -> ort.InferenceSession:
+    """A session on a modified copy of one of an artifact's graphs (e.g. a debug copy) stored elsewhere: the
+    weights come from the artifact's file through `weights`, with this process's thread-pool rules."""
+    full = check_provider(provider)
+    providers = [full] if full == "CPUExecutionProvider" else [full, "CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), _session_options(settings, graph_file, weights), providers=providers)
+
+
 def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
     batch, length = input_ids.shape
     if position_ids.shape != input_ids.shape:

@@ -15,6 +15,10 @@ def invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+# Verification options that keep a CLI test short; the default run is covered in test_verify_engine.
+QUICK = ("--decode-steps", "16", "--no-sweep")
+
+
 @pytest.fixture(scope="module")
 def cli_artifact(tmp_path_factory):
     """An inference-only (no loss) tiny artifact exported through the CLI."""
@@ -41,7 +45,7 @@ def test_no_loss_export_drops_labels_and_loss(cli_artifact):
 
 
 def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--json", "-q")
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--json", "-q", *QUICK)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and report["providers"][0]["provider"] == "CPUExecutionProvider"
@@ -56,20 +60,20 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["model"]["source"]["seed"] = 1
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    result = invoke("verify", copy, "--provider", "cpu", "-q")
+    result = invoke("verify", copy, "--provider", "cpu", "-q", *QUICK)
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.stdout
 
 
 def test_table_output_names_every_check(cli_artifact):
-    result = invoke("verify", cli_artifact, "-q")
+    result = invoke("verify", cli_artifact, "-q", *QUICK)
     assert result.exit_code == 0, result.output
-    for row in ("prefill logits", "decode logits (17 steps)", "greedy tokens", "overall: PASS",
+    for row in ("prefill logits", "decode logits (17 steps)", "reference-free invariants", "greedy tokens", "overall: PASS",
                 "consumer onnxruntime-genai", "32/32 match, 32 tokens identical"):
         assert row in result.stdout
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         assert "CUDAExecutionProvider: skipped" in result.stdout
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q")
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
     assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
 
@@ -116,4 +120,27 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path):
     assert not (tmp_path / "t").exists()
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
+    _one_line_error(invoke("verify", cli_artifact, "--atol", "logits", "-q"), 2, "expected KIND=VALUE")
+    _one_line_error(invoke("verify", cli_artifact, "--rtol", "weights=1", "-q"), 2, "unknown kind 'weights'")
+    _one_line_error(invoke("verify", cli_artifact, "--tolerances", a_file, "-q"), 2, "cannot read tolerance file")
+    _one_line_error(invoke("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
+    _one_line_error(invoke("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
     assert a_file.read_text() == "x"
+
+
+def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact, tmp_path):
+    out = tmp_path / "out"
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
+                    "--no-sweep", "--atol", "logits=2e-4", "--report-json", out / "r.json", "--junit", out / "r.xml",
+                    "--html", out / "r.html", "--golden-save", out / "golden")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "r.json").read_text())
+    assert report["providers"][0]["tolerances"]["logits"]["atol"] == 2e-4
+    assert len(report["providers"][0]["decode_curve"]) == 4 and (out / "r.xml").is_file()
+    assert "<svg" in (out / "r.html").read_text()
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--golden", out / "golden", "--json", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reference"] == f"golden bundle {out / 'golden'}"
+    result = invoke("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0", "-q",
+                    "--decode-steps", "3", "--no-sweep", "--no-genai")
+    assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides

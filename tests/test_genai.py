@@ -10,13 +10,16 @@ import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from exporter import consumers, parity
+from exporter import consumers
 from exporter.cli import main
 from exporter.consumers import FamilyTypes
 from exporter.errors import ConsumerError
 from exporter.genai import GenaiGenerator, genai_greedy
 from exporter.manifest import read_manifest
-from exporter.parity import judge_greedy, verify_artifact
+from exporter.parity import ParitySettings, verify_artifact
+from exporter.verify import engine
+from exporter.verify.checks import judge_greedy
+from exporter.verify.tolerances import profile_for
 from exporter.reference_runner import TorchRunner, reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner
@@ -50,13 +53,13 @@ def test_genai_runs_the_float16_artifact(artifact_fp16, tiny_model):
     manifest = read_manifest(artifact_fp16)
     eos = manifest.config.eos_token_id
     generator = GenaiGenerator(artifact_fp16)
-    model16 = TorchRunner(tiny_model, manifest).model
+    reference16 = TorchRunner(tiny_model, manifest)
     for prompt in PROMPTS:
         genai = generator.greedy(prompt, 40)
         assert genai == without_final_eos(generate_greedy(OrtRunner(artifact_fp16), prompt, 40, eos).new_ids, eos)
         # Against the float16 reference with our own greedy rule: identical, or a divergence at a near-tie.
-        expected = without_final_eos(reference_greedy(model16, prompt, 40, eos), eos)
-        result = judge_greedy(model16, manifest, prompt, expected, genai)
+        trace = reference16.greedy(prompt, 40, eos)
+        result = judge_greedy(trace, genai, profile_for("float16"), without_final_eos(trace.ids, eos))
         assert result.passed, result.note
 
 
@@ -91,8 +94,12 @@ def test_text_generation_agrees_across_genai_tokenizers_and_our_cli(artifact_fp3
     assert data["text"] == ours.decode(new_ids)
 
 
+# The consumer check does not depend on the decode steps or the sweep.
+FAST = ParitySettings(decode_steps=2, sweep=False)
+
+
 def test_verify_runs_the_genai_check_when_it_can(artifact_fp32, tiny_model):
-    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"])
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], FAST)
     assert report.passed and report.consumers_skipped == {}
     (consumer,) = report.consumers
     assert consumer.consumer == f"onnxruntime-genai {og.__version__}" and consumer.model_type == "qwen3"
@@ -106,27 +113,27 @@ def test_verify_fails_when_genai_generates_other_tokens(artifact_copy, tiny_mode
             tokens = super().greedy(prompt_ids, max_new_tokens)
             return tokens[:5] + [(tokens[5] + 1) % 512] + tokens[6:]
 
-    monkeypatch.setattr(parity, "GenaiGenerator", Wrong)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"])
+    monkeypatch.setattr(engine, "GenaiGenerator", Wrong)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
     assert all(r.passed for r in report.reports) and not report.passed
     assert report.consumers[0].greedy.match_length == 5 and "not a tie" in report.consumers[0].greedy.note
 
 
 def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_model, monkeypatch):
-    assert verify_artifact(artifact_copy, tiny_model, ["cpu"], genai=False).consumers_skipped == {
+    assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False).consumers_skipped == {
         "onnxruntime-genai": "turned off"}
     with monkeypatch.context() as patch:  # a family onnxruntime-genai cannot run
         patch.setattr(consumers, "consumer_types",
                       lambda manifest: FamilyTypes(None, "qwen3", genai_unsupported="reason X"))
-        assert verify_artifact(artifact_copy, tiny_model, ["cpu"]).consumers_skipped == {
+        assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST).consumers_skipped == {
             "onnxruntime-genai": "reason X"}
         with pytest.raises(ConsumerError, match="cannot run in onnxruntime-genai: reason X"):
             GenaiGenerator(artifact_copy)
-    monkeypatch.setattr(parity, "genai_version", lambda: None)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"])
+    monkeypatch.setattr(engine, "genai_version", lambda: None)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
     assert report.passed and "pip install onnxruntime-genai" in report.consumers_skipped["onnxruntime-genai"]
     with pytest.raises(ConsumerError, match="not installed"):
-        verify_artifact(artifact_copy, tiny_model, ["cpu"], genai=True)
+        verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
 
 
 def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path):

@@ -1,0 +1,200 @@
+"""verify_artifact: every check of the verification engine on one artifact folder.
+
+The reference is the PyTorch model when one is given (recorded once and
+replayed for the other providers), a golden bundle when one is given (no
+torch), or nothing: then only the reference-free invariants run.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from exporter.consumers import GENAI_CONFIG, genai_unsupported
+from exporter.errors import ConsumerError, InputError
+from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
+from exporter.manifest import Manifest, read_manifest
+from exporter.routing import ExpertAgreement
+from exporter.runtime import OrtRunner, available_parity_providers, check_provider
+from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
+from exporter.verify.golden import RecordedReference, load_bundle
+from exporter.verify.health import HealthScan
+from exporter.verify.inputs import ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
+from exporter.verify.invariants import check_invariants
+from exporter.verify.localise import Localisation, first_diverging_layer, probe_between, probe_reference
+from exporter.verify.probe import DebugGraph
+from exporter.verify.providers import attribute, cross_providers, repeat_run
+from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
+from exporter.verify.tolerances import Overrides, Profile, profile_for
+
+log = logging.getLogger(__name__)
+
+
+def _localise(prefill, decode, reference, debug: DebugGraph, values: dict, batch: dict, settings: ParitySettings,
+              profile: Profile) -> Localisation:
+    first = first_diverging_layer(prefill.layers)
+    where = "prefill present" if first is not None else ""
+    if first is None:
+        step = next((s for s in decode.curve if s.first_failing_layer is not None), None)
+        if step is not None:
+            first, where = step.first_failing_layer, f"decode step {step.step} present"
+    if not settings.probe:
+        return Localisation(first, where, None, "not requested (--probe)")
+    module_outputs = getattr(getattr(reference, "backing", None), "module_outputs", None)
+    if module_outputs is None:
+        return Localisation(first, where, None, "the probe against the reference needs the PyTorch model; a golden "
+                                                "bundle holds no intermediate values")
+    log.info("probe: comparing %d graph values with the reference's module outputs", len(values))
+    return Localisation(first, where, probe_reference(debug, values, module_outputs(batch), profile.kv))
+
+
+def _expert_choice(reference, folder: Path, manifest: Manifest, provider: str, batch: dict,
+                   settings: ParitySettings, profile: Profile) -> ExpertAgreement | None:
+    """MoE routing agreement against the PyTorch model's routers (None for models without routers)."""
+    if getattr(manifest.config, "use_moe", False) is not True:
+        return None
+    if getattr(reference, "backing", None) is None:
+        return ExpertAgreement(False, 0, 0, 0, "not measured: a golden bundle holds no router choices")
+    from exporter.routing import check_expert_choice  # torch only on this path
+
+    log.info("%s: expert choice of the MoE routers", provider)
+    rng = np.random.default_rng(settings.seed + 4)
+    steps = [rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
+             for n in [1] * min(settings.decode_steps, 16) + [3]]
+    return check_expert_choice(reference.backing, folder, manifest, provider, batch, steps, profile.logits)
+
+
+def _run_provider(folder: Path, provider: str, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
+                  settings: ParitySettings, overrides: Overrides) -> tuple[ProviderReport, dict, dict]:
+    onnx = OrtRunner(folder, provider, manifest=manifest)
+    profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
+    health = HealthScan(manifest.dtype)
+    reference.rewind()
+    log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
+    values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
+    health.scan_activations(values)
+    log.info("%s: prefill", onnx.provider)
+    prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health)
+    repeat = repeat_run(onnx, manifest, batch, outputs, profile)
+    log.info("%s: %d decode steps feeding present back as past", onnx.provider, settings.decode_steps + 1)
+    decode, _ = check_decode(reference, onnx, manifest, batch, settings, profile, health,
+                             np.random.default_rng(settings.seed + 1))
+    log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
+    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
+    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile)
+    sweep = []
+    if settings.sweep:
+        log.info("%s: shape sweep", onnx.provider)
+        sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3))
+    localisation = _localise(prefill, decode, reference, debug, values, batch, settings, profile)
+    experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
+    report = ProviderReport(onnx.provider, manifest.dtype, profile, prefill.comparisons + decode.comparisons, greedy,
+                            decode.curve, prefill.layers, prefill.histogram, sweep, health.report(), repeat,
+                            localisation, experts)
+    return report, outputs, values
+
+
+def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
+    if genai_version() is None:
+        return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
+    if genai_unsupported(manifest):
+        return genai_unsupported(manifest)
+    if not (Path(folder) / GENAI_CONFIG).is_file():
+        return f"the folder has no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
+    return ""
+
+
+def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySettings, profile: Profile
+                ) -> ConsumerReport:
+    """onnxruntime-genai's own loop over the folder against the reference, from check_greedy's prompt.
+
+    onnxruntime-genai stops at EOS and leaves it out, so a final EOS of the reference is dropped first.
+    """
+    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
+    eos = manifest.config.eos_token_id
+    trace = reference.greedy(prompt, settings.greedy_tokens, eos)
+    expected = trace.ids[:-1] if trace.ids and trace.ids[-1] == eos else trace.ids
+    log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
+    generator = GenaiGenerator(folder)
+    actual = generator.greedy(prompt, settings.greedy_tokens)
+    return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type,
+                          judge_greedy(trace, actual, profile, expected))
+
+
+def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, settings: ParitySettings):
+    """(reference or None, its description, the settings to use)."""
+    if golden is not None:
+        reference, recorded, versions = load_bundle(golden, manifest)
+        log.info("reference: golden bundle %s (recorded with %s)", golden,
+                 ", ".join(f"{k} {v}" for k, v in versions.items()))
+        return reference, f"golden bundle {golden}", ParitySettings(**{**recorded.to_dict(), "probe": settings.probe})
+    if model is not None:
+        from exporter.reference_runner import TorchRunner  # torch only on this path
+        return RecordedReference(TorchRunner(model, manifest)), "pytorch model", settings
+    return None, "none", settings
+
+
+def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
+                    settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
+                    golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
+                    fp16_companion: Path | None = None) -> VerifyReport:
+    """Verify an artifact on the given providers (each must exist), or on every available one when None.
+
+    model: the PyTorch reference (torch.nn.Module); golden: a golden bundle folder to compare with instead
+    (no torch); with neither, only the reference-free invariants run. golden_save: record the reference's
+    inputs and outputs there. genai: also check onnxruntime-genai's greedy tokens; None runs the check when it
+    can and reports why not otherwise, True makes each of those a ConsumerError, False skips it.
+    fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
+    """
+    start = time.perf_counter()
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if providers is None:
+        chosen, skipped = available_parity_providers()
+    else:
+        chosen, skipped = [check_provider(p) for p in dict.fromkeys(providers)], {}
+    if golden_save is not None and (model is None or golden is not None):
+        raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
+    reference, described, settings = _reference(folder, manifest, model, golden, settings)
+    batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
+    reports, outputs, values = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="verify-debug-") as work:
+        debug = DebugGraph(folder, manifest, manifest.prefill.file, Path(work))
+        if reference is not None:
+            for provider in chosen:
+                report, outputs[provider], values[provider] = _run_provider(folder, provider, manifest, reference,
+                                                                            debug, batch, settings, overrides)
+                reports.append(report)
+        log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
+        invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
+        invariants = check_invariants(folder, OrtRunner(folder, chosen[0] if chosen else "cpu", manifest=manifest),
+                                      manifest, batch, invariant_profile)
+        cross = cross_providers(outputs, manifest.dtype, overrides)
+        probes = []
+        if settings.probe and len(values) > 1:
+            first, *others = values
+            probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
+                                    f"{p} vs {first}") for p in others]
+    attribution = attribute(reports, outputs, cross, manifest, batch, fp16_companion, overrides) if reports else None
+    consumers, consumers_skipped = [], {}
+    if reference is None:
+        consumers_skipped["onnxruntime-genai"] = "no reference to compare with (invariants only)"
+    else:
+        reason = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
+        if reason and genai:
+            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {reason}")
+        if reason:
+            consumers_skipped["onnxruntime-genai"] = reason
+        else:
+            reference.rewind()
+            consumers.append(check_genai(reference, folder, manifest, settings, reports[0].profile if reports
+                                         else profile_for(manifest.dtype)))
+    if golden_save is not None:
+        import torch  # the reference side's version, recorded with the bundle
+        reference.save(golden_save, manifest, settings, {"torch": torch.__version__})
+    return VerifyReport(str(folder), reports, skipped, consumers, consumers_skipped, described, invariants, cross,
+                        probes, attribution, settings.to_dict(), time.perf_counter() - start)

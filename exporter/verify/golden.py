@@ -1,0 +1,155 @@
+"""Golden bundles: the reference's inputs and outputs recorded once, replayed later without torch.
+
+RecordedReference sits where the PyTorch reference would: on the first pass
+it calls the backing reference and records every call; afterwards (other
+providers, or a bundle loaded from disk) it replays the recording, checking
+that the token inputs are the ones recorded. Decode calls store only the new
+positions of each present (the reference's present is its past with the new
+positions appended), so a bundle holds each cache entry once.
+
+A bundle folder holds golden.json (format, versions, the artifact's config,
+dtype and file hashes, the settings, the call list) and arrays.npz.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from exporter.errors import ToolkitError
+from exporter.manifest import Manifest
+from exporter.verify.checks import GreedyTrace
+from exporter.verify.inputs import ParitySettings
+
+log = logging.getLogger(__name__)
+
+BUNDLE = "golden.json"
+ARRAYS = "arrays.npz"
+FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 1
+TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+class GoldenMismatch(ToolkitError):
+    """A golden bundle that does not belong to the artifact, or was recorded with other inputs."""
+
+
+def _identity(manifest: Manifest) -> dict:
+    """What a bundle must share with an artifact: the model config, the dtype and the graphs' and weights' hashes."""
+    files = [manifest.prefill.file, manifest.decode.file, manifest.weights_file]
+    return {"config": manifest.config.to_dict(), "dtype": manifest.dtype,
+            "sha256": {name: manifest.files[name]["sha256"] for name in files}}
+
+
+class RecordedReference:
+    def __init__(self, backing=None, calls: list | None = None, greedy: dict | None = None, source: str = ""):
+        self.backing = backing
+        self.calls: list[tuple[str, dict, dict]] = calls or []  # (kind, token feeds, stored outputs)
+        self.greedy_traces: dict[tuple, GreedyTrace] = greedy or {}
+        self.cursor = 0
+        self.name = source or getattr(backing, "name", "recorded reference")
+
+    def rewind(self) -> None:
+        """Replay from the first call (the next provider runs the same calls in the same order)."""
+        self.cursor = 0
+
+    def _call(self, kind: str, feeds: dict) -> dict:
+        tokens = {k: np.asarray(feeds[k]) for k in TOKEN_FEEDS if k in feeds}
+        if self.cursor < len(self.calls):
+            recorded_kind, recorded_tokens, outputs = self.calls[self.cursor]
+            same = recorded_kind == kind and recorded_tokens.keys() == tokens.keys() and all(
+                np.array_equal(recorded_tokens[k], tokens[k]) for k in tokens)
+            if not same:
+                raise GoldenMismatch(f"call {self.cursor} ({kind}) does not match the recording: the bundle was "
+                                     "recorded with other inputs; re-record it with --golden-save")
+        elif self.backing is None:
+            raise GoldenMismatch(f"the bundle holds {len(self.calls)} calls and this verification needs more; "
+                                 "re-record it with --golden-save")
+        else:
+            full = getattr(self.backing, kind)(feeds)
+            outputs = {name: self._stored(kind, name, value, feeds) for name, value in full.items()}
+            self.calls.append((kind, tokens, outputs))
+        self.cursor += 1
+        return {name: self._restored(kind, name, value, feeds) for name, value in outputs.items()}
+
+    @staticmethod
+    def _stored(kind: str, name: str, value, feeds: dict):
+        past = feeds.get(name.replace("present.", "past_key_values.", 1)) if kind == "decode" else None
+        return np.asarray(value)[:, :, past.shape[2]:] if past is not None else np.asarray(value)
+
+    @staticmethod
+    def _restored(kind: str, name: str, value, feeds: dict):
+        past = feeds.get(name.replace("present.", "past_key_values.", 1)) if kind == "decode" else None
+        return np.concatenate([past, value], axis=2) if past is not None else value
+
+    def prefill(self, feeds: dict) -> dict:
+        return self._call("prefill", feeds)
+
+    def decode(self, feeds: dict) -> dict:
+        return self._call("decode", feeds)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, eos: int | None) -> GreedyTrace:
+        key = (tuple(prompt), max_new_tokens, eos)
+        if key not in self.greedy_traces:
+            if self.backing is None:
+                raise GoldenMismatch("the bundle holds no greedy run for this prompt; re-record it with --golden-save")
+            self.greedy_traces[key] = self.backing.greedy(prompt, max_new_tokens, eos)
+        return self.greedy_traces[key]
+
+    def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, versions: dict) -> Path:
+        """Write the recording as a bundle; `versions` are those of the reference side (e.g. torch)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays, calls = {}, []
+        for index, (kind, tokens, outputs) in enumerate(self.calls):
+            calls.append({"kind": kind, "feeds": list(tokens), "outputs": list(outputs)})
+            arrays.update({f"{index}/feed/{k}": v for k, v in tokens.items()})
+            arrays.update({f"{index}/out/{k}": v for k, v in outputs.items()})
+        greedy = []
+        for index, ((prompt, n, eos), trace) in enumerate(self.greedy_traces.items()):
+            greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids})
+            arrays[f"greedy/{index}/logits"] = trace.logits
+        np.savez(folder / ARRAYS, **arrays)
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": _identity(manifest),
+                "settings": settings.to_dict(), "calls": calls, "greedy": greedy,
+                "versions": {**versions, "numpy": np.__version__, "onnxruntime": ort.__version__,
+                             "python": platform.python_version()}}
+        (folder / BUNDLE).write_text(json.dumps(meta, indent=1) + "\n")
+        log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
+                 (folder / ARRAYS).stat().st_size / 1e6)
+        return folder
+
+
+def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, ParitySettings, dict]:
+    """The bundle's replaying reference, its settings and versions; GoldenMismatch when it belongs to
+    another artifact (config, dtype or file hashes), ToolkitError when it is no bundle."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / BUNDLE).read_text())
+        arrays = np.load(folder / ARRAYS, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
+                           "'export-onnx verify --golden-save DIR'") from None
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
+                           f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with --golden-save")
+    ours, theirs = _identity(manifest), meta["artifact"]
+    if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
+        changed = sorted(k for k in ours["config"] if ours["config"][k] != theirs["config"].get(k))
+        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in "
+                             f"{', '.join(changed) or 'dtype'}: bundle dtype {theirs['dtype']}, artifact {ours['dtype']}); "
+                             "verify against a bundle recorded from this artifact")
+    changed = [name for name, digest in ours["sha256"].items() if theirs["sha256"].get(name) != digest]
+    if changed:
+        raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {', '.join(changed)} "
+                             "differ(s) in sha256; re-record the bundle from this artifact")
+    calls = [(c["kind"], {k: arrays[f"{i}/feed/{k}"] for k in c["feeds"]},
+              {k: arrays[f"{i}/out/{k}"] for k in c["outputs"]}) for i, c in enumerate(meta["calls"])]
+    greedy = {(tuple(g["prompt"]), g["max_new_tokens"], g["eos"]): GreedyTrace(g["ids"], arrays[f"greedy/{i}/logits"])
+              for i, g in enumerate(meta["greedy"])}
+    return (RecordedReference(None, calls, greedy, f"golden bundle {folder}"), ParitySettings(**meta["settings"]),
+            meta["versions"])

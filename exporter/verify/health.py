@@ -1,0 +1,117 @@
+"""fp16 health: values that a NaN check alone misses.
+
+A float16 norm that overflows can return zeros or saturate instead of NaN
+(onnxruntime #29034). So ONNX Runtime's outputs are scanned for NaN, Inf and
+all-zero rows at real (unpadded) positions, and the intermediate activations
+of a debug copy of prefill.onnx for how close they come to float16's largest
+finite value (65504).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FP16_MAX = 65504.0
+# Flag activations within 16x (4 binades) of the limit: a norm's sum of squares of such values overflows.
+HEADROOM_WARN = 16.0
+MAX_LISTED = 12  # issues listed per report; the counts cover all
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    dtype: str
+    passed: bool
+    nan: int
+    inf: int
+    zero_rows: int
+    output_max_abs: float
+    activation_max_abs: float | None  # over float16 activations; None: none scanned (a float32 export)
+    activation_at: str  # the tensor holding activation_max_abs
+    issues: list[str] = field(default_factory=list)  # failures: NaN, Inf, zero rows
+    warnings: list[str] = field(default_factory=list)  # close to the float16 limit
+
+    @property
+    def headroom(self) -> float | None:
+        """How many times the largest activation (or output) could grow before float16 overflows."""
+        peak = self.activation_max_abs if self.activation_max_abs is not None else self.output_max_abs
+        return FP16_MAX / peak if peak > 0 else None
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "passed": self.passed, "nan": self.nan, "inf": self.inf,
+                "zero_rows": self.zero_rows, "output_max_abs": self.output_max_abs,
+                "activation_max_abs": self.activation_max_abs, "activation_at": self.activation_at,
+                "fp16_headroom": self.headroom, "issues": self.issues, "warnings": self.warnings}
+
+
+class HealthScan:
+    """Accumulates over every ONNX Runtime output a verification sees; `report()` gives the verdict."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.nan = self.inf = self.zero_rows = 0
+        self.output_max = 0.0
+        self.activation_max: float | None = None
+        self.activation_at = ""
+        self.issues: list[str] = []
+        self.warnings: list[str] = []
+
+    def _issue(self, text: str) -> None:
+        if len(self.issues) < MAX_LISTED:
+            self.issues.append(text)
+
+    def scan_outputs(self, label: str, outputs: dict, mask: np.ndarray) -> None:
+        """`mask` (B, total) marks real tokens: logits cover its last T columns, present tensors all of it."""
+        for name, value in outputs.items():
+            value = np.asarray(value, np.float32)
+            nan, inf = int(np.isnan(value).sum()), int(np.isinf(value).sum())
+            if nan or inf:
+                self.nan, self.inf = self.nan + nan, self.inf + inf
+                self._issue(f"{label} {name}: {nan} NaN, {inf} Inf")
+            finite = value[np.isfinite(value)]
+            if finite.size:
+                self.output_max = max(self.output_max, float(np.abs(finite).max()))
+            if value.ndim == 3:  # logits (B, T, V)
+                real = mask[:, -value.shape[1]:] == 1
+                zero = np.all(value == 0, axis=-1) & real
+            elif value.ndim == 4:  # present (B, Hkv, L, D): a zero row in any head at a real position
+                zero = np.any(np.all(value == 0, axis=-1), axis=1) & (mask[:, -value.shape[2]:] == 1)
+            else:
+                continue
+            if zero.any():
+                self.zero_rows += int(zero.sum())
+                self._issue(f"{label} {name}: {int(zero.sum())} all-zero rows at real token positions")
+
+    def scan_activations(self, values: dict) -> None:
+        """Intermediate tensors of the debug graph: NaN in any, and the largest magnitude of those held in
+        float16 (the ones that can overflow; a float32 attention bias of -1e9 cannot). Exact +-inf and
+        +-65504 are mask sentinels, not overflow, so they are left out of the maximum; a real overflow
+        reaches the outputs as Inf or NaN, or as zero rows."""
+        peak, where, scanned = 0.0, "", False
+        for name, value in values.items():
+            nan = int(np.isnan(value).sum())
+            if nan:
+                self.nan += nan
+                self._issue(f"activation {name}: {nan} NaN")
+            if value.dtype != np.float16:
+                continue
+            scanned = True
+            magnitude = np.abs(value.astype(np.float32))
+            real = magnitude[np.isfinite(magnitude) & (magnitude != FP16_MAX)]
+            if real.size and real.max() > peak:
+                peak, where = float(real.max()), name
+        if scanned:
+            self.activation_max, self.activation_at = peak, where
+
+    def report(self) -> HealthReport:
+        peak = self.activation_max if self.activation_max is not None else self.output_max
+        warnings = list(self.warnings)
+        if peak * HEADROOM_WARN >= FP16_MAX:
+            where = self.activation_at or "the outputs"
+            message = (f"largest value {peak:.4g} at {where} is within {HEADROOM_WARN:g}x of float16's limit "
+                       f"{FP16_MAX:g}")
+            warnings.append(message + ("" if self.dtype == "float16" else " (matters for a float16 export)"))
+        return HealthReport(self.dtype, not self.issues and not self.nan and not self.inf and not self.zero_rows,
+                            self.nan, self.inf, self.zero_rows, self.output_max, self.activation_max,
+                            self.activation_at, list(self.issues), warnings)

@@ -1,0 +1,82 @@
+"""Seeded inputs that real generation produces: left-padded batches, position ids that skip the
+padding, labels with ignored targets, token chunks for decode steps, and the shape sweep grid."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from exporter.errors import InputError
+from exporter.manifest import Manifest
+from exporter.runtime import position_ids_from_mask
+
+SWEEP_BATCHES = (1, 2, 3)
+SWEEP_NEW_TOKENS = (1, 2, 7, 64)
+SWEEP_PASTS = (0, 1, 17)
+
+
+@dataclass(frozen=True)
+class ParitySettings:
+    batch: int = 2
+    prompt_length: int = 12
+    left_padding: int = 3  # on the first row of the batch
+    decode_steps: int = 64  # single-token steps, followed by one 3-token chunk
+    greedy_tokens: int = 32
+    seed: int = 0
+    sweep: bool = True  # the batch x new tokens x past grid, with ragged left padding
+    probe: bool = False  # node-level localisation with a debug copy of prefill.onnx
+
+    def __post_init__(self):
+        if self.decode_steps < 1 or self.greedy_tokens < 1:
+            raise InputError(f"decode_steps and greedy_tokens must be >= 1, got {self.decode_steps} and "
+                             f"{self.greedy_tokens}")
+        if not 0 <= self.left_padding < self.prompt_length or self.batch < 1:
+            raise InputError(f"left_padding must lie in [0, prompt_length) and batch >= 1; got batch {self.batch}, "
+                             f"prompt_length {self.prompt_length}, left_padding {self.left_padding}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Generator) -> dict:
+    """A left-padded batch with labels holding -100 on padding and on a few real tokens."""
+    b, t = settings.batch, settings.prompt_length
+    input_ids = rng.integers(0, manifest.config.vocab_size, (b, t), dtype=np.int64)
+    mask = np.ones((b, t), dtype=np.int64)
+    mask[0, :settings.left_padding] = 0
+    labels = np.where(mask == 1, input_ids, -100)
+    labels[:, -2] = -100
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
+            "labels": labels}
+
+
+def prefill_feeds(manifest: Manifest, batch: dict) -> dict:
+    return {name: batch[name] for name in manifest.prefill.input_names}
+
+
+def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.random.Generator) -> tuple[dict, np.ndarray]:
+    """Feeds of `length` new tokens on top of a cache covering `mask`; returns them and the extended mask."""
+    tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], length), dtype=np.int64)
+    mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
+    return {"input_ids": tokens, "attention_mask": mask,
+            "position_ids": position_ids_from_mask(mask, mask.shape[1] - length)}, mask
+
+
+def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:
+    return [int(i) for i in rng.integers(0, manifest.config.vocab_size, 8)]
+
+
+def sweep_grid() -> list[tuple[int, int, int]]:
+    return list(itertools.product(SWEEP_BATCHES, SWEEP_NEW_TOKENS, SWEEP_PASTS))
+
+
+def ragged_mask(batch: int, past: int, new: int) -> np.ndarray:
+    """Row r is left-padded by r/batch of the first segment (the past, or the new tokens when there is no
+    past), keeping at least one real token in it: rows of different real lengths in one batch."""
+    first = past if past else new
+    mask = np.ones((batch, past + new), dtype=np.int64)
+    for row in range(batch):
+        mask[row, :row * (first - 1) // batch] = 0
+    return mask

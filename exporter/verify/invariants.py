@@ -1,0 +1,142 @@
+"""Reference-free invariants, checked on the ONNX graphs alone (no torch).
+
+They hold for any correct export whatever the weights, so they also run on an
+artifact whose reference model is not available:
+- prefill of a whole prompt equals prefill of its first k tokens followed by
+  decode of the rest (the cache carries everything the rest needs);
+- decode with an empty past equals prefill;
+- a row of a left-padded batch equals the same sequence run alone;
+- the two graphs carry identical weights;
+- every axis the contract declares dynamic is symbolic in the saved graphs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from exporter.axes import lint_axes
+from exporter.manifest import Manifest
+from exporter.runtime import position_ids_from_mask, presents_as_past
+from exporter.verify.inputs import prefill_feeds
+from exporter.verify.metrics import Comparison, aggregate, compare
+from exporter.verify.tolerances import Profile
+from exporter.weights import INLINE_LIMIT_BYTES
+
+
+@dataclass(frozen=True)
+class Invariant:
+    name: str
+    passed: bool
+    detail: str
+    comparisons: tuple[Comparison, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "detail": self.detail,
+                "comparisons": [c.to_dict() for c in self.comparisons]}
+
+
+def _outcome(name: str, rows: list[Comparison], what: str) -> Invariant:
+    worst = max(rows, key=lambda c: c.needed.scale)
+    bitwise = all(c.max_abs == 0 for c in rows)
+    detail = (f"{what}: {'bit-identical' if bitwise else f'max abs {max(c.max_abs for c in rows):.3g}'}"
+              f" ({worst.needed.scale:.2g}x the tolerance at worst)")
+    return Invariant(name, all(c.passed for c in rows), detail, tuple(rows))
+
+
+def _pair(label: str, actual: dict, expected: dict, profile: Profile, names) -> list[Comparison]:
+    logits = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits)]
+    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv) for n in names if n.startswith("present.")]
+    return logits + ([aggregate(f"{label} present (all layers)", kv)] if kv else [])
+
+
+def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
+    feeds = prefill_feeds(manifest, batch)
+    whole = onnx.prefill(feeds)
+    head = onnx.prefill({name: value[:, :k] for name, value in feeds.items()})
+    mask = batch["attention_mask"]
+    rest = onnx.decode({"input_ids": batch["input_ids"][:, k:], "attention_mask": mask,
+                        "position_ids": position_ids_from_mask(mask, k), **presents_as_past(manifest, head)})
+    tail = {"logits": whole["logits"][:, k:], **{n: whole[n] for n in rest if n != "logits"}}
+    return _outcome("prefill(all) == prefill(first k) + decode(rest)", _pair("split", rest, tail, profile, rest),
+                    f"k={k} of {mask.shape[1]} tokens")
+
+
+def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+    feeds = prefill_feeds(manifest, batch)
+    prefill = onnx.prefill(feeds)
+    decode = onnx.decode({**{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
+                          **onnx.empty_past(len(batch["input_ids"]))})
+    return _outcome("decode(past 0) == prefill", _pair("past-0", decode, prefill, profile, decode), "same prompt")
+
+
+def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+    """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries."""
+    mask = batch["attention_mask"]
+    real = mask[0] == 1
+    feeds = prefill_feeds(manifest, batch)
+    padded = onnx.prefill(feeds)
+    alone_mask = np.ones((1, int(real.sum())), dtype=np.int64)
+    alone = onnx.prefill({name: value[:1, real] if name != "position_ids" else position_ids_from_mask(alone_mask)
+                          for name, value in feeds.items()})
+    row = {"logits": padded["logits"][:1, real],
+           **{n: padded[n][:1, :, real] for n in alone if n.startswith("present.")}}
+    return _outcome("padded row == same sequence alone", _pair("padded", row, alone, profile, alone),
+                    f"{int((~real).sum())} padding tokens")
+
+
+def _weight_digests(folder: Path, graph_file: str) -> Counter:
+    """Content hashes (dtype, shape, bytes) of a graph's large initializers, read the way ONNX Runtime reads
+    them: from the graph's own external-data references, not from the manifest."""
+    model = onnx.load(str(folder / graph_file), load_external_data=False)
+    digests = Counter()
+    handles: dict[str, object] = {}
+    try:
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in tensor.external_data}
+                f = handles.setdefault(info["location"], open(folder / info["location"], "rb"))
+                f.seek(int(info.get("offset", 0)))
+                data = f.read(int(info["length"]))
+            else:
+                data = numpy_helper.to_array(tensor).tobytes()
+            if len(data) >= INLINE_LIMIT_BYTES:
+                digests[(tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest())] += 1
+    finally:
+        for f in handles.values():
+            f.close()
+    return digests
+
+
+def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
+    prefill, decode = (_weight_digests(Path(folder), g.file) for g in (manifest.prefill, manifest.decode))
+    only_prefill, only_decode = set(prefill) - set(decode), set(decode) - set(prefill)
+    if only_prefill or only_decode:
+        shapes = sorted({str(list(key[1])) for key in only_prefill | only_decode})
+        return Invariant("prefill and decode carry identical weights", False,
+                         f"{len(only_prefill)} tensor(s) only in prefill, {len(only_decode)} only in decode "
+                         f"(shapes {', '.join(shapes[:6])})")
+    return Invariant("prefill and decode carry identical weights", True,
+                     f"{len(prefill)} distinct weight tensors, equal by content")
+
+
+def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
+    problems = []
+    for contract in (manifest.prefill, manifest.decode):
+        problems += lint_axes(onnx.load(str(Path(folder) / contract.file), load_external_data=False), contract)
+    return Invariant("every dynamic axis is symbolic", not problems,
+                     "; ".join(problems[:5]) if problems else "all contract axes symbolic, named as declared")
+
+
+def check_invariants(folder: Path, onnx_runner, manifest: Manifest, batch: dict, profile: Profile) -> list[Invariant]:
+    k = batch["input_ids"].shape[1] // 2 + 1  # past the first row's padding, so every row has a real past token
+    return [split_prefill(onnx_runner, manifest, batch, profile, k),
+            decode_past_zero(onnx_runner, manifest, batch, profile),
+            padded_row_alone(onnx_runner, manifest, batch, profile),
+            identical_weights(folder, manifest), symbolic_axes(folder, manifest)]

@@ -1,0 +1,201 @@
+"""Pure comparison functions returning frozen result objects (no torch, no onnxruntime).
+
+Every comparison reports the elementwise error figures (max and mean abs, max
+rel, cosine similarity), the pass/fail verdict against a Tolerance, and the
+smallest tolerance that would have passed. Logits add the LLM-level figures
+(top-1 agreement, top-k overlap, KL divergence between the softmax
+distributions), the loss its abs difference and the perplexity ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An element passes when |actual - expected| <= atol + rtol * |expected| + peak * max|expected|.
+
+    The first two terms are numpy.allclose. `peak` scales with the largest
+    magnitude in the tensor: rounding errors of a dot product or a norm are set
+    by the magnitude of what was summed, so an output near zero inherits an
+    absolute error from its large neighbours that no elementwise rtol covers.
+    """
+
+    atol: float
+    rtol: float
+    peak: float = 0.0
+
+    def allowed(self, expected: np.ndarray) -> np.ndarray:
+        magnitude = np.abs(np.where(np.isnan(expected), 0.0, expected))
+        return self.atol + self.rtol * magnitude + self.peak * (magnitude.max() if magnitude.size else 0.0)
+
+    def to_dict(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "peak": self.peak}
+
+
+@dataclass(frozen=True)
+class Needed:
+    """The smallest tolerance that would have passed: each figure with the other two terms kept as given.
+
+    scale: the factor the whole tolerance would need (below 1 is headroom).
+    """
+
+    atol: float
+    rtol: float
+    scale: float
+
+    def to_dict(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "scale": self.scale}
+
+    @staticmethod
+    def worst(items: list[Needed]) -> Needed:
+        return Needed(max(n.atol for n in items), max(n.rtol for n in items), max(n.scale for n in items))
+
+
+NOTHING_NEEDED = Needed(0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str
+    kind: str  # "logits", "kv", "loss" or "activation"
+    max_abs: float
+    max_rel: float
+    mean_abs: float
+    tolerance: Tolerance
+    passed: bool
+    worst: str = ""  # for an aggregate: the member with the largest error; for a shape mismatch: the shapes
+    cosine: float = 1.0
+    needed: Needed = NOTHING_NEEDED
+    llm: dict = field(default_factory=dict)  # logits: top1_agreement, topk_overlap, kl_mean, kl_max; loss: ...
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "max_abs": self.max_abs, "max_rel": self.max_rel,
+                "mean_abs": self.mean_abs, "cosine": self.cosine, "tolerance": self.tolerance.to_dict(),
+                "needed": self.needed.to_dict(), "passed": self.passed, "worst": self.worst, **self.llm}
+
+
+def _needed(diff: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> Needed:
+    magnitude = np.abs(np.where(np.isnan(expected), 0.0, expected))
+    peak = tolerance.peak * magnitude.max()
+    atol = float(np.max(diff - tolerance.rtol * magnitude - peak))
+    rest = diff - tolerance.atol - peak
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rtol = np.where(rest > 0, rest / magnitude, 0.0)  # inf where the expected value is 0
+        scale = np.where(diff > 0, diff / tolerance.allowed(expected), 0.0)
+    return Needed(max(atol, 0.0), float(np.max(rtol)), float(np.max(scale)))
+
+
+def _cosine(actual: np.ndarray, expected: np.ndarray) -> float:
+    a, e = actual.ravel(), expected.ravel()
+    if not (np.isfinite(a).all() and np.isfinite(e).all()):
+        return float("nan")
+    norm = np.linalg.norm(a) * np.linalg.norm(e)
+    return float(a @ e / norm) if norm > 0 else float(np.array_equal(a, e))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None,
+                   k: int = TOP_K) -> dict:
+    """LLM-level agreement over the positions where `valid` (leading axes of the logits) is true.
+
+    top1_agreement: share of positions whose argmax is equal; topk_overlap: mean share of the reference's
+    top-k ids also in ONNX Runtime's top-k; KL(reference || onnx) of the softmax distributions.
+    """
+    vocab = expected.shape[-1]
+    a = np.asarray(actual, np.float64).reshape(-1, vocab)
+    e = np.asarray(expected, np.float64).reshape(-1, vocab)
+    if valid is not None:
+        keep = np.asarray(valid, bool).reshape(-1)
+        a, e = a[keep], e[keep]
+    if not len(e):
+        return {}
+    k = min(k, vocab)
+    top_a = np.argpartition(-a, k - 1, axis=-1)[:, :k]
+    top_e = np.argpartition(-e, k - 1, axis=-1)[:, :k]
+    overlap = [len(set(x) & set(y)) / k for x, y in zip(top_a, top_e)]
+    log_p, log_q = _log_softmax(e), _log_softmax(a)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    return {"top1_agreement": float(np.mean(a.argmax(-1) == e.argmax(-1))), "topk_overlap": float(np.mean(overlap)),
+            "kl_mean": float(np.mean(kl)), "kl_max": float(np.max(kl)), "positions": int(len(e))}
+
+
+def loss_metrics(actual: float, expected: float) -> dict:
+    """The loss is a mean negative log-likelihood, so exp(actual - expected) is the perplexity ratio."""
+    diff = float(actual) - float(expected)
+    return {"loss_abs_diff": abs(diff), "perplexity_ratio": float(np.exp(diff))}
+
+
+def compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid: np.ndarray | None = None
+            ) -> Comparison:
+    """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets).
+
+    `valid` selects the positions (leading axes) that the logits metrics use, e.g. not left padding.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape:
+        inf = float("inf")
+        return Comparison(name, kind, inf, inf, inf, tolerance, False, f"shape {actual.shape} != {expected.shape}",
+                          float("nan"), Needed(inf, inf, inf))
+    if actual.size == 0:
+        return Comparison(name, kind, 0.0, 0.0, 0.0, tolerance, True)
+    both_nan = np.isnan(actual) & np.isnan(expected)
+    diff = np.where(both_nan, 0.0, np.abs(actual - expected))
+    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only
+    rel = diff / np.maximum(np.abs(np.where(both_nan, 1.0, expected)), np.finfo(np.float32).tiny)
+    passed = bool(np.all(diff <= tolerance.allowed(expected)))
+    llm = {}
+    if kind == "logits":
+        llm = logits_metrics(actual, expected, valid)
+    elif kind == "loss" and not both_nan.all():
+        llm = loss_metrics(actual, expected)
+    cosine = 1.0 if both_nan.all() else _cosine(np.where(both_nan, 0, actual), np.where(both_nan, 0, expected))
+    return Comparison(name, kind, float(diff.max()), float(rel.max()), float(diff.mean()), tolerance, passed,
+                      cosine=cosine, needed=_needed(diff, expected, tolerance), llm=llm)
+
+
+def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
+    """One row for many comparisons of the same kind: the worst figures, passed only if all passed."""
+    worst = max(comparisons, key=lambda c: c.max_abs)
+    llm = {}
+    if worst.kind == "logits":
+        rows = [c.llm for c in comparisons if c.llm]
+        llm = {"top1_agreement": min(r["top1_agreement"] for r in rows),
+               "topk_overlap": min(r["topk_overlap"] for r in rows),
+               "kl_mean": float(np.mean([r["kl_mean"] for r in rows])), "kl_max": max(r["kl_max"] for r in rows)}
+    return Comparison(name, worst.kind, worst.max_abs, max(c.max_rel for c in comparisons),
+                      float(np.mean([c.mean_abs for c in comparisons])), worst.tolerance,
+                      all(c.passed for c in comparisons), worst.name, min(c.cosine for c in comparisons),
+                      Needed.worst([c.needed for c in comparisons]), llm)
+
+
+def match_length(a: list[int], b: list[int]) -> int:
+    """How many tokens are equal from the start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def difference_histogram(actual: np.ndarray, expected: np.ndarray, bins: int = 24) -> dict:
+    """Counts of |actual - expected| over log10-spaced bins (exact zeros counted apart), for the report plot."""
+    diff = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64)).ravel()
+    diff = diff[np.isfinite(diff)]
+    nonzero = diff[diff > 0]
+    if not len(nonzero):
+        return {"zeros": int(len(diff)), "edges": [], "counts": []}
+    low, high = np.floor(np.log10(nonzero.min())), np.ceil(np.log10(nonzero.max()))
+    edges = np.logspace(low, max(high, low + 1), bins + 1)
+    counts, _ = np.histogram(nonzero, edges)
+    return {"zeros": int(len(diff) - len(nonzero)), "edges": [float(x) for x in edges],
+            "counts": [int(c) for c in counts]}

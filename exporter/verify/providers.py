@@ -1,0 +1,77 @@
+"""Execution providers against each other: pairwise agreement, a repeat run, and the attribution chain.
+
+Attribution splits the error between PyTorch fp32 and ONNX Runtime CUDA fp16
+into three legs, each measured on the same prefill batch:
+export (ORT CPU fp32 vs PyTorch fp32), provider (ORT CUDA fp32 vs ORT CPU
+fp32) and precision (ORT CUDA fp16 vs ORT CUDA fp32, the float16 export of
+the same weights). It runs where CUDA is available and the float32 artifact is
+verified with a float16 companion.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+from exporter.manifest import Manifest, read_manifest
+from exporter.runtime import OrtRunner
+from exporter.verify.inputs import prefill_feeds
+from exporter.verify.metrics import Comparison, aggregate, compare
+from exporter.verify.results import Attribution, ProviderReport
+from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
+
+log = logging.getLogger(__name__)
+
+
+def _looser(dtype: str, a: str, b: str, overrides: Overrides):
+    profiles = [overrides.apply(profile_for(dtype, p)) for p in (a, b)]
+    return max(profiles, key=lambda p: p.logits.peak + p.logits.atol)
+
+
+def _outputs_pair(label: str, actual: dict, expected: dict, profile) -> list[Comparison]:
+    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits)]
+    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv) for n in actual if n.startswith("present.")]
+    return rows + [aggregate(f"{label} present (all layers)", kv)]
+
+
+def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, profile) -> Comparison:
+    """The prefill batch once more on the same session; any difference is nondeterminism."""
+    again = onnx.prefill(prefill_feeds(manifest, batch))
+    return aggregate(f"{onnx.provider} repeat run", _outputs_pair("repeat", again, first, profile))
+
+
+def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides) -> list[Comparison]:
+    """Every pair of providers on the prefill batch, with the looser of their two profiles."""
+    rows = []
+    for a, b in itertools.combinations(outputs, 2):
+        rows += _outputs_pair(f"{b} vs {a}", outputs[b], outputs[a], _looser(dtype, a, b, overrides))
+    return rows
+
+
+def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: list[Comparison], manifest: Manifest,
+              batch: dict, fp16_companion: Path | None, overrides: Overrides) -> Attribution:
+    legs: dict[str, Comparison] = {}
+    missing = []
+    cpu = next((r for r in reports if r.provider == CPU), None)
+    if manifest.dtype != "float32":
+        return Attribution({}, "attribution starts from a float32 artifact; verify the float32 export with the "
+                               "float16 one as its companion")
+    if cpu is not None:
+        legs["export"] = cpu.comparisons[0]  # prefill logits, ORT CPU fp32 vs PyTorch fp32
+    if CUDA not in outputs:
+        missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
+    else:
+        legs["provider"] = next(c for c in cross if c.name == f"{CUDA} vs {CPU} logits")
+        if fp16_companion is None:
+            missing.append("precision leg needs a float16 companion artifact")
+        else:
+            companion = read_manifest(fp16_companion)
+            if companion.dtype != "float16" or companion.config != manifest.config:
+                missing.append(f"{fp16_companion} is not a float16 export of the same model")
+            else:
+                log.info("attribution: the float16 companion on %s", CUDA)
+                fp16 = OrtRunner(fp16_companion, CUDA, manifest=companion).prefill(prefill_feeds(companion, batch))
+                legs["precision"] = compare("ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"],
+                                            outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits)
+    return Attribution(legs, "; ".join(missing))

@@ -1,0 +1,83 @@
+"""A self-contained HTML page (inline CSS and SVG, no scripts, nothing fetched): the verdicts, the tables
+of the text report, and per provider three plots: error per decode step, error per layer, and the
+histogram of |logit differences|."""
+
+from __future__ import annotations
+
+from html import escape
+
+from exporter.verify.reports.svg import bar_chart, line_chart
+from exporter.verify.reports.text import HEADER, comparison_row, verdict
+from exporter.verify.results import ProviderReport, VerifyReport
+
+STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
+td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}.pass{color:#17803d}.FAIL{color:#c00;
+font-weight:bold}svg{display:block;margin:.5em 0;border:1px solid #eee}"""
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f'<td class="{escape(c)}">{escape(c)}</td>' if c in ("pass", "FAIL")
+                                    else f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _plots(p: ProviderReport) -> str:
+    tolerance_scale = [s.logits.needed.scale for s in p.curve]
+    curve = line_chart("Error per decode step (logits and present, max abs)", "decode step",
+                       {"logits max abs": [s.logits.max_abs for s in p.curve],
+                        "present max abs": [s.kv.max_abs for s in p.curve],
+                        "logits error / tolerance": tolerance_scale}, "plot decode-curve")
+    layers = bar_chart("Error per layer (prefill present, max abs)", "layer", [str(x.layer) for x in p.layers],
+                       {"key": [x.key.max_abs for x in p.layers], "value": [x.value.max_abs for x in p.layers]},
+                       css_class="plot layer-errors")
+    h = p.histogram
+    labels = [f"{e:.0e}" for e in h["edges"][:-1]]
+    histogram = bar_chart(f"Histogram of |logit difference| (prefill; {h['zeros']} exact zeros)", "|difference| from",
+                          labels or ["none"], {"count": h["counts"] or [0]}, log_y=False,
+                          css_class="plot logit-histogram")
+    return curve + layers + histogram
+
+
+def _provider(p: ProviderReport) -> str:
+    rows = [comparison_row(c) for c in p.comparisons]
+    rows.append(["greedy tokens", f"{p.greedy.match_length}/{len(p.greedy.reference_ids)}", "", "", p.greedy.note,
+                 "", "", verdict(p.greedy.passed)])
+    sweep = _table(["batch", "new tokens", "past", "logits max abs", "present max abs", "result"],
+                   [[c.batch, c.new_tokens, c.past, f"{c.logits.max_abs:.3g}", f"{c.kv.max_abs:.3g}",
+                     verdict(c.passed)] for c in p.sweep]) if p.sweep else "<p>sweep off</p>"
+    h = p.health
+    loc = p.localisation
+    probe = loc.probe.first if loc.probe else None
+    notes = [f"profile {p.profile.name}: {p.profile.why}",
+             f"health: {h.nan} NaN, {h.inf} Inf, {h.zero_rows} zero rows; fp16 headroom "
+             f"{h.headroom:.3g}x" if h.headroom else "health: no values", *h.issues, *h.warnings,
+             f"repeat run max abs {p.repeat.max_abs:.3g} ({'deterministic' if p.repeat.max_abs == 0 else 'differs'})"]
+    if loc.first_layer is not None:
+        notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
+    if probe:
+        notes.append(f"first diverging operator: {probe.node} ({probe.op_type}) in {probe.module}")
+    items = "".join(f"<li>{escape(n)}</li>" for n in notes)
+    return (f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
+            f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'
+            f"{_table(HEADER, rows)}<ul>{items}</ul>{_plots(p)}<h3>Shape sweep</h3>{sweep}</section>")
+
+
+def render_html(report: VerifyReport) -> str:
+    overall = "PASS" if report.passed else "FAIL"
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify {escape(report.folder)}: "
+             f"{overall}</title><style>{STYLE}</style></head><body>",
+             f"<h1>Verification of {escape(report.folder)}: <span class='{overall}'>{overall}</span></h1>",
+             f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
+             f"{escape(str(report.settings))}</p>"]
+    parts += [_provider(p) for p in report.reports]
+    parts += [f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped,
+                                                                        **report.consumers_skipped}.items()]
+    if report.invariants:
+        parts.append("<h2>Reference-free invariants</h2>" + _table(
+            ["invariant", "detail", "result"], [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
+    if report.cross:
+        parts.append("<h2>Providers against each other</h2>" + _table(HEADER, [comparison_row(c) for c in report.cross]))
+    for c in report.consumers:
+        parts.append(f"<h2>Consumer {escape(c.consumer)}</h2><p>{escape(c.greedy.note)}: {verdict(c.passed)}</p>")
+    return "\n".join(parts + ["</body></html>"]) + "\n"

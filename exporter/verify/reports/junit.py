@@ -1,0 +1,52 @@
+"""JUnit XML: one testsuite per provider (plus invariants and cross-provider checks), one testcase per
+check, a <failure> with the figures when it fails; CI systems show these natively."""
+
+from __future__ import annotations
+
+from xml.etree import ElementTree as ET
+
+from exporter.verify.results import VerifyReport
+
+
+def _case(suite: ET.Element, name: str, passed: bool, detail: str) -> None:
+    case = ET.SubElement(suite, "testcase", classname=suite.get("name"), name=name)
+    if not passed:
+        ET.SubElement(case, "failure", message=detail[:200]).text = detail
+    else:
+        ET.SubElement(case, "system-out").text = detail
+
+
+def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool, str]]) -> None:
+    suite = ET.SubElement(root, "testsuite", name=name, tests=str(len(cases)),
+                          failures=str(sum(not passed for _, passed, _ in cases)))
+    for case in cases:
+        _case(suite, *case)
+
+
+def _comparison(c) -> tuple[str, bool, str]:
+    return (c.name, c.passed, f"max abs {c.max_abs:.3g}, mean abs {c.mean_abs:.3g}, max rel {c.max_rel:.3g}, "
+                              f"needed atol {c.needed.atol:.3g} ({c.needed.scale:.3g}x the tolerance)")
+
+
+def render_junit(report: VerifyReport) -> str:
+    root = ET.Element("testsuites", name=f"verify {report.folder}")
+    for p in report.reports:
+        cases = [_comparison(c) for c in p.comparisons]
+        cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
+        cases += [(f"sweep {c.name}", c.passed, f"logits max abs {c.logits.max_abs:.3g}, present max abs "
+                                                 f"{c.kv.max_abs:.3g}") for c in p.sweep]
+        cases.append(("repeat run", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
+        cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
+        _suite(root, f"{p.provider} {p.dtype}", cases)
+    if report.invariants:
+        _suite(root, "invariants", [(i.name, i.passed, i.detail) for i in report.invariants])
+    if report.cross:
+        _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
+    if report.consumers:
+        _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
+    skipped = {**report.skipped, **report.consumers_skipped}
+    if skipped:
+        suite = ET.SubElement(root, "testsuite", name="skipped", tests=str(len(skipped)), skipped=str(len(skipped)))
+        for name, reason in skipped.items():
+            ET.SubElement(ET.SubElement(suite, "testcase", classname="skipped", name=name), "skipped", message=reason)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,105 @@
+"""The terminal report: one table per provider, then the sweep, invariants, health, localisation."""
+
+from __future__ import annotations
+
+from exporter.verify.metrics import Comparison
+from exporter.verify.results import ProviderReport, VerifyReport
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+             for row in [header, ["-" * w for w in widths], *rows]]
+    return "\n".join(lines)
+
+
+def verdict(passed: bool) -> str:
+    return "pass" if passed else "FAIL"
+
+
+def _llm(c: Comparison) -> str:
+    if "top1_agreement" in c.llm:
+        return f"top1 {c.llm['top1_agreement']:.3f} top{5} {c.llm['topk_overlap']:.3f} KL {c.llm['kl_mean']:.2g}"
+    if "perplexity_ratio" in c.llm:
+        return f"ppl ratio {c.llm['perplexity_ratio']:.6f}"
+    return f"cos {c.cosine:.6f}"
+
+
+def comparison_row(c: Comparison) -> list[str]:
+    t = c.tolerance
+    return [c.name, f"{c.max_abs:.3g}", f"{c.mean_abs:.3g}", f"{c.max_rel:.3g}", _llm(c),
+            f"{t.atol:g}/{t.rtol:.3g}/{t.peak:.3g}", f"{c.needed.atol:.2g} ({c.needed.scale:.2g}x)", verdict(c.passed)]
+
+
+HEADER = ["check", "max abs", "mean abs", "max rel", "LLM metrics", "atol/rtol/peak", "needed atol (x tol)", "result"]
+
+
+def _provider(p: ProviderReport) -> str:
+    rows = [comparison_row(c) for c in p.comparisons]
+    g = p.greedy
+    rows.append(["greedy tokens", f"{g.match_length}/{len(g.reference_ids)} match", "", "", "", "", "", verdict(g.passed)])
+    if p.sweep:
+        failed = [c.name for c in p.sweep if not c.passed]
+        worst = max(p.sweep, key=lambda c: c.logits.needed.scale)
+        rows.append([f"shape sweep ({len(p.sweep)} shapes)", f"{max(c.logits.max_abs for c in p.sweep):.3g}", "", "", "",
+                     "", f"{worst.logits.needed.scale:.2g}x at {worst.name}", verdict(not failed)])
+    if p.experts is not None:
+        agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
+        rows.append(["expert choice", agreement, "", "", "", "", "", verdict(p.experts.passed)])
+    rows.append(["repeat run (nondeterminism)", f"{p.repeat.max_abs:.3g}", "", "", "", "", "",
+                 verdict(p.repeat.passed)])
+    h = p.health
+    headroom = f"fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
+    rows.append(["health (NaN/Inf/zero rows)", f"{h.nan}/{h.inf}/{h.zero_rows}", "", "", headroom, "", "",
+                 verdict(h.passed)])
+    lines = [f"{p.provider} ({p.dtype}, profile {p.profile.name}"
+             f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
+             f"{'PASS' if p.passed else 'FAIL'}", table(HEADER, rows), f"  greedy: {g.note}"]
+    if p.experts is not None:
+        lines.append(f"  experts: {p.experts.note}")
+    curve = p.curve
+    lines.append(f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
+                 f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})")
+    lines += [f"  sweep FAIL: {c.name}: logits {c.logits.max_abs:.3g}, present {c.kv.max_abs:.3g}"
+              for c in p.sweep if not c.passed]
+    lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
+    loc = p.localisation
+    if loc.first_layer is not None:
+        lines.append(f"  localisation: first diverging layer {loc.first_layer} ({loc.where}): the fault lies in layer "
+                     f"{loc.first_layer}'s input norm or key/value path, or in the output path of the layer before")
+    if loc.probe is not None:
+        first = loc.probe.first
+        lines.append("  probe: " + (f"first diverging operator {first.node} ({first.op_type}) in {first.module}, "
+                                    f"value {first.tensor}, max abs {first.max_abs:.3g} ({first.needed_scale:.2g}x tol)"
+                                    if first else f"no operator diverges ({loc.probe.note})"))
+    elif loc.probe_skipped and loc.first_layer is not None:
+        lines.append(f"  probe: {loc.probe_skipped}")
+    return "\n".join(lines)
+
+
+def format_verify(report: VerifyReport) -> str:
+    blocks = [f"reference: {report.reference}"] + [_provider(p) for p in report.reports]
+    blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
+    if report.invariants:
+        blocks.append("reference-free invariants\n" + table(
+            ["invariant", "detail", "result"], [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
+    if report.cross:
+        blocks.append("providers against each other\n" + table(HEADER, [comparison_row(c) for c in report.cross]))
+    for probe in report.cross_probes:
+        first = probe.first
+        blocks.append(f"probe {probe.mode}: " + (f"first diverging operator {first.node} ({first.op_type}) in "
+                                                 f"{first.module or 'graph'}" if first else "no operator diverges"))
+    if report.attribution is not None:
+        a = report.attribution
+        legs = [f"  {leg}: max abs {c.max_abs:.3g} ({verdict(c.passed)})" for leg, c in a.legs.items()]
+        blocks.append("attribution (export / provider / precision)\n" + "\n".join(legs) +
+                      (f"\n  skipped: {a.skipped}" if a.skipped else ""))
+    for consumer in report.consumers:
+        greedy = consumer.greedy
+        blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "
+                      f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
+                      f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
+                      "compared: onnxruntime-genai leaves it out)")
+    blocks += [f"consumer {consumer}: skipped ({reason})" for consumer, reason in report.consumers_skipped.items()]
+    blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f} s")
+    return "\n\n".join(blocks)

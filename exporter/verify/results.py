@@ -1,0 +1,106 @@
+"""The frozen result objects of a verification; to_dict() is the JSON report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exporter.routing import ExpertAgreement
+from exporter.verify.checks import GreedyResult, LayerError, StepError, SweepCase
+from exporter.verify.health import HealthReport
+from exporter.verify.invariants import Invariant
+from exporter.verify.localise import Localisation, ProbeResult
+from exporter.verify.metrics import Comparison
+from exporter.verify.tolerances import Profile
+
+
+@dataclass(frozen=True)
+class ProviderReport:
+    provider: str
+    dtype: str
+    profile: Profile
+    comparisons: list[Comparison]  # prefill and decode summary rows
+    greedy: GreedyResult
+    curve: list[StepError]  # one point per decode step
+    layers: list[LayerError]  # prefill present, per layer
+    histogram: dict  # |prefill logit difference|
+    sweep: list[SweepCase]
+    health: HealthReport
+    repeat: Comparison  # a second prefill run against the first: nondeterminism
+    localisation: Localisation
+    experts: ExpertAgreement | None = None  # MoE models against the PyTorch reference; None otherwise
+
+    @property
+    def passed(self) -> bool:
+        return (all(c.passed for c in self.comparisons) and self.greedy.passed and all(c.passed for c in self.sweep)
+                and self.health.passed and self.repeat.passed and (self.experts is None or self.experts.passed))
+
+    def to_dict(self) -> dict:
+        return {"provider": self.provider, "dtype": self.dtype, "passed": self.passed,
+                "tolerances": self.profile.to_dict(), "comparisons": [c.to_dict() for c in self.comparisons],
+                "greedy": self.greedy.to_dict(), "decode_curve": [s.to_dict() for s in self.curve],
+                "layers": [layer.to_dict() for layer in self.layers], "logit_diff_histogram": self.histogram,
+                "sweep": [c.to_dict() for c in self.sweep], "health": self.health.to_dict(),
+                "repeat": {**self.repeat.to_dict(), "deterministic": self.repeat.max_abs == 0},
+                "localisation": self.localisation.to_dict(),
+                "expert_choice": self.experts.to_dict() if self.experts is not None else None}
+
+
+@dataclass(frozen=True)
+class ConsumerReport:
+    """Another runtime (onnxruntime-genai) loading the folder as it is, against the reference."""
+
+    consumer: str  # name and version
+    model_type: str
+    greedy: GreedyResult
+
+    @property
+    def passed(self) -> bool:
+        return self.greedy.passed
+
+    def to_dict(self) -> dict:
+        return {"consumer": self.consumer, "model_type": self.model_type, "passed": self.passed,
+                "greedy": self.greedy.to_dict()}
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """PyTorch fp32 -> ORT CPU fp32 -> ORT CUDA fp32 -> ORT CUDA fp16 on the prefill batch: each leg's error
+    is one cause (export, provider, precision)."""
+
+    legs: dict[str, Comparison]  # "export", "provider", "precision" -> logits comparison
+    skipped: str = ""  # why some or all legs are missing
+
+    def to_dict(self) -> dict:
+        return {"legs": {k: v.to_dict() for k, v in self.legs.items()}, "skipped": self.skipped}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    folder: str
+    reports: list[ProviderReport]
+    skipped: dict[str, str] = field(default_factory=dict)  # provider -> reason
+    consumers: list[ConsumerReport] = field(default_factory=list)
+    consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
+    reference: str = ""  # what the ONNX side was compared with; "none" for the invariants alone
+    invariants: list[Invariant] = field(default_factory=list)
+    cross: list[Comparison] = field(default_factory=list)  # provider against provider
+    cross_probes: list[ProbeResult] = field(default_factory=list)
+    attribution: Attribution | None = None
+    settings: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        checked = bool(self.reports) or (self.reference == "none" and bool(self.invariants))
+        return (checked and all(r.passed for r in self.reports) and all(c.passed for c in self.consumers)
+                and all(i.passed for i in self.invariants) and all(c.passed for c in self.cross))
+
+    def to_dict(self) -> dict:
+        return {"folder": self.folder, "passed": self.passed, "reference": self.reference,
+                "seconds": round(self.seconds, 2), "settings": self.settings,
+                "providers": [r.to_dict() for r in self.reports], "skipped": self.skipped,
+                "invariants": [i.to_dict() for i in self.invariants],
+                "cross_provider": [c.to_dict() for c in self.cross],
+                "cross_provider_probes": [p.to_dict() for p in self.cross_probes],
+                "attribution": self.attribution.to_dict() if self.attribution else None,
+                "consumers": [c.to_dict() for c in self.consumers], "consumers_skipped": self.consumers_skipped}

@@ -1,0 +1,148 @@
+"""Tolerance profiles per dtype and execution provider, separately for logits, KV and loss.
+
+A profile is data with its reasoning attached (`why`), printed in the reports
+and in the README; users override single terms (--atol logits=1e-3) or whole
+kinds from a JSON/TOML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.errors import InputError
+from exporter.verify.metrics import Tolerance
+
+KINDS = ("logits", "kv", "loss")
+TERMS = ("atol", "rtol", "peak")
+FP16_UNIT_ROUNDOFF = 2.0 ** -11  # u: float16 (and TF32) keep 11 significant bits
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    logits: Tolerance
+    kv: Tolerance
+    loss: Tolerance
+    why: str
+    overridden: tuple[str, ...] = ()  # "logits.atol", ... set by the user
+
+    def __getitem__(self, kind: str) -> Tolerance:
+        return getattr(self, kind)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **{kind: self[kind].to_dict() for kind in KINDS}, "why": self.why,
+                "overridden": list(self.overridden)}
+
+
+_U = FP16_UNIT_ROUNDOFF
+# float32 on the CPU: both sides compute in float32 with different kernels and summation orders.
+# Measured max abs differences: ~5e-6 (tiny) and ~5e-5 (minimind-3) on logits up to ~12. 1e-4 + 1e-4|x|
+# leaves headroom for other CPUs while staying 3-4 orders of magnitude below what a wrong graph gives
+# (a wrong mask, position or weight moves logits by O(1)). The loss is one float32 mean of ~ln(vocab)
+# magnitude whose errors average out (measured 1.9e-6): 1e-5 + 1e-5|x| keeps 50x headroom and catches a
+# perplexity change of 0.002%.
+_CPU_FP32 = Profile(
+    "float32/CPU", logits=Tolerance(1e-4, 1e-4), kv=Tolerance(1e-4, 1e-4), loss=Tolerance(1e-5, 1e-5),
+    why="float32 on both sides, different kernels and summation orders; measured logits error 5e-5 "
+        "(minimind-3), a wrong graph moves logits by O(1)")
+# float16: every stored activation is rounded to 11 significant bits and the two sides round at different
+# points (ONNX Runtime's CPU provider upcasts many ops to float32, PyTorch keeps float16), so their
+# difference is as large as float16's own loss against float32: measured on minimind-3 logits peaking at
+# 12.1, PyTorch fp16 vs fp32 4.9e-2 and ORT fp16 vs PyTorch fp16 4.1e-2, i.e. ~7u of the peak. Allowed:
+# 16u of the tensor's peak plus 4u elementwise. The loss is computed in float32 from float16 logits; its
+# error averages over positions (measured 4.9e-4): 2e-3 + 4u|x|.
+_FP16_ACTIVATIONS = Tolerance(1e-3, 4 * _U, 16 * _U)
+_CPU_FP16 = Profile(
+    "float16/CPU", logits=_FP16_ACTIVATIONS, kv=_FP16_ACTIVATIONS, loss=Tolerance(2e-3, 4 * _U),
+    why="float16 rounds every activation to 11 bits at different points on each side; measured ~7u of the "
+        "logits peak, allowed 16u of the peak + 4u elementwise")
+# CUDA float32: ONNX Runtime's CUDA provider may run float32 MatMuls in TF32 (11-bit inputs, float32
+# accumulation), so the error has float16's input rounding but float32 sums: 4u of the peak on top of the
+# CPU profile. Not measured here (no GPU); the figure follows from TF32's format.
+_CUDA_FP32 = Profile(
+    "float32/CUDA", logits=Tolerance(1e-4, 1e-4, 4 * _U), kv=Tolerance(1e-4, 1e-4, 4 * _U),
+    loss=Tolerance(1e-4, 1e-4),
+    why="CUDA may use TF32 (11-bit inputs) for float32 MatMuls: the CPU profile plus 4u of the peak "
+        "(derived from the format, not measured: no GPU here)")
+# CUDA float16: fused kernels accumulate in float32 like the CPU provider's upcasts; the same rounding
+# argument as float16/CPU applies. Not measured here.
+_CUDA_FP16 = dataclasses.replace(_CPU_FP16, name="float16/CUDA",
+                                 why=_CPU_FP16.why + " (same reasoning on CUDA; not measured: no GPU here)")
+
+PROFILES: dict[tuple[str, str], Profile] = {
+    ("float32", CPU): _CPU_FP32, ("float16", CPU): _CPU_FP16,
+    ("float32", CUDA): _CUDA_FP32, ("float16", CUDA): _CUDA_FP16,
+}
+
+
+def profile_for(dtype: str, provider: str = CPU) -> Profile:
+    """The profile of (dtype, provider); a provider without its own profile gets the stricter CPU one."""
+    return PROFILES.get((dtype, provider)) or PROFILES[(dtype, CPU)]
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """User-set tolerance terms, applied on top of every profile: (("logits", "atol", 1e-3), ...)."""
+
+    terms: tuple[tuple[str, str, float], ...] = ()
+
+    def apply(self, profile: Profile) -> Profile:
+        if not self.terms:
+            return profile
+        values = {kind: profile[kind].to_dict() for kind in KINDS}
+        for kind, term, value in self.terms:
+            values[kind][term] = value
+        return dataclasses.replace(profile, **{kind: Tolerance(**values[kind]) for kind in KINDS},
+                                   overridden=tuple(f"{kind}.{term}" for kind, term, _ in self.terms))
+
+    def to_dict(self) -> dict:
+        return {f"{kind}.{term}": value for kind, term, value in self.terms}
+
+
+def _value(text, where: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise InputError(f"{where}: {text!r} is not a number; write e.g. --atol logits=1e-3") from None
+    if not value >= 0:
+        raise InputError(f"{where}: tolerances must be >= 0, got {text!r}")
+    return value
+
+
+def _kind(kind: str, where: str) -> str:
+    if kind not in KINDS:
+        raise InputError(f"{where}: unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    return kind
+
+
+def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Overrides:
+    """`KIND=VALUE` strings per term (e.g. atol=["logits=1e-3"]) and/or a JSON or TOML file of
+    {kind: {term: value}}; the command-line terms win over the file's."""
+    terms: list[tuple[str, str, float]] = []
+    if file is not None:
+        file = Path(file)
+        try:
+            text = file.read_text()
+            data = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot read tolerance file {file} ({exc}); give a JSON or .toml file like "
+                             '{"logits": {"atol": 1e-3}}') from None
+        if not isinstance(data, dict):
+            raise InputError(f"{file}: expected a table of kinds, like {{\"logits\": {{\"atol\": 1e-3}}}}")
+        for kind, entry in data.items():
+            _kind(kind, str(file))
+            if not isinstance(entry, dict) or set(entry) - set(TERMS):
+                raise InputError(f"{file}: {kind} must map some of {', '.join(TERMS)} to numbers")
+            terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]
+    for term, items in (("atol", atol), ("rtol", rtol), ("peak", peak)):
+        for item in items:
+            kind, sep, value = item.partition("=")
+            if not sep:
+                raise InputError(f"--{term} {item!r}: expected KIND=VALUE, e.g. --{term} logits=1e-3")
+            terms.append((_kind(kind.strip(), f"--{term} {item}"), term, _value(value.strip(), f"--{term} {item}")))
+    return Overrides(tuple(terms))

@@ -1,0 +1,154 @@
+"""The verification engine end to end on the tiny artifacts: curve, sweep, invariants, health,
+localisation of a perturbed weight, golden bundles without torch, reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from xml.etree import ElementTree as ET
+
+import numpy as np
+import onnx
+import pytest
+
+from exporter.manifest import read_manifest, sha256_file
+from exporter.verify.engine import verify_artifact
+from exporter.verify.golden import GoldenMismatch
+from exporter.verify.inputs import ParitySettings
+from exporter.verify.probe import module_of
+from exporter.verify.reports import format_verify, render_html, render_junit
+
+QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
+
+
+@pytest.fixture(scope="module")
+def full(artifact_fp32, tiny_model, tmp_path_factory):
+    """One default verification (64 steps, sweep on) with the probe, recording a golden bundle."""
+    bundle = tmp_path_factory.mktemp("golden")
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(probe=True), genai=False,
+                             golden_save=bundle)
+    return report, bundle
+
+
+def test_default_verification_covers_curve_sweep_invariants_and_health(full):
+    report, _ = full
+    assert report.passed, format_verify(report)
+    [cpu] = report.reports
+    assert len(cpu.curve) == 65 and [s.tokens for s in cpu.curve[-2:]] == [1, 3]
+    assert {(c.batch, c.new_tokens, c.past) for c in cpu.sweep} == {
+        (b, n, p) for b in (1, 2, 3) for n in (1, 2, 7, 64) for p in (0, 1, 17)}
+    assert [i.passed for i in report.invariants] == [True] * 5
+    assert cpu.health.passed and cpu.health.nan == cpu.health.zero_rows == 0
+    assert cpu.repeat.max_abs == 0  # the CPU provider is deterministic
+    logits = cpu.comparisons[0]
+    assert logits.llm["top1_agreement"] == 1.0 and logits.llm["kl_mean"] < 1e-9 and logits.cosine > 0.999999
+    assert 0 < logits.needed.scale < 1 and cpu.localisation.first_layer is None
+    assert cpu.localisation.probe.first is None and cpu.localisation.probe.checked >= 10
+
+
+def test_health_flags_zero_rows_and_nan_that_outputs_hide():
+    from exporter.verify.health import HealthScan
+    scan = HealthScan("float16")
+    logits = np.ones((1, 3, 4), np.float16)
+    logits[0, 1] = 0  # a real position whose logits are all zero: a silent norm failure
+    present = np.ones((1, 2, 3, 4), np.float16)
+    scan.scan_outputs("step", {"logits": logits, "present.0.key": present}, np.array([[1, 1, 1]]))
+    scan.scan_activations({"norm": np.array([30000.0, -5.0], np.float16), "bias": np.array([-1e9], np.float32)})
+    report = scan.report()
+    assert not report.passed and report.zero_rows == 1 and report.nan == 0
+    assert report.activation_max_abs == 30000.0 and report.activation_at == "norm" and report.warnings
+    padded = HealthScan("float16")
+    padded.scan_outputs("step", {"logits": logits}, np.array([[1, 0, 1]]))  # the zero row is padding
+    assert padded.report().passed
+
+
+def _perturb(folder, module: str, delta: float) -> str:
+    """Add `delta` to the weight read by the MatMul of `module` (prefill and decode share it), keeping the
+    manifest's hashes consistent; returns the initializer's name."""
+    manifest = read_manifest(folder)
+    graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
+    node = next(n for n in graph.node if n.op_type == "MatMul" and module_of(n) == module)
+    name = node.input[1]
+    entry = next(e for e in manifest.initializers["prefill.onnx"] if e["name"] == name)
+    weights = np.memmap(folder / manifest.weights_file, dtype=entry["dtype"], mode="r+", offset=entry["offset"],
+                        shape=tuple(entry["shape"]))
+    weights += delta
+    weights.flush()
+    data = json.loads((folder / "manifest.json").read_text())
+    data["files"][manifest.weights_file]["sha256"] = sha256_file(folder / manifest.weights_file)
+    (folder / "manifest.json").write_text(json.dumps(data))
+    return name
+
+
+def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny_model):
+    _perturb(artifact_copy, "model.layers.1.self_attn.k_proj", 0.05)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
+    [cpu] = report.reports
+    assert not report.passed and not cpu.comparisons[0].passed
+    assert cpu.localisation.first_layer == 1  # layer 0's present is untouched
+    assert cpu.layers[0].passed and not cpu.layers[1].key.passed and cpu.layers[1].value.passed
+    first = cpu.localisation.probe.first
+    assert first.module == "model.layers.1.self_attn.k_proj" and first.op_type == "MatMul", first
+    text = format_verify(report)
+    assert "first diverging layer 1" in text and first.node in text
+    # The invariants hold whatever the weights: they cannot see this fault.
+    assert all(i.passed for i in report.invariants)
+
+
+def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, artifact_fp32, artifact_copy):
+    report, bundle = full
+    code = textwrap.dedent(f"""
+        import sys, json
+        sys.modules["torch"] = None  # any import of torch now fails
+        from exporter.verify.engine import verify_artifact
+        golden = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"], golden={str(bundle)!r}, genai=False)
+        alone = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"])
+        print(json.dumps([golden.passed, golden.reference, len(golden.reports[0].curve), len(golden.reports[0].sweep),
+                          golden.reports[0].comparisons[0].max_abs, alone.passed, alone.reference,
+                          len(alone.invariants), len(alone.reports)]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    passed, reference, steps, sweep, max_abs, alone_passed, alone_reference, invariants, providers = json.loads(
+        out.stdout.strip().splitlines()[-1])
+    assert passed and reference.startswith("golden bundle") and steps == 65 and sweep == 36
+    assert max_abs == report.reports[0].comparisons[0].max_abs  # the same numbers as against the model
+    assert alone_passed and alone_reference == "none" and invariants == 5 and providers == 0
+    _perturb(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
+    with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
+        verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
+
+
+def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):
+    with pytest.raises(GoldenMismatch, match="another model"):
+        verify_artifact(artifact_fp16, None, ["cpu"], golden=full[1])
+
+
+def test_junit_and_html_reports(full, tmp_path):
+    report, _ = full
+    suites = ET.fromstring(render_junit(report))
+    cases = suites.findall(".//testcase")
+    assert len(cases) >= 36 + 5 and not suites.findall(".//failure")
+    assert {s.get("name") for s in suites} >= {"CPUExecutionProvider float32", "invariants"}
+    page = render_html(report)
+    for plot in ("decode-curve", "layer-errors", "logit-histogram"):
+        assert f'class="plot {plot}"' in page
+    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(render_html(full[0]))
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    dom = out.stdout
+    assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
+    assert dom.count("<svg") == 3 and dom.count("<polyline") == 3 and dom.count("<rect") > 10
+    assert "Verification of" in dom and "PASS" in dom

@@ -1,0 +1,84 @@
+"""Pure comparison functions and tolerance profiles, against values worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from exporter.errors import InputError
+from exporter.verify.metrics import Tolerance, aggregate, compare, logits_metrics, match_length
+from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
+
+
+def test_compare_applies_allclose_and_nan_rules():
+    tol = Tolerance(atol=1e-3, rtol=1e-2)
+    assert compare("x", "kv", [1.0, 100.5], [1.0005, 100.0], tol).passed  # 0.5 <= 1e-3 + 1.0
+    failed = compare("x", "kv", [1.0, 102.0], [1.0, 100.0], tol)
+    assert not failed.passed and failed.max_abs == pytest.approx(2.0) and failed.max_rel == pytest.approx(0.02)
+    assert compare("loss", "loss", np.nan, np.nan, tol).passed
+    assert not compare("loss", "loss", np.nan, 1.0, tol).passed
+    assert not compare("loss", "loss", 1.0, np.nan, tol).passed
+    assert not compare("x", "kv", np.zeros((2, 3)), np.zeros((3, 2)), tol).passed
+    peak = Tolerance(atol=0.0, rtol=0.0, peak=0.01)
+    assert compare("x", "kv", [0.9, 100.0], [0.0, 100.0], peak).passed
+    assert not compare("x", "kv", [1.1, 100.0], [0.0, 100.0], peak).passed
+
+
+def test_smallest_passing_tolerance_is_reported_and_sufficient():
+    tol = Tolerance(atol=1e-3, rtol=1e-2)
+    result = compare("x", "kv", [1.0, 103.0], [1.0, 100.0], tol)
+    # |diff| 3 at expected 100: atol would need 3 - 1.0 = 2; rtol (3 - 1e-3) / 100; scale 3 / 1.001.
+    assert result.needed.atol == pytest.approx(2.0)
+    assert result.needed.rtol == pytest.approx(0.02999)
+    assert result.needed.scale == pytest.approx(3 / 1.001)
+    assert compare("x", "kv", [1.0, 103.0], [1.0, 100.0], Tolerance(2.0 + 1e-9, 1e-2)).passed
+    assert compare("x", "kv", [1.0, 103.0], [1.0, 100.0], Tolerance(1e-3, 0.02999 + 1e-9)).passed
+    assert compare("x", "kv", [1.0, 1.0], [1.0, 1.0], tol).needed.scale == 0
+
+
+def test_cosine_and_logits_metrics_by_hand():
+    assert compare("x", "kv", [1.0, 0.0], [0.0, 1.0], Tolerance(9, 0)).cosine == pytest.approx(0.0)
+    expected = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.2, 0.7]]))
+    actual = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.2, 0.7]]))
+    metrics = logits_metrics(actual, expected, k=2)
+    assert metrics["top1_agreement"] == 0.5  # row 0 flips from id 0 to id 1
+    assert metrics["topk_overlap"] == 1.0  # the top-2 sets are {0, 1} and {1, 2} on both sides
+    kl_row0 = 0.5 * np.log(0.5 / 0.25) + 0.25 * np.log(0.25 / 0.5)
+    assert metrics["kl_max"] == pytest.approx(kl_row0) and metrics["kl_mean"] == pytest.approx(kl_row0 / 2)
+    # `valid` leaves positions out (left padding).
+    assert logits_metrics(actual, expected, valid=np.array([False, True]), k=2)["top1_agreement"] == 1.0
+
+
+def test_loss_metrics_and_aggregate():
+    loss = compare("loss", "loss", 2.0, 1.9, Tolerance(1e-3, 0))
+    assert loss.llm["loss_abs_diff"] == pytest.approx(0.1) and loss.llm["perplexity_ratio"] == pytest.approx(np.exp(0.1))
+    rows = [compare("a", "kv", [1.0], [1.0], Tolerance(0.1, 0)), compare("b", "kv", [1.5], [1.0], Tolerance(0.1, 0))]
+    total = aggregate("all", rows)
+    assert not total.passed and total.worst == "b" and total.max_abs == pytest.approx(0.5)
+    assert total.needed.scale == pytest.approx(5.0)
+    assert match_length([1, 2, 3], [1, 2, 4]) == 2 and match_length([1], [1, 2]) == 1
+
+
+def test_profiles_differ_by_dtype_and_provider():
+    assert profile_for("float32", CPU).logits == Tolerance(1e-4, 1e-4)
+    assert profile_for("float16", CPU).logits.peak == 16 * 2.0 ** -11
+    assert profile_for("float32", CUDA).logits.peak > 0  # TF32
+    assert profile_for("float32", CPU).loss.atol < profile_for("float32", CPU).logits.atol
+    assert profile_for("float32", "SomeOtherProvider") == profile_for("float32", CPU)
+
+
+def test_overrides_from_options_and_files(tmp_path):
+    overrides = parse_overrides(atol=["logits=1e-3"], rtol=["kv=0"])
+    profile = overrides.apply(profile_for("float32"))
+    assert profile.logits.atol == 1e-3 and profile.kv.rtol == 0 and profile.loss == profile_for("float32").loss
+    assert profile.overridden == ("logits.atol", "kv.rtol")
+    (tmp_path / "t.json").write_text(json.dumps({"loss": {"atol": 0.5}}))
+    (tmp_path / "t.toml").write_text("[kv]\npeak = 0.25\n")
+    assert parse_overrides(file=tmp_path / "t.json").apply(profile_for("float16")).loss.atol == 0.5
+    assert parse_overrides(file=tmp_path / "t.toml").apply(profile_for("float16")).kv.peak == 0.25
+    for bad in (dict(atol=["logits"]), dict(atol=["weights=1"]), dict(rtol=["kv=abc"]), dict(peak=["kv=-1"]),
+                dict(file=tmp_path / "missing.json")):
+        with pytest.raises(InputError):
+            parse_overrides(**bad)

@@ -32,7 +32,8 @@ def reference_plan(folder: Path, golden: Path | None) -> tuple[str, Path | None]
     bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / "golden.json").is_file() else None)
     if bundle is not None:
         return "golden", bundle
-    if read_manifest(folder, check_hashes=False).source.get("kind") in ("seeded", "checkpoint"):
+    source = read_manifest(folder, check_hashes=False).source
+    if source.get("kind") == "seeded" or (source.get("kind") == "checkpoint" and Path(source.get("path", "")).is_file()):
         return "rebuilt", None
     return "invariants", None
 
@@ -90,6 +91,8 @@ def _picks(plan: str) -> dict:
             "shape sweep": provider_part(lambda p: worst([c.logits for c in p.sweep] + [c.kv for c in p.sweep])),
             "fp16 health": provider_part(lambda p: (p.health.passed, "; ".join(p.health.issues))),
             "repeat run": provider_part(lambda p: (p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}")),
+            "expert choice": provider_part(lambda p: (p.experts is None or p.experts.passed,
+                                                      p.experts.note if p.experts is not None else "")),
             "providers agree": lambda r: worst(r.cross) if r.cross else (True, ""),
         })
     return picks

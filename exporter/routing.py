@@ -134,6 +134,24 @@ def _compare_choices(reference_calls, onnx_ids: dict, keep: np.ndarray, toleranc
     return pairs, agreeing, near_ties
 
 
+def routing_agreement(reference, folder: Path, manifest, provider: str, reference_feeds: dict, onnx_feeds: dict,
+                      valid: np.ndarray, tolerance) -> ExpertAgreement:
+    """Expert choices of one decode call, each side on its own inputs (e.g. its own cache): did the two
+    route some real token (`valid`, (B, T)) differently, and only at near-ties? `reference` is a TorchRunner."""
+    with record_reference_routing(reference.model) as calls:
+        reference.decode(reference_feeds)
+    probe = RouterProbe(folder, manifest.decode, provider, manifest.cache.num_layers)
+    if not calls or not probe.complete:
+        return ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured")
+    pairs, agreeing, near_ties = _compare_choices(calls, probe.expert_ids(onnx_feeds), valid.reshape(-1) == 1,
+                                                  tolerance)
+    note = f"{pairs - agreeing} of {pairs} (token, layer) expert choices differ"
+    if pairs > agreeing:
+        note += (f", {near_ties} at near-ties of the reference's router scores"
+                 f"{' (a precision flip of a discrete choice)' if near_ties == pairs - agreeing else ''}")
+    return ExpertAgreement(True, pairs, agreeing, near_ties, note)
+
+
 def check_expert_choice(reference, folder: Path, manifest, provider: str, batch: dict, decode_tokens: list,
                         tolerance) -> ExpertAgreement | None:
     """Expert choices on the prefill batch and then on decode steps fed the reference's own cache.

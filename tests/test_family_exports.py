@@ -19,11 +19,12 @@ from exporter.contract import PAST
 from exporter.errors import InputError
 from exporter.export import _example_inputs
 from exporter.manifest import read_manifest
-from exporter.parity import TOLERANCES, compare, verify_artifact
+from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
 from exporter.routing import RouterProbe, record_reference_routing
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
+from exporter.verify.reports import format_verify
 from helpers import assert_decode_graph_matches
 from reference.checkpoints import load_checkpoint
 
@@ -35,16 +36,19 @@ FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
 }
 
 
+# The parity checks of every family (logits, present KV, loss, greedy tokens, expert choice) at 16 decode
+# steps; the 64-step curve and the shape sweep run on minimind-3-tiny (test_verify_engine.py).
+FAMILY = ParitySettings(decode_steps=16)
+
+
 def _failures(report):
-    return ([c.to_dict() for r in report.reports for c in r.comparisons if not c.passed],
-            [r.greedy.note for r in report.reports if not r.greedy.passed],
-            [r.experts.note for r in report.reports if r.experts is not None and not r.experts.passed])
+    return format_verify(report)
 
 
 @pytest.mark.parametrize("family", FAMILY_ARTIFACTS)
 def test_family_artifact_matches_its_reference_on_cpu(family, request):
     artifact, model = (request.getfixturevalue(name) for name in FAMILY_ARTIFACTS[family])
-    report = verify_artifact(artifact, model, ["cpu"])
+    report = verify_artifact(artifact, model, ["cpu"], FAMILY)
     assert report.passed, _failures(report)
     [cpu] = report.reports
     assert [c.name for c in cpu.comparisons][:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
@@ -63,8 +67,13 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
 
 
 def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, moe3_model):
-    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"])
+    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], FAMILY)
     assert report.passed, _failures(report)
+    # In float16 two router scores can round to (nearly) the same value; a token then may take another expert
+    # on each side, which moves its outputs by O(1). Measured on this fixture: 2 of the 36 sweep shapes, router
+    # score gaps 0 and 4.9e-4. Such a case passes only when every differing choice is such a near-tie.
+    for case in report.reports[0].sweep:
+        assert (case.logits.passed and case.kv.passed) or (case.routing_near_tie and "near-ties" in case.routing_note)
     experts = report.reports[0].experts
     assert experts.measured and experts.passed and experts.pairs > 100, experts.note
 

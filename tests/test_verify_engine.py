@@ -152,3 +152,25 @@ def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path
     assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
     assert dom.count("<svg") == 3 and dom.count("<polyline") == 3 and dom.count("<rect") > 10
     assert "Verification of" in dom and "PASS" in dom
+
+
+def test_a_failing_sweep_case_passes_only_when_every_routing_difference_is_a_near_tie(artifact_copy, tiny_model):
+    from exporter.reference_runner import TorchRunner
+    from exporter.routing import ExpertAgreement
+    from exporter.runtime import OrtRunner
+    from exporter.verify.checks import run_sweep
+    from exporter.verify.health import HealthScan
+    from exporter.verify.tolerances import profile_for
+    _perturb(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # a real fault: every shape fails
+    manifest = read_manifest(artifact_copy)
+    reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(artifact_copy, manifest=manifest)
+    profile = profile_for("float32", "cpu")
+
+    def sweep(agreement):
+        return run_sweep(reference, onnx, manifest, profile, HealthScan("float32"), np.random.default_rng(0),
+                         lambda *_: agreement)
+    tie = ExpertAgreement(True, 10, 9, 1, "1 of 10 differ, 1 at near-ties")
+    assert all(c.passed and c.routing_near_tie for c in sweep(tie))
+    for other in (ExpertAgreement(True, 10, 9, 0, "not a tie"), ExpertAgreement(True, 10, 10, 0, "all agree"),
+                  ExpertAgreement(False, 0, 0, 0, "not measured")):
+        assert not any(c.passed for c in sweep(other)), other.note

@@ -23,7 +23,7 @@ from exporter.runtime import OrtRunner, available_parity_providers, check_provid
 from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
 from exporter.verify.golden import RecordedReference, load_bundle
 from exporter.verify.health import HealthScan
-from exporter.verify.inputs import ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
 from exporter.verify.invariants import check_invariants
 from exporter.verify.localise import Localisation, first_diverging_layer, probe_between, probe_reference
 from exporter.verify.probe import DebugGraph
@@ -64,8 +64,20 @@ def _expert_choice(reference, folder: Path, manifest: Manifest, provider: str, b
     log.info("%s: expert choice of the MoE routers", provider)
     rng = np.random.default_rng(settings.seed + 4)
     steps = [rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
-             for n in [1] * min(settings.decode_steps, 16) + [3]]
+             for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]]
     return check_expert_choice(reference.backing, folder, manifest, provider, batch, steps, profile.logits)
+
+
+def _routing_explainer(reference, folder: Path, manifest: Manifest, provider: str, profile: Profile):
+    """For MoE models with the PyTorch reference: explains a failing sweep case by its expert choices."""
+    if getattr(manifest.config, "use_moe", False) is not True or getattr(reference, "backing", None) is None:
+        return None
+    from exporter.routing import routing_agreement  # torch only on this path
+
+    def explain(reference_feeds: dict, onnx_feeds: dict, valid) -> ExpertAgreement:
+        return routing_agreement(reference.backing, folder, manifest, provider, reference_feeds, onnx_feeds, valid,
+                                 profile.logits)
+    return explain
 
 
 def _run_provider(folder: Path, provider: str, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
@@ -89,7 +101,8 @@ def _run_provider(folder: Path, provider: str, manifest: Manifest, reference, de
     sweep = []
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)
-        sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3))
+        sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3),
+                          _routing_explainer(reference, folder, manifest, onnx.provider, profile))
     localisation = _localise(prefill, decode, reference, debug, values, batch, settings, profile)
     experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
     report = ProviderReport(onnx.provider, manifest.dtype, profile, prefill.comparisons + decode.comparisons, greedy,
@@ -160,6 +173,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     if golden_save is not None and (model is None or golden is not None):
         raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
     reference, described, settings = _reference(folder, manifest, model, golden, settings)
+    settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     reports, outputs, values = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="verify-debug-") as work:

@@ -3,6 +3,7 @@ padding, labels with ignored targets, token chunks for decode steps, and the sha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import asdict, dataclass
 
@@ -15,6 +16,8 @@ from exporter.runtime import position_ids_from_mask
 SWEEP_BATCHES = (1, 2, 3)
 SWEEP_NEW_TOKENS = (1, 2, 7, 64)
 SWEEP_PASTS = (0, 1, 17)
+GREEDY_PROMPT_LENGTH = 8
+FINAL_CHUNK = 3  # the decode check ends with one multi-token step
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,16 @@ class ParitySettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def fit(self, context: int) -> ParitySettings:
+        """These settings with the decode steps and greedy tokens shortened to the model's positions (a
+        small teaching GPT has 64); the report's settings show what ran."""
+        steps = min(self.decode_steps, context - self.prompt_length - FINAL_CHUNK)
+        greedy = min(self.greedy_tokens, context - GREEDY_PROMPT_LENGTH)
+        if steps < 1 or greedy < 1:
+            raise InputError(f"the model has only {context} positions: too few for a {self.prompt_length}-token "
+                             f"prompt and {FINAL_CHUNK + 1} decode tokens; lower prompt_length")
+        return dataclasses.replace(self, decode_steps=steps, greedy_tokens=greedy)
 
 
 def prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Generator) -> dict:
@@ -65,11 +78,12 @@ def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.rando
 
 
 def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:
-    return [int(i) for i in rng.integers(0, manifest.config.vocab_size, 8)]
+    return [int(i) for i in rng.integers(0, manifest.config.vocab_size, GREEDY_PROMPT_LENGTH)]
 
 
-def sweep_grid() -> list[tuple[int, int, int]]:
-    return list(itertools.product(SWEEP_BATCHES, SWEEP_NEW_TOKENS, SWEEP_PASTS))
+def sweep_grid(context: int) -> list[tuple[int, int, int]]:
+    """(batch, new tokens, past) of the grid whose sequences fit the model's positions."""
+    return [(b, n, p) for b, n, p in itertools.product(SWEEP_BATCHES, SWEEP_NEW_TOKENS, SWEEP_PASTS) if n + p <= context]
 
 
 def ragged_mask(batch: int, past: int, new: int) -> np.ndarray:

@@ -57,6 +57,8 @@ def _provider(p: ProviderReport) -> str:
         notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
     if probe:
         notes.append(f"first diverging operator: {probe.node} ({probe.op_type}) in {probe.module}")
+    if p.experts is not None:
+        notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
     return (f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
             f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'

@@ -33,6 +33,8 @@ def render_junit(report: VerifyReport) -> str:
     for p in report.reports:
         cases = [_comparison(c) for c in p.comparisons]
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
+        if p.experts is not None:
+            cases.append(("expert choice", p.experts.passed, p.experts.note))
         cases += [(f"sweep {c.name}", c.passed, f"logits max abs {c.logits.max_abs:.3g}, present max abs "
                                                  f"{c.kv.max_abs:.3g}") for c in p.sweep]
         cases.append(("repeat run", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))

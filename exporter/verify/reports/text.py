@@ -60,8 +60,9 @@ def _provider(p: ProviderReport) -> str:
     curve = p.curve
     lines.append(f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
                  f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})")
-    lines += [f"  sweep FAIL: {c.name}: logits {c.logits.max_abs:.3g}, present {c.kv.max_abs:.3g}"
-              for c in p.sweep if not c.passed]
+    lines += [f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: logits "
+              f"{c.logits.max_abs:.3g}, present {c.kv.max_abs:.3g}" + (f"; {c.routing_note}" if c.routing_note else "")
+              for c in p.sweep if not c.passed or c.routing_near_tie]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation
     if loc.first_layer is not None:

@@ -10,8 +10,8 @@ import torch
 
 import upstream
 from helpers import assert_cached_decoding_equals_full_forward, assert_close
-from reference import (ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling, build_model,
-                       get_preset)
+from reference import (PRESETS, ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling,
+                       build_model, get_preset)
 from reference.families import FAMILIES, config_from_dict, family_of
 from reference.minimind import rope_inv_freq
 
@@ -78,7 +78,7 @@ def test_configs_round_trip_and_name_bad_fields():
     for family in FAMILIES.values():
         if family.model_class is None:
             continue
-        for name, config in ((n, c) for n, c in __import__("reference").PRESETS.items() if type(c) is family.config_class):
+        for name, config in ((n, c) for n, c in PRESETS.items() if type(c) is family.config_class):
             assert config_from_dict(family.name, config.to_dict()) == config, name
     yarn = get_preset("minimind-3-yarn-tiny")
     assert MiniMindConfig.from_dict(yarn.to_dict()) == yarn  # the nested YaRN dataclass survives JSON

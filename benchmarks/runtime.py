@@ -5,6 +5,9 @@ and 512 tokens, decode tokens/s over 128 steps and peak RSS, for ONNX Runtime
 and for PyTorch eager; the ratios; and the weight-read floor (weight bytes
 divided by the memory bandwidth measured in this run). Each side runs in its
 own process so peak RSS is its own. Figures are medians of several runs.
+Our decode and onnxruntime-genai's run in turns, in two processes kept loaded,
+so that the ratio between them holds on a machine shared with other work
+(the median of the per-round ratios).
 
     .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--json]
 """
@@ -49,39 +52,50 @@ def prompt(length: int, vocab: int):
     return np.random.default_rng(length).integers(3, vocab, (1, length), dtype=np.int64)
 
 
+def ort_runner(artifact: Path, provider: str, threads: int, shared_pool: bool = True):
+    from exporter.runtime import OrtRunner, SessionSettings
+    return OrtRunner(artifact, provider,
+                     settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool))
+
+
+def ort_start(runner, ids):
+    import numpy as np
+
+    from exporter.runtime import position_ids_from_mask
+    mask = np.ones_like(ids)
+    return runner.start(ids, mask, position_ids_from_mask(mask))
+
+
+def ort_decode_run(runner) -> float:
+    """Greedy decode of DECODE_STEPS tokens after a short prompt; tokens/s of the steps."""
+    import numpy as np
+    logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
+    mask = np.ones((1, PROMPT_FOR_DECODE), dtype=np.int64)
+    begin = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        token = np.array([[int(logits.argmax())]], dtype=np.int64)
+        mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+        logits = runner.step(token, mask, np.array([[mask.shape[1] - 1]], dtype=np.int64))
+    return DECODE_STEPS / (time.perf_counter() - begin)
+
+
 def worker_ort(artifact: Path, provider: str, threads: int, repeats: int, shared_pool: bool = True) -> dict:
     import numpy as np
 
-    from exporter.runtime import OrtRunner, SessionSettings, position_ids_from_mask
+    from exporter.runtime import position_ids_from_mask
 
-    runner = OrtRunner(artifact, provider,
-                       settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool))
+    runner = ort_runner(artifact, provider, threads, shared_pool)
     vocab = runner.manifest.config.vocab_size
     loaded_mb = peak_rss_mb()
     result = {"name": f"onnxruntime {provider}", "loaded_peak_rss_mb": loaded_mb}
 
-    def start(ids):
-        mask = np.ones_like(ids)
-        return runner.start(ids, mask, position_ids_from_mask(mask))
-
     for length in PREFILL_LENGTHS:
         ids = prompt(length, vocab)
-        start(ids)  # warm-up: first-call allocations
-        result[f"prefill_{length}_ms"] = median_ms(lambda: start(ids), repeats)
+        ort_start(runner, ids)  # warm-up: first-call allocations
+        result[f"prefill_{length}_ms"] = median_ms(lambda: ort_start(runner, ids), repeats)
 
-    def decode_run():
-        ids = prompt(PROMPT_FOR_DECODE, vocab)
-        logits = start(ids)
-        mask = np.ones((1, PROMPT_FOR_DECODE), dtype=np.int64)
-        begin = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            token = np.array([[int(logits.argmax())]], dtype=np.int64)
-            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
-            logits = runner.step(token, mask, np.array([[mask.shape[1] - 1]], dtype=np.int64))
-        return DECODE_STEPS / (time.perf_counter() - begin)
-
-    decode_run()
-    result["decode_tokens_per_s"] = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
+    ort_decode_run(runner)
+    result["decode_tokens_per_s"] = statistics.median(ort_decode_run(runner) for _ in range(max(3, repeats // 2)))
     result["peak_rss_mb"] = peak_rss_mb()  # generation: prompts and decode steps, both graphs loaded
     # A decode step right after a call to the other session (prefill.onnx), against steps in a row.
     ids = prompt(PROMPT_FOR_DECODE, vocab)
@@ -91,7 +105,7 @@ def worker_ort(artifact: Path, provider: str, threads: int, repeats: int, shared
         prefill_feeds["labels"] = ids
     step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
                    np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
-    start(ids)
+    ort_start(runner, ids)
     cache = dict(runner._cache)
 
     def timed_step():
@@ -151,8 +165,9 @@ def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dic
     return result
 
 
-def worker_genai(artifact: Path, repeats: int) -> dict:
-    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options)."""
+def genai_decode_run(artifact: Path):
+    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options):
+    a function running the same greedy decode as ort_decode_run, returning tokens/s of the steps."""
     from exporter.genai import GenaiGenerator
 
     generator = GenaiGenerator(artifact)
@@ -170,10 +185,39 @@ def worker_genai(artifact: Path, repeats: int) -> dict:
             run.generate_next_token()
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    decode_run()
-    tokens_per_s = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
-    return {"name": "onnxruntime-genai", "decode_tokens_per_s": tokens_per_s, "decode_step_ms": 1000 / tokens_per_s,
-            "peak_rss_mb": peak_rss_mb()}
+    return decode_run
+
+
+def serve_decode_runs(decode_run) -> None:
+    """One decode run per line read from stdin, its tokens/s printed as a line: the driver interleaves workers."""
+    decode_run()  # warm-up
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        print(decode_run(), flush=True)
+
+
+def interleaved_decode(workers: dict[str, list[str]], rounds: int) -> dict:
+    """Decode tokens/s of several workers, measured in turns (A B, B A, ...) so that load from
+    elsewhere on the machine falls on all of them alike. Returns per worker the median tokens/s
+    and the median over rounds of its ratio to the first worker."""
+    procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for name, args in workers.items()}
+    for name, proc in procs.items():
+        if proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"benchmark worker {name} failed to start")
+    runs: dict[str, list[float]] = {name: [] for name in procs}
+    for turn in range(rounds):
+        for name in (list(procs) if turn % 2 == 0 else list(procs)[::-1]):
+            procs[name].stdin.write("run\n")
+            procs[name].stdin.flush()
+            runs[name].append(float(procs[name].stdout.readline()))
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+    first = runs[next(iter(runs))]
+    return {name: {"decode_tokens_per_s": statistics.median(values),
+                   "ratio_to_first": statistics.median(v / f for v, f in zip(values, first))}
+            for name, values in runs.items()}
 
 
 def worker_bandwidth(threads: int, repeats: int) -> dict:
@@ -223,8 +267,9 @@ def format_table(report: dict) -> str:
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratio:>9.2f}x")
     genai, per_session = report["onnxruntime_genai"], report["onnxruntime_per_session_pools"]
     if genai:
-        lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
-                     f"{'':>12}{ort['decode_tokens_per_s'] / genai['decode_tokens_per_s']:>9.2f}x (ours / genai)")
+        lines.append(f"decode tok/s, ours and onnxruntime-genai in turns ({report['rounds']} rounds each): "
+                     f"{genai['ours']['decode_tokens_per_s']:.1f} vs {genai['genai']['decode_tokens_per_s']:.1f}; "
+                     f"ours / genai {genai['ours']['ratio_to_first']:.2f}x (median of per-round ratios)")
     else:
         lines.append("onnxruntime-genai: not installed, column skipped")
     lines += ["",
@@ -249,8 +294,8 @@ def main() -> None:
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", choices=["ort", "ort-session-pools", "torch", "genai", "bandwidth"],
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ort", "ort-session-pools", "ort-decode", "torch", "genai-decode",
+                                             "bandwidth"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker in ("ort", "ort-session-pools"):
         shared = args.worker == "ort"
@@ -260,8 +305,12 @@ def main() -> None:
         device = "cuda" if args.provider == "cuda" else "cpu"
         print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats, device)))
         return
-    if args.worker == "genai":
-        print(json.dumps(worker_genai(args.artifact, args.repeats)))
+    if args.worker == "ort-decode":
+        runner = ort_runner(args.artifact, args.provider, args.threads)
+        serve_decode_runs(lambda: ort_decode_run(runner))
+        return
+    if args.worker == "genai-decode":
+        serve_decode_runs(genai_decode_run(args.artifact))
         return
     if args.worker == "bandwidth":
         print(json.dumps(worker_bandwidth(args.threads, args.repeats)))
@@ -273,10 +322,15 @@ def main() -> None:
     ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
     per_session = run_worker(["--worker", "ort-session-pools", "--provider", args.provider, *common])
     torch_ = run_worker(["--worker", "torch", "--provider", args.provider, *common])
-    genai = run_worker(["--worker", "genai", *common]) if importlib.util.find_spec("onnxruntime_genai") else None
+    genai = None
+    if importlib.util.find_spec("onnxruntime_genai"):
+        genai = interleaved_decode({"genai": ["--worker", "genai-decode", *common],
+                                    "ours": ["--worker", "ort-decode", "--provider", args.provider, *common]},
+                                   args.repeats)
     weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
     floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
-    report = {"artifact": str(args.artifact), "threads": args.threads, "onnxruntime": ort, "pytorch": torch_,
+    report = {"artifact": str(args.artifact), "threads": args.threads, "rounds": args.repeats,
+              "onnxruntime": ort, "pytorch": torch_,
               "onnxruntime_per_session_pools": per_session, "onnxruntime_genai": genai,
               "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": bandwidth["read_gb_per_s"],
                         "floor_step_ms": floor_s * 1000, "floor_tokens_per_s": 1 / floor_s}}

@@ -78,7 +78,7 @@ class SessionSettings:
     intra_op_threads: int = 0  # 0: one per physical core
     optimization: str = "all"  # disable | basic | extended | all
     prepack_weights: bool = True  # for decode.onnx, the generation hot path; see _session_options
-    shared_thread_pool: bool = True  # see _use_global_thread_pool
+    shared_thread_pool: bool = False  # see _use_global_thread_pool
     optimized_model_dir: Path | None = None  # save the optimised graphs here (inspection, faster reloads)
 
     def __post_init__(self):
@@ -100,13 +100,17 @@ _global_pool_threads: int | None = None
 
 
 def _use_global_thread_pool(threads: int) -> None:
-    """One intra-op pool for every session of the process.
+    """One intra-op pool for every session of the process (opt-in: SessionSettings(shared_thread_pool=True)).
 
     With a pool per session, the pool of the session that just ran keeps its
     threads spinning for a while, competing for the cores with the pool of the
     session called next: a decode step right after a prefill.onnx call took
-    44 ms against 27 ms after another decode step (minimind-3, 2 cores). With
-    one shared pool there is no idle spinner to fight: 17.9 against 17.6 ms.
+    44 ms against 27 ms after another decode step (minimind-3, 2 cores). One
+    shared pool has no idle spinner to fight (17.9 against 17.6 ms), but once it
+    exists ONNX Runtime refuses every session in the process that asks for a
+    pool of its own, other libraries' included (Optimum's failed so). The
+    default is therefore per-session pools with the prefill session's threads
+    not spinning (_session_options), which removes the same fight.
     """
     global _global_pool_threads
     if _global_pool_threads is None:
@@ -155,7 +159,8 @@ class SharedWeightMap:
         return names, values
 
 
-def _session_options(settings: SessionSettings, graph_file: str, weights: SharedWeightMap | None) -> ort.SessionOptions:
+def _session_options(settings: SessionSettings, graph_file: str, weights: SharedWeightMap | None,
+                     spin: bool = True) -> ort.SessionOptions:
     """Options for one session; `weights` given: read the weights in place from the shared mapping, unpacked."""
     options = ort.SessionOptions()
     if weights is not None:
@@ -176,6 +181,8 @@ def _session_options(settings: SessionSettings, graph_file: str, weights: Shared
             raise InputError("this process already runs onnxruntime's shared thread pool, which rules out "
                              "per-session pools; choose shared_thread_pool=False before the first runner")
         options.intra_op_num_threads = settings.intra_op_threads
+        if not spin:  # idle threads that spin take the cores from the session called next
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights is not None or not settings.prepack_weights:
         options.add_session_config_entry("session.disable_prepacking", "1")
     if settings.optimized_model_dir is not None:
@@ -239,7 +246,8 @@ class OrtRunner:
                                                    _session_options(settings, decode.file, None),
                                                    providers=providers)
         self.prefill_session = ort.InferenceSession(str(self.folder / prefill.file),
-                                                    _session_options(settings, prefill.file, self._weights),
+                                                    _session_options(settings, prefill.file, self._weights,
+                                                                     spin=False),
                                                     providers=providers)
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.

@@ -68,9 +68,13 @@ def test_optimum_generates_text_with_the_artifacts_tokenizer(artifact_fp32):
 def test_optimum_runs_every_family(request, artifact):
     """Optimum reads only the sizes from config.json; its tokens equal our runtime's for every family."""
     folder = request.getfixturevalue(artifact)
-    eos = read_manifest(folder).config.eos_token_id
+    config = read_manifest(folder).config
+    eos = config.eos_token_id
     model, runner = _load(folder), OrtRunner(folder)
-    for prompt in PROMPTS[:2]:
+    seen = set()
+    for prompt in ([t % config.vocab_size for t in p] for p in PROMPTS):  # the seed 001 demo has 256 ids
         optimum = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
         ours = generate_greedy(runner, prompt, 24, eos).new_ids
-        assert optimum == ours and len(set(ours)) > 3
+        assert optimum == ours
+        seen |= set(ours)
+    assert len(seen) > 3, "degenerate output makes token equality meaningless"

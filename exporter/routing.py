@@ -23,13 +23,13 @@ import onnx
 import onnxruntime as ort
 
 from exporter.contract import GraphContract
-from exporter.runtime import plain_session_options, position_ids_from_mask, presents_as_past
+from exporter.runtime import plain_session_options, position_ids_from_mask, presents_as_past, session_providers
+from exporter.verify.probe import SCOPES_KEY
 
 if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model
     import torch
 
 ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
-_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def router_layers(model: onnx.ModelProto) -> dict[int, str]:
     for node in model.graph.node:
         if node.op_type != "TopK":
             continue
-        scopes = next((p.value for p in node.metadata_props if p.key == _SCOPES_KEY), "")
+        scopes = next((p.value for p in node.metadata_props if p.key == SCOPES_KEY), "")
         for scope in re.findall(r"'([^']*)'", scopes):
             match = ROUTER_SCOPE.search(scope)
             if match:
@@ -81,8 +81,7 @@ class RouterProbe:
         options = plain_session_options()
         options.log_severity_level = 3
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
+        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=session_providers(provider))
 
     def expert_ids(self, feeds: dict) -> dict[int, np.ndarray]:
         """layer -> (N, k) chosen expert ids for the N = batch * sequence tokens of `feeds`."""
@@ -134,13 +133,13 @@ def _compare_choices(reference_calls, onnx_ids: dict, keep: np.ndarray, toleranc
     return pairs, agreeing, near_ties
 
 
-def routing_agreement(reference, folder: Path, manifest, provider: str, reference_feeds: dict, onnx_feeds: dict,
-                      valid: np.ndarray, tolerance) -> ExpertAgreement:
+def routing_agreement(reference, probe: RouterProbe, reference_feeds: dict, onnx_feeds: dict, valid: np.ndarray,
+                      tolerance) -> ExpertAgreement:
     """Expert choices of one decode call, each side on its own inputs (e.g. its own cache): did the two
-    route some real token (`valid`, (B, T)) differently, and only at near-ties? `reference` is a TorchRunner."""
+    route some real token (`valid`, (B, T)) differently, and only at near-ties? `reference` is a TorchRunner,
+    `probe` a RouterProbe of decode.onnx."""
     with record_reference_routing(reference.model) as calls:
         reference.decode(reference_feeds)
-    probe = RouterProbe(folder, manifest.decode, provider, manifest.cache.num_layers)
     if not calls or not probe.complete:
         return ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured")
     pairs, agreeing, near_ties = _compare_choices(calls, probe.expert_ids(onnx_feeds), valid.reshape(-1) == 1,

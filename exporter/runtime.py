@@ -39,6 +39,11 @@ def check_provider(name: str) -> str:
     return full
 
 
+def session_providers(full_name: str) -> list[str]:
+    """The providers list of a session on `full_name`: the CPU provider runs the ops another provider lacks."""
+    return [full_name] if full_name == "CPUExecutionProvider" else [full_name, "CPUExecutionProvider"]
+
+
 def available_parity_providers() -> tuple[list[str], dict[str, str]]:
     """Providers to verify on by default, and the skipped ones with the reason."""
     available = ort.get_available_providers()
@@ -198,9 +203,8 @@ def graph_session(path: Path, graph_file: str, weights: SharedWeightMap, provide
                   settings: SessionSettings = SessionSettings()) -> ort.InferenceSession:
     """A session on a modified copy of one of an artifact's graphs (e.g. a debug copy) stored elsewhere: the
     weights come from the artifact's file through `weights`, with this process's thread-pool rules."""
-    full = check_provider(provider)
-    providers = [full] if full == "CPUExecutionProvider" else [full, "CPUExecutionProvider"]
-    return ort.InferenceSession(str(path), _session_options(settings, graph_file, weights), providers=providers)
+    return ort.InferenceSession(str(path), _session_options(settings, graph_file, weights),
+                                providers=session_providers(check_provider(provider)))
 
 
 def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
@@ -238,8 +242,7 @@ class OrtRunner:
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
         self.provider = check_provider(provider)
-        providers = [self.provider] if self.provider == "CPUExecutionProvider" else [self.provider,
-                                                                                    "CPUExecutionProvider"]
+        providers = session_providers(self.provider)
         self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
         prefill, decode = self.manifest.prefill, self.manifest.decode
         self.decode_session = ort.InferenceSession(str(self.folder / decode.file),

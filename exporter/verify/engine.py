@@ -72,11 +72,14 @@ def _routing_explainer(reference, folder: Path, manifest: Manifest, provider: st
     """For MoE models with the PyTorch reference: explains a failing sweep case by its expert choices."""
     if getattr(manifest.config, "use_moe", False) is not True or getattr(reference, "backing", None) is None:
         return None
-    from exporter.routing import routing_agreement  # torch only on this path
+    from exporter.routing import RouterProbe, routing_agreement  # torch only on this path
+
+    probes = []  # the decode graph with its routers exposed, built at the first failing case only
 
     def explain(reference_feeds: dict, onnx_feeds: dict, valid) -> ExpertAgreement:
-        return routing_agreement(reference.backing, folder, manifest, provider, reference_feeds, onnx_feeds, valid,
-                                 profile.logits)
+        if not probes:
+            probes.append(RouterProbe(folder, manifest.decode, provider, manifest.cache.num_layers))
+        return routing_agreement(reference.backing, probes[0], reference_feeds, onnx_feeds, valid, profile.logits)
     return explain
 
 

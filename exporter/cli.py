@@ -325,14 +325,17 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @click.option("--threads", type=int, default=0, show_default=True,
-              help="Intra-op threads of ONNX Runtime's (shared) pool; 0 = one per core.")
+              help="Intra-op threads of each ONNX Runtime session; 0 = one per core.")
+@click.option("--prompt-chunk", type=int, default=None,
+              help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
+                   "0 = the whole prompt at once.")
 @click.option("--save-optimized", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="Also save the graphs as ONNX Runtime optimised them, into DIR.")
 @common_options
 @handle_errors
 def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, temperature, top_k, top_p,
-             repetition_penalty, seed, stop_ids, ignore_eos, provider, threads, save_optimized, as_json, quiet,
-             verbose):
+             repetition_penalty, seed, stop_ids, ignore_eos, provider, threads, prompt_chunk, save_optimized,
+             as_json, quiet, verbose):
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
@@ -357,7 +360,8 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
              else [_parse_ids(text) for text in prompt_ids])
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
-    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized)
+    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
+                               **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
     check_prompts(config, batch, max_new_tokens)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     eos = None if ignore_eos else config.eos_token_id

@@ -31,7 +31,7 @@ from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, OutputPathError
-from exporter.graphs import DecodeGraph, PrefillGraph, use_head_major_tied_table
+from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
@@ -211,7 +211,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     start = time.perf_counter()
     config = model.config
     model = copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval()
-    use_head_major_tied_table(model)
+    share_tied_table(model)
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)
 

@@ -9,6 +9,7 @@ here, not in the model.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
@@ -34,33 +35,25 @@ def masked_shifted_loss(logits, labels):
     return nll.sum() / keep.sum().float()
 
 
-class _HeadMajorEmbedding(nn.Module):
+class _TiedLMHead(nn.Module):
+    """lm_head reading the embedding's own (vocab, hidden) table: a 2-D Gemm with transB."""
+
     def __init__(self, table: nn.Parameter):
         super().__init__()
-        self.table = table  # (hidden, vocab)
-
-    def forward(self, input_ids):
-        rows = torch.index_select(self.table, 1, input_ids.reshape(-1))  # (H, B*T)
-        return rows.t().reshape(*input_ids.shape, -1)  # (B, T, H)
-
-
-class _HeadMajorLMHead(nn.Module):
-    def __init__(self, table: nn.Parameter):
-        super().__init__()
-        self.table = table  # (hidden, vocab)
+        self.table = table
 
     def forward(self, hidden):
-        return hidden @ self.table
+        flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.table)  # exported as Gemm(transB=1)
+        return flat.reshape(*hidden.shape[:-1], flat.shape[-1])
 
 
-def use_head_major_tied_table(model: nn.Module) -> None:
-    """Hold a tied embedding/lm_head table as one (hidden, vocab) parameter (in place; export copies only).
+def share_tied_table(model: nn.Module) -> None:
+    """Let lm_head read a tied embedding table as it is (in place; export copies only).
 
-    lm_head's MatMul needs the table as (hidden, vocab) and the embedding's
-    Gather as (vocab, hidden). Exported as is, the graph keeps the table plus a
-    Transpose that ONNX Runtime folds into a second, session-private copy
-    (20 MB per session for minimind-3). Gathering columns of a (hidden, vocab)
-    table instead lets both ops read one tensor; a gather copies values exactly.
+    Exported as is, lm_head is MatMul(hidden, Transpose(table)), and ONNX Runtime
+    folds the Transpose into a second, session-private copy of the table (20 MB
+    for minimind-3). A Gemm with transB reads (and prepacks) the table as stored,
+    and the embedding's Gather copies contiguous rows of it.
     """
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -69,9 +62,7 @@ def use_head_major_tied_table(model: nn.Module) -> None:
     tied = (isinstance(embed, nn.Embedding) and isinstance(head, nn.Linear) and head.bias is None
             and head.weight is embed.weight)
     if tied:
-        table = nn.Parameter(model.lm_head.weight.detach().t().contiguous(), requires_grad=False)
-        model.model.embed_tokens = _HeadMajorEmbedding(table)
-        model.lm_head = _HeadMajorLMHead(table)
+        model.lm_head = _TiedLMHead(embed.weight)
 
 
 def _flatten_presents(presents):

@@ -5,6 +5,14 @@ class per backend. `attend` adds the cache: it appends the new keys/values to
 the past, returns the present (B, P+T, Hkv, D) before the kv-head repetition,
 and masks causally aligned bottom-right plus padded keys. Families and
 bring-your-own adapters call it instead of re-implementing a cache.
+
+Inside, attention runs heads-first (B, Hkv, L, D), the exported graphs' cache
+layout: the transposes between MiniMind's (B, L, Hkv, D) and that layout then
+meet in pairs in the graph and onnxruntime removes them, and each kv head
+attends for its group of query heads instead of being repeated. The cache is
+then copied once a step (the concat) instead of six times, and a minimind-3
+decode step (onnxruntime, 2 cores) no longer grows with the cache: 18.9, 19.2
+and 20.2 ms at 16, 144 and 512 cached tokens, against 17.4, 21.9 and 32.3 ms.
 """
 
 from __future__ import annotations
@@ -37,14 +45,6 @@ def default_position_ids(input_ids, past_key_values):
     return (torch.arange(t, device=input_ids.device) + past_len).expand(b, t)
 
 
-def repeat_kv(x, n_rep: int):
-    """(B, L, Hkv, D) -> (B, L, Hkv * n_rep, D), each kv head repeated n_rep times in a row."""
-    if n_rep == 1:
-        return x
-    b, length, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, length, h, n_rep, d).reshape(b, length, h * n_rep, d)
-
-
 def attention_bias(attention_mask, query_len: int, key_len: int, device):
     """Additive float32 bias (B or 1, 1, T, L): causal aligned bottom-right, -1e9 on padded keys."""
     past_len = key_len - query_len
@@ -57,15 +57,19 @@ def attention_bias(attention_mask, query_len: int, key_len: int, device):
 
 
 def eager_attention(q, k, v, attention_mask):
-    # q: (B, H, T, D); k, v: (B, H, L, D). Scores and softmax in float32.
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.float() + attention_bias(attention_mask, q.shape[-2], k.shape[-2], q.device)
+    # q: (B, H, T, D); k, v: (B, Hkv, L, D). Query head h attends with kv head h // (H / Hkv),
+    # as MiniMind's repeat_kv pairs them. Scores and softmax in float32.
+    b, heads, t, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * t, d)
+    scores = (grouped @ k.transpose(-2, -1)).view(b, heads, t, length) / math.sqrt(d)
+    scores = scores.float() + attention_bias(attention_mask, t, length, q.device)
     probs = F.softmax(scores, dim=-1).type_as(q)
-    return probs @ v
+    return (probs.view(b, kv_heads, heads // kv_heads * t, length) @ v).view(b, heads, t, d)
 
 
 def sdpa_attention(q, k, v, attention_mask):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
@@ -80,15 +84,11 @@ def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: st
     The fused path is used only without a cache and without a mask, where
     its top-left causal alignment is right.
     """
-    b, t, heads, _ = q.shape
+    b, t, _, _ = q.shape
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)
     if past_key_value is not None:
-        k = torch.cat([past_key_value[0], k], dim=1)
-        v = torch.cat([past_key_value[1], v], dim=1)
-    present = (k, v)
-    n_rep = heads // k.shape[2]
-    qh = q.transpose(1, 2)  # (B, H, T, D)
-    kh = repeat_kv(k, n_rep).transpose(1, 2)  # (B, H, P+T, D)
-    vh = repeat_kv(v, n_rep).transpose(1, 2)
+        kh = torch.cat([past_key_value[0].transpose(1, 2), kh], dim=2)
+        vh = torch.cat([past_key_value[1].transpose(1, 2), vh], dim=2)
     fused = implementation == "sdpa" and past_key_value is None and attention_mask is None and t > 1
-    out = ATTENTION["sdpa" if fused else "eager"](qh, kh, vh, attention_mask)
-    return out.transpose(1, 2).reshape(b, t, -1), present
+    out = ATTENTION["sdpa" if fused else "eager"](q.transpose(1, 2), kh, vh, attention_mask)
+    return out.transpose(1, 2).reshape(b, t, -1), (kh.transpose(1, 2), vh.transpose(1, 2))

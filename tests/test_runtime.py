@@ -103,6 +103,23 @@ def test_generation_runs_the_prompt_through_decode_like_prefill(runner):
     np.testing.assert_allclose(started, prefilled["logits"][:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact_fp32):
+    """Chunks of 3 (a last one of 2) on a left-padded batch, against the whole prompt in one call."""
+    from exporter.runtime import SessionSettings, position_ids_from_mask
+    whole = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=0))
+    chunked = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=3))
+    ids = np.array([[0, 0, 0, 5, 9, 100, 3, 8, 2, 40, 41], [7, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]], dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0
+    positions = position_ids_from_mask(mask)
+    np.testing.assert_array_equal(chunked.start(ids, mask, positions), whole.start(ids, mask, positions))
+    for name, value in whole._cache.items():
+        np.testing.assert_array_equal(chunked._cache[name].numpy(), value.numpy(), err_msg=name)
+    step = (np.array([[4], [6]], dtype=np.int64), np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+            positions[:, -1:] + 1)
+    np.testing.assert_array_equal(chunked.step(*step), whole.step(*step))
+
+
 def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, tiny_model, runner):
     """Per-session pools by default: a plain onnxruntime session (another library's, e.g. Optimum's) still
     loads beside our runners. The shared pool is opt-in; once it exists onnxruntime refuses per-session pools,
@@ -130,3 +147,5 @@ def test_bad_session_settings_are_refused():
         SessionSettings(optimization="max")
     with pytest.raises(InputError, match="intra_op_threads must be >= 0"):
         SessionSettings(intra_op_threads=-2)
+    with pytest.raises(InputError, match="prompt_chunk must be >= 0"):
+        SessionSettings(prompt_chunk=-1)

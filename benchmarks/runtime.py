@@ -4,12 +4,15 @@ For minimind-3 (fp32 by default) at batch 1 it prints prefill latency at 128
 and 512 tokens, decode tokens/s over 128 steps and peak RSS, for ONNX Runtime
 and for PyTorch eager; the ratios; and the weight-read floor (weight bytes
 divided by the memory bandwidth measured in this run). Each side runs in its
-own process so peak RSS is its own. Figures are medians of several runs.
-Our decode and onnxruntime-genai's run in turns, in two processes kept loaded,
-so that the ratio between them holds on a machine shared with other work
-(the median of the per-round ratios).
+own process, so peak RSS is its own. The timed work runs in turns: every
+worker stays loaded and, round after round, each one in turn (the order
+reversed every other round) runs the same prefill or decode, and the memory
+bandwidth probe takes its turn too. Load from elsewhere on the machine then
+falls on all sides alike: each ratio is the median of its per-round ratios,
+each figure the median of its rounds. onnxruntime-genai's generator on the
+same folder is one more worker, when it is installed.
 
-    .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--json]
+    .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 PREFILL_LENGTHS = (128, 512)
 DECODE_STEPS = 128
 PROMPT_FOR_DECODE = 16
+SETTLE_S = 0.1  # between turns: the previous worker's pool threads stop spinning
 
 
 def peak_rss_mb() -> float:
@@ -38,19 +42,20 @@ def peak_rss_mb() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+def elapsed_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
 
 
 def prompt(length: int, vocab: int):
     import numpy as np
     return np.random.default_rng(length).integers(3, vocab, (1, length), dtype=np.int64)
 
+
+# ----------------------------------------------------------------------------- the workers' tasks
+# Each worker offers named tasks ("prefill 128", "prefill 512", "decode", "bandwidth"), each
+# returning one figure: milliseconds for a prefill, tokens/s for a decode run, GB/s for bandwidth.
 
 def ort_runner(artifact: Path, provider: str, threads: int, shared_pool: bool = False):
     from exporter.runtime import OrtRunner, SessionSettings
@@ -79,54 +84,17 @@ def ort_decode_run(runner) -> float:
     return DECODE_STEPS / (time.perf_counter() - begin)
 
 
-def worker_ort(artifact: Path, provider: str, threads: int, repeats: int, shared_pool: bool = False) -> dict:
-    import numpy as np
-
-    from exporter.runtime import position_ids_from_mask
-
-    runner = ort_runner(artifact, provider, threads, shared_pool)
+def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
+    """Generation as users run it: prompts through OrtRunner.start, then decode steps."""
+    runner = ort_runner(artifact, provider, threads)
     vocab = runner.manifest.config.vocab_size
-    loaded_mb = peak_rss_mb()
-    result = {"name": f"onnxruntime {provider}", "loaded_peak_rss_mb": loaded_mb}
-
-    for length in PREFILL_LENGTHS:
-        ids = prompt(length, vocab)
-        ort_start(runner, ids)  # warm-up: first-call allocations
-        result[f"prefill_{length}_ms"] = median_ms(lambda: ort_start(runner, ids), repeats)
-
-    ort_decode_run(runner)
-    result["decode_tokens_per_s"] = statistics.median(ort_decode_run(runner) for _ in range(max(3, repeats // 2)))
-    result["peak_rss_mb"] = peak_rss_mb()  # generation: prompts and decode steps, both graphs loaded
-    # A decode step right after a call to the other session (prefill.onnx), against steps in a row.
-    ids = prompt(PROMPT_FOR_DECODE, vocab)
-    mask = np.ones_like(ids)
-    prefill_feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
-    if runner.manifest.with_loss:
-        prefill_feeds["labels"] = ids
-    step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
-                   np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
-    ort_start(runner, ids)
-    cache = dict(runner._cache)
-
-    def timed_step():
-        runner._cache = cache
-        begin = time.perf_counter()
-        runner.step(*step_inputs)
-        return time.perf_counter() - begin
-
-    alternating, in_a_row = [], []
-    for _ in range(20):
-        runner.prefill(prefill_feeds)
-        alternating.append(timed_step())
-        in_a_row.append(timed_step())
-    result["decode_step_after_prefill_ms"] = statistics.median(alternating) * 1000
-    result["decode_step_in_a_row_ms"] = statistics.median(in_a_row) * 1000
-    result["decode_step_ms"] = 1000 / result["decode_tokens_per_s"]
-    result["peak_rss_with_prefill_graph_run_mb"] = peak_rss_mb()
-    return result
+    tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
+             for n in PREFILL_LENGTHS}
+    tasks["decode"] = lambda: ort_decode_run(runner)
+    return tasks
 
 
-def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dict:
+def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     import torch
 
     from exporter.manifest import read_manifest
@@ -136,38 +104,33 @@ def worker_torch(artifact: Path, threads: int, repeats: int, device: str) -> dic
     manifest = read_manifest(artifact, check_hashes=False)
     model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device)
     vocab = manifest.config.vocab_size
-    result = {"name": f"pytorch eager ({device})", "loaded_peak_rss_mb": peak_rss_mb()}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
+    @torch.inference_mode()
     def forward(ids, **kwargs):
         out = model(ids, use_cache=True, **kwargs)
         sync()
         return out
 
-    with torch.inference_mode():
-        for length in PREFILL_LENGTHS:
-            ids = torch.from_numpy(prompt(length, vocab)).to(device)
-            forward(ids)
-            result[f"prefill_{length}_ms"] = median_ms(lambda: forward(ids), repeats)
+    @torch.inference_mode()
+    def decode_run():
+        out = forward(torch.from_numpy(prompt(PROMPT_FOR_DECODE, vocab)).to(device))
+        begin = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            token = out.logits[:, -1:].argmax(-1)
+            out = forward(token, past_key_values=out.past_key_values)
+        return DECODE_STEPS / (time.perf_counter() - begin)
 
-        def decode_run():
-            out = forward(torch.from_numpy(prompt(PROMPT_FOR_DECODE, vocab)).to(device))
-            begin = time.perf_counter()
-            for _ in range(DECODE_STEPS):
-                token = out.logits[:, -1:].argmax(-1)
-                out = forward(token, past_key_values=out.past_key_values)
-            return DECODE_STEPS / (time.perf_counter() - begin)
-
-        decode_run()
-        result["decode_tokens_per_s"] = statistics.median(decode_run() for _ in range(max(3, repeats // 2)))
-    result["decode_step_ms"] = 1000 / result["decode_tokens_per_s"]
-    result["peak_rss_mb"] = peak_rss_mb()
-    return result
+    tasks = {f"prefill {n}": (lambda ids=torch.from_numpy(prompt(n, vocab)).to(device):
+                              elapsed_ms(lambda: forward(ids)))
+             for n in PREFILL_LENGTHS}
+    tasks["decode"] = decode_run
+    return tasks
 
 
-def genai_decode_run(artifact: Path):
-    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options):
-    a function running the same greedy decode as ort_decode_run, returning tokens/s of the steps."""
+def genai_tasks(artifact: Path) -> dict:
+    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options),
+    running the same greedy decode as ort_decode_run."""
     from exporter.genai import GenaiGenerator
 
     generator = GenaiGenerator(artifact)
@@ -185,42 +148,10 @@ def genai_decode_run(artifact: Path):
             run.generate_next_token()
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    return decode_run
+    return {"decode": decode_run}
 
 
-def serve_decode_runs(decode_run) -> None:
-    """One decode run per line read from stdin, its tokens/s printed as a line: the driver interleaves workers."""
-    decode_run()  # warm-up
-    print("ready", flush=True)
-    for _ in sys.stdin:
-        print(decode_run(), flush=True)
-
-
-def interleaved_decode(workers: dict[str, list[str]], rounds: int) -> dict:
-    """Decode tokens/s of several workers, measured in turns (A B, B A, ...) so that load from
-    elsewhere on the machine falls on all of them alike. Returns per worker the median tokens/s
-    and the median over rounds of its ratio to the first worker."""
-    procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True) for name, args in workers.items()}
-    for name, proc in procs.items():
-        if proc.stdout.readline().strip() != "ready":
-            raise SystemExit(f"benchmark worker {name} failed to start")
-    runs: dict[str, list[float]] = {name: [] for name in procs}
-    for turn in range(rounds):
-        for name in (list(procs) if turn % 2 == 0 else list(procs)[::-1]):
-            procs[name].stdin.write("run\n")
-            procs[name].stdin.flush()
-            runs[name].append(float(procs[name].stdout.readline()))
-    for proc in procs.values():
-        proc.stdin.close()
-        proc.wait()
-    first = runs[next(iter(runs))]
-    return {name: {"decode_tokens_per_s": statistics.median(values),
-                   "ratio_to_first": statistics.median(v / f for v, f in zip(values, first))}
-            for name, values in runs.items()}
-
-
-def worker_bandwidth(threads: int, repeats: int) -> dict:
+def bandwidth_tasks(threads: int) -> dict:
     """Memory read bandwidth: summing a 512 MiB buffer, split over `threads` threads (numpy frees the GIL)."""
     import numpy as np
 
@@ -234,9 +165,90 @@ def worker_bandwidth(threads: int, repeats: int) -> dict:
         for w in workers:
             w.join()
 
-    read_all()
-    seconds = median_ms(read_all, repeats) / 1000
-    return {"name": "memory bandwidth", "read_gb_per_s": data.nbytes / seconds / 1e9}
+    def read_gb_per_s():
+        return data.nbytes / statistics.median(elapsed_ms(read_all) for _ in range(5)) / 1e6
+
+    return {"bandwidth": read_gb_per_s}
+
+
+def serve(tasks: dict) -> None:
+    """Run one task per line read from stdin (its name) and print its figure; "rss" prints the peak RSS."""
+    for task in tasks.values():
+        task()  # warm-up: first-call allocations
+    print(json.dumps(sorted(tasks)), flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        print(peak_rss_mb() if name == "rss" else tasks[name](), flush=True)
+
+
+def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict]:
+    """Every task of every worker, `rounds` times, in turns: within a round each task runs on each
+    worker offering it, in an order reversed every other round. Returns each worker's figures per
+    task (one per round) and each worker's peak RSS at the end."""
+    procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for name, args in workers.items()}
+    offered = {}
+    for name, proc in procs.items():
+        line = proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"benchmark worker {name} failed to start")
+        offered[name] = json.loads(line)
+    tasks = sorted({task for names in offered.values() for task in names})
+    figures = {name: {task: [] for task in offered[name]} for name in procs}
+
+    def ask(name: str, request: str) -> float:
+        procs[name].stdin.write(request + "\n")
+        procs[name].stdin.flush()
+        return float(procs[name].stdout.readline())
+
+    for turn in range(rounds):
+        for task in tasks:
+            order = [name for name in procs if task in offered[name]]
+            for name in (order if turn % 2 == 0 else order[::-1]):
+                time.sleep(SETTLE_S)
+                figures[name][task].append(ask(name, task))
+    peaks = {name: ask(name, "rss") for name in procs}
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
+    return figures, peaks
+
+
+# ----------------------------------------------------------------------------- two sessions in one process
+
+def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bool) -> dict:
+    """RSS with both sessions loaded; a decode step right after a call to the other session (prefill.onnx)
+    against one right after a decode step; RSS once prefill.onnx has run too."""
+    import numpy as np
+
+    from exporter.runtime import position_ids_from_mask
+
+    runner = ort_runner(artifact, provider, threads, shared_pool)
+    result = {"loaded_peak_rss_mb": peak_rss_mb()}
+    ids = prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size)
+    mask = np.ones_like(ids)
+    prefill_feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+    if runner.manifest.with_loss:
+        prefill_feeds["labels"] = ids
+    step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
+                   np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
+    ort_start(runner, ids)
+    cache = dict(runner._cache)
+
+    def timed_step():
+        runner._cache = cache
+        return elapsed_ms(lambda: runner.step(*step_inputs))
+
+    timed_step()
+    alternating, in_a_row = [], []
+    for _ in range(20):
+        runner.prefill(prefill_feeds)
+        alternating.append(timed_step())
+        in_a_row.append(timed_step())
+    result["decode_step_after_prefill_ms"] = statistics.median(alternating)
+    result["decode_step_in_a_row_ms"] = statistics.median(in_a_row)
+    result["peak_rss_with_prefill_graph_run_mb"] = peak_rss_mb()
+    return result
 
 
 def run_worker(args: list[str]) -> dict:
@@ -245,6 +257,8 @@ def run_worker(args: list[str]) -> dict:
         raise SystemExit(f"benchmark worker {args[1]} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
+
+# ----------------------------------------------------------------------------- the report
 
 def ensure_artifact(folder: Path) -> None:
     if (folder / "manifest.json").is_file():
@@ -256,84 +270,106 @@ def ensure_artifact(folder: Path) -> None:
                     source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
 
 
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
+def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
+    """Medians per side and task, and the same-round ratios (ours against each other side)."""
+    def side(name):
+        out = {f"prefill_{n}_ms": statistics.median(figures[name][f"prefill {n}"])
+               for n in PREFILL_LENGTHS if f"prefill {n}" in figures[name]}
+        out["decode_tokens_per_s"] = statistics.median(figures[name]["decode"])
+        out["decode_step_ms"] = 1000 / out["decode_tokens_per_s"]
+        out["peak_rss_mb"] = peaks[name]
+        return out
+
+    ours, torch_ = figures["onnxruntime"], figures["pytorch"]
+    bandwidth = figures["bandwidth"]["bandwidth"]
+    floor_steps_ms = [weight_bytes / (gb * 1e9) * 1000 for gb in bandwidth]
+    ratios = {f"prefill_{n}": median_ratio(torch_[f"prefill {n}"], ours[f"prefill {n}"]) for n in PREFILL_LENGTHS}
+    ratios["decode"] = median_ratio(ours["decode"], torch_["decode"])
+    # decode step / floor step = floor tokens/s / our tokens/s
+    ratios["decode_step_to_floor"] = median_ratio([1000 / ms for ms in floor_steps_ms], ours["decode"])
+    ratios["peak_rss"] = peaks["pytorch"] / peaks["onnxruntime"]
+    report = {"onnxruntime": side("onnxruntime"), "pytorch": side("pytorch"), "ratios": ratios,
+              "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": statistics.median(bandwidth),
+                        "floor_step_ms": statistics.median(floor_steps_ms)},
+              "onnxruntime_genai": None}
+    if "genai" in figures:
+        report["onnxruntime_genai"] = side("genai")
+        ratios["ours_to_genai"] = median_ratio(ours["decode"], figures["genai"]["decode"])
+    return report
+
+
 def format_table(report: dict) -> str:
-    ort, torch_, floor = report["onnxruntime"], report["pytorch"], report["floor"]
-    rows = [("prefill 128 tokens (ms)", "prefill_128_ms", False), ("prefill 512 tokens (ms)", "prefill_512_ms", False),
-            ("decode tokens/s (128 steps)", "decode_tokens_per_s", True), ("decode step (ms)", "decode_step_ms", False),
-            ("peak RSS (MB)", "peak_rss_mb", False)]
+    ort, torch_, ratios, floor = report["onnxruntime"], report["pytorch"], report["ratios"], report["floor"]
+    rows = [("prefill 128 tokens (ms)", "prefill_128_ms", "prefill_128"),
+            ("prefill 512 tokens (ms)", "prefill_512_ms", "prefill_512"),
+            ("decode tokens/s (128 steps)", "decode_tokens_per_s", "decode"),
+            ("decode step (ms)", "decode_step_ms", "decode"),
+            ("peak RSS (MB)", "peak_rss_mb", "peak_rss")]
     lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}", "-" * 68]
-    for label, key, higher_is_better in rows:
-        ratio = ort[key] / torch_[key] if higher_is_better else torch_[key] / ort[key]
-        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratio:>9.2f}x")
-    genai, shared = report["onnxruntime_genai"], report["onnxruntime_shared_pool"]
+    for label, key, ratio in rows:
+        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x")
+    genai = report["onnxruntime_genai"]
     if genai:
-        lines.append(f"decode tok/s, ours and onnxruntime-genai in turns ({report['rounds']} rounds each): "
-                     f"{genai['ours']['decode_tokens_per_s']:.1f} vs {genai['genai']['decode_tokens_per_s']:.1f}; "
-                     f"ours / genai {genai['ours']['ratio_to_first']:.2f}x (median of per-round ratios)")
+        lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
+                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x  (ours / genai)")
     else:
-        lines.append("onnxruntime-genai: not installed, column skipped")
+        lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
+    sessions, shared = report["sessions"], report["sessions_shared_pool"]
     lines += ["",
+              f"ratios: medians of the per-round ratios ({report['rounds']} rounds, in turns); "
+              f"figures: medians of the rounds",
               f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
-              f"weight-read floor {floor['floor_step_ms']:.1f} ms/token ({floor['floor_tokens_per_s']:.1f} tok/s)",
-              f"onnxruntime decode step / floor: {ort['decode_step_ms'] / floor['floor_step_ms']:.2f}x; "
-              f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x (generating); "
-              f"{ort['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x once prefill.onnx has run too",
+              f"weight-read floor {floor['floor_step_ms']:.1f} ms/token",
+              f"onnxruntime decode step / floor: {ratios['decode_step_to_floor']:.2f}x",
+              f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x generating; "
+              f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
+              f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "
+              f"once prefill.onnx has run too",
               "decode step right after a prefill.onnx call (alternating sessions) vs right after a decode step:",
               f"  per-session pools, prefill threads not spinning (default): "
-              f"{ort['decode_step_after_prefill_ms']:.1f} ms vs {ort['decode_step_in_a_row_ms']:.1f} ms",
+              f"{sessions['decode_step_after_prefill_ms']:.1f} ms vs {sessions['decode_step_in_a_row_ms']:.1f} ms",
               f"  one shared thread pool (opt-in): {shared['decode_step_after_prefill_ms']:.1f} ms "
-              f"vs {shared['decode_step_in_a_row_ms']:.1f} ms; decode {shared['decode_tokens_per_s']:.1f} tok/s"]
+              f"vs {shared['decode_step_in_a_row_ms']:.1f} ms"]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/minimind-3"))
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for both sides")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every side")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", choices=["ort", "ort-shared-pool", "ort-decode", "torch", "genai-decode",
-                                             "bandwidth"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["ort", "torch", "genai", "bandwidth", "sessions",
+                                             "sessions-shared-pool"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker in ("ort", "ort-shared-pool"):
-        shared = args.worker == "ort-shared-pool"
-        print(json.dumps(worker_ort(args.artifact, args.provider, args.threads, args.repeats, shared)))
+    if args.worker in ("sessions", "sessions-shared-pool"):
+        shared = args.worker == "sessions-shared-pool"
+        print(json.dumps(worker_sessions(args.artifact, args.provider, args.threads, shared)))
         return
-    if args.worker == "torch":
-        device = "cuda" if args.provider == "cuda" else "cpu"
-        print(json.dumps(worker_torch(args.artifact, args.threads, args.repeats, device)))
-        return
-    if args.worker == "ort-decode":
-        runner = ort_runner(args.artifact, args.provider, args.threads)
-        serve_decode_runs(lambda: ort_decode_run(runner))
-        return
-    if args.worker == "genai-decode":
-        serve_decode_runs(genai_decode_run(args.artifact))
-        return
-    if args.worker == "bandwidth":
-        print(json.dumps(worker_bandwidth(args.threads, args.repeats)))
+    if args.worker:
+        serve({"ort": lambda: ort_tasks(args.artifact, args.provider, args.threads),
+               "torch": lambda: torch_tasks(args.artifact, args.threads, "cuda" if args.provider == "cuda" else "cpu"),
+               "genai": lambda: genai_tasks(args.artifact),
+               "bandwidth": lambda: bandwidth_tasks(args.threads)}[args.worker]())
         return
 
     ensure_artifact(args.artifact)
-    common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--repeats", str(args.repeats)]
-    bandwidth = run_worker(["--worker", "bandwidth", *common])
-    ort = run_worker(["--worker", "ort", "--provider", args.provider, *common])
-    shared_pool = run_worker(["--worker", "ort-shared-pool", "--provider", args.provider, *common])
-    torch_ = run_worker(["--worker", "torch", "--provider", args.provider, *common])
-    genai = None
-    if importlib.util.find_spec("onnxruntime_genai"):
-        genai = interleaved_decode({"genai": ["--worker", "genai-decode", *common],
-                                    "ours": ["--worker", "ort-decode", "--provider", args.provider, *common]},
-                                   args.repeats)
-    weight_bytes = (args.artifact / "weights.onnx.data").stat().st_size
-    floor_s = weight_bytes / (bandwidth["read_gb_per_s"] * 1e9)
-    report = {"artifact": str(args.artifact), "threads": args.threads, "rounds": args.repeats,
-              "onnxruntime": ort, "pytorch": torch_,
-              "onnxruntime_shared_pool": shared_pool, "onnxruntime_genai": genai,
-              "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": bandwidth["read_gb_per_s"],
-                        "floor_step_ms": floor_s * 1000, "floor_tokens_per_s": 1 / floor_s}}
+    common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--provider", args.provider]
+    workers = {"onnxruntime": ["--worker", "ort", *common], "pytorch": ["--worker", "torch", *common],
+               "bandwidth": ["--worker", "bandwidth", *common]}
+    if importlib.util.find_spec("onnxruntime_genai") and args.provider == "cpu":  # its config selects the CPU
+        workers["genai"] = ["--worker", "genai", *common]
+    figures, peaks = run_in_turns(workers, args.rounds)
+    report = summarise(figures, peaks, (args.artifact / "weights.onnx.data").stat().st_size)
+    report.update(artifact=str(args.artifact), threads=args.threads, rounds=args.rounds,
+                  sessions=run_worker(["--worker", "sessions", *common]),
+                  sessions_shared_pool=run_worker(["--worker", "sessions-shared-pool", *common]))
     print(json.dumps(report, indent=2) if args.json else format_table(report))
 
 

@@ -225,9 +225,9 @@ class OrtRunner:
 
     `prefill`/`decode` take and return named numpy arrays (parity checks, the loss).
     `start`/`step` serve generation. Both run decode.onnx, the prompt with an empty
-    past (bit-identical to prefill.onnx, tested), and keep the KV cache as
-    OrtValues bound with IO binding: never converted to numpy, on CUDA never
-    leaving the device.
+    past (equal to prefill.onnx within float32 rounding, tested), and keep the KV
+    cache as OrtValues bound with IO binding: never converted to numpy, on CUDA
+    never leaving the device.
 
     Memory: decode.onnx gets MLAS's prepacked weights (decode ran 1.8x faster with
     them on 2 cores), which is the one resident copy while generating.
@@ -235,10 +235,11 @@ class OrtRunner:
     mapping and no prepacking, so it adds no copy of its own; its pages become
     resident only when prefill() runs. A second prepacked session would double
     the weights (ONNX Runtime's Python API cannot share prepacked buffers).
-    Measured for minimind-3 fp32 (255.6 MB of weights): 331 MB with both sessions
-    loaded (253 MB prepacked, 19 MB of the tied table's file pages, 52 MB for the
-    interpreter, numpy and onnxruntime), 407 MB peak while generating with
-    512-token prompts, 653 MB once prefill() has run too.
+    Measured for minimind-3 fp32 (255.6 MB of weights): 333 MB with both sessions
+    loaded (254 MB prepacked, 19 MB of the tied table's file pages, which the
+    embedding's Gather keeps mapped after lm_head's prepacking read them, 52 MB
+    for the interpreter, numpy and onnxruntime), 377 MB peak while generating with
+    512-token prompts read in chunks of 128, about 585 MB once prefill() has run too.
     """
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,

@@ -267,8 +267,7 @@ class OrtRunner:
         # Per step: one binding reused rather than rebuilt, each output's role looked up rather
         # than its cache names formatted again (60 us a step), and the binding's C object driven
         # directly: onnxruntime's Python wrappers check every value and build a device object
-        # per call, 0.14 ms a step and the whole gap to onnxruntime-genai's C++ loop (tiny
-        # model: 0.59 ms a step through the wrappers, genai 0.47 ms, this way 0.45 ms).
+        # per call, 0.14 ms a step (tiny model: 0.59 ms a step through them, 0.45 ms this way).
         self._binding = self.decode_session.io_binding()._iobinding
         self._run_binding = self.decode_session._sess.run_with_iobinding
         outputs = self.manifest.decode.output_names
@@ -321,7 +320,7 @@ class OrtRunner:
         The prompt goes through decode.onnx `prompt_chunk` tokens at a time, each chunk on
         the cache of the ones before: the activations (and so the peak RSS) scale with the
         chunk, not the prompt. For minimind-3 with a 512-token prompt, chunks of 128 took the
-        peak RSS from 412 to 374 MB at the same speed (590 against 586 ms) and bit-identical
+        peak RSS from 412 to 377 MB at the same speed (590 against 586 ms) and bit-identical
         logits: each row of a MatMul and each query's attention is computed as it would be
         in one call.
         """

@@ -2,8 +2,8 @@
 
 Attention math is one pure function chosen by name (`ATTENTION`), not one
 class per backend. `attend` adds the cache: it appends the new keys/values to
-the past, returns the present (B, P+T, Hkv, D) before the kv-head repetition,
-and masks causally aligned bottom-right plus padded keys. Families and
+the past, returns the present (B, P+T, Hkv, D), one entry per kv head, and
+masks causally aligned bottom-right plus padded keys. Families and
 bring-your-own adapters call it instead of re-implementing a cache.
 
 Inside, attention runs heads-first (B, Hkv, L, D), the exported graphs' cache

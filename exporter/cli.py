@@ -214,12 +214,13 @@ def _verify(folder, providers, genai, options: dict, model=None, golden=None):
     from exporter.verify.tolerances import parse_overrides
     overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
     settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
+    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     if model is None and golden is None:
         from exporter.reference_runner import rebuild_reference
-        model = rebuild_reference(folder, read_manifest(folder))
+        model = rebuild_reference(folder, manifest)
     report = verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
                              golden_save=options["golden_save"], overrides=overrides,
-                             fp16_companion=options["fp16_companion"])
+                             fp16_companion=options["fp16_companion"], manifest=manifest)
     write_reports(report, options["report_json"], options["junit"], options["html"])
     return report
 

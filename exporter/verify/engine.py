@@ -157,7 +157,7 @@ def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, set
 def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
                     settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
                     golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
-                    fp16_companion: Path | None = None) -> VerifyReport:
+                    fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
     """Verify an artifact on the given providers (each must exist), or on every available one when None.
 
     model: the PyTorch reference (torch.nn.Module); golden: a golden bundle folder to compare with instead
@@ -165,10 +165,11 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     inputs and outputs there. genai: also check onnxruntime-genai's greedy tokens; None runs the check when it
     can and reports why not otherwise, True makes each of those a ConsumerError, False skips it.
     fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
+    manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
     """
     start = time.perf_counter()
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    manifest = manifest or read_manifest(folder)
     if providers is None:
         chosen, skipped = available_parity_providers()
     else:

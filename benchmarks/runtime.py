@@ -199,7 +199,10 @@ def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict
     def ask(name: str, request: str) -> float:
         procs[name].stdin.write(request + "\n")
         procs[name].stdin.flush()
-        return float(procs[name].stdout.readline())
+        answer = procs[name].stdout.readline()
+        if not answer:
+            raise SystemExit(f"benchmark worker {name} stopped during {request!r} (its error is above)")
+        return float(answer)
 
     for turn in range(rounds):
         for task in tasks:

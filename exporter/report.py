@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from exporter.consumers import ModelSizes
 from exporter.export import ExportResult
 from exporter.manifest import Manifest
 from exporter.verify.reports.text import table as _table
@@ -18,11 +19,11 @@ def format_export(result: ExportResult) -> str:
 
 
 def format_inspect(manifest: Manifest, folder: str) -> str:
-    config = manifest.config
+    sizes = ModelSizes.of(manifest)  # the sizes every family has, as the consumers' configs state them
     lines = [f"artifact {folder}",
-             f"  model: minimind, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-             f"heads {config.num_attention_heads}/{config.num_key_value_heads}, vocab {config.vocab_size}, "
-             f"max positions {config.max_position_embeddings}",
+             f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
+             f"heads {sizes.num_attention_heads}/{sizes.num_key_value_heads}, vocab {sizes.vocab_size}, "
+             f"max positions {sizes.context_length}",
              f"  weights from: {manifest.source}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]

@@ -41,11 +41,12 @@ def reference_plan(folder: Path, golden: Path | None) -> tuple[str, Path | None]
 def _verify(folder: Path, plan: str, bundle: Path | None, providers):
     from exporter.manifest import read_manifest
     from exporter.verify.engine import verify_artifact
+    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     model = None
     if plan == "rebuilt":
         from exporter.reference_runner import rebuild_reference
-        model = rebuild_reference(folder, read_manifest(folder))
-    return verify_artifact(folder, model, providers, golden=bundle)
+        model = rebuild_reference(folder, manifest)
+    return verify_artifact(folder, model, providers, golden=bundle, manifest=manifest)
 
 
 class ArtifactCheck(pytest.Item):

@@ -97,7 +97,8 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
     while True:
         token = int(out.logits[0, -1].argmax())
         new_ids.append(token)
-        logits.append(out.logits[0, -1].float().numpy())
+        if with_logits:
+            logits.append(out.logits[0, -1].float().numpy())
         if token == eos_token_id or len(new_ids) == max_new_tokens:
             return (new_ids, np.stack(logits)) if with_logits else new_ids
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)

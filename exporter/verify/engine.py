@@ -83,9 +83,9 @@ def _routing_explainer(reference, folder: Path, manifest: Manifest, provider: st
     return explain
 
 
-def _run_provider(folder: Path, provider: str, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
+def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
                   settings: ParitySettings, overrides: Overrides) -> tuple[ProviderReport, dict, dict]:
-    onnx = OrtRunner(folder, provider, manifest=manifest)
+    folder = onnx.folder
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
     reference.rewind()
@@ -182,14 +182,18 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     reports, outputs, values = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="verify-debug-") as work:
         debug = DebugGraph(folder, manifest, manifest.prefill.file, Path(work))
+        first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in chosen:
-                report, outputs[provider], values[provider] = _run_provider(folder, provider, manifest, reference,
-                                                                            debug, batch, settings, overrides)
+                onnx = OrtRunner(folder, provider, manifest=manifest)
+                first_runner = first_runner or onnx
+                report, outputs[provider], values[provider] = _run_provider(onnx, manifest, reference, debug, batch,
+                                                                            settings, overrides)
                 reports.append(report)
         log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
         invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
-        invariants = check_invariants(folder, OrtRunner(folder, chosen[0] if chosen else "cpu", manifest=manifest),
+        invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
+                                                                        manifest=manifest),
                                       manifest, batch, invariant_profile)
         cross = cross_providers(outputs, manifest.dtype, overrides)
         probes = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from html import escape
 
 from exporter.verify.reports.svg import bar_chart, line_chart
-from exporter.verify.reports.text import HEADER, comparison_row, verdict
+from exporter.verify.reports.text import HEADER, comparison_row, summary_tables, verdict
 from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
@@ -75,11 +75,8 @@ def render_html(report: VerifyReport) -> str:
     parts += [_provider(p) for p in report.reports]
     parts += [f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped,
                                                                         **report.consumers_skipped}.items()]
-    if report.invariants:
-        parts.append("<h2>Reference-free invariants</h2>" + _table(
-            ["invariant", "detail", "result"], [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
-    if report.cross:
-        parts.append("<h2>Providers against each other</h2>" + _table(HEADER, [comparison_row(c) for c in report.cross]))
+    parts += [f"<h2>{escape(title.capitalize())}</h2>{_table(header, rows)}"
+              for title, header, rows in summary_tables(report)]
     for c in report.consumers:
         parts.append(f"<h2>Consumer {escape(c.consumer)}</h2><p>{escape(c.greedy.note)}: {verdict(c.passed)}</p>")
     return "\n".join(parts + ["</body></html>"]) + "\n"

@@ -78,14 +78,21 @@ def _provider(p: ProviderReport) -> str:
     return "\n".join(lines)
 
 
+def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The whole-report tables (title, header, rows) that every format renders in its own markup."""
+    tables = []
+    if report.invariants:
+        tables.append(("reference-free invariants", ["invariant", "detail", "result"],
+                       [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
+    if report.cross:
+        tables.append(("providers against each other", HEADER, [comparison_row(c) for c in report.cross]))
+    return tables
+
+
 def format_verify(report: VerifyReport) -> str:
     blocks = [f"reference: {report.reference}"] + [_provider(p) for p in report.reports]
     blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
-    if report.invariants:
-        blocks.append("reference-free invariants\n" + table(
-            ["invariant", "detail", "result"], [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
-    if report.cross:
-        blocks.append("providers against each other\n" + table(HEADER, [comparison_row(c) for c in report.cross]))
+    blocks += [f"{title}\n{table(header, rows)}" for title, header, rows in summary_tables(report)]
     for probe in report.cross_probes:
         first = probe.first
         blocks.append(f"probe {probe.mode}: " + (f"first diverging operator {first.node} ({first.op_type}) in "

@@ -236,7 +236,7 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
     step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
                    np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
     ort_start(runner, ids)
-    cache = dict(runner._cache)
+    cache = list(runner._cache)
 
     def timed_step():
         runner._cache = cache

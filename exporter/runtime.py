@@ -317,8 +317,10 @@ class OrtRunner:
         self._run_binding(binding, None)
         outputs = binding.get_outputs()
         self._cache = [outputs[i] for i in self._present_indices]
-        # A copy only where needed: the last position of a chunk, or float16 logits.
-        return np.ascontiguousarray(outputs[self._logits_index].numpy()[:, -1], dtype=np.float32)
+        logits = outputs[self._logits_index].numpy()
+        # A decode step's logits are returned as they are; of a prompt chunk's, the last position is
+        # copied so that the others are freed rather than kept alive by a view (3.3 MB at 128 tokens).
+        return logits[:, -1].astype(np.float32, copy=logits.shape[1] > 1)
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run a (left-padded) prompt batch with an empty past; return next-token logits (B, V) float32.

@@ -273,8 +273,14 @@ def ensure_artifact(folder: Path) -> None:
                     source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
 
 
-def median_ratio(numerators: list[float], denominators: list[float]) -> float:
-    return statistics.median(n / d for n, d in zip(numerators, denominators))
+def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:
+    """The median of the per-round ratios, and their first and third quartiles: on a shared machine
+    the spread over rounds says how far a single run's ratio can be trusted."""
+    per_round = [n / d for n, d in zip(numerators, denominators)]
+    if len(per_round) < 2:
+        return per_round[0], per_round * 2
+    q1, median, q3 = statistics.quantiles(per_round, n=4, method="inclusive")
+    return median, [q1, q3]
 
 
 def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
@@ -290,44 +296,57 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
     ours, torch_ = figures["onnxruntime"], figures["pytorch"]
     bandwidth = figures["bandwidth"]["bandwidth"]
     floor_steps_ms = [weight_bytes / (gb * 1e9) * 1000 for gb in bandwidth]
-    ratios = {f"prefill_{n}": median_ratio(torch_[f"prefill {n}"], ours[f"prefill {n}"]) for n in PREFILL_LENGTHS}
-    ratios["decode"] = median_ratio(ours["decode"], torch_["decode"])
+    ratios, quartiles = {}, {}
+
+    def ratio(name, numerators, denominators):
+        ratios[name], quartiles[name] = ratio_summary(numerators, denominators)
+
+    for n in PREFILL_LENGTHS:
+        ratio(f"prefill_{n}", torch_[f"prefill {n}"], ours[f"prefill {n}"])
+    ratio("decode", ours["decode"], torch_["decode"])
     # decode step / floor step = floor tokens/s / our tokens/s
-    ratios["decode_step_to_floor"] = median_ratio([1000 / ms for ms in floor_steps_ms], ours["decode"])
+    ratio("decode_step_to_floor", [1000 / ms for ms in floor_steps_ms], ours["decode"])
     ratios["peak_rss"] = peaks["pytorch"] / peaks["onnxruntime"]
     report = {"onnxruntime": side("onnxruntime"), "pytorch": side("pytorch"), "ratios": ratios,
+              "ratio_quartiles": quartiles,
               "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": statistics.median(bandwidth),
                         "floor_step_ms": statistics.median(floor_steps_ms)},
               "onnxruntime_genai": None}
     if "genai" in figures:
         report["onnxruntime_genai"] = side("genai")
-        ratios["ours_to_genai"] = median_ratio(ours["decode"], figures["genai"]["decode"])
+        ratio("ours_to_genai", ours["decode"], figures["genai"]["decode"])
     return report
 
 
 def format_table(report: dict) -> str:
     ort, torch_, ratios, floor = report["onnxruntime"], report["pytorch"], report["ratios"], report["floor"]
+    quartiles = report["ratio_quartiles"]
+
+    def spread(name):
+        return f"{quartiles[name][0]:.2f}-{quartiles[name][1]:.2f}" if name in quartiles else ""
+
     rows = [("prefill 128 tokens (ms)", "prefill_128_ms", "prefill_128"),
             ("prefill 512 tokens (ms)", "prefill_512_ms", "prefill_512"),
             ("decode tokens/s (128 steps)", "decode_tokens_per_s", "decode"),
             ("decode step (ms)", "decode_step_ms", "decode"),
             ("peak RSS (MB)", "peak_rss_mb", "peak_rss")]
-    lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}", "-" * 68]
+    lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}{'q1-q3':>12}", "-" * 80]
     for label, key, ratio in rows:
-        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x")
+        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x{spread(ratio):>12}")
     genai = report["onnxruntime_genai"]
     if genai:
         lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
-                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x  (ours / genai)")
+                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x{spread('ours_to_genai'):>12}  (ours / genai)")
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]
     lines += ["",
-              f"ratios: medians of the per-round ratios ({report['rounds']} rounds, in turns); "
-              f"figures: medians of the rounds",
+              f"ratios: medians of the per-round ratios ({report['rounds']} rounds, in turns), q1-q3 their "
+              f"quartiles; figures: medians of the rounds",
               f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
               f"weight-read floor {floor['floor_step_ms']:.1f} ms/token",
-              f"onnxruntime decode step / floor: {ratios['decode_step_to_floor']:.2f}x",
+              f"onnxruntime decode step / floor: {ratios['decode_step_to_floor']:.2f}x "
+              f"(q1-q3 {spread('decode_step_to_floor')})",
               f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x generating; "
               f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
               f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "

@@ -1,0 +1,56 @@
+"""The runtime benchmark script (benchmarks/runtime.py): its arithmetic, and one short run end to end.
+
+The figures themselves are measured by the script, not asserted here; these tests keep the script
+working as the runtime changes under it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_runtime", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ratios_are_medians_of_same_round_ratios_with_their_quartiles(benchmark):
+    # Per-round ratios 4, 1, 2, 5, 3: median 3, inclusive quartiles 2 and 4. The medians of the two
+    # sides (60 / 30 = 2) would give another figure: the ratio is taken round by round.
+    median, quartiles = benchmark.ratio_summary([40, 10, 60, 50, 90], [10, 10, 30, 10, 30])
+    assert median == 3 and quartiles == [2, 4]
+    assert benchmark.ratio_summary([3.0], [2.0]) == (1.5, [1.5, 1.5])
+
+
+def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    for side in ("onnxruntime", "pytorch"):
+        figures = report[side]
+        assert figures["prefill_128_ms"] > 0 and figures["prefill_512_ms"] > 0 and figures["peak_rss_mb"] > 0
+        assert figures["decode_step_ms"] == pytest.approx(1000 / figures["decode_tokens_per_s"])
+    ratios, quartiles = report["ratios"], report["ratio_quartiles"]
+    assert set(quartiles) >= {"prefill_128", "prefill_512", "decode", "decode_step_to_floor"}
+    for name, (q1, q3) in quartiles.items():
+        assert q1 <= ratios[name] <= q3, name
+    assert ratios["peak_rss"] == pytest.approx(report["pytorch"]["peak_rss_mb"] / report["onnxruntime"]["peak_rss_mb"])
+    floor = report["floor"]
+    assert floor["floor_step_ms"] == pytest.approx(floor["weight_mb"] / floor["read_gb_per_s"], rel=0.1)
+    genai_installed = importlib.util.find_spec("onnxruntime_genai") is not None
+    assert (report["onnxruntime_genai"] is not None) == genai_installed
+    for sessions in (report["sessions"], report["sessions_shared_pool"]):
+        assert sessions["loaded_peak_rss_mb"] <= sessions["peak_rss_with_prefill_graph_run_mb"]
+        assert sessions["decode_step_after_prefill_ms"] > 0 and sessions["decode_step_in_a_row_ms"] > 0

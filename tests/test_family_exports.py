@@ -67,8 +67,15 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
     assert genai.model_type == json.loads((artifact / "genai_config.json").read_text())["model"]["type"]
 
 
-def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, moe3_model):
-    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], FAMILY)
+@pytest.fixture(scope="module")
+def moe3_fp16_verified(moe3_artifact_fp16, moe3_model, tmp_path_factory):
+    """The float16 MoE artifact verified against its reference, which is recorded as a golden bundle."""
+    bundle = tmp_path_factory.mktemp("moe3-fp16-golden")
+    return verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], FAMILY, golden_save=bundle), bundle
+
+
+def test_float16_moe_artifact_matches_the_float16_reference(moe3_fp16_verified):
+    report, _ = moe3_fp16_verified
     assert report.passed, _failures(report)
     # In float16 two router scores can round to (nearly) the same value; a token then may take another expert
     # on each side, which moves its outputs by O(1). Measured on this fixture: 2 of the 36 sweep shapes, router
@@ -77,6 +84,19 @@ def test_float16_moe_artifact_matches_the_float16_reference(moe3_artifact_fp16, 
         assert (case.logits.passed and case.kv.passed) or (case.routing_near_tie and "near-ties" in case.routing_note)
     experts = report.reports[0].experts
     assert experts.measured and experts.passed and experts.pairs > 100, experts.note
+
+
+def test_a_golden_bundle_replays_expert_choice_and_the_routing_near_ties(moe3_fp16_verified, moe3_artifact_fp16):
+    """The bundle keeps each call's router choices: without the model, expert choice is measured and the
+    sweep cases that differ at a router near-tie are explained exactly as in the live run."""
+    live, bundle = moe3_fp16_verified
+    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=bundle, genai=False)
+    assert replay.passed and replay.reference.startswith("golden bundle"), _failures(replay)
+    live_cpu, replay_cpu = live.reports[0], replay.reports[0]
+    assert replay_cpu.experts == live_cpu.experts and replay_cpu.experts.measured
+    explained = [(case.routing_near_tie, case.routing_note) for case in live_cpu.sweep]
+    assert any(near_tie for near_tie, _ in explained), "the fixture has sweep cases at router near-ties"
+    assert [(case.routing_near_tie, case.routing_note) for case in replay_cpu.sweep] == explained
 
 
 def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind2_artifact, minimind2_checkpoint):

@@ -174,3 +174,20 @@ def test_a_failing_sweep_case_passes_only_when_every_routing_difference_is_a_nea
     for other in (ExpertAgreement(True, 10, 9, 0, "not a tie"), ExpertAgreement(True, 10, 10, 0, "all agree"),
                   ExpertAgreement(False, 0, 0, 0, "not measured")):
         assert not any(c.passed for c in sweep(other)), other.note
+
+
+def test_routing_differences_after_the_first_differing_layer_follow_from_it():
+    """Two tokens, two layers, top-1 of 3 experts. A flip at a near-tie in layer 0 explains every flip of the
+    call in later layers, whatever their router gaps; a flip at a clear choice in layer 0 explains nothing."""
+    from exporter.routing import _compare_choices
+    from exporter.verify.metrics import Tolerance
+    tolerance = Tolerance(1e-4, 1e-4)
+    near_tie = np.array([[0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]])  # token 0: experts 0 and 1 within 1e-5
+    clear = np.array([[0.9, 0.05, 0.05], [0.9, 0.05, 0.05]])
+    reference = {0: (near_tie, np.array([[0], [0]])), 1: (clear, np.array([[0], [0]]))}
+    keep = np.ones(2, dtype=bool)
+    onnx_ids = {0: np.array([[1], [0]]), 1: np.array([[2], [1]])}  # layer 0: token 0 flips; layer 1: both flip
+    assert _compare_choices(reference, onnx_ids, keep, tolerance) == (4, 1, 3)
+    reference[0] = (clear, np.array([[0], [0]]))
+    assert _compare_choices(reference, onnx_ids, keep, tolerance) == (4, 1, 0)
+    assert _compare_choices(reference, {0: np.array([[0], [0]]), 1: np.array([[0], [0]])}, keep, tolerance) == (4, 4, 0)

@@ -215,8 +215,9 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
     """Every (batch, new tokens, past) of the grid with ragged left padding: each side prefills the past
     with prefill.onnx (or starts from an empty cache) and decodes the new tokens on top of its own cache.
 
-    explain_routing(reference_feeds, onnx_feeds, valid) -> ExpertAgreement, for MoE models: asked about a
-    failing case, it tells whether the two sides routed some token differently, and at a near-tie."""
+    explain_routing(onnx_feeds, valid) -> ExpertAgreement, for MoE models: asked about a failing case right
+    after the reference's decode call, it tells whether the two sides routed some token differently, and at a
+    near-tie."""
     cases = []
     vocab = manifest.config.vocab_size
     for batch, new, past in sweep_grid(manifest.config.max_position_embeddings):
@@ -239,7 +240,7 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
                                                    profile.logits, valid=mask[:, past:]),
                          aggregate(f"{label} present", kv))
         if not case.passed and explain_routing is not None:
-            routing = explain_routing({**feeds, **ref_past}, {**feeds, **ort_past}, mask[:, past:])
+            routing = explain_routing({**feeds, **ort_past}, mask[:, past:])
             diverged = routing.measured and routing.agreeing < routing.pairs
             case = dataclasses.replace(case, routing_near_tie=diverged and routing.passed, routing_note=routing.note)
         cases.append(case)

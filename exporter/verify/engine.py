@@ -18,7 +18,7 @@ from exporter.consumers import GENAI_CONFIG, genai_unsupported
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
-from exporter.routing import ExpertAgreement
+from exporter.routing import ExpertAgreement, RouterProbe, check_expert_choice, routing_agreement
 from exporter.runtime import OrtRunner, available_parity_providers, check_provider
 from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
 from exporter.verify.golden import RecordedReference, load_bundle
@@ -52,34 +52,30 @@ def _localise(prefill, decode, reference, debug: DebugGraph, values: dict, batch
     return Localisation(first, where, probe_reference(debug, values, module_outputs(batch), profile.kv))
 
 
-def _expert_choice(reference, folder: Path, manifest: Manifest, provider: str, batch: dict,
+def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
                    settings: ParitySettings, profile: Profile) -> ExpertAgreement | None:
-    """MoE routing agreement against the PyTorch model's routers (None for models without routers)."""
+    """MoE routing agreement against the reference's routers, live or from a golden bundle (None for models
+    without routers)."""
     if getattr(manifest.config, "use_moe", False) is not True:
         return None
-    if getattr(reference, "backing", None) is None:
-        return ExpertAgreement(False, 0, 0, 0, "not measured: a golden bundle holds no router choices")
-    from exporter.routing import check_expert_choice  # torch only on this path
-
     log.info("%s: expert choice of the MoE routers", provider)
     rng = np.random.default_rng(settings.seed + 4)
     steps = [rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
              for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]]
-    return check_expert_choice(reference.backing, folder, manifest, provider, batch, steps, profile.logits)
+    return check_expert_choice(reference, folder, manifest, provider, batch, steps, profile.logits)
 
 
-def _routing_explainer(reference, folder: Path, manifest: Manifest, provider: str, profile: Profile):
-    """For MoE models with the PyTorch reference: explains a failing sweep case by its expert choices."""
-    if getattr(manifest.config, "use_moe", False) is not True or getattr(reference, "backing", None) is None:
+def _routing_explainer(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str,
+                       profile: Profile):
+    """For MoE models: explains a failing sweep case by the expert choices of its decode call."""
+    if getattr(manifest.config, "use_moe", False) is not True:
         return None
-    from exporter.routing import RouterProbe, routing_agreement  # torch only on this path
-
     probes = []  # the decode graph with its routers exposed, built at the first failing case only
 
-    def explain(reference_feeds: dict, onnx_feeds: dict, valid) -> ExpertAgreement:
+    def explain(onnx_feeds: dict, valid) -> ExpertAgreement:
         if not probes:
             probes.append(RouterProbe(folder, manifest.decode, provider, manifest.cache.num_layers))
-        return routing_agreement(reference.backing, probes[0], reference_feeds, onnx_feeds, valid, profile.logits)
+        return routing_agreement(reference.last_routing(), probes[0], onnx_feeds, valid, profile.logits)
     return explain
 
 

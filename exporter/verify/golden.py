@@ -5,7 +5,9 @@ it calls the backing reference and records every call; afterwards (other
 providers, or a bundle loaded from disk) it replays the recording, checking
 that the token inputs are the ones recorded. Decode calls store only the new
 positions of each present (the reference's present is its past with the new
-positions appended), so a bundle holds each cache entry once.
+positions appended), so a bundle holds each cache entry once. For MoE models
+each call also keeps its routers' scores and chosen experts, so that expert
+choice and the routing explanation of a failing sweep case replay too.
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the call list) and arrays.npz.
@@ -23,6 +25,7 @@ import onnxruntime as ort
 
 from exporter.errors import ToolkitError
 from exporter.manifest import Manifest
+from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 
 BUNDLE = "golden.json"
 ARRAYS = "arrays.npz"
-FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 1
+FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 2  # 2: router choices per call
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
@@ -46,9 +49,11 @@ def _identity(manifest: Manifest) -> dict:
 
 
 class RecordedReference:
-    def __init__(self, backing=None, calls: list | None = None, greedy: dict | None = None, source: str = ""):
+    def __init__(self, backing=None, calls: list | None = None, greedy: dict | None = None, source: str = "",
+                 routing: list | None = None):
         self.backing = backing
         self.calls: list[tuple[str, dict, dict]] = calls or []  # (kind, token feeds, stored outputs)
+        self.routing: list[dict] = routing or [{} for _ in self.calls]  # per call: {layer: (scores, ids)}
         self.greedy_traces: dict[tuple, GreedyTrace] = greedy or {}
         self.cursor = 0
         self.name = source or getattr(backing, "name", "recorded reference")
@@ -70,9 +75,11 @@ class RecordedReference:
             raise GoldenMismatch(f"the bundle holds {len(self.calls)} calls and this verification needs more; "
                                  "re-record it with --golden-save")
         else:
-            full = getattr(self.backing, kind)(feeds)
+            with record_reference_routing(self.backing.model) as routed:
+                full = getattr(self.backing, kind)(feeds)
             outputs = {name: self._stored(kind, name, value, feeds) for name, value in full.items()}
             self.calls.append((kind, tokens, outputs))
+            self.routing.append({layer: calls[-1] for layer, calls in routed.items()})
         self.cursor += 1
         return {name: self._restored(kind, name, value, feeds) for name, value in outputs.items()}
 
@@ -85,6 +92,10 @@ class RecordedReference:
     def _restored(kind: str, name: str, value, feeds: dict):
         past = feeds.get(name.replace("present.", "past_key_values.", 1)) if kind == "decode" else None
         return np.concatenate([past, value], axis=2) if past is not None else value
+
+    def last_routing(self) -> dict:
+        """{layer: (router scores (N, E), chosen expert ids (N, k))} of the last call; empty without routers."""
+        return self.routing[self.cursor - 1]
 
     def prefill(self, feeds: dict) -> dict:
         return self._call("prefill", feeds)
@@ -105,10 +116,12 @@ class RecordedReference:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         arrays, calls = {}, []
-        for index, (kind, tokens, outputs) in enumerate(self.calls):
-            calls.append({"kind": kind, "feeds": list(tokens), "outputs": list(outputs)})
+        for index, ((kind, tokens, outputs), routing) in enumerate(zip(self.calls, self.routing)):
+            calls.append({"kind": kind, "feeds": list(tokens), "outputs": list(outputs), "routed_layers": list(routing)})
             arrays.update({f"{index}/feed/{k}": v for k, v in tokens.items()})
             arrays.update({f"{index}/out/{k}": v for k, v in outputs.items()})
+            for layer, (scores, ids) in routing.items():
+                arrays[f"{index}/router/{layer}/scores"], arrays[f"{index}/router/{layer}/ids"] = scores, ids
         greedy = []
         for index, ((prompt, n, eos), trace) in enumerate(self.greedy_traces.items()):
             greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids})
@@ -149,7 +162,9 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
                              "differ(s) in sha256; re-record the bundle from this artifact")
     calls = [(c["kind"], {k: arrays[f"{i}/feed/{k}"] for k in c["feeds"]},
               {k: arrays[f"{i}/out/{k}"] for k in c["outputs"]}) for i, c in enumerate(meta["calls"])]
+    routing = [{layer: (arrays[f"{i}/router/{layer}/scores"], arrays[f"{i}/router/{layer}/ids"])
+                for layer in c["routed_layers"]} for i, c in enumerate(meta["calls"])]
     greedy = {(tuple(g["prompt"]), g["max_new_tokens"], g["eos"]): GreedyTrace(g["ids"], arrays[f"greedy/{i}/logits"])
               for i, g in enumerate(meta["greedy"])}
-    return (RecordedReference(None, calls, greedy, f"golden bundle {folder}"), ParitySettings(**meta["settings"]),
-            meta["versions"])
+    return (RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing),
+            ParitySettings(**meta["settings"]), meta["versions"])

@@ -131,6 +131,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
         raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line}") from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
     _strip_trace_metadata(model)
+    _divide_by_root(model)
     problems = name_axes(model, contract)
     if problems:
         raise ExportFailed(f"{contract.file} breaks the I/O contract: {'; '.join(problems[:5])}")
@@ -143,6 +144,46 @@ def _strip_trace_metadata(model: onnx.ModelProto) -> None:
         kept = [p for p in node.metadata_props if p.key not in ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node")]
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
+
+
+def _divide_by_root(model: onnx.ModelProto) -> None:
+    """Rewrite x * Reciprocal(Sqrt(v)) as x / Sqrt(v), in place.
+
+    torch exports rsqrt as Sqrt then Reciprocal, and ONNX Runtime fuses an RMSNorm into one
+    SimplifiedLayerNormalization only in its division form; unfused, each norm stays six nodes.
+    Every consumer running on onnxruntime gains: minimind-3 fp32's optimised decode graph has
+    413 nodes instead of 611, and on 2 cores decodes 4% faster (prefill at 512 tokens: 2%).
+    x * (1/s) rounds twice where x / s rounds once: a difference of an ulp or so.
+    """
+    graph = model.graph
+    producer = {name: node for node in graph.node for name in node.output}
+    users: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    outputs = {value.name for value in graph.output}
+    dropped = set()
+    for node in graph.node:
+        root = producer.get(node.input[0]) if node.op_type == "Reciprocal" and node.domain == "" else None
+        if root is None or root.op_type != "Sqrt" or node.output[0] in outputs:
+            continue
+        inverse = node.output[0]
+        muls = users.get(inverse, [])
+        if not muls or any(m.op_type != "Mul" or list(m.input).count(inverse) != 1 for m in muls):
+            continue
+        for mul in muls:
+            numerator = mul.input[1] if mul.input[0] == inverse else mul.input[0]
+            mul.op_type = "Div"
+            del mul.input[:]
+            mul.input.extend([numerator, root.output[0]])
+        dropped.add(inverse)
+    kept = [node for node in graph.node if not (node.op_type == "Reciprocal" and node.output[0] in dropped)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    kept_info = [value for value in graph.value_info if value.name not in dropped]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    log.debug("%d reciprocal square roots rewritten as divisions", len(dropped))
 
 
 def _smoke_run(folder: Path, manifest: Manifest) -> None:

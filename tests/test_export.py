@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import onnx
@@ -14,7 +15,9 @@ from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
 from exporter.errors import ExportFailed, OutputPathError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
+from exporter.runtime import OrtRunner, SessionSettings
 from exporter.weights import INLINE_LIMIT_BYTES
+from reference.minimind import RMSNorm
 
 
 def _load(folder: Path, name: str) -> onnx.ModelProto:
@@ -92,6 +95,19 @@ def test_float16_artifact_has_float16_logits_and_cache(artifact_fp16, artifact_f
     stored16 = sum(n for _, n in {(o, n) for _, o, n in _external(model).values()})
     stored32 = sum(n for _, n in {(o, n) for _, o, n in _external(_load(artifact_fp32, "decode.onnx")).values()})
     assert stored16 * 2 == stored32
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_onnxruntime_fuses_every_rms_norm(artifact_fp32, artifact_fp16, tiny_model, dtype, tmp_path):
+    """torch writes rsqrt as Sqrt then Reciprocal; onnxruntime fuses an RMSNorm only in its division form."""
+    folder = artifact_fp32 if dtype == "float32" else artifact_fp16
+    norms = sum(isinstance(module, RMSNorm) for module in tiny_model.modules())
+    OrtRunner(folder, settings=SessionSettings(optimized_model_dir=tmp_path)).prefill_session  # writes both
+    for graph in ("prefill", "decode"):
+        assert not [n for n in _load(folder, f"{graph}.onnx").graph.node if n.op_type == "Reciprocal"]
+        optimised = Counter(n.op_type for n in _load(tmp_path, f"{graph}.optimized.onnx").graph.node)
+        assert optimised["SimplifiedLayerNormalization"] == norms, (graph, optimised)
+        assert optimised["Pow"] == optimised["ReduceMean"] == 0, (graph, optimised)
 
 
 def _tree(folder: Path) -> dict:

@@ -35,6 +35,7 @@ from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
+from exporter.verify.tolerances import profile_for
 from exporter.weights import write_shared_weights
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
         raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line}") from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
     _strip_trace_metadata(model)
-    _divide_by_root(model)
+    _rsqrt_as_division(model)
     problems = name_axes(model, contract)
     if problems:
         raise ExportFailed(f"{contract.file} breaks the I/O contract: {'; '.join(problems[:5])}")
@@ -146,13 +147,13 @@ def _strip_trace_metadata(model: onnx.ModelProto) -> None:
         node.metadata_props.extend(kept)
 
 
-def _divide_by_root(model: onnx.ModelProto) -> None:
+def _rsqrt_as_division(model: onnx.ModelProto) -> None:
     """Rewrite x * Reciprocal(Sqrt(v)) as x / Sqrt(v), in place.
 
     torch exports rsqrt as Sqrt then Reciprocal, and ONNX Runtime fuses an RMSNorm into one
     SimplifiedLayerNormalization only in its division form; unfused, each norm stays six nodes.
     Every consumer running on onnxruntime gains: minimind-3 fp32's optimised decode graph has
-    413 nodes instead of 611, and on 2 cores decodes 4% faster (prefill at 512 tokens: 2%).
+    413 nodes instead of 611, and on 2 cores decodes 4-8% faster (prefill at 512 tokens: 2%).
     x * (1/s) rounds twice where x / s rounds once: a difference of an ulp or so.
     """
     graph = model.graph
@@ -189,6 +190,7 @@ def _divide_by_root(model: onnx.ModelProto) -> None:
 def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
     runner = OrtRunner(folder, "cpu", manifest=manifest)
+    tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size
     rng = np.random.default_rng(0)
     for batch, length in ((1, 1), (3, 5)):
@@ -204,8 +206,12 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
         decode_feeds = {"input_ids": ids[:, :1], "attention_mask": np.ones((batch, 1), np.int64),
                         "position_ids": np.zeros((batch, 1), np.int64), **runner.empty_past(batch)}
         step = runner.decode(decode_feeds)
-        if not np.allclose(step["logits"][:, 0], out["logits"][:, 0], rtol=1e-3, atol=1e-3):
-            raise ExportFailed("smoke run: decode with past length 0 disagrees with prefill on the first token")
+        # The verification's own rule for this pair (its "decode(past 0) == prefill" invariant): a fixed
+        # 1e-3 sat below float16's resolution (an ulp is 7.8e-3 at logits of 8) and failed a correct export.
+        first, expected = step["logits"][:, 0].astype(np.float32), out["logits"][:, 0].astype(np.float32)
+        if not np.all(np.abs(first - expected) <= tolerance.allowed(expected)):
+            raise ExportFailed("smoke run: decode with past length 0 disagrees with prefill on the first token "
+                               f"(max abs {np.abs(first - expected).max():.3g})")
 
 
 def _prepare_destination(folder: Path) -> None:

@@ -102,7 +102,7 @@ def test_onnxruntime_fuses_every_rms_norm(artifact_fp32, artifact_fp16, tiny_mod
     """torch writes rsqrt as Sqrt then Reciprocal; onnxruntime fuses an RMSNorm only in its division form."""
     folder = artifact_fp32 if dtype == "float32" else artifact_fp16
     norms = sum(isinstance(module, RMSNorm) for module in tiny_model.modules())
-    OrtRunner(folder, settings=SessionSettings(optimized_model_dir=tmp_path)).prefill_session  # writes both
+    OrtRunner(folder, settings=SessionSettings(optimized_model_dir=tmp_path))  # loading writes both, optimised
     for graph in ("prefill", "decode"):
         assert not [n for n in _load(folder, f"{graph}.onnx").graph.node if n.op_type == "Reciprocal"]
         optimised = Counter(n.op_type for n in _load(tmp_path, f"{graph}.optimized.onnx").graph.node)
@@ -180,3 +180,29 @@ def test_an_onnxruntime_failure_in_the_smoke_run_is_an_export_error(artifact_cop
         export_artifact(tiny_model, artifact_copy)
     assert _tree(artifact_copy) == before
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+
+
+@pytest.mark.parametrize("dtype, nudge, passes", [("float16", "2 ulps", True), ("float32", "+0.01", False)])
+def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(artifact_fp32, artifact_fp16,
+                                                                               monkeypatch, dtype, nudge, passes):
+    """Two float16 roundings apart is a correct export (a fixed 1e-3 failed one); 0.01 in float32 is not."""
+    import numpy as np
+
+    folder = artifact_fp32 if dtype == "float32" else artifact_fp16
+    decode = OrtRunner.decode
+
+    def nudged(self, feeds):
+        out = decode(self, feeds)
+        logits = out["logits"]
+        if dtype == "float16":  # two steps of float16's spacing at each value
+            out["logits"] = np.nextafter(np.nextafter(logits, np.float16(np.inf)), np.float16(np.inf))
+        else:
+            out["logits"] = logits + np.float32(0.01)
+        return out
+
+    monkeypatch.setattr(OrtRunner, "decode", nudged)
+    if passes:
+        export_module._smoke_run(folder, read_manifest(folder))
+    else:
+        with pytest.raises(ExportFailed, match="decode with past length 0 disagrees with prefill"):
+            export_module._smoke_run(folder, read_manifest(folder))

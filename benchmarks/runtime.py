@@ -100,7 +100,8 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     from exporter.manifest import read_manifest
     from reference import build_model
 
-    torch.set_num_threads(threads or os.cpu_count())
+    if threads:
+        torch.set_num_threads(threads)
     manifest = read_manifest(artifact, check_hashes=False)
     model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device)
     vocab = manifest.config.vocab_size
@@ -156,7 +157,7 @@ def bandwidth_tasks(threads: int) -> dict:
     import numpy as np
 
     data = np.ones(512 * 2**20 // 8, dtype=np.float64)
-    parts = np.array_split(data, threads)
+    parts = np.array_split(data, threads or os.cpu_count())
 
     def read_all():
         workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
@@ -362,7 +363,10 @@ def format_table(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/minimind-3"))
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every side")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="threads for every side; 0 (default): each library's own default, as users get it: "
+                             "ONNX Runtime one pinned thread per physical core (our runtime's default and what "
+                             "genai_config.json asks for), PyTorch torch's default, the bandwidth probe one per CPU")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")

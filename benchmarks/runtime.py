@@ -140,10 +140,13 @@ def genai_tasks(artifact: Path) -> dict:
 
     def decode_run():
         params = og.GeneratorParams(model)
-        total = len(ids) + DECODE_STEPS  # min_length keeps eos from ending the run early
+        total = len(ids) + 1 + DECODE_STEPS  # min_length keeps eos from ending the run early
         params.set_search_options(do_sample=False, min_length=total, max_length=total)
         run = og.Generator(model, params)
-        run.append_tokens(ids)  # the prompt
+        run.append_tokens(ids)  # runs the prompt
+        # The first call only picks a token from the prompt's logits; each later one runs the model
+        # on the token before, then picks: DECODE_STEPS model runs, as in ort_decode_run.
+        run.generate_next_token()
         begin = time.perf_counter()
         for _ in range(DECODE_STEPS):
             run.generate_next_token()

@@ -231,7 +231,7 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
     from exporter.runtime import position_ids_from_mask
 
     runner = ort_runner(artifact, provider, threads, shared_pool)
-    result = {"loaded_peak_rss_mb": peak_rss_mb()}
+    result = {"loaded_peak_rss_mb": peak_rss_mb(), "huge_page_mb": runner.huge_page_bytes / 1e6}
     ids = prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size)
     mask = np.ones_like(ids)
     prefill_feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
@@ -355,6 +355,7 @@ def format_table(report: dict) -> str:
               f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
               f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "
               f"once prefill.onnx has run too",
+              f"decode.onnx's session memory in transparent huge pages: {sessions['huge_page_mb']:.1f} MB",
               "decode step right after a prefill.onnx call (alternating sessions) vs right after a decode step:",
               f"  per-session pools, prefill threads not spinning (default): "
               f"{sessions['decode_step_after_prefill_ms']:.1f} ms vs {sessions['decode_step_in_a_row_ms']:.1f} ms",

@@ -15,6 +15,7 @@ import onnxruntime as ort
 
 from exporter.contract import KV_KINDS, CacheLayout
 from exporter.errors import InputError, ProviderError
+from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
 from reference.families import DecoderConfig
 
@@ -86,6 +87,7 @@ class SessionSettings:
     shared_thread_pool: bool = False  # see _use_global_thread_pool
     optimized_model_dir: Path | None = None  # save the optimised graphs here (inspection, faster reloads)
     prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
+    huge_pages: bool = True  # decode.onnx's prepacked weights in transparent huge pages (Linux); see OrtRunner
 
     def __post_init__(self):
         if self.optimization not in GRAPH_OPTIMIZATION:
@@ -240,6 +242,11 @@ class OrtRunner:
     embedding's Gather keeps mapped after lm_head's prepacking read them, 52 MB
     for the interpreter, numpy and onnxruntime), 377 MB peak while generating with
     512-token prompts read in chunks of 128, about 585 MB once prefill() has run too.
+
+    Huge pages: on the CPU, the memory decode.onnx's session allocated while loading (the
+    prepacked weights) is collapsed into 2 MiB pages (exporter.hugepages), which a decode
+    step streams with 1/512 of the page walks. minimind-3: 218 MB collapsed in 0.4 s, decode
+    3% faster (in turns, separate processes), RSS unchanged. `huge_page_bytes` says how much.
     """
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,
@@ -250,9 +257,13 @@ class OrtRunner:
         providers = session_providers(self.provider)
         self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
         prefill, decode = self.manifest.prefill, self.manifest.decode
+        on_cpu = self.provider == "CPUExecutionProvider"
+        before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
         self.decode_session = ort.InferenceSession(str(self.folder / decode.file),
                                                    _session_options(settings, decode.file, None),
                                                    providers=providers)
+        self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
+        log.debug("%s: %.1f MB of the decode session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
         self.prefill_session = ort.InferenceSession(str(self.folder / prefill.file),
                                                     _session_options(settings, prefill.file, self._weights,
                                                                      spin=False),

@@ -54,3 +54,4 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     for sessions in (report["sessions"], report["sessions_shared_pool"]):
         assert sessions["loaded_peak_rss_mb"] <= sessions["peak_rss_with_prefill_graph_run_mb"]
         assert sessions["decode_step_after_prefill_ms"] > 0 and sessions["decode_step_in_a_row_ms"] > 0
+        assert sessions["huge_page_mb"] >= 0

@@ -1,0 +1,69 @@
+"""Transparent huge pages for the memory a session maps while it loads (exporter.hugepages)."""
+
+import ctypes
+import mmap
+import platform
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporter.hugepages import HUGE_PAGE, SMAPS, _unmapped_before, back_with_huge_pages, private_anonymous_regions
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _collapse_unsupported() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "transparent huge pages are a Linux feature"
+    if not THP_MODE.is_file() or "[never]" in THP_MODE.read_text():
+        return "transparent huge pages are off in this kernel ([never] or absent)"
+    version = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    if version < (6, 1):
+        return f"MADV_COLLAPSE needs Linux 6.1 or later, this is {platform.release()}"
+    return None
+
+
+def _huge_bytes_over(blocks) -> int:
+    """AnonHugePages of every mapping that overlaps one of the blocks (start, end)."""
+    total, overlapping = 0, False
+    for line in SMAPS.read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            overlapping = any(start < b_end and b_start < end for b_start, b_end in blocks)
+        elif fields[0] == "AnonHugePages:" and overlapping:
+            total += int(fields[1]) * 1024
+    return total
+
+
+def _anonymous_block(pages: int) -> tuple[mmap.mmap, tuple[int, int]]:
+    block = mmap.mmap(-1, pages * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block[:] = bytes(range(256)) * (len(block) // 256)  # every page resident, with contents to check
+    start = ctypes.addressof(ctypes.c_char.from_buffer(block))
+    return block, (start, start + len(block))
+
+
+@pytest.mark.skipif(_collapse_unsupported() is not None, reason=str(_collapse_unsupported()))
+def test_only_memory_mapped_after_the_snapshot_is_collapsed_and_its_contents_stay():
+    old, old_span = _anonymous_block(8)
+    before = private_anonymous_regions()
+    new, new_span = _anonymous_block(8)
+    collapsed = back_with_huge_pages(before)
+    # 8 huge pages of new memory hold 7 aligned ones (8 when the block happens to be aligned);
+    # had the old block been collapsed too, there would be 14 or more.
+    assert 7 * HUGE_PAGE <= collapsed <= 8 * HUGE_PAGE
+    assert _huge_bytes_over([old_span, new_span]) == collapsed
+    assert new[:] == bytes(range(256)) * (len(new) // 256)
+    old.close()
+    new.close()
+
+
+def test_a_region_merged_with_older_memory_counts_only_its_new_part():
+    before = {(100, 200): 100, (500, 600): 100}
+    assert _unmapped_before(100, 400, before) == [(200, 400)]  # grew at its end
+    assert _unmapped_before(0, 700, before) == [(0, 100), (200, 500), (600, 700)]
+    assert _unmapped_before(120, 180, before) == []
+    assert _unmapped_before(300, 400, before) == [(300, 400)]
+

@@ -10,7 +10,9 @@ reversed every other round) runs the same prefill or decode, and the memory
 bandwidth probe takes its turn too. Load from elsewhere on the machine then
 falls on all sides alike: each ratio is the median of its per-round ratios,
 each figure the median of its rounds. onnxruntime-genai's generator on the
-same folder is one more worker, when it is installed.
+same folder is one more worker, when it is installed, running the same
+prompts and decode as ours (so both processes hold what a 512-token prompt
+leaves in their allocators when they decode).
 
     .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--json]
 """
@@ -131,19 +133,27 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
 
 def genai_tasks(artifact: Path) -> dict:
     """onnxruntime-genai's own generator on the same folder (its genai_config.json session options),
-    running the same greedy decode as ort_decode_run."""
+    running the same prompts and greedy decode as the ONNX Runtime worker."""
     from exporter.genai import GenaiGenerator
 
     generator = GenaiGenerator(artifact)
     og, model = generator._og, generator.model
-    ids = [int(i) for i in prompt(PROMPT_FOR_DECODE, generator.manifest.config.vocab_size)[0]]
+    vocab = generator.manifest.config.vocab_size
+
+    def started(ids: list[int], new_tokens: int):
+        params = og.GeneratorParams(model)
+        total = len(ids) + new_tokens  # min_length keeps eos from ending the run early
+        params.set_search_options(do_sample=False, min_length=total, max_length=total)
+        return og.Generator(model, params)
+
+    def prefill_ms(ids: list[int]) -> float:
+        run = started(ids, 1)
+        return elapsed_ms(lambda: run.append_tokens(ids))  # runs the prompt
 
     def decode_run():
-        params = og.GeneratorParams(model)
-        total = len(ids) + 1 + DECODE_STEPS  # min_length keeps eos from ending the run early
-        params.set_search_options(do_sample=False, min_length=total, max_length=total)
-        run = og.Generator(model, params)
-        run.append_tokens(ids)  # runs the prompt
+        ids = [int(i) for i in prompt(PROMPT_FOR_DECODE, vocab)[0]]
+        run = started(ids, 1 + DECODE_STEPS)
+        run.append_tokens(ids)
         # The first call only picks a token from the prompt's logits; each later one runs the model
         # on the token before, then picks: DECODE_STEPS model runs, as in ort_decode_run.
         run.generate_next_token()
@@ -152,7 +162,11 @@ def genai_tasks(artifact: Path) -> dict:
             run.generate_next_token()
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    return {"decode": decode_run}
+    context = generator.manifest.config.max_position_embeddings  # genai refuses longer prompts (tiny test models)
+    tasks = {f"prefill {n}": (lambda ids=[int(i) for i in prompt(n, vocab)[0]]: prefill_ms(ids))
+             for n in PREFILL_LENGTHS if n < context}
+    tasks["decode"] = decode_run
+    return tasks
 
 
 def bandwidth_tasks(threads: int) -> dict:
@@ -318,7 +332,10 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
               "onnxruntime_genai": None}
     if "genai" in figures:
         report["onnxruntime_genai"] = side("genai")
-        ratio("ours_to_genai", ours["decode"], figures["genai"]["decode"])
+        genai = figures["genai"]
+        for n in [n for n in PREFILL_LENGTHS if f"prefill {n}" in genai]:  # speed: genai's ms over ours
+            ratio(f"prefill_{n}_ours_to_genai", genai[f"prefill {n}"], ours[f"prefill {n}"])
+        ratio("ours_to_genai", ours["decode"], genai["decode"])
     return report
 
 
@@ -339,8 +356,13 @@ def format_table(report: dict) -> str:
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x{spread(ratio):>12}")
     genai = report["onnxruntime_genai"]
     if genai:
-        lines.append(f"{'onnxruntime-genai decode tok/s':32}{genai['decode_tokens_per_s']:>14.1f}"
-                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x{spread('ours_to_genai'):>12}  (ours / genai)")
+        lines += ["", f"{'':32}{'genai':>14}{'':12}{'ours/genai':>10}{'q1-q3':>12}  (speed: >1 means ours is faster)"]
+        for n in [n for n in PREFILL_LENGTHS if f"prefill_{n}_ms" in genai]:
+            name = f"prefill_{n}_ours_to_genai"
+            lines.append(f"{f'prefill {n} tokens (ms)':32}{genai[f'prefill_{n}_ms']:>14.1f}"
+                         f"{'':12}{ratios[name]:>9.2f}x{spread(name):>12}")
+        lines.append(f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
+                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x{spread('ours_to_genai'):>12}")
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]

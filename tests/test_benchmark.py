@@ -51,6 +51,11 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     assert floor["floor_step_ms"] == pytest.approx(floor["weight_mb"] / floor["read_gb_per_s"], rel=0.1)
     genai_installed = importlib.util.find_spec("onnxruntime_genai") is not None
     assert (report["onnxruntime_genai"] is not None) == genai_installed
+    if genai_installed:
+        genai = report["onnxruntime_genai"]
+        # The tiny model's context (256) admits the 128-token prompt; genai refuses the 512-token one.
+        assert genai["prefill_128_ms"] > 0 and "prefill_512_ms" not in genai and genai["decode_tokens_per_s"] > 0
+        assert {"prefill_128_ours_to_genai", "ours_to_genai"} <= set(quartiles)
     for sessions in (report["sessions"], report["sessions_shared_pool"]):
         assert sessions["loaded_peak_rss_mb"] <= sessions["peak_rss_with_prefill_graph_run_mb"]
         assert sessions["decode_step_after_prefill_ms"] > 0 and sessions["decode_step_in_a_row_ms"] > 0

@@ -214,6 +214,21 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
                                f"(max abs {np.abs(first - expected).max():.3g})")
 
 
+def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module tree, copied so that export can rewire it (share_tied_table, eval) without touching
+    the caller's model; its weights are the caller's own tensors when they already have `dtype`.
+
+    torch.export keeps references to the tensors it traced for the rest of the process, out of
+    Python's reach (no gc referrer holds them). Weights copied for export therefore stayed resident
+    beside the caller's model: `export-onnx run` verified minimind-3-moe at 6.65 GB peak RSS, against
+    5.49 GB for verify alone.
+    """
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
+        return copy.deepcopy(model, memo={id(t): t for t in tensors}).eval()
+    return copy.deepcopy(model).to(dtype).eval()
+
+
 def _prepare_destination(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise OutputPathError(f"output path {folder} is a file; choose a folder path (e.g. artifacts/<preset>)")
@@ -257,7 +272,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     folder.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     config = model.config
-    model = copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval()
+    model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)

@@ -139,6 +139,7 @@ def genai_tasks(artifact: Path) -> dict:
     generator = GenaiGenerator(artifact)
     og, model = generator._og, generator.model
     vocab = generator.manifest.config.vocab_size
+    decode_ids = prompt(PROMPT_FOR_DECODE, vocab)[0].tolist()
 
     def started(ids: list[int], new_tokens: int):
         params = og.GeneratorParams(model)
@@ -151,9 +152,8 @@ def genai_tasks(artifact: Path) -> dict:
         return elapsed_ms(lambda: run.append_tokens(ids))  # runs the prompt
 
     def decode_run():
-        ids = [int(i) for i in prompt(PROMPT_FOR_DECODE, vocab)[0]]
-        run = started(ids, 1 + DECODE_STEPS)
-        run.append_tokens(ids)
+        run = started(decode_ids, 1 + DECODE_STEPS)
+        run.append_tokens(decode_ids)
         # The first call only picks a token from the prompt's logits; each later one runs the model
         # on the token before, then picks: DECODE_STEPS model runs, as in ort_decode_run.
         run.generate_next_token()
@@ -163,7 +163,7 @@ def genai_tasks(artifact: Path) -> dict:
         return DECODE_STEPS / (time.perf_counter() - begin)
 
     context = generator.manifest.config.max_position_embeddings  # genai refuses longer prompts (tiny test models)
-    tasks = {f"prefill {n}": (lambda ids=[int(i) for i in prompt(n, vocab)[0]]: prefill_ms(ids))
+    tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab)[0].tolist(): prefill_ms(ids))
              for n in PREFILL_LENGTHS if n < context}
     tasks["decode"] = decode_run
     return tasks

@@ -34,22 +34,29 @@ SMAPS = Path("/proc/self/smaps")
 Regions = dict[tuple[int, int], int]  # (start, end) address -> resident bytes
 
 
+def smaps_mappings():
+    """(start, end, fields of the header line, {field: kB}) for each mapping of /proc/self/smaps."""
+    mapping = None
+    for line in SMAPS.read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: "start-end perms ... [path]"
+            if mapping is not None:
+                yield mapping
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            mapping = (start, end, fields, {})
+        elif mapping is not None and fields[0].endswith(":") and fields[1:2] and fields[1].isdigit():
+            mapping[3][fields[0][:-1]] = int(fields[1])
+    if mapping is not None:
+        yield mapping
+
+
 def private_anonymous_regions() -> Regions:
     """This process's private, writable mappings backed by no file; empty where /proc is missing."""
     if not sys.platform.startswith("linux") or not SMAPS.is_file():
         return {}
-    regions: Regions = {}
-    current = None
-    for line in SMAPS.read_text().splitlines():
-        fields = line.split()
-        if fields[0] == "Rss:" and current is not None:
-            regions[current] = int(fields[1]) * 1024
-            current = None
-        elif "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            anonymous = len(fields) < 6  # no path, not [heap] or [stack]
-            current = (start, end) if anonymous and fields[1] == "rw-p" else None
-    return regions
+    # No path (not a file, nor [heap] or [stack]) and private, writable.
+    return {(start, end): sizes["Rss"] * 1024 for start, end, header, sizes in smaps_mappings()
+            if len(header) < 6 and header[1] == "rw-p"}
 
 
 def _unmapped_before(start: int, end: int, before: Regions) -> list[tuple[int, int]]:
@@ -70,10 +77,7 @@ def back_with_huge_pages(before: Regions) -> int:
     leaving the memory as it was.
     """
     spans = [(lo, hi) for (start, end), resident in private_anonymous_regions().items()
-             if (start, end) not in before and resident >= RESIDENT_SHARE * (end - start)
-             for lo, hi in _unmapped_before(start, end, before)]
-    if not spans:
-        return 0
+             if resident >= RESIDENT_SHARE * (end - start) for lo, hi in _unmapped_before(start, end, before)]
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = 0

@@ -212,7 +212,7 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(ar
 
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):
     # torch.export keeps references to what it traced, so weights copied for a float32 export
-    # stayed resident beside the caller's (minimind-3-moe: `run` 6.65 GB peak RSS, now 5.83 GB).
+    # stayed resident beside the caller's (minimind-3-moe: `run` 6.75 GB peak RSS, now 5.97 GB).
     same = export_module._copy_for_export(tiny_model, torch.float32)
     assert same is not tiny_model and same.model is not tiny_model.model
     assert same.model.embed_tokens.weight is tiny_model.model.embed_tokens.weight

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.hugepages import HUGE_PAGE, SMAPS, _unmapped_before, back_with_huge_pages, private_anonymous_regions
+from exporter.hugepages import (HUGE_PAGE, _unmapped_before, back_with_huge_pages, private_anonymous_regions,
+                                smaps_mappings)
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -27,15 +28,8 @@ def _collapse_unsupported() -> str | None:
 
 def _huge_bytes_over(blocks) -> int:
     """AnonHugePages of every mapping that overlaps one of the blocks (start, end)."""
-    total, overlapping = 0, False
-    for line in SMAPS.read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(part, 16) for part in fields[0].split("-"))
-            overlapping = any(start < b_end and b_start < end for b_start, b_end in blocks)
-        elif fields[0] == "AnonHugePages:" and overlapping:
-            total += int(fields[1]) * 1024
-    return total
+    return sum(sizes["AnonHugePages"] * 1024 for start, end, _, sizes in smaps_mappings()
+               if any(start < b_end and b_start < end for b_start, b_end in blocks))
 
 
 def _anonymous_block(pages: int) -> tuple[mmap.mmap, tuple[int, int]]:

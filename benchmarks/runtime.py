@@ -251,14 +251,14 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
     prefill_feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
     if runner.manifest.with_loss:
         prefill_feeds["labels"] = ids
-    step_inputs = (np.array([[5]], dtype=np.int64), np.ones((1, PROMPT_FOR_DECODE + 1), dtype=np.int64),
-                   np.array([[PROMPT_FOR_DECODE]], dtype=np.int64))
     ort_start(runner, ids)
-    cache = list(runner._cache)
+    step_mask = mask
 
-    def timed_step():
-        runner._cache = cache
-        return elapsed_ms(lambda: runner.step(*step_inputs))
+    def timed_step():  # the next step of a generation that goes on
+        nonlocal step_mask
+        step_mask = np.concatenate([step_mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+        inputs = (np.array([[5]], dtype=np.int64), step_mask, np.array([[step_mask.shape[1] - 1]], dtype=np.int64))
+        return elapsed_ms(lambda: runner.step(*inputs))
 
     timed_step()
     alternating, in_a_row = [], []

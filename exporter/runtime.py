@@ -17,7 +17,6 @@ from exporter.contract import KV_KINDS, CacheLayout
 from exporter.errors import InputError, ProviderError
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
-from exporter.step_cache import StepCache
 from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
@@ -229,9 +228,8 @@ class OrtRunner:
     `prefill`/`decode` take and return named numpy arrays (parity checks, the loss).
     `start`/`step` serve generation. Both run decode.onnx, the prompt with an empty
     past (equal to prefill.onnx within float32 rounding, tested), and keep the KV
-    cache in onnxruntime's memory, bound with IO binding and never converted: a
-    prompt's as the OrtValues each call returns (on CUDA, the steps' too, never
-    leaving the device); the CPU steps' in a StepCache, buffers bound once.
+    cache as OrtValues bound with IO binding: never converted to numpy, on CUDA
+    never leaving the device.
 
     Memory: decode.onnx gets MLAS's prepacked weights (decode ran 1.8x faster with
     them on 2 cores), which is the one resident copy while generating.
@@ -277,21 +275,22 @@ class OrtRunner:
                                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation")
         self.cache_device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         self._prompt_chunk = settings.prompt_chunk
-        self._cache: list = []  # a prompt's cache: onnxruntime's C OrtValues, in the order of self._past_names
-        self._steps: StepCache | None = None  # the CPU decode steps' cache, made from _cache at the first step
-        # Per call of _run_decode (prompt chunks; CUDA steps): one binding reused rather than
-        # rebuilt, each output's role looked up rather than its cache names formatted again
-        # (60 us a step), and the binding's C object driven directly: onnxruntime's Python
-        # wrappers check every value and build a device object per call, 0.14 ms a step (tiny
-        # model: 0.59 ms a step through them, 0.45 ms this way). The CPU steps bind once (StepCache).
+        self._cache: list = []  # onnxruntime's C OrtValues, in the order of self._past_names
+        # Per step: one binding reused rather than rebuilt, each output's role looked up rather
+        # than its cache names formatted again (60 us a step), and the binding's C object driven
+        # directly: onnxruntime's Python wrappers check every value and build a device object
+        # per call, 0.14 ms a step (tiny model: 0.59 ms a step through them, 0.45 ms this way).
+        # The step's Python runs on caches that streaming the weights has just emptied, so each
+        # call costs several times what it costs warm: minimind-3 spends about 0.45 ms a step
+        # outside onnxruntime's run against 0.06 ms for the tiny model's, and the cache kept as a
+        # list rather than a dict saved 0.05 ms of it.
         self._binding = self.decode_session.io_binding()._iobinding
         self._run_binding = self.decode_session._sess.run_with_iobinding
         outputs = self.manifest.decode.output_names
         past_of = _past_name_of_present(self.manifest.cache)
         self._logits_index = outputs.index("logits")
         self._present_indices = [i for i, name in enumerate(outputs) if name in past_of]
-        self._present_names = [outputs[i] for i in self._present_indices]
-        self._past_names = [past_of[name] for name in self._present_names]
+        self._past_names = [past_of[outputs[i]] for i in self._present_indices]
         # Every output is bound afresh each step: the previous presents are the cache bound as
         # inputs, and onnxruntime must allocate new ones rather than write into them.
         self._output_devices = [(name, ort.OrtDevice.make("cpu" if name == "logits" else self.cache_device, 0)
@@ -346,7 +345,6 @@ class OrtRunner:
         in one call.
         """
         _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
-        self._steps = None
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
         self._cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
@@ -362,28 +360,15 @@ class OrtRunner:
         return logits
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Decode new tokens on top of the cache that start/step left; return next-token logits.
-
-        On the CPU the steps run on a StepCache (bound once, not every step); on CUDA the cache
-        stays in the OrtValues that each step's presents are, on the device.
-        """
-        if self._steps is not None:
-            batch, length = self._steps.batch, self._steps.length
-        elif self._cache:
-            batch, _, length, _ = self._cache[0].shape()
-        else:
+        """Decode new tokens on top of the cache that start/step left; return next-token logits."""
+        if not self._cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
-        if input_ids.shape[0] != batch:
-            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {batch}")
-        _check_shapes(input_ids, attention_mask, position_ids, past_length=length)
-        if self.cache_device == "cpu":
-            if self._steps is None:
-                self._steps = StepCache(self.decode_session, self.manifest.cache, self.manifest.config.vocab_size,
-                                        self._past_names, self._present_names, self._cache)
-                self._cache = []
-            return self._steps.step(input_ids, attention_mask, position_ids)
-        return self._run_decode({"input_ids": input_ids, "attention_mask": attention_mask,
-                                 "position_ids": position_ids})
+        cached = self._cache[0].shape()
+        if input_ids.shape[0] != cached[0]:
+            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return self._run_decode(feeds)
 
 
 def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:

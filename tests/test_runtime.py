@@ -121,63 +121,6 @@ def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact
     np.testing.assert_array_equal(chunked.step(*step), whole.step(*step))
 
 
-def _plain_steps(runner, ids, mask, tokens):
-    """The cache fed back by hand through OrtRunner.decode (numpy in, numpy out): each step's last logits."""
-    from exporter.runtime import position_ids_from_mask, presents_as_past
-    out = runner.decode({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-                         **runner.empty_past(len(ids))})
-    logits = []
-    for step_ids in tokens:
-        mask = np.concatenate([mask, np.ones_like(step_ids)], axis=1)
-        out = runner.decode({"input_ids": step_ids, "attention_mask": mask,
-                             "position_ids": position_ids_from_mask(mask, mask.shape[1] - step_ids.shape[1]),
-                             **presents_as_past(runner.manifest, out)})
-        logits.append(out["logits"][:, -1])
-    return logits
-
-
-def test_cpu_steps_on_bound_buffers_equal_steps_fed_back_by_hand(runner):
-    """Left-padded batch; single-token steps past two growths of the buffers, and steps of 2 and 3 tokens
-    between them. Masked spare slots add exact zeros, so only the order of float32 sums differs."""
-    from exporter.runtime import position_ids_from_mask
-    from exporter.step_cache import SPARE_SLOTS
-    ids = np.array([[0, 0, 5, 9, 100], [7, 7, 8, 9, 10]], dtype=np.int64)
-    mask = np.ones_like(ids)
-    mask[0, :2] = 0
-    rng = np.random.default_rng(3)
-    sizes = [1] * 10 + [2, 3] + [1] * (2 * SPARE_SLOTS)
-    tokens = [rng.integers(0, runner.manifest.config.vocab_size, (2, n)).astype(np.int64) for n in sizes]
-    expected = _plain_steps(runner, ids, mask, tokens)
-    runner.start(ids, mask, position_ids_from_mask(mask))
-    for number, step_ids in enumerate(tokens):
-        mask = np.concatenate([mask, np.ones_like(step_ids)], axis=1)
-        logits = runner.step(step_ids, mask, position_ids_from_mask(mask, mask.shape[1] - step_ids.shape[1]))
-        np.testing.assert_allclose(logits, expected[number], rtol=1e-5, atol=1e-5, err_msg=f"step {number}")
-    assert runner._steps.capacity > ids.shape[1] + 2 * SPARE_SLOTS, "the buffers never grew twice"
-
-
-def test_leftovers_in_the_spare_slots_do_not_reach_the_logits(runner):
-    """The buffers come from the session's arena, which hands back what an earlier value left there."""
-    from exporter.runtime import position_ids_from_mask
-    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
-    mask = np.ones_like(ids)
-    step_ids = np.array([[42]], dtype=np.int64)
-    expected = _plain_steps(runner, ids, mask, [step_ids])[0]
-    runner.start(ids, mask, position_ids_from_mask(mask))
-    past_shape = runner._cache[0].shape()
-    layers = len(runner._cache)
-    from exporter.step_cache import SPARE_SLOTS
-    poisoned = [runner.decode_session.create_ortvalue_from_shape_and_type(
-        [layers, *past_shape[:2], past_shape[2] + 1 + SPARE_SLOTS, past_shape[3]], np.float32, "cpu")
-        for _ in range(4)]
-    for value in poisoned:
-        value.numpy()[...] = np.nan
-    del poisoned, value
-    mask = np.concatenate([mask, np.ones_like(step_ids)], axis=1)
-    logits = runner.step(step_ids, mask, position_ids_from_mask(mask, 4))
-    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, tiny_model, runner):
     """Per-session pools by default: a plain onnxruntime session (another library's, e.g. Optimum's) still
     loads beside our runners. The shared pool is opt-in; once it exists onnxruntime refuses per-session pools,

@@ -78,6 +78,8 @@ def back_with_huge_pages(before: Regions) -> int:
     """
     spans = [(lo, hi) for (start, end), resident in private_anonymous_regions().items()
              if resident >= RESIDENT_SHARE * (end - start) for lo, hi in _unmapped_before(start, end, before)]
+    if not spans:  # also where there is no /proc/self/smaps, nor (Windows) a C library to load by CDLL(None)
+        return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = 0

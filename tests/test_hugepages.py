@@ -61,3 +61,15 @@ def test_a_region_merged_with_older_memory_counts_only_its_new_part():
     assert _unmapped_before(120, 180, before) == []
     assert _unmapped_before(300, 400, before) == [(300, 400)]
 
+
+
+def test_without_smaps_nothing_is_advised(monkeypatch):
+    """Off Linux there is no /proc/self/smaps, hence no regions, and (Windows) no C library for CDLL(None)."""
+    from exporter import hugepages
+    monkeypatch.setattr(hugepages, "private_anonymous_regions", dict)
+
+    def no_c_library(*args, **kwargs):
+        raise OSError("no C library to load")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_c_library)
+    assert back_with_huge_pages({}) == 0

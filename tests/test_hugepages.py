@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from exporter import hugepages
 from exporter.hugepages import (HUGE_PAGE, _unmapped_before, back_with_huge_pages, private_anonymous_regions,
                                 smaps_mappings)
 
@@ -62,10 +63,8 @@ def test_a_region_merged_with_older_memory_counts_only_its_new_part():
     assert _unmapped_before(300, 400, before) == [(300, 400)]
 
 
-
 def test_without_smaps_nothing_is_advised(monkeypatch):
     """Off Linux there is no /proc/self/smaps, hence no regions, and (Windows) no C library for CDLL(None)."""
-    from exporter import hugepages
     monkeypatch.setattr(hugepages, "private_anonymous_regions", dict)
 
     def no_c_library(*args, **kwargs):

@@ -321,7 +321,9 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-p", type=float, default=0.85, show_default=True, help="With --sample; 1 disables.")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
               help="Divide the logits of ids already present by this (MiniMind's rule).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the sampler; each row of a batch draws from its own generator with it, so a row "
+                   "samples as it would alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
@@ -342,7 +344,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
     --sample the decoding is greedy. Every prompt and option is checked before the model loads.
     """
-    from exporter.generation import SamplingConfig, check_prompts, stream
+    from exporter.generation import SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
     from exporter.runtime import OrtRunner, SessionSettings
     from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
@@ -363,9 +365,9 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
                               repetition_penalty=repetition_penalty, seed=seed)
     settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
                                **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
-    check_prompts(config, batch, max_new_tokens)  # before the sessions load
-    runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     eos = None if ignore_eos else config.eos_token_id
+    check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
+    runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
     rows: list[list[int]] = [[] for _ in batch]
     live = len(batch) == 1 and not as_json
@@ -377,7 +379,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
         if live and tokens[0] is not None:
             click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
     if live:
-        click.echo()
+        click.echo(text.rest() if text else "")
         return
     decoded = [text_tokenizer.decode(row) if text_tokenizer else None for row in rows]
     results = [{"prompt_ids": prompt, "new_ids": row, **({"text": t} if t is not None else {})}

@@ -5,6 +5,12 @@ temperature, divide the logits of every id already in the row (prompt
 included) by the repetition penalty, keep the top-k, keep the smallest set
 whose probability reaches top-p, then sample (or take the argmax). Finished
 rows keep receiving the eos id until every row is done, as upstream does.
+
+Each row draws from a numpy generator of its own, seeded with the row's seed
+(one seed for all rows, or one per row): a row samples the same tokens in
+any batch as alone, and the same prompt twice in one batch needs two seeds to
+give two different samples. Upstream draws for the whole batch from one
+generator, so its rows depend on each other.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
-from exporter.errors import InputError
-from exporter.runtime import check_prompt, position_ids_from_mask
+from exporter.errors import InputError, ToolkitError
+from exporter.runtime import check_prompt, is_integer, position_ids_from_mask
 
 PAD_ID = 0  # any valid id; padded slots are masked out
 
@@ -27,28 +35,45 @@ class SamplingConfig:
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    seed: int = 0
+    seed: int | tuple[int, ...] = 0  # one seed for every row, or one per row
 
     def __post_init__(self):
-        if self.do_sample and not self.temperature > 0:
-            raise InputError(f"temperature must be > 0 when sampling, got {self.temperature}; "
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise InputError(f"temperature must be > 0 and finite when sampling, got {self.temperature}; "
                              "use greedy decoding for deterministic output")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not self.repetition_penalty > 0:
-            raise InputError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise InputError(f"repetition_penalty must be > 0 and finite (1 disables it), "
+                             f"got {self.repetition_penalty}")
+        seeds = self.seed if isinstance(self.seed, (tuple, list)) else (self.seed,)
+        if not seeds or not all(is_integer(s) and s >= 0 for s in seeds):
+            raise InputError(f"seed must be an integer >= 0 or a tuple of them (one per row), got {self.seed!r}")
+
+    def seeds(self, batch: int) -> list[int]:
+        """One seed per row; a tuple must have one for each row."""
+        if not isinstance(self.seed, (tuple, list)):
+            return [self.seed] * batch
+        if len(self.seed) != batch:
+            raise InputError(f"{len(self.seed)} seeds for a batch of {batch} prompts; give one seed per row, "
+                             "or a single seed for all")
+        return list(self.seed)
 
 
 def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig) -> np.ndarray:
-    """MiniMind's logits processing for one step. logits (B, V) float32; seen (B, V) bool."""
-    logits = logits.astype(np.float32, copy=True)
+    """MiniMind's logits processing for one step. logits (B, V); seen (B, V) bool; returns float64.
+
+    In float64 because a small temperature or penalty would overflow float32's logits to inf
+    (1e-40 does); upstream works in the model's dtype and fails in its sampler then.
+    """
+    logits = logits.astype(np.float64, copy=True)
     if config.do_sample:
-        logits /= np.float32(config.temperature)
+        logits /= config.temperature
     if config.repetition_penalty != 1.0:
         # Upstream divides (also negative logits, which raises them); kept for parity with it.
-        logits = np.where(seen, logits / np.float32(config.repetition_penalty), logits)
+        logits = np.where(seen, logits / config.repetition_penalty, logits)
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = -np.partition(-logits, config.top_k - 1, axis=-1)[:, config.top_k - 1:config.top_k]
         logits = np.where(logits < kth, -np.inf, logits)
@@ -66,16 +91,20 @@ def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    top = logits.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # inf - inf where the top is +inf: those entries are the top
+        shifted = np.exp(np.where(logits == top, 0.0, logits - top))
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def choose_tokens(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator) -> np.ndarray:
+def choose_tokens(logits: np.ndarray, config: SamplingConfig, rngs: list[np.random.Generator]) -> np.ndarray:
     if not config.do_sample:
         return logits.argmax(axis=-1)
-    probs = _softmax(logits.astype(np.float64))
-    cumulative = np.cumsum(probs, axis=-1)
-    draws = rng.random(len(probs)) * cumulative[:, -1]
+    cumulative = np.cumsum(_softmax(logits.astype(np.float64)), axis=-1)
+    if not np.isfinite(cumulative[:, -1]).all():
+        raise ToolkitError("the model's logits are not finite (NaN), so nothing can be sampled; "
+                           "check the artifact with `export-onnx verify`")
+    draws = [rng.random() * row[-1] for rng, row in zip(rngs, cumulative)]
     return np.array([np.searchsorted(row, u, side="right") for row, u in zip(cumulative, draws)])
 
 
@@ -101,8 +130,16 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_prompts(config, prompts, max_new_tokens: int) -> list[list[int]]:
+    """A batch of prompts (a list of id lists, or a 2-D integer array) as lists of ints, each checked."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    elif isinstance(prompts, (str, bytes, np.ndarray)) or not isinstance(prompts, (list, tuple)):
+        raise InputError(f"prompts must be a list of prompts (each a list of token ids) or a 2-D integer array, "
+                         f"got {type(prompts).__name__}")
     if not prompts:
         raise InputError("no prompts given; pass at least one list of token ids")
+    if is_integer(prompts[0]):
+        raise InputError("prompts must be a list of prompts, got a list of ids; wrap one prompt as [[1, 2, 3]]")
     if len(prompts) == 1:
         return [check_prompt(config, prompts[0], max_new_tokens)]
     checked = []
@@ -114,18 +151,35 @@ def check_prompts(config, prompts, max_new_tokens: int) -> list[list[int]]:
     return checked
 
 
+def check_request(config, prompts, max_new_tokens: int, sampling: SamplingConfig,
+                  eos_token_id: int | None, stop_ids) -> tuple[list[list[int]], set[int]]:
+    """Everything a generation is given, checked before anything runs: the prompts and the stop set."""
+    prompts = check_prompts(config, prompts, max_new_tokens)
+    sampling.seeds(len(prompts))
+    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+        raise InputError(f"stop_ids must be a list of token ids, got {stop_ids!r}; write e.g. stop_ids=[{stop_ids}]")
+    stop_ids = list(stop_ids)
+    vocab = config.vocab_size
+    bad_stops = [i for i in stop_ids if not is_integer(i) or not 0 <= i < vocab]
+    if bad_stops:
+        raise InputError(f"stop ids {bad_stops} are not token ids of the vocabulary [0, {vocab})")
+    if eos_token_id is not None and not (is_integer(eos_token_id) and 0 <= eos_token_id < vocab):
+        raise InputError(f"eos_token_id {eos_token_id!r} is not a token id of the vocabulary [0, {vocab}); "
+                         "pass the model's eos id, or None to stop only at stop_ids")
+    return prompts, _stop_set(eos_token_id, stop_ids)
+
+
 def stream(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
            eos_token_id: int | None = None, stop_ids=()) -> Iterator[list[int | None]]:
     """An iterator yielding, after every step, each row's new token (None once a row has stopped).
 
-    `runner` is an OrtRunner (or anything with its start/step interface). The
-    prompts are checked here, before anything runs.
+    `runner` is an OrtRunner (or anything with its start/step interface and `cache`). Everything
+    is checked here, before anything runs. Streams may interleave on one runner: each keeps its
+    own cache.
     """
-    prompts = check_prompts(runner.manifest.config, prompts, max_new_tokens)
-    bad_stops = [i for i in stop_ids if not 0 <= i < runner.manifest.config.vocab_size]
-    if bad_stops:
-        raise InputError(f"stop ids {bad_stops} lie outside the vocabulary [0, {runner.manifest.config.vocab_size})")
-    return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, _stop_set(eos_token_id, stop_ids))
+    prompts, stops = check_request(runner.manifest.config, prompts, max_new_tokens, sampling, eos_token_id,
+                                   stop_ids)
+    return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops)
 
 
 def _stop_set(eos_token_id: int | None, stop_ids) -> set[int]:
@@ -142,7 +196,7 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
     if max_new_tokens == 0:
         return
     config = runner.manifest.config
-    rng = np.random.default_rng(sampling.seed)
+    rngs = [np.random.default_rng(seed) for seed in sampling.seeds(len(prompts))]
     ids, prompt_mask = left_pad(prompts)
     batch, length = ids.shape
     # Greedy choice is the argmax, which top-k and top-p keep; only a repetition penalty can change it.
@@ -156,10 +210,11 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
     positions = position_ids_from_mask(prompt_mask)
     finished = [False] * batch
     logits = runner.start(ids, prompt_mask, positions)
+    cache = runner.cache
     positions = positions[:, -1:]
     rows = np.arange(batch)
     for step in range(max_new_tokens):
-        tokens = choose_tokens(process_logits(logits, seen, sampling) if processed else logits, sampling, rng)
+        tokens = choose_tokens(process_logits(logits, seen, sampling) if processed else logits, sampling, rngs)
         chosen = [eos_token_id if done and eos_token_id is not None else token
                   for token, done in zip(tokens.tolist(), finished)]
         yield [None if done else token for token, done in zip(chosen, finished)]
@@ -169,16 +224,18 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
         if all(finished) or step == max_new_tokens - 1:
             return
         positions = positions + 1
+        runner.cache = cache  # another stream on this runner may have run since this one's last step
         logits = runner.step(np.array(chosen, dtype=np.int64)[:, None], mask[:, :length + step + 1], positions)
+        cache = runner.cache
 
 
 def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
              eos_token_id: int | None = None, stop_ids=()) -> list[Generation]:
-    """Run `stream` to the end and collect each row's tokens."""
-    steps = stream(runner, prompts, max_new_tokens, sampling, eos_token_id, stop_ids)
-    results = [Generation(list(map(int, p))) for p in prompts]
-    stops = _stop_set(eos_token_id, stop_ids)
-    for tokens in steps:
+    """Generate to the end (as `stream` does) and collect each row's tokens."""
+    prompts, stops = check_request(runner.manifest.config, prompts, max_new_tokens, sampling, eos_token_id,
+                                   stop_ids)
+    results = [Generation(prompt) for prompt in prompts]
+    for tokens in _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops):
         for result, token in zip(results, tokens):
             if token is not None:
                 result.new_ids.append(token)

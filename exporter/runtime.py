@@ -61,16 +61,29 @@ def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> 
     return positions[:, past_length:].astype(np.int64)
 
 
+def is_integer(value) -> bool:
+    """A Python or numpy integer; bools are not token ids."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list[int]:
     """Validate one prompt before anything runs; return it as a list of ints."""
+    if (isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__")
+            or getattr(prompt_ids, "ndim", 1) != 1):
+        raise InputError(f"a prompt must be a list of token ids, got {type(prompt_ids).__name__} "
+                         f"{str(prompt_ids)[:40]!r}; tokenize text first (or give a tokenizer)")
+    odd = [i for i in prompt_ids if not is_integer(i)]
+    if odd:
+        raise InputError(f"token ids must be integers, got {odd[0]!r} ({type(odd[0]).__name__}); "
+                         "convert the prompt to ints")
     ids = [int(i) for i in prompt_ids]
     if not ids:
         raise InputError("the prompt is empty; give at least one token id")
     bad = [i for i in ids if not 0 <= i < config.vocab_size]
     if bad:
         raise InputError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {config.vocab_size})")
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if len(ids) + max_new_tokens > config.max_position_embeddings:
         raise InputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"max_position_embeddings ({config.max_position_embeddings}); shorten one of them")
@@ -275,7 +288,9 @@ class OrtRunner:
                                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation")
         self.cache_device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         self._prompt_chunk = settings.prompt_chunk
-        self._cache: list = []  # onnxruntime's C OrtValues, in the order of self._past_names
+        # The KV cache that start/step left: onnxruntime's C OrtValues, in the order of self._past_names.
+        # A generation interleaved with another on this runner puts its own back before each step.
+        self.cache: list = []
         # Per step: one binding reused rather than rebuilt, each output's role looked up rather
         # than its cache names formatted again (60 us a step), and the binding's C object driven
         # directly: onnxruntime's Python wrappers check every value and build a device object
@@ -322,13 +337,13 @@ class OrtRunner:
         binding = self._binding
         for name, value in feeds.items():
             binding.bind_input(name, value)
-        for name, value in zip(self._past_names, self._cache):
+        for name, value in zip(self._past_names, self.cache):
             binding.bind_ortvalue_input(name, value)
         for name, device in self._output_devices:
             binding.bind_output(name, device)
         self._run_binding(binding, None)
         outputs = binding.get_outputs()
-        self._cache = [outputs[i] for i in self._present_indices]
+        self.cache = [outputs[i] for i in self._present_indices]
         logits = outputs[self._logits_index].numpy()
         # A decode step's logits are returned as they are; of a prompt chunk's, the last position is
         # copied so that the others are freed rather than kept alive by a view (3.3 MB at 128 tokens).
@@ -347,7 +362,7 @@ class OrtRunner:
         _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
-        self._cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
+        self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
                                                                  self.cache_device)._ortvalue
                        for name in self._past_names]
         length = input_ids.shape[1]
@@ -361,9 +376,9 @@ class OrtRunner:
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Decode new tokens on top of the cache that start/step left; return next-token logits."""
-        if not self._cache:
+        if not self.cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
-        cached = self._cache[0].shape()
+        cached = self.cache[0].shape()
         if input_ids.shape[0] != cached[0]:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
         _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])

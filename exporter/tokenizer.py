@@ -142,5 +142,12 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
+        return self._advance(text)
+
+    def rest(self) -> str:
+        """At the end of the stream: what is still held back (an incomplete character, as the decoder shows it)."""
+        return self._advance(self.tokenizer.decode(self.ids))
+
+    def _advance(self, text: str) -> str:
         delta, self.printed = text[len(self.printed):], text
         return delta

@@ -110,6 +110,14 @@ class CountingRunner:
         self.calls += 1
         return self.inner.step(*args)
 
+    @property
+    def cache(self):
+        return self.inner.cache
+
+    @cache.setter
+    def cache(self, value):
+        self.inner.cache = value
+
 
 def test_stream_yields_each_token_as_it_is_produced(runner):
     counting = CountingRunner(runner)
@@ -121,11 +129,70 @@ def test_stream_yields_each_token_as_it_is_produced(runner):
     assert len(list(steps)) == 8
 
 
+def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):
+    first, second = [[1, 2, 3], [4, 5]], [[100, 200, 300], [9]]
+    expected = [[r.new_ids for r in generate(runner, prompts, 10)] for prompts in (first, second)]
+    streams = [stream(runner, first, 10), stream(runner, second, 10)]
+    produced = [[[], []], [[], []]]
+    for _ in range(10):  # one step of each in turn: every step of one runs on the other's cache
+        for rows, steps in zip(produced, streams):
+            for row, token in zip(rows, next(steps)):
+                row.append(token)
+    assert produced == expected
+
+
+def test_a_sampled_row_draws_the_same_tokens_in_any_batch(runner):
+    prompts = [[5, 9, 100, 3], [17], [250, 251, 252, 253, 7, 7], [40, 41]]
+    sampling = SamplingConfig(do_sample=True, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=11)
+    batched = generate(runner, prompts, 30, sampling)
+    for prompt, result in zip(prompts, batched):
+        assert result.new_ids == generate(runner, [prompt], 30, sampling)[0].new_ids
+    twice = generate(runner, [prompts[0], prompts[0]], 30,
+                     SamplingConfig(do_sample=True, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=(11, 12)))
+    assert twice[0].new_ids == batched[0].new_ids and twice[1].new_ids != twice[0].new_ids
+
+
+def test_extreme_temperature_and_penalty_stay_within_the_vocabulary(runner):
+    greedy = generate(runner, [[1, 2, 3]], 8)[0].new_ids
+    # float32 logits / 1e-40 overflow to inf; the processing works in float64, so this is the argmax
+    assert generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-40))[0].new_ids == greedy
+    penalised = generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, repetition_penalty=1e-40))
+    assert all(0 <= i < runner.manifest.config.vocab_size for i in penalised[0].new_ids)
+
+
+def test_non_finite_logits_are_an_error_not_an_id():
+    from exporter.errors import ToolkitError
+    from exporter.generation import choose_tokens
+    logits = np.zeros((2, 5))
+    logits[1, 3] = np.nan
+    rngs = [np.random.default_rng(0)] * 2
+    with pytest.raises(ToolkitError, match="not finite"):
+        choose_tokens(logits, SamplingConfig(do_sample=True), rngs)
+    logits[1, 3] = np.inf  # an inf logit is the certain choice
+    assert choose_tokens(logits, SamplingConfig(do_sample=True), rngs)[1] == 3
+
+
+def test_a_two_dimensional_integer_array_is_a_batch(runner):
+    ids = np.array([[3, 1, 4], [1, 5, 9]], dtype=np.int32)
+    assert [r.new_ids for r in generate(runner, ids, 6)] == [r.new_ids for r in generate(runner, ids.tolist(), 6)]
+
+
 @pytest.mark.parametrize("prompts,kwargs,message", [
     ([[1, 2], []], {}, "prompt 1: the prompt is empty"),
     ([[1, 600]], {}, "outside the vocabulary"),
     ([[1] * 200, [1]], {"max_new_tokens": 100}, "prompt 0: .*exceeds max_position_embeddings"),
     ([[1]], {"stop_ids": [9999]}, "stop ids"),
+    ([[1]], {"stop_ids": 5}, r"stop_ids must be a list .*stop_ids=\[5\]"),
+    ([[1, 2]], {"eos_token_id": 1000}, "eos_token_id 1000 is not a token id"),
+    ([[1, 2]], {"eos_token_id": -5}, "eos_token_id -5 is not a token id"),
+    ([[1.7, 2.2]], {}, "token ids must be integers, got 1.7"),
+    ([[True, False]], {}, "token ids must be integers, got True"),
+    (["123"], {}, "a prompt must be a list of token ids, got str"),
+    ([1, 2, 3], {}, "got a list of ids; wrap one prompt"),
+    ("1 2 3", {}, "prompts must be a list of prompts"),
+    (np.array([1, 2, 3]), {}, "prompts must be a list of prompts"),
+    ([[1, 2]], {"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+    ([[1], [2], [3]], {"sampling": SamplingConfig(do_sample=True, seed=(1, 2))}, "2 seeds for a batch of 3"),
 ])
 def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwargs, message):
     counting = CountingRunner(runner)
@@ -139,8 +206,13 @@ def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwarg
     ({"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
     ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must lie in \(0, 1\]"),
-    ({"top_k": -1}, "top_k must be >= 0"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"do_sample": True, "temperature": float("inf")}, "temperature must be > 0 and finite"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be > 0"),
+    ({"top_k": 2.5}, "top_k must be an integer"),
+    ({"seed": -1}, "seed must be an integer >= 0"),
+    ({"seed": (1, "2")}, "seed must be an integer >= 0"),
 ])
 def test_bad_sampling_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
@@ -195,6 +267,30 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_pa
                                        "--tokenizer", str(tmp_path / "tokenizer.json"), "-q"])
     assert result.exit_code == 2
     assert "token ids in [0, 599]" in result.stderr and "vocab_size is 512" in result.stderr
+
+
+def test_generate_checks_stop_and_eos_ids_before_loading_the_model(artifact_fp32, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", no_load)
+    for option in (["--stop-id", "9999"], ["--sample", "--temperature", "0"]):
+        result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt-ids", "1,2", *option])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.count("\n") == 1 and "loaded" not in result.stderr
+
+
+def test_a_character_cut_by_the_end_of_the_stream_is_still_printed():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from exporter.tokenizer import TextStream
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    a, e_first, e_second = tokenizer.encode("aé").ids  # one id per byte: "é" is two
+    text = TextStream(tokenizer)
+    assert text.push(a) == "a"
+    assert text.push(e_first) == ""  # held back until the character is complete
+    assert text.push(e_second) == "é"
+    assert text.push(e_first) == "" and text.rest() == "\ufffd"
 
 
 def test_step_refuses_a_mask_that_does_not_cover_cache_and_new_tokens(runner):

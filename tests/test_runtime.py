@@ -113,8 +113,8 @@ def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact
     mask[0, :3] = 0
     positions = position_ids_from_mask(mask)
     np.testing.assert_array_equal(chunked.start(ids, mask, positions), whole.start(ids, mask, positions))
-    assert len(whole._cache) == 2 * whole.manifest.cache.num_layers
-    for name, chunked_value, value in zip(whole._past_names, chunked._cache, whole._cache):
+    assert len(whole.cache) == 2 * whole.manifest.cache.num_layers
+    for name, chunked_value, value in zip(whole._past_names, chunked.cache, whole.cache):
         np.testing.assert_array_equal(chunked_value.numpy(), value.numpy(), err_msg=name)
     step = (np.array([[4], [6]], dtype=np.int64), np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
             positions[:, -1:] + 1)

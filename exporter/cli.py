@@ -34,6 +34,8 @@ class ProgressHandler(logging.Handler):
 
     def emit(self, record):
         click.echo(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}", err=True)
+        if record.exc_info:  # --verbose: the traceback of a failure
+            click.echo(logging.Formatter().formatException(record.exc_info), err=True)
 
 
 def handle_errors(func):
@@ -44,6 +46,7 @@ def handle_errors(func):
         try:
             return func(*args, **kwargs)
         except (ToolkitError, ModelError) as exc:
+            logging.getLogger(__name__).debug("input error", exc_info=True)
             click.echo(f"error: {exc}", err=True)
             sys.exit(EXIT_INPUT_ERROR)
         except KeyboardInterrupt:
@@ -52,9 +55,10 @@ def handle_errors(func):
         except click.ClickException:
             raise
         except Exception as exc:
-            logging.getLogger(__name__).debug("internal error", exc_info=True)
-            click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for the traceback)",
-                       err=True)
+            log = logging.getLogger(__name__)
+            log.debug("internal error", exc_info=True)
+            hint = "" if log.isEnabledFor(logging.DEBUG) else " (rerun with --verbose for the traceback)"
+            click.echo(f"internal error: {type(exc).__name__}: {exc}{hint}", err=True)
             sys.exit(EXIT_INTERNAL_ERROR)
 
     return wrapper

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import shutil
 
+import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -27,6 +28,13 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
     return build_model(tiny_config, seed=0)
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """onnxruntime as a build without CUDA, so that the handling of an unavailable provider is tested on any
+    machine, a GPU machine included."""
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
 
 
 # MiniMind's special tokens, at MiniMind's ids: <|im_start|> = bos 1, <|im_end|> = eos 2.

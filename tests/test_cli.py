@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
 
-import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
@@ -21,13 +21,41 @@ QUICK = ("--decode-steps", "16", "--no-sweep")
 
 @pytest.fixture(scope="module")
 def cli_artifact(tmp_path_factory):
-    """An inference-only (no loss) tiny artifact exported through the CLI."""
+    """An inference-only (no loss) tiny artifact exported and verified by `run`, the default command."""
     folder = tmp_path_factory.mktemp("cli") / "tiny"
-    result = invoke("export", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--json", "-q")
+    result = invoke("run", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--provider", "cpu",
+                    "--no-genai", "--decode-steps", "2", "--no-sweep", "--json", "-q")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["folder"] == str(folder) and data["dtype"] == "float32"
+    assert data["export"]["folder"] == str(folder) and data["export"]["dtype"] == "float32"
+    assert data["verify"]["passed"] and len(data["verify"]["providers"][0]["decode_curve"]) == 3
     return folder
+
+
+def test_no_command_runs_the_default_export_and_verification(monkeypatch):
+    from exporter.errors import ToolkitError
+
+    def stop(model, folder, dtype, with_loss, source, tokenizer):
+        raise ToolkitError(f"stopped before exporting {source} ({dtype}, loss {with_loss}) to {folder}")
+    monkeypatch.setattr("exporter.export.export_artifact", stop)
+    result = invoke()
+    assert result.exit_code == 2, result.output
+    assert ("stopped before exporting {'kind': 'seeded', 'preset': 'minimind-3', 'seed': 0} (float32, loss True) "
+            "to artifacts/minimind-3") in result.stderr
+
+
+def test_an_unexpected_failure_exits_three_with_one_line(cli_artifact, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr("exporter.report.format_inspect", broken)
+    result = invoke("inspect", cli_artifact)
+    assert result.exit_code == 3
+    assert result.stderr.strip() == "internal error: RuntimeError: boom (rerun with --verbose for the traceback)"
+    verbose = invoke("inspect", cli_artifact, "-v")
+    assert verbose.exit_code == 3 and 'raise RuntimeError("boom")' in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1] == "internal error: RuntimeError: boom"
+    verbose = invoke("generate", cli_artifact, "--prompt-ids", "1,99999", "-v")  # an input error's origin too
+    assert verbose.exit_code == 2 and "Traceback" in verbose.stderr and "in check_prompt" in verbose.stderr
 
 
 def test_help_explains_commands_and_exit_codes():
@@ -55,7 +83,6 @@ def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
 
 def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     # Same config, other weights: claim seed 1 in a copy of the manifest (hashes still match the files).
-    import shutil
     copy = shutil.copytree(cli_artifact, tmp_path / "wrong")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["model"]["source"]["seed"] = 1
@@ -65,14 +92,13 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     assert "FAIL" in result.stdout
 
 
-def test_table_output_names_every_check(cli_artifact):
+def test_table_output_names_every_check(cli_artifact, cpu_only):
     result = invoke("verify", cli_artifact, "-q", *QUICK)
     assert result.exit_code == 0, result.output
     for row in ("prefill logits", "decode logits (17 steps)", "reference-free invariants", "greedy tokens", "overall: PASS",
                 "consumer onnxruntime-genai", "32/32 match, 32 tokens identical"):
         assert row in result.stdout
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        assert "CUDAExecutionProvider: skipped" in result.stdout
+    assert "CUDAExecutionProvider: skipped (not available in this onnxruntime build" in result.stdout
     result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
     assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
@@ -103,7 +129,7 @@ def _one_line_error(result, code, fragment):
     assert "Traceback" not in result.output
 
 
-def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path):
+def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     _one_line_error(invoke("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
@@ -118,13 +144,16 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path):
     _one_line_error(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
                            "-q"), 2, "cannot read")
     assert not (tmp_path / "t").exists()
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
+    _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
     _one_line_error(invoke("verify", cli_artifact, "--atol", "logits", "-q"), 2, "expected KIND=VALUE")
     _one_line_error(invoke("verify", cli_artifact, "--rtol", "weights=1", "-q"), 2, "unknown kind 'weights'")
     _one_line_error(invoke("verify", cli_artifact, "--tolerances", a_file, "-q"), 2, "cannot read tolerance file")
     _one_line_error(invoke("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
     _one_line_error(invoke("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
+    tampered = shutil.copytree(cli_artifact, tmp_path / "tampered")
+    (tampered / "genai_config.json").write_text("{}")
+    _one_line_error(invoke("generate", tampered, "--prompt-ids", "1", "-q"), 2,
+                    "sha256 of genai_config.json does not match")
     assert a_file.read_text() == "x"
 
 

@@ -88,9 +88,10 @@ def test_left_padding_leaves_rows_unchanged(tiny_model, tiny_config):
     assert_close(out[1], tiny_model(full).logits[0], atol=1e-5)
     assert_close(out[0, pad:], tiny_model(short).logits[0], atol=1e-5)
     # MiniMind's own default positions (not skipping padding) give the same
-    # result too: RoPE scores depend only on relative positions.
+    # result too: RoPE scores depend only on relative positions (the rotation angles
+    # differ, so the rounding does: 1.9e-6 measured at logits peaking at 3).
     default = tiny_model(batch, attention_mask=mask).logits
-    assert_close(default[0, pad:], tiny_model(short).logits[0], atol=1e-4)
+    assert_close(default[0, pad:], tiny_model(short).logits[0], atol=1e-5)
 
 
 @torch.no_grad()

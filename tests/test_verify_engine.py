@@ -191,3 +191,106 @@ def test_routing_differences_after_the_first_differing_layer_follow_from_it():
     reference[0] = (clear, np.array([[0], [0]]))
     assert _compare_choices(reference, onnx_ids, keep, tolerance) == (4, 1, 0)
     assert _compare_choices(reference, {0: np.array([[0], [0]]), 1: np.array([[0], [0]])}, keep, tolerance) == (4, 4, 0)
+
+
+class _DecodeLogitsShifted:
+    """An OrtRunner whose decode.onnx logits are off by 1e-2, ten times the float32 tolerance."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def prefill(self, feeds):
+        return self.inner.prefill(feeds)
+
+    def decode(self, feeds):
+        outputs = self.inner.decode(feeds)
+        return {**outputs, "logits": outputs["logits"] + np.float32(1e-2)}
+
+    def empty_past(self, batch):
+        return self.inner.empty_past(batch)
+
+
+class _PaddingAttended(_DecodeLogitsShifted):
+    """An OrtRunner whose prefill attends to left padding, as a graph that dropped the padding mask would."""
+
+    def prefill(self, feeds):
+        return self.inner.prefill({**feeds, "attention_mask": np.ones_like(feeds["attention_mask"])})
+
+    def decode(self, feeds):
+        return self.inner.decode(feeds)
+
+
+def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
+    from exporter.runtime import OrtRunner
+    from exporter.verify import invariants
+    from exporter.verify.inputs import prompt_batch
+    from exporter.verify.tolerances import profile_for
+    manifest = read_manifest(artifact_copy)
+    runner = OrtRunner(artifact_copy, manifest=manifest)
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    profile = profile_for("float32", "cpu")
+    assert all(i.passed for i in invariants.check_invariants(artifact_copy, runner, manifest, batch, profile))
+    shifted = _DecodeLogitsShifted(runner)
+    assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed
+    assert not invariants.decode_past_zero(shifted, manifest, batch, profile).passed
+    assert not invariants.padded_row_alone(_PaddingAttended(runner), manifest, batch, profile).passed
+
+    # decode.onnx reads one weight from other bytes; then bakes the batch axis of input_ids
+    model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    info = {e.key: e.value for e in tensor.external_data}
+    with open(artifact_copy / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        data = bytearray(f.read(int(info["length"])))
+    data[0] ^= 1
+    (artifact_copy / "other.data").write_bytes(bytes(data))
+    for entry in tensor.external_data:
+        entry.value = {"location": "other.data", "offset": "0"}.get(entry.key, entry.value)
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    weights = invariants.identical_weights(artifact_copy, manifest)
+    assert not weights.passed and "1 tensor(s) only in prefill, 1 only in decode" in weights.detail
+    assert invariants.symbolic_axes(artifact_copy, manifest).passed
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    axes = invariants.symbolic_axes(artifact_copy, manifest)
+    assert not axes.passed and "input_ids" in axes.detail, axes.detail
+
+
+def test_health_counts_nan_and_inf_at_real_positions():
+    from exporter.verify.health import HealthScan
+    scan = HealthScan("float32")
+    logits = np.ones((1, 3, 4), np.float32)
+    logits[0, 0, 1], logits[0, 2, 3] = np.nan, np.inf
+    scan.scan_outputs("prefill", {"logits": logits}, np.array([[1, 1, 1]]))
+    report = scan.report()
+    assert not report.passed and (report.nan, report.inf, report.zero_rows) == (1, 1, 0)
+    assert report.issues == ["prefill logits: 1 NaN, 1 Inf"]
+    activations = HealthScan("float16")
+    activations.scan_activations({"attn": np.array([1.0, np.nan], np.float16)})
+    assert not activations.report().passed and activations.report().nan == 1
+
+
+def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16):
+    from exporter.verify.metrics import compare
+    from exporter.verify.providers import attribute, cross_providers
+    from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
+    rng = np.random.default_rng(0)
+    cpu = {"logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
+           "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32)}
+    # a TF32-sized difference: within the CUDA profile's extra 4u of the peak, beyond the CPU profile
+    peak = np.abs(cpu["logits"]).max()
+    tf32 = {**cpu, "logits": cpu["logits"] + np.float32(2 * 2.0 ** -11 * peak)}
+    assert not compare("cpu", "logits", tf32["logits"], cpu["logits"], profile_for("float32", CPU).logits).passed
+    assert all(c.passed for c in cross_providers({CPU: cpu, CUDA: tf32}, "float32", Overrides()))
+    wrong = {**cpu, "logits": cpu["logits"] + np.float32(0.5)}
+    rows = cross_providers({CPU: cpu, CUDA: wrong}, "float32", Overrides())
+    assert [c.name for c in rows if not c.passed] == [f"{CUDA} vs {CPU} logits"]
+
+    manifest = read_manifest(artifact_fp32)
+    provider = attribute([], {CPU: cpu, CUDA: tf32}, rows, manifest, {}, artifact_fp32, Overrides())
+    assert set(provider.legs) == {"provider"} and not provider.legs["provider"].passed
+    assert "is not a float16 export of the same model" in provider.skipped
+    cpu_only = attribute([], {CPU: cpu}, [], manifest, {}, None, Overrides())
+    assert not cpu_only.legs and "need CUDAExecutionProvider" in cpu_only.skipped
+    half = attribute([], {CPU: cpu, CUDA: tf32}, rows, read_manifest(artifact_fp16), {}, None, Overrides())
+    assert not half.legs and "starts from a float32 artifact" in half.skipped

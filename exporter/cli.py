@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,28 +39,49 @@ class ProgressHandler(logging.Handler):
             click.echo(logging.Formatter().formatException(record.exc_info), err=True)
 
 
+_interrupted_by: str | None = None  # the signal that stopped this command, if one did
+
+
+def _interrupt(signum, frame):
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so that cleanups run (an export's partial folder is
+    removed); the signal is remembered because torch.export can turn the interrupt into an error of its own."""
+    global _interrupted_by
+    _interrupted_by = signal.Signals(signum).name
+    raise KeyboardInterrupt
+
+
+_PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: ", "interrupted": ""}
+
+
+def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
+    click.echo(_PREFIX[kind] + message, err=True)
+    if as_json:  # stdout stays parseable: an error object instead of a result
+        click.echo(json.dumps({"error": {"kind": kind, "message": message}, "exit_code": code}, indent=2))
+    sys.exit(code)
+
+
 def handle_errors(func):
     """Toolkit errors become a one-line message and exit code 2; anything unexpected exit code 3."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False)
         try:
             return func(*args, **kwargs)
-        except (ToolkitError, ModelError) as exc:
-            logging.getLogger(__name__).debug("input error", exc_info=True)
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(EXIT_INPUT_ERROR)
-        except KeyboardInterrupt:
-            click.echo("interrupted; an earlier artifact at the destination is untouched", err=True)
-            sys.exit(130)
-        except click.ClickException:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if isinstance(exc, (SystemExit, click.ClickException)):
+                raise
             log = logging.getLogger(__name__)
+            if isinstance(exc, KeyboardInterrupt) or _interrupted_by is not None:
+                code = 143 if _interrupted_by == "SIGTERM" else 130
+                _fail("interrupted", f"interrupted{f' ({_interrupted_by})' if _interrupted_by else ''}; an earlier "
+                      "artifact at the destination is untouched", code, as_json)
+            if isinstance(exc, (ToolkitError, ModelError)):
+                log.debug("input error", exc_info=True)
+                _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
             log.debug("internal error", exc_info=True)
             hint = "" if log.isEnabledFor(logging.DEBUG) else " (rerun with --verbose for the traceback)"
-            click.echo(f"internal error: {type(exc).__name__}: {exc}{hint}", err=True)
-            sys.exit(EXIT_INTERNAL_ERROR)
+            _fail("internal", f"{type(exc).__name__}: {exc}{hint}", EXIT_INTERNAL_ERROR, as_json)
 
     return wrapper
 
@@ -68,15 +90,14 @@ class OneLineErrorGroup(click.Group):
     """Usage errors as one line ('error: ... (see --help)') instead of click's usage block."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        as_json = "--json" in (sys.argv[1:] if args is None else args)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
             where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
-            click.echo(f"error: {exc.format_message()}{where}", err=True)
-            sys.exit(EXIT_INPUT_ERROR)
+            _fail("usage", f"{exc.format_message()}{where}", EXIT_INPUT_ERROR, as_json)
         except click.ClickException as exc:
-            click.echo(f"error: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code)
+            _fail("usage", exc.format_message(), exc.exit_code, as_json)
         except click.Abort:
             click.echo("aborted", err=True)
             sys.exit(130)
@@ -209,15 +230,30 @@ def verify_options(func):
     return func
 
 
-def _verify(folder, providers, genai, options: dict, model=None, golden=None):
-    """Run the engine with the CLI's options; torch is imported only when the reference model is needed."""
-    from exporter.manifest import read_manifest
-    from exporter.verify.engine import verify_artifact
+def _verify_plan(providers, options: dict):
+    """The verification's options, each checked before anything runs (for `run`, before the export)."""
+    from exporter.paths import check_output_path
+    from exporter.runtime import check_parity_providers
+    from exporter.verify.golden import check_golden_destination
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.reports import write_reports
     from exporter.verify.tolerances import parse_overrides
     overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
     settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
+    check_parity_providers(providers)
+    for option in ("report_json", "junit", "html"):
+        if options[option] is not None:
+            check_output_path(options[option], "--" + option.replace("_", "-"), folder=False)
+    if options["golden_save"] is not None:
+        check_golden_destination(options["golden_save"])
+    return overrides, settings
+
+
+def _verify(folder, providers, genai, options: dict, plan, model=None, golden=None):
+    """Run the engine with the CLI's options; torch is imported only when the reference model is needed."""
+    from exporter.manifest import read_manifest
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.reports import write_reports
+    overrides, settings = plan
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     if model is None and golden is None:
         from exporter.reference_runner import rebuild_reference
@@ -241,6 +277,10 @@ def main(ctx):
 
     Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error.
     """
+    global _interrupted_by
+    _interrupted_by = None
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     if ctx.invoked_subcommand is None:
         ctx.invoke(run)
 
@@ -258,8 +298,9 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
     from exporter.report import format_export
     from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
+    plan = _verify_plan(providers, options)  # a bad verification option must not cost an export
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
-    report = _verify(exported.folder, providers, genai, options, model)
+    report = _verify(exported.folder, providers, genai, options, plan, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
           format_export(exported) + "\n\n" + format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
@@ -298,14 +339,24 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     """
     from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
-    report = _verify(folder, providers, genai, options, golden=golden)
+    if golden is not None:
+        context = click.get_current_context()
+        given = [f"--{name.replace('_', '-')}" for name in ("decode_steps", "sweep", "probe", "golden_save")
+                 if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
+                                   f"drop {', '.join(given)}")
+    report = _verify(folder, providers, genai, options, _verify_plan(providers, options), golden=golden)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
 
 def _parse_ids(text: str) -> list[int]:
+    parts = text.split(",")
     try:
-        return [int(part) for part in text.replace(",", " ").split()]
+        if len(parts) > 1 and not all(part.strip() for part in parts):
+            raise ValueError  # "1,,2": a lost id, not a separator
+        return [int(token) for part in parts for token in part.split()]
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a list of integers; write e.g. --prompt-ids 1,42,7") from None
 
@@ -355,6 +406,9 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     _setup_logging(verbose, quiet)
     if bool(prompt_ids) == bool(prompts):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if save_optimized is not None:
+        from exporter.paths import check_output_path
+        check_output_path(save_optimized, "--save-optimized", folder=True)
     manifest = read_manifest(folder)
     config = manifest.config
     text_tokenizer = None

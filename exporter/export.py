@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import json
 import logging
 import os
 import shutil
@@ -32,7 +33,8 @@ from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, OutputPathError
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.manifest import MANIFEST, Manifest, file_entries
+from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries
+from exporter.paths import check_output_path
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
@@ -200,9 +202,13 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
         if manifest.with_loss:
             feeds["labels"] = ids
         out = runner.prefill(feeds)
-        if out["logits"].shape != (batch, length, vocab) or not np.isfinite(out["logits"]).all():
-            raise ExportFailed(f"smoke run: prefill gave logits of shape {out['logits'].shape} "
-                               f"(finite: {np.isfinite(out['logits']).all()}) for batch {batch}, length {length}")
+        if out["logits"].shape != (batch, length, vocab):
+            raise ExportFailed(f"smoke run: prefill gave logits of shape {out['logits'].shape} for batch {batch}, "
+                               f"length {length}; expected {(batch, length, vocab)}")
+        if not np.isfinite(out["logits"]).all():
+            raise ExportFailed(f"smoke run: prefill gave non-finite logits (NaN or Inf) for batch {batch}, length "
+                               f"{length}: the weights hold NaN/Inf or overflow {manifest.dtype}; check the "
+                               "checkpoint (or export float32)")
         decode_feeds = {"input_ids": ids[:, :1], "attention_mask": np.ones((batch, 1), np.int64),
                         "position_ids": np.zeros((batch, 1), np.int64), **runner.empty_past(batch)}
         step = runner.decode(decode_feeds)
@@ -229,12 +235,37 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return copy.deepcopy(model).to(dtype).eval()
 
 
+def _listed_files(folder: Path) -> set[str] | None:
+    """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+        if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
+            return {MANIFEST, *data["files"]}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
 def _prepare_destination(folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise OutputPathError(f"output path {folder} is a file; choose a folder path (e.g. artifacts/<preset>)")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file():
-        raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST}; refusing to "
-                              "overwrite files this toolkit did not write: choose another --output or empty it")
+    """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
+    write: before the export runs, so that nothing is spent on an export that cannot land."""
+    check_output_path(folder, "output folder", folder=True)
+    if not folder.is_dir():
+        return
+    cwd = Path.cwd()
+    if folder == cwd or folder in cwd.parents:
+        raise OutputPathError(f"output folder {folder} holds the current directory, which replacing it would "
+                              "delete; run from elsewhere or choose another --output")
+    if not any(folder.iterdir()):
+        return
+    listed = _listed_files(folder)
+    if listed is None:
+        raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST} of this toolkit; "
+                              "refusing to overwrite files it did not write: choose another --output or empty it")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
+    if foreign:
+        raise OutputPathError(f"output folder {folder} holds {', '.join(foreign[:5])}, which its artifact does not "
+                              "list and replacing it would delete; move them out or choose another --output")
 
 
 def _move_into_place(built: Path, folder: Path) -> None:
@@ -242,7 +273,12 @@ def _move_into_place(built: Path, folder: Path) -> None:
     old = None
     if folder.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
-        os.rename(folder, old / folder.name)
+        try:
+            os.rename(folder, old / folder.name)
+        except OSError as exc:
+            old.rmdir()
+            raise OutputPathError(f"cannot replace {folder} ({exc.strerror}); the earlier artifact is untouched, "
+                                  "the new one was not kept") from None
     try:
         os.rename(built, folder)
     except BaseException:
@@ -266,7 +302,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     """
     if dtype not in DTYPES:
         raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    folder = Path(folder)
+    shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent
     _prepare_destination(folder)
     tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, model.config.vocab_size)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -316,4 +352,4 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     finally:
         shutil.rmtree(built, ignore_errors=True)
     total = sum(entry["bytes"] for entry in manifest.files.values())
-    return ExportResult(folder, manifest, time.perf_counter() - start, total)
+    return ExportResult(shown, manifest, time.perf_counter() - start, total)

@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.contract import CacheLayout, GraphContract
+from exporter.contract import (DTYPES, CacheLayout, GraphContract, cache_layout, decode_contract,
+                               prefill_contract)
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict, family_of
@@ -83,6 +84,30 @@ class Manifest:
         )
 
 
+def _inconsistency(manifest: Manifest) -> str | None:
+    """What in a parsed manifest cannot be right (an edit by hand, a damaged file), or None."""
+    if manifest.dtype not in DTYPES:
+        return f"dtype {manifest.dtype!r} is none of {', '.join(DTYPES)}"
+    config, dtype = manifest.config, manifest.dtype
+    expected = (prefill_contract(config, dtype, manifest.with_loss), decode_contract(config, dtype),
+                cache_layout(config, dtype))
+    if expected != (manifest.prefill, manifest.decode, manifest.cache):
+        return "its graphs' inputs, outputs or cache layout do not follow from its model config"
+    if not isinstance(manifest.source, dict):
+        return f"model.source is a {type(manifest.source).__name__}, not an object"
+    if not isinstance(manifest.files, dict):
+        return "files is not an object of file names"
+    for name, entry in manifest.files.items():
+        if Path(name).name != name or name in (".", ".."):
+            return f"file {name!r} lies outside the folder"
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
+            return f"file {name!r} has no sha256"
+    unlisted = [f for f in (manifest.prefill.file, manifest.decode.file, manifest.weights_file) if f not in manifest.files]
+    if unlisted:
+        return f"{', '.join(unlisted)} not listed in files"
+    return None
+
+
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     """Load folder/manifest.json and check that every file it lists is there, intact."""
     folder = Path(folder)
@@ -94,8 +119,11 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
                             "(export one with 'export-onnx export')")
     try:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError, ConfigError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, ConfigError) as exc:
         raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
+    problem = _inconsistency(manifest)
+    if problem:
+        raise ArtifactError(f"{path} is inconsistent: {problem}; re-export the folder")
     missing = [name for name in manifest.files if not (folder / name).is_file()]
     if missing:
         raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "

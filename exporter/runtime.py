@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
-from exporter.contract import KV_KINDS, CacheLayout
-from exporter.errors import InputError, ProviderError
+from exporter.contract import KV_KINDS, CacheLayout, GraphContract
+from exporter.errors import ArtifactError, InputError, ProviderError
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
 from reference.families import DecoderConfig
@@ -38,6 +39,16 @@ def check_provider(name: str) -> str:
         raise ProviderError(f"execution provider {full} is not available here{hint}; "
                             f"available: {', '.join(available)}")
     return full
+
+
+def check_parity_providers(names) -> list[str]:
+    """Providers to verify on, as full names without repeats: each available, and one verification covers."""
+    chosen = list(dict.fromkeys(check_provider(name) for name in names))
+    others = [p for p in chosen if p not in PARITY_PROVIDERS]
+    if others:
+        raise ProviderError(f"verification runs on {' and '.join(PARITY_PROVIDERS)}, not {', '.join(others)}; "
+                            "pass --provider cpu or --provider cuda")
+    return chosen
 
 
 def session_providers(full_name: str) -> list[str]:
@@ -226,6 +237,25 @@ def graph_session(path: Path, graph_file: str, weights: SharedWeightMap, provide
                                 providers=session_providers(check_provider(provider)))
 
 
+_LOAD_ERRORS = (_ort_errors.Fail, _ort_errors.InvalidArgument, _ort_errors.NoSuchFile, _ort_errors.InvalidProtobuf,
+                _ort_errors.InvalidGraph)
+
+
+def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOptions,
+                  providers: list[str]) -> ort.InferenceSession:
+    """A session on one of the artifact's graphs, which must take the inputs its manifest says."""
+    try:
+        session = ort.InferenceSession(str(folder / contract.file), options, providers=providers)
+    except _LOAD_ERRORS as exc:
+        raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
+                            f"({str(exc).strip().splitlines()[0][:200]}); re-export the folder") from None
+    inputs = [i.name for i in session.get_inputs()]
+    if sorted(inputs) != sorted(contract.input_names):
+        raise ArtifactError(f"{folder / contract.file} takes the inputs {', '.join(inputs[:4])}..., not those its "
+                            "manifest lists; re-export the folder")
+    return session
+
+
 def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
     batch, length = input_ids.shape
     if position_ids.shape != input_ids.shape:
@@ -273,15 +303,13 @@ class OrtRunner:
         prefill, decode = self.manifest.prefill, self.manifest.decode
         on_cpu = self.provider == "CPUExecutionProvider"
         before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
-        self.decode_session = ort.InferenceSession(str(self.folder / decode.file),
-                                                   _session_options(settings, decode.file, None),
-                                                   providers=providers)
+        self.decode_session = _load_session(self.folder, decode, _session_options(settings, decode.file, None),
+                                            providers)
         self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
         log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
-        self.prefill_session = ort.InferenceSession(str(self.folder / prefill.file),
-                                                    _session_options(settings, prefill.file, self._weights,
-                                                                     spin=False),
-                                                    providers=providers)
+        self.prefill_session = _load_session(self.folder, prefill, _session_options(settings, prefill.file,
+                                                                                     self._weights, spin=False),
+                                             providers)
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(f"{self.provider} could not be initialised (onnxruntime fell back to "

@@ -59,15 +59,19 @@ def _tokens(path: Path, data: dict) -> dict[int, str]:
     """Every id the tokenizer can produce: its model's vocabulary plus the added (special) tokens."""
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
-    if isinstance(vocab, dict):  # BPE, WordLevel, WordPiece: token -> id
-        tokens = {int(i): str(t) for t, i in vocab.items()}
-    elif isinstance(vocab, list):  # Unigram: [token, score] in id order
-        tokens = {i: str(entry[0]) for i, entry in enumerate(vocab)}
-    else:
-        raise TokenizerError(f"{path} has no model.vocab; expected a Hugging Face tokenizers file "
-                             "(tokenizer.json, as written by Tokenizer.save or save_pretrained)")
-    for added in data.get("added_tokens") or []:
-        tokens[int(added["id"])] = str(added["content"])
+    try:
+        if isinstance(vocab, dict):  # BPE, WordLevel, WordPiece: token -> id
+            tokens = {int(i): str(t) for t, i in vocab.items()}
+        elif isinstance(vocab, list):  # Unigram: [token, score] in id order
+            tokens = {i: str(entry[0]) for i, entry in enumerate(vocab)}
+        else:
+            raise TokenizerError(f"{path} has no model.vocab; expected a Hugging Face tokenizers file "
+                                 "(tokenizer.json, as written by Tokenizer.save or save_pretrained)")
+        for added in data.get("added_tokens") or []:
+            tokens[int(added["id"])] = str(added["content"])
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise TokenizerError(f"{path} has a malformed vocabulary or added_tokens ({type(exc).__name__}: {exc}); "
+                             "pass a tokenizer.json written by the tokenizers library") from None
     if not tokens:
         raise TokenizerError(f"{path} has an empty vocabulary")
     return tokens

@@ -91,18 +91,28 @@ def _safetensors_load(path: Path) -> dict:
                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
 
 
+def _json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:  # invalid JSON, or not UTF-8 text
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object; fix or remove it")
+    return data
+
+
 def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
-    config = None
-    if (folder / "config.json").is_file():
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{folder / 'config.json'} is not valid JSON ({exc}); fix or remove it") from None
+    config = _json_object(folder / "config.json") if (folder / "config.json").is_file() else None
     index = folder / "model.safetensors.index.json"
     if (folder / "model.safetensors").is_file():
         return _safetensors_load(folder / "model.safetensors"), config, "transformers-folder (safetensors)"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        weight_map = _json_object(index).get("weight_map", {})
+        shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        outside = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
+        if not shards or outside:
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard files in {folder}; "
+                                  f"got {outside[:3] or 'no shards'}")
         state = {}
         for shard in shards:
             state.update(_safetensors_load(folder / shard))
@@ -131,7 +141,7 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     if isinstance(state, dict) and "model_state_dict" in state:
         state, fmt = state["model_state_dict"], f"{fmt} (model_state_dict)"
     if not isinstance(state, dict) or not state:
-        raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__}); "
+        raise CheckpointError(f"{path} does not hold a state dict (got {'an empty dict' if state == {} else type(state).__name__}); "
                               "save one with torch.save(model.state_dict(), path)")
     not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
@@ -347,7 +357,12 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
         except ConfigError as exc:
             where = "the given config fields" if config_data is not None else "its config.json"
             raise CheckpointError(f"{path}: {where}: {exc}") from None
-        inferred, assumed = loader.infer(state, base)
+        try:
+            inferred, assumed = loader.infer(state, base)
+        except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
+            missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
+                                  f"({missing}); pass --preset or --config with its sizes") from None
         fields = {**inferred, **base}
         try:
             config = get_family(loader.family).config_class.from_dict(fields)

@@ -17,11 +17,33 @@ class JsonConfig:
 
     @classmethod
     def from_dict(cls, data: dict):
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config is a JSON object of fields, got a {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}; known fields are {sorted(known)}")
+        check_field_types(cls, data)
         return cls(**data)
+
+
+# What a JSON value may be for each annotation a config field uses; a nested config is read from an object.
+_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
+               "YarnScaling": (dict,)}
+
+
+def check_field_types(cls, data: dict, prefix: str = "") -> None:
+    """Each value of `data` has the JSON type its dataclass field declares (a bool is not a number)."""
+    for field in dataclasses.fields(cls):
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        names = [part.strip() for part in str(field.type).split("|")]
+        allowed = tuple(t for name in names for t in _JSON_TYPES.get(name, (object,)))
+        wrong = not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        if wrong:
+            shown = " or ".join("an object of YaRN fields" if name == "YarnScaling" else name for name in names)
+            raise ConfigError(f"config field {prefix}{field.name} must be {shown}, got {value!r}")
 
 
 def check_positive_ints(config, names) -> None:

@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from reference.configs import JsonConfig, check_positive_ints, check_token_ids
+from reference.configs import JsonConfig, check_field_types, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -79,6 +79,8 @@ class MiniMindConfig(JsonConfig):
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", _yarn_from_dict(self.rope_scaling))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ConfigError(f"config field rope_scaling must be an object of YaRN fields, got {self.rope_scaling!r}")
         if self.inference_rope_scaling and self.rope_scaling is None:
             object.__setattr__(self, "rope_scaling", YarnScaling())
         self._validate()
@@ -100,8 +102,9 @@ class MiniMindConfig(JsonConfig):
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
                               f"num_experts ({self.num_experts})")
-        if self.rms_norm_eps <= 0:
-            raise ConfigError(f"config field rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"config field {name} must be positive and finite, got {getattr(self, name)!r}")
         if self.rope_scaling is not None and not self.inference_rope_scaling:
             raise ConfigError("config field rope_scaling is set but inference_rope_scaling is False; "
                               "set inference_rope_scaling=True to apply it, or drop rope_scaling")
@@ -131,4 +134,9 @@ def _yarn_from_dict(data: dict) -> YarnScaling:
     if kind != "yarn" or unknown:
         raise ConfigError(f"config field rope_scaling must describe YaRN with fields {sorted(fields)}; "
                           f"got type {kind!r} and unknown fields {unknown}")
-    return YarnScaling(**{k: v for k, v in data.items() if k in fields})
+    check_field_types(YarnScaling, data, prefix="rope_scaling.")
+    scaling = YarnScaling(**{k: v for k, v in data.items() if k in fields})
+    for name in fields:
+        if not getattr(scaling, name) > 0:
+            raise ConfigError(f"config field rope_scaling.{name} must be positive, got {getattr(scaling, name)!r}")
+    return scaling

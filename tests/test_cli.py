@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from exporter.cli import main
+from helpers import claim_seed, edit_manifest
 
 
 def invoke(*args):
@@ -84,9 +85,7 @@ def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
 def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     # Same config, other weights: claim seed 1 in a copy of the manifest (hashes still match the files).
     copy = shutil.copytree(cli_artifact, tmp_path / "wrong")
-    manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["model"]["source"]["seed"] = 1
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(copy, claim_seed(1))
     result = invoke("verify", copy, "--provider", "cpu", "-q", *QUICK)
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.stdout

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import upstream
-from helpers import assert_cached_decoding_equals_full_forward, assert_close
+from helpers import assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids
 from reference import (PRESETS, ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling,
                        build_model, get_preset)
 from reference.families import FAMILIES, config_from_dict, family_of
@@ -23,10 +23,6 @@ PUBLISHED = {  # REFERENCE-MODELS.md section 3, tied embeddings counted once
     "minimind-3-moe": 198_416_640,
     "teaching-gpt-smoke": 13_356_928,  # seed 003's smoke config
 }
-
-
-def _ids(vocab, batch, length, seed=0):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("name,count", PUBLISHED.items())
@@ -144,7 +140,7 @@ def test_moe_training_aux_loss_equals_upstream():
 @torch.no_grad()
 def test_moe_model_caches_like_its_full_forward(preset):
     model = build_model(get_preset(preset))
-    ids = _ids(512, 2, 9)
+    ids = random_ids(512, 2, 9)
     full = model(ids).logits
     out = model(ids[:, :5], use_cache=True)
     steps = [out.logits]
@@ -186,7 +182,7 @@ def test_yarn_model_equals_upstream_tables_beyond_the_original_window():
     ours_cos, ours_sin = rope_cos_sin(rope_inv_freq(config), positions, 1.25)
     assert torch.equal(ours_cos[0], cos[40:90]) and torch.equal(ours_sin[0], sin[40:90])
     plain = build_model(dataclasses.replace(config, inference_rope_scaling=False, rope_scaling=None))
-    ids = _ids(512, 1, 60)
+    ids = random_ids(512, 1, 60)
     assert (model(ids).logits - plain(ids).logits).abs().max() > 1e-2, "YaRN must change the model"
     # Cached decoding far past the original window equals the full forward.
     out = model(ids[:, :50], use_cache=True)
@@ -200,36 +196,29 @@ def test_yarn_model_equals_upstream_tables_beyond_the_original_window():
 @torch.no_grad()
 def test_teaching_gpt_equals_the_original_forward():
     model = build_model(get_preset("teaching-gpt-tiny"))
-    ids = _ids(512, 2, 21)
+    ids = random_ids(512, 2, 21)
     assert_close(model(ids).logits, upstream.teaching_gpt_forward(model, ids), atol=1e-5)
     assert model.lm_head.bias is not None and model.lm_head.weight is not model.token_embed.weight
 
 
 def test_teaching_gpt_cached_decoding_equals_full_forward():
     model = build_model(get_preset("teaching-gpt-tiny"))
-    assert_cached_decoding_equals_full_forward(model, _ids(512, 2, 13), (2, 13, 4, 16))
+    assert_cached_decoding_equals_full_forward(model, random_ids(512, 2, 13), (2, 13, 4, 16))
 
 
-@torch.no_grad()
 def test_teaching_gpt_left_padded_row_equals_the_sequence_alone():
     model = build_model(get_preset("teaching-gpt-tiny"))
-    short, full = _ids(512, 1, 6, seed=1), _ids(512, 1, 10, seed=2)
     pad = 4
-    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), full])
-    mask = torch.ones_like(batch)
-    mask[0, :pad] = 0
-    positions = (mask.cumsum(1) - 1).clamp(min=0)  # absolute positions must skip the padding
-    out = model(batch, attention_mask=mask, position_ids=positions).logits
-    assert_close(out[0, pad:], model(short).logits[0], atol=1e-5)
-    assert_close(out[1], model(full).logits[0], atol=1e-5)
-    shifted = model(batch, attention_mask=mask).logits  # default positions do not skip it: a different result
-    assert (shifted[0, pad:] - model(short).logits[0]).abs().max() > 1e-3
+    skipping, default, short, full = padded_batch_logits(model, 512, pad)
+    assert_close(skipping[0, pad:], short, atol=1e-5)  # absolute positions must skip the padding
+    assert_close(skipping[1], full, atol=1e-5)
+    assert (default[0, pad:] - short).abs().max() > 1e-3  # default positions do not skip it: a different result
 
 
 def test_teaching_gpt_refuses_sequences_past_its_context():
     model = build_model(get_preset("teaching-gpt-tiny"))  # context_length 64
     with pytest.raises(ContextLengthError, match="exceeds context_length 64"):
-        model(_ids(512, 1, 65))
-    out = model(_ids(512, 1, 60), use_cache=True)
+        model(random_ids(512, 1, 65))
+    out = model(random_ids(512, 1, 60), use_cache=True)
     with pytest.raises(ContextLengthError, match=r"past 60 \+ new 5"):
-        model(_ids(512, 1, 5), past_key_values=out.past_key_values)
+        model(random_ids(512, 1, 5), past_key_values=out.past_key_values)

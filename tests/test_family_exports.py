@@ -26,7 +26,7 @@ from exporter.routing import RouterProbe, record_reference_routing
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.verify.reports import format_verify
-from helpers import assert_decode_graph_matches
+from helpers import assert_decode_graph_matches, edit_manifest
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
@@ -124,11 +124,9 @@ def test_a_changed_checkpoint_is_refused_by_verify(minimind2_artifact, minimind2
     import shutil
     moved = tmp_path / "copy"
     shutil.copytree(minimind2_artifact, moved)
-    manifest = json.loads((moved / "manifest.json").read_text())
     other = tmp_path / "other.pth"
     other.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
-    manifest["model"]["source"]["path"] = str(other)
-    (moved / "manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(moved, lambda manifest: manifest["model"]["source"].update(path=str(other)))
     result = CliRunner().invoke(main, ["verify", str(moved), "-q"])
     assert result.exit_code == 2 and "changed since" in result.stderr, result.output
 

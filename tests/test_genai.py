@@ -23,6 +23,7 @@ from exporter.verify.tolerances import profile_for
 from exporter.reference_runner import TorchRunner, reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner
+from helpers import edit_manifest
 
 PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
 
@@ -139,9 +140,7 @@ def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_mode
 def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path):
     old = shutil.copytree(artifact_copy, tmp_path / "old")
     (old / "genai_config.json").unlink()
-    manifest = json.loads((old / "manifest.json").read_text())
-    del manifest["files"]["genai_config.json"]  # as an earlier toolkit wrote it
-    (old / "manifest.json").write_text(json.dumps(manifest))
+    edit_manifest(old, lambda manifest: manifest["files"].pop("genai_config.json"))  # as an earlier toolkit wrote it
     with pytest.raises(ConsumerError, match="has no genai_config.json; re-export"):
         GenaiGenerator(old)
     result = CliRunner().invoke(main, ["verify", str(old), "--provider", "cpu", "--genai", "-q"])

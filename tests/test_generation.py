@@ -16,11 +16,6 @@ from exporter.reference_runner import reference_greedy
 from exporter.runtime import OrtRunner, SessionSettings
 
 
-@pytest.fixture(scope="module")
-def runner(artifact_fp32):
-    return OrtRunner(artifact_fp32)
-
-
 def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):
     """MiniMind's generate() logits processing, as upstream writes it in torch (the oracle)."""
     logits = logits / temperature
@@ -80,10 +75,17 @@ def test_top_k_one_sampling_is_greedy(runner):
     assert sampled[0].new_ids == generate(runner, [[3, 1, 4, 1, 5]], 20)[0].new_ids
 
 
-def test_repetition_penalty_changes_greedy_choices(runner):
-    plain = generate(runner, [[3, 1, 4, 1, 5]], 40)[0].new_ids
-    penalised = generate(runner, [[3, 1, 4, 1, 5]], 40, SamplingConfig(repetition_penalty=2.0))[0].new_ids
-    assert plain != penalised
+@torch.no_grad()
+def test_repetition_penalty_covers_prompt_and_generated_ids_as_minimind_does(runner, tiny_model):
+    """Greedy with a penalty against upstream's loop: the reference model, its processing over every id so far."""
+    prompt = [3, 1, 4, 1, 5]
+    ids = torch.tensor([prompt])
+    for _ in range(40):
+        logits = minimind_processing(tiny_model(ids).logits[:, -1], ids, 1.0, 0, 1.0, 2.0)
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    penalised = generate(runner, [prompt], 40, SamplingConfig(repetition_penalty=2.0))[0].new_ids
+    assert penalised == ids[0, len(prompt):].tolist()
+    assert penalised != generate(runner, [prompt], 40)[0].new_ids
 
 
 def test_stop_ids_end_each_row_and_are_kept(runner):
@@ -92,8 +94,8 @@ def test_stop_ids_end_each_row_and_are_kept(runner):
     stopped = generate(runner, [[1, 17, 230], [9, 9]], 20, stop_ids=[stop])
     assert stopped[0].new_ids == free[0].new_ids[: free[0].new_ids.index(stop) + 1]
     assert stopped[0].stopped_at_eos
-    if stop not in free[1].new_ids:
-        assert stopped[1].new_ids == free[1].new_ids  # the other row runs on to max_new_tokens
+    assert stop not in free[1].new_ids  # so the other row runs on to max_new_tokens
+    assert stopped[1].new_ids == free[1].new_ids
 
 
 class CountingRunner:

@@ -18,7 +18,7 @@ try:
     import torch
     from optimum.onnxruntime import ORTModelForCausalLM
     from transformers import AutoTokenizer
-except Exception as exc:  # not installed, or a transformers >= 4.58 that breaks optimum at import
+except ImportError as exc:  # not installed, or a transformers >= 4.58 that breaks optimum at import
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     pytest.skip(f"optimum.onnxruntime does not import here ({type(exc).__name__}: {first_line}); its current "
                 "release needs transformers<4.58: run this test in its own environment (README, 'Deploy with "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_cached_decoding_equals_full_forward, assert_close
+from helpers import assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids
 from reference.init import DEFAULT_STD
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
 
@@ -58,45 +58,33 @@ def test_seeded_weights_derive_from_the_integer_stream_only(tiny_model):
     assert actual.tolist() == expected
 
 
-def _ids(config, batch, length, seed=0):
-    return torch.randint(0, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 def test_cached_decoding_equals_full_forward_token_by_token_and_in_chunks(tiny_model, tiny_config):
     kv_shape = (2, 13, tiny_config.num_key_value_heads, tiny_config.head_dim)
-    assert_cached_decoding_equals_full_forward(tiny_model, _ids(tiny_config, 2, 13), kv_shape)
+    assert_cached_decoding_equals_full_forward(tiny_model, random_ids(tiny_config.vocab_size, 2, 13), kv_shape)
 
 
 @torch.no_grad()
 def test_explicit_attention_equals_fused(tiny_model, tiny_config):
     eager = MiniMindForCausalLM(dataclasses.replace(tiny_config, attn_implementation="eager")).eval()
     eager.load_state_dict(tiny_model.state_dict())
-    ids = _ids(tiny_config, 3, 17)
+    ids = random_ids(tiny_config.vocab_size, 3, 17)
     assert_close(eager(ids).logits, tiny_model(ids).logits, atol=1e-5)
 
 
-@torch.no_grad()
 def test_left_padding_leaves_rows_unchanged(tiny_model, tiny_config):
-    short, full = _ids(tiny_config, 1, 6, seed=1), _ids(tiny_config, 1, 10, seed=2)
     pad = 4
-    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), full])
-    mask = torch.ones_like(batch)
-    mask[0, :pad] = 0
-    # Position ids that skip the padding, as the ONNX contract feeds them.
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    out = tiny_model(batch, attention_mask=mask, position_ids=positions).logits
-    assert_close(out[1], tiny_model(full).logits[0], atol=1e-5)
-    assert_close(out[0, pad:], tiny_model(short).logits[0], atol=1e-5)
+    skipping, default, short, full = padded_batch_logits(tiny_model, tiny_config.vocab_size, pad)
+    assert_close(skipping[1], full, atol=1e-5)
+    assert_close(skipping[0, pad:], short, atol=1e-5)
     # MiniMind's own default positions (not skipping padding) give the same
     # result too: RoPE scores depend only on relative positions (the rotation angles
     # differ, so the rounding does: 1.9e-6 measured at logits peaking at 3).
-    default = tiny_model(batch, attention_mask=mask).logits
-    assert_close(default[0, pad:], tiny_model(short).logits[0], atol=1e-5)
+    assert_close(default[0, pad:], short, atol=1e-5)
 
 
 @torch.no_grad()
 def test_loss_equals_hand_computed_shifted_cross_entropy(tiny_model, tiny_config):
-    ids = _ids(tiny_config, 2, 9)
+    ids = random_ids(tiny_config.vocab_size, 2, 9)
     labels = ids.clone()
     labels[0, 3] = labels[1, 0] = labels[1, 7] = -100
     out = tiny_model(ids, labels=labels)
@@ -109,13 +97,13 @@ def test_loss_equals_hand_computed_shifted_cross_entropy(tiny_model, tiny_config
 
 @torch.no_grad()
 def test_loss_of_one_token_is_nan_like_pytorch(tiny_model, tiny_config):
-    out = tiny_model(_ids(tiny_config, 1, 1), labels=_ids(tiny_config, 1, 1))
+    out = tiny_model(random_ids(tiny_config.vocab_size, 1, 1), labels=random_ids(tiny_config.vocab_size, 1, 1))
     assert torch.isnan(out.loss)
 
 
 @torch.no_grad()
 def test_logits_to_keep_keeps_the_last_positions(tiny_model, tiny_config):
-    ids = _ids(tiny_config, 1, 7)
+    ids = random_ids(tiny_config.vocab_size, 1, 7)
     assert_close(tiny_model(ids, logits_to_keep=2).logits, tiny_model(ids).logits[:, -2:], atol=0)
 
 
@@ -133,7 +121,7 @@ def test_config_round_trips_and_rejects_bad_fields(tiny_config):
 
 def test_float16_model_keeps_rope_and_norms_in_float32(tiny_model, tiny_config):
     half = build_model(tiny_config).half()
-    ids = _ids(tiny_config, 1, 12)
+    ids = random_ids(tiny_config.vocab_size, 1, 12)
     with torch.no_grad():
         logits16 = half(ids).logits
         logits32 = tiny_model(ids).logits

@@ -5,18 +5,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from exporter.errors import ArtifactError, InputError, ProviderError
 from exporter.reference_runner import reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner
-
-
-@pytest.fixture(scope="module")
-def runner(artifact_fp32):
-    return OrtRunner(artifact_fp32)
 
 
 def test_greedy_generation_equals_the_reference(runner, tiny_model):

@@ -19,15 +19,15 @@ from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
 from exporter.routing import ExpertAgreement, RouterProbe, check_expert_choice, routing_agreement
-from exporter.runtime import OrtRunner, available_parity_providers, check_provider
+from exporter.runtime import OrtRunner, available_parity_providers, check_parity_providers
 from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
-from exporter.verify.golden import RecordedReference, load_bundle
+from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
 from exporter.verify.invariants import check_invariants
 from exporter.verify.localise import Localisation, first_diverging_layer, probe_between, probe_reference
 from exporter.verify.probe import DebugGraph
-from exporter.verify.providers import attribute, cross_providers, repeat_run
+from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 from exporter.verify.tolerances import Overrides, Profile, profile_for
 
@@ -166,12 +166,12 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     start = time.perf_counter()
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
-    if providers is None:
-        chosen, skipped = available_parity_providers()
-    else:
-        chosen, skipped = [check_provider(p) for p in dict.fromkeys(providers)], {}
-    if golden_save is not None and (model is None or golden is not None):
-        raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
+    chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
+    if golden_save is not None:
+        if model is None or golden is not None:
+            raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
+        check_golden_destination(golden_save)
+    companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings = _reference(folder, manifest, model, golden, settings)
     settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
@@ -197,7 +197,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
             first, *others = values
             probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
                                     f"{p} vs {first}") for p in others]
-    attribution = attribute(reports, outputs, cross, manifest, batch, fp16_companion, overrides) if reports else None
+    attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
     consumers, consumers_skipped = [], {}
     if reference is None:
         consumers_skipped["onnxruntime-genai"] = "no reference to compare with (invariants only)"

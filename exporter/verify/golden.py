@@ -18,13 +18,15 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from exporter.errors import ToolkitError
+from exporter.errors import OutputPathError, ToolkitError
 from exporter.manifest import Manifest
+from exporter.paths import check_output_path
 from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
@@ -144,9 +146,26 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
     try:
         meta = json.loads((folder / BUNDLE).read_text())
         arrays = np.load(folder / ARRAYS, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
                            "'export-onnx verify --golden-save DIR'") from None
+    try:
+        return _replay(folder, manifest, meta, arrays)
+    except (KeyError, TypeError, AttributeError, ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise ToolkitError(f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
+                           "--golden-save") from None
+
+
+def check_golden_destination(folder: Path) -> None:
+    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle."""
+    check_output_path(folder, "--golden-save", folder=True)
+    folder = Path(folder)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / BUNDLE).is_file():
+        raise OutputPathError(f"--golden-save {folder} is not empty and holds no golden bundle; choose a new or "
+                              "empty folder")
+
+
+def _replay(folder: Path, manifest: Manifest, meta: dict, arrays) -> tuple[RecordedReference, ParitySettings, dict]:
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
                            f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with --golden-save")

@@ -49,7 +49,8 @@ class ParitySettings:
         greedy = min(self.greedy_tokens, context - GREEDY_PROMPT_LENGTH)
         if steps < 1 or greedy < 1:
             raise InputError(f"the model has only {context} positions: too few for a {self.prompt_length}-token "
-                             f"prompt and {FINAL_CHUNK + 1} decode tokens; lower prompt_length")
+                             f"prompt and {FINAL_CHUNK + 1} decode tokens (ParitySettings.prompt_length "
+                             "can be lowered through the Python API)")
         return dataclasses.replace(self, decode_steps=steps, greedy_tokens=greedy)
 
 

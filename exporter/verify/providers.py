@@ -14,6 +14,7 @@ import itertools
 import logging
 from pathlib import Path
 
+from exporter.errors import InputError
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import prefill_feeds
@@ -49,8 +50,20 @@ def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides) 
     return rows
 
 
+def check_companion(folder: Path, manifest: Manifest) -> tuple[Path, Manifest]:
+    """A float16 export of the artifact's model (the precision leg of the attribution), checked up front."""
+    if manifest.dtype != "float32":
+        raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {manifest.dtype}")
+    companion = read_manifest(folder)
+    if companion.dtype != "float16" or companion.config != manifest.config:
+        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model ({companion.dtype}, "
+                         f"{'same' if companion.config == manifest.config else 'another'} config); export one with "
+                         "--dtype float16")
+    return Path(folder), companion
+
+
 def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: list[Comparison], manifest: Manifest,
-              batch: dict, fp16_companion: Path | None, overrides: Overrides) -> Attribution:
+              batch: dict, companion: tuple[Path, Manifest] | None, overrides: Overrides) -> Attribution:
     legs: dict[str, Comparison] = {}
     missing = []
     cpu = next((r for r in reports if r.provider == CPU), None)
@@ -63,15 +76,12 @@ def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: li
         missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
     else:
         legs["provider"] = next(c for c in cross if c.name == f"{CUDA} vs {CPU} logits")
-        if fp16_companion is None:
+        if companion is None:
             missing.append("precision leg needs a float16 companion artifact")
         else:
-            companion = read_manifest(fp16_companion)
-            if companion.dtype != "float16" or companion.config != manifest.config:
-                missing.append(f"{fp16_companion} is not a float16 export of the same model")
-            else:
-                log.info("attribution: the float16 companion on %s", CUDA)
-                fp16 = OrtRunner(fp16_companion, CUDA, manifest=companion).prefill(prefill_feeds(companion, batch))
-                legs["precision"] = compare("ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"],
-                                            outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits)
+            log.info("attribution: the float16 companion on %s", CUDA)
+            folder, fp16_manifest = companion
+            fp16 = OrtRunner(folder, CUDA, manifest=fp16_manifest).prefill(prefill_feeds(fp16_manifest, batch))
+            legs["precision"] = compare("ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"],
+                                        outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits)
     return Attribution(legs, "; ".join(missing))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +118,13 @@ class Overrides:
 
 def _value(text, where: str) -> float:
     try:
+        if isinstance(text, bool):  # a JSON or TOML true is not a tolerance
+            raise TypeError
         value = float(text)
     except (TypeError, ValueError):
         raise InputError(f"{where}: {text!r} is not a number; write e.g. --atol logits=1e-3") from None
-    if not value >= 0:
-        raise InputError(f"{where}: tolerances must be >= 0, got {text!r}")
+    if not 0 <= value < math.inf:
+        raise InputError(f"{where}: tolerances must be finite and >= 0, got {text!r}")
     return value
 
 

@@ -1,0 +1,125 @@
+"""Bad input to the export-onnx command: refused in one line with exit code 2, before any work is spent,
+and without losing anything on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from exporter.cli import main
+from helpers import edit_manifest
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def refused(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifact_fp32, tmp_path, monkeypatch):
+    webapp = tmp_path / "webapp"
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "app"}')
+    (webapp / "index.html").write_text("x")
+    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", webapp, "-q"), "holds no manifest.json of this toolkit")
+    assert sorted(p.name for p in webapp.iterdir()) == ["index.html", "manifest.json"]
+
+    artifact = shutil.copytree(artifact_fp32, tmp_path / "artifact")
+    (artifact / "NOTES.md").write_text("mine")
+    (artifact / "golden").mkdir()
+    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"), "holds NOTES.md, golden/")
+    assert (artifact / "NOTES.md").read_text() == "mine"
+    (artifact / "NOTES.md").unlink()
+    (artifact / "golden").rmdir()
+    monkeypatch.chdir(artifact)
+    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_run_checks_its_verification_options_before_exporting(tmp_path):
+    out = tmp_path / "never"
+    for option, fragment in ((["--atol", "foo=1"], "unknown kind 'foo'"), (["--atol", "logits=inf"], "finite"),
+                             (["--provider", "bogus"], "bogus is not available"),
+                             (["--report-json", tmp_path], "is a folder; give the path of a file")):
+        refused(invoke("run", "--preset", "minimind-3-tiny", "-o", out, "-q", *option), fragment)
+        assert not out.exists() and not list(tmp_path.glob(".never*"))
+
+
+def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("x")
+    refused(invoke("verify", artifact_fp32, "--golden-save", foreign, "-q"), "holds no golden bundle")
+    assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
+    refused(invoke("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "is not a folder")
+    refused(invoke("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"),
+            "is not a float16 export of the same model")
+    refused(invoke("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
+            "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps")
+    refused(invoke("verify", artifact_fp32, "--provider", "azure", "-q"), "not available")
+
+
+def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
+    folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
+    manifest = (folder / "manifest.json").read_text()
+    for change, fragment in (
+            (lambda m: m["model"]["config"].update(vocab_size=1024), "do not follow from its model config"),
+            (lambda m: m.update(dtype="int8"), "dtype 'int8' is none of float32, float16"),
+            (lambda m: m["files"].update({"../../etc/passwd": {"sha256": "0"}}), "lies outside the folder"),
+            (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256")):
+        (folder / "manifest.json").write_text(manifest)
+        edit_manifest(folder, change)
+        refused(invoke("inspect", folder), fragment)
+    (folder / "manifest.json").write_text("[1, 2]")
+    refused(invoke("inspect", folder), "manifest.json is unreadable")
+
+
+def test_bad_config_values_and_tokenizers_are_named(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"rms_norm_eps": "x"}))
+    import torch
+    from reference import build_model, get_preset
+    checkpoint = tmp_path / "model.pth"
+    torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), checkpoint)
+    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+            "config field rms_norm_eps must be float or None, got 'x'")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}))
+    refused(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+            "malformed vocabulary or added_tokens")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
+    result = invoke("inspect", tmp_path / "none", "--json")
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)
+    assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "is not a folder" in error["error"]["message"]
+    result = invoke("generate", artifact_fp32, "--prompt-ids", "1,,2", "--json")
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage"
+
+
+def test_a_terminated_export_removes_its_partial_folder(tmp_path):
+    out = tmp_path / "art"
+    command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it
+    export = subprocess.Popen([str(command), "export", "--preset", "minimind2-tiny", "-o", str(out), "-q"],
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".art.partial-*")) and export.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    export.send_signal(signal.SIGTERM)
+    _, stderr = export.communicate(timeout=120)
+    assert export.returncode == 143, stderr[-2000:]
+    assert "interrupted (SIGTERM)" in stderr
+    assert list(tmp_path.iterdir()) == []

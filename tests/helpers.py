@@ -14,6 +14,10 @@ from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
 
 
+# Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
+CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
+
+
 def edit_manifest(folder: Path, change) -> None:
     """Apply `change` (a function that edits the dict in place) to an artifact's manifest.json."""
     path = Path(folder) / "manifest.json"

@@ -23,9 +23,7 @@ from exporter.verify.tolerances import profile_for
 from exporter.reference_runner import TorchRunner, reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner
-from helpers import edit_manifest
-
-PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
+from helpers import CONSUMER_PROMPTS, edit_manifest
 
 
 def without_final_eos(ids: list[int], eos: int) -> list[int]:
@@ -38,7 +36,7 @@ def generator(artifact_fp32):
     return GenaiGenerator(artifact_fp32)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", CONSUMER_PROMPTS)
 def test_genai_tokens_equal_our_runtime_and_the_reference(artifact_fp32, tiny_model, generator, prompt):
     eos = tiny_model.config.eos_token_id
     genai = generator.greedy(prompt, 40)
@@ -55,7 +53,7 @@ def test_genai_runs_the_float16_artifact(artifact_fp16, tiny_model):
     eos = manifest.config.eos_token_id
     generator = GenaiGenerator(artifact_fp16)
     reference16 = TorchRunner(tiny_model, manifest)
-    for prompt in PROMPTS:
+    for prompt in CONSUMER_PROMPTS:
         genai = generator.greedy(prompt, 40)
         assert genai == without_final_eos(generate_greedy(OrtRunner(artifact_fp16), prompt, 40, eos).new_ids, eos)
         # Against the float16 reference with our own greedy rule: identical, or a divergence at a near-tie.
@@ -66,7 +64,7 @@ def test_genai_runs_the_float16_artifact(artifact_fp16, tiny_model):
 
 def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     """With the EOS set to a token the model emits, genai stops there; our runtime keeps the EOS."""
-    prompt = PROMPTS[0]
+    prompt = CONSUMER_PROMPTS[0]
     free_run = reference_greedy(tiny_model, prompt, 40, None)
     eos = free_run[10]
     stop = free_run.index(eos)

@@ -13,6 +13,7 @@ from exporter.manifest import read_manifest
 from exporter.reference_runner import reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner
+from helpers import CONSUMER_PROMPTS
 
 try:
     import torch
@@ -23,8 +24,6 @@ except ImportError as exc:  # not installed, or a transformers >= 4.58 that brea
     pytest.skip(f"optimum.onnxruntime does not import here ({type(exc).__name__}: {first_line}); its current "
                 "release needs transformers<4.58: run this test in its own environment (README, 'Deploy with "
                 "onnxruntime-genai / Optimum')", allow_module_level=True)
-
-PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
 
 
 def _load(folder):
@@ -38,7 +37,7 @@ def test_optimum_tokens_equal_our_runtime_and_the_reference(request, tiny_model,
     eos = manifest.config.eos_token_id
     model = _load(folder)
     runner = OrtRunner(folder)
-    for prompt in PROMPTS:
+    for prompt in CONSUMER_PROMPTS:
         optimum = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
         ours = generate_greedy(runner, prompt, 40, eos).new_ids
         assert optimum == ours  # Optimum keeps a final EOS, as we do
@@ -72,7 +71,7 @@ def test_optimum_runs_every_family(request, artifact):
     eos = config.eos_token_id
     model, runner = _load(folder), OrtRunner(folder)
     seen = set()
-    for prompt in ([t % config.vocab_size for t in p] for p in PROMPTS):  # the seed 001 demo has 256 ids
+    for prompt in ([t % config.vocab_size for t in p] for p in CONSUMER_PROMPTS):  # the seed 001 demo has 256 ids
         optimum = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
         ours = generate_greedy(runner, prompt, 24, eos).new_ids
         assert optimum == ours

@@ -157,7 +157,7 @@ def demo_model(seed: int = 0) -> SimpleForCausalLM:
 def main(folder: str = "artifacts/seed001-demo") -> int:
     from exporter.export import export_artifact
     from exporter.parity import verify_artifact
-    from exporter.report import format_verify
+    from exporter.verify.reports import format_verify
     user_model = demo_model()
     adapter = SeedDemoAdapter(user_model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

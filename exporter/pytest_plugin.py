@@ -33,9 +33,18 @@ def reference_plan(folder: Path, golden: Path | None) -> tuple[str, Path | None]
     if bundle is not None:
         return "golden", bundle
     source = read_manifest(folder, check_hashes=False).source
-    if source.get("kind") == "seeded" or (source.get("kind") == "checkpoint" and Path(source.get("path", "")).is_file()):
+    if source.get("kind") == "seeded" or (source.get("kind") == "checkpoint" and _unchanged(source)):
         return "rebuilt", None
     return "invariants", None
+
+
+def _unchanged(source: dict) -> bool:
+    """The checkpoint the artifact was exported from is still there (a file or a folder), as it was."""
+    path = Path(source.get("path", ""))
+    if not path.exists():
+        return False
+    from reference.checkpoints import fingerprint
+    return fingerprint(path) == source.get("sha256")
 
 
 def _verify(folder: Path, plan: str, bundle: Path | None, providers):

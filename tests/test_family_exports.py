@@ -217,3 +217,17 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
     ids = np.ones((1, 1), np.int64)
     with pytest.raises(Exception, match="(?i)indices|out of (range|bounds)"):  # never a silent wrap
         onnx.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, 64), "labels": ids})
+
+
+def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):
+    """examples/byo_seed001.py's main: adapter check, export (the fixture's export of the same adapter, copied),
+    verification and its report."""
+    import shutil
+
+    def export_copy(adapter, folder, source):
+        assert source == {"kind": "custom", "model": "seed001-demo"}
+        shutil.copytree(byo_artifact, folder)
+    monkeypatch.setattr("exporter.export.export_artifact", export_copy)
+    assert byo_example.main(str(tmp_path / "demo")) == 0
+    out = capsys.readouterr().out
+    assert "adapter vs original" in out and "overall: PASS" in out

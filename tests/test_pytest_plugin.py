@@ -38,3 +38,13 @@ def test_plugin_reports_a_broken_artifact_as_failures(artifact_fp32, tmp_path):
     assert "the reference model rebuilt from the manifest" in out.stdout
     assert "failed" in out.stdout and "prefill logits max abs" in out.stdout
     assert "PASSED ::wrong[rebuilt]::invariants" in out.stdout  # the graphs themselves are sound
+
+
+def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
+    from exporter.pytest_plugin import reference_plan
+    assert reference_plan(minimind2_artifact, None) == ("rebuilt", None)
+    folder = shutil.copytree(minimind2_artifact, tmp_path / "copy")
+    changed = tmp_path / "changed.pth"
+    changed.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
+    edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path=str(changed)))
+    assert reference_plan(folder, None) == ("invariants", None)

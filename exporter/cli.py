@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -71,11 +72,15 @@ def handle_errors(func):
         except BaseException as exc:
             if isinstance(exc, (SystemExit, click.ClickException)):
                 raise
+            if isinstance(exc, BrokenPipeError):  # stdout closed by the reader (`| head`): stop quietly
+                sys.stdout = open(os.devnull, "w")
+                sys.exit(141)
             log = logging.getLogger(__name__)
             if isinstance(exc, KeyboardInterrupt) or _interrupted_by is not None:
                 code = 143 if _interrupted_by == "SIGTERM" else 130
-                _fail("interrupted", f"interrupted{f' ({_interrupted_by})' if _interrupted_by else ''}; an earlier "
-                      "artifact at the destination is untouched", code, as_json)
+                _fail("interrupted", f"interrupted{f' ({_interrupted_by})' if _interrupted_by else ''}; an export "
+                      "leaves no partial artifact: the destination holds the earlier one or the complete new one",
+                      code, as_json)
             if isinstance(exc, (ToolkitError, ModelError)):
                 log.debug("input error", exc_info=True)
                 _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
@@ -166,7 +171,7 @@ def genai_option(func):
 def _read_config_file(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON, or not UTF-8 text
         raise ToolkitError(f"--config {path} is not a readable JSON file ({exc}); pass a JSON object of config fields")
     if not isinstance(data, dict):
         raise ToolkitError(f"--config {path} holds a {type(data).__name__}, not a JSON object of config fields")
@@ -191,10 +196,18 @@ def _model_and_source(preset, seed, checkpoint, config_path):
     return model, source, (preset or Path(checkpoint).stem).lower()
 
 
+def _output_folder(output, preset, checkpoint, dtype) -> Path:
+    """-o, or artifacts/<preset or checkpoint name>[-<dtype>]."""
+    if output is not None:
+        return output
+    name = (preset or (Path(checkpoint).stem if checkpoint else DEFAULT_PRESET)).lower()
+    return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
+
+
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
-    model, source, name = _model_and_source(preset, seed, checkpoint, config_path)
-    folder = output or DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
+    model, source, _ = _model_and_source(preset, seed, checkpoint, config_path)
+    folder = _output_folder(output, preset, checkpoint, dtype)
     return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
                                   tokenizer=tokenizer)
 
@@ -230,21 +243,31 @@ def verify_options(func):
     return func
 
 
-def _verify_plan(providers, options: dict):
+def _verify_plan(folder: Path, providers, options: dict):
     """The verification's options, each checked before anything runs (for `run`, before the export)."""
     from exporter.paths import check_output_path
     from exporter.runtime import check_parity_providers
     from exporter.verify.golden import check_golden_destination
     from exporter.verify.inputs import ParitySettings
+    from exporter.verify.providers import read_companion
     from exporter.verify.tolerances import parse_overrides
     overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
     settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
     check_parity_providers(providers)
-    for option in ("report_json", "junit", "html"):
-        if options[option] is not None:
-            check_output_path(options[option], "--" + option.replace("_", "-"), folder=False)
-    if options["golden_save"] is not None:
-        check_golden_destination(options["golden_save"])
+    artifact = Path(folder).resolve()
+    for option in ("report_json", "junit", "html", "golden_save"):
+        path, flag = options[option], "--" + option.replace("_", "-")
+        if path is None:
+            continue
+        if artifact == Path(path).resolve() or artifact in Path(path).resolve().parents:
+            raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                               "write it elsewhere")
+        if option == "golden_save":
+            check_golden_destination(path)
+        else:
+            check_output_path(path, flag, folder=False)
+    if options["fp16_companion"] is not None:
+        read_companion(options["fp16_companion"])
     return overrides, settings
 
 
@@ -275,7 +298,8 @@ def main(ctx):
     With no command, runs `export-onnx run`: export the minimind-3 preset with seeded weights to
     artifacts/minimind-3, then verify it.
 
-    Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error.
+    Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143
+    interrupted (SIGINT/SIGTERM).
     """
     global _interrupted_by
     _interrupted_by = None
@@ -298,7 +322,8 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
     from exporter.report import format_export
     from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
-    plan = _verify_plan(providers, options)  # a bad verification option must not cost an export
+    # a bad verification option must not cost an export
+    plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, options)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, options, plan, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
@@ -341,12 +366,14 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     _setup_logging(verbose, quiet)
     if golden is not None:
         context = click.get_current_context()
-        given = [f"--{name.replace('_', '-')}" for name in ("decode_steps", "sweep", "probe", "golden_save")
+        flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "probe": "--probe",
+                 "golden_save": "--golden-save"}
+        given = [flag for name, flag in flags.items()
                  if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
         if given:
             raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
                                    f"drop {', '.join(given)}")
-    report = _verify(folder, providers, genai, options, _verify_plan(providers, options), golden=golden)
+    report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, options), golden=golden)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 

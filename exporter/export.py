@@ -252,8 +252,8 @@ def _prepare_destination(folder: Path) -> None:
     check_output_path(folder, "output folder", folder=True)
     if not folder.is_dir():
         return
-    cwd = Path.cwd()
-    if folder == cwd or folder in cwd.parents:
+    cwd, real = Path.cwd().resolve(), folder.resolve()
+    if real == cwd or real in cwd.parents:
         raise OutputPathError(f"output folder {folder} holds the current directory, which replacing it would "
                               "delete; run from elsewhere or choose another --output")
     if not any(folder.iterdir()):

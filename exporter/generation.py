@@ -26,6 +26,10 @@ from exporter.errors import InputError, ToolkitError
 from exporter.runtime import check_prompt, is_integer, position_ids_from_mask
 
 PAD_ID = 0  # any valid id; padded slots are masked out
+# The smallest temperature and repetition penalty: logits divided by both stay finite in float32 (1e-40
+# overflowed them to inf, and the draw then fell outside the vocabulary); a temperature this small is
+# the argmax in all but name.
+MIN_DIVISOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -38,15 +42,19 @@ class SamplingConfig:
     seed: int | tuple[int, ...] = 0  # one seed for every row, or one per row
 
     def __post_init__(self):
-        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise InputError(f"temperature must be > 0 and finite when sampling, got {self.temperature}; "
-                             "use greedy decoding for deterministic output")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+                raise InputError(f"{name} must be a number, got {value!r}")
+        if self.do_sample and not MIN_DIVISOR <= self.temperature < math.inf:
+            raise InputError(f"temperature must be >= {MIN_DIVISOR:g} and finite when sampling, got "
+                             f"{self.temperature}; use greedy decoding for deterministic output")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
         if not is_integer(self.top_k) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise InputError(f"repetition_penalty must be > 0 and finite (1 disables it), "
+        if not MIN_DIVISOR <= self.repetition_penalty < math.inf:
+            raise InputError(f"repetition_penalty must be >= {MIN_DIVISOR:g} and finite (1 disables it), "
                              f"got {self.repetition_penalty}")
         seeds = self.seed if isinstance(self.seed, (tuple, list)) else (self.seed,)
         if not seeds or not all(is_integer(s) and s >= 0 for s in seeds):
@@ -63,17 +71,13 @@ class SamplingConfig:
 
 
 def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig) -> np.ndarray:
-    """MiniMind's logits processing for one step. logits (B, V); seen (B, V) bool; returns float64.
-
-    In float64 because a small temperature or penalty would overflow float32's logits to inf
-    (1e-40 does); upstream works in the model's dtype and fails in its sampler then.
-    """
-    logits = logits.astype(np.float64, copy=True)
+    """MiniMind's logits processing for one step. logits (B, V) float32; seen (B, V) bool."""
+    logits = logits.astype(np.float32, copy=True)
     if config.do_sample:
-        logits /= config.temperature
+        logits /= np.float32(config.temperature)
     if config.repetition_penalty != 1.0:
         # Upstream divides (also negative logits, which raises them); kept for parity with it.
-        logits = np.where(seen, logits / config.repetition_penalty, logits)
+        logits = np.where(seen, logits / np.float32(config.repetition_penalty), logits)
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = -np.partition(-logits, config.top_k - 1, axis=-1)[:, config.top_k - 1:config.top_k]
         logits = np.where(logits < kth, -np.inf, logits)
@@ -154,9 +158,12 @@ def check_prompts(config, prompts, max_new_tokens: int) -> list[list[int]]:
 def check_request(config, prompts, max_new_tokens: int, sampling: SamplingConfig,
                   eos_token_id: int | None, stop_ids) -> tuple[list[list[int]], set[int]]:
     """Everything a generation is given, checked before anything runs: the prompts and the stop set."""
+    if not isinstance(sampling, SamplingConfig):
+        raise InputError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}; "
+                         "write e.g. SamplingConfig(do_sample=True, top_p=0.9)")
     prompts = check_prompts(config, prompts, max_new_tokens)
     sampling.seeds(len(prompts))
-    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or getattr(stop_ids, "ndim", 1) != 1:
         raise InputError(f"stop_ids must be a list of token ids, got {stop_ids!r}; write e.g. stop_ids=[{stop_ids}]")
     stop_ids = list(stop_ids)
     vocab = config.vocab_size

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from exporter.contract import (DTYPES, CacheLayout, GraphContract, cache_layout, decode_contract,
                                prefill_contract)
@@ -95,16 +98,47 @@ def _inconsistency(manifest: Manifest) -> str | None:
         return "its graphs' inputs, outputs or cache layout do not follow from its model config"
     if not isinstance(manifest.source, dict):
         return f"model.source is a {type(manifest.source).__name__}, not an object"
+    required = {"seeded": {"preset": str, "seed": int}, "checkpoint": {"path": str, "sha256": str}}
+    for key, kind in required.get(manifest.source.get("kind"), {}).items():
+        if not _is(manifest.source.get(key), kind):
+            return f"model.source.{key} is {manifest.source.get(key)!r}, expected {kind.__name__}"
+    if not isinstance(manifest.versions, dict):
+        return "versions is not an object"
     if not isinstance(manifest.files, dict):
         return "files is not an object of file names"
     for name, entry in manifest.files.items():
         if Path(name).name != name or name in (".", ".."):
             return f"file {name!r} lies outside the folder"
-        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
-            return f"file {name!r} has no sha256"
+        if not (isinstance(entry, dict) and _is(entry.get("sha256"), str) and _is(entry.get("bytes"), int)):
+            return f"file {name!r} has no sha256 or size"
     unlisted = [f for f in (manifest.prefill.file, manifest.decode.file, manifest.weights_file) if f not in manifest.files]
     if unlisted:
         return f"{', '.join(unlisted)} not listed in files"
+    return _initializer_problem(manifest)
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _initializer_problem(manifest: Manifest) -> str | None:
+    """Each graph's table of weights must lie within the weights file, each entry the size of its shape."""
+    tables = manifest.initializers
+    graphs = {manifest.prefill.file, manifest.decode.file}
+    if not isinstance(tables, dict) or set(tables) != graphs or not all(isinstance(t, list) for t in tables.values()):
+        return f"weights.initializers must list the weights of {' and '.join(sorted(graphs))}"
+    size = manifest.files[manifest.weights_file]["bytes"]
+    for graph, table in tables.items():
+        for entry in table:
+            try:
+                ok = (_is(entry["name"], str) and _is(entry["offset"], int) and _is(entry["length"], int)
+                      and all(_is(d, int) and d >= 0 for d in entry["shape"])
+                      and math.prod(entry["shape"]) * np.dtype(entry["dtype"]).itemsize == entry["length"]
+                      and 0 <= entry["offset"] <= size - entry["length"])
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                return f"weights.initializers of {graph}: {str(entry)[:80]} does not lie within {manifest.weights_file}"
     return None
 
 

@@ -27,6 +27,10 @@ PARITY_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
 
 
 def provider_name(name: str) -> str:
+    """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
+    for full in ort.get_available_providers():
+        if name.lower() in (full.lower(), full.lower().removesuffix("executionprovider")):
+            return full
     return PROVIDER_ALIASES.get(name.lower(), name)
 
 
@@ -79,8 +83,7 @@ def is_integer(value) -> bool:
 
 def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list[int]:
     """Validate one prompt before anything runs; return it as a list of ints."""
-    if (isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__")
-            or getattr(prompt_ids, "ndim", 1) != 1):
+    if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or getattr(prompt_ids, "ndim", 1) != 1:
         raise InputError(f"a prompt must be a list of token ids, got {type(prompt_ids).__name__} "
                          f"{str(prompt_ids)[:40]!r}; tokenize text first (or give a tokenizer)")
     odd = [i for i in prompt_ids if not is_integer(i)]

@@ -88,6 +88,7 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens)
     if source.config is not None:
         _read_json(source.config)
+    _load(tokenizer)  # what every consumer will do with it
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
@@ -120,13 +121,16 @@ def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) 
 
 def load_tokenizer(path: Path, vocab_size: int):
     """A `tokenizers.Tokenizer` from a tokenizer.json, or a folder (an artifact) holding one, checked to fit."""
+    return _load(find_tokenizer(path, vocab_size).tokenizer)
+
+
+def _load(path: Path):
     from tokenizers import Tokenizer
 
-    source = find_tokenizer(path, vocab_size)
     try:
-        return Tokenizer.from_file(str(source.tokenizer))
+        return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-        raise TokenizerError(f"{source.tokenizer} is not a readable {TOKENIZER}: {str(exc).splitlines()[0]}") from None
+        raise TokenizerError(f"{path} is not a readable {TOKENIZER}: {str(exc).splitlines()[0]}") from None
 
 
 class TextStream:

@@ -105,6 +105,11 @@ class MiniMindConfig(JsonConfig):
         for name in ("rms_norm_eps", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"config field {name} must be positive and finite, got {getattr(self, name)!r}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"config field dropout must lie in [0, 1), got {self.dropout!r}")
+        if not 0 <= self.router_aux_loss_coef < math.inf:
+            raise ConfigError(f"config field router_aux_loss_coef must be finite and >= 0, "
+                              f"got {self.router_aux_loss_coef!r}")
         if self.rope_scaling is not None and not self.inference_rope_scaling:
             raise ConfigError("config field rope_scaling is set but inference_rope_scaling is False; "
                               "set inference_rope_scaling=True to apply it, or drop rope_scaling")
@@ -137,6 +142,7 @@ def _yarn_from_dict(data: dict) -> YarnScaling:
     check_field_types(YarnScaling, data, prefix="rope_scaling.")
     scaling = YarnScaling(**{k: v for k, v in data.items() if k in fields})
     for name in fields:
-        if not getattr(scaling, name) > 0:
-            raise ConfigError(f"config field rope_scaling.{name} must be positive, got {getattr(scaling, name)!r}")
+        if not 0 < getattr(scaling, name) < math.inf:
+            raise ConfigError(f"config field rope_scaling.{name} must be positive and finite, "
+                              f"got {getattr(scaling, name)!r}")
     return scaling

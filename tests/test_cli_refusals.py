@@ -44,6 +44,10 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     (artifact / "golden").rmdir()
     monkeypatch.chdir(artifact)
     refused(invoke("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
+    (tmp_path / "link").symlink_to(tmp_path)  # the same folder by another path
+    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
+            "holds the current directory")
+    (tmp_path / "link").unlink()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -56,18 +60,23 @@ def test_run_checks_its_verification_options_before_exporting(tmp_path):
         assert not out.exists() and not list(tmp_path.glob(".never*"))
 
 
-def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path):
+def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path, monkeypatch):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "data.txt").write_text("x")
     refused(invoke("verify", artifact_fp32, "--golden-save", foreign, "-q"), "holds no golden bundle")
     assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
     refused(invoke("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "is not a folder")
-    refused(invoke("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"),
-            "is not a float16 export of the same model")
+    refused(invoke("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
+    refused(invoke("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
+            "lies inside the artifact folder")
     refused(invoke("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
             "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps")
-    refused(invoke("verify", artifact_fp32, "--provider", "azure", "-q"), "not available")
+
+    import onnxruntime
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
+    refused(invoke("verify", artifact_fp32, "--provider", "azure", "-q"),
+            "verification runs on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
 def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
@@ -77,7 +86,9 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
             (lambda m: m["model"]["config"].update(vocab_size=1024), "do not follow from its model config"),
             (lambda m: m.update(dtype="int8"), "dtype 'int8' is none of float32, float16"),
             (lambda m: m["files"].update({"../../etc/passwd": {"sha256": "0"}}), "lies outside the folder"),
-            (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256")):
+            (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256"),
+            (lambda m: m["weights"].update(file="config.json"), "does not lie within config.json"),
+            (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int")):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(invoke("inspect", folder), fragment)
@@ -94,7 +105,16 @@ def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), checkpoint)
     refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field rms_norm_eps must be float or None, got 'x'")
+    config.write_text(json.dumps({"dropout": 2}))
+    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+            "config field dropout must lie in [0, 1), got 2")
+    config.write_bytes(b"\xff\xfe\x00{")
+    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+            "is not a readable JSON file")
     tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 3.7}, "unk_token": "a"}}))
+    refused(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+            "is not a readable tokenizer.json")
     tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}))
     refused(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
             "malformed vocabulary or added_tokens")

@@ -154,11 +154,11 @@ def test_a_sampled_row_draws_the_same_tokens_in_any_batch(runner):
     assert twice[0].new_ids == batched[0].new_ids and twice[1].new_ids != twice[0].new_ids
 
 
-def test_extreme_temperature_and_penalty_stay_within_the_vocabulary(runner):
+def test_the_smallest_temperature_and_penalty_stay_finite_and_within_the_vocabulary(runner):
     greedy = generate(runner, [[1, 2, 3]], 8)[0].new_ids
-    # float32 logits / 1e-40 overflow to inf; the processing works in float64, so this is the argmax
-    assert generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-40))[0].new_ids == greedy
-    penalised = generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, repetition_penalty=1e-40))
+    assert generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-6))[0].new_ids == greedy
+    penalised = generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-6,
+                                                                   repetition_penalty=1e-6))
     assert all(0 <= i < runner.manifest.config.vocab_size for i in penalised[0].new_ids)
 
 
@@ -185,6 +185,9 @@ def test_a_two_dimensional_integer_array_is_a_batch(runner):
     ([[1] * 200, [1]], {"max_new_tokens": 100}, "prompt 0: .*exceeds max_position_embeddings"),
     ([[1]], {"stop_ids": [9999]}, "stop ids"),
     ([[1]], {"stop_ids": 5}, r"stop_ids must be a list .*stop_ids=\[5\]"),
+    ([[1]], {"stop_ids": np.array(5)}, "stop_ids must be a list"),
+    ([[1]], {"sampling": {"do_sample": True}}, "sampling must be a SamplingConfig"),
+    ([{1, 2}], {}, "a prompt must be a list of token ids, got set"),
     ([[1, 2]], {"eos_token_id": 1000}, "eos_token_id 1000 is not a token id"),
     ([[1, 2]], {"eos_token_id": -5}, "eos_token_id -5 is not a token id"),
     ([[1.7, 2.2]], {}, "token ids must be integers, got 1.7"),
@@ -204,14 +207,18 @@ def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwarg
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"do_sample": True, "temperature": 0.0}, "temperature must be > 0"),
-    ({"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
+    ({"do_sample": True, "temperature": 0.0}, "temperature must be >= 1e-06"),
+    ({"do_sample": True, "temperature": -1.0}, "temperature must be >= 1e-06"),
+    ({"do_sample": True, "temperature": 1e-40}, "temperature must be >= 1e-06"),
+    ({"do_sample": True, "temperature": "x"}, "temperature must be a number"),
+    ({"top_p": "0.5"}, "top_p must be a number"),
+    ({"repetition_penalty": None}, "repetition_penalty must be a number"),
     ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must lie in \(0, 1\]"),
     ({"top_k": -1}, "top_k must be an integer >= 0"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-    ({"do_sample": True, "temperature": float("inf")}, "temperature must be > 0 and finite"),
-    ({"repetition_penalty": float("nan")}, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be >= 1e-06"),
+    ({"do_sample": True, "temperature": float("inf")}, "temperature must be >= 1e-06 and finite"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be >= 1e-06"),
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"seed": -1}, "seed must be an integer >= 0"),
     ({"seed": (1, "2")}, "seed must be an integer >= 0"),

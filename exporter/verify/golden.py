@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import zipfile
 from pathlib import Path
@@ -128,12 +129,17 @@ class RecordedReference:
         for index, ((prompt, n, eos), trace) in enumerate(self.greedy_traces.items()):
             greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids})
             arrays[f"greedy/{index}/logits"] = trace.logits
-        np.savez(folder / ARRAYS, **arrays)
+        # Over an older bundle: each file is written aside and swapped in, the index last, so that an
+        # interrupted save leaves the older bundle readable (or a mismatch it reports), never half a file.
+        with open(folder / f".{ARRAYS}.partial", "wb") as f:  # a file object: savez would append .npz to a name
+            np.savez(f, **arrays)
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": _identity(manifest),
                 "settings": settings.to_dict(), "calls": calls, "greedy": greedy,
                 "versions": {**versions, "numpy": np.__version__, "onnxruntime": ort.__version__,
                              "python": platform.python_version()}}
-        (folder / BUNDLE).write_text(json.dumps(meta, indent=1) + "\n")
+        (folder / f".{BUNDLE}.partial").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(folder / f".{ARRAYS}.partial", folder / ARRAYS)
+        os.replace(folder / f".{BUNDLE}.partial", folder / BUNDLE)
         log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
                  (folder / ARRAYS).stat().st_size / 1e6)
         return folder

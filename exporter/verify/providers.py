@@ -14,7 +14,7 @@ import itertools
 import logging
 from pathlib import Path
 
-from exporter.errors import InputError
+from exporter.errors import ArtifactError, InputError
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import prefill_feeds
@@ -50,15 +50,26 @@ def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides) 
     return rows
 
 
+def read_companion(folder: Path) -> Manifest:
+    """The manifest of a float16 companion artifact (the precision leg of the attribution)."""
+    try:
+        companion = read_manifest(folder)
+    except ArtifactError as exc:
+        raise InputError(f"--fp16-companion: {exc}") from None
+    if companion.dtype != "float16":
+        raise InputError(f"--fp16-companion {folder} is not a float16 export ({companion.dtype}); export the same "
+                         "model with --dtype float16")
+    return companion
+
+
 def check_companion(folder: Path, manifest: Manifest) -> tuple[Path, Manifest]:
-    """A float16 export of the artifact's model (the precision leg of the attribution), checked up front."""
+    """A float16 export of the artifact's model, checked before the verification runs."""
     if manifest.dtype != "float32":
         raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {manifest.dtype}")
-    companion = read_manifest(folder)
-    if companion.dtype != "float16" or companion.config != manifest.config:
-        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model ({companion.dtype}, "
-                         f"{'same' if companion.config == manifest.config else 'another'} config); export one with "
-                         "--dtype float16")
+    companion = read_companion(folder)
+    if companion.config != manifest.config:
+        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (another config); "
+                         "export this model with --dtype float16")
     return Path(folder), companion
 
 

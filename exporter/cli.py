@@ -184,7 +184,7 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         if config_path is not None:
             raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
         preset = preset or DEFAULT_PRESET
-        return build_model(get_preset(preset), seed), {"kind": "seeded", "preset": preset.lower(), "seed": seed}, preset
+        return build_model(get_preset(preset), seed), {"kind": "seeded", "preset": preset.lower(), "seed": seed}
     from reference.checkpoints import fingerprint, load_checkpoint
     if preset is not None and config_path is not None:
         raise ToolkitError("give --preset or --config for a checkpoint, not both")
@@ -193,7 +193,7 @@ def _model_and_source(preset, seed, checkpoint, config_path):
     model, report = load_checkpoint(checkpoint, config=config, config_data=data)
     source = {"kind": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": fingerprint(checkpoint),
               **{k: v for k, v in report.to_dict().items() if k != "path"}}
-    return model, source, (preset or Path(checkpoint).stem).lower()
+    return model, source
 
 
 def _output_folder(output, preset, checkpoint, dtype) -> Path:
@@ -206,7 +206,7 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
-    model, source, _ = _model_and_source(preset, seed, checkpoint, config_path)
+    model, source = _model_and_source(preset, seed, checkpoint, config_path)
     folder = _output_folder(output, preset, checkpoint, dtype)
     return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
                                   tokenizer=tokenizer)

@@ -15,10 +15,9 @@ generator, so its rows depend on each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import math
 
 import numpy as np
 

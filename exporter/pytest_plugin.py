@@ -130,9 +130,14 @@ def pytest_report_header(config):
     folders = config.getoption("artifacts")
     if not folders:
         return None
+    from exporter.errors import ToolkitError
     lines = []
     for folder in folders:
-        plan, bundle = reference_plan(folder, config.getoption("golden_bundle"))
+        try:
+            plan, bundle = reference_plan(folder, config.getoption("golden_bundle"))
+        except ToolkitError as exc:  # reported once more, as a usage error, when the items are collected
+            lines.append(f"artifact {folder}: {exc}")
+            continue
         what = {"golden": f"golden bundle {bundle}", "rebuilt": "the reference model rebuilt from the manifest (its seed or checkpoint)",
                 "invariants": "no reference available: reference-free invariants only"}[plan]
         lines.append(f"artifact {folder}: reference = {what}")

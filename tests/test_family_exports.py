@@ -221,13 +221,19 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
 
 def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):
     """examples/byo_seed001.py's main: adapter check, export (the fixture's export of the same adapter, copied),
-    verification and its report."""
+    verification (a short one: the full one runs in test_family_artifact_matches_its_reference_on_cpu) and
+    its report."""
     import shutil
+    import exporter.parity
 
     def export_copy(adapter, folder, source):
         assert source == {"kind": "custom", "model": "seed001-demo"}
         shutil.copytree(byo_artifact, folder)
+
+    def short_verification(folder, model, verify=exporter.parity.verify_artifact):
+        return verify(folder, model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False)
     monkeypatch.setattr("exporter.export.export_artifact", export_copy)
+    monkeypatch.setattr("exporter.parity.verify_artifact", short_verification)
     assert byo_example.main(str(tmp_path / "demo")) == 0
     out = capsys.readouterr().out
     assert "adapter vs original" in out and "overall: PASS" in out

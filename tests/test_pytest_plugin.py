@@ -23,7 +23,8 @@ def test_plugin_does_nothing_without_the_option(tmp_path):
 def test_plugin_runs_invariants_when_no_reference_is_available(artifact_fp32, tmp_path):
     # Weights of unknown origin: no seed to rebuild the reference, no golden bundle.
     folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
-    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "checkpoint", "path": "elsewhere"}))
+    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "checkpoint", "path": "elsewhere",
+                                                                            "sha256": "0" * 64}))
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "reference-free invariants only" in out.stdout and "1 passed" in out.stdout
@@ -48,3 +49,11 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     changed.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path=str(changed)))
     assert reference_plan(folder, None) == ("invariants", None)
+
+
+def test_plugin_reports_a_damaged_manifest_as_a_usage_error(artifact_fp32, tmp_path):
+    folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
+    edit_manifest(folder, lambda manifest: manifest.update(dtype="int8"))
+    out = _pytest(tmp_path, "--artifacts", folder)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
+    assert "INTERNALERROR" not in out.stdout + out.stderr and "dtype 'int8' is none of" in out.stderr

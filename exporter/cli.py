@@ -383,7 +383,10 @@ def _parse_ids(text: str) -> list[int]:
     try:
         if len(parts) > 1 and not all(part.strip() for part in parts):
             raise ValueError  # "1,,2": a lost id, not a separator
-        return [int(token) for part in parts for token in part.split()]
+        tokens = [token for part in parts for token in part.split()]
+        if not all(token.isascii() and token.lstrip("-").isdigit() for token in tokens):
+            raise ValueError  # int() also reads "1_000" and non-ASCII digits
+        return [int(token) for token in tokens]
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a list of integers; write e.g. --prompt-ids 1,42,7") from None
 

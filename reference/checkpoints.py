@@ -332,6 +332,13 @@ def _check_fit(path, config, model, state: dict) -> None:
                  for k in expected if k in state and tuple(state[k].shape) != expected[k]]
     if missing or unexpected or misshaped:
         raise _fit_error(path, config, missing, unexpected, misshaped)
+    model_tensors = model.state_dict()
+    not_float = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in state.items()
+                 if model_tensors[k].is_floating_point() and not v.is_floating_point()]
+    if not_float:
+        raise CheckpointError(f"{path}: weights stored as integers, which no model of this toolkit holds: "
+                              f"{', '.join(not_float[:SHOWN])}; the file is damaged or quantised — pass the "
+                              "floating-point checkpoint")
 
 
 def load_checkpoint(path, config=None, config_data: dict | None = None):

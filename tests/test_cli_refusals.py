@@ -105,6 +105,11 @@ def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), checkpoint)
     refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field rms_norm_eps must be float or None, got 'x'")
+    state = build_model(get_preset("minimind-3-tiny")).state_dict()
+    state["model.norm.weight"] = state["model.norm.weight"].long()
+    torch.save(state, tmp_path / "integers.pth")
+    refused(invoke("export", "--checkpoint", tmp_path / "integers.pth", "--preset", "minimind-3-tiny", "-o",
+                   tmp_path / "a", "-q"), "weights stored as integers")
     config.write_text(json.dumps({"dropout": 2}))
     refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field dropout must lie in [0, 1), got 2")
@@ -126,8 +131,9 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
     assert result.exit_code == 2
     error = json.loads(result.stdout)
     assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "is not a folder" in error["error"]["message"]
-    result = invoke("generate", artifact_fp32, "--prompt-ids", "1,,2", "--json")
-    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage"
+    for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
+        result = invoke("generate", artifact_fp32, "--prompt-ids", ids, "--json")
+        assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage", ids
 
 
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):

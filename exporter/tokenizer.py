@@ -3,15 +3,16 @@
 The export copies `tokenizer.json` (Hugging Face `tokenizers` format) and
 `tokenizer_config.json` when there is one, or writes a minimal one: both
 onnxruntime-genai and transformers need that file beside tokenizer.json.
-Validation reads the JSON directly; turning text into ids and back
-(`load_tokenizer`, `TextStream`) uses the `tokenizers` library.
+Validation reads the JSON directly for the ids and loads the file with the
+`tokenizers` library, as every consumer will; that loaded tokenizer turns
+text into ids and back (`load_tokenizer`, `TextStream`).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.errors import TokenizerError
@@ -29,6 +30,7 @@ class TokenizerSource:
     tokenizer: Path
     config: Path | None
     tokens: dict[int, str]  # id -> token, the model vocabulary and the added tokens
+    loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
 
     @property
     def max_id(self) -> int:
@@ -85,10 +87,9 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
     tokens = _tokens(tokenizer, _read_json(tokenizer))
     config = tokenizer.parent / TOKENIZER_CONFIG
-    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens)
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, _load(tokenizer))
     if source.config is not None:
         _read_json(source.config)
-    _load(tokenizer)  # what every consumer will do with it
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
@@ -121,7 +122,7 @@ def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) 
 
 def load_tokenizer(path: Path, vocab_size: int):
     """A `tokenizers.Tokenizer` from a tokenizer.json, or a folder (an artifact) holding one, checked to fit."""
-    return _load(find_tokenizer(path, vocab_size).tokenizer)
+    return find_tokenizer(path, vocab_size).loaded
 
 
 def _load(path: Path):

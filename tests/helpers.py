@@ -18,6 +18,21 @@ from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
 CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
 
 
+def run_cli(*args):
+    """export-onnx in this process (click's test runner), every argument as a string."""
+    from click.testing import CliRunner
+    from exporter.cli import main
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(result, code: int, fragment: str) -> None:
+    """The command failed with `code` and said why in one line on stderr, `fragment` in it, no traceback."""
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
 def edit_manifest(folder: Path, change) -> None:
     """Apply `change` (a function that edits the dict in place) to an artifact's manifest.json."""
     path = Path(folder) / "manifest.json"

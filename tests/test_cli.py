@@ -6,14 +6,8 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
-from exporter.cli import main
-from helpers import claim_seed, edit_manifest
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+from helpers import assert_one_line_error, claim_seed, edit_manifest, run_cli
 
 
 # Verification options that keep a CLI test short; the default run is covered in test_verify_engine.
@@ -24,7 +18,7 @@ QUICK = ("--decode-steps", "16", "--no-sweep")
 def cli_artifact(tmp_path_factory):
     """An inference-only (no loss) tiny artifact exported and verified by `run`, the default command."""
     folder = tmp_path_factory.mktemp("cli") / "tiny"
-    result = invoke("run", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--provider", "cpu",
+    result = run_cli("run", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--provider", "cpu",
                     "--no-genai", "--decode-steps", "2", "--no-sweep", "--json", "-q")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -39,7 +33,7 @@ def test_no_command_runs_the_default_export_and_verification(monkeypatch):
     def stop(model, folder, dtype, with_loss, source, tokenizer):
         raise ToolkitError(f"stopped before exporting {source} ({dtype}, loss {with_loss}) to {folder}")
     monkeypatch.setattr("exporter.export.export_artifact", stop)
-    result = invoke()
+    result = run_cli()
     assert result.exit_code == 2, result.output
     assert ("stopped before exporting {'kind': 'seeded', 'preset': 'minimind-3', 'seed': 0} (float32, loss True) "
             "to artifacts/minimind-3") in result.stderr
@@ -49,18 +43,18 @@ def test_an_unexpected_failure_exits_three_with_one_line(cli_artifact, monkeypat
     def broken(*args):
         raise RuntimeError("boom")
     monkeypatch.setattr("exporter.report.format_inspect", broken)
-    result = invoke("inspect", cli_artifact)
+    result = run_cli("inspect", cli_artifact)
     assert result.exit_code == 3
     assert result.stderr.strip() == "internal error: RuntimeError: boom (rerun with --verbose for the traceback)"
-    verbose = invoke("inspect", cli_artifact, "-v")
+    verbose = run_cli("inspect", cli_artifact, "-v")
     assert verbose.exit_code == 3 and 'raise RuntimeError("boom")' in verbose.stderr
     assert verbose.stderr.strip().splitlines()[-1] == "internal error: RuntimeError: boom"
-    verbose = invoke("generate", cli_artifact, "--prompt-ids", "1,99999", "-v")  # an input error's origin too
+    verbose = run_cli("generate", cli_artifact, "--prompt-ids", "1,99999", "-v")  # an input error's origin too
     assert verbose.exit_code == 2 and "Traceback" in verbose.stderr and "in check_prompt" in verbose.stderr
 
 
 def test_help_explains_commands_and_exit_codes():
-    result = invoke("--help")
+    result = run_cli("--help")
     assert result.exit_code == 0
     for word in ("run", "export", "verify", "generate", "inspect", "Exit codes"):
         assert word in result.output
@@ -74,7 +68,7 @@ def test_no_loss_export_drops_labels_and_loss(cli_artifact):
 
 
 def test_verify_passes_with_json_and_exit_code_zero(cli_artifact):
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--json", "-q", *QUICK)
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--json", "-q", *QUICK)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and report["providers"][0]["provider"] == "CPUExecutionProvider"
@@ -86,34 +80,34 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     # Same config, other weights: claim seed 1 in a copy of the manifest (hashes still match the files).
     copy = shutil.copytree(cli_artifact, tmp_path / "wrong")
     edit_manifest(copy, claim_seed(1))
-    result = invoke("verify", copy, "--provider", "cpu", "-q", *QUICK)
+    result = run_cli("verify", copy, "--provider", "cpu", "-q", *QUICK)
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.stdout
 
 
 def test_table_output_names_every_check(cli_artifact, cpu_only):
-    result = invoke("verify", cli_artifact, "-q", *QUICK)
+    result = run_cli("verify", cli_artifact, "-q", *QUICK)
     assert result.exit_code == 0, result.output
     for row in ("prefill logits", "decode logits (17 steps)", "reference-free invariants", "greedy tokens", "overall: PASS",
                 "consumer onnxruntime-genai", "32/32 match, 32 tokens identical"):
         assert row in result.stdout
     assert "CUDAExecutionProvider: skipped (not available in this onnxruntime build" in result.stdout
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
     assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
 
 def test_generate_and_inspect(cli_artifact):
-    result = invoke("generate", cli_artifact, "--prompt-ids", "1,17,230", "--max-new-tokens", "6", "-q")
+    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,17,230", "--max-new-tokens", "6", "-q")
     assert result.exit_code == 0, result.output
     assert len(result.stdout.split()) == 6
-    result = invoke("inspect", cli_artifact)
+    result = run_cli("inspect", cli_artifact)
     assert result.exit_code == 0, result.output
     assert "past_key_values.1.value" in result.stdout and "past_sequence_length" in result.stdout
 
 
 def test_reexport_replaces_the_artifact(cli_artifact):
     before = json.loads((cli_artifact / "manifest.json").read_text())
-    result = invoke("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", cli_artifact, "-q")
+    result = run_cli("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", cli_artifact, "-q")
     assert result.exit_code == 0, result.output
     after = json.loads((cli_artifact / "manifest.json").read_text())
     assert after["model"]["source"]["seed"] == 3
@@ -121,44 +115,37 @@ def test_reexport_replaces_the_artifact(cli_artifact):
     assert sorted(p.name for p in cli_artifact.parent.iterdir()) == [cli_artifact.name]
 
 
-def _one_line_error(result, code, fragment):
-    assert result.exit_code == code, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
-    assert "Traceback" not in result.output
-
-
 def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    _one_line_error(invoke("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
-    _one_line_error(invoke("export", "--preset", "minimind-3-tiny", "-o", a_file, "-q"), 2, "is a file")
-    _one_line_error(invoke("verify", tmp_path, "-q"), 2, "has no manifest.json")
-    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1,99999", "-q"), 2, "outside the vocabulary")
-    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1,x", "-q"), 2, "not a list of integers")
-    _one_line_error(invoke("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
+    assert_one_line_error(run_cli("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
+    assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "-o", a_file, "-q"), 2, "is a file")
+    assert_one_line_error(run_cli("verify", tmp_path, "-q"), 2, "has no manifest.json")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,99999", "-q"), 2, "outside the vocabulary")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,x", "-q"), 2, "not a list of integers")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
                     "exceeds max_position_embeddings")
-    _one_line_error(invoke("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
-    _one_line_error(invoke("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "holds no tokenizer.json")
-    _one_line_error(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
+    assert_one_line_error(run_cli("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "holds no tokenizer.json")
+    assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
                            "-q"), 2, "cannot read")
     assert not (tmp_path / "t").exists()
-    _one_line_error(invoke("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
-    _one_line_error(invoke("verify", cli_artifact, "--atol", "logits", "-q"), 2, "expected KIND=VALUE")
-    _one_line_error(invoke("verify", cli_artifact, "--rtol", "weights=1", "-q"), 2, "unknown kind 'weights'")
-    _one_line_error(invoke("verify", cli_artifact, "--tolerances", a_file, "-q"), 2, "cannot read tolerance file")
-    _one_line_error(invoke("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
-    _one_line_error(invoke("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--atol", "logits", "-q"), 2, "expected KIND=VALUE")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--rtol", "weights=1", "-q"), 2, "unknown kind 'weights'")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--tolerances", a_file, "-q"), 2, "cannot read tolerance file")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
+    assert_one_line_error(run_cli("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
     tampered = shutil.copytree(cli_artifact, tmp_path / "tampered")
     (tampered / "genai_config.json").write_text("{}")
-    _one_line_error(invoke("generate", tampered, "--prompt-ids", "1", "-q"), 2,
+    assert_one_line_error(run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2,
                     "sha256 of genai_config.json does not match")
     assert a_file.read_text() == "x"
 
 
 def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact, tmp_path):
     out = tmp_path / "out"
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
                     "--no-sweep", "--atol", "logits=2e-4", "--report-json", out / "r.json", "--junit", out / "r.xml",
                     "--html", out / "r.html", "--golden-save", out / "golden")
     assert result.exit_code == 0, result.output
@@ -166,9 +153,9 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     assert report["providers"][0]["tolerances"]["logits"]["atol"] == 2e-4
     assert len(report["providers"][0]["decode_curve"]) == 4 and (out / "r.xml").is_file()
     assert "<svg" in (out / "r.html").read_text()
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--golden", out / "golden", "--json", "-q")
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--golden", out / "golden", "--json", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"] == f"golden bundle {out / 'golden'}"
-    result = invoke("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
                     "--peak", "logits=0", "-q", "--decode-steps", "3", "--no-sweep", "--no-genai")
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides

@@ -11,20 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from click.testing import CliRunner
-
-from exporter.cli import main
-from helpers import edit_manifest
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+from helpers import assert_one_line_error, edit_manifest, run_cli
 
 
 def refused(result, fragment: str) -> None:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert_one_line_error(result, 2, fragment)
 
 
 def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifact_fp32, tmp_path, monkeypatch):
@@ -32,20 +23,20 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     webapp.mkdir()
     (webapp / "manifest.json").write_text('{"name": "app"}')
     (webapp / "index.html").write_text("x")
-    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", webapp, "-q"), "holds no manifest.json of this toolkit")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", webapp, "-q"), "holds no manifest.json of this toolkit")
     assert sorted(p.name for p in webapp.iterdir()) == ["index.html", "manifest.json"]
 
     artifact = shutil.copytree(artifact_fp32, tmp_path / "artifact")
     (artifact / "NOTES.md").write_text("mine")
     (artifact / "golden").mkdir()
-    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"), "holds NOTES.md, golden/")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"), "holds NOTES.md, golden/")
     assert (artifact / "NOTES.md").read_text() == "mine"
     (artifact / "NOTES.md").unlink()
     (artifact / "golden").rmdir()
     monkeypatch.chdir(artifact)
-    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
     (tmp_path / "link").symlink_to(tmp_path)  # the same folder by another path
-    refused(invoke("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
             "holds the current directory")
     (tmp_path / "link").unlink()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
@@ -56,7 +47,7 @@ def test_run_checks_its_verification_options_before_exporting(tmp_path):
     for option, fragment in ((["--atol", "foo=1"], "unknown kind 'foo'"), (["--atol", "logits=inf"], "finite"),
                              (["--provider", "bogus"], "bogus is not available"),
                              (["--report-json", tmp_path], "is a folder; give the path of a file")):
-        refused(invoke("run", "--preset", "minimind-3-tiny", "-o", out, "-q", *option), fragment)
+        refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", *option), fragment)
         assert not out.exists() and not list(tmp_path.glob(".never*"))
 
 
@@ -64,18 +55,18 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "data.txt").write_text("x")
-    refused(invoke("verify", artifact_fp32, "--golden-save", foreign, "-q"), "holds no golden bundle")
+    refused(run_cli("verify", artifact_fp32, "--golden-save", foreign, "-q"), "holds no golden bundle")
     assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
-    refused(invoke("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "is not a folder")
-    refused(invoke("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
-    refused(invoke("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
+    refused(run_cli("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "is not a folder")
+    refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
+    refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
-    refused(invoke("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
+    refused(run_cli("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
             "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps")
 
     import onnxruntime
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
-    refused(invoke("verify", artifact_fp32, "--provider", "azure", "-q"),
+    refused(run_cli("verify", artifact_fp32, "--provider", "azure", "-q"),
             "verification runs on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
@@ -91,9 +82,9 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
             (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int")):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
-        refused(invoke("inspect", folder), fragment)
+        refused(run_cli("inspect", folder), fragment)
     (folder / "manifest.json").write_text("[1, 2]")
-    refused(invoke("inspect", folder), "manifest.json is unreadable")
+    refused(run_cli("inspect", folder), "manifest.json is unreadable")
 
 
 def test_bad_config_values_and_tokenizers_are_named(tmp_path):
@@ -103,36 +94,36 @@ def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     from reference import build_model, get_preset
     checkpoint = tmp_path / "model.pth"
     torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), checkpoint)
-    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field rms_norm_eps must be float or None, got 'x'")
     state = build_model(get_preset("minimind-3-tiny")).state_dict()
     state["model.norm.weight"] = state["model.norm.weight"].long()
     torch.save(state, tmp_path / "integers.pth")
-    refused(invoke("export", "--checkpoint", tmp_path / "integers.pth", "--preset", "minimind-3-tiny", "-o",
+    refused(run_cli("export", "--checkpoint", tmp_path / "integers.pth", "--preset", "minimind-3-tiny", "-o",
                    tmp_path / "a", "-q"), "weights stored as integers")
     config.write_text(json.dumps({"dropout": 2}))
-    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field dropout must lie in [0, 1), got 2")
     config.write_bytes(b"\xff\xfe\x00{")
-    refused(invoke("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "is not a readable JSON file")
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 3.7}, "unk_token": "a"}}))
-    refused(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
             "is not a readable tokenizer.json")
     tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}))
-    refused(invoke("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
             "malformed vocabulary or added_tokens")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
-    result = invoke("inspect", tmp_path / "none", "--json")
+    result = run_cli("inspect", tmp_path / "none", "--json")
     assert result.exit_code == 2
     error = json.loads(result.stdout)
     assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "is not a folder" in error["error"]["message"]
     for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
-        result = invoke("generate", artifact_fp32, "--prompt-ids", ids, "--json")
+        result = run_cli("generate", artifact_fp32, "--prompt-ids", ids, "--json")
         assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage", ids
 
 

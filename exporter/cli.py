@@ -120,7 +120,8 @@ def _setup_logging(verbose: bool, quiet: bool) -> None:
 
 
 def _emit(result, as_json: bool, text: str) -> None:
-    click.echo(json.dumps(result, indent=2) if as_json else text)
+    from exporter.verify.reports import json_text
+    click.echo(json_text(result) if as_json else text)
 
 
 def common_options(func):
@@ -243,8 +244,10 @@ def verify_options(func):
     return func
 
 
-def _verify_plan(folder: Path, providers, options: dict):
+def _verify_plan(folder: Path, providers, genai: bool | None, options: dict):
     """The verification's options, each checked before anything runs (for `run`, before the export)."""
+    from exporter.errors import ConsumerError
+    from exporter.genai import INSTALL_HINT, genai_version
     from exporter.paths import check_output_path
     from exporter.runtime import check_parity_providers
     from exporter.verify.golden import check_golden_destination
@@ -254,11 +257,18 @@ def _verify_plan(folder: Path, providers, options: dict):
     overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
     settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
     check_parity_providers(providers)
+    if genai and genai_version() is None:
+        raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
     artifact = Path(folder).resolve()
+    written: dict[Path, str] = {}  # each report path -> its flag
     for option in ("report_json", "junit", "html", "golden_save"):
         path, flag = options[option], "--" + option.replace("_", "-")
         if path is None:
             continue
+        if Path(path).resolve() in written:
+            raise ToolkitError(f"{flag} {path} is also the path of {written[Path(path).resolve()]}; give each "
+                               "report its own file")
+        written[Path(path).resolve()] = flag
         if artifact == Path(path).resolve() or artifact in Path(path).resolve().parents:
             raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
                                "write it elsewhere")
@@ -323,7 +333,7 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
     from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
     # a bad verification option must not cost an export
-    plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, options)
+    plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, options, plan, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
@@ -373,7 +383,7 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
         if given:
             raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
                                    f"drop {', '.join(given)}")
-    report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, options), golden=golden)
+    report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, genai, options), golden=golden)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
@@ -431,14 +441,19 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     """
     from exporter.generation import SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
-    from exporter.runtime import OrtRunner, SessionSettings
+    from exporter.runtime import OrtRunner, SessionSettings, check_provider
     from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
     _setup_logging(verbose, quiet)
     if bool(prompt_ids) == bool(prompts):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if tokenizer is not None and not prompts:
+        raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
     if save_optimized is not None:
         from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)
+    provider = check_provider(provider)
+    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
+                               **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
     manifest = read_manifest(folder)
     config = manifest.config
     text_tokenizer = None
@@ -451,8 +466,6 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
              else [_parse_ids(text) for text in prompt_ids])
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
-    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
-                               **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
     eos = None if ignore_eos else config.eos_token_id
     check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)

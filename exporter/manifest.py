@@ -163,9 +163,18 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
         raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "
                             "re-export the folder")
     if check_hashes:
+        check_sizes(folder, manifest)  # a truncated copy is found before the hashing reads it
         changed = [name for name, entry in manifest.files.items()
                    if sha256_file(folder / name) != entry["sha256"]]
         if changed:
             raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
                                 "(file modified or corrupted); re-export the folder")
     return manifest
+
+
+def check_sizes(folder: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists has the size it lists: a truncated copy, found without reading it."""
+    resized = [f"{name} is {(Path(folder) / name).stat().st_size} bytes, not {entry['bytes']}"
+               for name, entry in manifest.files.items() if (Path(folder) / name).stat().st_size != entry["bytes"]]
+    if resized:
+        raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")

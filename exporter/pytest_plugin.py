@@ -1,144 +1,235 @@
 """pytest plugin: `pytest --artifacts DIR [DIR ...]` runs the verification suite on your own artifacts.
 
 Registered through the `pytest11` entry point, so it is active wherever this package is installed;
-without --artifacts it adds nothing. Per folder the reference is, in this order: a golden bundle
-(--golden-bundle DIR, or a `golden/` folder inside the artifact), the reference model rebuilt from the
-manifest's `source` (its seed, or its unchanged checkpoint), or none, in which case only the reference-free invariants run. The header says
-which for each folder, and every check of the report becomes one test item.
+without --artifacts it adds nothing. The folders are collected like test paths (alone when no other
+path is given), each as `DIR/manifest.json` with one test item per check. Per folder the reference
+is, in this order: a golden bundle (--golden-bundle DIR, or a `golden/` folder inside the artifact),
+the reference model rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), or
+none, in which case only the reference-free invariants run and the other checks are skipped with the
+reason. Everything that can be checked without running the graphs (the manifest, the file sizes,
+the providers, the bundle's identity) is checked at startup: a problem there is one line and
+pytest's usage-error exit code, 4.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 GOLDEN_IN_ARTIFACT = "golden"
+_PLANS = pytest.StashKey[dict]()  # resolved folder -> Plan
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("minimind-onnx", "verification of exported ONNX artifacts")
     group.addoption("--artifacts", nargs="+", type=Path, default=None, metavar="DIR",
-                    help="artifact folder(s) to run the verification suite on")
+                    help="artifact folder(s) to run the verification suite on; every argument up to the next "
+                         "option is taken as one, so write test paths before --artifacts (or use --artifacts=DIR)")
     group.addoption("--golden-bundle", type=Path, default=None, metavar="DIR",
                     help="golden bundle to verify the artifacts against (instead of rebuilding the reference)")
     group.addoption("--artifact-provider", action="append", default=None, metavar="NAME",
-                    help="execution provider (repeatable); default: every available one")
+                    help="execution provider, cpu or cuda (repeatable); default: every available one")
 
 
-def reference_plan(folder: Path, golden: Path | None) -> tuple[str, Path | None]:
-    """('golden', bundle) | ('rebuilt', None) | ('invariants', None), from what the folder offers."""
-    from exporter.manifest import read_manifest
-    bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / "golden.json").is_file() else None)
+@dataclass(frozen=True)
+class Plan:
+    """What a folder is verified against: 'golden' (bundle), 'rebuilt' or 'invariants' (no reference: why)."""
+
+    reference: str
+    bundle: Path | None = None
+    reason: str = ""
+
+
+def reference_plan(folder: Path, golden: Path | None) -> Plan:
+    """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used."""
+    from exporter.manifest import check_sizes, read_manifest
+    from exporter.verify.golden import BUNDLE, check_bundle
+    manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
+    check_sizes(folder, manifest)
+    bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / BUNDLE).is_file() else None)
     if bundle is not None:
-        return "golden", bundle
-    source = read_manifest(folder, check_hashes=False).source
-    if source.get("kind") == "seeded" or (source.get("kind") == "checkpoint" and _unchanged(source)):
-        return "rebuilt", None
-    return "invariants", None
+        check_bundle(bundle, manifest)
+        return Plan("golden", Path(bundle))
+    source = manifest.source
+    if source.get("kind") == "seeded":
+        return Plan("rebuilt")
+    if source.get("kind") == "checkpoint":
+        problem = _checkpoint_problem(Path(source.get("path", "")), source.get("sha256"))
+        return Plan("invariants", reason=problem) if problem else Plan("rebuilt")
+    return Plan("invariants", reason=f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit "
+                                     "cannot rebuild")
 
 
-def _unchanged(source: dict) -> bool:
-    """The checkpoint the artifact was exported from is still there (a file or a folder), as it was."""
-    path = Path(source.get("path", ""))
-    if not path.exists():
-        return False
+def _checkpoint_problem(path: Path, sha256: str | None) -> str:
+    """Why the checkpoint the artifact was exported from cannot be its reference now; '' when it can."""
+    if not (path.is_file() or path.is_dir()):
+        return f"its checkpoint {path} is gone"
     from reference.checkpoints import fingerprint
-    return fingerprint(path) == source.get("sha256")
+    if fingerprint(path) != sha256:
+        return f"its checkpoint {path} changed since the export"
+    return ""
 
 
-def _verify(folder: Path, plan: str, bundle: Path | None, providers):
-    from exporter.manifest import read_manifest
-    from exporter.verify.engine import verify_artifact
-    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
-    model = None
-    if plan == "rebuilt":
-        from exporter.reference_runner import rebuild_reference
-        model = rebuild_reference(folder, manifest)
-    return verify_artifact(folder, model, providers, golden=bundle, manifest=manifest)
-
-
-class ArtifactCheck(pytest.Item):
-    def __init__(self, *, folder: Path, plan: str, bundle: Path | None, providers, pick, cache: dict, **kwargs):
-        super().__init__(**kwargs)
-        self.folder, self.plan, self.bundle, self.providers, self.pick, self.cache = (folder, plan, bundle, providers,
-                                                                                       pick, cache)
-
-    def runtest(self):
-        if self.folder not in self.cache:  # one verification per folder, shared by its items
-            self.cache[self.folder] = _verify(self.folder, self.plan, self.bundle, self.providers)
-        passed, detail = self.pick(self.cache[self.folder])
-        if not passed:
-            raise AssertionError(detail)
-
-    def repr_failure(self, excinfo, style=None):
-        if isinstance(excinfo.value, AssertionError):
-            return f"{self.name} failed on {self.folder}: {excinfo.value}"
-        return super().repr_failure(excinfo, style)
-
-    def reportinfo(self):
-        return self.folder, None, f"{self.folder}::{self.name}"
-
-
-def _picks(plan: str) -> dict:
-    def provider_part(part):
-        def pick(report):
-            rows = [(r.provider, part(r)) for r in report.reports]
-            failed = [f"{provider}: {detail}" for provider, (ok, detail) in rows if not ok]
-            return not failed and bool(rows), "; ".join(failed) or "no provider ran"
-        return pick
-
-    def worst(comparisons):
-        bad = [c for c in comparisons if not c.passed]
-        return not bad, ", ".join(f"{c.name} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol)" for c in bad)
-
-    picks = {"invariants": lambda r: (all(i.passed for i in r.invariants),
-                                      "; ".join(f"{i.name}: {i.detail}" for i in r.invariants if not i.passed))}
-    if plan != "invariants":
-        picks.update({
-            "prefill and decode": provider_part(lambda p: worst(p.comparisons)),
-            "greedy": provider_part(lambda p: (p.greedy.passed, p.greedy.note)),
-            "shape sweep": provider_part(lambda p: worst([c.logits for c in p.sweep] + [c.kv for c in p.sweep])),
-            "fp16 health": provider_part(lambda p: (p.health.passed, "; ".join(p.health.issues))),
-            "repeat run": provider_part(lambda p: (p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}")),
-            "expert choice": provider_part(lambda p: (p.experts is None or p.experts.passed,
-                                                      p.experts.note if p.experts is not None else "")),
-            "providers agree": lambda r: worst(r.cross) if r.cross else (True, ""),
-        })
-    return picks
-
-
-def pytest_collection_modifyitems(session, config, items):
+def pytest_configure(config):
     folders = config.getoption("artifacts")
     if not folders:
         return
     from exporter.errors import ToolkitError
-    cache: dict = {}
-    for folder in folders:
-        try:
-            plan, bundle = reference_plan(folder, config.getoption("golden_bundle"))
-        except ToolkitError as exc:
-            raise pytest.UsageError(f"--artifacts: {exc}") from None
-        for name, pick in _picks(plan).items():
-            items.append(ArtifactCheck.from_parent(session, name=f"{folder.name}[{plan}]::{name}", folder=folder,
-                                                   plan=plan, bundle=bundle,
-                                                   providers=config.getoption("artifact_provider"), pick=pick,
-                                                   cache=cache))
+    from exporter.runtime import check_parity_providers
+    try:
+        check_parity_providers(config.getoption("artifact_provider") or [])
+        plans = {Path(folder).resolve(): reference_plan(Path(folder), config.getoption("golden_bundle"))
+                 for folder in folders}
+    except ToolkitError as exc:
+        stray = [str(f) for f in folders if Path(f).is_file() or Path(f).suffix == ".py"]
+        hint = (f" ({', '.join(stray)}: --artifacts takes every argument up to the next option; write test paths "
+                "before it)") if stray else ""
+        raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
+    config.stash[_PLANS] = plans
+    # The folders are what pytest collects: alone, unless test paths were given too.
+    given = config.args_source == pytest.Config.ArgsSource.ARGS
+    config.args[:] = (config.args if given else []) + [str(folder) for folder in folders]
+
+
+def pytest_collect_file(file_path: Path, parent):
+    plans = parent.config.stash.get(_PLANS, {})
+    if file_path.name == "manifest.json" and file_path.parent.resolve() in plans:
+        return ArtifactFile.from_parent(parent, path=file_path, plan=plans[file_path.parent.resolve()])
+    return None
+
+
+class ArtifactFile(pytest.File):
+    """An artifact folder's manifest; its items share one verification run."""
+
+    def __init__(self, *, plan: Plan, **kwargs):
+        super().__init__(**kwargs)
+        self.plan, self.outcome = plan, None  # outcome: the VerifyReport, or the ToolkitError that stopped it
+
+    def collect(self):
+        for name, pick in CHECKS.items():
+            yield ArtifactCheck.from_parent(self, name=name, pick=pick)
+
+    def verify(self):
+        if self.outcome is None:
+            from exporter.errors import ToolkitError
+            try:
+                self.outcome = _verify(self.path.parent, self.plan, self.config.getoption("artifact_provider"))
+            except ToolkitError as exc:
+                self.outcome = exc
+        return self.outcome
+
+
+class VerificationStopped(Exception):
+    """The folder's verification stopped with a toolkit error; every item reports it in one line."""
+
+
+class ArtifactCheck(pytest.Item):
+    def __init__(self, *, pick, **kwargs):
+        super().__init__(**kwargs)
+        self.pick = pick
+
+    def runtest(self):
+        artifact = self.parent
+        if self.name != "invariants" and artifact.plan.reference == "invariants":
+            pytest.skip(f"no reference to compare with: {artifact.plan.reason}; pass --golden-bundle DIR")
+        outcome = artifact.verify()
+        if isinstance(outcome, Exception):
+            raise VerificationStopped(str(outcome))
+        verdict = self.pick(outcome)
+        if verdict is SKIP:
+            pytest.skip(_skip_reason(self.name, outcome))
+        passed, detail = verdict
+        if not passed:
+            raise AssertionError(detail)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, (AssertionError, VerificationStopped)):
+            what = "failed" if isinstance(excinfo.value, AssertionError) else "could not run"
+            return f"{self.name} {what} on {self.parent.path.parent}: {excinfo.value}"
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, None, f"{self.parent.path.parent}::{self.name}"
+
+
+def _verify(folder: Path, plan: Plan, providers):
+    from exporter.manifest import read_manifest
+    from exporter.verify.engine import verify_artifact
+    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
+    model = None
+    if plan.reference == "rebuilt":
+        from exporter.reference_runner import rebuild_reference
+        model = rebuild_reference(folder, manifest)
+    return verify_artifact(folder, model, providers, golden=plan.bundle, manifest=manifest)
+
+
+SKIP = object()  # a check that does not apply to this artifact or run
+
+
+def _skip_reason(name: str, report) -> str:
+    if name == "expert_choice":
+        return "a dense model: no expert routing to compare"
+    if name == "providers_agree":
+        skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
+        return f"one provider ran ({report.reports[0].provider})" + (f"; skipped {skipped}" if skipped else "")
+    return f"onnxruntime-genai: {report.consumers_skipped.get('onnxruntime-genai', 'not run')}"
+
+
+def _worst(comparisons) -> tuple[bool, str]:
+    bad = [c for c in comparisons if not c.passed]
+    return not bad, ", ".join(f"{c.name} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol)" for c in bad)
+
+
+def _sweep(cases) -> tuple[bool, str]:
+    bad = [c for c in cases if not c.passed]  # a MoE routing near-tie passes, as in `export-onnx verify`
+    return not bad, "; ".join(f"{c.name}: {_worst([c.logits, c.kv])[1]}" for c in bad)
+
+
+def _per_provider(part):
+    """A check judged on every provider that ran."""
+    def pick(report):
+        verdicts = [(r.provider, *part(r)) for r in report.reports]
+        failed = [f"{provider}: {detail}" for provider, ok, detail in verdicts if not ok]
+        if not verdicts:
+            return False, "no provider ran"
+        return not failed, "; ".join(failed)
+    return pick
+
+
+def _experts(report):
+    if all(r.experts is None for r in report.reports):
+        return SKIP
+    return _per_provider(lambda r: (r.experts.passed, r.experts.note))(report)
+
+
+def _genai(report):
+    if not report.consumers:
+        return SKIP
+    failed = [f"{c.consumer}: {c.greedy.note}" for c in report.consumers if not c.passed]
+    return not failed, "; ".join(failed)
+
+
+CHECKS = {
+    "invariants": lambda r: (all(i.passed for i in r.invariants),
+                             "; ".join(f"{i.name}: {i.detail}" for i in r.invariants if not i.passed)),
+    "prefill_and_decode": _per_provider(lambda p: _worst(p.comparisons)),
+    "greedy": _per_provider(lambda p: (p.greedy.passed, p.greedy.note)),
+    "shape_sweep": _per_provider(lambda p: _sweep(p.sweep)),
+    "fp16_health": _per_provider(lambda p: (p.health.passed, "; ".join(p.health.issues))),
+    "repeat_run": _per_provider(lambda p: (p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}")),
+    "expert_choice": _experts,
+    "providers_agree": lambda r: _worst(r.cross) if len(r.reports) > 1 else SKIP,
+    "onnxruntime_genai": _genai,
+}
 
 
 def pytest_report_header(config):
-    folders = config.getoption("artifacts")
-    if not folders:
+    plans = config.stash.get(_PLANS, None)
+    if not plans:
         return None
-    from exporter.errors import ToolkitError
-    lines = []
-    for folder in folders:
-        try:
-            plan, bundle = reference_plan(folder, config.getoption("golden_bundle"))
-        except ToolkitError as exc:  # reported once more, as a usage error, when the items are collected
-            lines.append(f"artifact {folder}: {exc}")
-            continue
-        what = {"golden": f"golden bundle {bundle}", "rebuilt": "the reference model rebuilt from the manifest (its seed or checkpoint)",
-                "invariants": "no reference available: reference-free invariants only"}[plan]
-        lines.append(f"artifact {folder}: reference = {what}")
-    return lines
+    described = {"golden": lambda p: f"golden bundle {p.bundle}",
+                 "rebuilt": lambda p: "the reference model rebuilt from the manifest (its seed or checkpoint)",
+                 "invariants": lambda p: f"none ({p.reason}): reference-free invariants only"}
+    return [f"artifact {folder}: reference = {described[plan.reference](plan)}" for folder, plan in plans.items()]

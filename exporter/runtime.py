@@ -35,8 +35,15 @@ def provider_name(name: str) -> str:
 
 
 def check_provider(name: str) -> str:
-    """The full provider name, or ProviderError when this onnxruntime build lacks it."""
+    """The full provider name, or ProviderError unless it is the CPU or CUDA provider and this build has it.
+
+    Any other provider (onnxruntime's Azure provider, say) would run the graphs on the CPU
+    provider behind it, untested and unverified under its own name.
+    """
     full = provider_name(name)
+    if full not in PARITY_PROVIDERS:
+        raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not {full}; "
+                            "pass --provider cpu or --provider cuda")
     available = ort.get_available_providers()
     if full not in available:
         hint = " (install onnxruntime-gpu on a machine with a CUDA GPU)" if full == "CUDAExecutionProvider" else ""
@@ -46,13 +53,8 @@ def check_provider(name: str) -> str:
 
 
 def check_parity_providers(names) -> list[str]:
-    """Providers to verify on, as full names without repeats: each available, and one verification covers."""
-    chosen = list(dict.fromkeys(check_provider(name) for name in names))
-    others = [p for p in chosen if p not in PARITY_PROVIDERS]
-    if others:
-        raise ProviderError(f"verification runs on {' and '.join(PARITY_PROVIDERS)}, not {', '.join(others)}; "
-                            "pass --provider cpu or --provider cuda")
-    return chosen
+    """Providers to verify on, as full names without repeats, each checked."""
+    return list(dict.fromkeys(check_provider(name) for name in names))
 
 
 def session_providers(full_name: str) -> list[str]:
@@ -104,6 +106,9 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
     return ids
 
 
+MAX_THREADS = 1024  # a bound for typos: onnxruntime takes a C int and would start every thread asked for
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     """ONNX Runtime session options, with defaults measured on the benchmark (README)."""
@@ -120,8 +125,9 @@ class SessionSettings:
         if self.optimization not in GRAPH_OPTIMIZATION:
             raise InputError(f"optimization must be one of {', '.join(GRAPH_OPTIMIZATION)}, "
                              f"got {self.optimization!r}")
-        if self.intra_op_threads < 0:
-            raise InputError(f"intra_op_threads must be >= 0 (0 = one per core), got {self.intra_op_threads}")
+        if not is_integer(self.intra_op_threads) or not 0 <= self.intra_op_threads <= MAX_THREADS:
+            raise InputError(f"intra_op_threads must be an integer from 0 (one per core) to {MAX_THREADS}, "
+                             f"got {self.intra_op_threads!r}")
         if self.prompt_chunk < 0:
             raise InputError(f"prompt_chunk must be >= 0 (0 = the whole prompt in one call), "
                              f"got {self.prompt_chunk}")

@@ -85,6 +85,21 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
     assert "FAIL" in result.stdout
 
 
+def test_a_failing_report_is_strict_json_on_stdout_and_in_its_file(cli_artifact, tmp_path):
+    # Zero tolerances: each multiple of the tolerance is infinite, which Python's json would write as Infinity.
+    path = tmp_path / "report.json"
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK, "--json",
+                     "--report-json", path, "--atol", "logits=0", "--rtol", "logits=0", "--peak", "logits=0")
+    assert result.exit_code == 1, result.output
+
+    def not_json(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    for text in (result.stdout, path.read_text()):
+        report = json.loads(text, parse_constant=not_json)
+        prefill = report["providers"][0]["comparisons"][0]
+        assert prefill["name"] == "prefill logits" and not prefill["passed"] and prefill["needed"]["scale"] is None
+
+
 def test_table_output_names_every_check(cli_artifact, cpu_only):
     result = run_cli("verify", cli_artifact, "-q", *QUICK)
     assert result.exit_code == 0, result.output

@@ -42,13 +42,21 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_run_checks_its_verification_options_before_exporting(tmp_path):
+def test_run_checks_its_verification_options_before_exporting(tmp_path, monkeypatch):
     out = tmp_path / "never"
+    report = tmp_path / "report.out"
     for option, fragment in ((["--atol", "foo=1"], "unknown kind 'foo'"), (["--atol", "logits=inf"], "finite"),
-                             (["--provider", "bogus"], "bogus is not available"),
-                             (["--report-json", tmp_path], "is a folder; give the path of a file")):
+                             (["--provider", "bogus"], "not bogus; pass --provider cpu or --provider cuda"),
+                             (["--report-json", tmp_path], "is a folder; give the path of a file"),
+                             (["--report-json", report, "--junit", report],
+                              f"--junit {report} is also the path of --report-json; give each report its own file")):
         refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", *option), fragment)
         assert not out.exists() and not list(tmp_path.glob(".never*"))
+    import exporter.genai
+    monkeypatch.setattr(exporter.genai, "genai_version", lambda: None)
+    refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--genai"),
+            "--genai asks for the onnxruntime-genai check, but it is not installed (pip install onnxruntime-genai)")
+    assert not out.exists()
 
 
 def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path, monkeypatch):
@@ -67,7 +75,9 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     import onnxruntime
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
     refused(run_cli("verify", artifact_fp32, "--provider", "azure", "-q"),
-            "verification runs on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
+            "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--provider", "azure", "-q"),
+            "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
 def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):

@@ -131,6 +131,7 @@ def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_mode
     monkeypatch.setattr(engine, "genai_version", lambda: None)
     report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
     assert report.passed and "pip install onnxruntime-genai" in report.consumers_skipped["onnxruntime-genai"]
+    monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
     with pytest.raises(ConsumerError, match="not installed"):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from helpers import claim_seed, edit_manifest
+
+from exporter.pytest_plugin import CHECKS, Plan, reference_plan
+from exporter.verify.checks import SweepCase
 
 
 def _pytest(cwd, *args):
@@ -20,40 +25,98 @@ def test_plugin_does_nothing_without_the_option(tmp_path):
     assert out.returncode == 0 and "1 passed" in out.stdout and "--artifacts" not in out.stdout and "reference =" not in out.stdout
 
 
-def test_plugin_runs_invariants_when_no_reference_is_available(artifact_fp32, tmp_path):
+def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(artifact_fp32, tmp_path):
+    # Two folders of one name: each item's id carries its path. Without test paths only the folders are collected.
+    folders = [shutil.copytree(artifact_fp32, tmp_path / side / "model") for side in ("a", "b")]
+    (tmp_path / "test_x.py").write_text("def test_one():\n    pass\n")
+    out = _pytest(tmp_path, "--collect-only", "-q", "--artifacts", *folders)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "18 tests collected" in out.stdout
+    assert {i.split("::")[0] for i in ids} == {"a/model/manifest.json", "b/model/manifest.json"}
+    with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", "--artifacts", folders[0])
+    assert "test_x.py::test_one" in with_tests.stdout and "10 tests collected" in with_tests.stdout
+
+
+def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_reference_is_available(artifact_fp32,
+                                                                                                    tmp_path):
     # Weights of unknown origin: no seed to rebuild the reference, no golden bundle.
     folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
     edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "checkpoint", "path": "elsewhere",
                                                                             "sha256": "0" * 64}))
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "reference-free invariants only" in out.stdout and "1 passed" in out.stdout
-    assert "mine[invariants]::invariants" in out.stdout
+    assert "reference-free invariants only" in out.stdout and "1 passed, 8 skipped" in out.stdout
+    assert "PASSED mine/manifest.json::invariants" in out.stdout
+    assert "no reference to compare with: its checkpoint elsewhere is gone; pass --golden-bundle DIR" in out.stdout
 
 
-def test_plugin_reports_a_broken_artifact_as_failures(artifact_fp32, tmp_path):
+def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "wrong")
     edit_manifest(folder, claim_seed(1))  # the reference is rebuilt with other weights
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 1, out.stdout[-3000:]
     assert "the reference model rebuilt from the manifest" in out.stdout
-    assert "failed" in out.stdout and "prefill logits max abs" in out.stdout
-    assert "PASSED ::wrong[rebuilt]::invariants" in out.stdout  # the graphs themselves are sound
+    assert "prefill_and_decode failed on " in out.stdout and "prefill logits max abs" in out.stdout
+    assert "FAILED wrong/manifest.json::onnxruntime_genai" in out.stdout  # its tokens are not the reference's
+    assert "PASSED wrong/manifest.json::invariants" in out.stdout  # the graphs themselves are sound
+    assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
+
+
+def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_once(artifact_fp32, tmp_path):
+    (tmp_path / "conftest.py").write_text(
+        "import exporter.verify.engine as engine\n"
+        "from exporter.errors import ArtifactError\n"
+        "def cannot_run(*args, **kwargs):\n"
+        "    print('verification started')\n"
+        "    raise ArtifactError('onnxruntime cannot load decode.onnx; re-export the folder')\n"
+        "engine.verify_artifact = cannot_run\n")
+    folder = shutil.copytree(artifact_fp32, tmp_path / "model")
+    out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-s")
+    assert out.returncode == 1 and f"{len(CHECKS)} failed" in out.stdout, out.stdout[-3000:]
+    assert out.stdout.count("verification started") == 1 and "Traceback" not in out.stdout
+    assert f"greedy could not run on {folder}: onnxruntime cannot load decode.onnx; re-export the folder" in out.stdout
+
+
+def test_the_shape_sweep_item_lets_a_routing_near_tie_pass_as_verify_does():
+    failing = SimpleNamespace(passed=False, name="logits", max_abs=0.5, needed=SimpleNamespace(scale=3.0))
+    passing = SimpleNamespace(passed=True, name="kv", max_abs=0.0, needed=SimpleNamespace(scale=0.0))
+    def judged(near_tie):
+        case = SweepCase(batch=2, new_tokens=1, past=3, logits=failing, kv=passing, routing_near_tie=near_tie)
+        return CHECKS["shape_sweep"](SimpleNamespace(reports=[SimpleNamespace(provider="cpu", sweep=[case])]))
+    assert judged(near_tie=True) == (True, "")
+    assert judged(near_tie=False) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
 
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
-    from exporter.pytest_plugin import reference_plan
-    assert reference_plan(minimind2_artifact, None) == ("rebuilt", None)
+    assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")
     folder = shutil.copytree(minimind2_artifact, tmp_path / "copy")
     changed = tmp_path / "changed.pth"
     changed.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path=str(changed)))
-    assert reference_plan(folder, None) == ("invariants", None)
+    assert reference_plan(folder, None) == Plan("invariants", reason=f"its checkpoint {changed} changed since the export")
+    edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path="/dev/null"))
+    assert reference_plan(folder, None) == Plan("invariants", reason="its checkpoint /dev/null is gone")
 
 
-def test_plugin_reports_a_damaged_manifest_as_a_usage_error(artifact_fp32, tmp_path):
-    folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
-    edit_manifest(folder, lambda manifest: manifest.update(dtype="int8"))
-    out = _pytest(tmp_path, "--artifacts", folder)
-    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
-    assert "INTERNALERROR" not in out.stdout + out.stderr and "dtype 'int8' is none of" in out.stderr
+def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_path):
+    def usage_error(folder, fragment, *options):
+        out = _pytest(tmp_path, "--artifacts", folder, *options)
+        assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
+        assert "INTERNALERROR" not in out.stdout + out.stderr and fragment in out.stderr, out.stderr[-2000:]
+
+    damaged = shutil.copytree(artifact_fp32, tmp_path / "damaged")
+    edit_manifest(damaged, lambda manifest: manifest.update(dtype="int8"))
+    usage_error(damaged, "dtype 'int8' is none of")
+    truncated = shutil.copytree(artifact_fp32, tmp_path / "truncated")
+    with open(truncated / "weights.onnx.data", "r+b") as weights:
+        weights.truncate(4096)
+    usage_error(truncated, "weights.onnx.data is 4096 bytes, not ")
+    usage_error(artifact_fp32, "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not bogus",
+                "--artifact-provider", "bogus")
+    other = tmp_path / "other-bundle"
+    other.mkdir()
+    (other / "golden.json").write_text(json.dumps({"format": "minimind-onnx-golden", "format_version": 2, "artifact": {
+        "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
+    usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", "--golden-bundle", other)
+    usage_error(tmp_path / "none", "is not a folder", "--golden-bundle", other)  # the folder is checked first

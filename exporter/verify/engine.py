@@ -173,6 +173,12 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings = _reference(folder, manifest, model, golden, settings)
+    if reference is None:
+        genai_skipped = "no reference to compare with (invariants only)"
+    else:
+        genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
+        if genai_skipped and genai:  # before any work, as the caller asked for the check
+            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     reports, outputs, values = [], {}, {}
@@ -199,18 +205,12 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
                                     f"{p} vs {first}") for p in others]
     attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
     consumers, consumers_skipped = [], {}
-    if reference is None:
-        consumers_skipped["onnxruntime-genai"] = "no reference to compare with (invariants only)"
+    if genai_skipped:
+        consumers_skipped["onnxruntime-genai"] = genai_skipped
     else:
-        reason = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
-        if reason and genai:
-            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {reason}")
-        if reason:
-            consumers_skipped["onnxruntime-genai"] = reason
-        else:
-            reference.rewind()
-            consumers.append(check_genai(reference, folder, manifest, settings, reports[0].profile if reports
-                                         else profile_for(manifest.dtype)))
+        reference.rewind()
+        consumers.append(check_genai(reference, folder, manifest, settings, reports[0].profile if reports
+                                     else profile_for(manifest.dtype)))
     if golden_save is not None:
         import torch  # the reference side's version, recorded with the bundle
         reference.save(golden_save, manifest, settings, {"torch": torch.__version__})

@@ -149,17 +149,40 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
     """The bundle's replaying reference, its settings and versions; GoldenMismatch when it belongs to
     another artifact (config, dtype or file hashes), ToolkitError when it is no bundle."""
     folder = Path(folder)
+    meta = check_bundle(folder, manifest)
     try:
-        meta = json.loads((folder / BUNDLE).read_text())
         arrays = np.load(folder / ARRAYS, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
-                           "'export-onnx verify --golden-save DIR'") from None
+        raise _unreadable(folder, exc) from None
     try:
-        return _replay(folder, manifest, meta, arrays)
+        return _replay(folder, meta, arrays)
     except (KeyError, TypeError, AttributeError, ValueError, OSError, zipfile.BadZipFile) as exc:
-        raise ToolkitError(f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
-                           "--golden-save") from None
+        raise _damaged(folder, exc) from None
+
+
+def check_bundle(folder: Path, manifest: Manifest) -> dict:
+    """The bundle's description, once its format is known and it was recorded from this artifact
+    (what load_bundle checks before it reads the arrays)."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / BUNDLE).read_text())
+    except (OSError, ValueError) as exc:
+        raise _unreadable(folder, exc) from None
+    try:
+        _check_identity(folder, manifest, meta)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise _damaged(folder, exc) from None
+    return meta
+
+
+def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
+    return ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
+                        "'export-onnx verify --golden-save DIR'")
+
+
+def _damaged(folder: Path, exc: Exception) -> ToolkitError:
+    return ToolkitError(f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
+                        "--golden-save")
 
 
 def check_golden_destination(folder: Path) -> None:
@@ -171,7 +194,7 @@ def check_golden_destination(folder: Path) -> None:
                               "empty folder")
 
 
-def _replay(folder: Path, manifest: Manifest, meta: dict, arrays) -> tuple[RecordedReference, ParitySettings, dict]:
+def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
                            f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with --golden-save")
@@ -185,6 +208,9 @@ def _replay(folder: Path, manifest: Manifest, meta: dict, arrays) -> tuple[Recor
     if changed:
         raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {', '.join(changed)} "
                              "differ(s) in sha256; re-record the bundle from this artifact")
+
+
+def _replay(folder: Path, meta: dict, arrays) -> tuple[RecordedReference, ParitySettings, dict]:
     calls = [(c["kind"], {k: arrays[f"{i}/feed/{k}"] for k in c["feeds"]},
               {k: arrays[f"{i}/out/{k}"] for k in c["outputs"]}) for i, c in enumerate(meta["calls"])]
     routing = [{layer: (arrays[f"{i}/router/{layer}/scores"], arrays[f"{i}/router/{layer}/ids"])

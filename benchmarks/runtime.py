@@ -15,6 +15,8 @@ prompts and decode as ours (so both processes hold what a 512-token prompt
 leaves in their allocators when they decode).
 
     .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--json]
+
+Exit codes: 0 done, 1 a worker failed, 2 bad arguments or artifact.
 """
 
 from __future__ import annotations
@@ -199,17 +201,31 @@ def serve(tasks: dict) -> None:
         print(peak_rss_mb() if name == "rss" else tasks[name](), flush=True)
 
 
+class WorkerFailed(Exception):
+    """A worker process stopped; its own error went to stderr."""
+
+
 def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict]:
     """Every task of every worker, `rounds` times, in turns: within a round each task runs on each
     worker offering it, in an order reversed every other round. Returns each worker's figures per
     task (one per round) and each worker's peak RSS at the end."""
     procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for name, args in workers.items()}
+    try:
+        return _turns(procs, rounds)
+    finally:  # a failed worker stops the others too, rather than leaving them behind
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _turns(procs: dict, rounds: int) -> tuple[dict, dict]:
     offered = {}
     for name, proc in procs.items():
         line = proc.stdout.readline()
         if not line:
-            raise SystemExit(f"benchmark worker {name} failed to start")
+            raise WorkerFailed(f"benchmark worker {name} failed to start (its error is above)")
         offered[name] = json.loads(line)
     tasks = sorted({task for names in offered.values() for task in names})
     figures = {name: {task: [] for task in offered[name]} for name in procs}
@@ -219,7 +235,7 @@ def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict
         procs[name].stdin.flush()
         answer = procs[name].stdout.readline()
         if not answer:
-            raise SystemExit(f"benchmark worker {name} stopped during {request!r} (its error is above)")
+            raise WorkerFailed(f"benchmark worker {name} stopped during {request!r} (its error is above)")
         return float(answer)
 
     for turn in range(rounds):
@@ -275,20 +291,26 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
 def run_worker(args: list[str]) -> dict:
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"benchmark worker {args[1]} failed:\n{out.stderr[-2000:]}")
+        sys.stderr.write(out.stderr[-2000:])
+        raise WorkerFailed(f"benchmark worker {args[1]} failed (its error is above)")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------- the report
 
+DEFAULT_ARTIFACT = Path("artifacts/minimind-3")
+
+
 def ensure_artifact(folder: Path) -> None:
-    if (folder / "manifest.json").is_file():
-        return
-    print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
-    from exporter.export import export_artifact
-    from reference import build_model, get_preset
-    export_artifact(build_model(get_preset("minimind-3"), 0), folder,
-                    source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
+    """The default folder is exported when it is missing; any other folder must be an artifact already."""
+    if folder == DEFAULT_ARTIFACT and not folder.exists():
+        print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
+        from exporter.export import export_artifact
+        from reference import build_model, get_preset
+        export_artifact(build_model(get_preset("minimind-3"), 0), folder,
+                        source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
+    from exporter.manifest import read_manifest
+    read_manifest(folder)  # ArtifactError: not an artifact, or damaged
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:
@@ -386,17 +408,30 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _at_least(lowest: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be {lowest} or more, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its error
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--artifact", type=Path, default=Path("artifacts/minimind-3"))
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
+                        help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
+                             "minimind-3 weights when missing; any other folder must be an artifact already)")
+    parser.add_argument("--threads", type=_at_least(0), default=0,
                         help="threads for every side; 0 (default): each library's own default, as users get it: "
                              "ONNX Runtime one pinned thread per physical core (our runtime's default and what "
                              "genai_config.json asks for), PyTorch torch's default, the bandwidth probe one per CPU")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=_at_least(1), default=7,
+                        help="rounds in turns (default 7); each figure is the median of its rounds")
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
                         help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
     parser.add_argument("--worker", choices=["ort", "torch", "genai", "bandwidth", "sessions",
                                              "sessions-shared-pool"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -411,7 +446,21 @@ def main() -> None:
                "bandwidth": lambda: bandwidth_tasks(args.threads)}[args.worker]())
         return
 
-    ensure_artifact(args.artifact)
+    from exporter.errors import ToolkitError
+    from exporter.verify.reports import json_text
+    try:
+        ensure_artifact(args.artifact)
+        report = measure(args)
+    except (ToolkitError, WorkerFailed) as exc:
+        code = 2 if isinstance(exc, ToolkitError) else 1
+        print(f"error: {exc}", file=sys.stderr)
+        if args.json:
+            print(json_text({"error": {"message": str(exc)}, "exit_code": code}))
+        sys.exit(code)
+    print(json_text(report) if args.json else format_table(report))
+
+
+def measure(args) -> dict:
     common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--provider", args.provider]
     workers = {"onnxruntime": ["--worker", "ort", *common], "pytorch": ["--worker", "torch", *common],
                "bandwidth": ["--worker", "bandwidth", *common]}
@@ -419,10 +468,10 @@ def main() -> None:
         workers["genai"] = ["--worker", "genai", *common]
     figures, peaks = run_in_turns(workers, args.rounds)
     report = summarise(figures, peaks, (args.artifact / "weights.onnx.data").stat().st_size)
-    report.update(artifact=str(args.artifact), threads=args.threads, rounds=args.rounds,
+    report.update(artifact=str(args.artifact), provider=args.provider, threads=args.threads, rounds=args.rounds,
                   sessions=run_worker(["--worker", "sessions", *common]),
                   sessions_shared_pool=run_worker(["--worker", "sessions-shared-pool", *common]))
-    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return report
 
 
 if __name__ == "__main__":

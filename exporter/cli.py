@@ -145,7 +145,8 @@ def export_options(func):
     func = click.option("--seed", type=int, default=0, show_default=True,
                         help="Seed of the deterministic weight initialisation.")(func)
     func = click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-                        help="Artifact folder [default: artifacts/<preset>]. An earlier artifact there is "
+                        help="Artifact folder [default: artifacts/<preset>, or artifacts/<checkpoint file's name>; "
+                             "-float16 appended for --dtype float16]. An earlier artifact there is "
                              "replaced only once the new one is complete.")(func)
     func = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
                         show_default=True, help="Precision of the weights and activations.")(func)
@@ -217,7 +218,8 @@ def verify_options(func):
     """The verification engine's options, shared by `verify` and `run`."""
     options = [
         click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
-                     help="Stateful decode steps (each feeding ONNX Runtime's own present back as past)."),
+                     help="Stateful single-token decode steps (each feeding ONNX Runtime's own present back as "
+                          "past), then one 3-token step; cut to what the model's context leaves after the prompt."),
         click.option("--sweep/--no-sweep", default=True, show_default=True,
                      help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
         click.option("--probe", is_flag=True, help="Node-level localisation: a debug copy of prefill.onnx exposing "
@@ -225,7 +227,9 @@ def verify_options(func):
         click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
                                                                      "loss (repeatable), e.g. --atol logits=1e-3."),
         click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),
-        click.option("--peak", multiple=True, metavar="KIND=V", help="Override the peak term, e.g. --peak logits=0."),
+        click.option("--peak", multiple=True, metavar="KIND=V",
+                     help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
+                          "e.g. --peak logits=0."),
         click.option("--tolerances", "tolerance_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
                      help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
         click.option("--report-json", type=click.Path(path_type=Path), default=None, metavar="PATH",
@@ -370,7 +374,8 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
 
     The reference is rebuilt from the manifest (the config with the weight seed, or the checkpoint file it
     was exported from, which must be unchanged), or replayed from a golden bundle (--golden). Exits 1 when
-    any check fails, 2 on bad input (e.g. a bundle of another artifact).
+    any check fails, 2 on bad input (e.g. a bundle of another artifact). FOLDER defaults to
+    artifacts/minimind-3.
     """
     from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
@@ -409,7 +414,8 @@ def _parse_ids(text: str) -> list[int]:
               help="Prompt text (needs a tokenizer). Repeat for a batch.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="tokenizer.json for --prompt text [default: the artifact's own].")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True,
+              help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
 @click.option("--temperature", type=float, default=0.85, show_default=True, help="With --sample.")
 @click.option("--top-k", type=int, default=50, show_default=True, help="With --sample; 0 disables.")
@@ -423,7 +429,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @click.option("--threads", type=int, default=0, show_default=True,
-              help="Intra-op threads of each ONNX Runtime session; 0 = one per core.")
+              help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.")
 @click.option("--prompt-chunk", type=int, default=None,
               help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
                    "0 = the whole prompt at once.")
@@ -438,6 +444,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
 
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
     --sample the decoding is greedy. Every prompt and option is checked before the model loads.
+    FOLDER defaults to artifacts/minimind-3.
     """
     from exporter.generation import SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
@@ -494,7 +501,10 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
 @common_options
 @handle_errors
 def inspect(folder, as_json, quiet, verbose):
-    """Show an artifact's I/O contract, file sizes, hashes and the versions that wrote it."""
+    """Show an artifact's I/O contract, file sizes, hashes and the versions that wrote it.
+
+    FOLDER defaults to artifacts/minimind-3.
+    """
     from exporter.manifest import read_manifest
     from exporter.report import format_inspect
     _setup_logging(verbose, quiet)

@@ -126,7 +126,8 @@ class SessionSettings:
             raise InputError(f"optimization must be one of {', '.join(GRAPH_OPTIMIZATION)}, "
                              f"got {self.optimization!r}")
         if not is_integer(self.intra_op_threads) or not 0 <= self.intra_op_threads <= MAX_THREADS:
-            raise InputError(f"intra_op_threads must be an integer from 0 (one per core) to {MAX_THREADS}, "
+            raise InputError(f"threads per session (intra_op_threads, --threads) must be an integer from 0 (one "
+                             f"per core) to {MAX_THREADS}, "
                              f"got {self.intra_op_threads!r}")
         if self.prompt_chunk < 0:
             raise InputError(f"prompt_chunk must be >= 0 (0 = the whole prompt in one call), "

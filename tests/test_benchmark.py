@@ -33,6 +33,20 @@ def test_ratios_are_medians_of_same_round_ratios_with_their_quartiles(benchmark)
     assert benchmark.ratio_summary([3.0], [2.0]) == (1.5, [1.5, 1.5])
 
 
+def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+    for args, fragment in ((["--rounds", "0"], "--rounds: must be 1 or more, got 0"),
+                           (["--threads", "-1"], "--threads: must be 0 or more, got -1")):
+        out = run(*args)
+        assert out.returncode == 2 and fragment in out.stderr, out.stderr[-2000:]
+    out = run("--artifact", tmp_path / "typo", "--json")  # a typo is not exported to: only the default folder is
+    assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
+    assert json.loads(out.stdout) == {"error": {"message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
+                                                           "folder written by 'export-onnx export'"}, "exit_code": 2}
+
+
 def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"],
                          capture_output=True, text=True, timeout=300)

@@ -141,6 +141,10 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
                     "exceeds max_position_embeddings")
     assert_one_line_error(run_cli("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--threads", "100000000000", "-q"), 2,
+                          "must be an integer from 0 (one per core) to 1024, got 100000000000")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--tokenizer", "none.json", "-q"), 2,
+                          "--tokenizer reads --prompt text; with --prompt-ids, drop it")
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "holds no tokenizer.json")
     assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
                            "-q"), 2, "cannot read")
@@ -152,9 +156,14 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
     assert_one_line_error(run_cli("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
     assert_one_line_error(run_cli("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
     tampered = shutil.copytree(cli_artifact, tmp_path / "tampered")
+    data = bytearray((tampered / "genai_config.json").read_bytes())
+    data[len(data) // 2] ^= 1  # same size, other content
+    (tampered / "genai_config.json").write_bytes(data)
+    assert_one_line_error(run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2,
+                          "sha256 of genai_config.json does not match")
     (tampered / "genai_config.json").write_text("{}")
     assert_one_line_error(run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2,
-                    "sha256 of genai_config.json does not match")
+                          f"genai_config.json is 2 bytes, not {len(data)} (truncated or modified)")
     assert a_file.read_text() == "x"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from exporter.errors import OutputPathError
@@ -18,5 +19,16 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
     if existing != path and not existing.is_dir():
         raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
     for target in ([path, path.parent] if existing == path else [existing]):
-        if not os.access(target, os.W_OK | os.X_OK if target.is_dir() else os.W_OK):
+        if not (_can_create_in(target) if target.is_dir() else os.access(target, os.W_OK)):
             raise OutputPathError(f"{option}: cannot write to {target} (permission denied); choose another path")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """A file can be created in `folder`: tried, since permission bits say nothing to root (/proc, say)."""
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+    except OSError:
+        return False
+    os.close(handle)
+    os.unlink(name)
+    return True

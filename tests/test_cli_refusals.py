@@ -69,6 +69,9 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
     refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
+    # Tried rather than read from permission bits, which say nothing to root.
+    refused(run_cli("verify", artifact_fp32, "--report-json", "/proc/report.json", "-q"),
+            "--report-json: cannot write to /proc (permission denied)")
     refused(run_cli("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
             "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps")
 

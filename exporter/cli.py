@@ -41,6 +41,7 @@ class ProgressHandler(logging.Handler):
 
 
 _interrupted_by: str | None = None  # the signal that stopped this command, if one did
+_LIBRARY_LOGGERS = ("torch", "onnx_ir", "onnxscript")  # their info lines would drown the progress lines
 
 
 def _interrupt(signum, frame):
@@ -48,6 +49,8 @@ def _interrupt(signum, frame):
     removed); the signal is remembered because torch.export can turn the interrupt into an error of its own."""
     global _interrupted_by
     _interrupted_by = signal.Signals(signum).name
+    for library in _LIBRARY_LOGGERS:  # what torch.export logs about the interrupt it turns into an error
+        logging.getLogger(library).setLevel(logging.CRITICAL)
     raise KeyboardInterrupt
 
 
@@ -115,8 +118,8 @@ def _setup_logging(verbose: bool, quiet: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [ProgressHandler()]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
-    for noisy in ("torch", "onnx_ir", "onnxscript"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for library in _LIBRARY_LOGGERS:
+        logging.getLogger(library).setLevel(logging.WARNING)
 
 
 def _emit(result, as_json: bool, text: str) -> None:

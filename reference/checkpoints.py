@@ -203,7 +203,9 @@ class MiniMindCheckpoints:
         if None not in (hidden, heads, head_dim) and head_dim != hidden // heads:
             raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
                               f"({hidden // heads}); the reference supports only that head size")
-        return {cls.aliases.get(k, k): v for k, v in data.items() if k not in cls.ignored and v is not None}
+        # Keys with a leading underscore are Transformers' private records (`_attn_implementation_autoset`).
+        return {cls.aliases.get(k, k): v for k, v in data.items()
+                if k not in cls.ignored and not k.startswith("_") and v is not None}
 
     @staticmethod
     def infer(state: dict, base: dict) -> tuple[dict, dict]:

@@ -118,7 +118,8 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
+        # Training only: MiniMind2's feed-forward ends in dropout, minimind-3's has none.
+        self.dropout = nn.Dropout(config.dropout) if config.version == 2 else nn.Identity()
 
     def forward(self, x):
         return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
@@ -150,7 +151,9 @@ def dense_dispatch(x, experts, weight, idx):
     dense = torch.zeros(x.shape[0], len(experts), dtype=weight.dtype, device=x.device).scatter(1, idx, weight)
     y = torch.zeros_like(x)
     for e, expert in enumerate(experts):
-        y = y + expert(x) * dense[:, e:e + 1]
+        # An expert a token did not choose contributes an exact zero, even where its output overflowed
+        # (float16): multiplied by the zero weight, inf would become NaN.
+        y = y + torch.where(dense[:, e:e + 1] != 0, expert(x) * dense[:, e:e + 1], 0)
     return y
 
 
@@ -198,7 +201,10 @@ class MoEFeedForward(nn.Module):
         cfg = self.config
         e, coef = cfg.num_experts, cfg.router_aux_loss_coef
         if not cfg.seq_aux:
-            load = F.one_hot(idx, e).float().mean(0)  # (k, E)
+            # minimind-3 averages each top-k slot's choices apart, (k, E), and sums the slots; MiniMind2
+            # averages all N*k choices together, (E,): k times less for the same routing.
+            hits = F.one_hot(idx, e).float()
+            load = hits.mean(0) if cfg.version == 3 else hits.reshape(-1, e).mean(0)
             return (load * scores.float().mean(0)).sum() * e * coef
         per_seq = idx.view(batch, -1)  # (B, T*k)
         load = torch.zeros(batch, e, device=scores.device).scatter_add_(

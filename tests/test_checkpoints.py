@@ -36,17 +36,30 @@ def _gpt_checkpoint(model) -> dict:
     return {"model_state_dict": state, "optimizer_state_dict": optimizer, "epoch": 2, "loss": 3.25}
 
 
+# The keys each generation's MiniMindConfig writes (upstream source), under upstream's names.
+UPSTREAM_CONFIG_KEYS = {
+    3: ("hidden_size", "num_hidden_layers", "use_moe", "dropout", "vocab_size", "bos_token_id", "eos_token_id",
+        "flash_attn", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size",
+        "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "inference_rope_scaling",
+        "rope_scaling", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "router_aux_loss_coef"),
+    2: ("dropout", "bos_token_id", "eos_token_id", "hidden_act", "hidden_size", "intermediate_size",
+        "max_position_embeddings", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "vocab_size",
+        "rms_norm_eps", "rope_theta", "inference_rope_scaling", "rope_scaling", "flash_attn", "use_moe",
+        "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "aux_loss_alpha", "seq_aux",
+        "norm_topk_prob"),
+}
+UPSTREAM_NAMES = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
+
+
 def _upstream_config_json(config) -> dict:
-    """config.json as MiniMind's save_pretrained writes it: upstream names, bookkeeping keys included."""
-    data = {k: v for k, v in config.to_dict().items()
-            if k not in ("attn_implementation", "moe_implementation", "rope_scaling", "inference_rope_scaling")}
-    data.update(architectures=["MiniMindForCausalLM"], model_type="minimind", torch_dtype="float16",
-                transformers_version="4.57.1", flash_attn=True, rope_scaling=None)
-    if config.version == 2:
-        data["n_routed_experts"] = data.pop("num_experts")
-        data["aux_loss_alpha"] = data.pop("router_aux_loss_coef")
-        data["scoring_func"] = "softmax"
-    del data["version"]  # upstream configs do not carry it: the loader reads it from the q/k norm keys
+    """config.json as MiniMind's save_pretrained writes it: upstream's keys and names, Transformers' bookkeeping
+    included (a private `_attn_implementation_autoset` as some releases write it)."""
+    ours = {**config.to_dict(), "flash_attn": True, "head_dim": config.head_dim, "scoring_func": "softmax"}
+    data = {key: ours[UPSTREAM_NAMES.get(key, key)] for key in UPSTREAM_CONFIG_KEYS[config.version]}
+    data.update(architectures=["MiniMindForCausalLM"], auto_map={"AutoConfig": "model_minimind.MiniMindConfig"},
+                model_type="minimind", torch_dtype="float16", transformers_version="4.57.1",
+                _attn_implementation_autoset=True)
     return data
 
 

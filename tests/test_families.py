@@ -122,16 +122,37 @@ def test_moe_layer_equals_upstream_routing(preset, implementation):
 
 
 @torch.no_grad()
+def test_dense_dispatch_adds_an_exact_zero_for_an_unchosen_expert_even_where_it_overflows():
+    config = dataclasses.replace(get_preset("minimind-3-moe-tiny"), moe_implementation="dense")
+    moe = build_model(config).model.layers[1].mlp.eval()
+    moe.experts[0].down_proj.weight.fill_(float("inf"))  # its output: inf and NaN on every token
+    x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    _, _, idx = moe.gate(x.view(-1, config.hidden_size))
+    elsewhere = ~(idx == 0).any(dim=-1)  # the tokens that did not choose expert 0
+    assert elsewhere.any() and not elsewhere.all()
+    dense = moe(x)[0].view(-1, config.hidden_size)
+    moe.config = dataclasses.replace(config, moe_implementation="sparse")  # upstream's way: chosen experts only
+    sparse = moe(x)[0].view(-1, config.hidden_size)
+    assert torch.isfinite(dense[elsewhere]).all()
+    assert (dense[elsewhere] - sparse[elsewhere]).abs().max() <= 1e-6
+
+
+@torch.no_grad()
 def test_moe_training_aux_loss_equals_upstream():
-    for preset, formula in (("minimind-3-moe-tiny", "v3"), ("minimind2-moe-tiny", "v2")):
-        config = get_preset(preset)
+    formulas = {"v3": upstream.minimind3_aux_loss, "v2": upstream.minimind2_aux_loss,
+                "v2 per sequence": lambda scores, idx, config: upstream.minimind2_seq_aux_loss(scores, idx, config, 2, 5)}
+    # Two experts per token where the formulas differ by the top-k: minimind-3 keeps the slots apart.
+    for preset, changes, formula in (("minimind-3-moe-tiny", {}, "v3"),
+                                     ("minimind-3-moe-tiny", {"num_experts_per_tok": 2}, "v3"),
+                                     ("minimind2-moe-tiny", {}, "v2 per sequence"),
+                                     ("minimind2-moe-tiny", {"seq_aux": False}, "v2")):
+        config = dataclasses.replace(get_preset(preset), **changes)
         moe = build_model(config).model.layers[1].mlp.train()
         x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(3))
         _, aux = moe(x)
         scores, _, idx = moe.gate(x.view(-1, config.hidden_size))
-        expected = (upstream.minimind3_aux_loss(scores, idx, config) if formula == "v3"
-                    else upstream.minimind2_seq_aux_loss(scores, idx, config, 2, 5))
-        assert aux.item() == pytest.approx(expected.item(), rel=1e-6) and aux.item() > 0
+        expected = formulas[formula](scores, idx, config)
+        assert aux.item() == pytest.approx(expected.item(), rel=1e-6) and aux.item() > 0, (preset, changes)
         moe.eval()
         assert moe(x)[1].item() == 0.0  # eval mode: no aux loss, as upstream
 

@@ -69,6 +69,15 @@ def minimind3_aux_loss(scores, topk_idx, cfg):
     return (load * scores.mean(0)).sum() * cfg.num_experts * cfg.router_aux_loss_coef
 
 
+def minimind2_aux_loss(scores, topk_idx, cfg):
+    """MiniMind2 MoEGate's aux loss with seq_aux=False."""
+    mask_ce = F.one_hot(topk_idx.view(-1), num_classes=cfg.num_experts)
+    ce = mask_ce.float().mean(0)
+    pi = scores.mean(0)
+    fi = ce * cfg.num_experts
+    return (pi * fi).sum() * cfg.router_aux_loss_coef
+
+
 def minimind2_seq_aux_loss(scores, topk_idx, cfg, bsz, seq_len):
     aux_topk = cfg.num_experts_per_tok
     topk_idx_for_aux_loss = topk_idx.view(bsz, -1)
@@ -114,3 +123,49 @@ def teaching_gpt_forward(model, idx):
         x = x + block.mlp.proj(block.mlp.relu(block.mlp.hidden(block.ln2(x))))
     return model.lm_head(model.layer_norm(x))
 
+
+
+@torch.no_grad()
+def minimind_forward(model, input_ids, attention_mask=None):
+    """Dense MiniMind logits written from REFERENCE-MODELS.md (sections 1 and 2), apart from the reference:
+    its own RoPE tables and rotate_half, a loop over heads that picks each head's kv head by index, the
+    causal mask as a boolean matrix. An oracle for the attention layout the reference's own tests share."""
+    cfg, state = model.config, model.state_dict()
+    b, t = input_ids.shape
+    d, heads, n_rep = cfg.head_dim, cfg.num_attention_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def rms_norm(x, weight):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        return (weight * normed).to(x.dtype) if cfg.version == 3 else weight * normed.to(x.dtype)
+
+    def rotate_half(x):
+        return torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+
+    freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)
+    angles = torch.outer(torch.arange(t).float(), freqs)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[None, :, None, :]  # (1, T, 1, D)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[None, :, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    x = state["model.embed_tokens.weight"][input_ids]
+    for layer in range(cfg.num_hidden_layers):
+        w = {k.removeprefix(f"model.layers.{layer}."): v for k, v in state.items()
+             if k.startswith(f"model.layers.{layer}.")}
+        a = rms_norm(x, w["input_layernorm.weight"])
+        q = (a @ w["self_attn.q_proj.weight"].T).view(b, t, heads, d)
+        k = (a @ w["self_attn.k_proj.weight"].T).view(b, t, -1, d)
+        v = (a @ w["self_attn.v_proj.weight"].T).view(b, t, -1, d)
+        if cfg.version == 3:
+            q, k = rms_norm(q, w["self_attn.q_norm.weight"]), rms_norm(k, w["self_attn.k_norm.weight"])
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        out = torch.empty(b, t, heads, d)
+        for head in range(heads):
+            kv = head // n_rep  # each kv head serves n_rep consecutive q heads
+            scores = (q[:, :, head] @ k[:, :, kv].transpose(1, 2)) / math.sqrt(d)  # (B, T, T)
+            scores = scores.masked_fill(~causal, float("-inf"))
+            if attention_mask is not None:
+                scores = scores + (1.0 - attention_mask[:, None, :].float()) * -1e9
+            out[:, :, head] = F.softmax(scores.float(), dim=-1) @ v[:, :, kv]
+        x = x + out.reshape(b, t, heads * d) @ w["self_attn.o_proj.weight"].T
+        m = rms_norm(x, w["post_attention_layernorm.weight"])
+        x = x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    return rms_norm(x, state["model.norm.weight"]) @ state["lm_head.weight"].T

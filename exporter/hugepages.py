@@ -37,8 +37,11 @@ Regions = dict[tuple[int, int], int]  # (start, end) address -> resident bytes
 def smaps_mappings():
     """(start, end, fields of the header line, {field: kB}) for each mapping of /proc/self/smaps."""
     mapping = None
-    for line in SMAPS.read_text().splitlines():
+    # Mapped file paths are bytes, not necessarily UTF-8 (a folder named so): undecodable ones are replaced.
+    for line in SMAPS.read_text(errors="replace").split("\n"):  # only newlines end a line, not \x1c in a path
         fields = line.split()
+        if not fields:
+            continue
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header: "start-end perms ... [path]"
             if mapping is not None:
                 yield mapping

@@ -2,6 +2,7 @@
 
 import ctypes
 import mmap
+import os
 import platform
 import re
 import sys
@@ -72,3 +73,15 @@ def test_without_smaps_nothing_is_advised(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_c_library)
     assert back_with_huge_pages({}) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_a_mapped_file_whose_path_is_not_utf8_is_read_past(tmp_path):
+    # A folder name is bytes to Linux; an artifact folder so named was an internal error while loading.
+    folder = Path(os.fsdecode(os.fsencode(tmp_path) + b"/bad\xffname"))
+    folder.mkdir()
+    (folder / "weights").write_bytes(b"\0" * mmap.PAGESIZE)
+    with open(folder / "weights", "rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        assert mapped[0] == 0
+        headers = [" ".join(header) for _, _, header, _ in smaps_mappings()]
+    assert any(header.endswith("bad\ufffdname/weights") for header in headers)

@@ -3,7 +3,9 @@ localisation of a perturbed weight, golden bundles without torch, reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from exporter.manifest import read_manifest, sha256_file
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.metrics import Needed
 from exporter.verify.probe import module_of
 from exporter.verify.reports import format_verify, render_html, render_junit
 from helpers import edit_manifest
@@ -139,6 +142,35 @@ def test_junit_and_html_reports(full, tmp_path):
     offline = page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # a namespace name, never fetched
     for fetch in ("<script", "http://", "https://", "src=", "url(", "@import", "<link"):
         assert fetch not in offline, fetch
+
+
+def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
+    # A folder name with XML-forbidden and markup characters; a sweep case failing on present alone;
+    # a decode curve holding NaN and Inf, as a model whose outputs overflowed gives.
+    report, _ = full
+    [cpu] = report.reports
+    case = cpu.sweep[5]
+    kv = dataclasses.replace(case.kv, max_abs=0.5, passed=False, needed=Needed(0.5, 0.5, 3000.0))
+    curve = [dataclasses.replace(s, logits=dataclasses.replace(s.logits, max_abs=value))
+             for s, value in zip(cpu.curve, [float("nan"), float("inf")] + [s.logits.max_abs for s in cpu.curve[2:]])]
+    broken = dataclasses.replace(report, folder="art\x01<&>", reports=[dataclasses.replace(
+        cpu, sweep=[*cpu.sweep[:5], dataclasses.replace(case, kv=kv), *cpu.sweep[6:]], curve=curve)])
+
+    suites = ET.fromstring(render_junit(broken))  # parses: the control character is replaced
+    assert suites.get("name") == "verify art\ufffd<&>" and suites.get("time") == f"{report.seconds:.3f}"
+    assert int(suites.get("tests")) == len(suites.findall(".//testcase"))
+    assert int(suites.get("failures")) == len(suites.findall(".//failure")) == 1
+    [failure] = suites.findall(".//failure")
+    assert "present max abs 0.5 (3e+03x tol, FAIL)" in failure.text and "logits max abs" in failure.text
+
+    text = format_verify(broken)
+    assert f"3e+03x (present) at {case.name}" in text  # the summary row: the worse of the two outputs
+    assert f"sweep FAIL: {case.name}: logits max abs" in text
+
+    page = render_html(broken)
+    assert "art\x01&lt;&amp;&gt;" in page and "2 not finite, not drawn" in page
+    assert not re.search(r'="-?(nan|inf)"', page)  # no SVG attribute holds a non-finite number
+    assert "health: 0 NaN, 0 Inf, 0 zero rows" in page and ": pass</li>" in page
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

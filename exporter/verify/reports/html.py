@@ -43,16 +43,19 @@ def _provider(p: ProviderReport) -> str:
     rows = [comparison_row(c) for c in p.comparisons]
     rows.append(["greedy tokens", f"{p.greedy.match_length}/{len(p.greedy.reference_ids)}", "", "", p.greedy.note,
                  "", "", verdict(p.greedy.passed)])
-    sweep = _table(["batch", "new tokens", "past", "logits max abs", "present max abs", "result"],
-                   [[c.batch, c.new_tokens, c.past, f"{c.logits.max_abs:.3g}", f"{c.kv.max_abs:.3g}",
-                     verdict(c.passed)] for c in p.sweep]) if p.sweep else "<p>sweep off</p>"
+    sweep = _table(["batch", "new tokens", "past", "logits max abs (x tol)", "present max abs (x tol)", "result"],
+                   [[c.batch, c.new_tokens, c.past, f"{c.logits.max_abs:.3g} ({c.logits.needed.scale:.2g}x)",
+                     f"{c.kv.max_abs:.3g} ({c.kv.needed.scale:.2g}x)", verdict(c.passed)] for c in p.sweep]
+                   ) if p.sweep else "<p>sweep off</p>"
     h = p.health
     loc = p.localisation
     probe = loc.probe.first if loc.probe else None
-    notes = [f"profile {p.profile.name}: {p.profile.why}",
-             f"health: {h.nan} NaN, {h.inf} Inf, {h.zero_rows} zero rows; fp16 headroom "
-             f"{h.headroom:.3g}x" if h.headroom else "health: no values", *h.issues, *h.warnings,
-             f"repeat run max abs {p.repeat.max_abs:.3g} ({'deterministic' if p.repeat.max_abs == 0 else 'differs'})"]
+    overridden = f"; overridden: {', '.join(p.profile.overridden)}" if p.profile.overridden else ""
+    headroom = f"; fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
+    repeat = "bit-identical" if p.repeat.max_abs == 0 else f"max abs {p.repeat.max_abs:.3g}"
+    notes = [f"profile {p.profile.name}: {p.profile.why}{overridden}",
+             f"health: {h.nan} NaN, {h.inf} Inf, {h.zero_rows} zero rows{headroom}: {verdict(h.passed)}",
+             *h.issues, *h.warnings, f"repeat run (nondeterminism): {repeat}: {verdict(p.repeat.passed)}"]
     if loc.first_layer is not None:
         notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
     if probe:
@@ -69,7 +72,7 @@ def render_html(report: VerifyReport) -> str:
     overall = "PASS" if report.passed else "FAIL"
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify {escape(report.folder)}: "
              f"{overall}</title><style>{STYLE}</style></head><body>",
-             f"<h1>Verification of {escape(report.folder)}: <span class='{overall}'>{overall}</span></h1>",
+             f"<h1>Verification of {escape(report.folder)}: <span class='{verdict(report.passed)}'>{overall}</span></h1>",
              f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
              f"{escape(str(report.settings))}</p>"]
     parts += [_provider(p) for p in report.reports]

@@ -3,22 +3,32 @@ check, a <failure> with the figures when it fails; CI systems show these nativel
 
 from __future__ import annotations
 
+import re
 from xml.etree import ElementTree as ET
 
+from exporter.verify.reports.text import sweep_detail
 from exporter.verify.results import VerifyReport
+
+# Characters XML 1.0 forbids even escaped (control characters but tab and newlines, lone surrogates, U+FFFE/F),
+# which ElementTree writes as they are; a folder name can hold them.
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _xml_text(text: str) -> str:
+    return _NOT_XML.sub("\ufffd", text)
 
 
 def _case(suite: ET.Element, name: str, passed: bool, detail: str) -> None:
-    case = ET.SubElement(suite, "testcase", classname=suite.get("name"), name=name)
+    case = ET.SubElement(suite, "testcase", classname=suite.get("name"), name=_xml_text(name), time="0")
     if not passed:
-        ET.SubElement(case, "failure", message=detail[:200]).text = detail
+        ET.SubElement(case, "failure", message=_xml_text(detail[:200])).text = _xml_text(detail)
     else:
-        ET.SubElement(case, "system-out").text = detail
+        ET.SubElement(case, "system-out").text = _xml_text(detail)
 
 
 def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool, str]]) -> None:
-    suite = ET.SubElement(root, "testsuite", name=name, tests=str(len(cases)),
-                          failures=str(sum(not passed for _, passed, _ in cases)))
+    suite = ET.SubElement(root, "testsuite", name=_xml_text(name), tests=str(len(cases)),
+                          failures=str(sum(not passed for _, passed, _ in cases)), errors="0", skipped="0", time="0")
     for case in cases:
         _case(suite, *case)
 
@@ -29,14 +39,14 @@ def _comparison(c) -> tuple[str, bool, str]:
 
 
 def render_junit(report: VerifyReport) -> str:
-    root = ET.Element("testsuites", name=f"verify {report.folder}")
+    # Times per check are not measured apart: the whole verification's time is on <testsuites>.
+    root = ET.Element("testsuites", name=_xml_text(f"verify {report.folder}"), time=f"{report.seconds:.3f}")
     for p in report.reports:
         cases = [_comparison(c) for c in p.comparisons]
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
         if p.experts is not None:
             cases.append(("expert choice", p.experts.passed, p.experts.note))
-        cases += [(f"sweep {c.name}", c.passed, f"logits max abs {c.logits.max_abs:.3g}, present max abs "
-                                                 f"{c.kv.max_abs:.3g}") for c in p.sweep]
+        cases += [(f"sweep {c.name}", c.passed, sweep_detail(c)) for c in p.sweep]
         cases.append(("repeat run", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
         _suite(root, f"{p.provider} {p.dtype}", cases)
@@ -48,7 +58,12 @@ def render_junit(report: VerifyReport) -> str:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     skipped = {**report.skipped, **report.consumers_skipped}
     if skipped:
-        suite = ET.SubElement(root, "testsuite", name="skipped", tests=str(len(skipped)), skipped=str(len(skipped)))
+        suite = ET.SubElement(root, "testsuite", name="skipped", tests=str(len(skipped)), failures="0", errors="0",
+                              skipped=str(len(skipped)), time="0")
         for name, reason in skipped.items():
-            ET.SubElement(ET.SubElement(suite, "testcase", classname="skipped", name=name), "skipped", message=reason)
+            ET.SubElement(ET.SubElement(suite, "testcase", classname="skipped", name=name, time="0"), "skipped",
+                          message=_xml_text(reason))
+    suites = root.findall("testsuite")
+    for total in ("tests", "failures", "errors", "skipped"):
+        root.set(total, str(sum(int(suite.get(total)) for suite in suites)))
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

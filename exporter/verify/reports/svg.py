@@ -39,6 +39,12 @@ def _range(values: list[float]) -> tuple[float, float]:
     return math.floor(min(logs)), math.ceil(max(logs)) + (1 if math.ceil(max(logs)) == math.floor(min(logs)) else 0)
 
 
+def _titled(title: str, values: list[float]) -> str:
+    """The title, saying how many values are not drawn: NaN and Inf have no place on the axis."""
+    hidden = sum(not math.isfinite(v) for v in values)
+    return f"{title}; {hidden} not finite, not drawn" if hidden else title
+
+
 def _legend(labels: list[str]) -> list[str]:
     return [f'<text x="{LEFT + 8 + 150 * i}" y="{TOP + 10}" font-size="11" fill="{COLOURS[i % len(COLOURS)]}">'
             f'&#9632; {escape(label)}</text>' for i, label in enumerate(labels)]
@@ -48,7 +54,7 @@ def line_chart(title: str, xlabel: str, series: dict[str, list[float]], css_clas
     """One line per series over x = 0..n-1, log10 y."""
     values = [v for ys in series.values() for v in ys]
     low, high = _range(values)
-    parts = _frame(title, xlabel, low, high, css_class)
+    parts = _frame(_titled(title, values), xlabel, low, high, css_class)
     n = max(len(ys) for ys in series.values())
     for i, (label, ys) in enumerate(series.items()):
         points = " ".join(f"{LEFT + x / max(n - 1, 1) * (WIDTH - LEFT - RIGHT):.1f},{_y(_log(y), low, high):.1f}"
@@ -65,12 +71,13 @@ def bar_chart(title: str, xlabel: str, labels: list[str], series: dict[str, list
               css_class: str = "plot") -> str:
     """Grouped bars, one group per label; log10 y (or linear counts)."""
     values = [v for ys in series.values() for v in ys]
+    title = _titled(title, values)
     if log_y:
         low, high = _range(values)
         height = lambda v: _y(_log(v), low, high)  # noqa: E731
         parts = _frame(title, xlabel, low, high, css_class)
     else:
-        top = max(values + [1])
+        top = max([v for v in values if math.isfinite(v)] + [1])
         height = lambda v: HEIGHT - BOTTOM - v / top * (HEIGHT - TOP - BOTTOM)  # noqa: E731
         parts = _frame(title, xlabel, 0, 1, css_class, log_axis=False)
         parts.append(f'<text x="{LEFT - 6}" y="{TOP + 4}" text-anchor="end" font-size="10">{top}</text>')
@@ -78,6 +85,8 @@ def bar_chart(title: str, xlabel: str, labels: list[str], series: dict[str, list
     bar = group * 0.8 / max(len(series), 1)
     for s, (name, ys) in enumerate(series.items()):
         for i, v in enumerate(ys):
+            if not math.isfinite(v):
+                continue
             x = LEFT + i * group + group * 0.1 + s * bar
             y = height(v)
             parts.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '

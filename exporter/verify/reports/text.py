@@ -31,6 +31,17 @@ def comparison_row(c: Comparison) -> list[str]:
             f"{t.atol:g}/{t.rtol:.3g}/{t.peak:.3g}", f"{c.needed.atol:.2g} ({c.needed.scale:.2g}x)", verdict(c.passed)]
 
 
+def _sweep_outputs(case) -> tuple[tuple[str, Comparison], ...]:
+    return ("logits", case.logits), ("present", case.kv)
+
+
+def sweep_detail(case) -> str:
+    """A sweep case's two outputs, each with its multiple of the tolerance and its verdict."""
+    outputs = ", ".join(f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol, {verdict(c.passed)})"
+                        for output, c in _sweep_outputs(case))
+    return outputs + (f"; {case.routing_note}" if case.routing_note else "")
+
+
 HEADER = ["check", "max abs", "mean abs", "max rel", "LLM metrics", "atol/rtol/peak", "needed atol (x tol)", "result"]
 
 
@@ -40,9 +51,10 @@ def _provider(p: ProviderReport) -> str:
     rows.append(["greedy tokens", f"{g.match_length}/{len(g.reference_ids)} match", "", "", "", "", "", verdict(g.passed)])
     if p.sweep:
         failed = [c.name for c in p.sweep if not c.passed]
-        worst = max(p.sweep, key=lambda c: c.logits.needed.scale)
-        rows.append([f"shape sweep ({len(p.sweep)} shapes)", f"{max(c.logits.max_abs for c in p.sweep):.3g}", "", "", "",
-                     "", f"{worst.logits.needed.scale:.2g}x at {worst.name}", verdict(not failed)])
+        output, worst, case = max(((output, x, c) for c in p.sweep for output, x in _sweep_outputs(c)),
+                                  key=lambda entry: entry[1].needed.scale)
+        rows.append([f"shape sweep ({len(p.sweep)} shapes)", f"{worst.max_abs:.3g}", "", "", "", "",
+                     f"{worst.needed.scale:.2g}x ({output}) at {case.name}", verdict(not failed)])
     if p.experts is not None:
         agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
         rows.append(["expert choice", agreement, "", "", "", "", "", verdict(p.experts.passed)])
@@ -60,8 +72,7 @@ def _provider(p: ProviderReport) -> str:
     curve = p.curve
     lines.append(f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
                  f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})")
-    lines += [f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: logits "
-              f"{c.logits.max_abs:.3g}, present {c.kv.max_abs:.3g}" + (f"; {c.routing_note}" if c.routing_note else "")
+    lines += [f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: {sweep_detail(c)}"
               for c in p.sweep if not c.passed or c.routing_near_tie]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation

@@ -254,6 +254,21 @@ class _PaddingAttended(_DecodeLogitsShifted):
         return self.inner.decode(feeds)
 
 
+class _PresentsNaN(_DecodeLogitsShifted):
+    """An OrtRunner whose graphs both give NaN in the first present, as a model with NaN weights would: the
+    two sides of every invariant still agree."""
+
+    def _broken(self, outputs):
+        first = next(name for name in outputs if name.startswith("present."))
+        return {**outputs, first: np.full_like(outputs[first], np.nan)}
+
+    def prefill(self, feeds):
+        return self._broken(self.inner.prefill(feeds))
+
+    def decode(self, feeds):
+        return self._broken(self.inner.decode(feeds))
+
+
 def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     from exporter.runtime import OrtRunner
     from exporter.verify import invariants
@@ -268,6 +283,12 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed
     assert not invariants.decode_past_zero(shifted, manifest, batch, profile).passed
     assert not invariants.padded_row_alone(_PaddingAttended(runner), manifest, batch, profile).passed
+    broken = _PresentsNaN(runner)
+    for invariant in (invariants.split_prefill(broken, manifest, batch, profile, k=7),
+                      invariants.decode_past_zero(broken, manifest, batch, profile),
+                      invariants.padded_row_alone(broken, manifest, batch, profile)):
+        assert not invariant.passed and "NaN or Inf in" in invariant.detail, invariant.detail
+        assert "present.0.key" in invariant.detail and "no invariant can vouch for" in invariant.detail
 
     # decode.onnx reads one weight from other bytes; then bakes the batch axis of input_ids
     model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)

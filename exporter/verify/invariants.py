@@ -42,7 +42,11 @@ class Invariant:
                 "comparisons": [c.to_dict() for c in self.comparisons]}
 
 
-def _outcome(name: str, rows: list[Comparison], what: str) -> Invariant:
+def _outcome(name: str, rows: list[Comparison], nonfinite: list[str], what: str) -> Invariant:
+    if nonfinite:  # NaN equals NaN here: two broken runs would agree
+        return Invariant(name, False, f"{what}: NaN or Inf in {', '.join(nonfinite[:4])}"
+                                      f"{' ...' if len(nonfinite) > 4 else ''}, which no invariant can vouch for",
+                         tuple(rows))
     worst = max(rows, key=lambda c: c.needed.scale)
     bitwise = all(c.max_abs == 0 for c in rows)
     detail = (f"{what}: {'bit-identical' if bitwise else f'max abs {max(c.max_abs for c in rows):.3g}'}"
@@ -50,10 +54,13 @@ def _outcome(name: str, rows: list[Comparison], what: str) -> Invariant:
     return Invariant(name, all(c.passed for c in rows), detail, tuple(rows))
 
 
-def _pair(label: str, actual: dict, expected: dict, profile: Profile, names) -> list[Comparison]:
+def _pair(label: str, actual: dict, expected: dict, profile: Profile, names) -> tuple[list[Comparison], list[str]]:
+    """The comparisons of logits and every present, and the outputs of either side holding NaN or Inf."""
+    names = ["logits", *(n for n in names if n.startswith("present."))]
     logits = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits)]
-    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv) for n in names if n.startswith("present.")]
-    return logits + ([aggregate(f"{label} present (all layers)", kv)] if kv else [])
+    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv) for n in names[1:]]
+    nonfinite = [n for n in names if not (np.isfinite(actual[n]).all() and np.isfinite(expected[n]).all())]
+    return logits + ([aggregate(f"{label} present (all layers)", kv)] if kv else []), nonfinite
 
 
 def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
@@ -64,8 +71,8 @@ def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: in
     rest = onnx.decode({"input_ids": batch["input_ids"][:, k:], "attention_mask": mask,
                         "position_ids": position_ids_from_mask(mask, k), **presents_as_past(manifest, head)})
     tail = {"logits": whole["logits"][:, k:], **{n: whole[n] for n in rest if n != "logits"}}
-    return _outcome("prefill(all) == prefill(first k) + decode(rest)", _pair("split", rest, tail, profile, rest),
-                    f"k={k} of {mask.shape[1]} tokens")
+    return _outcome("prefill(all) == prefill(first k) + decode(rest)", *_pair("split", rest, tail, profile, rest),
+                    what=f"k={k} of {mask.shape[1]} tokens")
 
 
 def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
@@ -73,7 +80,7 @@ def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
     prefill = onnx.prefill(feeds)
     decode = onnx.decode({**{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
                           **onnx.empty_past(len(batch["input_ids"]))})
-    return _outcome("decode(past 0) == prefill", _pair("past-0", decode, prefill, profile, decode), "same prompt")
+    return _outcome("decode(past 0) == prefill", *_pair("past-0", decode, prefill, profile, decode), what="same prompt")
 
 
 def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
@@ -87,8 +94,8 @@ def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
                           for name, value in feeds.items()})
     row = {"logits": padded["logits"][:1, real],
            **{n: padded[n][:1, :, real] for n in alone if n.startswith("present.")}}
-    return _outcome("padded row == same sequence alone", _pair("padded", row, alone, profile, alone),
-                    f"{int((~real).sum())} padding tokens")
+    return _outcome("padded row == same sequence alone", *_pair("padded", row, alone, profile, alone),
+                    what=f"{int((~real).sum())} padding tokens")
 
 
 def _weight_digests(folder: Path, graph_file: str) -> Counter:

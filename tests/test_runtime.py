@@ -144,7 +144,9 @@ def test_bad_session_settings_are_refused():
     from exporter.runtime import SessionSettings
     with pytest.raises(InputError, match="optimization must be one of"):
         SessionSettings(optimization="max")
-    with pytest.raises(InputError, match="intra_op_threads must be >= 0"):
-        SessionSettings(intra_op_threads=-2)
+    for threads in (-2, 1025, 2.0):
+        with pytest.raises(InputError, match=r"\(intra_op_threads, --threads\) must be an integer from 0 \(one per "
+                                             r"core\) to 1024, got"):
+            SessionSettings(intra_op_threads=threads)
     with pytest.raises(InputError, match="prompt_chunk must be >= 0"):
         SessionSettings(prompt_chunk=-1)

@@ -44,7 +44,7 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
     assert len(cpu.curve) == 65 and [s.tokens for s in cpu.curve[-2:]] == [1, 3]
     assert {(c.batch, c.new_tokens, c.past) for c in cpu.sweep} == {
         (b, n, p) for b in (1, 2, 3) for n in (1, 2, 7, 64) for p in (0, 1, 17)}
-    assert [i.passed for i in report.invariants] == [True] * 5
+    assert [i.passed for i in report.invariants] == [True] * 6  # the sixth: a float32 export computes in float32
     assert cpu.health.passed and cpu.health.nan == cpu.health.zero_rows == 0
     assert cpu.repeat.max_abs == 0  # the CPU provider is deterministic
     logits = cpu.comparisons[0]
@@ -119,7 +119,7 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
         out.stdout.strip().splitlines()[-1])
     assert passed and reference.startswith("golden bundle") and steps == 65 and sweep == 36
     assert max_abs == report.reports[0].comparisons[0].max_abs  # the same numbers as against the model
-    assert alone_passed and alone_reference == "none" and invariants == 5 and providers == 0
+    assert alone_passed and alone_reference == "none" and invariants == 6 and providers == 0
     _perturb(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
     with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
@@ -309,6 +309,13 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     axes = invariants.symbolic_axes(artifact_copy, manifest)
     assert not axes.passed and "input_ids" in axes.detail, axes.detail
+
+    # a rounding to float16 in a float32 graph, which the CPU provider would drop unseen
+    model.graph.node.append(onnx.helper.make_node("Cast", [model.graph.output[0].name], ["logits_float16"],
+                                                  to=onnx.TensorProto.FLOAT16, name="rounding"))
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    rounding = invariants.computes_in_float32(artifact_copy, manifest)
+    assert not rounding.passed and "1 Cast(s) to float16 or bfloat16: decode.onnx: rounding" in rounding.detail
 
 
 def test_health_counts_nan_and_inf_at_real_positions():

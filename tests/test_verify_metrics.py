@@ -62,11 +62,25 @@ def test_loss_metrics_and_aggregate():
 
 
 def test_profiles_differ_by_dtype_and_provider():
-    assert profile_for("float32", CPU).logits == Tolerance(1e-4, 1e-4, 512 * 2.0 ** -24)
+    assert profile_for("float32", CPU).logits == Tolerance(0.0, 0.0, 512 * 2.0 ** -24)  # the peak term alone
     assert profile_for("float16", CPU).logits.peak == 16 * 2.0 ** -11
     assert profile_for("float32", CUDA).logits.peak > profile_for("float32", CPU).logits.peak  # TF32
-    assert profile_for("float32", CPU).loss.atol < profile_for("float32", CPU).logits.atol
     assert profile_for("float32", "SomeOtherProvider") == profile_for("float32", CPU)
+
+
+def test_the_float32_profile_passes_float32_rounding_and_fails_a_ten_thousandth(tiny_model):
+    # The reference's own float32 error (against float64) must pass; logits scaled by 1.0001, what one
+    # weight matrix off by a relative 1e-4 does, must not (the former profile's 1e-4 + 1e-4|x| let it pass).
+    import copy
+
+    import torch
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = tiny_model(ids).logits.numpy()
+        exact = copy.deepcopy(tiny_model).double()(ids).logits.numpy()
+    tolerance = profile_for("float32", CPU).logits
+    assert compare("float32 vs float64", "logits", logits, exact, tolerance).passed
+    assert not compare("scaled by 1.0001", "logits", logits * np.float32(1.0001), logits, tolerance).passed
 
 
 def test_overrides_from_options_and_files(tmp_path):

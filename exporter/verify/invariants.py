@@ -7,7 +7,8 @@ artifact whose reference model is not available:
 - decode with an empty past equals prefill;
 - a row of a left-padded batch equals the same sequence run alone;
 - the two graphs carry identical weights;
-- every axis the contract declares dynamic is symbolic in the saved graphs.
+- every axis the contract declares dynamic is symbolic in the saved graphs;
+- a float32 export casts nothing to float16 or bfloat16.
 """
 
 from __future__ import annotations
@@ -141,9 +142,27 @@ def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
                      "; ".join(problems[:5]) if problems else "all contract axes symbolic, named as declared")
 
 
+_BELOW_FLOAT32 = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
+    """A float32 export casts nothing to float16 or bfloat16. ONNX Runtime's CPU provider drops a cast down
+    and back up as a no-op, so no comparison on the CPU can see the rounding that CUDA would then do."""
+    found = []
+    for contract in (manifest.prefill, manifest.decode):
+        model = onnx.load(str(Path(folder) / contract.file), load_external_data=False)
+        nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
+        found += [f"{contract.file}: {node.name or node.op_type}" for node in nodes if node.op_type == "Cast"
+                  and any(a.name == "to" and a.i in _BELOW_FLOAT32 for a in node.attribute)]
+    return Invariant("a float32 export computes in float32", not found,
+                     f"{len(found)} Cast(s) to float16 or bfloat16: {', '.join(found[:4])}" if found
+                     else "no Cast to float16 or bfloat16 in either graph")
+
+
 def check_invariants(folder: Path, onnx_runner, manifest: Manifest, batch: dict, profile: Profile) -> list[Invariant]:
     k = batch["input_ids"].shape[1] // 2 + 1  # past the first row's padding, so every row has a real past token
     return [split_prefill(onnx_runner, manifest, batch, profile, k),
             decode_past_zero(onnx_runner, manifest, batch, profile),
             padded_row_alone(onnx_runner, manifest, batch, profile),
-            identical_weights(folder, manifest), symbolic_axes(folder, manifest)]
+            identical_weights(folder, manifest), symbolic_axes(folder, manifest),
+            *([computes_in_float32(folder, manifest)] if manifest.dtype == "float32" else [])]

@@ -105,7 +105,7 @@ class ArtifactFile(pytest.File):
 
     def __init__(self, *, plan: Plan, **kwargs):
         super().__init__(**kwargs)
-        self.plan, self.outcome = plan, None  # outcome: the VerifyReport, or the ToolkitError that stopped it
+        self.plan, self.outcome = plan, None  # outcome: the VerifyReport, or the error that stopped it
 
     def collect(self):
         for name, pick in CHECKS.items():
@@ -114,9 +114,10 @@ class ArtifactFile(pytest.File):
     def verify(self):
         if self.outcome is None:
             from exporter.errors import ToolkitError
+            from reference.errors import ModelError  # a checkpoint the reference cannot be rebuilt from
             try:
                 self.outcome = _verify(self.path.parent, self.plan, self.config.getoption("artifact_provider"))
-            except ToolkitError as exc:
+            except (ToolkitError, ModelError) as exc:
                 self.outcome = exc
         return self.outcome
 

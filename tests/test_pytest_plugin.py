@@ -8,6 +8,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from helpers import claim_seed, edit_manifest
 
 from exporter.pytest_plugin import CHECKS, Plan, reference_plan
@@ -63,13 +65,15 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
     assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
 
 
-def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_once(artifact_fp32, tmp_path):
+@pytest.mark.parametrize("module, error", [("exporter.errors", "ArtifactError"), ("reference.errors", "CheckpointError")])
+def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_once(artifact_fp32, tmp_path, module,
+                                                                                   error):
     (tmp_path / "conftest.py").write_text(
         "import exporter.verify.engine as engine\n"
-        "from exporter.errors import ArtifactError\n"
+        f"from {module} import {error}\n"
         "def cannot_run(*args, **kwargs):\n"
         "    print('verification started')\n"
-        "    raise ArtifactError('onnxruntime cannot load decode.onnx; re-export the folder')\n"
+        f"    raise {error}('onnxruntime cannot load decode.onnx; re-export the folder')\n"
         "engine.verify_artifact = cannot_run\n")
     folder = shutil.copytree(artifact_fp32, tmp_path / "model")
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-s")

@@ -135,8 +135,9 @@ def test_junit_and_html_reports(full, tmp_path):
     suites = ET.fromstring(render_junit(report))
     cases = suites.findall(".//testcase")
     assert len(cases) >= 36 + 5 and not suites.findall(".//failure")
-    assert {s.get("name") for s in suites} >= {"CPUExecutionProvider float32", "invariants"}
+    assert {s.get("name") for s in suites} >= {"CPUExecutionProvider float32", "invariants", "attribution"}
     page = render_html(report)
+    assert "Attribution (export / provider / precision)" in page and "<td>export</td>" in page
     for plot in ("decode-curve", "layer-errors", "logit-histogram"):
         assert f'class="plot {plot}"' in page
     offline = page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # a namespace name, never fetched

@@ -54,6 +54,9 @@ def render_junit(report: VerifyReport) -> str:
         _suite(root, "invariants", [(i.name, i.passed, i.detail) for i in report.invariants])
     if report.cross:
         _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
+    if report.attribution is not None and report.attribution.legs:
+        _suite(root, "attribution", [(f"{leg} leg", c.passed, _comparison(c)[2])
+                                     for leg, c in report.attribution.legs.items()])
     if report.consumers:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     skipped = {**report.skipped, **report.consumers_skipped}

@@ -97,6 +97,15 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
                        [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
     if report.cross:
         tables.append(("providers against each other", HEADER, [comparison_row(c) for c in report.cross]))
+    if report.cross_probes:
+        tables.append(("node-level probe between providers", ["providers", "first diverging operator"],
+                       [[probe.mode, f"{probe.first.node} ({probe.first.op_type}) in {probe.first.module or 'graph'}"
+                         if probe.first else "no operator diverges"] for probe in report.cross_probes]))
+    if report.attribution is not None:
+        a = report.attribution
+        rows = [[leg, f"{c.max_abs:.3g}", f"{c.needed.scale:.2g}x", verdict(c.passed)] for leg, c in a.legs.items()]
+        tables.append(("attribution (export / provider / precision)", ["leg", "logits max abs", "x tol", "result"],
+                       rows + ([["skipped", a.skipped, "", ""]] if a.skipped else [])))
     return tables
 
 
@@ -104,15 +113,6 @@ def format_verify(report: VerifyReport) -> str:
     blocks = [f"reference: {report.reference}"] + [_provider(p) for p in report.reports]
     blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
     blocks += [f"{title}\n{table(header, rows)}" for title, header, rows in summary_tables(report)]
-    for probe in report.cross_probes:
-        first = probe.first
-        blocks.append(f"probe {probe.mode}: " + (f"first diverging operator {first.node} ({first.op_type}) in "
-                                                 f"{first.module or 'graph'}" if first else "no operator diverges"))
-    if report.attribution is not None:
-        a = report.attribution
-        legs = [f"  {leg}: max abs {c.max_abs:.3g} ({verdict(c.passed)})" for leg, c in a.legs.items()]
-        blocks.append("attribution (export / provider / precision)\n" + "\n".join(legs) +
-                      (f"\n  skipped: {a.skipped}" if a.skipped else ""))
     for consumer in report.consumers:
         greedy = consumer.greedy
         blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "

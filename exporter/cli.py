@@ -272,11 +272,11 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict):
         path, flag = options[option], "--" + option.replace("_", "-")
         if path is None:
             continue
-        if Path(path).resolve() in written:
-            raise ToolkitError(f"{flag} {path} is also the path of {written[Path(path).resolve()]}; give each "
-                               "report its own file")
-        written[Path(path).resolve()] = flag
-        if artifact == Path(path).resolve() or artifact in Path(path).resolve().parents:
+        resolved = Path(path).resolve()
+        if resolved in written:
+            raise ToolkitError(f"{flag} {path} is also the path of {written[resolved]}; give each report its own file")
+        written[resolved] = flag
+        if artifact == resolved or artifact in resolved.parents:
             raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
                                "write it elsewhere")
         if option == "golden_save":

@@ -174,7 +174,8 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
 
 def check_sizes(folder: Path, manifest: Manifest) -> None:
     """Every file the manifest lists has the size it lists: a truncated copy, found without reading it."""
-    resized = [f"{name} is {(Path(folder) / name).stat().st_size} bytes, not {entry['bytes']}"
-               for name, entry in manifest.files.items() if (Path(folder) / name).stat().st_size != entry["bytes"]]
+    sizes = {name: (Path(folder) / name).stat().st_size for name in manifest.files}
+    resized = [f"{name} is {sizes[name]} bytes, not {entry['bytes']}"
+               for name, entry in manifest.files.items() if sizes[name] != entry["bytes"]]
     if resized:
         raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")

@@ -94,10 +94,10 @@ def pytest_configure(config):
 
 
 def pytest_collect_file(file_path: Path, parent):
-    plans = parent.config.stash.get(_PLANS, {})
-    if file_path.name == "manifest.json" and file_path.parent.resolve() in plans:
-        return ArtifactFile.from_parent(parent, path=file_path, plan=plans[file_path.parent.resolve()])
-    return None
+    if file_path.name != "manifest.json":
+        return None
+    plan = parent.config.stash.get(_PLANS, {}).get(file_path.parent.resolve())
+    return None if plan is None else ArtifactFile.from_parent(parent, path=file_path, plan=plan)
 
 
 class ArtifactFile(pytest.File):

@@ -33,8 +33,8 @@ def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool, str]]) -> N
         _case(suite, *case)
 
 
-def _comparison(c) -> tuple[str, bool, str]:
-    return (c.name, c.passed, f"max abs {c.max_abs:.3g}, mean abs {c.mean_abs:.3g}, max rel {c.max_rel:.3g}, "
+def _comparison(c, name: str | None = None) -> tuple[str, bool, str]:
+    return (name or c.name, c.passed, f"max abs {c.max_abs:.3g}, mean abs {c.mean_abs:.3g}, max rel {c.max_rel:.3g}, "
                               f"needed atol {c.needed.atol:.3g} ({c.needed.scale:.3g}x the tolerance)")
 
 
@@ -55,8 +55,7 @@ def render_junit(report: VerifyReport) -> str:
     if report.cross:
         _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
     if report.attribution is not None and report.attribution.legs:
-        _suite(root, "attribution", [(f"{leg} leg", c.passed, _comparison(c)[2])
-                                     for leg, c in report.attribution.legs.items()])
+        _suite(root, "attribution", [_comparison(c, f"{leg} leg") for leg, c in report.attribution.legs.items()])
     if report.consumers:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     skipped = {**report.skipped, **report.consumers_skipped}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from exporter.errors import InputError
-from exporter.verify.metrics import Tolerance, aggregate, compare, logits_metrics, match_length
+from exporter.verify.metrics import Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
 
@@ -59,6 +59,15 @@ def test_loss_metrics_and_aggregate():
     assert not total.passed and total.worst == "b" and total.max_abs == pytest.approx(0.5)
     assert total.needed.scale == pytest.approx(5.0)
     assert match_length([1, 2, 3], [1, 2, 4]) == 2 and match_length([1], [1, 2]) == 1
+
+
+def test_difference_histogram_counts_zeros_and_non_finite_apart():
+    expected = np.zeros(6)
+    actual = np.array([0.0, 1e-3, 2e-3, 1.0, np.nan, np.inf])
+    h = difference_histogram(actual, expected, bins=3)
+    assert (h["zeros"], h["non_finite"], sum(h["counts"])) == (1, 2, 3)
+    assert h["edges"][0] <= 1e-3 and h["edges"][-1] >= 1.0
+    assert difference_histogram([np.nan, 0.0], [1.0, 0.0]) == {"zeros": 1, "non_finite": 1, "edges": [], "counts": []}
 
 
 def test_profiles_differ_by_dtype_and_provider():

@@ -194,14 +194,17 @@ def match_length(a: list[int], b: list[int]) -> int:
 
 
 def difference_histogram(actual: np.ndarray, expected: np.ndarray, bins: int = 24) -> dict:
-    """Counts of |actual - expected| over log10-spaced bins (exact zeros counted apart), for the report plot."""
+    """Counts of |actual - expected| over log10-spaced bins, for the report plot; exact zeros and differences
+    that are not finite (a NaN or Inf on either side) are counted apart."""
     diff = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64)).ravel()
-    diff = diff[np.isfinite(diff)]
+    finite = np.isfinite(diff)
+    non_finite = int(diff.size - finite.sum())
+    diff = diff[finite]
     nonzero = diff[diff > 0]
     if not len(nonzero):
-        return {"zeros": int(len(diff)), "edges": [], "counts": []}
+        return {"zeros": int(len(diff)), "non_finite": non_finite, "edges": [], "counts": []}
     low, high = np.floor(np.log10(nonzero.min())), np.ceil(np.log10(nonzero.max()))
     edges = np.logspace(low, max(high, low + 1), bins + 1)
     counts, _ = np.histogram(nonzero, edges)
-    return {"zeros": int(len(diff) - len(nonzero)), "edges": [float(x) for x in edges],
+    return {"zeros": int(len(diff) - len(nonzero)), "non_finite": non_finite, "edges": [float(x) for x in edges],
             "counts": [int(c) for c in counts]}

@@ -33,7 +33,8 @@ def _plots(p: ProviderReport) -> str:
                        css_class="plot layer-errors")
     h = p.histogram
     labels = [f"{e:.0e}" for e in h["edges"][:-1]]
-    histogram = bar_chart(f"Histogram of |logit difference| (prefill; {h['zeros']} exact zeros)", "|difference| from",
+    histogram = bar_chart(f"Histogram of |logit difference| (prefill; {h['zeros']} exact zeros, "
+                          f"{h['non_finite']} not finite)", "|difference| from",
                           labels or ["none"], {"count": h["counts"] or [0]}, log_y=False,
                           css_class="plot logit-histogram")
     return curve + layers + histogram

@@ -56,30 +56,34 @@ def attention_bias(attention_mask, query_len: int, key_len: int, device):
     return bias
 
 
-def eager_attention(q, k, v, attention_mask):
+def eager_attention(q, k, v, attention_mask, dropout_p=0.0):
     # q: (B, H, T, D); k, v: (B, Hkv, L, D). Query head h attends with kv head h // (H / Hkv),
-    # as MiniMind's repeat_kv pairs them. Scores and softmax in float32.
+    # as MiniMind's repeat_kv pairs them. Scores and softmax in float32; dropout (training
+    # only) on the probabilities, as MiniMind's attn_dropout.
     b, heads, t, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * t, d)
     scores = (grouped @ k.transpose(-2, -1)).view(b, heads, t, length) / math.sqrt(d)
     scores = scores.float() + attention_bias(attention_mask, t, length, q.device)
     probs = F.softmax(scores, dim=-1).type_as(q)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
     return (probs.view(b, kv_heads, heads // kv_heads * t, length) @ v).view(b, heads, t, d)
 
 
-def sdpa_attention(q, k, v, attention_mask):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def sdpa_attention(q, k, v, attention_mask, dropout_p=0.0):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
 
 
 ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
-def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: str = "eager"):
+def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: str = "eager", dropout_p: float = 0.0):
     """Causal attention over a cache.
 
     q: (B, T, H, D); k, v: (B, T, Hkv, D) for the new tokens; past_key_value:
-    (k, v) each (B, P, Hkv, D) or None; attention_mask: (B, P+T), 1 keep, 0 pad.
+    (k, v) each (B, P, Hkv, D) or None; attention_mask: (B, P+T), 1 keep, 0 pad;
+    dropout_p: dropout on the attention probabilities (give 0 outside training).
     Returns the output (B, T, H * D) and the present (k, v), each (B, P+T, Hkv, D).
     The fused path is used only without a cache and without a mask, where
     its top-left causal alignment is right.
@@ -90,5 +94,5 @@ def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: st
         kh = torch.cat([past_key_value[0].transpose(1, 2), kh], dim=2)
         vh = torch.cat([past_key_value[1].transpose(1, 2), vh], dim=2)
     fused = implementation == "sdpa" and past_key_value is None and attention_mask is None and t > 1
-    out = ATTENTION["sdpa" if fused else "eager"](q.transpose(1, 2), kh, vh, attention_mask)
+    out = ATTENTION["sdpa" if fused else "eager"](q.transpose(1, 2), kh, vh, attention_mask, dropout_p)
     return out.transpose(1, 2).reshape(b, t, -1), (kh.transpose(1, 2), vh.transpose(1, 2))

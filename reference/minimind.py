@@ -107,7 +107,8 @@ class Attention(nn.Module):
         if cfg.version == 3:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, present = attend(q, k, v, past_key_value, attention_mask, cfg.attn_implementation)
+        out, present = attend(q, k, v, past_key_value, attention_mask, cfg.attn_implementation,
+                              cfg.dropout if self.training else 0.0)
         return self.dropout(self.o_proj(out)), present
 
 

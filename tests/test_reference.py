@@ -15,6 +15,7 @@ import upstream
 from helpers import assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids
 from reference.init import DEFAULT_STD
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
+from reference.minimind import Attention, apply_rotary, rope_cos_sin, rope_inv_freq
 
 
 def test_minimind3_has_exactly_the_published_parameter_count():
@@ -86,6 +87,30 @@ def test_explicit_attention_equals_fused(tiny_model, tiny_config):
     eager.load_state_dict(tiny_model.state_dict())
     ids = random_ids(tiny_config.vocab_size, 3, 17)
     assert_close(eager(ids).logits, tiny_model(ids).logits, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_training_drops_attention_probabilities_then_the_projection_as_upstream(tiny_config, implementation):
+    # Upstream draws attn_dropout over the (B, H, T, L) probabilities, then resid_dropout over
+    # o_proj's output; with one seed the by-hand computation must draw the same two masks.
+    cfg = dataclasses.replace(tiny_config, dropout=0.5, attn_implementation=implementation)
+    attention = Attention(cfg).train()
+    b, t, heads, kv_heads, d = 2, 5, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg), torch.arange(t)[None].expand(b, t))
+    torch.manual_seed(7)
+    out, _ = attention(x, cos, sin)
+
+    q = apply_rotary(attention.q_norm(attention.q_proj(x).view(b, t, heads, d)), cos, sin).transpose(1, 2)
+    k = apply_rotary(attention.k_norm(attention.k_proj(x).view(b, t, kv_heads, d)), cos, sin).transpose(1, 2)
+    v = attention.v_proj(x).view(b, t, kv_heads, d).transpose(1, 2)
+    k, v = (z.repeat_interleave(heads // kv_heads, dim=1) for z in (k, v))
+    causal = torch.full((t, t), float("-inf")).triu(1)
+    torch.manual_seed(7)
+    probs = torch.nn.functional.dropout(torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d) + causal, -1), 0.5)
+    expected = torch.nn.functional.dropout(attention.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1)), 0.5)
+    assert_close(out, expected, atol=1e-5)
 
 
 def test_left_padding_leaves_rows_unchanged(tiny_model, tiny_config):

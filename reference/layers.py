@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from reference.errors import ContextLengthError
+
 
 @dataclass
 class CausalLMOutput:
@@ -36,6 +38,17 @@ def shifted_cross_entropy(logits, labels):
     """Token t predicts token t+1; labels of -100 are ignored (MiniMind's training loss)."""
     x, y = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
     return F.cross_entropy(x.view(-1, x.size(-1)).float(), y.view(-1), ignore_index=-100)
+
+
+def check_length(input_ids, past_key_values, limit: int, field: str) -> None:
+    """Refuse a cache plus new tokens longer than the model's positions (`field` names the limit)."""
+    past_len = past_key_values[0][0].shape[1] if past_key_values is not None else 0
+    total = past_len + input_ids.shape[1]
+    # A shape check, not a tensor-value branch; skipped while exporting, where the
+    # runtime checks lengths before running.
+    if not torch.compiler.is_exporting() and total > limit:
+        raise ContextLengthError(f"sequence of {total} tokens (past {past_len} + new {input_ids.shape[1]}) "
+                                 f"exceeds {field} {limit}; shorten the prompt or the generation")
 
 
 def default_position_ids(input_ids, past_key_values):

@@ -11,7 +11,9 @@ Deliberate, numerically neutral departures from the upstream code, all so the
 model exports without Python branches on tensor values:
 - RoPE cos/sin are computed in float32 from position ids (`pos * inv_freq`, the
   float ops of the upstream table, YaRN included) instead of slicing a
-  32768-row table; callers can pass explicit position ids (left padding).
+  32768-row table; callers can pass explicit position ids (left padding). A
+  sequence past max_position_embeddings raises ContextLengthError, where the
+  upstream slice of that table comes up short.
 - The fused attention path is chosen when there is no cache and no mask
   (upstream also takes it for an all-ones mask, which needs a tensor test).
 - MoE routing: upstream loops over experts with `if mask.any()` / bincount, so
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference.layers import CausalLMOutput, attend, default_position_ids, shifted_cross_entropy
+from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
 from reference.minimind_config import MiniMindConfig
 
 class RMSNorm(nn.Module):
@@ -241,6 +243,8 @@ class MiniMindModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.version == 2)
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
+        # The rotary tables would hold at any position, but upstream's end at max_position_embeddings.
+        check_length(input_ids, past_key_values, self.config.max_position_embeddings, "max_position_embeddings")
         if position_ids is None:
             position_ids = default_position_ids(input_ids, past_key_values)
         # Recomputed per call (D/2 values) rather than held as a buffer, so that

@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from reference.errors import ContextLengthError
-from reference.layers import CausalLMOutput, attend, default_position_ids, shifted_cross_entropy
+from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
 from reference.teaching_gpt_config import TeachingGPTConfig
 
 
@@ -94,19 +93,10 @@ class TeachingGPT(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.n_embed)
         self.lm_head = nn.Linear(cfg.n_embed, cfg.vocab_size)
 
-    def _check_length(self, input_ids, past_key_values):
-        past_len = past_key_values[0][0].shape[1] if past_key_values is not None else 0
-        total = past_len + input_ids.shape[1]
-        # A shape check, not a tensor-value branch; skipped while exporting, where the
-        # runtime checks lengths before running and ONNX Gather refuses an index past the table.
-        if not torch.compiler.is_exporting() and total > self.config.context_length:
-            raise ContextLengthError(f"sequence of {total} tokens (past {past_len} + new {input_ids.shape[1]}) "
-                                     f"exceeds context_length {self.config.context_length}; "
-                                     "shorten the prompt or the generation")
-
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
                 logits_to_keep=0, labels=None, position_ids=None) -> CausalLMOutput:
-        self._check_length(input_ids, past_key_values)
+        # Past the position table; in an export ONNX Gather refuses such an index instead.
+        check_length(input_ids, past_key_values, self.config.context_length, "context_length")
         if position_ids is None:
             position_ids = default_position_ids(input_ids, past_key_values)
         x = self.token_embed(input_ids) + self.position_embed(position_ids)  # (B, T, C)

@@ -236,10 +236,18 @@ def test_teaching_gpt_left_padded_row_equals_the_sequence_alone():
     assert (default[0, pad:] - short).abs().max() > 1e-3  # default positions do not skip it: a different result
 
 
-def test_teaching_gpt_refuses_sequences_past_its_context():
-    model = build_model(get_preset("teaching-gpt-tiny"))  # context_length 64
-    with pytest.raises(ContextLengthError, match="exceeds context_length 64"):
+@torch.no_grad()
+@pytest.mark.parametrize("preset, limit", [("teaching-gpt-tiny", "context_length 64"),
+                                           ("minimind2-tiny", "max_position_embeddings 64")])
+def test_models_refuse_sequences_past_their_positions(preset, limit):
+    config = get_preset(preset)
+    if preset.startswith("minimind"):
+        config = dataclasses.replace(config, max_position_embeddings=64)
+    model = build_model(config)
+    model(random_ids(512, 1, 64))  # exactly at the limit
+    with pytest.raises(ContextLengthError, match=f"exceeds {limit}"):
         model(random_ids(512, 1, 65))
     out = model(random_ids(512, 1, 60), use_cache=True)
+    model(random_ids(512, 1, 4), past_key_values=out.past_key_values)
     with pytest.raises(ContextLengthError, match=r"past 60 \+ new 5"):
         model(random_ids(512, 1, 5), past_key_values=out.past_key_values)

@@ -239,12 +239,14 @@ def _session_options(settings: SessionSettings, graph_file: str, weights: Shared
     return options
 
 
-def graph_session(path: Path, graph_file: str, weights: SharedWeightMap, provider: str,
+def graph_session(model: bytes, folder: Path, graph_file: str, weights: SharedWeightMap, provider: str,
                   settings: SessionSettings = SessionSettings()) -> ort.InferenceSession:
-    """A session on a modified copy of one of an artifact's graphs (e.g. a debug copy) stored elsewhere: the
-    weights come from the artifact's file through `weights`, with this process's thread-pool rules."""
-    return ort.InferenceSession(str(path), _session_options(settings, graph_file, weights),
-                                providers=session_providers(check_provider(provider)))
+    """A session on a modified copy (serialised, e.g. a debug copy) of one of the graphs of the artifact in
+    `folder`, with this process's thread-pool rules: the weights are shared through `weights` where onnxruntime
+    takes them, and read from the artifact's weights file where it does not."""
+    options = _session_options(settings, graph_file, weights)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    return ort.InferenceSession(model, options, providers=session_providers(check_provider(provider)))
 
 
 _LOAD_ERRORS = (_ort_errors.Fail, _ort_errors.InvalidArgument, _ort_errors.NoSuchFile, _ort_errors.InvalidProtobuf,

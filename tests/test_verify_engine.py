@@ -19,9 +19,11 @@ import pytest
 from exporter.manifest import read_manifest, sha256_file
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch
-from exporter.verify.inputs import ParitySettings
-from exporter.verify.metrics import Needed
-from exporter.verify.probe import module_of
+from exporter.runtime import OrtRunner
+from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
+from exporter.verify.metrics import Needed, compare
+from exporter.verify.probe import DebugGraph, module_of
+from exporter.verify.tolerances import profile_for
 from exporter.verify.reports import format_verify, render_html, render_junit
 from helpers import edit_manifest
 
@@ -99,6 +101,20 @@ def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny
     assert "first diverging layer 1" in text and first.node in text
     # The invariants hold whatever the weights: they cannot see this fault.
     assert all(i.passed for i in report.invariants)
+
+
+@pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
+def test_the_debug_copy_computes_with_the_artifacts_weights(artifact, request):
+    # ONNX Runtime drops a given initializer that an optimisation folds (the CPU casts float16 weights) and
+    # reads the weights file instead: the debug copy must then find the artifact's, not a stand-in.
+    folder = request.getfixturevalue(artifact)
+    manifest = read_manifest(folder)
+    feeds = prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0)))
+    exposed = DebugGraph(folder, manifest, manifest.prefill.file).run(feeds)
+    logits = OrtRunner(folder, manifest=manifest).prefill(feeds)["logits"]
+    # The same graph, fused differently around the exposed values: rounding apart.
+    assert compare("logits", "logits", exposed["logits"], logits, profile_for(manifest.dtype).logits).passed
+    assert np.abs(logits).max() > 1
 
 
 def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, artifact_fp32, artifact_copy):

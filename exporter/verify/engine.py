@@ -8,7 +8,6 @@ torch), or nothing: then only the reference-free invariants run.
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -182,27 +181,26 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     reports, outputs, values = [], {}, {}
-    with tempfile.TemporaryDirectory(prefix="verify-debug-") as work:
-        debug = DebugGraph(folder, manifest, manifest.prefill.file, Path(work))
-        first_runner = None  # kept for the invariants: loading the sessions again costs seconds
-        if reference is not None:
-            for provider in chosen:
-                onnx = OrtRunner(folder, provider, manifest=manifest)
-                first_runner = first_runner or onnx
-                report, outputs[provider], values[provider] = _run_provider(onnx, manifest, reference, debug, batch,
-                                                                            settings, overrides)
-                reports.append(report)
-        log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
-        invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
-        invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
-                                                                        manifest=manifest),
-                                      manifest, batch, invariant_profile)
-        cross = cross_providers(outputs, manifest.dtype, overrides)
-        probes = []
-        if settings.probe and len(values) > 1:
-            first, *others = values
-            probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
-                                    f"{p} vs {first}") for p in others]
+    debug = DebugGraph(folder, manifest, manifest.prefill.file)
+    first_runner = None  # kept for the invariants: loading the sessions again costs seconds
+    if reference is not None:
+        for provider in chosen:
+            onnx = OrtRunner(folder, provider, manifest=manifest)
+            first_runner = first_runner or onnx
+            report, outputs[provider], values[provider] = _run_provider(onnx, manifest, reference, debug, batch,
+                                                                        settings, overrides)
+            reports.append(report)
+    log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
+    invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
+    invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
+                                                                    manifest=manifest),
+                                  manifest, batch, invariant_profile)
+    cross = cross_providers(outputs, manifest.dtype, overrides)
+    probes = []
+    if settings.probe and len(values) > 1:
+        first, *others = values
+        probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
+                                f"{p} vs {first}") for p in others]
     attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
     consumers, consumers_skipped = [], {}
     if genai_skipped:

@@ -1,8 +1,11 @@
 """A debug copy of a graph that exposes every intermediate value as an output (torch-free).
 
-The copy lives in a temporary folder and reads the weights from the artifact's
-file through the manifest's initializer table (ONNX Runtime refuses external
-data outside the model's folder), so the artifact itself is never touched. Each node keeps the module
+The copy lives in memory and is never written, so the artifact itself is never
+touched: its weights are the artifact's, shared in place through the manifest's
+initializer table where ONNX Runtime takes them, and read from the artifact's
+weights file otherwise (a session places a given initializer only where it
+planned it: not on a CUDA device, nor before a graph optimisation folds it into a
+new constant, as for the float16 weights the CPU casts). Each node keeps the module
 scope that torch.onnx recorded in its metadata, which lets localisation map
 intermediate tensors back to the reference model's modules.
 """
@@ -52,8 +55,8 @@ def module_of(node: onnx.NodeProto) -> str | None:
 
 
 class DebugGraph:
-    def __init__(self, folder: Path, manifest: Manifest, graph_file: str, workdir: Path):
-        folder, workdir = Path(folder), Path(workdir)
+    def __init__(self, folder: Path, manifest: Manifest, graph_file: str):
+        folder = Path(folder)
         model = onnx.load(str(folder / graph_file), load_external_data=False)
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
@@ -67,21 +70,17 @@ class DebugGraph:
             self.has_scopes |= module is not None
             outputs = exposed + tuple(o for o in node.output if o in declared)
             self.nodes.append(NodeInfo(index, node.name, node.op_type, outputs, module or ""))
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.path = workdir / graph_file
-        onnx.save_model(model, str(self.path))
+        self._model = model.SerializeToString()
+        self._folder = folder
         self.graph_file = graph_file
-        # ONNX Runtime checks that the external data file exists before the initializers given in the session
-        # options replace every tensor in it: a sparse placeholder of the same size, which is never read.
-        with open(workdir / manifest.weights_file, "wb") as placeholder:
-            placeholder.truncate((folder / manifest.weights_file).stat().st_size)
         self._weights = SharedWeightMap(folder, manifest)
         self._sessions: dict = {}
 
     def run(self, feeds: dict, provider: str = "cpu") -> dict[str, np.ndarray]:
         """Every exposed value (and the graph's own outputs) by tensor name."""
         if provider not in self._sessions:
-            self._sessions[provider] = graph_session(self.path, self.graph_file, self._weights, provider)
+            self._sessions[provider] = graph_session(self._model, self._folder, self.graph_file, self._weights,
+                                                     provider)
         session = self._sessions[provider]
         names = [o.name for o in session.get_outputs()]
         return dict(zip(names, session.run(names, feeds)))

@@ -369,6 +369,12 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     provider = attribute([], {CPU: cpu, CUDA: tf32}, rows, manifest, {}, None, Overrides())
     assert set(provider.legs) == {"provider"} and not provider.legs["provider"].passed
     assert provider.skipped == "precision leg needs a float16 companion artifact"
+    # the pair in the order the providers were given; CUDA alone has no provider leg
+    flipped = attribute([], {CUDA: tf32, CPU: cpu}, cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides()),
+                        manifest, {}, None, Overrides())
+    assert flipped.legs["provider"].name == f"{CPU} vs {CUDA} logits" and not flipped.legs["provider"].passed
+    cuda_only = attribute([], {CUDA: tf32}, [], manifest, {}, None, Overrides())
+    assert not cuda_only.legs and "need CPUExecutionProvider too" in cuda_only.skipped
     cpu_only = attribute([], {CPU: cpu}, [], manifest, {}, None, Overrides())
     assert not cpu_only.legs and "need CUDAExecutionProvider" in cpu_only.skipped
     half = attribute([], {CPU: cpu, CUDA: tf32}, rows, read_manifest(artifact_fp16), {}, None, Overrides())

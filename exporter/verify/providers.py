@@ -83,10 +83,16 @@ def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: li
                                "float16 one as its companion")
     if cpu is not None:
         legs["export"] = cpu.comparisons[0]  # prefill logits, ORT CPU fp32 vs PyTorch fp32
+    if CPU not in outputs:
+        missing.append("export and provider legs need CPUExecutionProvider too (--provider cpu --provider cuda)")
     if CUDA not in outputs:
         missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
     else:
-        legs["provider"] = next(c for c in cross if c.name == f"{CUDA} vs {CPU} logits")
+        # cross_providers names a pair in the order the providers were given
+        pair = {f"{CUDA} vs {CPU} logits", f"{CPU} vs {CUDA} logits"}
+        provider_leg = next((c for c in cross if c.name in pair), None)
+        if provider_leg is not None:
+            legs["provider"] = provider_leg
         if companion is None:
             missing.append("precision leg needs a float16 companion artifact")
         else:

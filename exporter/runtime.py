@@ -6,11 +6,14 @@ manifest; nothing here is specific to one model.
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
@@ -22,8 +25,9 @@ from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
 
-PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-PARITY_PROVIDERS = ("CPUExecutionProvider", "CUDAExecutionProvider")
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+PROVIDER_ALIASES = {"cpu": CPU, "cuda": CUDA}
+PARITY_PROVIDERS = (CPU, CUDA)
 
 
 def provider_name(name: str) -> str:
@@ -44,12 +48,42 @@ def check_provider(name: str) -> str:
     if full not in PARITY_PROVIDERS:
         raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not {full}; "
                             "pass --provider cpu or --provider cuda")
-    available = ort.get_available_providers()
-    if full not in available:
-        hint = " (install onnxruntime-gpu on a machine with a CUDA GPU)" if full == "CUDAExecutionProvider" else ""
-        raise ProviderError(f"execution provider {full} is not available here{hint}; "
-                            f"available: {', '.join(available)}")
+    if full == CUDA:
+        if (unusable := cuda_unusable()) is not None:
+            raise ProviderError(f"{CUDA} cannot run here: {unusable}")
+    elif full not in ort.get_available_providers():
+        raise ProviderError(f"execution provider {full} is not available here")
     return full
+
+
+def cuda_unusable() -> str | None:
+    """Why the CUDA provider cannot run here, or None when it can."""
+    return _cuda_start_failure(tuple(ort.get_available_providers()))
+
+
+@functools.cache
+def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
+    if CUDA not in available:
+        return "not available in this onnxruntime build (install onnxruntime-gpu on a machine with a CUDA GPU)"
+    # A build lists its providers whether or not a GPU, CUDA and cuDNN are there to start them, and a
+    # session whose provider fails to start falls back to the CPU: one Identity node tells.
+    identity = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "cuda_probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=9)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the build's own "not in available provider names"
+            started = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA]).get_providers()
+    except Exception as exc:  # noqa: BLE001 -- any failure to start it is the answer, never a crash
+        return f"could not start ({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__})" \
+               "; check the GPU, CUDA and cuDNN installation"
+    if CUDA not in started:
+        return "could not start (onnxruntime fell back to the CPU); check the GPU, CUDA and cuDNN installation"
+    return None
 
 
 def check_parity_providers(names) -> list[str]:
@@ -57,18 +91,23 @@ def check_parity_providers(names) -> list[str]:
     return list(dict.fromkeys(check_provider(name) for name in names))
 
 
-def session_providers(full_name: str) -> list[str]:
-    """The providers list of a session on `full_name`: the CPU provider runs the ops another provider lacks."""
-    return [full_name] if full_name == "CPUExecutionProvider" else [full_name, "CPUExecutionProvider"]
+def session_providers(full_name: str) -> list:
+    """The providers list of a session on `full_name`: the CPU provider runs the ops another provider lacks.
+
+    CUDA runs with TF32 off: onnxruntime's CUDA provider turns it on by default, which rounds a float32
+    MatMul's inputs to 11 significant bits, so a float32 artifact would neither compute in float32 nor
+    match what its verification promises (float32 tolerances: TF32 alone moved a tiny model's logits by
+    about 4 float16 units of their peak, and MoE routers chose other experts).
+    """
+    return [full_name] if full_name == CPU else [(full_name, {"use_tf32": "0"}), CPU]
 
 
 def available_parity_providers() -> tuple[list[str], dict[str, str]]:
     """Providers to verify on by default, and the skipped ones with the reason."""
-    available = ort.get_available_providers()
-    chosen = [p for p in PARITY_PROVIDERS if p in available]
-    skipped = {p: "not available in this onnxruntime build (needs onnxruntime-gpu and a CUDA GPU)"
-               for p in PARITY_PROVIDERS if p not in available}
-    return chosen, skipped
+    unusable = cuda_unusable()
+    if unusable is None:
+        return list(PARITY_PROVIDERS), {}
+    return [CPU], {CUDA: unusable}
 
 
 def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> np.ndarray:
@@ -313,7 +352,7 @@ class OrtRunner:
         providers = session_providers(self.provider)
         self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
         prefill, decode = self.manifest.prefill, self.manifest.decode
-        on_cpu = self.provider == "CPUExecutionProvider"
+        on_cpu = self.provider == CPU
         before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
         self.decode_session = _load_session(self.folder, decode, _session_options(settings, decode.file, None),
                                             providers)
@@ -326,7 +365,7 @@ class OrtRunner:
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(f"{self.provider} could not be initialised (onnxruntime fell back to "
                                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation")
-        self.cache_device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
+        self.cache_device = "cuda" if self.provider == CUDA else "cpu"
         self._prompt_chunk = settings.prompt_chunk
         # The KV cache that start/step left: onnxruntime's C OrtValues, in the order of self._past_names.
         # A generation interleaved with another on this runner puts its own back before each step.

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from exporter.manifest import read_manifest
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, position_ids_from_mask
+from exporter.runtime import CUDA, OrtRunner, cuda_unusable, position_ids_from_mask
 from helpers import assert_decode_graph_matches
 from reference import build_model
 
-CUDA = "CUDAExecutionProvider"
-requires_cuda = pytest.mark.skipif(CUDA not in ort.get_available_providers(),
-                                   reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and a GPU)")
+requires_cuda = pytest.mark.skipif(cuda_unusable() is not None, reason=f"{CUDA}: {cuda_unusable()}")
 
 
 def _assert_report_passes(report):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from exporter.errors import ArtifactError, InputError, ProviderError
 from exporter.reference_runner import reference_greedy
 from exporter.generation import generate_greedy
-from exporter.runtime import OrtRunner
+from exporter.runtime import CPU, CUDA, OrtRunner, available_parity_providers, check_provider, cuda_unusable
 
 
 def test_greedy_generation_equals_the_reference(runner, tiny_model):
@@ -43,8 +44,21 @@ def test_bad_prompts_are_refused_before_running(runner, prompt, max_new, message
 
 
 def test_requesting_an_absent_cuda_provider_is_an_error(artifact_fp32, cpu_only):
-    with pytest.raises(ProviderError, match="CUDAExecutionProvider is not available"):
+    with pytest.raises(ProviderError, match="CUDAExecutionProvider cannot run here: not available in this"):
         OrtRunner(artifact_fp32, "cuda")
+
+
+def test_a_listed_cuda_provider_that_cannot_start_is_skipped_or_refused(monkeypatch):
+    # onnxruntime-gpu without a working GPU, CUDA or cuDNN lists the provider, and its sessions fall back to
+    # the CPU: the default providers must skip it with the reason, and asking for it must be refused.
+    if cuda_unusable() is None:
+        pytest.skip("CUDAExecutionProvider starts here: there is no failure to start to see")
+    listed = [CUDA, *ort.get_available_providers()]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: listed)
+    chosen, skipped = available_parity_providers()
+    assert chosen == [CPU] and skipped[CUDA].startswith("could not start")
+    with pytest.raises(ProviderError, match="cannot run here: could not start .*check the GPU, CUDA and cuDNN"):
+        check_provider("cuda")
 
 
 def test_folder_without_manifest_is_refused(tmp_path):

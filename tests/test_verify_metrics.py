@@ -9,6 +9,7 @@ import pytest
 
 from exporter.errors import InputError
 from exporter.verify.metrics import Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length
+from exporter.runtime import session_providers
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
 
@@ -73,7 +74,9 @@ def test_difference_histogram_counts_zeros_and_non_finite_apart():
 def test_profiles_differ_by_dtype_and_provider():
     assert profile_for("float32", CPU).logits == Tolerance(0.0, 0.0, 512 * 2.0 ** -24)  # the peak term alone
     assert profile_for("float16", CPU).logits.peak == 16 * 2.0 ** -11
-    assert profile_for("float32", CUDA).logits.peak > profile_for("float32", CPU).logits.peak  # TF32
+    # float32 on CUDA runs with TF32 off: float32 on both sides, as on the CPU
+    assert profile_for("float32", CUDA).logits == profile_for("float32", CPU).logits
+    assert session_providers(CUDA) == [(CUDA, {"use_tf32": "0"}), CPU] and session_providers(CPU) == [CPU]
     assert profile_for("float32", "SomeOtherProvider") == profile_for("float32", CPU)
 
 

@@ -405,6 +405,8 @@ def format_table(report: dict) -> str:
               f"{sessions['decode_step_after_prefill_ms']:.1f} ms vs {sessions['decode_step_in_a_row_ms']:.1f} ms",
               f"  one shared thread pool (opt-in): {shared['decode_step_after_prefill_ms']:.1f} ms "
               f"vs {shared['decode_step_in_a_row_ms']:.1f} ms"]
+    if "host_memory_figures" in report:
+        lines.append(f"on cuda: {report['host_memory_figures']}")
     return "\n".join(lines)
 
 
@@ -447,8 +449,10 @@ def main() -> None:
         return
 
     from exporter.errors import ToolkitError
+    from exporter.runtime import check_provider
     from exporter.verify.reports import json_text
     try:
+        check_provider(args.provider)  # before any worker starts
         ensure_artifact(args.artifact)
         report = measure(args)
     except (ToolkitError, WorkerFailed) as exc:
@@ -468,6 +472,9 @@ def measure(args) -> dict:
         workers["genai"] = ["--worker", "genai", *common]
     figures, peaks = run_in_turns(workers, args.rounds)
     report = summarise(figures, peaks, (args.artifact / "weights.onnx.data").stat().st_size)
+    if args.provider == "cuda":
+        report["host_memory_figures"] = ("the bandwidth, the weight-read floor and peak RSS measure the host's "
+                                         "memory, not the GPU's: they do not bound a decode on the GPU")
     report.update(artifact=str(args.artifact), provider=args.provider, threads=args.threads, rounds=args.rounds,
                   sessions=run_worker(["--worker", "sessions", *common]),
                   sessions_shared_pool=run_worker(["--worker", "sessions-shared-pool", *common]))

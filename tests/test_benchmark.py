@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from exporter.runtime import cuda_unusable
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
 
 
@@ -45,6 +47,10 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
     assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
     assert json.loads(out.stdout) == {"error": {"message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
                                                            "folder written by 'export-onnx export'"}, "exit_code": 2}
+    if cuda_unusable() is not None:  # a CUDA the benchmark cannot use is refused in one line, not by a worker
+        out = run("--artifact", tmp_path / "typo", "--provider", "cuda")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+        assert "CUDAExecutionProvider cannot run here" in out.stderr
 
 
 def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):

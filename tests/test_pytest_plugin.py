@@ -120,7 +120,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
                 "--artifact-provider", "bogus")
     other = tmp_path / "other-bundle"
     other.mkdir()
-    (other / "golden.json").write_text(json.dumps({"format": "minimind-onnx-golden", "format_version": 2, "artifact": {
+    (other / "golden.json").write_text(json.dumps({"format": "minimind-onnx-golden", "format_version": 3, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
     usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", "--golden-bundle", other)
     usage_error(tmp_path / "none", "is not a folder", "--golden-bundle", other)  # the folder is checked first

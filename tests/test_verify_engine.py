@@ -16,15 +16,16 @@ import numpy as np
 import onnx
 import pytest
 
+from exporter.errors import ToolkitError
 from exporter.manifest import read_manifest, sha256_file
-from exporter.verify.engine import verify_artifact
-from exporter.verify.golden import GoldenMismatch
 from exporter.runtime import OrtRunner
+from exporter.verify.engine import verify_artifact
+from exporter.verify.golden import GoldenMismatch, load_bundle
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, module_of
-from exporter.verify.tolerances import profile_for
 from exporter.verify.reports import format_verify, render_html, render_junit
+from exporter.verify.tolerances import profile_for
 from helpers import edit_manifest
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
@@ -139,6 +140,40 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
     _perturb(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
     with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
+
+
+def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp32, tmp_path):
+    manifest = read_manifest(artifact_fp32)
+
+    def damaged(edit_arrays=None, edit_meta=None, rehash=True):
+        folder = tmp_path / f"bundle{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(full[1], folder)
+        arrays = dict(np.load(folder / "arrays.npz"))
+        if edit_arrays:
+            edit_arrays(arrays)
+            with open(folder / "arrays.npz", "wb") as f:
+                np.savez(f, **arrays)
+        meta = json.loads((folder / "golden.json").read_text())
+        if rehash:
+            meta["arrays_sha256"] = sha256_file(folder / "arrays.npz")
+        if edit_meta:
+            edit_meta(meta)
+        (folder / "golden.json").write_text(json.dumps(meta))
+        with pytest.raises(ToolkitError) as caught:
+            load_bundle(folder, manifest)
+        assert "is damaged" in str(caught.value) and "re-record it with --golden-save" in str(caught.value)
+        return str(caught.value)
+
+    def shift(arrays):
+        arrays["0/out/logits"] = arrays["0/out/logits"] + 1
+
+    # a save interrupted between its two files, or a value edited since: the arrays' hash differs
+    assert "sha256 differs" in damaged(shift, rehash=False)
+    assert "logits has shape" in damaged(lambda a: a.update({"0/out/logits": a["0/out/logits"][:, :, :7]}))
+    assert "holds the outputs" in damaged(lambda a: a.pop("0/out/present.0.key"),
+                                          lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
+    assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
+    assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
 
 
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):

@@ -10,7 +10,10 @@ each call also keeps its routers' scores and chosen experts, so that expert
 choice and the routing explanation of a failing sweep case replay too.
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
-dtype and file hashes, the settings, the call list) and arrays.npz.
+dtype and file hashes, the settings, the call list, the sha256 of arrays.npz)
+and arrays.npz. The hash ties the two files together: a save interrupted
+between them, or a stored value edited since, reads as a damaged bundle, never
+as a numeric failure of the artifact.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from exporter.errors import OutputPathError, ToolkitError
-from exporter.manifest import Manifest
+from exporter.contract import BATCH, SEQUENCE, TOTAL
+from exporter.errors import InputError, OutputPathError, ToolkitError
+from exporter.manifest import Manifest, sha256_file
 from exporter.paths import check_output_path
 from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 BUNDLE = "golden.json"
 ARRAYS = "arrays.npz"
-FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 2  # 2: router choices per call
+FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 3  # 2: router choices per call; 3: arrays.npz's sha256
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
@@ -129,17 +133,25 @@ class RecordedReference:
         for index, ((prompt, n, eos), trace) in enumerate(self.greedy_traces.items()):
             greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids})
             arrays[f"greedy/{index}/logits"] = trace.logits
-        # Over an older bundle: each file is written aside and swapped in, the index last, so that an
-        # interrupted save leaves the older bundle readable (or a mismatch it reports), never half a file.
-        with open(folder / f".{ARRAYS}.partial", "wb") as f:  # a file object: savez would append .npz to a name
-            np.savez(f, **arrays)
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": _identity(manifest),
-                "settings": settings.to_dict(), "calls": calls, "greedy": greedy,
-                "versions": {**versions, "numpy": np.__version__, "onnxruntime": ort.__version__,
-                             "python": platform.python_version()}}
-        (folder / f".{BUNDLE}.partial").write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(folder / f".{ARRAYS}.partial", folder / ARRAYS)
-        os.replace(folder / f".{BUNDLE}.partial", folder / BUNDLE)
+        # Over an older bundle: each file is written aside and swapped in, the index last. An interrupted
+        # save leaves the older bundle whole, or its index with the new arrays, whose hash it then refuses.
+        partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
+        try:
+            with open(partial_arrays, "wb") as f:  # a file object: savez would append .npz to a name
+                np.savez(f, **arrays)
+            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": _identity(manifest),
+                    "arrays_sha256": sha256_file(partial_arrays), "settings": settings.to_dict(), "calls": calls,
+                    "greedy": greedy, "versions": {**versions, "numpy": np.__version__,
+                                                   "onnxruntime": ort.__version__,
+                                                   "python": platform.python_version()}}
+            partial_index.write_text(json.dumps(meta, indent=1) + "\n")
+            os.replace(partial_arrays, folder / ARRAYS)
+            os.replace(partial_index, folder / BUNDLE)
+        except OSError as exc:
+            partial_arrays.unlink(missing_ok=True)
+            partial_index.unlink(missing_ok=True)
+            raise OutputPathError(f"cannot write the golden bundle {folder} ({exc.strerror or exc}); "
+                                  "choose another --golden-save folder") from None
         log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
                  (folder / ARRAYS).stat().st_size / 1e6)
         return folder
@@ -151,12 +163,17 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
     folder = Path(folder)
     meta = check_bundle(folder, manifest)
     try:
+        digest = sha256_file(folder / ARRAYS)
         arrays = np.load(folder / ARRAYS, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise _unreadable(folder, exc) from None
+    if digest != meta.get("arrays_sha256"):
+        raise _damaged(folder, ValueError(f"{ARRAYS} is not the file {BUNDLE} was written with (sha256 differs): "
+                                          "an interrupted save, or values changed since"))
     try:
-        return _replay(folder, meta, arrays)
-    except (KeyError, TypeError, AttributeError, ValueError, OSError, zipfile.BadZipFile) as exc:
+        return _replay(folder, meta, arrays, manifest)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, InputError, OSError,
+            zipfile.BadZipFile) as exc:
         raise _damaged(folder, exc) from None
 
 
@@ -210,12 +227,40 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
                              "differ(s) in sha256; re-record the bundle from this artifact")
 
 
-def _replay(folder: Path, meta: dict, arrays) -> tuple[RecordedReference, ParitySettings, dict]:
+def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> tuple[RecordedReference, ParitySettings, dict]:
     calls = [(c["kind"], {k: arrays[f"{i}/feed/{k}"] for k in c["feeds"]},
               {k: arrays[f"{i}/out/{k}"] for k in c["outputs"]}) for i, c in enumerate(meta["calls"])]
+    for index, (kind, feeds, outputs) in enumerate(calls):
+        _check_call(index, kind, feeds, outputs, manifest)
     routing = [{layer: (arrays[f"{i}/router/{layer}/scores"], arrays[f"{i}/router/{layer}/ids"])
                 for layer in c["routed_layers"]} for i, c in enumerate(meta["calls"])]
     greedy = {(tuple(g["prompt"]), g["max_new_tokens"], g["eos"]): GreedyTrace(g["ids"], arrays[f"greedy/{i}/logits"])
               for i, g in enumerate(meta["greedy"])}
+    vocab = manifest.config.vocab_size
+    for (prompt, n, eos), trace in greedy.items():
+        ids = [*prompt, *trace.ids, *([] if eos is None else [eos])]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids) or n < 1:
+            raise ValueError(f"a greedy run holds ids outside the vocabulary [0, {vocab}) or {n} new tokens")
+    settings = meta["settings"]
+    if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
+        raise ValueError(f"settings must be integers of at least 0, got {settings}")
     return (RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing),
-            ParitySettings(**meta["settings"]), meta["versions"])
+            ParitySettings(**settings), meta["versions"])
+
+
+def _check_call(index: int, kind: str, feeds: dict, outputs: dict, manifest: Manifest) -> None:
+    """A recorded call holds what its graph returns, each output shaped as the contract says."""
+    contract = {"prefill": manifest.prefill, "decode": manifest.decode}[kind]
+    ids = feeds["input_ids"]
+    if ids.ndim != 2:
+        raise ValueError(f"call {index}: input_ids has shape {ids.shape}, expected (batch, sequence)")
+    if sorted(outputs) != sorted(contract.output_names):
+        raise ValueError(f"call {index} ({kind}) holds the outputs {sorted(outputs)}, expected "
+                         f"{sorted(contract.output_names)}")
+    # a decode call's stored present keeps the new positions only (see RecordedReference._stored)
+    sizes = {BATCH: ids.shape[0], SEQUENCE: ids.shape[1], TOTAL: ids.shape[1]}
+    for spec in contract.outputs:
+        expected = tuple(sizes.get(axis, axis) if isinstance(axis, str) else axis for axis in spec.axes)
+        shape = outputs[spec.name].shape
+        if len(shape) != len(expected) or any(isinstance(e, int) and e != s for e, s in zip(expected, shape)):
+            raise ValueError(f"call {index} ({kind}): {spec.name} has shape {shape}, expected {expected}")

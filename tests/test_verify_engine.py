@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.errors import ToolkitError
+from exporter.errors import OutputPathError, ToolkitError
 from exporter.manifest import read_manifest, sha256_file
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
@@ -174,6 +174,13 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
                                           lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
+
+    recording, settings, versions = load_bundle(full[1], manifest)
+    blocked = tmp_path / "blocked"
+    (blocked / "arrays.npz").mkdir(parents=True)  # the swap into place fails
+    with pytest.raises(OutputPathError, match="cannot write the golden bundle"):
+        recording.save(blocked, manifest, settings, versions)
+    assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):

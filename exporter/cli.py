@@ -226,7 +226,9 @@ def verify_options(func):
         click.option("--sweep/--no-sweep", default=True, show_default=True,
                      help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
         click.option("--probe", is_flag=True, help="Node-level localisation: a debug copy of prefill.onnx exposing "
-                                                   "intermediate values names the first diverging operator."),
+                                                   "intermediate values names the first value that diverges from "
+                                                   "the reference's module outputs and presents, and the operator "
+                                                   "that computed it."),
         click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
                                                                      "loss (repeatable), e.g. --atol logits=1e-3."),
         click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),

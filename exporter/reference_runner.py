@@ -63,8 +63,8 @@ class TorchRunner:
 
     @torch.no_grad()
     def module_outputs(self, feeds: dict) -> dict:
-        """Every submodule's output (its first tensor) for a prefill of `feeds`, by module path; the probe
-        matches them to intermediate values of the graph."""
+        """Every submodule's output (its first tensor) for a prefill of `feeds`, by module path, and the
+        prefill's presents, by output name; the probe matches them to values of the graph."""
         outputs: dict[str, np.ndarray] = {}
 
         def hook(path):
@@ -77,11 +77,13 @@ class TorchRunner:
 
         handles = [module.register_forward_hook(hook(path)) for path, module in self.model.named_modules() if path]
         try:
-            self.prefill({name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")})
+            result = self.prefill({name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")})
         finally:
             for handle in handles:
                 handle.remove()
-        return outputs
+        # a present is computed inside its attention module, before that module's output: the checkpoint
+        # that the layer-level localisation reads, so the probe cannot point past it
+        return {**outputs, **{name: value for name, value in result.items() if name.startswith("present.")}}
 
 
 @torch.no_grad()

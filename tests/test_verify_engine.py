@@ -18,10 +18,12 @@ import pytest
 
 from exporter.errors import OutputPathError, ToolkitError
 from exporter.manifest import read_manifest, sha256_file
+from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch, load_bundle
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
+from exporter.verify.localise import probe_reference
 from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, module_of
 from exporter.verify.reports import format_verify, render_html, render_junit
@@ -142,6 +144,21 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
 
 
+def test_the_probe_checks_the_presents_where_the_layer_level_localisation_looks(artifact_fp32, tiny_model):
+    # A fault between layer 1's k_proj and its present (the rotary embedding, say) shows in present.1.key
+    # before o_proj: the probe must name the present's operator, as the layer-level check names layer 1.
+    manifest = read_manifest(artifact_fp32)
+    batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
+    debug = DebugGraph(artifact_fp32, manifest, manifest.prefill.file)
+    values = debug.run(prefill_feeds(manifest, batch))
+    expected = TorchRunner(tiny_model, manifest).module_outputs(batch)
+    tolerance = profile_for(manifest.dtype).kv
+    assert probe_reference(debug, values, expected, tolerance).first is None
+    values["present.1.key"] = -values["present.1.key"]
+    first = probe_reference(debug, values, expected, tolerance).first
+    assert first.tensor == "present.1.key" and first.module.startswith("model.layers.1.self_attn"), first
+
+
 def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp32, tmp_path):
     manifest = read_manifest(artifact_fp32)
 
@@ -248,12 +265,9 @@ def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path
 
 
 def test_a_failing_sweep_case_passes_only_when_every_routing_difference_is_a_near_tie(artifact_copy, tiny_model):
-    from exporter.reference_runner import TorchRunner
     from exporter.routing import ExpertAgreement
-    from exporter.runtime import OrtRunner
     from exporter.verify.checks import run_sweep
     from exporter.verify.health import HealthScan
-    from exporter.verify.tolerances import profile_for
     _perturb(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # a real fault: every shape fails
     manifest = read_manifest(artifact_copy)
     reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(artifact_copy, manifest=manifest)
@@ -329,10 +343,7 @@ class _PresentsNaN(_DecodeLogitsShifted):
 
 
 def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
-    from exporter.runtime import OrtRunner
     from exporter.verify import invariants
-    from exporter.verify.inputs import prompt_batch
-    from exporter.verify.tolerances import profile_for
     manifest = read_manifest(artifact_copy)
     runner = OrtRunner(artifact_copy, manifest=manifest)
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
@@ -394,7 +405,7 @@ def test_health_counts_nan_and_inf_at_real_positions():
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):
     from exporter.verify import tolerances
     from exporter.verify.providers import attribute, cross_providers
-    from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
+    from exporter.verify.tolerances import CPU, CUDA, Overrides
     rng = np.random.default_rng(0)
     cpu = {"logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
            "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32)}
@@ -429,7 +440,6 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     from exporter.verify.checks import GreedyTrace, judge_greedy
-    from exporter.verify.tolerances import profile_for
     profile = profile_for("float32", "cpu")
     logits = np.zeros((3, 6), np.float32)
     logits[1, 2], logits[1, 4] = 5.0, 5.0 - 1e-5  # at token 1, ids 2 and 4 lie within the logits tolerance

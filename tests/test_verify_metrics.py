@@ -22,6 +22,14 @@ def test_compare_applies_allclose_and_nan_rules():
     assert not compare("loss", "loss", np.nan, 1.0, tol).passed
     assert not compare("loss", "loss", 1.0, np.nan, tol).passed
     assert not compare("x", "kv", np.zeros((2, 3)), np.zeros((3, 2)), tol).passed
+    # the same infinity on both sides (a masked score) is equal; another one, or a finite value, is not
+    masked = compare("x", "kv", [-np.inf, 1.0], [-np.inf, 1.0], tol)
+    assert masked.passed and masked.max_abs == 0 and masked.cosine == pytest.approx(1.0)
+    assert not compare("x", "kv", [np.inf, 1.0], [-np.inf, 1.0], tol).passed
+    assert not compare("x", "kv", [5.0, 1.0], [-np.inf, 1.0], tol).passed
+    assert not compare("x", "kv", [-np.inf, 1.0], [5.0, 1.0], tol).passed
+    # an infinite expected value does not widen the bound of the finite ones
+    assert not compare("x", "kv", [-np.inf, 2.0], [-np.inf, 1.0], Tolerance(0.0, 0.0, 0.01)).passed
     peak = Tolerance(atol=0.0, rtol=0.0, peak=0.01)
     assert compare("x", "kv", [0.9, 100.0], [0.0, 100.0], peak).passed
     assert not compare("x", "kv", [1.1, 100.0], [0.0, 100.0], peak).passed

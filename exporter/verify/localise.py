@@ -8,9 +8,13 @@ so the first layer whose present diverges holds the fault, or the output path
 Operator level (the probe): a debug copy of prefill.onnx exposes every
 intermediate value. Against the PyTorch reference, each reference module's
 output (recorded with forward hooks) is matched to the last value computed in
-that module's scope with the same shape; the first match in the graph's
-topological order that diverges beyond tolerance names the operator. Between
-two ONNX Runtime runs (two providers), every value is compared by name.
+that module's scope with the same shape, and each present to the graph output
+of its name; the first match in the graph's topological order that diverges
+beyond tolerance names the operator that computed it. A fault in an operator
+whose value is not checked (a scale inside attention, say) shows at the next
+checked value: the probe names the first diverging checked value, which lies
+at or after the fault and after the last agreeing one. Between two ONNX Runtime
+runs (two providers), every value is compared by name.
 """
 
 from __future__ import annotations
@@ -77,12 +81,18 @@ def _first_failure(graph: DebugGraph, pairs: list[tuple[int, str, str, np.ndarra
 
 
 def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, tolerance: Tolerance) -> ProbeResult:
-    """`values`: the debug graph's outputs; `module_outputs`: reference module path -> output array."""
+    """`values`: the debug graph's outputs; `module_outputs`: reference module path (or graph output name)
+    -> output array."""
     if not graph.has_scopes:
         return ProbeResult("reference", 0, None, "the graph carries no module scopes (not a torch.onnx dynamo "
                                                  "export); compare two providers instead")
+    producers = {o: n.index for n in graph.nodes for o in n.outputs}
     pairs = []
     for module, expected in module_outputs.items():
+        if module in producers and module in values:  # a graph output the reference returns too (a present)
+            index = producers[module]
+            pairs.append((index, graph.nodes[index].module, module, values[module], expected))
+            continue
         inside = [n for n in graph.nodes if n.module == module or n.module.startswith(module + ".")]
         match = next(((n.index, o) for n in reversed(inside) for o in n.outputs
                       if o in values and values[o].shape == expected.shape), None)
@@ -90,7 +100,8 @@ def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, toler
             pairs.append((match[0], module, match[1], values[match[1]], expected))
     first = _first_failure(graph, pairs, tolerance)
     return ProbeResult("reference", len(pairs), first,
-                       f"{len(pairs)} of {len(module_outputs)} reference module outputs matched to graph values")
+                       f"{len(pairs)} of {len(module_outputs)} reference module outputs and presents matched to "
+                       "graph values")
 
 
 def probe_between(graph: DebugGraph, values: dict, baseline: dict, tolerance: Tolerance, mode: str) -> ProbeResult:

@@ -31,7 +31,7 @@ class Tolerance:
     peak: float = 0.0
 
     def allowed(self, expected: np.ndarray) -> np.ndarray:
-        magnitude = np.abs(np.where(np.isnan(expected), 0.0, expected))
+        magnitude = _finite_magnitude(expected)
         return self.atol + self.rtol * magnitude + self.peak * (magnitude.max() if magnitude.size else 0.0)
 
     def to_dict(self) -> dict:
@@ -83,8 +83,13 @@ class Comparison:
                 "needed": self.needed.to_dict(), "passed": self.passed, "worst": self.worst, **self.llm}
 
 
+def _finite_magnitude(expected: np.ndarray) -> np.ndarray:
+    """|expected| with NaN and infinities as 0: one infinite value must not make every bound infinite."""
+    return np.abs(np.where(np.isfinite(expected), expected, 0.0))
+
+
 def _needed(diff: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> Needed:
-    magnitude = np.abs(np.where(np.isnan(expected), 0.0, expected))
+    magnitude = _finite_magnitude(expected)
     peak = tolerance.peak * magnitude.max()
     atol = float(np.max(diff - tolerance.rtol * magnitude - peak))
     rest = diff - tolerance.atol - peak
@@ -140,7 +145,8 @@ def loss_metrics(actual: float, expected: float) -> dict:
 
 def compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid: np.ndarray | None = None
             ) -> Comparison:
-    """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets).
+    """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets), an
+    infinity only where both sides hold the same one (e.g. a masked score). Health reports both apart.
 
     `valid` selects the positions (leading axes) that the logits metrics use, e.g. not left padding.
     """
@@ -159,16 +165,18 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
     if actual.size == 0:
         return Comparison(name, kind, 0.0, 0.0, 0.0, tolerance, True)
     both_nan = np.isnan(actual) & np.isnan(expected)
-    diff = np.where(both_nan, 0.0, np.abs(actual - expected))
-    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only
-    rel = diff / np.maximum(np.abs(np.where(both_nan, 1.0, expected)), np.finfo(np.float32).tiny)
+    same_non_finite = both_nan | (np.isinf(expected) & (actual == expected))
+    diff = np.where(same_non_finite, 0.0, np.abs(actual - expected))
+    diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only, or infinities that differ
+    rel = diff / np.maximum(np.abs(np.where(same_non_finite, 1.0, expected)), np.finfo(np.float32).tiny)
     passed = bool(np.all(diff <= tolerance.allowed(expected)))
     llm = {}
     if kind == "logits":
         llm = logits_metrics(actual, expected, valid)
     elif kind == "loss" and not both_nan.all():
         llm = loss_metrics(actual, expected)
-    cosine = 1.0 if both_nan.all() else _cosine(np.where(both_nan, 0, actual), np.where(both_nan, 0, expected))
+    cosine = 1.0 if same_non_finite.all() else _cosine(np.where(same_non_finite, 0, actual),
+                                                       np.where(same_non_finite, 0, expected))
     return Comparison(name, kind, float(diff.max()), float(rel.max()), float(diff.mean()), tolerance, passed,
                       cosine=cosine, needed=_needed(diff, expected, tolerance), llm=llm)
 

@@ -60,7 +60,8 @@ def _provider(p: ProviderReport) -> str:
     if loc.first_layer is not None:
         notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
     if probe:
-        notes.append(f"first diverging operator: {probe.node} ({probe.op_type}) in {probe.module}")
+        notes.append(f"first diverging checked value: {probe.tensor}, computed by {probe.node} ({probe.op_type}) "
+                     f"in {probe.module}")
     if p.experts is not None:
         notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)

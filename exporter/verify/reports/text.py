@@ -81,9 +81,11 @@ def _provider(p: ProviderReport) -> str:
                      f"{loc.first_layer}'s input norm or key/value path, or in the output path of the layer before")
     if loc.probe is not None:
         first = loc.probe.first
-        lines.append("  probe: " + (f"first diverging operator {first.node} ({first.op_type}) in {first.module}, "
-                                    f"value {first.tensor}, max abs {first.max_abs:.3g} ({first.needed_scale:.2g}x tol)"
-                                    if first else f"no operator diverges ({loc.probe.note})"))
+        lines.append("  probe: " + (f"first diverging checked value {first.tensor}, computed by {first.node} "
+                                    f"({first.op_type}) in {first.module}, max abs {first.max_abs:.3g} "
+                                    f"({first.needed_scale:.2g}x tol); the fault lies there or in the operators "
+                                    "since the last agreeing value"
+                                    if first else f"no checked value diverges ({loc.probe.note})"))
     elif loc.probe_skipped and loc.first_layer is not None:
         lines.append(f"  probe: {loc.probe_skipped}")
     return "\n".join(lines)

@@ -253,7 +253,7 @@ def verify_options(func):
     return func
 
 
-def _verify_plan(folder: Path, providers, genai: bool | None, options: dict):
+def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, golden: Path | None = None):
     """The verification's options, each checked before anything runs (for `run`, before the export)."""
     from exporter.errors import ConsumerError
     from exporter.genai import INSTALL_HINT, genai_version
@@ -269,6 +269,8 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict):
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
     artifact = Path(folder).resolve()
+    bundles = {Path(path).resolve(): flag for path, flag in ((options["golden_save"], "--golden-save"),
+                                                             (golden, "--golden")) if path is not None}
     written: dict[Path, str] = {}  # each report path -> its flag
     for option in ("report_json", "junit", "html", "golden_save"):
         path, flag = options[option], "--" + option.replace("_", "-")
@@ -283,8 +285,12 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict):
                                "write it elsewhere")
         if option == "golden_save":
             check_golden_destination(path)
-        else:
-            check_output_path(path, flag, folder=False)
+            continue
+        bundle = next((b for b in bundles if b in resolved.parents), None)
+        if bundle is not None:
+            raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
+                               "would change; write it elsewhere")
+        check_output_path(path, flag, folder=False)
     if options["fp16_companion"] is not None:
         read_companion(options["fp16_companion"])
     return overrides, settings
@@ -393,7 +399,8 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
         if given:
             raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
                                    f"drop {', '.join(given)}")
-    report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, genai, options), golden=golden)
+    report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, genai, options, golden),
+                     golden=golden)
     _emit(report.to_dict(), as_json, format_verify(report))
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 

@@ -69,6 +69,12 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
     refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
+    refused(run_cli("verify", artifact_fp32, "--golden-save", tmp_path / "g", "--junit", tmp_path / "g" / "golden.json",
+                    "-q"), "--junit " + str(tmp_path / "g" / "golden.json") + " lies inside the golden bundle folder "
+                           "of --golden-save")
+    refused(run_cli("verify", artifact_fp32, "--golden", foreign, "--report-json", foreign / "arrays.npz", "-q"),
+            "lies inside the golden bundle folder of --golden")
+    assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
     # Tried rather than read from permission bits, which say nothing to root.
     refused(run_cli("verify", artifact_fp32, "--report-json", "/proc/report.json", "-q"),
             "--report-json: cannot write to /proc (permission denied)")

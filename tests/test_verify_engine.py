@@ -28,7 +28,7 @@ from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, module_of
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import profile_for
-from helpers import edit_manifest
+from helpers import claim_seed, edit_manifest
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
@@ -436,6 +436,17 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert not cpu_only.legs and "need CUDAExecutionProvider" in cpu_only.skipped
     half = attribute([], {CPU: cpu, CUDA: tf32}, rows, read_manifest(artifact_fp16), {}, None, Overrides())
     assert not half.legs and "starts from a float32 artifact" in half.skipped
+
+
+def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_fp16, tmp_path):
+    from exporter.errors import InputError
+    from exporter.verify.providers import check_companion
+    manifest = read_manifest(artifact_fp32)
+    assert check_companion(artifact_fp16, manifest)[1].dtype == "float16"
+    other = shutil.copytree(artifact_fp16, tmp_path / "other")
+    edit_manifest(other, claim_seed(7))  # the precision leg would charge other weights to float16
+    with pytest.raises(InputError, match="holds other weights .*seed 7 against .*seed 0"):
+        check_companion(other, manifest)
 
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():

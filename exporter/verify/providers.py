@@ -70,7 +70,21 @@ def check_companion(folder: Path, manifest: Manifest) -> tuple[Path, Manifest]:
     if companion.config != manifest.config:
         raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (another config); "
                          "export this model with --dtype float16")
+    ours, theirs = _weights_of(manifest.source), _weights_of(companion.source)
+    if ours is not None and theirs is not None and ours != theirs:
+        # the precision leg would charge the difference of the weights to float16
+        raise InputError(f"--fp16-companion {folder} holds other weights ({', '.join(map(str, theirs))} against "
+                         f"{', '.join(map(str, ours))}); export this model's weights with --dtype float16")
     return Path(folder), companion
+
+
+def _weights_of(source: dict) -> tuple | None:
+    """What identifies an export's weights in its manifest's source; None when it cannot tell (in-memory)."""
+    if source.get("kind") == "seeded":
+        return "seeded", source.get("preset"), f"seed {source.get('seed')}"
+    if source.get("kind") == "checkpoint":
+        return "checkpoint", f"sha256 {source.get('sha256')}"
+    return None
 
 
 def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: list[Comparison], manifest: Manifest,

@@ -99,6 +99,9 @@ class TeachingGPT(nn.Module):
         check_length(input_ids, past_key_values, self.config.context_length, "context_length")
         if position_ids is None:
             position_ids = default_position_ids(input_ids, past_key_values)
+        # ONNX Gather wraps a negative index round the table where torch refuses it: sent past the table
+        # instead, it fails in both, like a position past the context
+        position_ids = torch.where(position_ids < 0, self.config.context_length, position_ids)
         x = self.token_embed(input_ids) + self.position_embed(position_ids)  # (B, T, C)
         presents = []
         for i, block in enumerate(self.attn_blocks):

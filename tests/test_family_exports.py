@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from exporter.cli import main
 from exporter.contract import PAST
 from exporter.errors import InputError
-from exporter.export import _example_inputs
+from exporter.export import _example_inputs, export_artifact
 from exporter.manifest import read_manifest
 from exporter.report import format_inspect
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
@@ -27,6 +27,7 @@ from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.verify.reports import format_verify
 from helpers import assert_decode_graph_matches, edit_manifest
+from reference import TeachingGPTConfig, build_model
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
@@ -215,8 +216,19 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
     with pytest.raises(InputError, match=r"exceeds max_position_embeddings \(64\)"):
         generate_greedy(onnx, [1] * 60, 5)
     ids = np.ones((1, 1), np.int64)
-    with pytest.raises(Exception, match="(?i)indices|out of (range|bounds)"):  # never a silent wrap
-        onnx.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, 64), "labels": ids})
+    for position in (64, -1):  # never a silent wrap (ONNX Gather takes -1 as the table's last row)
+        with pytest.raises(Exception, match="(?i)indices|out of (range|bounds)"):
+            onnx.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, position),
+                          "labels": ids})
+        with pytest.raises(IndexError):
+            gpt_model(torch.as_tensor(ids), position_ids=torch.full((1, 1), position))
+
+
+def test_a_model_with_fewer_positions_than_the_smoke_run_exports(tmp_path):
+    # The smoke run's 5-token prompt used to index past a 4-position table: exit 3 for a valid model.
+    model = build_model(TeachingGPTConfig(vocab_size=64, n_embed=32, n_head=2, n_blocks=1, context_length=4), 0)
+    result = export_artifact(model, tmp_path / "gpt-4")
+    assert result.manifest.config.max_position_embeddings == 4
 
 
 def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):

@@ -186,7 +186,7 @@ class MiniMindCheckpoints:
     # Transformers config.json keys: upstream name -> toolkit field, and bookkeeping keys without effect here.
     aliases = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
     ignored = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-               "_name_or_path", "flash_attn", "use_cache", "pad_token_id", "head_dim", "scoring_func",
+               "_name_or_path", "flash_attn", "use_cache", "pad_token_id", "scoring_func",
                "return_dict", "output_hidden_states", "output_attentions"}
 
     @staticmethod
@@ -204,24 +204,38 @@ class MiniMindCheckpoints:
             raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
                               f"({hidden // heads}); the reference supports only that head size")
         # Keys with a leading underscore are Transformers' private records (`_attn_implementation_autoset`).
+        # head_dim stays, for infer to count the heads by (MiniMind2's weights do not show them), and goes there.
         return {cls.aliases.get(k, k): v for k, v in data.items()
                 if k not in cls.ignored and not k.startswith("_") and v is not None}
 
     @staticmethod
     def infer(state: dict, base: dict) -> tuple[dict, dict]:
-        """Config fields read from tensor shapes (base: fields already known from config.json), and assumptions."""
+        """Config fields read from tensor shapes (base: fields already known from config.json, whose head_dim,
+        a size the config derives, is taken out here), and assumptions."""
+        head_dim_given = base.pop("head_dim", None)
         embed = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
         fields = {"vocab_size": embed.shape[0], "hidden_size": embed.shape[1],
                   "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\.")}
         q_norm = state.get("model.layers.0.self_attn.q_norm.weight")
         fields["version"] = 3 if q_norm is not None else 2
         assumed = {}
+        q_width = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        if head_dim_given is not None and (not isinstance(head_dim_given, int) or isinstance(head_dim_given, bool)
+                                           or head_dim_given < 1 or q_width % head_dim_given
+                                           or q_norm is not None and head_dim_given != q_norm.shape[0]
+                                           or head_dim_given * base.get("num_attention_heads", 0) not in (0, q_width)):
+            raise ConfigError(f"config field head_dim ({head_dim_given!r}) does not fit the checkpoint (q_proj has "
+                              f"{q_width} rows{f', q_norm {q_norm.shape[0]}' if q_norm is not None else ''}); "
+                              "correct or drop it")
         if q_norm is not None:
-            fields["num_attention_heads"] = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // q_norm.shape[0]
+            fields["num_attention_heads"] = q_width // q_norm.shape[0]
         elif "num_attention_heads" not in base:
-            assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
+            if head_dim_given is not None:
+                fields["num_attention_heads"] = q_width // head_dim_given
+            else:
+                assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
         heads = base.get("num_attention_heads") or fields["num_attention_heads"]
-        head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads
+        head_dim = q_width // heads
         fields["num_key_value_heads"] = state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
         experts = _count(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.")
         if experts:

@@ -127,6 +127,14 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
     exact, report = load_checkpoint(path, config_data={"num_attention_heads": 4, "max_position_embeddings": 256})
     assert exact.config == config and report.config_source == "given fields" and "num_attention_heads" not in \
         report.assumed
+    # ... and so does the head size alone, from which the heads follow (it was dropped: 8 heads assumed)
+    by_size, report = load_checkpoint(path, config_data={"head_dim": config.head_dim, "max_position_embeddings": 256})
+    assert by_size.config == config and "num_attention_heads" not in report.assumed
+    for wrong in (config.head_dim * 2 if config.version == 3 else 7, "16"):  # q_norm's width / no divisor / a string
+        with pytest.raises(CheckpointError, match="head_dim .* does not fit the checkpoint"):
+            load_checkpoint(path, config_data={"head_dim": wrong})
+    with pytest.raises(CheckpointError, match="head_dim .* does not fit the checkpoint"):
+        load_checkpoint(path, config_data={"head_dim": config.head_dim, "num_attention_heads": 2})
 
 
 def test_teaching_gpt_training_checkpoint_loads_and_drops_its_buffers(tmp_path):

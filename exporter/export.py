@@ -250,6 +250,9 @@ def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
     check_output_path(folder, "output folder", folder=True)
+    if folder.is_symlink():  # the swap into place would replace the link, not what it points to
+        raise OutputPathError(f"output folder {folder} is a symbolic link; pass the folder it points to "
+                              f"({folder.resolve()}) or another --output")
     if not folder.is_dir():
         return
     cwd, real = Path.cwd().resolve(), folder.resolve()

@@ -39,6 +39,10 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
             "holds the current directory")
     (tmp_path / "link").unlink()
+    (tmp_path / "alias").symlink_to(artifact)  # the swap would replace the link, not the artifact
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "alias", "-q"), "is a symbolic link")
+    assert (tmp_path / "alias").is_symlink()
+    (tmp_path / "alias").unlink()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

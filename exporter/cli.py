@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from exporter.errors import ToolkitError
+from exporter.generation import MINIMIND_SAMPLING
 from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
 from reference.errors import ModelError
 
@@ -429,9 +430,12 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
-@click.option("--temperature", type=float, default=0.85, show_default=True, help="With --sample.")
-@click.option("--top-k", type=int, default=50, show_default=True, help="With --sample; 0 disables.")
-@click.option("--top-p", type=float, default=0.85, show_default=True, help="With --sample; 1 disables.")
+@click.option("--temperature", type=float, default=MINIMIND_SAMPLING["temperature"], show_default=True,
+              help="With --sample.")
+@click.option("--top-k", type=int, default=MINIMIND_SAMPLING["top_k"], show_default=True,
+              help="With --sample; 0 disables.")
+@click.option("--top-p", type=float, default=MINIMIND_SAMPLING["top_p"], show_default=True,
+              help="With --sample; 1 disables.")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
               help="Divide the logits of ids already present by this (MiniMind's rule).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,

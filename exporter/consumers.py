@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.contract import KV_KINDS
+from exporter.generation import MINIMIND_SAMPLING
 from exporter.manifest import Manifest
 from exporter.tokenizer import TokenizerSource, copy_tokenizer, minimal_tokenizer_config
 
@@ -146,8 +147,10 @@ def genai_config(manifest: Manifest, sizes: ModelSizes) -> dict:
                   "vocab_size": sizes.vocab_size, **_token_ids(sizes), "decoder": decoder},
         # The graph concatenates past and new keys, so past and present cannot share one buffer.
         "search": {"max_length": sizes.context_length, "past_present_share_buffer": False, "do_sample": False,
-                   "num_beams": 1, "num_return_sequences": 1, "min_length": 0, "top_k": 1, "top_p": 1.0,
-                   "temperature": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": True,
+                   # greedy unless the caller samples, and then as MiniMind does (a top_k of 1 here made
+                   # genai's sampling greedy)
+                   "num_beams": 1, "num_return_sequences": 1, "min_length": 0, **MINIMIND_SAMPLING,
+                   "repetition_penalty": 1.0, "length_penalty": 1.0, "early_stopping": True,
                    "no_repeat_ngram_size": 0, "diversity_penalty": 0.0},
     }
 
@@ -166,7 +169,8 @@ def hf_config(manifest: Manifest, sizes: ModelSizes) -> dict:
 
 def generation_config(sizes: ModelSizes) -> dict:
     return {"bos_token_id": sizes.bos_token_id, "eos_token_id": sizes.eos_token_id,
-            "pad_token_id": sizes.pad_token_id, "do_sample": False, "max_length": sizes.context_length}
+            "pad_token_id": sizes.pad_token_id, "do_sample": False, **MINIMIND_SAMPLING,
+            "max_length": sizes.context_length}
 
 
 def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerSource | None = None) -> list[str]:

@@ -29,6 +29,10 @@ PAD_ID = 0  # any valid id; padded slots are masked out
 # overflowed them to inf, and the draw then fell outside the vocabulary); a temperature this small is
 # the argmax in all but name.
 MIN_DIVISOR = 1e-6
+# MiniMind's sampling (its eval script: temperature and top_p 0.85, with transformers' top_k of 50): the
+# CLI's --sample and the consumers' configs (genai_config.json, generation_config.json) sample so.
+# SamplingConfig's own defaults leave the distribution as it is (1, 0, 1).
+MINIMIND_SAMPLING = {"temperature": 0.85, "top_k": 50, "top_p": 0.85}
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from exporter.verify import engine
 from exporter.verify.checks import judge_greedy
 from exporter.verify.tolerances import profile_for
 from exporter.reference_runner import TorchRunner, reference_greedy
-from exporter.generation import generate_greedy
+from exporter.generation import MINIMIND_SAMPLING, generate_greedy
 from exporter.runtime import OrtRunner
 from helpers import CONSUMER_PROMPTS, edit_manifest
 
@@ -46,6 +46,26 @@ def test_genai_tokens_equal_our_runtime_and_the_reference(artifact_fp32, tiny_mo
     assert genai == without_final_eos(reference, eos)
     assert len(genai) == 40 and len(set(genai)) > 5, "degenerate output makes token equality meaningless"
     assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form the benchmark uses
+
+
+def test_genai_samples_as_minimind_when_asked_and_is_greedy_otherwise(artifact_fp32, generator):
+    # genai_config.json's search defaults (top_k 1 made do_sample greedy); generation_config.json says the same
+    search = json.loads((artifact_fp32 / "genai_config.json").read_text())["search"]
+    generation = json.loads((artifact_fp32 / "generation_config.json").read_text())
+    assert search["do_sample"] is False and generation["do_sample"] is False
+    assert {k: search[k] for k in MINIMIND_SAMPLING} == {k: generation[k] for k in MINIMIND_SAMPLING} == \
+        MINIMIND_SAMPLING
+    model = og.Model(str(artifact_fp32))
+
+    def sampled(seed):
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=True, random_seed=seed, max_length=30)
+        run = og.Generator(model, params)
+        run.append_tokens([5, 6, 7])
+        while not run.is_done():
+            run.generate_next_token()
+        return tuple(run.get_sequence(0))
+    assert len({sampled(seed) for seed in range(4)}) > 1
 
 
 def test_genai_runs_the_float16_artifact(artifact_fp16, tiny_model):

@@ -11,11 +11,14 @@ text into ids and back (`load_tokenizer`, `TextStream`).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.errors import TokenizerError
+
+log = logging.getLogger(__name__)
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -31,6 +34,7 @@ class TokenizerSource:
     config: Path | None
     tokens: dict[int, str]  # id -> token, the model vocabulary and the added tokens
     loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
+    special: frozenset[int] = frozenset()  # ids of the added tokens marked special
 
     @property
     def max_id(self) -> int:
@@ -85,16 +89,45 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
-    tokens = _tokens(tokenizer, _read_json(tokenizer))
+    data = _read_json(tokenizer)
+    tokens = _tokens(tokenizer, data)
+    special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
-    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, _load(tokenizer))
-    if source.config is not None:
-        _read_json(source.config)
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, _load(tokenizer), special)
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
                              f"in [0, {vocab_size}); pass the tokenizer the model was trained with")
+    if source.config is not None:
+        _check_config(source, _read_json(source.config), vocab_size)
     return source
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> None:
+    """The special tokens a tokenizer_config.json names must be tokens of tokenizer.json: transformers adds any
+    other one as a new token, with an id past the model's vocabulary."""
+    named = [(key, config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None]
+    extra = config.get("additional_special_tokens") or []
+    named += [("additional_special_tokens", token) for token in (extra if isinstance(extra, list) else [extra])]
+    decoder = config.get("added_tokens_decoder") or {}
+    named += [(f"added_tokens_decoder[{key}]", token) for key, token in
+              (decoder.items() if isinstance(decoder, dict) else [("?", decoder)])]
+    for key, token in named:
+        content = token.get("content") if isinstance(token, dict) else token
+        if not isinstance(content, str):
+            raise TokenizerError(f"{source.config}: {key} is {token!r}, not a token string (or a {{\"content\": "
+                                 "...} object); correct it or leave the tokenizer_config.json out")
+        token_id = source.token_id(content)
+        if token_id is None:
+            raise TokenizerError(f"{source.config}: {key} {content!r} is not a token of {source.tokenizer.name}, so "
+                                 f"consumers would add it with an id past the model's vocabulary ({vocab_size}); "
+                                 "name a token the tokenizer has")
+        if key.startswith("added_tokens_decoder") and key[len("added_tokens_decoder["):-1] != str(token_id):
+            raise TokenizerError(f"{source.config}: {key} says {content!r}, which {source.tokenizer.name} holds at id "
+                                 f"{token_id}; correct the id or leave the tokenizer_config.json out")
 
 
 def minimal_tokenizer_config(source: TokenizerSource, context_length: int, bos_token_id: int,
@@ -104,19 +137,26 @@ def minimal_tokenizer_config(source: TokenizerSource, context_length: int, bos_t
     config = {"tokenizer_class": TOKENIZER_CLASS, "model_max_length": context_length,
               "model_input_names": ["input_ids", "attention_mask"], "clean_up_tokenization_spaces": False}
     for name, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id), ("pad_token", pad_token_id)):
-        if token_id in source.tokens:
+        # Only a special token: named here, an ordinary one ('#', say) would vanish from every decoded text.
+        if token_id in source.special:
             config[name] = source.tokens[token_id]
+        elif token_id in source.tokens:
+            log.warning("the model's %s id %d is %r in this tokenizer, not one of its special tokens: left out of "
+                        "%s", name, token_id, source.tokens[token_id], TOKENIZER_CONFIG)
     return config
 
 
 def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) -> list[str]:
-    """Copy tokenizer.json and tokenizer_config.json (or write `minimal_config`) into folder; return the names."""
+    """Copy tokenizer.json and tokenizer_config.json (or write `minimal_config`) into folder; return the names.
+
+    A copied config gains the minimal one's model_input_names when it has none, for the same reason."""
     folder = Path(folder)
     shutil.copyfile(source.tokenizer, folder / TOKENIZER)  # a copy: onnxruntime rejects links out of the folder
+    config = minimal_config
     if source.config is not None:
-        shutil.copyfile(source.config, folder / TOKENIZER_CONFIG)
-    else:
-        (folder / TOKENIZER_CONFIG).write_text(json.dumps(minimal_config, indent=2) + "\n")
+        config = _read_json(source.config)
+        config.setdefault("model_input_names", minimal_config["model_input_names"])
+    (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return [TOKENIZER, TOKENIZER_CONFIG]
 
 

@@ -12,7 +12,7 @@ from exporter.consumers import FamilyTypes, optimum_unsupported, write_consumer_
 from exporter.errors import TokenizerError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
-from exporter.tokenizer import find_tokenizer
+from exporter.tokenizer import find_tokenizer, minimal_tokenizer_config
 
 
 def _json(folder, name):
@@ -73,7 +73,9 @@ def test_a_users_tokenizer_config_is_copied_and_names_the_pad_token(artifact_fp3
     names = write_consumer_files(out, read_manifest(artifact_fp32), find_tokenizer(source, 512))
     assert names == ["genai_config.json", "config.json", "generation_config.json", "tokenizer.json",
                      "tokenizer_config.json"]
-    assert (out / "tokenizer_config.json").read_text() == (source / "tokenizer_config.json").read_text()
+    # the user's config, with the model_input_names Optimum's generate needs (it rejects token_type_ids)
+    assert _json(out, "tokenizer_config.json") == {"pad_token": {"content": "<|endoftext|>"},
+                                                   "model_input_names": ["input_ids", "attention_mask"]}
     assert _json(out, "genai_config.json")["model"]["pad_token_id"] == 0
     assert _json(out, "config.json")["pad_token_id"] == 0
 
@@ -122,6 +124,32 @@ def test_bad_tokenizers_are_one_line_errors(tmp_path, content, fragment):
     with pytest.raises(TokenizerError, match=fragment) as info:
         find_tokenizer(tmp_path, 512)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"bos_token": "<s>"}, "bos_token '<s>' is not a token of tokenizer.json"),
+    ({"additional_special_tokens": ["<|im_end|>", "<tool>"]}, "additional_special_tokens '<tool>' is not a token"),
+    ({"added_tokens_decoder": {"900": {"content": "<|im_end|>", "special": True}}},
+     r"added_tokens_decoder\[900\] says '<\|im_end\|>', which tokenizer.json holds at id 2"),
+    ({"pad_token": 5}, "pad_token is 5, not a token string"),
+])
+def test_a_tokenizer_config_naming_tokens_the_tokenizer_lacks_is_refused(tiny_tokenizer, tmp_path, config, fragment):
+    # transformers would add each as a new token, with an id past the model's vocabulary
+    (tmp_path / "tokenizer.json").write_bytes((tiny_tokenizer / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match=fragment) as info:
+        find_tokenizer(tmp_path, 512)
+    assert "\n" not in str(info.value)
+
+
+def test_the_minimal_config_names_only_special_tokens(tiny_tokenizer, tmp_path, caplog):
+    data = _tokenizer_json(tiny_tokenizer)
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] != "<|im_end|>"  # the eos id (2) as an ordinary token
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    config = minimal_tokenizer_config(find_tokenizer(tmp_path, 512), 256, 1, 2, 2)
+    assert config["bos_token"] == "<|im_start|>" and "eos_token" not in config and "pad_token" not in config
+    assert "eos_token id 2 is '<|im_end|>' in this tokenizer, not one of its special tokens" in caplog.text
 
 
 def test_a_unigram_vocabulary_counts_by_position(tmp_path):

@@ -463,3 +463,13 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     assert not clear.passed and "not a tie" in clear.note
     early = judge_greedy(trace, [0, 2], profile)
     assert not early.passed and early.note == "one side stopped early"
+
+    # A consumer that leaves EOS (5) out: a list that ends first chose EOS there, judged by the same rule.
+    logits[1, 5] = 5.0 - 1e-5
+    stopped = GreedyTrace([0, 2, 3], logits)
+    genai_stopped = judge_greedy(stopped, [0], profile, dropped_eos=5)
+    assert genai_stopped.passed and "reference 2 vs onnx 5" in genai_stopped.note
+    reference_stopped = judge_greedy(GreedyTrace([0, 5], logits[:2]), [0, 2, 3], profile, [0], dropped_eos=5)
+    assert reference_stopped.passed and "reference 5 vs onnx 2" in reference_stopped.note
+    logits[1, 5] = 4.0
+    assert not judge_greedy(GreedyTrace([0, 2, 3], logits), [0], profile, dropped_eos=5).passed

@@ -147,24 +147,26 @@ class GreedyResult:
                 "passed": self.passed, "note": self.note}
 
 
-def judge_greedy(trace: GreedyTrace, actual: list[int], profile: Profile, expected: list[int] | None = None
-                 ) -> GreedyResult:
+def judge_greedy(trace: GreedyTrace, actual: list[int], profile: Profile, expected: list[int] | None = None,
+                 dropped_eos: int | None = None) -> GreedyResult:
     """Token ids must be equal; a divergence passes only at a near-tie of the reference's logits.
 
     At a near-tie (the two candidates' reference logits closer than the logits tolerance) either choice is
     within the dtype's precision, which happens in float16; it is reported in the note. `expected`
-    defaults to the trace's ids (a consumer that drops a final EOS passes a shortened list).
+    defaults to the trace's ids. A consumer that stops at EOS and leaves it out passes `expected` without a
+    final EOS and `dropped_eos`: where one side's list ends before the other's, that side chose EOS there.
     """
     expected = trace.ids if expected is None else expected
     match = match_length(actual, expected)
     if actual == expected:
         return GreedyResult(expected, actual, match, True, f"{len(actual)} tokens identical")
-    if match == min(len(actual), len(expected)):
+    if match == min(len(actual), len(expected)) and (dropped_eos is None or match >= len(trace.logits)):
         return GreedyResult(expected, actual, match, False, "one side stopped early")
+    chosen, other = (ids[match] if match < len(ids) else dropped_eos for ids in (expected, actual))
     logits = trace.logits[match].astype(np.float64)
-    gap = abs(logits[expected[match]] - logits[actual[match]])
-    near_tie = bool(gap <= profile.logits.allowed(logits)[expected[match]])
-    note = (f"diverged at token {match}: reference {expected[match]} vs onnx {actual[match]}, "
+    gap = abs(logits[chosen] - logits[other])
+    near_tie = bool(gap <= profile.logits.allowed(logits)[chosen])
+    note = (f"diverged at token {match}: reference {chosen} vs onnx {other}, "
             f"reference logit gap {gap:.3g} ({'a near-tie within tolerance' if near_tie else 'not a tie'})")
     return GreedyResult(expected, actual, match, near_tie, note)
 

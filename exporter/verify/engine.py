@@ -133,7 +133,7 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     generator = GenaiGenerator(folder)
     actual = generator.greedy(prompt, settings.greedy_tokens)
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type,
-                          judge_greedy(trace, actual, profile, expected))
+                          judge_greedy(trace, actual, profile, expected, dropped_eos=eos))
 
 
 def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, settings: ParitySettings):

@@ -481,9 +481,10 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     config = manifest.config
     text_tokenizer = None
     if prompts:  # text in, text out; ids in, ids out
-        if tokenizer is None and not (folder / TOKENIZER).is_file():
-            raise click.UsageError(f"--prompt needs a tokenizer: {folder} holds no {TOKENIZER}; pass --tokenizer "
-                                   "PATH or re-export with --tokenizer")
+        # the artifact's own: the one its manifest lists (and read_manifest has hashed), not any file there
+        if tokenizer is None and TOKENIZER not in manifest.files:
+            raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
+                                   "--tokenizer PATH or re-export with --tokenizer")
         text_tokenizer = load_tokenizer(tokenizer or folder, config.vocab_size)
     batch = ([text_tokenizer.encode(text).ids for text in prompts] if prompts
              else [_parse_ids(text) for text in prompt_ids])

@@ -130,7 +130,7 @@ def test_reexport_replaces_the_artifact(cli_artifact):
     assert sorted(p.name for p in cli_artifact.parent.iterdir()) == [cli_artifact.name]
 
 
-def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
+def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_tokenizer):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     assert_one_line_error(run_cli("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
@@ -145,7 +145,10 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only):
                           "must be an integer from 0 (one per core) to 1024, got 100000000000")
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--tokenizer", "none.json", "-q"), 2,
                           "--tokenizer reads --prompt text; with --prompt-ids, drop it")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "holds no tokenizer.json")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")
+    unlisted = shutil.copytree(cli_artifact, tmp_path / "unlisted")  # a tokenizer dropped in after the export
+    shutil.copyfile(tiny_tokenizer / "tokenizer.json", unlisted / "tokenizer.json")
+    assert_one_line_error(run_cli("generate", unlisted, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")
     assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
                            "-q"), 2, "cannot read")
     assert not (tmp_path / "t").exists()

@@ -88,12 +88,18 @@ def ort_decode_run(runner) -> float:
     return DECODE_STEPS / (time.perf_counter() - begin)
 
 
+def prompt_lengths(context: int) -> list[int]:
+    """The prefill lengths a model with `context` positions can take, leaving one for a new token (a tiny
+    test model has fewer than 512)."""
+    return [n for n in PREFILL_LENGTHS if n < context]
+
+
 def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
     """Generation as users run it: prompts through OrtRunner.start, then decode steps."""
     runner = ort_runner(artifact, provider, threads)
     vocab = runner.manifest.config.vocab_size
     tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
-             for n in PREFILL_LENGTHS}
+             for n in prompt_lengths(runner.manifest.config.max_position_embeddings)}
     tasks["decode"] = lambda: ort_decode_run(runner)
     return tasks
 
@@ -128,7 +134,7 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
 
     tasks = {f"prefill {n}": (lambda ids=torch.from_numpy(prompt(n, vocab)).to(device):
                               elapsed_ms(lambda: forward(ids)))
-             for n in PREFILL_LENGTHS}
+             for n in prompt_lengths(manifest.config.max_position_embeddings)}
     tasks["decode"] = decode_run
     return tasks
 
@@ -164,9 +170,8 @@ def genai_tasks(artifact: Path) -> dict:
             run.generate_next_token()
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    context = generator.manifest.config.max_position_embeddings  # genai refuses longer prompts (tiny test models)
     tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab)[0].tolist(): prefill_ms(ids))
-             for n in PREFILL_LENGTHS if n < context}
+             for n in prompt_lengths(generator.manifest.config.max_position_embeddings)}
     tasks["decode"] = decode_run
     return tasks
 
@@ -341,7 +346,7 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
     def ratio(name, numerators, denominators):
         ratios[name], quartiles[name] = ratio_summary(numerators, denominators)
 
-    for n in PREFILL_LENGTHS:
+    for n in [n for n in PREFILL_LENGTHS if f"prefill {n}" in ours]:
         ratio(f"prefill_{n}", torch_[f"prefill {n}"], ours[f"prefill {n}"])
     ratio("decode", ours["decode"], torch_["decode"])
     # decode step / floor step = floor tokens/s / our tokens/s
@@ -374,7 +379,7 @@ def format_table(report: dict) -> str:
             ("decode step (ms)", "decode_step_ms", "decode"),
             ("peak RSS (MB)", "peak_rss_mb", "peak_rss")]
     lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}{'q1-q3':>12}", "-" * 80]
-    for label, key, ratio in rows:
+    for label, key, ratio in [row for row in rows if row[1] in ort]:
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x{spread(ratio):>12}")
     genai = report["onnxruntime_genai"]
     if genai:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from exporter.consumers import GENAI_CONFIG, genai_unsupported
 from exporter.errors import ConsumerError
-from exporter.manifest import read_manifest
+from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import check_prompt
 
 INSTALL_HINT = "pip install onnxruntime-genai"
@@ -38,14 +38,15 @@ def _import_genai():
 class GenaiGenerator:
     """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` may be called many times."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, manifest: Manifest | None = None):
+        """`manifest`: the folder's, read with its hashes checked (read here when not given)."""
         og = _import_genai()
         self.folder = Path(folder)
-        self.manifest = read_manifest(self.folder, check_hashes=False)
+        self.manifest = manifest or read_manifest(self.folder)
         reason = genai_unsupported(self.manifest)
         if reason:
             raise ConsumerError(f"{folder} cannot run in onnxruntime-genai: {reason}")
-        if not (self.folder / GENAI_CONFIG).is_file():
+        if GENAI_CONFIG not in self.manifest.files:  # listed, so hashed: what the export wrote
             raise ConsumerError(f"{folder} has no {GENAI_CONFIG}; re-export it with this toolkit to run it in "
                                 "onnxruntime-genai")
         self.model_type = json.loads((self.folder / GENAI_CONFIG).read_text())["model"]["type"]

@@ -60,10 +60,11 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     report = json.loads(out.stdout)
     for side in ("onnxruntime", "pytorch"):
         figures = report[side]
-        assert figures["prefill_128_ms"] > 0 and figures["prefill_512_ms"] > 0 and figures["peak_rss_mb"] > 0
+        assert figures["prefill_128_ms"] > 0 and figures["peak_rss_mb"] > 0
+        assert "prefill_512_ms" not in figures  # the tiny model has 256 positions: only the prompts that fit
         assert figures["decode_tokens_per_s"] > 0
     ratios, quartiles = report["ratios"], report["ratio_quartiles"]
-    assert set(quartiles) >= {"prefill_128", "prefill_512", "decode", "decode_step_to_floor"}
+    assert set(quartiles) >= {"prefill_128", "decode", "decode_step_to_floor"} and "prefill_512" not in quartiles
     for name, (q1, q3) in quartiles.items():
         assert q1 <= ratios[name] <= q3, name
     floor = report["floor"]
@@ -73,7 +74,7 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     assert (report["onnxruntime_genai"] is not None) == genai_installed
     if genai_installed:
         genai = report["onnxruntime_genai"]
-        # The tiny model's context (256) admits the 128-token prompt; genai refuses the 512-token one.
+        # The tiny model's context (256) admits the 128-token prompt only, on every side.
         assert genai["prefill_128_ms"] > 0 and "prefill_512_ms" not in genai and genai["decode_tokens_per_s"] > 0
         assert {"prefill_128_ours_to_genai", "ours_to_genai"} <= set(quartiles)
     for sessions in (report["sessions"], report["sessions_shared_pool"]):

@@ -13,9 +13,9 @@ from tokenizers import Tokenizer
 from exporter import consumers
 from exporter.cli import main
 from exporter.consumers import FamilyTypes
-from exporter.errors import ConsumerError
+from exporter.errors import ArtifactError, ConsumerError
 from exporter.genai import GenaiGenerator, genai_greedy
-from exporter.manifest import read_manifest
+from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import ParitySettings, verify_artifact
 from exporter.verify import engine
 from exporter.verify.checks import judge_greedy
@@ -92,7 +92,9 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     config = json.loads(path.read_text())
     config["model"]["eos_token_id"] = eos
     path.write_text(json.dumps(config))
-    ours = generate_greedy(OrtRunner(artifact_copy, check_hashes=False), prompt, 40, eos).new_ids
+    edit_manifest(artifact_copy, lambda manifest: manifest["files"]["genai_config.json"].update(
+        sha256=sha256_file(path), bytes=path.stat().st_size))  # a user's edit, listed as the export would
+    ours = generate_greedy(OrtRunner(artifact_copy), prompt, 40, eos).new_ids
     assert ours == free_run[:stop + 1] and ours[-1] == eos
     assert GenaiGenerator(artifact_copy).greedy(prompt, 40) == free_run[:stop]
 
@@ -154,6 +156,14 @@ def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_mode
     monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
     with pytest.raises(ConsumerError, match="not installed"):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
+
+
+def test_an_edited_genai_config_is_refused_by_its_hash(artifact_copy):
+    config = json.loads((artifact_copy / "genai_config.json").read_text())
+    config["search"]["max_length"] = 7
+    (artifact_copy / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match="genai_config.json"):
+        GenaiGenerator(artifact_copy)
 
 
 def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path):

@@ -130,7 +130,7 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     trace = reference.greedy(prompt, settings.greedy_tokens, eos)
     expected = trace.ids[:-1] if trace.ids and trace.ids[-1] == eos else trace.ids
     log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
-    generator = GenaiGenerator(folder)
+    generator = GenaiGenerator(folder, manifest)
     actual = generator.greedy(prompt, settings.greedy_tokens)
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type,
                           judge_greedy(trace, actual, profile, expected, dropped_eos=eos))

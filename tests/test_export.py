@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 import pytest
 import torch
 
@@ -117,19 +119,6 @@ def _tree(folder: Path) -> dict:
     return {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
 
 
-def test_failed_export_leaves_the_earlier_artifact_untouched(artifact_copy, tiny_model, monkeypatch):
-    before = _tree(artifact_copy)
-
-    def broken_smoke_run(folder, manifest):
-        raise ExportFailed("smoke run: injected failure")
-
-    monkeypatch.setattr(export_module, "_smoke_run", broken_smoke_run)
-    with pytest.raises(ExportFailed, match="injected"):
-        export_artifact(tiny_model, artifact_copy)
-    assert _tree(artifact_copy) == before
-    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
-
-
 def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy, tiny_model, monkeypatch):
     before = _tree(artifact_copy)
 
@@ -163,26 +152,33 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
     assert not (tmp_path / "x").exists()
 
 
-def test_an_onnxruntime_failure_in_the_smoke_run_is_an_export_error(artifact_copy, artifact_fp32, tiny_model,
-                                                                     monkeypatch):
-    """E.g. a kernel this onnxruntime build lacks for the dtype: one clear error, the old artifact kept."""
-    import copy
-
-    import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
+@pytest.mark.parametrize("failure, message", [
+    (lambda: ExportFailed("smoke run: injected failure"), "injected"),
+    # e.g. a kernel this onnxruntime build lacks for the dtype
+    (lambda: ort_errors.RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+                                         "while running ScatterND node: MLFloat16 is not supported\nmore"),
+     r"smoke run: onnxruntime could not run the exported graphs \(.*ScatterND"),
+    # e.g. an index past a table
+    (lambda: ort_errors.InvalidArgument("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned "
+                                        "while running Gather node"),
+     r"smoke run: onnxruntime could not run the exported graphs \(.*Gather"),
+], ids=["export error", "onnxruntime runtime exception", "onnxruntime invalid argument"])
+def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouched(
+        artifact_copy, artifact_fp32, tiny_model, monkeypatch, failure, message):
+    """One clear error, the old artifact kept, no temporary folder left."""
     protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
     monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
                         lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
 
-    def unsupported(folder, manifest):
-        raise ort_errors.RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code "
-                                          "returned while running ScatterND node: MLFloat16 is not supported\nmore")
+    def smoke_run(folder, manifest):
+        raise failure()
 
-    monkeypatch.setattr(export_module, "_smoke_run", unsupported)
+    monkeypatch.setattr(export_module, "_smoke_run", smoke_run)
     before = _tree(artifact_copy)
-    with pytest.raises(ExportFailed, match=r"smoke run: onnxruntime could not run the exported graphs \(.*ScatterND"):
+    with pytest.raises(ExportFailed, match=message):
         export_artifact(tiny_model, artifact_copy)
     assert _tree(artifact_copy) == before
-    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
 
 
 @pytest.mark.parametrize("dtype, passes", [("float16", True), ("float32", False)],

@@ -7,6 +7,7 @@ is where a graph with baked-in routing would go wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,10 +15,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from exporter import export as export_module
 from exporter.cli import main
 from exporter.contract import PAST
 from exporter.errors import InputError
-from exporter.export import _example_inputs, export_artifact
+from exporter.export import _example_inputs
 from exporter.manifest import read_manifest
 from exporter.report import format_inspect
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
@@ -27,7 +29,6 @@ from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.verify.reports import format_verify
 from helpers import assert_decode_graph_matches, edit_manifest
-from reference import TeachingGPTConfig, build_model
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
@@ -224,11 +225,15 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
             gpt_model(torch.as_tensor(ids), position_ids=torch.full((1, 1), position))
 
 
-def test_a_model_with_fewer_positions_than_the_smoke_run_exports(tmp_path):
-    # The smoke run's 5-token prompt used to index past a 4-position table: exit 3 for a valid model.
-    model = build_model(TeachingGPTConfig(vocab_size=64, n_embed=32, n_head=2, n_blocks=1, context_length=4), 0)
-    result = export_artifact(model, tmp_path / "gpt-4")
-    assert result.manifest.config.max_position_embeddings == 4
+def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
+    # Its 5-token prompt indexed past a 4-position table: exit 3 for a valid model.
+    manifest = read_manifest(gpt_artifact, check_hashes=False)
+    four = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=4))
+    lengths, prefill = [], OrtRunner.prefill
+    monkeypatch.setattr(OrtRunner, "prefill", lambda self, feeds: lengths.append(feeds["input_ids"].shape[1])
+                        or prefill(self, feeds))
+    export_module._smoke_run(gpt_artifact, four)
+    assert lengths and max(lengths) == 4
 
 
 def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):

@@ -473,3 +473,5 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     assert reference_stopped.passed and "reference 5 vs onnx 2" in reference_stopped.note
     logits[1, 5] = 4.0
     assert not judge_greedy(GreedyTrace([0, 2, 3], logits), [0], profile, dropped_eos=5).passed
+    at_once = judge_greedy(GreedyTrace([5], logits[:1]), [], profile, [], dropped_eos=5)
+    assert at_once.passed and at_once.note == "0 tokens identical (both stopped at EOS at once: nothing else to compare)"

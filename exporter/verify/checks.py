@@ -159,7 +159,9 @@ def judge_greedy(trace: GreedyTrace, actual: list[int], profile: Profile, expect
     expected = trace.ids if expected is None else expected
     match = match_length(actual, expected)
     if actual == expected:
-        return GreedyResult(expected, actual, match, True, f"{len(actual)} tokens identical")
+        stopped = " (both stopped at EOS at once: nothing else to compare)" if not actual and dropped_eos is not None \
+            and trace.ids[:1] == [dropped_eos] else ""
+        return GreedyResult(expected, actual, match, True, f"{len(actual)} tokens identical{stopped}")
     if match == min(len(actual), len(expected)) and (dropped_eos is None or match >= len(trace.logits)):
         return GreedyResult(expected, actual, match, False, "one side stopped early")
     chosen, other = (ids[match] if match < len(ids) else dropped_eos for ids in (expected, actual))

@@ -13,6 +13,15 @@ class ArtifactError(ToolkitError):
     """An artifact folder is missing, incomplete, or does not match its manifest."""
 
 
+class GraphRunError(ArtifactError):
+    """A graph that loaded but failed to run: damaged, or not built to the manifest's contract."""
+
+    def __init__(self, graph_file: str, detail: str):
+        super().__init__(f"onnxruntime failed running {graph_file} ({detail}); with inputs that follow the "
+                         "manifest's contract this is a damaged graph: re-export the folder")
+        self.graph_file, self.detail = graph_file, detail
+
+
 class OutputPathError(ToolkitError):
     """The export destination cannot be used without losing what is there."""
 

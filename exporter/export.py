@@ -24,14 +24,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime
-import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 import torch
 from torch.export import Dim
 
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
-from exporter.errors import ExportFailed, OutputPathError
+from exporter.errors import ExportFailed, GraphRunError, OutputPathError
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries
 from exporter.paths import check_output_path
@@ -347,10 +346,8 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
         log.info("smoke-testing the graphs in onnxruntime")
         try:
             _smoke_run(built, manifest)
-        except (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument) as exc:
-            # e.g. an op this build lacks for a dtype
-            raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs "
-                               f"({str(exc).strip().splitlines()[0][:300]})") from exc
+        except GraphRunError as exc:  # e.g. an op this build lacks for a dtype
+            raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs ({exc.detail})") from exc
         manifest.write(built)
         _move_into_place(built, folder)
     finally:

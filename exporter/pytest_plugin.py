@@ -24,9 +24,10 @@ _PLANS = pytest.StashKey[dict]()  # resolved folder -> Plan
 
 def pytest_addoption(parser):
     group = parser.getgroup("minimind-onnx", "verification of exported ONNX artifacts")
-    group.addoption("--artifacts", nargs="+", type=Path, default=None, metavar="DIR",
-                    help="artifact folder(s) to run the verification suite on; every argument up to the next "
-                         "option is taken as one, so write test paths before --artifacts (or use --artifacts=DIR)")
+    group.addoption("--artifacts", nargs="+", action="extend", type=Path, default=None, metavar="DIR",
+                    help="artifact folder(s) to run the verification suite on (repeatable); every argument up to "
+                         "the next option is taken as one, so write test paths before --artifacts (or use "
+                         "--artifacts=DIR)")
     group.addoption("--golden-bundle", type=Path, default=None, metavar="DIR",
                     help="golden bundle to verify the artifacts against (instead of rebuilding the reference)")
     group.addoption("--artifact-provider", action="append", default=None, metavar="NAME",
@@ -43,11 +44,17 @@ class Plan:
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
-    """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used."""
+    """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used,
+    CheckpointError when the checkpoint it was exported from is gone or changed."""
     from exporter.manifest import check_sizes, read_manifest
     from exporter.verify.golden import BUNDLE, check_bundle
+    from exporter.errors import ToolkitError
+    from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)
+    if (Path(folder) / "conftest.py").exists():  # pytest imports the conftest.py beside what it collects
+        raise ToolkitError(f"{folder} holds a conftest.py, which pytest would run as code; an artifact holds "
+                           "none: remove it")
     bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / BUNDLE).is_file() else None)
     if bundle is not None:
         check_bundle(bundle, manifest)
@@ -57,7 +64,9 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
         return Plan("rebuilt")
     if source.get("kind") == "checkpoint":
         problem = _checkpoint_problem(Path(source.get("path", "")), source.get("sha256"))
-        return Plan("invariants", reason=problem) if problem else Plan("rebuilt")
+        if problem:  # as `export-onnx verify` refuses it: a stale artifact must not pass with its checks skipped
+            raise CheckpointError(f"{folder}: {problem}; restore it, pass --golden-bundle DIR, or re-export")
+        return Plan("rebuilt")
     return Plan("invariants", reason=f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit "
                                      "cannot rebuild")
 
@@ -75,22 +84,34 @@ def _checkpoint_problem(path: Path, sha256: str | None) -> str:
 def pytest_configure(config):
     folders = config.getoption("artifacts")
     if not folders:
+        given = [flag for flag, name in (("--golden-bundle", "golden_bundle"), ("--artifact-provider",
+                                                                               "artifact_provider"))
+                 if config.getoption(name) is not None]
+        if given:
+            raise pytest.UsageError(f"{', '.join(given)} without --artifacts: name the artifact folders to verify")
         return
-    from exporter.errors import ToolkitError
+    from exporter.errors import ProviderError, ToolkitError
     from exporter.runtime import check_parity_providers
+    from reference.errors import ModelError
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])
+    except ProviderError as exc:
+        raise pytest.UsageError(f"--artifact-provider: {str(exc).replace('--provider', '--artifact-provider')}") \
+            from None
+    try:
         plans = {Path(folder).resolve(): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}
-    except ToolkitError as exc:
-        stray = [str(f) for f in folders if Path(f).is_file() or Path(f).suffix == ".py"]
+    except (ToolkitError, ModelError) as exc:
+        stray = [str(f) for f in folders if Path(f).is_file() or Path(f).suffix == ".py"
+                 or Path(f).is_dir() and not (Path(f) / "manifest.json").exists() and any(Path(f).glob("test_*.py"))]
         hint = (f" ({', '.join(stray)}: --artifacts takes every argument up to the next option; write test paths "
                 "before it)") if stray else ""
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     config.stash[_PLANS] = plans
-    # The folders are what pytest collects: alone, unless test paths were given too.
+    # What pytest collects: each folder's manifest.json alone (never the folder, whose own conftest.py or
+    # test files would run), unless test paths were given too.
     given = config.args_source == pytest.Config.ArgsSource.ARGS
-    config.args[:] = (config.args if given else []) + [str(folder) for folder in folders]
+    config.args[:] = (config.args if given else []) + [str(Path(folder) / "manifest.json") for folder in folders]
 
 
 def pytest_collect_file(file_path: Path, parent):
@@ -113,17 +134,15 @@ class ArtifactFile(pytest.File):
 
     def verify(self):
         if self.outcome is None:
-            from exporter.errors import ToolkitError
-            from reference.errors import ModelError  # a checkpoint the reference cannot be rebuilt from
             try:
                 self.outcome = _verify(self.path.parent, self.plan, self.config.getoption("artifact_provider"))
-            except (ToolkitError, ModelError) as exc:
+            except Exception as exc:  # noqa: BLE001 -- kept, so the folder's other items report it, not rerun it
                 self.outcome = exc
         return self.outcome
 
 
 class VerificationStopped(Exception):
-    """The folder's verification stopped with a toolkit error; every item reports it in one line."""
+    """The folder's verification stopped with an error; every item reports it in one line."""
 
 
 class ArtifactCheck(pytest.Item):
@@ -133,14 +152,21 @@ class ArtifactCheck(pytest.Item):
 
     def runtest(self):
         artifact = self.parent
+        folder = artifact.path.parent
         if self.name != "invariants" and artifact.plan.reference == "invariants":
-            pytest.skip(f"no reference to compare with: {artifact.plan.reason}; pass --golden-bundle DIR")
+            pytest.skip(f"{folder}::{self.name}: no reference to compare with: {artifact.plan.reason}; pass "
+                        "--golden-bundle DIR")
         outcome = artifact.verify()
         if isinstance(outcome, Exception):
-            raise VerificationStopped(str(outcome))
+            from exporter.errors import ToolkitError
+            from reference.errors import ModelError
+            message = str(outcome).strip().splitlines()[0] if str(outcome).strip() else ""
+            if not isinstance(outcome, (ToolkitError, ModelError)):  # a fault of this toolkit: say which
+                message = f"internal error {type(outcome).__name__}: {message}"
+            raise VerificationStopped(message)
         verdict = self.pick(outcome)
         if verdict is SKIP:
-            pytest.skip(_skip_reason(self.name, outcome))
+            pytest.skip(f"{folder}::{self.name}: {_skip_reason(self.name, outcome)}")
         passed, detail = verdict
         if not passed:
             raise AssertionError(detail)

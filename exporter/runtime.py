@@ -18,7 +18,7 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import ArtifactError, InputError, ProviderError
+from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
 from reference.families import DecoderConfig
@@ -292,6 +292,13 @@ _LOAD_ERRORS = (_ort_errors.Fail, _ort_errors.InvalidArgument, _ort_errors.NoSuc
                 _ort_errors.InvalidGraph)
 
 
+_RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
+
+
+def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
+    return GraphRunError(graph_file, str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__)
+
+
 def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOptions,
                   providers: list[str]) -> ort.InferenceSession:
     """A session on one of the artifact's graphs, which must take the inputs its manifest says."""
@@ -396,11 +403,17 @@ class OrtRunner:
 
     def prefill(self, feeds: dict) -> dict:
         names = self.manifest.prefill.output_names
-        return dict(zip(names, self.prefill_session.run(names, feeds)))
+        try:
+            return dict(zip(names, self.prefill_session.run(names, feeds)))
+        except _RUN_ERRORS as exc:
+            raise _run_failure(self.manifest.prefill.file, exc) from None
 
     def decode(self, feeds: dict) -> dict:
         names = self.manifest.decode.output_names
-        return dict(zip(names, self.decode_session.run(names, feeds)))
+        try:
+            return dict(zip(names, self.decode_session.run(names, feeds)))
+        except _RUN_ERRORS as exc:
+            raise _run_failure(self.manifest.decode.file, exc) from None
 
     def empty_past(self, batch: int) -> dict:
         cache = self.manifest.cache
@@ -420,7 +433,10 @@ class OrtRunner:
             binding.bind_ortvalue_input(name, value)
         for name, device in self._output_devices:
             binding.bind_output(name, device)
-        self._run_binding(binding, None)
+        try:
+            self._run_binding(binding, None)
+        except _RUN_ERRORS as exc:
+            raise _run_failure(self.manifest.decode.file, exc) from None
         outputs = binding.get_outputs()
         self.cache = [outputs[i] for i in self._present_indices]
         logits = outputs[self._logits_index].numpy()

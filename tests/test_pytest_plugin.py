@@ -14,6 +14,7 @@ from helpers import claim_seed, edit_manifest
 
 from exporter.pytest_plugin import CHECKS, Plan, reference_plan
 from exporter.verify.checks import SweepCase
+from reference.errors import CheckpointError
 
 
 def _pytest(cwd, *args):
@@ -38,19 +39,28 @@ def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(arti
     assert {i.split("::")[0] for i in ids} == {"a/model/manifest.json", "b/model/manifest.json"}
     with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", "--artifacts", folders[0])
     assert "test_x.py::test_one" in with_tests.stdout and "10 tests collected" in with_tests.stdout
+    # A repeated --artifacts adds its folders; test files inside a folder are not collected, and a conftest.py
+    # there, which pytest would import, is refused before anything runs.
+    (folders[0] / "test_extra.py").write_text("def test_extra():\n    pass\n")
+    repeated = _pytest(tmp_path, "--collect-only", "-q", "--artifacts", folders[0], "--artifacts", folders[1])
+    assert "18 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
+    (folders[0] / "conftest.py").write_text("print('code from the artifact folder ran')\n")
+    refused = _pytest(tmp_path, "--collect-only", "-q", "-s", "--artifacts", folders[0])
+    assert refused.returncode == 4 and "holds a conftest.py, which pytest would run as code" in refused.stderr
+    assert "code from the artifact folder ran" not in refused.stdout + refused.stderr
 
 
 def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_reference_is_available(artifact_fp32,
                                                                                                     tmp_path):
-    # Weights of unknown origin: no seed to rebuild the reference, no golden bundle.
+    # Weights exported from memory: no seed or checkpoint to rebuild the reference from, no golden bundle.
     folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
-    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "checkpoint", "path": "elsewhere",
-                                                                            "sha256": "0" * 64}))
+    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "reference-free invariants only" in out.stdout and "1 passed, 8 skipped" in out.stdout
     assert "PASSED mine/manifest.json::invariants" in out.stdout
-    assert "no reference to compare with: its checkpoint elsewhere is gone; pass --golden-bundle DIR" in out.stdout
+    assert (f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
+            "cannot rebuild; pass --golden-bundle DIR") in out.stdout  # the skip names its folder and check
 
 
 def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tmp_path):
@@ -65,9 +75,11 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
     assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
 
 
-@pytest.mark.parametrize("module, error", [("exporter.errors", "ArtifactError"), ("reference.errors", "CheckpointError")])
+@pytest.mark.parametrize("module, error, said", [
+    ("exporter.errors", "ArtifactError", ""), ("reference.errors", "CheckpointError", ""),
+    ("builtins", "RuntimeError", "internal error RuntimeError: ")])  # a fault of ours: reported once too
 def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_once(artifact_fp32, tmp_path, module,
-                                                                                   error):
+                                                                                   error, said):
     (tmp_path / "conftest.py").write_text(
         "import exporter.verify.engine as engine\n"
         f"from {module} import {error}\n"
@@ -79,7 +91,8 @@ def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_onc
     out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-s")
     assert out.returncode == 1 and f"{len(CHECKS)} failed" in out.stdout, out.stdout[-3000:]
     assert out.stdout.count("verification started") == 1 and "Traceback" not in out.stdout
-    assert f"greedy could not run on {folder}: onnxruntime cannot load decode.onnx; re-export the folder" in out.stdout
+    assert f"greedy could not run on {folder}: {said}onnxruntime cannot load decode.onnx; re-export the folder" in \
+        out.stdout
 
 
 def test_the_shape_sweep_item_lets_a_routing_near_tie_pass_as_verify_does():
@@ -93,14 +106,22 @@ def test_the_shape_sweep_item_lets_a_routing_near_tie_pass_as_verify_does():
 
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
+    # Gone or changed, it is refused as `export-onnx verify` refuses it: a stale artifact must not pass on skips.
     assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")
     folder = shutil.copytree(minimind2_artifact, tmp_path / "copy")
-    changed = tmp_path / "changed.pth"
-    changed.write_bytes(minimind2_checkpoint.read_bytes()[:-1] + b"\0")
+    changed = tmp_path / "elsewhere" / minimind2_checkpoint.name  # the same name: only the content differs
+    changed.parent.mkdir()
+    content = bytearray(minimind2_checkpoint.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    changed.write_bytes(bytes(content))
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path=str(changed)))
-    assert reference_plan(folder, None) == Plan("invariants", reason=f"its checkpoint {changed} changed since the export")
+    with pytest.raises(CheckpointError, match=f"its checkpoint {changed} changed since the export; restore it"):
+        reference_plan(folder, None)
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path="/dev/null"))
-    assert reference_plan(folder, None) == Plan("invariants", reason="its checkpoint /dev/null is gone")
+    with pytest.raises(CheckpointError, match="its checkpoint /dev/null is gone"):
+        reference_plan(folder, None)
+    out = _pytest(tmp_path, "--artifacts", folder)
+    assert out.returncode == 4 and "its checkpoint /dev/null is gone" in out.stderr, out.stderr[-2000:]
 
 
 def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_path):
@@ -116,11 +137,13 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
     with open(truncated / "weights.onnx.data", "r+b") as weights:
         weights.truncate(4096)
     usage_error(truncated, "weights.onnx.data is 4096 bytes, not ")
-    usage_error(artifact_fp32, "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not bogus",
-                "--artifact-provider", "bogus")
+    usage_error(artifact_fp32, "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not bogus; pass "
+                "--artifact-provider cpu or --artifact-provider cuda", "--artifact-provider", "bogus")
     other = tmp_path / "other-bundle"
     other.mkdir()
     (other / "golden.json").write_text(json.dumps({"format": "minimind-onnx-golden", "format_version": 3, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
     usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", "--golden-bundle", other)
     usage_error(tmp_path / "none", "is not a folder", "--golden-bundle", other)  # the folder is checked first
+    alone = _pytest(tmp_path, "--golden-bundle", other)  # an option of the plugin's without its folders
+    assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]

@@ -8,7 +8,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from exporter.errors import ArtifactError, InputError, ProviderError
+from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
 from exporter.reference_runner import reference_greedy
 from exporter.generation import generate_greedy
 from exporter.runtime import CPU, CUDA, OrtRunner, available_parity_providers, check_provider, cuda_unusable
@@ -59,6 +59,14 @@ def test_a_listed_cuda_provider_that_cannot_start_is_skipped_or_refused(monkeypa
     assert chosen == [CPU] and skipped[CUDA].startswith("could not start")
     with pytest.raises(ProviderError, match="cannot run here: could not start .*check the GPU, CUDA and cuDNN"):
         check_provider("cuda")
+
+
+def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
+    # what a damaged graph that still loads gives (a Range of step 0, say); here inputs of the wrong type
+    ids = np.ones((1, 3), np.float32)
+    with pytest.raises(GraphRunError, match=r"onnxruntime failed running prefill.onnx \(.*\); .*re-export") as info:
+        runner.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": ids, "labels": ids})
+    assert "\n" not in str(info.value) and isinstance(info.value, ArtifactError)
 
 
 def test_folder_without_manifest_is_refused(tmp_path):

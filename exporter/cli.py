@@ -192,6 +192,9 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         preset = preset or DEFAULT_PRESET
         return build_model(get_preset(preset), seed), {"kind": "seeded", "preset": preset.lower(), "seed": seed}
     from reference.checkpoints import fingerprint, load_checkpoint
+    context = click.get_current_context(silent=True)
+    if context is not None and context.get_parameter_source("seed") == click.core.ParameterSource.COMMANDLINE:
+        raise ToolkitError("--seed seeds generated weights; a --checkpoint brings its own: drop --seed")
     if preset is not None and config_path is not None:
         raise ToolkitError("give --preset or --config for a checkpoint, not both")
     config = get_preset(preset) if preset else None
@@ -325,7 +328,7 @@ def main(ctx):
     artifacts/minimind-3, then verify it.
 
     Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143
-    interrupted (SIGINT/SIGTERM).
+    interrupted (SIGINT/SIGTERM), 141 stdout closed early (e.g. piped into head).
     """
     global _interrupted_by
     _interrupted_by = None
@@ -474,6 +477,10 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     if save_optimized is not None:
         from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)
+        artifact, resolved = Path(folder).resolve(), Path(save_optimized).resolve()
+        if resolved == artifact or artifact in resolved.parents:
+            raise ToolkitError(f"--save-optimized {save_optimized} lies inside the artifact folder {folder}, which "
+                               "it would change; write it elsewhere")
     provider = check_provider(provider)
     settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
                                **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))

@@ -168,9 +168,9 @@ class SessionSettings:
             raise InputError(f"threads per session (intra_op_threads, --threads) must be an integer from 0 (one "
                              f"per core) to {MAX_THREADS}, "
                              f"got {self.intra_op_threads!r}")
-        if self.prompt_chunk < 0:
-            raise InputError(f"prompt_chunk must be >= 0 (0 = the whole prompt in one call), "
-                             f"got {self.prompt_chunk}")
+        if not is_integer(self.prompt_chunk) or self.prompt_chunk < 0:
+            raise InputError(f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), "
+                             f"got {self.prompt_chunk!r}")
 
 
 GRAPH_OPTIMIZATION = {

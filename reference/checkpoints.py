@@ -37,6 +37,7 @@ import torch
 
 from reference.errors import CheckpointError, ConfigError
 from reference.families import family_of, get_family
+from reference.minimind_config import MiniMindConfig
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,8 @@ class MiniMindCheckpoints:
                 assumed["num_experts_per_tok"] = {3: 1, 2: 2}[fields["version"]]
         else:
             fields["intermediate_size"] = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
+        if "max_position_embeddings" not in base:  # no tensor has the positions: RoPE is computed
+            assumed["max_position_embeddings"] = MiniMindConfig.max_position_embeddings
         lm_head, embed_w = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
         if lm_head is not None and embed_w is not None and not torch.equal(lm_head, embed_w):
             fields["tie_word_embeddings"] = False

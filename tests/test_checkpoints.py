@@ -118,7 +118,8 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
     for field in ("version", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "use_moe",
                   "num_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "rms_norm_eps"):
         assert getattr(inferred, field) == getattr(config, field), field
-    assert inferred.max_position_embeddings == 32768  # not in the weights: the generation's default
+    assert inferred.max_position_embeddings == 32768  # not in the weights: the generation's default, and said
+    assert report.assumed["max_position_embeddings"] == 32768
     if config.version == 3:  # head_dim is the q_norm width: heads and kv heads follow
         assert (inferred.num_attention_heads, inferred.num_key_value_heads) == (4, 2)
     else:  # MiniMind2 weights do not show the head count: assumed (8, as published), and said
@@ -263,6 +264,7 @@ def test_cli_checkpoint_option_errors_are_one_line(minimind2_checkpoint, tmp_pat
         return result.stderr
 
     assert "for seeded weights choose a --preset" in error("--config", tmp_path / "c.json")
+    assert "a --checkpoint brings its own: drop --seed" in error("--checkpoint", minimind2_checkpoint, "--seed", "3")
     (tmp_path / "c.json").write_text("[1]")
     assert "not a JSON object" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json")
     assert "not both" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json",

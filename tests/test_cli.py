@@ -146,6 +146,8 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--tokenizer", "none.json", "-q"), 2,
                           "--tokenizer reads --prompt text; with --prompt-ids, drop it")
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--save-optimized",
+                                  cli_artifact / "opt", "-q"), 2, "lies inside the artifact folder")
     unlisted = shutil.copytree(cli_artifact, tmp_path / "unlisted")  # a tokenizer dropped in after the export
     shutil.copyfile(tiny_tokenizer / "tokenizer.json", unlisted / "tokenizer.json")
     assert_one_line_error(run_cli("generate", unlisted, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")

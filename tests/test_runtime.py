@@ -170,5 +170,6 @@ def test_bad_session_settings_are_refused():
         with pytest.raises(InputError, match=r"\(intra_op_threads, --threads\) must be an integer from 0 \(one per "
                                              r"core\) to 1024, got"):
             SessionSettings(intra_op_threads=threads)
-    with pytest.raises(InputError, match="prompt_chunk must be >= 0"):
-        SessionSettings(prompt_chunk=-1)
+    for chunk in (-1, 1.5):
+        with pytest.raises(InputError, match="prompt_chunk must be an integer >= 0"):
+            SessionSettings(prompt_chunk=chunk)

@@ -21,7 +21,7 @@ from exporter.manifest import read_manifest, sha256_file
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
-from exporter.verify.golden import GoldenMismatch, load_bundle
+from exporter.verify.golden import GoldenMismatch, _recording_digest, load_bundle
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_reference
 from exporter.verify.metrics import Needed, compare
@@ -175,6 +175,8 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
             meta["arrays_sha256"] = sha256_file(folder / "arrays.npz")
         if edit_meta:
             edit_meta(meta)
+        if rehash:  # as a careful forger would: both hashes match, so what is checked is the content
+            meta["recording_sha256"] = _recording_digest(meta)
         (folder / "golden.json").write_text(json.dumps(meta))
         with pytest.raises(ToolkitError) as caught:
             load_bundle(folder, manifest)
@@ -186,6 +188,9 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
 
     # a save interrupted between its two files, or a value edited since: the arrays' hash differs
     assert "sha256 differs" in damaged(shift, rehash=False)
+    # an edited greedy id, valid but not what the reference chose
+    assert "greedy runs or settings in golden.json changed" in damaged(
+        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(5, 7), rehash=False)
     assert "logits has shape" in damaged(lambda a: a.update({"0/out/logits": a["0/out/logits"][:, :, :7]}))
     assert "holds the outputs" in damaged(lambda a: a.pop("0/out/present.0.key"),
                                           lambda m: m["calls"][0]["outputs"].remove("present.0.key"))

@@ -10,14 +10,16 @@ each call also keeps its routers' scores and chosen experts, so that expert
 choice and the routing explanation of a failing sweep case replay too.
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
-dtype and file hashes, the settings, the call list, the sha256 of arrays.npz)
-and arrays.npz. The hash ties the two files together: a save interrupted
-between them, or a stored value edited since, reads as a damaged bundle, never
-as a numeric failure of the artifact.
+dtype and file hashes, the settings, the call list, the sha256 of arrays.npz
+and one of what golden.json records) and arrays.npz. The hashes tie the two
+files together: a save interrupted between them, or a stored value or id
+edited since, reads as a damaged bundle, never as a numeric failure of the
+artifact.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -144,6 +146,7 @@ class RecordedReference:
                     "greedy": greedy, "versions": {**versions, "numpy": np.__version__,
                                                    "onnxruntime": ort.__version__,
                                                    "python": platform.python_version()}}
+            meta["recording_sha256"] = _recording_digest(meta)
             partial_index.write_text(json.dumps(meta, indent=1) + "\n")
             os.replace(partial_arrays, folder / ARRAYS)
             os.replace(partial_index, folder / BUNDLE)
@@ -171,6 +174,8 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
         raise _damaged(folder, ValueError(f"{ARRAYS} is not the file {BUNDLE} was written with (sha256 differs): "
                                           "an interrupted save, or values changed since"))
     try:
+        if _recording_digest(meta) != meta.get("recording_sha256"):
+            raise ValueError(f"the calls, greedy runs or settings in {BUNDLE} changed since the save (sha256 differs)")
         return _replay(folder, meta, arrays, manifest)
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, InputError, OSError,
             zipfile.BadZipFile) as exc:
@@ -190,6 +195,13 @@ def check_bundle(folder: Path, manifest: Manifest) -> dict:
     except (KeyError, TypeError, AttributeError) as exc:
         raise _damaged(folder, exc) from None
     return meta
+
+
+def _recording_digest(meta: dict) -> str:
+    """The sha256 of what golden.json records (with the arrays' own hash): an edited id or setting would
+    otherwise read as a failure of the artifact."""
+    recorded = {key: meta[key] for key in ("arrays_sha256", "settings", "calls", "greedy")}
+    return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
 
 
 def _unreadable(folder: Path, exc: Exception) -> ToolkitError:

@@ -46,9 +46,9 @@ class Plan:
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
     """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used,
     CheckpointError when the checkpoint it was exported from is gone or changed."""
+    from exporter.errors import ToolkitError
     from exporter.manifest import check_sizes, read_manifest
     from exporter.verify.golden import BUNDLE, check_bundle
-    from exporter.errors import ToolkitError
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 BUNDLE = "golden.json"
 ARRAYS = "arrays.npz"
-FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 3  # 2: router choices per call; 3: arrays.npz's sha256
+FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 3  # 2: router choices per call; 3: the two sha256
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 

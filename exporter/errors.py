@@ -5,6 +5,13 @@ error). Parity failures are results, not errors: they exit with 1.
 """
 
 
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (cut to `limit` characters), or its type's name when it has
+    none: what a one-line error quotes of a library's multi-line one."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 class ToolkitError(Exception):
     """Base of every error a user can cause; the message is shown as is."""
 

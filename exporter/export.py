@@ -30,7 +30,7 @@ from torch.export import Dim
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
-from exporter.errors import ExportFailed, GraphRunError, OutputPathError
+from exporter.errors import ExportFailed, GraphRunError, OutputPathError, first_line
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries
 from exporter.paths import check_output_path
@@ -129,8 +129,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
             model = program.model_proto
     except Exception as exc:  # torch.onnx raises many unrelated types; report them as one failure
         log.debug("torch.onnx output:\n%s", noise.getvalue())
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line}") from exc
+        raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line(exc)}") from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
     _strip_trace_metadata(model)
     _rsqrt_as_division(model)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from exporter.consumers import GENAI_CONFIG, genai_unsupported
-from exporter.errors import ConsumerError
+from exporter.errors import ConsumerError, first_line
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import check_prompt
 
@@ -55,8 +55,7 @@ class GenaiGenerator:
             config.clear_providers()  # the CPU
             self.model = og.Model(config)
         except Exception as exc:  # onnxruntime-genai raises RuntimeError with the runtime's message
-            raise ConsumerError(f"onnxruntime-genai could not load {folder}: {str(exc).strip().splitlines()[0]}") \
-                from exc
+            raise ConsumerError(f"onnxruntime-genai could not load {folder}: {first_line(exc)}") from exc
         self._og = og
 
     def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:

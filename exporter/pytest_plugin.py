@@ -158,12 +158,11 @@ class ArtifactCheck(pytest.Item):
                         "--golden-bundle DIR")
         outcome = artifact.verify()
         if isinstance(outcome, Exception):
-            from exporter.errors import ToolkitError
+            from exporter.errors import ToolkitError, first_line
             from reference.errors import ModelError
-            message = str(outcome).strip().splitlines()[0] if str(outcome).strip() else ""
-            if not isinstance(outcome, (ToolkitError, ModelError)):  # a fault of this toolkit: say which
-                message = f"internal error {type(outcome).__name__}: {message}"
-            raise VerificationStopped(message)
+            known = isinstance(outcome, (ToolkitError, ModelError))  # else a fault of this toolkit: say which
+            raise VerificationStopped(first_line(outcome) if known else
+                                      f"internal error {type(outcome).__name__}: {first_line(outcome)}")
         verdict = self.pick(outcome)
         if verdict is SKIP:
             pytest.skip(f"{folder}::{self.name}: {_skip_reason(self.name, outcome)}")

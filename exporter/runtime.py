@@ -18,7 +18,7 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
+from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError, first_line
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
 from reference.families import DecoderConfig
@@ -48,11 +48,8 @@ def check_provider(name: str) -> str:
     if full not in PARITY_PROVIDERS:
         raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not {full}; "
                             "pass --provider cpu or --provider cuda")
-    if full == CUDA:
-        if (unusable := cuda_unusable()) is not None:
-            raise ProviderError(f"{CUDA} cannot run here: {unusable}")
-    elif full not in ort.get_available_providers():
-        raise ProviderError(f"execution provider {full} is not available here")
+    if full == CUDA and (unusable := cuda_unusable()) is not None:  # every build has the CPU provider
+        raise ProviderError(f"{CUDA} cannot run here: {unusable}")
     return full
 
 
@@ -79,8 +76,7 @@ def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
             warnings.simplefilter("ignore")  # the build's own "not in available provider names"
             started = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA]).get_providers()
     except Exception as exc:  # noqa: BLE001 -- any failure to start it is the answer, never a crash
-        return f"could not start ({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__})" \
-               "; check the GPU, CUDA and cuDNN installation"
+        return f"could not start ({first_line(exc, 200)}); check the GPU, CUDA and cuDNN installation"
     if CUDA not in started:
         return "could not start (onnxruntime fell back to the CPU); check the GPU, CUDA and cuDNN installation"
     return None
@@ -296,7 +292,7 @@ _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.Inval
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
-    return GraphRunError(graph_file, str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__)
+    return GraphRunError(graph_file, first_line(exc, 300))
 
 
 def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOptions,
@@ -306,7 +302,7 @@ def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOpt
         session = ort.InferenceSession(str(folder / contract.file), options, providers=providers)
     except _LOAD_ERRORS as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
-                            f"({str(exc).strip().splitlines()[0][:200]}); re-export the folder") from None
+                            f"({first_line(exc, 200)}); re-export the folder") from None
     inputs = [i.name for i in session.get_inputs()]
     if sorted(inputs) != sorted(contract.input_names):
         raise ArtifactError(f"{folder / contract.file} takes the inputs {', '.join(inputs[:4])}..., not those its "

@@ -55,6 +55,9 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+_WRITES_ARTIFACT = ("run", "export")  # the commands whose interruption leaves the destination as it was
+
+
 _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: ", "interrupted": ""}
 
 
@@ -82,9 +85,10 @@ def handle_errors(func):
             log = logging.getLogger(__name__)
             if isinstance(exc, KeyboardInterrupt) or _interrupted_by is not None:
                 code = 143 if _interrupted_by == "SIGTERM" else 130
-                _fail("interrupted", f"interrupted{f' ({_interrupted_by})' if _interrupted_by else ''}; an export "
-                      "leaves no partial artifact: the destination holds the earlier one or the complete new one",
-                      code, as_json)
+                signal_name = f" ({_interrupted_by})" if _interrupted_by else ""
+                outcome = ("; an export leaves no partial artifact: the destination holds the earlier one or the "
+                           "complete new one") if func.__name__ in _WRITES_ARTIFACT else ""
+                _fail("interrupted", f"interrupted{signal_name}{outcome}", code, as_json)
             if isinstance(exc, (ToolkitError, ModelError)):
                 log.debug("input error", exc_info=True)
                 _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
@@ -504,14 +508,17 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     rows: list[list[int]] = [[] for _ in batch]
     live = len(batch) == 1 and not as_json
     text = TextStream(text_tokenizer) if text_tokenizer is not None else None
-    for tokens in steps:
-        for row, token in zip(rows, tokens):
-            if token is not None:
-                row.append(token)
-        if live and tokens[0] is not None:
-            click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+    try:
+        for tokens in steps:
+            for row, token in zip(rows, tokens):
+                if token is not None:
+                    row.append(token)
+            if live and tokens[0] is not None:
+                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+    finally:
+        if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
+            click.echo(text.rest() if text else "")
     if live:
-        click.echo(text.rest() if text else "")
         return
     decoded = [text_tokenizer.decode(row) if text_tokenizer else None for row in rows]
     results = [{"prompt_ids": prompt, "new_ids": row, **({"text": t} if t is not None else {})}

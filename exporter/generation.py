@@ -104,13 +104,24 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
+class NonFiniteLogits(ToolkitError):
+    """The model's logits hold a NaN: no token can be chosen (verify reports it as a greedy failure)."""
+
+    def __init__(self):
+        super().__init__("the model's logits are not finite (NaN), so no token can be chosen; "
+                         "check the artifact with `export-onnx verify`")
+
+
 def choose_tokens(logits: np.ndarray, config: SamplingConfig, rngs: list[np.random.Generator]) -> np.ndarray:
     if not config.do_sample:
-        return logits.argmax(axis=-1)
+        tokens = logits.argmax(axis=-1)
+        # argmax takes a NaN for the largest: a row holding one chooses a NaN, found by reading B values, not B x V
+        if np.isnan(logits[np.arange(len(tokens)), tokens]).any():
+            raise NonFiniteLogits()
+        return tokens
     cumulative = np.cumsum(_softmax(logits.astype(np.float64)), axis=-1)
     if not np.isfinite(cumulative[:, -1]).all():
-        raise ToolkitError("the model's logits are not finite (NaN), so nothing can be sampled; "
-                           "check the artifact with `export-onnx verify`")
+        raise NonFiniteLogits()
     draws = [rng.random() * row[-1] for rng, row in zip(rngs, cumulative)]
     return np.array([np.searchsorted(row, u, side="right") for row, u in zip(cumulative, draws)])
 

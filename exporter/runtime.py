@@ -289,6 +289,8 @@ _LOAD_ERRORS = (_ort_errors.Fail, _ort_errors.InvalidArgument, _ort_errors.NoSuc
 
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
+# The binding's C method (OrtRunner._run_decode) raises a plain RuntimeError where session.run raises the above.
+_BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
@@ -431,7 +433,7 @@ class OrtRunner:
             binding.bind_output(name, device)
         try:
             self._run_binding(binding, None)
-        except _RUN_ERRORS as exc:
+        except _BINDING_RUN_ERRORS as exc:
             raise _run_failure(self.manifest.decode.file, exc) from None
         outputs = binding.get_outputs()
         self.cache = [outputs[i] for i in self._present_indices]

@@ -120,6 +120,20 @@ def test_generate_and_inspect(cli_artifact):
     assert "past_key_values.1.value" in result.stdout and "past_sequence_length" in result.stdout
 
 
+def test_an_interrupted_generation_ends_its_streamed_line_and_says_nothing_of_exports(cli_artifact, monkeypatch):
+    from exporter import generation
+
+    def interrupted_after_two(*args):  # Ctrl-C while the third token is being computed
+        yield [5]
+        yield [6]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generation, "stream", interrupted_after_two)
+    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,17", "-q")
+    assert result.exit_code == 130
+    assert result.stdout == "5 6 \n" and result.stderr == "interrupted\n"
+
+
 def test_reexport_replaces_the_artifact(cli_artifact):
     before = json.loads((cli_artifact / "manifest.json").read_text())
     result = run_cli("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", cli_artifact, "-q")

@@ -170,8 +170,11 @@ def test_non_finite_logits_are_an_error_not_an_id():
     rngs = [np.random.default_rng(0)] * 2
     with pytest.raises(ToolkitError, match="not finite"):
         choose_tokens(logits, SamplingConfig(do_sample=True), rngs)
+    with pytest.raises(ToolkitError, match="not finite"):  # greedy too: argmax would choose the NaN's id
+        choose_tokens(logits, SamplingConfig(), rngs)
     logits[1, 3] = np.inf  # an inf logit is the certain choice
     assert choose_tokens(logits, SamplingConfig(do_sample=True), rngs)[1] == 3
+    assert choose_tokens(logits, SamplingConfig(), rngs)[1] == 3
 
 
 def test_a_two_dimensional_integer_array_is_a_batch(runner):

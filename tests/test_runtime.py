@@ -69,6 +69,14 @@ def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
     assert "\n" not in str(info.value) and isinstance(info.value, ArtifactError)
 
 
+def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
+    # generation's path (IO binding) raises other exceptions than session.run; same stand-in for the damage
+    ids = np.ones((1, 3), np.int32)
+    with pytest.raises(GraphRunError, match=r"onnxruntime failed running decode.onnx \(.*\); .*re-export") as info:
+        runner.start(ids, ids, ids)
+    assert "\n" not in str(info.value)
+
+
 def test_folder_without_manifest_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="has no manifest.json"):
         OrtRunner(tmp_path)

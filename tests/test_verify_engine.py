@@ -480,3 +480,22 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     assert not judge_greedy(GreedyTrace([0, 2, 3], logits), [0], profile, dropped_eos=5).passed
     at_once = judge_greedy(GreedyTrace([5], logits[:1]), [], profile, [], dropped_eos=5)
     assert at_once.passed and at_once.note == "0 tokens identical (both stopped at EOS at once: nothing else to compare)"
+
+
+def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
+    from exporter.verify.checks import GreedyTrace, check_greedy
+
+    class NaNRunner:  # generation's interface over an artifact whose logits hold a NaN
+        manifest, cache = runner.manifest, []
+
+        def start(self, input_ids, attention_mask, position_ids):
+            logits = np.zeros((len(input_ids), self.manifest.config.vocab_size), np.float32)
+            logits[:, 7] = np.nan
+            return logits
+
+    class Reference:
+        def greedy(self, prompt, new_tokens, eos):
+            return GreedyTrace([3] * new_tokens, np.zeros((new_tokens, 8), np.float32))
+
+    result = check_greedy(Reference(), NaNRunner(), runner.manifest, [1, 2], QUICK, profile_for("float32", "cpu"))
+    assert not result.passed and result.onnx_ids == [] and "not finite" in result.note

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exporter.contract import KV_KINDS
-from exporter.generation import generate_greedy
+from exporter.generation import NonFiniteLogits, generate_greedy
 from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.verify.health import HealthScan
@@ -178,7 +178,10 @@ def check_greedy(reference, onnx, manifest: Manifest, prompt: list[int], setting
     """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt."""
     eos = manifest.config.eos_token_id
     trace = reference.greedy(prompt, settings.greedy_tokens, eos)
-    actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
+    try:
+        actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
+    except NonFiniteLogits as exc:  # a result to report with the others, not an error that ends the run
+        return GreedyResult(trace.ids, [], 0, False, str(exc).split(";")[0])
     return judge_greedy(trace, actual, profile)
 
 

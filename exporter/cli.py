@@ -217,7 +217,17 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
     return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
 
 
+def _require_torch(purpose: str, fix: str = "install it (pip install torch==2.13.0)") -> None:
+    """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
+    inspect, generate and a golden replay are enough for."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({exc}); {fix}") from None
+
+
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
+    _require_torch("exporting")
     from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
     model, source = _model_and_source(preset, seed, checkpoint, config_path)
     folder = _output_folder(output, preset, checkpoint, dtype)
@@ -312,6 +322,8 @@ def _verify(folder, providers, genai, options: dict, plan, model=None, golden=No
     overrides, settings = plan
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     if model is None and golden is None:
+        _require_torch("verifying against the reference model",
+                       "install it (pip install torch==2.13.0), or replay a golden bundle with --golden DIR")
         from exporter.reference_runner import rebuild_reference
         model = rebuild_reference(folder, manifest)
     report = verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
@@ -352,9 +364,9 @@ def main(ctx):
 def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet,
         verbose, **options):
     """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
+    _setup_logging(verbose, quiet)
     from exporter.report import format_export
     from exporter.verify.reports import format_verify
-    _setup_logging(verbose, quiet)
     # a bad verification option must not cost an export
     plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
@@ -371,8 +383,8 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
 def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
     """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
     onnxruntime-genai and Optimum load the folder as it is."""
-    from exporter.report import format_export
     _setup_logging(verbose, quiet)
+    from exporter.report import format_export
     _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     _emit(exported.to_dict(), as_json, format_export(exported))
 
@@ -396,8 +408,8 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     any check fails, 2 on bad input (e.g. a bundle of another artifact). FOLDER defaults to
     artifacts/minimind-3.
     """
-    from exporter.verify.reports import format_verify
     _setup_logging(verbose, quiet)
+    from exporter.verify.reports import format_verify
     if golden is not None:
         context = click.get_current_context()
         flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "probe": "--probe",
@@ -469,11 +481,11 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     --sample the decoding is greedy. Every prompt and option is checked before the model loads.
     FOLDER defaults to artifacts/minimind-3.
     """
+    _setup_logging(verbose, quiet)
     from exporter.generation import SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
     from exporter.runtime import OrtRunner, SessionSettings, check_provider
     from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
-    _setup_logging(verbose, quiet)
     if bool(prompt_ids) == bool(prompts):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     if tokenizer is not None and not prompts:
@@ -536,8 +548,8 @@ def inspect(folder, as_json, quiet, verbose):
 
     FOLDER defaults to artifacts/minimind-3.
     """
+    _setup_logging(verbose, quiet)
     from exporter.manifest import read_manifest
     from exporter.report import format_inspect
-    _setup_logging(verbose, quiet)
     manifest = read_manifest(folder)
     _emit(manifest.to_dict(), as_json, format_inspect(manifest, str(folder)))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from exporter.consumers import ModelSizes
-from exporter.export import ExportResult
 from exporter.manifest import Manifest
 from exporter.verify.reports.text import table as _table
+
+if TYPE_CHECKING:  # the export module imports torch, which inspect must not need
+    from exporter.export import ExportResult
 
 
 def _files_table(files: dict) -> str:

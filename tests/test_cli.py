@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -134,14 +137,15 @@ def test_an_interrupted_generation_ends_its_streamed_line_and_says_nothing_of_ex
     assert result.stdout == "5 6 \n" and result.stderr == "interrupted\n"
 
 
-def test_reexport_replaces_the_artifact(cli_artifact):
-    before = json.loads((cli_artifact / "manifest.json").read_text())
-    result = run_cli("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", cli_artifact, "-q")
+def test_reexport_replaces_the_artifact(cli_artifact, tmp_path):
+    folder = shutil.copytree(cli_artifact, tmp_path / cli_artifact.name)  # the module's artifact stays inference-only
+    before = json.loads((folder / "manifest.json").read_text())
+    result = run_cli("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", folder, "-q")
     assert result.exit_code == 0, result.output
-    after = json.loads((cli_artifact / "manifest.json").read_text())
-    assert after["model"]["source"]["seed"] == 3
+    after = json.loads((folder / "manifest.json").read_text())
+    assert after["model"]["source"]["seed"] == 3 and "labels" not in [i["name"] for i in before["graphs"]["prefill"]["inputs"]]
     assert after["files"]["weights.onnx.data"]["sha256"] != before["files"]["weights.onnx.data"]["sha256"]
-    assert sorted(p.name for p in cli_artifact.parent.iterdir()) == [cli_artifact.name]
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
 
 
 def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_tokenizer):
@@ -186,6 +190,21 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_
     assert a_file.read_text() == "x"
 
 
+def _commands_without_torch(commands: list[list]) -> list[tuple[int, str]]:
+    """Each export-onnx command's exit code and stderr, in a process where torch does not import."""
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        from click.testing import CliRunner
+        from exporter.cli import main
+        results = [CliRunner().invoke(main, args) for args in {[[str(a) for a in c] for c in commands]!r}]
+        print(json.dumps([[r.exit_code, r.stderr] for r in results]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [tuple(r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
 def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact, tmp_path):
     out = tmp_path / "out"
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
@@ -199,6 +218,13 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--golden", out / "golden", "--json", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"] == f"golden bundle {out / 'golden'}"
+    without_torch = _commands_without_torch([
+        ["inspect", cli_artifact, "--json"], ["generate", cli_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+        ["verify", cli_artifact, "--golden", out / "golden", "--no-genai", "-q"], ["verify", cli_artifact, "-q"],
+        ["export", "--preset", "minimind-3-tiny", "-o", tmp_path / "new", "-q"]])
+    assert [code for code, _ in without_torch] == [0, 0, 0, 2, 2], without_torch  # a deployment with onnxruntime only
+    assert without_torch[3][1].startswith("error: verifying against the reference model needs PyTorch")
+    assert "--golden DIR" in without_torch[3][1] and without_torch[4][1].startswith("error: exporting needs PyTorch")
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
                     "--peak", "logits=0", "-q", "--decode-steps", "3", "--no-sweep", "--no-genai")
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides

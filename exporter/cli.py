@@ -64,7 +64,10 @@ _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
     click.echo(_PREFIX[kind] + message, err=True)
     if as_json:  # stdout stays parseable: an error object instead of a result
-        click.echo(json.dumps({"error": {"kind": kind, "message": message}, "exit_code": code}, indent=2))
+        try:
+            click.echo(json.dumps({"error": {"kind": kind, "message": message}, "exit_code": code}, indent=2))
+        except OSError:  # stdout itself failed (a full disk, a closed pipe): the line on stderr has said it all
+            sys.stdout = open(os.devnull, "w")  # nor may the flush at exit raise again
     sys.exit(code)
 
 
@@ -181,7 +184,7 @@ def genai_option(func):
 def _read_config_file(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # ValueError: invalid JSON, or not UTF-8 text
+    except (OSError, ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
         raise ToolkitError(f"--config {path} is not a readable JSON file ({exc}); pass a JSON object of config fields")
     if not isinstance(data, dict):
         raise ToolkitError(f"--config {path} holds a {type(data).__name__}, not a JSON object of config fields")

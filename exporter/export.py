@@ -239,7 +239,7 @@ def _listed_files(folder: Path) -> set[str] | None:
         data = json.loads((folder / MANIFEST).read_text())
         if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
             return {MANIFEST, *data["files"]}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
         pass
     return None
 
@@ -251,6 +251,10 @@ def _prepare_destination(folder: Path) -> None:
     if folder.is_symlink():  # the swap into place would replace the link, not what it points to
         raise OutputPathError(f"output folder {folder} is a symbolic link; pass the folder it points to "
                               f"({folder.resolve()}) or another --output")
+    artifact = next((parent for parent in folder.parents if _listed_files(parent) is not None), None)
+    if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
+        raise OutputPathError(f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
+                              "change; choose another --output")
     if not folder.is_dir():
         return
     cwd, real = Path.cwd().resolve(), folder.resolve()
@@ -274,17 +278,20 @@ def _move_into_place(built: Path, folder: Path) -> None:
     old = None
     if folder.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
-        try:
-            os.rename(folder, old / folder.name)
-        except OSError as exc:
-            old.rmdir()
-            raise OutputPathError(f"cannot replace {folder} ({exc.strerror}); the earlier artifact is untouched, "
-                                  "the new one was not kept") from None
     try:
+        if old is not None:
+            try:
+                os.rename(folder, old / folder.name)
+            except OSError as exc:
+                raise OutputPathError(f"cannot replace {folder} ({exc.strerror}); the earlier artifact is "
+                                      "untouched, the new one was not kept") from None
         os.rename(built, folder)
     except BaseException:
+        # One handler for both renames: a Ctrl-C can land just after the first, between the two.
         if old is not None:
-            os.rename(old / folder.name, folder)
+            if (old / folder.name).exists() and not folder.exists():
+                os.rename(old / folder.name, folder)
+            shutil.rmtree(old, ignore_errors=True)  # empty, or the earlier artifact once the new one is in place
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

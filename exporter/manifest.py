@@ -111,6 +111,8 @@ def _inconsistency(manifest: Manifest) -> str | None:
             return f"file {name!r} lies outside the folder"
         if not (isinstance(entry, dict) and _is(entry.get("sha256"), str) and _is(entry.get("bytes"), int)):
             return f"file {name!r} has no sha256 or size"
+    if not _is(manifest.weights_file, str):
+        return f"weights.file is {manifest.weights_file!r}, not a file name"
     unlisted = [f for f in (manifest.prefill.file, manifest.decode.file, manifest.weights_file) if f not in manifest.files]
     if unlisted:
         return f"{', '.join(unlisted)} not listed in files"
@@ -153,7 +155,7 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
                             "(export one with 'export-onnx export')")
     try:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, ConfigError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
     problem = _inconsistency(manifest)
     if problem:

@@ -176,7 +176,10 @@ def fingerprint(path) -> str:
 
 
 def _count(state: dict, pattern: str) -> int:
-    found = {int(m.group(1)) for k in state if (m := re.match(pattern, k))}
+    found = {int(m.group(1)): k for k in state if (m := re.match(pattern, k))}
+    if found and len(found) != max(found) + 1:  # a gap: the largest index would size blocks no tensor fills
+        gap = min(set(range(max(found) + 1)) - set(found))
+        raise ValueError(f"{found[max(found)]} has index {max(found)} but no key has index {gap}")
     return max(found) + 1 if found else 0
 
 
@@ -400,9 +403,13 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     for name, value in assumed.items():
         log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
     family = get_family(loader.family)
+    # Shapes first, on the meta device: a config that does not fit the tensors (a stray key
+    # model.layers.99999..., --config vocab_size 1e9) is refused before gigabytes are allocated for it.
+    with torch.device("meta"):
+        shapes = family.model_type()(config)
+    state = loader.prepare(state, shapes, report)
+    _check_fit(path, config, shapes, state)
     model = family.model_type()(config)
-    state = loader.prepare(state, model, report)
-    _check_fit(path, config, model, state)
     for value in state.values():
         if value.dtype != torch.float32:
             report.converted[str(value.dtype).replace("torch.", "")] = report.converted.get(

@@ -214,6 +214,19 @@ def test_missing_unexpected_and_misshaped_keys_are_listed_with_counts(tmp_path):
     assert "\n" not in message
 
 
+def test_sizes_that_do_not_fit_the_tensors_are_refused_before_a_model_is_allocated(tmp_path):
+    # One stray key would size 3000 layers (100000 take 40 GB); a --config vocab_size 10**12 a 256 TB table.
+    state = _half_state(build_model(get_preset("minimind-3-tiny")))
+    torch.save({**state, "model.layers.2999.mlp.gate_proj.weight": torch.zeros(256, 64)}, tmp_path / "stray.pth")
+    with pytest.raises(CheckpointError, match="model.layers.2999.mlp.gate_proj.weight has index 2999 but no key "
+                                              "has index 2"):
+        load_checkpoint(tmp_path / "stray.pth")
+    torch.save(state, tmp_path / "model.pth")
+    with pytest.raises(CheckpointError, match=r"2 mis-shaped \(model.embed_tokens.weight: checkpoint \(512, 64\) vs "
+                                              r"model \(1000000000000, 64\)"):
+        load_checkpoint(tmp_path / "model.pth", config_data={"vocab_size": 10 ** 12})
+
+
 def test_a_preset_that_does_not_fit_the_checkpoint_is_an_error_not_a_reshape(minimind2_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match=r"4 missing \(model.layers.0.self_attn.q_norm.weight.*6 mis-shaped"):
         load_checkpoint(minimind2_checkpoint, config=get_preset("minimind-3-tiny"))

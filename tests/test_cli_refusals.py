@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import assert_one_line_error, edit_manifest, run_cli
 
 
@@ -33,6 +35,9 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     assert (artifact / "NOTES.md").read_text() == "mine"
     (artifact / "NOTES.md").unlink()
     (artifact / "golden").rmdir()
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact / "sub", "-q"),
+            f"lies inside the artifact folder {artifact}")
+    assert not (artifact / "sub").exists()
     monkeypatch.chdir(artifact)
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
     (tmp_path / "link").symlink_to(tmp_path)  # the same folder by another path
@@ -102,12 +107,16 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
             (lambda m: m["files"].update({"../../etc/passwd": {"sha256": "0"}}), "lies outside the folder"),
             (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256"),
             (lambda m: m["weights"].update(file="config.json"), "does not lie within config.json"),
-            (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int")):
+            (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int"),
+            (lambda m: m["weights"].update(file=5), "weights.file is 5, not a file name")):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(run_cli("inspect", folder), fragment)
     (folder / "manifest.json").write_text("[1, 2]")
     refused(run_cli("inspect", folder), "manifest.json is unreadable")
+    (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
+    refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")
 
 
 def test_bad_config_values_and_tokenizers_are_named(tmp_path):
@@ -127,6 +136,9 @@ def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     config.write_text(json.dumps({"dropout": 2}))
     refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "config field dropout must lie in [0, 1), got 2")
+    config.write_text("[" * 100000 + "]" * 100000)
+    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+            "is not a readable JSON file (maximum recursion depth exceeded")
     config.write_bytes(b"\xff\xfe\x00{")
     refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
             "is not a readable JSON file")
@@ -148,6 +160,16 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
     for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
         result = run_cli("generate", artifact_fp32, "--prompt-ids", ids, "--json")
         assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage", ids
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_path):
+    command = Path(sys.executable).parent / "export-onnx"
+    with open("/dev/full", "w") as full:  # every write fails: No space left on device
+        result = subprocess.run([str(command), "inspect", str(tmp_path / "none"), "--json"], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'none'} is not a folder; pass an artifact folder written by 'export-onnx export'"]
 
 
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):

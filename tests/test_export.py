@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -131,6 +133,30 @@ def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy,
         export_artifact(tiny_model, artifact_copy)
     assert _tree(artifact_copy) == before
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+
+
+def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artifact_back(tmp_path, monkeypatch):
+    folder, built = tmp_path / "art", tmp_path / ".art.partial-x"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("earlier")
+    built.mkdir()
+    (built / "manifest.json").write_text("new")
+    rename = os.rename
+
+    def rename_then_ctrl_c(source, destination):  # Ctrl-C arriving as the first rename returns
+        rename(source, destination)
+        monkeypatch.setattr(export_module.os, "rename", rename)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(export_module.os, "rename", rename_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            export_module._move_into_place(built, folder)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (folder / "manifest.json").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x", "art"]
 
 
 def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_model):

@@ -54,7 +54,7 @@ class TokenizerSource:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise TokenizerError(f"cannot read {path} ({type(exc).__name__}: {exc}); pass a valid JSON file") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} holds a {type(data).__name__}, expected a JSON object")

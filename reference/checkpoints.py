@@ -95,7 +95,7 @@ def _safetensors_load(path: Path) -> dict:
 def _json_object(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except ValueError as exc:  # invalid JSON, or not UTF-8 text
+    except (ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
         raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object; fix or remove it")

@@ -119,6 +119,29 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")
 
 
+def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every_reader(artifact_fp32, tmp_path):
+    from exporter.errors import ToolkitError
+    from exporter.manifest import read_manifest
+    from exporter.tokenizer import find_tokenizer
+    from exporter.verify.golden import check_bundle
+    from exporter.verify.tolerances import parse_overrides
+    from reference.checkpoints import read_checkpoint
+    from reference.errors import ModelError
+
+    deep = "[" * 100000 + "]" * 100000  # json raises RecursionError, not a ValueError, on this
+    for name in ("tolerances.json", "tokenizer.json", "golden.json", "config.json"):
+        (tmp_path / name).write_text(deep)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    readers = [(lambda: parse_overrides(file=tmp_path / "tolerances.json"), "cannot read tolerance file"),
+               (lambda: find_tokenizer(tmp_path / "tokenizer.json", 512), "cannot read"),
+               (lambda: check_bundle(tmp_path, read_manifest(artifact_fp32)), "golden bundle"),
+               (lambda: read_checkpoint(tmp_path), "config.json is not valid JSON")]
+    for read, fragment in readers:
+        with pytest.raises((ToolkitError, ModelError), match=fragment) as info:
+            read()
+        assert "recursion" in str(info.value), info.value
+
+
 def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"rms_norm_eps": "x"}))

@@ -188,7 +188,7 @@ def check_bundle(folder: Path, manifest: Manifest) -> dict:
     folder = Path(folder)
     try:
         meta = json.loads((folder / BUNDLE).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise _unreadable(folder, exc) from None
     try:
         _check_identity(folder, manifest, meta)

@@ -142,7 +142,7 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
         try:
             text = file.read_text()
             data = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             raise InputError(f"cannot read tolerance file {file} ({exc}); give a JSON or .toml file like "
                              '{"logits": {"atol": 1e-3}}') from None
         if not isinstance(data, dict):

@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal erro
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -224,7 +225,7 @@ def _require_torch(purpose: str, fix: str = "install it (pip install torch==2.13
     """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
     inspect, generate and a golden replay are enough for."""
     try:
-        import torch  # noqa: F401
+        importlib.import_module("torch")
     except ImportError as exc:
         raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({exc}); {fix}") from None
 

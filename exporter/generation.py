@@ -1,8 +1,8 @@
 """Token generation over the two graphs: greedy or sampled, batched, streamed.
 
 The logits processing follows MiniMind's `generate`: divide by the
-temperature, divide the logits of every id already in the row (prompt
-included) by the repetition penalty, keep the top-k, keep the smallest set
+temperature, penalise every id already in the row (prompt included) by the
+repetition penalty (a positive logit divided, a negative one multiplied), keep the top-k, keep the smallest set
 whose probability reaches top-p, then sample (or take the argmax). Finished
 rows keep receiving the eos id until every row is done, as upstream does.
 
@@ -79,8 +79,10 @@ def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig)
     if config.do_sample:
         logits /= np.float32(config.temperature)
     if config.repetition_penalty != 1.0:
-        # Upstream divides (also negative logits, which raises them); kept for parity with it.
-        logits = np.where(seen, logits / np.float32(config.repetition_penalty), logits)
+        # As upstream (jingyaogong/minimind dddedc6, "[fix] repetition_penalty"): a positive logit is divided,
+        # a negative one multiplied, so a seen token always becomes less likely (dividing a negative raised it).
+        penalty = np.float32(config.repetition_penalty)
+        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = -np.partition(-logits, config.top_k - 1, axis=-1)[:, config.top_k - 1:config.top_k]
         logits = np.where(logits < kth, -np.inf, logits)

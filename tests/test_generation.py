@@ -21,7 +21,9 @@ def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):
     logits = logits / temperature
     if penalty != 1.0:
         for i in range(input_ids.shape[0]):
-            logits[i, torch.unique(input_ids[i])] /= penalty
+            seen = torch.unique(input_ids[i])
+            score = logits[i, seen]
+            logits[i, seen] = torch.where(score > 0, score / penalty, score * penalty)
     if top_k > 0:
         logits[logits < torch.topk(logits, top_k)[0][..., -1, None]] = -float("inf")
     if top_p < 1.0:
@@ -49,6 +51,15 @@ def test_logits_processing_matches_minimind(temperature, top_k, top_p, penalty):
                                    top_k, top_p, penalty).numpy()
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(expected))
     np.testing.assert_allclose(ours[~np.isinf(ours)], expected[~np.isinf(expected)], rtol=1e-6)
+
+
+def test_repetition_penalty_makes_a_seen_negative_logit_less_likely():
+    # Dividing -1.0 by 2 gave -0.5, which beat the unseen -1.2: the penalty chose the repeated token.
+    logits = np.array([[-1.0, -1.2, -3.0]], dtype=np.float32)
+    seen = np.array([[True, False, False]])
+    out = process_logits(logits, seen, SamplingConfig(repetition_penalty=2.0))
+    np.testing.assert_array_equal(out, np.array([[-2.0, -1.2, -3.0]], dtype=np.float32))
+    assert out.argmax() == 1
 
 
 def test_batched_prompts_of_different_lengths_equal_each_prompt_alone(runner, tiny_model):

@@ -56,6 +56,30 @@ def test_an_unexpected_failure_exits_three_with_one_line(cli_artifact, monkeypat
     assert verbose.exit_code == 2 and "Traceback" in verbose.stderr and "in check_prompt" in verbose.stderr
 
 
+def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch):
+    """`run` reports a failing verification by its exit code, as `verify` does (the export is the session's,
+    copied: the exit code is what is checked here)."""
+    from exporter.export import ExportResult
+    from exporter.manifest import read_manifest
+
+    def exported(model, folder, dtype, with_loss, source, tokenizer):
+        shutil.copytree(artifact_fp32, folder)
+        return ExportResult(folder, read_manifest(folder), 0.0, 0)
+    monkeypatch.setattr("exporter.export.export_artifact", exported)
+    result = run_cli("run", "--preset", "minimind-3-tiny", "-o", tmp_path / "tiny", "--provider", "cpu", "--no-genai",
+                     "-q", *QUICK, "--atol", "logits=0", "--rtol", "logits=0", "--peak", "logits=0")
+    assert result.exit_code == 1, result.output
+    assert "overall: FAIL" in result.stdout
+
+
+def test_an_interrupted_command_exits_130_in_one_line(tmp_path, monkeypatch):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C during the export
+    monkeypatch.setattr("exporter.export.export_artifact", interrupt)
+    assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "-q"), 130,
+                          "interrupted; an export leaves no partial artifact")
+
+
 def test_help_explains_commands_and_exit_codes():
     result = run_cli("--help")
     assert result.exit_code == 0

@@ -53,8 +53,10 @@ def test_genai_samples_as_minimind_when_asked_and_is_greedy_otherwise(artifact_f
     search = json.loads((artifact_fp32 / "genai_config.json").read_text())["search"]
     generation = json.loads((artifact_fp32 / "generation_config.json").read_text())
     assert search["do_sample"] is False and generation["do_sample"] is False
-    assert {k: search[k] for k in MINIMIND_SAMPLING} == {k: generation[k] for k in MINIMIND_SAMPLING} == \
-        MINIMIND_SAMPLING
+    # MiniMind's eval script samples at temperature 0.85 and top_p 0.85, with transformers' top_k of 50 (README,
+    # "Sampling"); written out here, since the configs are built from MINIMIND_SAMPLING itself
+    minimind = {"temperature": 0.85, "top_k": 50, "top_p": 0.85}
+    assert {k: search[k] for k in minimind} == {k: generation[k] for k in minimind} == MINIMIND_SAMPLING == minimind
     model = og.Model(str(artifact_fp32))
 
     def sampled(seed):

@@ -59,6 +59,9 @@ def test_a_different_model_fails_parity(artifact_fp32, tiny_config):
     assert report.reports[0].localisation.first_layer == 0  # other weights everywhere: the first layer already
     assert all(i.passed for i in report.invariants)  # the graphs themselves are sound
     assert not any(c.passed for c in report.reports[0].comparisons if "logits" in c.name)
+    # the loss too: the loss row must compare ONNX Runtime's loss with the reference's, not pass on its own
+    [loss] = [c for c in report.reports[0].comparisons if c.name == "prefill loss"]
+    assert not loss.passed and loss.llm["loss_abs_diff"] > 1e-3, loss.to_dict()
 
 
 # Shapes other than the export example (batch 2, sequence 3, past 4), including the edge cases

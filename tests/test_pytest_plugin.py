@@ -105,6 +105,22 @@ def test_the_shape_sweep_item_lets_a_routing_near_tie_pass_as_verify_does():
     assert judged(near_tie=False) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
 
 
+def test_each_per_provider_item_fails_when_its_own_check_failed():
+    # The broken-artifact run above fails on its logits, so it cannot tell whether the greedy, fp16_health and
+    # repeat_run items read their own verdict: here each one's check alone fails, on one of two providers.
+    bad = SimpleNamespace(passed=False, name="cpu repeat run", max_abs=0.25, needed=SimpleNamespace(scale=2.0))
+    good = SimpleNamespace(passed=True, note="32 tokens identical", issues=[], max_abs=0.0)
+    failing = {"greedy": {"greedy": SimpleNamespace(passed=False, note="diverged at token 3")},
+               "fp16_health": {"health": SimpleNamespace(passed=False, issues=["prefill logits: 1 NaN, 0 Inf"])},
+               "repeat_run": {"repeat": bad}}
+    for item, broken in failing.items():
+        provider = {"greedy": good, "health": good, "repeat": good, **broken}
+        report = SimpleNamespace(reports=[SimpleNamespace(provider="cuda", greedy=good, health=good, repeat=good),
+                                          SimpleNamespace(provider="cpu", **provider)])
+        passed, detail = CHECKS[item](report)
+        assert not passed and detail.startswith("cpu: "), (item, detail)
+
+
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
     # Gone or changed, it is refused as `export-onnx verify` refuses it: a stale artifact must not pass on skips.
     assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")

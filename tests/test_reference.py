@@ -161,7 +161,11 @@ def test_config_round_trips_and_rejects_bad_fields(tiny_config):
         get_preset("minimind-9")
 
 
-def test_float16_model_keeps_rope_and_norms_in_float32(tiny_model, tiny_config):
+def test_float16_model_keeps_rope_and_norms_in_float32(tiny_model, tiny_config, monkeypatch):
+    import reference.minimind as minimind
+    tables = []
+    rope = minimind.rope_cos_sin
+    monkeypatch.setattr(minimind, "rope_cos_sin", lambda inv_freq, *args: tables.append(inv_freq) or rope(inv_freq, *args))
     half = build_model(tiny_config).half()
     ids = random_ids(tiny_config.vocab_size, 1, 12)
     with torch.no_grad():
@@ -170,3 +174,7 @@ def test_float16_model_keeps_rope_and_norms_in_float32(tiny_model, tiny_config):
     assert logits16.dtype == torch.float16
     # float16 rounding (eps ~1e-3) over two layers; logits here are O(1).
     assert_close(logits16.float(), logits32, atol=2e-2, rtol=1e-2)
+    # Frequencies rounded to float16 (a buffer cast by .half()) move 12 positions' logits far less than the
+    # bound above, yet an angle by ~1 rad near minimind-3's 32768 positions (0.178 off by 1.7e-4, times
+    # 32768): the float16 model must rotate with the float32 frequencies.
+    assert tables and all(f.dtype == torch.float32 and torch.equal(f, rope_inv_freq(tiny_config)) for f in tables)

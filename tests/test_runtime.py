@@ -101,6 +101,21 @@ def test_every_modified_file_is_refused(artifact_copy):
         (artifact_copy / name).write_bytes(original)
 
 
+def test_the_hash_covers_every_byte_of_a_file_larger_than_one_read(tmp_path):
+    # The tiny artifact's files are all smaller than the 1 MiB blocks sha256_file reads, so the test above
+    # cannot see a hash that stops after the first block; a real weights file is hundreds of MB.
+    import hashlib
+
+    from exporter.manifest import sha256_file
+    data = bytearray(np.random.default_rng(0).bytes(3 * (1 << 20) + 17))
+    path = tmp_path / "weights.onnx.data"
+    path.write_bytes(data)
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+    data[-1] ^= 1  # past the first read
+    path.write_bytes(data)
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
 def test_unreadable_manifest_is_refused(artifact_copy):
     (artifact_copy / "manifest.json").write_text("{not json")
     with pytest.raises(ArtifactError, match="unreadable"):

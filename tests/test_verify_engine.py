@@ -205,6 +205,23 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
+def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
+    """The module's promise: replayed outputs are only handed out for the token inputs they were recorded with;
+    other inputs (a toolkit that draws its prompts differently, say) must not read as a parity failure."""
+    from exporter.verify.golden import RecordedReference
+    ids = np.array([[5, 9, 100]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None]}
+    recorded = RecordedReference(None, [("prefill", feeds, {"logits": np.zeros((1, 3, 4), np.float32)})])
+    assert recorded.prefill(feeds)["logits"].shape == (1, 3, 4)
+    for changed in ({"input_ids": ids + 1}, {"attention_mask": np.array([[0, 1, 1]])}):
+        recorded.rewind()
+        with pytest.raises(GoldenMismatch, match="call 0 \\(prefill\\) does not match the recording"):
+            recorded.prefill({**feeds, **changed})
+    recorded.rewind()
+    with pytest.raises(GoldenMismatch, match="call 0 \\(decode\\) does not match"):
+        recorded.decode(feeds)
+
+
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):
     with pytest.raises(GoldenMismatch, match="another model"):
         verify_artifact(artifact_fp16, None, ["cpu"], golden=full[1])
@@ -306,7 +323,8 @@ def test_routing_differences_after_the_first_differing_layer_follow_from_it():
 
 
 class _DecodeLogitsShifted:
-    """An OrtRunner whose decode.onnx logits are off by 1e-2, ten times the float32 tolerance."""
+    """An OrtRunner whose decode.onnx logits are off by 1e-2, about a hundred times the float32 tolerance
+    (512 float32 units of a peak near 3: 9e-5)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -405,6 +423,33 @@ def test_health_counts_nan_and_inf_at_real_positions():
     activations = HealthScan("float16")
     activations.scan_activations({"attn": np.array([1.0, np.nan], np.float16)})
     assert not activations.report().passed and activations.report().nan == 1
+
+
+def test_every_check_of_a_report_can_fail_the_verdict():
+    """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
+    health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer
+    fails. The checks' own tests build the failing rows; this one proves that they reach the verdict."""
+    from types import SimpleNamespace
+
+    from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
+    ok, bad = SimpleNamespace(passed=True), SimpleNamespace(passed=False)
+    parts = {"comparisons": [ok], "greedy": ok, "sweep": [ok], "health": ok, "repeat": ok, "experts": None}
+
+    def provider(**broken):
+        fields = {**parts, **broken}
+        return ProviderReport("cpu", "float32", None, fields["comparisons"], fields["greedy"], [], [], {},
+                              fields["sweep"], fields["health"], fields["repeat"], None, fields["experts"])
+
+    assert provider().passed
+    for name, value in (("comparisons", [ok, bad]), ("greedy", bad), ("sweep", [ok, bad]), ("health", bad),
+                        ("repeat", bad), ("experts", bad)):
+        assert not provider(**{name: value}).passed, name
+    whole = dict(folder="x", reports=[provider()], reference="pytorch model", invariants=[ok], cross=[ok],
+                 consumers=[ConsumerReport("onnxruntime-genai", "qwen3", ok)])
+    assert VerifyReport(**whole).passed
+    for name, value in (("reports", [provider(), provider(health=bad)]), ("invariants", [ok, bad]),
+                        ("cross", [ok, bad]), ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)])):
+        assert not VerifyReport(**{**whole, name: value}).passed, name
 
 
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):

@@ -116,3 +116,30 @@ def test_overrides_from_options_and_files(tmp_path):
                 dict(file=tmp_path / "missing.json")):
         with pytest.raises(InputError):
             parse_overrides(**bad)
+
+
+def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch(tiny_model):
+    # The float32 logits profile is pinned above; the float16 profile and both loss profiles were not, so any
+    # of their terms could be loosened with every test still passing. Each is held to its stated reasoning:
+    # float16's own rounding passes, an error float16's 11 bits cannot explain fails; a loss fails well before
+    # a perplexity change anyone would notice.
+    import copy
+
+    import torch
+    u16 = 2.0 ** -11
+    assert profile_for("float16", CPU).logits == profile_for("float16", CPU).kv == Tolerance(1e-3, 4 * u16, 16 * u16)
+    assert profile_for("float16", CPU).loss == Tolerance(2e-3, 4 * u16)
+    assert profile_for("float32", CPU).loss == Tolerance(1e-5, 1e-5)
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, half = tiny_model(ids, labels=ids), copy.deepcopy(tiny_model).half()(ids, labels=ids)
+    logits32, logits16 = full.logits.numpy(), half.logits.float().numpy()
+    loss32, loss16 = full.loss.item(), half.loss.float().item()
+    float16 = profile_for("float16", CPU)
+    assert compare("float16 vs float32", "logits", logits16, logits32, float16.logits).passed
+    assert compare("float16 vs float32", "loss", loss16, loss32, float16.loss).passed
+    # 1 + 2^-6 is 32 float16 units: no rounding of float16 gives it (measured: float16 is 0.3x its tolerance)
+    assert not compare("scaled", "logits", logits16 * np.float32(1 + 2.0 ** -6), logits16, float16.logits).passed
+    assert not compare("loss + 0.05", "loss", loss16 + 0.05, loss16, float16.loss).passed  # perplexity +5%
+    float32 = profile_for("float32", CPU)
+    assert not compare("loss + 1e-3", "loss", loss32 + 1e-3, loss32, float32.loss).passed  # perplexity +0.1%

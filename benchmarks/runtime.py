@@ -35,6 +35,7 @@ from pathlib import Path
 PREFILL_LENGTHS = (128, 512)
 DECODE_STEPS = 128
 PROMPT_FOR_DECODE = 16
+MAX_THREADS = 1024  # exporter.runtime.MAX_THREADS: more is refused here, not by a worker's traceback
 SETTLE_S = 0.1  # between turns: the previous worker's pool threads stop spinning
 
 
@@ -113,7 +114,9 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     if threads:
         torch.set_num_threads(threads)
     manifest = read_manifest(artifact, check_hashes=False)
-    model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device)
+    # In the artifact's precision, as the parity checks run it (a float16 artifact against float32
+    # PyTorch would compare two precisions).
+    model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device, getattr(torch, manifest.dtype))
     vocab = manifest.config.vocab_size
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -139,12 +142,13 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     return tasks
 
 
-def genai_tasks(artifact: Path) -> dict:
-    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options),
-    running the same prompts and greedy decode as the ONNX Runtime worker."""
+def genai_tasks(artifact: Path, threads: int) -> dict:
+    """onnxruntime-genai's own generator on the same folder (its genai_config.json session options, the
+    thread count of --threads when given), running the same prompts and greedy decode as the ONNX Runtime
+    worker."""
     from exporter.genai import GenaiGenerator
 
-    generator = GenaiGenerator(artifact)
+    generator = GenaiGenerator(artifact, threads=threads)
     og, model = generator._og, generator.model
     vocab = generator.manifest.config.vocab_size
     decode_ids = prompt(PROMPT_FOR_DECODE, vocab)[0].tolist()
@@ -307,15 +311,21 @@ DEFAULT_ARTIFACT = Path("artifacts/minimind-3")
 
 
 def ensure_artifact(folder: Path) -> None:
-    """The default folder is exported when it is missing; any other folder must be an artifact already."""
+    """The default folder is exported when it is missing; any other folder must be an artifact already, with
+    room for the decode run (a prompt, DECODE_STEPS steps, and onnxruntime-genai's last picked token)."""
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
         from exporter.export import export_artifact
         from reference import build_model, get_preset
         export_artifact(build_model(get_preset("minimind-3"), 0), folder,
                         source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
+    from exporter.errors import InputError
     from exporter.manifest import read_manifest
-    read_manifest(folder)  # ArtifactError: not an artifact, or damaged
+    manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
+    needed = PROMPT_FOR_DECODE + DECODE_STEPS + 1
+    if manifest.config.max_position_embeddings < needed:  # else every worker fails in its warm-up
+        raise InputError(f"{folder}: the decode run needs {needed} positions ({PROMPT_FOR_DECODE}-token prompt, "
+                         f"{DECODE_STEPS} steps); the model has {manifest.config.max_position_embeddings}")
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:
@@ -410,27 +420,39 @@ def format_table(report: dict) -> str:
               f"{sessions['decode_step_after_prefill_ms']:.1f} ms vs {sessions['decode_step_in_a_row_ms']:.1f} ms",
               f"  one shared thread pool (opt-in): {shared['decode_step_after_prefill_ms']:.1f} ms "
               f"vs {shared['decode_step_in_a_row_ms']:.1f} ms"]
+    if "floor_note" in report:
+        lines.append(f"mixture of experts: {report['floor_note']}")
     if "host_memory_figures" in report:
         lines.append(f"on cuda: {report['host_memory_figures']}")
     return "\n".join(lines)
 
 
-def _at_least(lowest: int):
+def _at_least(lowest: int, highest: int | None = None):
     def parse(text: str) -> int:
         value = int(text)
         if value < lowest:
             raise argparse.ArgumentTypeError(f"must be {lowest} or more, got {value}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be {highest} or less, got {value}")
         return value
     parse.__name__ = "integer"  # argparse names the type in its error
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # With --json an error is a JSON object on stdout too (README), a usage error included.
+        if "--json" in sys.argv[1:]:
+            print(json.dumps({"error": {"message": message}, "exit_code": 2}, indent=2))
+        super().error(message)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
                         help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
                              "minimind-3 weights when missing; any other folder must be an artifact already)")
-    parser.add_argument("--threads", type=_at_least(0), default=0,
+    parser.add_argument("--threads", type=_at_least(0, MAX_THREADS), default=0,
                         help="threads for every side; 0 (default): each library's own default, as users get it: "
                              "ONNX Runtime one pinned thread per physical core (our runtime's default and what "
                              "genai_config.json asks for), PyTorch torch's default, the bandwidth probe one per CPU")
@@ -449,7 +471,7 @@ def main() -> None:
     if args.worker:
         serve({"ort": lambda: ort_tasks(args.artifact, args.provider, args.threads),
                "torch": lambda: torch_tasks(args.artifact, args.threads, "cuda" if args.provider == "cuda" else "cpu"),
-               "genai": lambda: genai_tasks(args.artifact),
+               "genai": lambda: genai_tasks(args.artifact, args.threads),
                "bandwidth": lambda: bandwidth_tasks(args.threads)}[args.worker]())
         return
 
@@ -469,6 +491,14 @@ def main() -> None:
     print(json_text(report) if args.json else format_table(report))
 
 
+def floor_note(config) -> str | None:
+    """Why the weight-read floor does not bound this model's decode step, if it does not."""
+    if getattr(config, "use_moe", False):
+        return ("the floor counts every expert's weights, but a step reads only the experts its tokens are routed "
+                "to: for this model it is not a lower bound, and decode / floor can fall below 1")
+    return None
+
+
 def measure(args) -> dict:
     common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--provider", args.provider]
     workers = {"onnxruntime": ["--worker", "ort", *common], "pytorch": ["--worker", "torch", *common],
@@ -477,6 +507,10 @@ def measure(args) -> dict:
         workers["genai"] = ["--worker", "genai", *common]
     figures, peaks = run_in_turns(workers, args.rounds)
     report = summarise(figures, peaks, (args.artifact / "weights.onnx.data").stat().st_size)
+    from exporter.manifest import read_manifest
+    note = floor_note(read_manifest(args.artifact, check_hashes=False).config)
+    if note:
+        report["floor_note"] = note
     if args.provider == "cuda":
         report["host_memory_figures"] = ("the bandwidth, the weight-read floor and peak RSS measure the host's "
                                          "memory, not the GPU's: they do not bound a decode on the GPU")

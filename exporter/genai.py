@@ -38,8 +38,9 @@ def _import_genai():
 class GenaiGenerator:
     """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` may be called many times."""
 
-    def __init__(self, folder: Path, manifest: Manifest | None = None):
-        """`manifest`: the folder's, read with its hashes checked (read here when not given)."""
+    def __init__(self, folder: Path, manifest: Manifest | None = None, threads: int = 0):
+        """`manifest`: the folder's, read with its hashes checked (read here when not given); `threads`:
+        intra-op threads for its session, 0 for what genai_config.json asks (one per physical core)."""
         og = _import_genai()
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
@@ -53,6 +54,9 @@ class GenaiGenerator:
         try:
             config = og.Config(str(self.folder))
             config.clear_providers()  # the CPU
+            if threads:  # over genai_config.json's own count, without rewriting the hashed file
+                options = {"intra_op_num_threads": threads}
+                config.overlay(json.dumps({"model": {"decoder": {"session_options": options}}}))
             self.model = og.Model(config)
         except Exception as exc:  # onnxruntime-genai raises RuntimeError with the runtime's message
             raise ConsumerError(f"onnxruntime-genai could not load {folder}: {first_line(exc)}") from exc

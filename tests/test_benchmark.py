@@ -40,9 +40,13 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
         return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                               timeout=120, cwd=tmp_path)
     for args, fragment in ((["--rounds", "0"], "--rounds: must be 1 or more, got 0"),
-                           (["--threads", "-1"], "--threads: must be 0 or more, got -1")):
+                           (["--threads", "-1"], "--threads: must be 0 or more, got -1"),
+                           # onnxruntime's bound: refused here, not by a worker's traceback and exit 1
+                           (["--threads", "1025"], "--threads: must be 1024 or less, got 1025")):
         out = run(*args)
         assert out.returncode == 2 and fragment in out.stderr, out.stderr[-2000:]
+        out = run(*args, "--json")  # a usage error is a JSON object too
+        assert out.returncode == 2 and fragment.split(": ", 1)[1] in json.loads(out.stdout)["error"]["message"]
     out = run("--artifact", tmp_path / "typo", "--json")  # a typo is not exported to: only the default folder is
     assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
     assert json.loads(out.stdout) == {"error": {"message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
@@ -68,6 +72,7 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     for name, (q1, q3) in quartiles.items():
         assert q1 <= ratios[name] <= q3, name
     floor = report["floor"]
+    assert "floor_note" not in report  # a dense model reads every weight each step
     assert floor["weight_mb"] == (artifact_fp32 / "weights.onnx.data").stat().st_size / 1e6
     assert floor["read_gb_per_s"] > 0 and floor["floor_step_ms"] > 0
     genai_installed = importlib.util.find_spec("onnxruntime_genai") is not None
@@ -80,3 +85,72 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
     for sessions in (report["sessions"], report["sessions_shared_pool"]):
         assert sessions["loaded_peak_rss_mb"] <= sessions["peak_rss_with_prefill_graph_run_mb"]
         assert sessions["decode_step_after_prefill_ms"] > 0 and sessions["decode_step_in_a_row_ms"] > 0
+
+
+def test_the_floor_is_flagged_where_a_step_reads_only_some_weights(benchmark):
+    from reference import get_preset
+    assert "not a lower bound" in benchmark.floor_note(get_preset("minimind-3-moe-tiny"))
+    assert benchmark.floor_note(get_preset("minimind-3-tiny")) is None
+    assert benchmark.floor_note(get_preset("teaching-gpt-tiny")) is None
+
+
+def test_the_thread_bound_is_the_runtimes(benchmark):
+    from exporter.runtime import MAX_THREADS
+    assert benchmark.MAX_THREADS == MAX_THREADS
+
+
+def test_a_model_without_room_for_the_decode_run_is_refused_before_any_worker_starts(benchmark, artifact_fp32,
+                                                                                     monkeypatch):
+    # teaching-gpt-tiny (64 positions) failed in every worker's warm-up, with tracebacks and exit 1.
+    from exporter.errors import InputError
+    monkeypatch.setattr(benchmark, "DECODE_STEPS", 300)  # the tiny model has 256 positions
+    with pytest.raises(InputError, match="the decode run needs 317 positions .* the model has 256"):
+        benchmark.ensure_artifact(artifact_fp32)
+
+
+def test_pytorch_runs_in_the_artifacts_precision(benchmark, artifact_fp16, monkeypatch):
+    import torch
+
+    import reference
+    original, built = reference.build_model, []
+
+    def build_model(*args):
+        built.append(original(*args))
+        return built[-1]
+    monkeypatch.setattr(reference, "build_model", build_model)
+    benchmark.torch_tasks(artifact_fp16, 1, "cpu")
+    assert next(built[0].parameters()).dtype == torch.float16
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
+def test_genai_gets_the_thread_count_of_every_side(benchmark, artifact_fp32, monkeypatch):
+    import exporter.genai
+    from exporter.genai import GenaiGenerator
+    asked = []
+
+    class Recording(GenaiGenerator):
+        def __init__(self, folder, manifest=None, threads=0):
+            asked.append(threads)
+            super().__init__(folder, manifest, threads)
+    monkeypatch.setattr(exporter.genai, "GenaiGenerator", Recording)
+    benchmark.genai_tasks(artifact_fp32, 1)
+    assert asked == [1]
+    # The overlay is one onnxruntime-genai accepts, and the model generates as with the file's own count.
+    assert GenaiGenerator(artifact_fp32, threads=1).greedy([5, 6, 7], 4) == GenaiGenerator(artifact_fp32).greedy(
+        [5, 6, 7], 4)
+
+
+def test_every_ratio_is_taken_in_its_stated_direction(benchmark):
+    # One round of made-up figures: each ratio > 1 means ours is better (faster, smaller); the floor
+    # ratio is our decode step over the floor's step.
+    figures = {"onnxruntime": {"prefill 128": [100.0], "decode": [60.0]},
+               "pytorch": {"prefill 128": [150.0], "decode": [30.0]},
+               "genai": {"prefill 128": [120.0], "decode": [50.0]},
+               "bandwidth": {"bandwidth": [10.0]}}
+    report = benchmark.summarise(figures, {"onnxruntime": 200.0, "pytorch": 300.0, "genai": 400.0, "bandwidth": 1.0},
+                                 150_000_000)
+    ratios = report["ratios"]
+    assert report["floor"]["floor_step_ms"] == pytest.approx(15.0)  # 150 MB at 10 GB/s
+    assert ratios["decode_step_to_floor"] == pytest.approx((1000 / 60) / 15.0)
+    assert ratios["prefill_128"] == 1.5 and ratios["decode"] == 2.0 and ratios["peak_rss"] == 1.5
+    assert ratios["prefill_128_ours_to_genai"] == 1.2 and ratios["ours_to_genai"] == 1.2

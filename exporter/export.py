@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -129,7 +130,9 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
             model = program.model_proto
     except Exception as exc:  # torch.onnx raises many unrelated types; report them as one failure
         log.debug("torch.onnx output:\n%s", noise.getvalue())
-        raise ExportFailed(f"torch.onnx could not export {contract.file}: {first_line(exc)}") from exc
+        cause = _root_cause(exc)
+        raise ExportFailed(f"torch.onnx could not export {contract.file}: {type(cause).__name__}: "
+                           f"{_ANSI.sub('', first_line(cause))}") from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
     _strip_trace_metadata(model)
     _rsqrt_as_division(model)
@@ -137,6 +140,21 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
     if problems:
         raise ExportFailed(f"{contract.file} breaks the I/O contract: {'; '.join(problems[:5])}")
     return model
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch.onnx colours its messages for a terminal
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The error torch.onnx wraps. Its own first line only says which of its three steps failed
+    ("Failed to export the model with torch.export. This is step 1/3 ... Next steps:"); the wrapped
+    one names the model's problem: a data-dependent branch, an op without an ONNX translation, a
+    forward that returned a tuple."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
 
 
 def _strip_trace_metadata(model: onnx.ModelProto) -> None:
@@ -216,6 +234,36 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
         if not np.all(np.abs(first - expected) <= tolerance.allowed(expected)):
             raise ExportFailed("smoke run: decode with past length 0 disagrees with prefill on the first token "
                                f"(max abs {np.abs(first - expected).max():.3g})")
+    # The last position the manifest promises: a learned position table or a precomputed RoPE table
+    # shorter than max_position_embeddings exports fine at the example's positions and fails only there.
+    last = manifest.config.max_position_embeddings - 1
+    feeds = {"input_ids": np.zeros((1, 1), np.int64), "attention_mask": np.ones((1, 1), np.int64),
+             "position_ids": np.full((1, 1), last, np.int64), **runner.empty_past(1)}
+    try:
+        logits = runner.decode(feeds)["logits"]
+    except GraphRunError as exc:
+        raise ExportFailed(f"smoke run: the graphs fail at position {last}, the last of max_position_embeddings "
+                           f"{last + 1} ({exc.detail}); set max_position_embeddings to the positions the model "
+                           "has") from exc
+    if not np.isfinite(logits).all():
+        raise ExportFailed(f"smoke run: decode gave non-finite logits at position {last}, the last of "
+                           f"max_position_embeddings {last + 1}; set it to the positions the model has")
+
+
+def _check_forward(model: torch.nn.Module, config, args) -> None:
+    """One eager prefill of the tracing example, its outputs held to the config's sizes. A wrong layer count
+    or cache layout otherwise surfaces from the graph lint as outputs out of place ("loss has rank 4",
+    "unexpected input/output div_2"), which names neither the field nor the fix."""
+    from reference.byo import output_problems
+    input_ids, attention_mask, position_ids = args[:3]
+    try:
+        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    except Exception as exc:  # the user's own forward: any type
+        raise ExportFailed(f"the model's forward failed on a {tuple(input_ids.shape)} example: "
+                           f"{type(exc).__name__}: {first_line(exc)}") from exc
+    problems = output_problems(out, config, *input_ids.shape)
+    if problems:
+        raise ExportFailed(f"the model's forward breaks the contract (reference/byo.py): {'; '.join(problems)}")
 
 
 def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -328,6 +376,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     try:
         with torch.no_grad():
             args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
+            _check_forward(model, config, args)
             prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
             args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
             decode_model = _torch_export(DecodeGraph(model), args, names, decode)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from reference.configs import DecoderSpec
+from reference.errors import ModelError
 
 
 class DecoderAdapter(nn.Module):
@@ -40,6 +41,33 @@ class DecoderAdapter(nn.Module):
     def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
                 logits_to_keep=0, labels=None, position_ids=None):
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
+
+
+def output_problems(out, config, batch: int, length: int) -> list[str]:
+    """How a forward's output for (batch, length) new tokens, no past and use_cache=True, breaks the
+    contract sizes of `config` (empty when it keeps them); each names the field to fix."""
+    logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
+    if not isinstance(logits, torch.Tensor):
+        return [f"forward returned a {type(out).__name__}, not a CausalLMOutput (logits, past_key_values, loss, "
+                "aux_loss)"]
+    problems = []
+    if tuple(logits.shape) != (batch, length, config.vocab_size):
+        problems.append(f"logits have shape {tuple(logits.shape)}, not (batch, length, vocab_size) = "
+                        f"{(batch, length, config.vocab_size)}: set vocab_size to the model's")
+    if not isinstance(past, (list, tuple)):
+        return problems + [f"past_key_values is {type(past).__name__} with use_cache=True; return the present "
+                           "(k, v) of every layer"]
+    if len(past) != config.num_hidden_layers:
+        problems.append(f"past_key_values holds {len(past)} layers, but num_hidden_layers is "
+                        f"{config.num_hidden_layers}: set it to the model's")
+    want = (batch, length, config.num_key_value_heads, config.head_dim)
+    for layer, pair in enumerate(past):
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
+        if len(shapes) != 2 or any(shape != want for shape in shapes):
+            problems.append(f"layer {layer}'s (k, v) have shapes {shapes}, not (batch, length, num_key_value_heads, "
+                            f"head_dim) = {want} each: return them in that layout, or fix the config's sizes")
+            break  # one layer says it; the others are alike
+    return problems
 
 
 @dataclass(frozen=True)
@@ -61,14 +89,24 @@ class AdapterCheck:
 @torch.no_grad()
 def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5) -> AdapterCheck:
     """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward."""
-    adapter = adapter.eval()
-    full = adapter(input_ids, use_cache=True)
-    original = original_logits(input_ids)
-    past, steps = None, []
-    for t in range(input_ids.shape[1]):
-        out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        steps.append(out.logits)
+    # Each module's own mode, put back below: a training loop may call this, and a new adapter is in
+    # training mode (nn.Module's default) around a user's model in eval mode.
+    modes = [(module, module.training) for module in adapter.modules()]
+    adapter.eval()
+    try:
+        full = adapter(input_ids, use_cache=True)
+        problems = output_problems(full, adapter.config, *input_ids.shape)
+        if problems:
+            raise ModelError(f"{type(adapter).__name__} breaks the contract (reference/byo.py): {'; '.join(problems)}")
+        original = original_logits(input_ids)
+        past, steps = None, []
+        for t in range(input_ids.shape[1]):
+            out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits)
+    finally:
+        for module, mode in modes:
+            module.training = mode
     full_diff = (full.logits.double() - original.double()).abs().max().item()
     cached_diff = (torch.cat(steps, dim=1).double() - full.logits.double()).abs().max().item()
     return AdapterCheck(full_diff, cached_diff, atol)

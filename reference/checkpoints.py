@@ -343,7 +343,8 @@ def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
         if keys:
             parts.append(f"{len(keys)} {label} ({', '.join(keys[:SHOWN])}{', ...' if len(keys) > SHOWN else ''})")
     return CheckpointError(f"checkpoint {path} does not fit the {family_of(config).name} config: {'; '.join(parts)}; "
-                           "pass the preset or --config that matches the checkpoint, or neither to infer it")
+                           "pass the preset or --config that matches the checkpoint, or neither to infer it; a "
+                           "model of another design exports as your own decoder (reference/byo.py)")
 
 
 def _check_fit(path, config, model, state: dict) -> None:
@@ -391,7 +392,8 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
         except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
             missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
             raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
-                                  f"({missing}); pass --preset or --config with its sizes") from None
+                                  f"({missing}); pass --preset or --config with its sizes, or, if the model is not "
+                                  f"a {loader.family} one, export it as your own decoder (reference/byo.py)") from None
         fields = {**inferred, **base}
         try:
             config = get_family(loader.family).config_class.from_dict(fields)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from exporter import export as export_module
 from exporter.cli import main
 from exporter.contract import PAST
-from exporter.errors import InputError
+from exporter.errors import ExportFailed, InputError
 from exporter.export import _example_inputs
 from exporter.manifest import read_manifest
 from exporter.report import format_inspect
@@ -234,6 +234,16 @@ def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
                         or prefill(self, feeds))
     export_module._smoke_run(gpt_artifact, four)
     assert lengths and max(lengths) == 4
+
+
+def test_the_smoke_run_refuses_positions_the_model_does_not_have(gpt_artifact):
+    # A 64-row position table under a config claiming 128: the export ran only the example's positions, and
+    # the artifact failed at generation past 64 while verify stopped on torch's raw IndexError.
+    manifest = read_manifest(gpt_artifact, check_hashes=False)
+    more = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=128))
+    with pytest.raises(ExportFailed, match=r"fail at position 127, the last of max_position_embeddings 128 "
+                                           r"\(.*Gather.*\); set max_position_embeddings"):
+        export_module._smoke_run(gpt_artifact, more)
 
 
 def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):

@@ -1,0 +1,104 @@
+"""Bring your own decoder: the mistakes a user's adapter typically makes are named before any graph is
+built, and torch.onnx's own failures are quoted by their cause."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from exporter.errors import ExportFailed
+from exporter.export import export_artifact
+from reference import check_adapter
+from reference.checkpoints import load_checkpoint
+from reference.errors import CheckpointError, ModelError
+
+IDS = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def _adapter(byo_example, **spec_fields):
+    model = byo_example.demo_model()
+    adapter = byo_example.SeedDemoAdapter(model)
+    adapter.config = dataclasses.replace(adapter.config, **spec_fields)
+    return model, adapter
+
+
+def _tuple_forward(adapter):
+    forward = adapter.forward
+    adapter.forward = lambda *a, **kw: (lambda out: (out.logits, out.past_key_values))(forward(*a, **kw))
+    return adapter
+
+
+@pytest.mark.parametrize("spec_fields, message", [
+    ({"num_hidden_layers": 3}, r"past_key_values holds 2 layers, but num_hidden_layers is 3"),
+    ({"num_hidden_layers": 1}, r"past_key_values holds 2 layers, but num_hidden_layers is 1"),
+    ({"num_key_value_heads": 2}, r"layer 0's \(k, v\) have shapes .*\(2, \d, 4, 16\).* = \(2, \d, 2, 16\)"),
+    ({"vocab_size": 200}, r"logits have shape \(2, \d, 256\), not .* \(2, \d, 200\)"),
+], ids=["too many layers", "too few layers", "wrong kv heads", "wrong vocab"])
+def test_a_config_the_model_does_not_have_is_named_by_check_adapter_and_by_the_export(
+        byo_example, tmp_path, spec_fields, message):
+    # The export's graph lint saw a missing layer only as outputs out of place ("loss has rank 4").
+    model, adapter = _adapter(byo_example, **spec_fields)
+    with pytest.raises(ModelError, match=message):
+        check_adapter(adapter, lambda x: model(x)[0], IDS)
+    with pytest.raises(ExportFailed, match="the model's forward breaks the contract .*" + message):
+        export_artifact(adapter, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_forward_returning_a_tuple_is_named(byo_example, tmp_path):
+    model, adapter = _adapter(byo_example)
+    _tuple_forward(adapter)
+    with pytest.raises(ModelError, match="forward returned a tuple, not a CausalLMOutput"):
+        check_adapter(adapter, lambda x: model(x)[0], IDS)
+    with pytest.raises(ExportFailed, match="forward returned a tuple, not a CausalLMOutput"):
+        export_artifact(adapter, tmp_path / "out")
+
+
+def test_a_cache_in_the_models_own_heads_first_layout_is_named(byo_example):
+    model, adapter = _adapter(byo_example)
+    forward = adapter.forward
+
+    def heads_first(*a, **kw):  # (B, Hkv, L, D): consistent with itself, so cached decoding alone agrees
+        out = forward(*a, **kw)
+        return dataclasses.replace(out, past_key_values=[(k.transpose(1, 2), v.transpose(1, 2))
+                                                         for k, v in out.past_key_values])
+    adapter.forward = heads_first
+    with pytest.raises(ModelError, match=r"not \(batch, length, num_key_value_heads, head_dim\)"):
+        check_adapter(adapter, lambda x: model(x)[0], IDS[:, :1])
+
+
+def test_check_adapter_leaves_each_modules_mode_as_it_found_it(byo_example):
+    model, adapter = _adapter(byo_example)
+    assert adapter.training and not model.training  # a new adapter is in training mode around an eval model
+    assert check_adapter(adapter, lambda x: model(x)[0], IDS)
+    assert adapter.training and not model.training
+    model.train()  # mid-training: dropout must stay on afterwards
+    assert check_adapter(adapter, lambda x: model(x)[0], IDS)
+    assert all(m.training for m in model.modules())
+
+
+def test_an_unexportable_forward_is_reported_by_its_cause(byo_example, tmp_path):
+    # torch.onnx's own first line was "Failed to export the model with torch.export. \x1b[96mThis is step
+    # 1/3\x1b[0m of exporting the model to ONNX. Next steps:", naming neither the branch nor the fix.
+    model, adapter = _adapter(byo_example)
+    forward = adapter.forward
+
+    def skips_an_unpadded_mask(input_ids, attention_mask=None, **kw):
+        if attention_mask is not None and bool((attention_mask == 1).all()):  # a branch on tensor values
+            attention_mask = None
+        return forward(input_ids, attention_mask=attention_mask, **kw)
+    adapter.forward = skips_an_unpadded_mask
+    with pytest.raises(ExportFailed) as caught:
+        export_artifact(adapter, tmp_path / "out")
+    message = str(caught.value)
+    assert message.startswith("torch.onnx could not export prefill.onnx: GuardOnDataDependentSymNode: ")
+    assert "data-dependent" in message and "\x1b" not in message and "Next steps" not in message
+
+
+def test_a_checkpoint_of_another_design_points_to_bring_your_own(byo_example, tmp_path):
+    # The seed demo's state dict has MiniMind's key names but a fused qkv: no preset or --config can load it.
+    torch.save(byo_example.demo_model().state_dict(), tmp_path / "demo.pth")
+    with pytest.raises(CheckpointError, match=r"cannot infer the minimind config.*reference/byo\.py"):
+        load_checkpoint(tmp_path / "demo.pth")

@@ -146,7 +146,11 @@ def test_loss_of_one_token_is_nan_like_pytorch(tiny_model, tiny_config):
 @torch.no_grad()
 def test_logits_to_keep_keeps_the_last_positions(tiny_model, tiny_config):
     ids = random_ids(tiny_config.vocab_size, 1, 7)
-    assert_close(tiny_model(ids, logits_to_keep=2).logits, tiny_model(ids).logits[:, -2:], atol=0)
+    kept, full = tiny_model(ids, logits_to_keep=2).logits, tiny_model(ids).logits[:, -2:]
+    # The kept rows reach lm_head as a GEMM of another shape, whose blocking (it depends on the thread
+    # count) may sum the 64 products in another order: bit-equal at 2 threads here, up to 8.5 float32
+    # units of the peak logit at 1 thread (20 prompts). Bound: one unit per product summed.
+    assert_close(kept, full, atol=tiny_config.hidden_size * 2 ** -24 * full.abs().max().item())
 
 
 def test_config_round_trips_and_rejects_bad_fields(tiny_config):

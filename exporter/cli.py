@@ -198,7 +198,7 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         if config_path is not None:
             raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
         preset = preset or DEFAULT_PRESET
-        return build_model(get_preset(preset), seed), {"kind": "seeded", "preset": preset.lower(), "seed": seed}
+        return build_model(get_preset(preset), seed), _seeded_source(preset, seed)
     from reference.checkpoints import fingerprint, load_checkpoint
     context = click.get_current_context(silent=True)
     if context is not None and context.get_parameter_source("seed") == click.core.ParameterSource.COMMANDLINE:
@@ -211,6 +211,21 @@ def _model_and_source(preset, seed, checkpoint, config_path):
     source = {"kind": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": fingerprint(checkpoint),
               **{k: v for k, v in report.to_dict().items() if k != "path"}}
     return model, source
+
+
+def _seeded_source(preset: str, seed: int) -> dict:
+    return {"kind": "seeded", "preset": preset.lower(), "seed": seed}
+
+
+def _check_planned_companion(folder: Path, preset, seed, checkpoint, dtype) -> None:
+    """--fp16-companion against the artifact `run` is about to export, so that a mismatch costs no export: its
+    dtype, and for seeded weights their config and seed (a checkpoint's are known once it has been read)."""
+    from exporter.verify.providers import companion_for
+    if checkpoint is not None:
+        companion_for(folder, dtype)
+        return
+    preset = preset or DEFAULT_PRESET
+    companion_for(folder, dtype, get_preset(preset), _seeded_source(preset, seed))
 
 
 def _output_folder(output, preset, checkpoint, dtype) -> Path:
@@ -373,6 +388,8 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
     from exporter.verify.reports import format_verify
     # a bad verification option must not cost an export
     plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options)
+    if options["fp16_companion"] is not None:  # the engine compares it with the artifact only after the export
+        _check_planned_companion(options["fp16_companion"], preset, seed, checkpoint, dtype)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, options, plan, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,

@@ -68,6 +68,21 @@ def test_run_checks_its_verification_options_before_exporting(tmp_path, monkeypa
     assert not out.exists()
 
 
+def test_run_checks_its_float16_companion_before_exporting(artifact_fp16, tmp_path):
+    # the companion is the precision leg of a float32 artifact's attribution; the engine refused a companion of a
+    # float16 export, or of other weights, only after the export (44 s for the tiny model)
+    out = tmp_path / "never"
+    for option, fragment in ((["--dtype", "float16"], "--fp16-companion needs a float32 artifact to verify"),
+                             (["--seed", "1"], "holds other weights (seeded, minimind-3-tiny, seed 0 against "
+                                               "seeded, minimind-3-tiny, seed 1)"),
+                             (["--preset", "minimind2-tiny"], "is not a float16 export of the same model")):
+        refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--fp16-companion", artifact_fp16,
+                        *option), fragment)
+        assert not out.exists() and not list(tmp_path.glob(".never*"))
+    from exporter.cli import _check_planned_companion
+    _check_planned_companion(artifact_fp16, "minimind-3-tiny", 0, None, "float32")  # its own float32 export
+
+
 def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path, monkeypatch):
     foreign = tmp_path / "foreign"
     foreign.mkdir()

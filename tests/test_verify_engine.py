@@ -74,6 +74,25 @@ def test_health_flags_zero_rows_and_nan_that_outputs_hide():
     assert padded.report().passed
 
 
+def test_health_flags_a_float16_overflow_that_the_outputs_do_not_show():
+    # ONNX Runtime's CPU provider computes a norm's float16 Pow and ReduceMean in float32, so a norm whose float16
+    # statistics overflow gives right outputs there: the debug copy's +Inf is the only trace of an overflow that
+    # zeroes every key where float16 is computed as declared (PyTorch does)
+    from exporter.verify.health import HealthScan
+    values = {"pow_2": np.array([np.inf, 4.0e4, 1.0], np.float16),
+              "mask": np.array([-np.inf, -65504.0], np.float16),  # negative: mask sentinels
+              "bias": np.array([np.inf], np.float32)}
+    scan = HealthScan("float16")
+    scan.scan_activations(values)
+    report = scan.report()
+    assert not report.passed and report.inf == 1 and report.activation_max_abs == 4.0e4
+    scan = HealthScan("float16")
+    scan.scan_activations(values, {"pow_2": "Pow in model.layers.0.input_layernorm"})
+    report = scan.report()
+    assert report.issues == ["activation pow_2 (Pow in model.layers.0.input_layernorm): 1 +Inf, float16 overflow "
+                             "(beyond 65504); compute it in float32"]
+
+
 def _perturb(folder, module: str, delta: float) -> str:
     """Add `delta` to the weight read by the MatMul of `module` (prefill and decode share it), keeping the
     manifest's hashes consistent; returns the initializer's name."""

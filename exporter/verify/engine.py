@@ -86,7 +86,8 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
     reference.rewind()
     log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
     values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
-    health.scan_activations(values)
+    health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.nodes
+                                     for o in n.outputs})
     log.info("%s: prefill", onnx.provider)
     prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)

@@ -83,20 +83,32 @@ class HealthScan:
                 self.zero_rows += int(zero.sum())
                 self._issue(f"{label} {name}: {int(zero.sum())} all-zero rows at real token positions")
 
-    def scan_activations(self, values: dict) -> None:
-        """Intermediate tensors of the debug graph: NaN in any, and the largest magnitude of those held in
-        float16 (the ones that can overflow; a float32 attention bias of -1e9 cannot). Exact +-inf and
-        +-65504 are mask sentinels, not overflow, so they are left out of the maximum; a real overflow
-        reaches the outputs as Inf or NaN, or as zero rows."""
+    def scan_activations(self, values: dict, producers: dict | None = None) -> None:
+        """Intermediate tensors of the debug graph: NaN in any, +Inf in those held in float16, and the largest
+        magnitude of those held in float16 (the ones that can overflow; a float32 attention bias of -1e9
+        cannot). Infinities and +-65504 are left out of the maximum (-inf and -65504 may be mask sentinels).
+        +Inf in a float16 tensor is an overflow: a mask sentinel is negative. It need not reach the outputs: ONNX
+        Runtime's CPU provider computes float16 ops such as a norm's Pow and ReduceMean in float32 and rounds
+        only the tensors this debug copy exposes, so a norm whose float16 statistics overflow (|x| > 256
+        squared) gives right outputs on the CPU, while computed in float16 as declared (PyTorch does) every
+        normalised row, and so every key, is zero.
+        `producers` names each tensor's operator and module for the messages."""
         peak, where, scanned = 0.0, "", False
+        producers = producers or {}
         for name, value in values.items():
             nan = int(np.isnan(value).sum())
+            at = f" ({producers[name]})" if name in producers else ""
             if nan:
                 self.nan += nan
-                self._issue(f"activation {name}: {nan} NaN")
+                self._issue(f"activation {name}{at}: {nan} NaN")
             if value.dtype != np.float16:
                 continue
             scanned = True
+            overflow = int(np.isposinf(value).sum())
+            if overflow:
+                self.inf += overflow
+                self._issue(f"activation {name}{at}: {overflow} +Inf, float16 overflow (beyond {FP16_MAX:g}); "
+                            "compute it in float32")
             magnitude = np.abs(value.astype(np.float32))
             real = magnitude[np.isfinite(magnitude) & (magnitude != FP16_MAX)]
             if real.size and real.max() > peak:

@@ -64,13 +64,19 @@ def read_companion(folder: Path) -> Manifest:
 
 def check_companion(folder: Path, manifest: Manifest) -> tuple[Path, Manifest]:
     """A float16 export of the artifact's model, checked before the verification runs."""
-    if manifest.dtype != "float32":
-        raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {manifest.dtype}")
+    return companion_for(folder, manifest.dtype, manifest.config, manifest.source)
+
+
+def companion_for(folder: Path, dtype: str, config=None, source: dict | None = None) -> tuple[Path, Manifest]:
+    """A float16 export of the model of an artifact of `dtype`, `config` and weights `source` (each None: not
+    known yet, not compared); `export-onnx run` checks so before its export, the engine after it."""
+    if dtype != "float32":
+        raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {dtype}")
     companion = read_companion(folder)
-    if companion.config != manifest.config:
+    if config is not None and companion.config != config:
         raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (another config); "
                          "export this model with --dtype float16")
-    ours, theirs = _weights_of(manifest.source), _weights_of(companion.source)
+    ours, theirs = _weights_of(source or {}), _weights_of(companion.source)
     if ours is not None and theirs is not None and ours != theirs:
         # the precision leg would charge the difference of the weights to float16
         raise InputError(f"--fp16-companion {folder} holds other weights ({', '.join(map(str, theirs))} against "

@@ -109,9 +109,10 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 class NonFiniteLogits(ToolkitError):
     """The model's logits hold a NaN: no token can be chosen (verify reports it as a greedy failure)."""
 
+    reason = "the model's logits are not finite (NaN), so no token can be chosen"
+
     def __init__(self):
-        super().__init__("the model's logits are not finite (NaN), so no token can be chosen; "
-                         "check the artifact with `export-onnx verify`")
+        super().__init__(f"{self.reason}; check the artifact with `export-onnx verify`")
 
 
 def choose_tokens(logits: np.ndarray, config: SamplingConfig, rngs: list[np.random.Generator]) -> np.ndarray:

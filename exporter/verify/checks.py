@@ -180,8 +180,8 @@ def check_greedy(reference, onnx, manifest: Manifest, prompt: list[int], setting
     trace = reference.greedy(prompt, settings.greedy_tokens, eos)
     try:
         actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
-    except NonFiniteLogits as exc:  # a result to report with the others, not an error that ends the run
-        return GreedyResult(trace.ids, [], 0, False, str(exc).split(";")[0])
+    except NonFiniteLogits:  # a result to report with the others, not an error that ends the run
+        return GreedyResult(trace.ids, [], 0, False, NonFiniteLogits.reason)
     return judge_greedy(trace, actual, profile)
 
 

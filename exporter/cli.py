@@ -217,15 +217,21 @@ def _seeded_source(preset: str, seed: int) -> dict:
     return {"kind": "seeded", "preset": preset.lower(), "seed": seed}
 
 
-def _check_planned_companion(folder: Path, preset, seed, checkpoint, dtype) -> None:
-    """--fp16-companion against the artifact `run` is about to export, so that a mismatch costs no export: its
-    dtype, and for seeded weights their config and seed (a checkpoint's are known once it has been read)."""
-    from exporter.verify.providers import companion_for
+def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
+    """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
+    to before the export; a checkpoint's config and source are known only once it has been read (None)."""
     if checkpoint is not None:
-        companion_for(folder, dtype)
-        return
+        return dtype, None, None
     preset = preset or DEFAULT_PRESET
-    companion_for(folder, dtype, get_preset(preset), _seeded_source(preset, seed))
+    return dtype, get_preset(preset), _seeded_source(preset, seed)
+
+
+def _check_outside_artifact(path, flag: str, folder) -> None:
+    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
+    artifact, resolved = Path(folder).resolve(), Path(path).resolve()
+    if resolved == artifact or artifact in resolved.parents:
+        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                           "write it elsewhere")
 
 
 def _output_folder(output, preset, checkpoint, dtype) -> Path:
@@ -290,22 +296,23 @@ def verify_options(func):
     return func
 
 
-def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, golden: Path | None = None):
-    """The verification's options, each checked before anything runs (for `run`, before the export)."""
+def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, golden: Path | None = None,
+                 planned: tuple | None = None):
+    """The verification's options, each checked before anything runs (for `run`, before the export, with
+    --fp16-companion held to the `planned` artifact, see _planned_artifact; the engine checks it again after)."""
     from exporter.errors import ConsumerError
     from exporter.genai import INSTALL_HINT, genai_version
     from exporter.paths import check_output_path
     from exporter.runtime import check_parity_providers
     from exporter.verify.golden import check_golden_destination
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.providers import read_companion
+    from exporter.verify.providers import companion_for, read_companion
     from exporter.verify.tolerances import parse_overrides
     overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
     settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
     check_parity_providers(providers)
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
-    artifact = Path(folder).resolve()
     bundles = {Path(path).resolve(): flag for path, flag in ((options["golden_save"], "--golden-save"),
                                                              (golden, "--golden")) if path is not None}
     written: dict[Path, str] = {}  # each report path -> its flag
@@ -317,9 +324,7 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, gol
         if resolved in written:
             raise ToolkitError(f"{flag} {path} is also the path of {written[resolved]}; give each report its own file")
         written[resolved] = flag
-        if artifact == resolved or artifact in resolved.parents:
-            raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
-                               "write it elsewhere")
+        _check_outside_artifact(path, flag, folder)
         if option == "golden_save":
             check_golden_destination(path)
             continue
@@ -329,7 +334,10 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, gol
                                "would change; write it elsewhere")
         check_output_path(path, flag, folder=False)
     if options["fp16_companion"] is not None:
-        read_companion(options["fp16_companion"])
+        if planned is None:
+            read_companion(options["fp16_companion"])
+        else:
+            companion_for(options["fp16_companion"], *planned)
     return overrides, settings
 
 
@@ -387,9 +395,8 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
     from exporter.report import format_export
     from exporter.verify.reports import format_verify
     # a bad verification option must not cost an export
-    plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options)
-    if options["fp16_companion"] is not None:  # the engine compares it with the artifact only after the export
-        _check_planned_companion(options["fp16_companion"], preset, seed, checkpoint, dtype)
+    plan = _verify_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options,
+                        planned=_planned_artifact(preset, seed, checkpoint, dtype))
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, options, plan, model)
     _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
@@ -514,10 +521,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     if save_optimized is not None:
         from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)
-        artifact, resolved = Path(folder).resolve(), Path(save_optimized).resolve()
-        if resolved == artifact or artifact in resolved.parents:
-            raise ToolkitError(f"--save-optimized {save_optimized} lies inside the artifact folder {folder}, which "
-                               "it would change; write it elsewhere")
+        _check_outside_artifact(save_optimized, "--save-optimized", folder)
     provider = check_provider(provider)
     settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
                                **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))

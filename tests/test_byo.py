@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from exporter.errors import ExportFailed
 from exporter.export import export_artifact
-from reference import check_adapter
+from exporter.manifest import read_manifest
+from exporter.runtime import OrtRunner
+from exporter.verify.engine import verify_artifact
+from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
+from exporter.verify.reports import format_verify
+from reference import CausalLMOutput, check_adapter
+from reference.layers import shifted_cross_entropy
 from reference.checkpoints import load_checkpoint
 from reference.errors import CheckpointError, ModelError
 
@@ -102,3 +110,62 @@ def test_a_checkpoint_of_another_design_points_to_bring_your_own(byo_example, tm
     torch.save(byo_example.demo_model().state_dict(), tmp_path / "demo.pth")
     with pytest.raises(CheckpointError, match=r"cannot infer the minimind config.*reference/byo\.py"):
         load_checkpoint(tmp_path / "demo.pth")
+
+
+def _boolean_mask_adapter(byo_example):
+    """The seed demo model attending through F.scaled_dot_product_attention with a boolean mask: a
+    left-padded query has no real key at or before it, so its row of the mask is all False and its output
+    is whatever each runtime makes of an empty softmax."""
+    class BooleanMaskAdapter(byo_example.SeedDemoAdapter):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
+                    logits_to_keep=0, labels=None, position_ids=None):
+            h = self.model.model.embed_tokens(input_ids)
+            b, t = input_ids.shape
+            presents = []
+            for i, layer in enumerate(self.model.model.layers):
+                attn = layer.self_attn
+                q, k, v = attn.qkv(layer.input_layernorm(h)).view(b, t, 3, attn.n_heads, attn.head_dim).unbind(2)
+                if past_key_values is not None:
+                    k, v = (torch.cat([past, new], dim=1) for past, new in zip(past_key_values[i], (k, v)))
+                presents.append((k, v))
+                total = k.shape[1]
+                keep = torch.ones(b, total, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+                causal = torch.ones(t, total, dtype=torch.bool).tril(total - t)
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     attn_mask=causal & keep[:, None, None, :])
+                h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            logits = self.model.lm_head(self.model.model.norm(h)[:, -logits_to_keep:, :])
+            loss = shifted_cross_entropy(logits, labels) if labels is not None else None
+            return CausalLMOutput(logits, presents if use_cache else None, loss, logits.new_zeros(()))
+
+    model = byo_example.demo_model()
+    adapter = BooleanMaskAdapter(model)
+    assert check_adapter(adapter, lambda x: model(x)[0], IDS)
+    return adapter.eval()
+
+
+def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo_example, tmp_path):
+    # Verification compared every position: this decoder failed the prefill logits, every present, the loss
+    # (its first real token was a target predicted from padding), the sweep and the split-prefill invariant
+    # at 1e4x the tolerance, while every real token agreed.
+    adapter = _boolean_mask_adapter(byo_example)
+    folder = tmp_path / "boolean-mask"
+    export_artifact(adapter, folder, source={"kind": "custom", "model": "boolean-mask"})
+    settings = ParitySettings(decode_steps=2, greedy_tokens=4)  # the sweep on: ragged padding, past and not
+    report = verify_artifact(folder, adapter, ["cpu"], settings, genai=False, golden_save=tmp_path / "golden")
+    assert report.passed, format_verify(report)
+    [cpu] = report.reports
+    assert all(layer.passed for layer in cpu.layers) and len(cpu.sweep) == 36 and len(report.invariants) == 6
+    # the premise: the two sides do differ at the padded positions, and agree at the real ones
+    manifest = read_manifest(folder)
+    batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
+    feeds = prefill_feeds(manifest, batch)
+    ort = OrtRunner(folder, "cpu", manifest=manifest).prefill(feeds)
+    with torch.no_grad():
+        ref = adapter(**{k: torch.from_numpy(v) for k, v in feeds.items()}, use_cache=True)
+    real = batch["attention_mask"] == 1
+    gap = np.abs(ort["logits"] - ref.logits.numpy())
+    assert gap[~real].max() > 0.1 and gap[real].max() < 1e-4
+    replayed = verify_artifact(folder, None, ["cpu"], genai=False, golden=tmp_path / "golden")
+    assert replayed.passed, format_verify(replayed)

@@ -444,6 +444,32 @@ def test_health_counts_nan_and_inf_at_real_positions():
     assert not activations.report().passed and activations.report().nan == 1
 
 
+def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
+    # A later step weighs a padded key by zero, and 0 x NaN is NaN: the real tokens read a padded present.
+    # Nothing reads a padded query's logits.
+    from exporter.verify.health import HealthScan
+    mask = np.array([[0, 1, 1]])
+    logits = np.ones((1, 3, 4), np.float32)
+    logits[0, 0, :2] = np.nan, np.inf  # position 0 is padding
+    present = np.ones((1, 2, 3, 4), np.float32)
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"logits": logits, "present.0.key": present}, mask)
+    report = scan.report()
+    assert report.passed and (report.nan, report.inf) == (0, 0)
+    assert report.warnings == ["prefill logits: 1 NaN, 1 Inf at padded query positions, which no token reads"]
+    present[0, 1, 0, 2] = np.nan  # the padded position, in one head
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"logits": logits, "present.0.key": present}, mask)
+    report = scan.report()
+    assert not report.passed and (report.nan, report.inf) == (1, 0)
+    assert report.issues == ["prefill present.0.key: 1 NaN, 0 Inf (1 at padded positions, which a later step "
+                             "weighs by zero: 0 x NaN is NaN)"]
+    logits[0, 2, 3] = np.nan  # a real query
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"logits": logits}, mask)
+    assert not scan.report().passed and scan.report().issues == ["prefill logits: 1 NaN, 0 Inf"]
+
+
 def test_every_check_of_a_report_can_fail_the_verdict():
     """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
     health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer
@@ -478,6 +504,7 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     rng = np.random.default_rng(0)
     cpu = {"logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
            "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32)}
+    mask = np.ones((2, 5), np.int64)
     # a difference within a looser CUDA profile (4 float16 units more of the peak), beyond the CPU profile
     strict = profile_for("float32", CPU)
     looser = dataclasses.replace(strict.logits, peak=strict.logits.peak + 4 * 2.0 ** -11)
@@ -485,10 +512,10 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     peak = np.abs(cpu["logits"]).max()
     tf32 = {**cpu, "logits": cpu["logits"] + np.float32(2 * 2.0 ** -11 * peak)}
     assert not compare("cpu", "logits", tf32["logits"], cpu["logits"], strict.logits).passed
-    assert all(c.passed for c in cross_providers({CPU: cpu, CUDA: tf32}, "float32", Overrides()))
-    assert all(c.passed for c in cross_providers({CUDA: tf32, CPU: cpu}, "float32", Overrides()))
+    assert all(c.passed for c in cross_providers({CPU: cpu, CUDA: tf32}, "float32", Overrides(), mask))
+    assert all(c.passed for c in cross_providers({CUDA: tf32, CPU: cpu}, "float32", Overrides(), mask))
     wrong = {**cpu, "logits": cpu["logits"] + np.float32(0.5)}
-    rows = cross_providers({CPU: cpu, CUDA: wrong}, "float32", Overrides())
+    rows = cross_providers({CPU: cpu, CUDA: wrong}, "float32", Overrides(), mask)
     assert [c.name for c in rows if not c.passed] == [f"{CUDA} vs {CPU} logits"]
 
     manifest = read_manifest(artifact_fp32)
@@ -496,8 +523,9 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert set(provider.legs) == {"provider"} and not provider.legs["provider"].passed
     assert provider.skipped == "precision leg needs a float16 companion artifact"
     # the pair in the order the providers were given; CUDA alone has no provider leg
-    flipped = attribute([], {CUDA: tf32, CPU: cpu}, cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides()),
-                        manifest, {}, None, Overrides())
+    flipped = attribute([], {CUDA: tf32, CPU: cpu},
+                        cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides(), mask), manifest, {}, None,
+                        Overrides())
     assert flipped.legs["provider"].name == f"{CPU} vs {CUDA} logits" and not flipped.legs["provider"].passed
     cuda_only = attribute([], {CUDA: tf32}, [], manifest, {}, None, Overrides())
     assert not cuda_only.legs and "need CPUExecutionProvider too" in cuda_only.skipped

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from exporter.errors import InputError
-from exporter.verify.metrics import Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length
+from exporter.verify.metrics import (Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length,
+                                     real_keys, real_queries)
 from exporter.runtime import session_providers
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
@@ -58,6 +59,47 @@ def test_cosine_and_logits_metrics_by_hand():
     assert metrics["kl_max"] == pytest.approx(kl_row0) and metrics["kl_mean"] == pytest.approx(kl_row0 / 2)
     # `valid` leaves positions out (left padding).
     assert logits_metrics(actual, expected, valid=np.array([False, True]), k=2)["top1_agreement"] == 1.0
+
+
+def test_logits_are_judged_at_real_queries_only_and_a_real_fault_still_fails():
+    # A padded query attends to no real token: a decoder whose mask leaves it no key at all (a boolean mask into
+    # scaled_dot_product_attention) gives it whatever each runtime makes of an empty softmax.
+    tol = Tolerance(0.0, 0.0, 1e-3)
+    expected = np.array([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]])  # (B 1, T 3, V 2); position 0 is padding
+    queries = real_queries(np.array([[1, 1, 0, 1, 1]]), 3)  # the last 3 of a (B, total) mask
+    assert queries.tolist() == [[False, True, True]]
+    padded_differs = expected.copy()
+    padded_differs[0, 0] = [1e6, np.nan]
+    judged = compare("logits", "logits", padded_differs, expected, tol, valid=queries)
+    assert judged.passed and judged.max_abs == 0 and judged.cosine == pytest.approx(1.0)
+    assert judged.llm["positions"] == 2 and judged.llm["top1_agreement"] == 1.0
+    assert not compare("logits", "logits", padded_differs, expected, tol).passed  # every position judged
+    real_differs = expected.copy()
+    real_differs[0, 2, 1] += 0.01  # beyond 1e-3 x the peak 6
+    failed = compare("logits", "logits", real_differs, expected, tol, valid=queries)
+    assert not failed.passed and failed.max_abs == pytest.approx(0.01)
+    assert failed.needed.scale == pytest.approx(0.01 / 6e-3)
+    # nor does a large value at a padded position widen the peak bound of the real ones (1e-3 x 1e6 would)
+    large_padding = expected.copy()
+    large_padding[0, 0] = 1e6
+    assert compare("logits", "logits", large_padding + (real_differs - expected), large_padding, tol).passed
+    assert not compare("logits", "logits", large_padding + (real_differs - expected), large_padding, tol,
+                       valid=queries).passed
+
+
+def test_presents_are_judged_at_real_keys_in_every_head():
+    tol = Tolerance(0.0, 0.0, 1e-3)
+    mask = np.array([[0, 1, 1], [1, 1, 1]])  # row 0 left-padded by one
+    assert real_keys(mask).shape == (2, 1, 3)
+    expected = np.random.default_rng(0).standard_normal((2, 2, 3, 4))  # (B, kv_heads, L, head_dim)
+    padded_differs = expected.copy()
+    padded_differs[0, :, 0] = 7.0  # the padded key of row 0, in both heads
+    assert compare("present", "kv", padded_differs, expected, tol, valid=real_keys(mask)).passed
+    assert not compare("present", "kv", padded_differs, expected, tol).passed
+    real_differs = expected.copy()
+    real_differs[1, 1, 0, 3] += 0.1  # row 1's position 0 is real
+    failed = compare("present", "kv", real_differs, expected, tol, valid=real_keys(mask))
+    assert not failed.passed and failed.max_abs == pytest.approx(0.1)
 
 
 def test_loss_metrics_and_aggregate():

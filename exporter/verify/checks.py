@@ -20,7 +20,8 @@ from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
-from exporter.verify.metrics import Comparison, aggregate, compare, difference_histogram, match_length
+from exporter.verify.metrics import (Comparison, aggregate, compare, difference_histogram, match_length,
+                                     real_keys)
 from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,13 @@ class LayerError:
                 "value_needed_scale": self.value.needed.scale}
 
 
-def layer_errors(manifest: Manifest, actual: dict, expected: dict, profile: Profile, label: str) -> list[LayerError]:
+def layer_errors(manifest: Manifest, actual: dict, expected: dict, profile: Profile, label: str,
+                 mask: np.ndarray) -> list[LayerError]:
+    """Judged at the cache positions `mask` (B, L) marks real."""
     cache = manifest.cache
     return [LayerError(layer, *(compare(f"{label} {cache.present(layer, kind)}", "kv", actual[cache.present(layer, kind)],
-                                        expected[cache.present(layer, kind)], profile.kv) for kind in KV_KINDS))
+                                        expected[cache.present(layer, kind)], profile.kv, valid=real_keys(mask))
+                                for kind in KV_KINDS))
             for layer in range(cache.num_layers)]
 
 
@@ -61,18 +65,18 @@ class PrefillResult:
 
 def check_prefill(reference, onnx, manifest: Manifest, batch: dict, profile: Profile,
                   health: HealthScan) -> tuple[PrefillResult, dict]:
-    """Logits, every present, the loss; returns the result and ONNX Runtime's outputs."""
+    """Logits and every present at the real positions, the loss; returns the result and ONNX Runtime's outputs."""
     feeds = prefill_feeds(manifest, batch)  # labels only where the graph takes them (an export with loss)
     expected = reference.prefill(feeds)
     actual = onnx.prefill(feeds)
+    real = batch["attention_mask"] == 1
     health.scan_outputs("prefill", actual, batch["attention_mask"])
-    layers = layer_errors(manifest, actual, expected, profile, "prefill")
-    rows = [compare("prefill logits", "logits", actual["logits"], expected["logits"], profile.logits,
-                    valid=batch["attention_mask"]),
+    layers = layer_errors(manifest, actual, expected, profile, "prefill", batch["attention_mask"])
+    rows = [compare("prefill logits", "logits", actual["logits"], expected["logits"], profile.logits, valid=real),
             aggregate("prefill present (all layers)", [c for layer in layers for c in (layer.key, layer.value)])]
     if "loss" in actual:
         rows.append(compare("prefill loss", "loss", actual["loss"], expected["loss"], profile.loss))
-    return PrefillResult(rows, layers, difference_histogram(actual["logits"], expected["logits"])), actual
+    return PrefillResult(rows, layers, difference_histogram(actual["logits"][real], expected["logits"][real])), actual
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: Par
         ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
         ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
         health.scan_outputs(f"decode step {step}", ort_out, mask)
-        layers = layer_errors(manifest, ort_out, ref_out, profile, f"decode step {step}")
+        layers = layer_errors(manifest, ort_out, ref_out, profile, f"decode step {step}", mask)
         failing = next((layer.layer for layer in layers if not layer.passed), None)
         curve.append(StepError(step, length,
                                compare(f"decode step {step} logits", "logits", ort_out["logits"], ref_out["logits"],
@@ -241,7 +245,7 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
         expected, actual = reference.decode({**feeds, **ref_past}), onnx.decode({**feeds, **ort_past})
         label = f"sweep b{batch} n{new} p{past}"
         health.scan_outputs(label, actual, mask)
-        kv = [compare(f"{label} {name}", "kv", actual[name], expected[name], profile.kv)
+        kv = [compare(f"{label} {name}", "kv", actual[name], expected[name], profile.kv, valid=real_keys(mask))
               for name in actual if name.startswith("present.")]
         case = SweepCase(batch, new, past, compare(f"{label} logits", "logits", actual["logits"], expected["logits"],
                                                    profile.logits, valid=mask[:, past:]),

@@ -196,7 +196,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
                                                                     manifest=manifest),
                                   manifest, batch, invariant_profile)
-    cross = cross_providers(outputs, manifest.dtype, overrides)
+    cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
     probes = []
     if settings.probe and len(values) > 1:
         first, *others = values

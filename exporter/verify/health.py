@@ -2,9 +2,14 @@
 
 A float16 norm that overflows can return zeros or saturate instead of NaN
 (onnxruntime #29034). So ONNX Runtime's outputs are scanned for NaN, Inf and
-all-zero rows at real (unpadded) positions, and the intermediate activations
-of a debug copy of prefill.onnx for how close they come to float16's largest
-finite value (65504).
+all-zero rows, and the intermediate activations of a debug copy of
+prefill.onnx for how close they come to float16's largest finite value (65504).
+
+Where padding matters: NaN or Inf fails in a present at any position, padded
+ones included (a later step weighs a padded key by zero, and 0 x NaN is NaN,
+so it reaches the real tokens), and in logits at real query positions only (a
+padded query's logits are read by nothing: noted, not failed). All-zero rows
+fail at real positions only.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from exporter.verify.metrics import real_keys, real_queries
 
 FP16_MAX = 65504.0
 # Flag activations within 16x (4 binades) of the limit: a norm's sum of squares of such values overflows.
@@ -30,7 +37,7 @@ class HealthReport:
     activation_max_abs: float | None  # over float16 activations; None: none scanned (a float32 export)
     activation_at: str  # the tensor holding activation_max_abs
     issues: list[str] = field(default_factory=list)  # failures: NaN, Inf, zero rows
-    warnings: list[str] = field(default_factory=list)  # close to the float16 limit
+    warnings: list[str] = field(default_factory=list)  # close to the float16 limit; NaN/Inf in padded logits
 
     @property
     def headroom(self) -> float | None:
@@ -64,24 +71,42 @@ class HealthScan:
     def scan_outputs(self, label: str, outputs: dict, mask: np.ndarray) -> None:
         """`mask` (B, total) marks real tokens: logits cover its last T columns, present tensors all of it."""
         for name, value in outputs.items():
-            value = np.asarray(value, np.float32)
-            nan, inf = int(np.isnan(value).sum()), int(np.isinf(value).sum())
-            if nan or inf:
-                self.nan, self.inf = self.nan + nan, self.inf + inf
-                self._issue(f"{label} {name}: {nan} NaN, {inf} Inf")
-            finite = value[np.isfinite(value)]
-            if finite.size:
-                self.output_max = max(self.output_max, float(np.abs(finite).max()))
+            value, where = np.asarray(value, np.float32), f"{label} {name}"
             if value.ndim == 3:  # logits (B, T, V)
-                real = mask[:, -value.shape[1]:] == 1
+                real = real_queries(mask, value.shape[1])
+                self._note_padded_logits(where, value[~real])
+                self._scan_values(where, value[real], np.empty(0, np.float32))
                 zero = np.all(value == 0, axis=-1) & real
-            elif value.ndim == 4:  # present (B, Hkv, L, D): a zero row in any head at a real position
-                zero = np.any(np.all(value == 0, axis=-1), axis=1) & (mask[:, -value.shape[2]:] == 1)
-            else:
+            elif value.ndim == 4:  # present (B, Hkv, L, D)
+                real = np.broadcast_to(real_keys(mask)[..., None], value.shape)
+                self._scan_values(where, value[real], value[~real])
+                zero = np.any(np.all(value == 0, axis=-1), axis=1) & real_keys(mask)[:, 0]  # a zero row in any head
+            else:  # the loss
+                self._scan_values(where, value, np.empty(0, np.float32))
                 continue
             if zero.any():
                 self.zero_rows += int(zero.sum())
-                self._issue(f"{label} {name}: {int(zero.sum())} all-zero rows at real token positions")
+                self._issue(f"{where}: {int(zero.sum())} all-zero rows at real token positions")
+
+    def _scan_values(self, where: str, real: np.ndarray, padded: np.ndarray) -> None:
+        """NaN and Inf fail at real positions and at a present's padded ones: a later step weighs a padded key
+        by zero, and 0 x NaN is NaN."""
+        values = np.concatenate([real.ravel(), padded.ravel()])
+        nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+        if nan or inf:
+            self.nan, self.inf = self.nan + nan, self.inf + inf
+            at_padded = int((~np.isfinite(padded)).sum())
+            self._issue(f"{where}: {nan} NaN, {inf} Inf" + (f" ({at_padded} at padded positions, which a later step "
+                                                            "weighs by zero: 0 x NaN is NaN)" if at_padded else ""))
+        finite = values[np.isfinite(values)]
+        if finite.size:
+            self.output_max = max(self.output_max, float(np.abs(finite).max()))
+
+    def _note_padded_logits(self, where: str, padded: np.ndarray) -> None:
+        """A padded query's logits are read by nothing: NaN or Inf there is noted, not failed."""
+        nan, inf = int(np.isnan(padded).sum()), int(np.isinf(padded).sum())
+        if (nan or inf) and len(self.warnings) < MAX_LISTED:
+            self.warnings.append(f"{where}: {nan} NaN, {inf} Inf at padded query positions, which no token reads")
 
     def scan_activations(self, values: dict, producers: dict | None = None) -> None:
         """Intermediate tensors of the debug graph: NaN in any, +Inf in those held in float16, and the largest

@@ -55,12 +55,18 @@ class ParitySettings:
 
 
 def prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Generator) -> dict:
-    """A left-padded batch with labels holding -100 on padding and on a few real tokens."""
+    """A left-padded batch with labels holding -100 on padding, on each row's first real token and on a few
+    other real tokens.
+
+    The loss predicts token t from position t - 1, so the first real token of a padded row would be
+    predicted from a padded position, whose output verification does not judge (nothing reads it); the
+    first token of an unpadded row is never a target anyway."""
     b, t = settings.batch, settings.prompt_length
     input_ids = rng.integers(0, manifest.config.vocab_size, (b, t), dtype=np.int64)
     mask = np.ones((b, t), dtype=np.int64)
     mask[0, :settings.left_padding] = 0
-    labels = np.where(mask == 1, input_ids, -100)
+    predicted_from_real = np.pad(mask[:, :-1], ((0, 0), (1, 0))) == 1
+    labels = np.where((mask == 1) & predicted_from_real, input_ids, -100)
     labels[:, -2] = -100
     return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
             "labels": labels}

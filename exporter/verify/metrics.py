@@ -143,12 +143,29 @@ def loss_metrics(actual: float, expected: float) -> dict:
     return {"loss_abs_diff": abs(diff), "perplexity_ratio": float(np.exp(diff))}
 
 
+def real_queries(mask: np.ndarray, length: int) -> np.ndarray:
+    """compare's `valid` for logits (B, length, V) of the last `length` positions of `mask` (B, total):
+    (B, length), true where the query is a real token."""
+    mask = np.asarray(mask)
+    return mask[:, mask.shape[1] - length:] == 1
+
+
+def real_keys(mask: np.ndarray) -> np.ndarray:
+    """compare's `valid` for a present (B, kv_heads, L, head_dim) covering `mask` (B, L): (B, 1, L), true
+    where the cache position holds a real token, in every head."""
+    return np.asarray(mask)[:, None, :] == 1
+
+
 def compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid: np.ndarray | None = None
             ) -> Comparison:
     """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets), an
     infinity only where both sides hold the same one (e.g. a masked score). Health reports both apart.
 
-    `valid` selects the positions (leading axes) that the logits metrics use, e.g. not left padding.
+    `valid` (leading axes, broadcast over the rest; see real_queries and real_keys) selects the positions
+    judged: every figure, the verdict and the logits metrics leave the others out. A padded query attends
+    to no real token, so its output is whatever the model's mask makes of that (a boolean mask that leaves
+    it no key at all makes it arbitrary), and nothing reads it; a padded key is weighed by zero, so only
+    whether it is finite matters, which the health check judges.
     """
     # NaN or Inf on a side is a finding the metrics report (and the health check counts), not a warning
     with np.errstate(all="ignore"):
@@ -162,6 +179,13 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
         inf = float("inf")
         return Comparison(name, kind, inf, inf, inf, tolerance, False, f"shape {actual.shape} != {expected.shape}",
                           float("nan"), Needed(inf, inf, inf))
+    judged = None
+    if valid is not None:
+        valid = np.asarray(valid, bool)
+        judged = np.broadcast_to(valid.reshape(valid.shape + (1,) * (actual.ndim - valid.ndim)), actual.shape)
+    llm = logits_metrics(actual, expected, None if judged is None else judged[..., 0]) if kind == "logits" else {}
+    if judged is not None:
+        actual, expected = actual[judged], expected[judged]
     if actual.size == 0:
         return Comparison(name, kind, 0.0, 0.0, 0.0, tolerance, True)
     both_nan = np.isnan(actual) & np.isnan(expected)
@@ -170,10 +194,7 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
     diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only, or infinities that differ
     rel = diff / np.maximum(np.abs(np.where(same_non_finite, 1.0, expected)), np.finfo(np.float32).tiny)
     passed = bool(np.all(diff <= tolerance.allowed(expected)))
-    llm = {}
-    if kind == "logits":
-        llm = logits_metrics(actual, expected, valid)
-    elif kind == "loss" and not both_nan.all():
+    if kind == "loss" and not both_nan.all():
         llm = loss_metrics(actual, expected)
     cosine = 1.0 if same_non_finite.all() else _cosine(np.where(same_non_finite, 0, actual),
                                                        np.where(same_non_finite, 0, expected))

@@ -14,11 +14,13 @@ import itertools
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from exporter.errors import ArtifactError, InputError
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import prefill_feeds
-from exporter.verify.metrics import Comparison, aggregate, compare
+from exporter.verify.metrics import Comparison, aggregate, compare, real_keys
 from exporter.verify.results import Attribution, ProviderReport
 from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
 
@@ -30,23 +32,29 @@ def _looser(dtype: str, a: str, b: str, overrides: Overrides):
     return max(profiles, key=lambda p: p.logits.peak + p.logits.atol)
 
 
-def _outputs_pair(label: str, actual: dict, expected: dict, profile) -> list[Comparison]:
-    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits)]
-    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv) for n in actual if n.startswith("present.")]
+def _outputs_pair(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
+    """Logits and presents of one prefill batch, judged at the positions its `mask` marks real."""
+    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
+                    valid=mask == 1)]
+    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
+          for n in actual if n.startswith("present.")]
     return rows + [aggregate(f"{label} present (all layers)", kv)]
 
 
 def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, profile) -> Comparison:
     """The prefill batch once more on the same session; any difference is nondeterminism."""
     again = onnx.prefill(prefill_feeds(manifest, batch))
-    return aggregate(f"{onnx.provider} repeat run", _outputs_pair("repeat", again, first, profile))
+    return aggregate(f"{onnx.provider} repeat run",
+                     _outputs_pair("repeat", again, first, profile, batch["attention_mask"]))
 
 
-def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides) -> list[Comparison]:
-    """Every pair of providers on the prefill batch, with the looser of their two profiles."""
+def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, mask: np.ndarray
+                    ) -> list[Comparison]:
+    """Every pair of providers on the prefill batch (attention mask `mask`), with the looser of their two
+    profiles."""
     rows = []
     for a, b in itertools.combinations(outputs, 2):
-        rows += _outputs_pair(f"{b} vs {a}", outputs[b], outputs[a], _looser(dtype, a, b, overrides))
+        rows += _outputs_pair(f"{b} vs {a}", outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
     return rows
 
 
@@ -120,5 +128,6 @@ def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: li
             folder, fp16_manifest = companion
             fp16 = OrtRunner(folder, CUDA, manifest=fp16_manifest).prefill(prefill_feeds(fp16_manifest, batch))
             legs["precision"] = compare("ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"],
-                                        outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits)
+                                        outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits,
+                                        valid=batch["attention_mask"] == 1)
     return Attribution(legs, "; ".join(missing))

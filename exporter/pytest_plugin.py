@@ -44,6 +44,7 @@ class Plan:
     reference: str
     bundle: Path | None = None
     reason: str = ""
+    overrides: str = ""  # the tolerance overrides a golden bundle was recorded with, which its replay applies
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
@@ -51,7 +52,8 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     CheckpointError when the checkpoint it was exported from is gone or changed."""
     from exporter.errors import ToolkitError
     from exporter.manifest import check_sizes, read_manifest
-    from exporter.verify.golden import BUNDLE, check_bundle
+    from exporter.verify.golden import BUNDLE, check_bundle, recorded_overrides
+    from exporter.verify.tolerances import AppliedOverrides
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)
@@ -60,8 +62,8 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
                            "none: remove it")
     bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / BUNDLE).is_file() else None)
     if bundle is not None:
-        check_bundle(bundle, manifest)
-        return Plan("golden", Path(bundle))
+        recorded = recorded_overrides(check_bundle(bundle, manifest))
+        return Plan("golden", Path(bundle), overrides=AppliedOverrides(recorded=recorded).describe())
     source = manifest.source
     if source.get("kind") == "seeded":
         return Plan("rebuilt")
@@ -263,7 +265,8 @@ def pytest_report_header(config):
     plans = config.stash.get(_PLANS, None)
     if not plans:
         return None
-    described = {"golden": lambda p: f"golden bundle {p.bundle}",
+    described = {"golden": lambda p: f"golden bundle {p.bundle}" + (f"; tolerance overrides: {p.overrides}"
+                                                                    if p.overrides else ""),
                  "rebuilt": lambda p: "the reference model rebuilt from the manifest (its seed or checkpoint)",
                  "invariants": lambda p: f"none ({p.reason}): reference-free invariants only"}
     return [f"artifact {folder}: reference = {described[plan.reference](plan)}" for folder, plan in plans.items()]

@@ -101,6 +101,24 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
     assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
 
 
+def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artifact_fp32, tiny_model, tmp_path):
+    # The plugin takes no tolerance options: a bundle recorded under a tightened logits.peak (0: nothing meets
+    # it) must fail its replay here too, and the header must say what the bundle overrides.
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.tolerances import parse_overrides
+    bundle = tmp_path / "bundle"
+    recorded = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False),
+                               genai=False, golden_save=bundle, overrides=parse_overrides(peak=["logits=0"]))
+    assert not recorded.passed
+    out = _pytest(tmp_path, "--artifacts", artifact_fp32, "--golden-bundle", bundle, "--artifact-provider", "cpu",
+                  "-rA")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert (f"reference = golden bundle {bundle}; tolerance overrides: logits.peak=0 (recorded in the golden "
+            "bundle)") in out.stdout
+    assert "prefill_and_decode failed on " in out.stdout and "PASSED" in out.stdout  # the invariants
+
+
 @pytest.mark.parametrize("module, error, said", [
     ("exporter.errors", "ArtifactError", ""), ("reference.errors", "CheckpointError", ""),
     ("builtins", "RuntimeError", "internal error RuntimeError: ")])  # a fault of ours: reported once too

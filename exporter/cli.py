@@ -287,7 +287,8 @@ def verify_options(func):
         click.option("--html", type=click.Path(path_type=Path), default=None, metavar="PATH",
                      help="Write a self-contained HTML report with plots here."),
         click.option("--golden-save", type=click.Path(path_type=Path), default=None, metavar="DIR",
-                     help="Record the reference's inputs and outputs as a golden bundle in DIR."),
+                     help="Record the reference's inputs and outputs as a golden bundle in DIR, with the "
+                          "tolerance overrides of this run, which its replay applies."),
         click.option("--fp16-companion", type=click.Path(path_type=Path), default=None, metavar="DIR",
                      help="A float16 export of the same model: the precision leg of the CUDA attribution."),
     ]
@@ -423,7 +424,9 @@ def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokeni
 @genai_option
 @verify_options
 @click.option("--golden", type=click.Path(path_type=Path), default=None, metavar="DIR",
-              help="Compare with a golden bundle instead of the PyTorch model (needs no torch).")
+              help="Compare with a golden bundle instead of the PyTorch model (needs no torch), judged with "
+                   "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
+                   "replace its terms one by one.")
 @common_options
 @handle_errors
 def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options):

@@ -1,9 +1,11 @@
 """pytest plugin: `pytest --artifacts DIR [DIR ...]` runs the verification suite on your own artifacts.
 
 Registered through the `pytest11` entry point, so it is active wherever this package is installed;
-without --artifacts it adds nothing. The folders are collected like test paths (alone when no other
-path is given), each as `DIR/manifest.json` with one test item per check. Per folder the reference
-is, in this order: a golden bundle (--golden-bundle DIR, or a `golden/` folder inside the artifact),
+without --artifacts it adds nothing. Each folder is collected as `DIR/manifest.json` with one test item
+per check, after the test paths given (alone when none is). The session itself holds these items:
+pytest never collects the folder or its parents as directories, since collecting a directory imports
+its conftest.py, and one above a downloaded artifact is as foreign as one inside it. Per folder the
+reference is, in this order: a golden bundle (--golden-bundle DIR, or a `golden/` folder inside the artifact),
 the reference model rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), or
 none, in which case only the reference-free invariants run and the other checks are skipped with the
 reason. Everything that can be checked without running the graphs (the manifest, the file sizes,
@@ -13,13 +15,14 @@ pytest's usage-error exit code, 4.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 GOLDEN_IN_ARTIFACT = "golden"
-_PLANS = pytest.StashKey[dict]()  # resolved folder -> Plan
+_PLANS = pytest.StashKey[dict]()  # absolute folder (a pytest node's path) -> Plan
 
 
 def pytest_addoption(parser):
@@ -41,6 +44,7 @@ class Plan:
     reference: str
     bundle: Path | None = None
     reason: str = ""
+    overrides: str = ""  # the tolerance overrides a golden bundle was recorded with, which its replay applies
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
@@ -48,7 +52,8 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     CheckpointError when the checkpoint it was exported from is gone or changed."""
     from exporter.errors import ToolkitError
     from exporter.manifest import check_sizes, read_manifest
-    from exporter.verify.golden import BUNDLE, check_bundle
+    from exporter.verify.golden import BUNDLE, check_bundle, recorded_overrides
+    from exporter.verify.tolerances import AppliedOverrides
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)
@@ -57,8 +62,8 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
                            "none: remove it")
     bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / BUNDLE).is_file() else None)
     if bundle is not None:
-        check_bundle(bundle, manifest)
-        return Plan("golden", Path(bundle))
+        recorded = recorded_overrides(check_bundle(bundle, manifest))
+        return Plan("golden", Path(bundle), overrides=AppliedOverrides(recorded=recorded).describe())
     source = manifest.source
     if source.get("kind") == "seeded":
         return Plan("rebuilt")
@@ -99,7 +104,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"--artifact-provider: {str(exc).replace('--provider', '--artifact-provider')}") \
             from None
     try:
-        plans = {Path(folder).resolve(): reference_plan(Path(folder), config.getoption("golden_bundle"))
+        plans = {Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}
     except (ToolkitError, ModelError) as exc:
         stray = [str(f) for f in folders if Path(f).is_file() or Path(f).suffix == ".py"
@@ -108,17 +113,22 @@ def pytest_configure(config):
                 "before it)") if stray else ""
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     config.stash[_PLANS] = plans
-    # What pytest collects: each folder's manifest.json alone (never the folder, whose own conftest.py or
-    # test files would run), unless test paths were given too.
-    given = config.args_source == pytest.Config.ArgsSource.ARGS
-    config.args[:] = (config.args if given else []) + [str(Path(folder) / "manifest.json") for folder in folders]
+    if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone
+        config.args[:] = []
 
 
-def pytest_collect_file(file_path: Path, parent):
-    if file_path.name != "manifest.json":
-        return None
-    plan = parent.config.stash.get(_PLANS, {}).get(file_path.parent.resolve())
-    return None if plan is None else ArtifactFile.from_parent(parent, path=file_path, plan=plan)
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """The session collects each folder's manifest.json itself, after the test paths. Given as a test path,
+    the manifest would be reached through a directory collector for each folder from the rootdir down, and
+    pytest imports the conftest.py of every directory it collects: one beside or above the artifact
+    (`/downloads/conftest.py` for `--artifacts /downloads/model`) would run as code."""
+    report = yield
+    plans = collector.config.stash.get(_PLANS, None)
+    if isinstance(collector, pytest.Session) and plans and report.passed:
+        report.result += [ArtifactFile.from_parent(collector, path=folder / "manifest.json", plan=plan)
+                          for folder, plan in plans.items()]
+    return report
 
 
 class ArtifactFile(pytest.File):
@@ -255,7 +265,8 @@ def pytest_report_header(config):
     plans = config.stash.get(_PLANS, None)
     if not plans:
         return None
-    described = {"golden": lambda p: f"golden bundle {p.bundle}",
+    described = {"golden": lambda p: f"golden bundle {p.bundle}" + (f"; tolerance overrides: {p.overrides}"
+                                                                    if p.overrides else ""),
                  "rebuilt": lambda p: "the reference model rebuilt from the manifest (its seed or checkpoint)",
                  "invariants": lambda p: f"none ({p.reason}): reference-free invariants only"}
     return [f"artifact {folder}: reference = {described[plan.reference](plan)}" for folder, plan in plans.items()]

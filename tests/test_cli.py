@@ -252,3 +252,44 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
                     "--peak", "logits=0", "-q", "--decode-steps", "3", "--no-sweep", "--no-genai")
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides
+
+
+def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_artifact, tmp_path):
+    # Recorded under zero tolerance for logits and present (float32's profile is the peak term alone), which
+    # nothing meets: the replay must fail as the recording did, not pass under the default profile.
+    golden = tmp_path / "golden"
+    recorded = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
+                       "--no-sweep", "--peak", "logits=0", "--peak", "kv=0", "--golden-save", golden)
+    assert recorded.exit_code == 1 and json.loads((golden / "golden.json").read_text())["overrides"] == {
+        "logits.peak": 0.0, "kv.peak": 0.0}
+
+    def replay(*overrides):
+        result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden,
+                         *overrides, "--json")
+        text = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden, *overrides)
+        assert text.exit_code == result.exit_code, text.output
+        return result.exit_code, json.loads(result.stdout), text.stdout
+
+    code, report, text = replay()
+    assert code == 1 and report["tolerance_overrides"] == {
+        "applied": {"logits.peak": 0.0, "kv.peak": 0.0}, "given": {},
+        "recorded_in_golden_bundle": {"logits.peak": 0.0, "kv.peak": 0.0}}
+    assert report["providers"][0]["tolerances"]["overridden"] == ["logits.peak", "kv.peak"]
+    assert ("tolerance overrides: logits.peak=0 (recorded in the golden bundle), kv.peak=0 (recorded in the golden "
+            "bundle)") in text
+    # A term given for the replay takes the place of the recorded one; the other recorded term stays.
+    profile = report["providers"][0]["tolerances"]
+    code, report, text = replay("--peak", "logits=1e-3")
+    tolerances = report["providers"][0]["tolerances"]
+    assert code == 1 and tolerances["logits"]["peak"] == 1e-3 and tolerances["kv"]["peak"] == 0
+    assert tolerances["logits"]["atol"] == profile["logits"]["atol"]  # terms neither set keep the profile's
+    assert {c["name"]: c["passed"] for c in report["providers"][0]["comparisons"]}["prefill logits"]
+    assert "kv.peak=0 (recorded in the golden bundle), logits.peak=0.001 (given, in place of the bundle's 0)" in text
+    code, report, _ = replay("--peak", "logits=1e-3", "--peak", "kv=1e-3")
+    assert code == 0 and report["passed"], report
+    # A bundle whose recorded overrides cannot be read is damaged, said in one line as the other bundle checks.
+    meta = json.loads((golden / "golden.json").read_text())
+    meta["overrides"] = {"logits.peak": "loose"}
+    (golden / "golden.json").write_text(json.dumps(meta))
+    assert_one_line_error(run_cli("verify", cli_artifact, "--golden", golden, "-q"), 2,
+                          "golden.json overrides logits.peak: 'loose' is not a number")

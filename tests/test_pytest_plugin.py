@@ -50,6 +50,32 @@ def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(arti
     assert "code from the artifact folder ran" not in refused.stdout + refused.stderr
 
 
+def test_a_conftest_above_the_artifact_is_not_imported_while_the_test_paths_keep_theirs(artifact_fp32, tmp_path):
+    # An artifact unpacked with a conftest.py beside it, one folder up: pytest imports the conftest.py of every
+    # directory it collects, from the rootdir down to a test path, so it must never collect the folders.
+    download = tmp_path / "downloads" / "pack"
+    folder = shutil.copytree(artifact_fp32, download / "model")
+    marker = tmp_path / "imported"
+    (download / "conftest.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    suite = tmp_path / "suite"  # the user's own tests, whose conftest.py must still apply to them
+    suite.mkdir()
+    (suite / "conftest.py").write_text("import pytest\n\n@pytest.fixture\ndef answer():\n    return 42\n")
+    (suite / "test_x.py").write_text("def test_one(answer):\n    assert answer == 42\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for cwd, args in ((tmp_path, ["--artifacts", folder.relative_to(tmp_path)]),
+                      (elsewhere, ["--artifacts", folder]),  # the rootdir is then their common ancestor
+                      (tmp_path, ["suite", "--artifacts", folder])):
+        out = _pytest(cwd, "--collect-only", "-q", *args)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert f"{len(CHECKS) + (args[0] == 'suite')} tests collected" in out.stdout, out.stdout[-2000:]
+        assert "downloads/pack/model/manifest.json::greedy" in out.stdout
+        assert not marker.exists(), args
+    ran = _pytest(tmp_path, "suite", "--artifacts", folder, "-k", "test_one")
+    assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout[-2000:]
+    assert not marker.exists()
+
+
 def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_reference_is_available(artifact_fp32,
                                                                                                     tmp_path):
     # Weights exported from memory: no seed or checkpoint to rebuild the reference from, no golden bundle.
@@ -73,6 +99,24 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
     assert "FAILED wrong/manifest.json::onnxruntime_genai" in out.stdout  # its tokens are not the reference's
     assert "PASSED wrong/manifest.json::invariants" in out.stdout  # the graphs themselves are sound
     assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
+
+
+def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artifact_fp32, tiny_model, tmp_path):
+    # The plugin takes no tolerance options: a bundle recorded under a tightened logits.peak (0: nothing meets
+    # it) must fail its replay here too, and the header must say what the bundle overrides.
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.tolerances import parse_overrides
+    bundle = tmp_path / "bundle"
+    recorded = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False),
+                               genai=False, golden_save=bundle, overrides=parse_overrides(peak=["logits=0"]))
+    assert not recorded.passed
+    out = _pytest(tmp_path, "--artifacts", artifact_fp32, "--golden-bundle", bundle, "--artifact-provider", "cpu",
+                  "-rA")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert (f"reference = golden bundle {bundle}; tolerance overrides: logits.peak=0 (recorded in the golden "
+            "bundle)") in out.stdout
+    assert "prefill_and_decode failed on " in out.stdout and "PASSED" in out.stdout  # the invariants
 
 
 @pytest.mark.parametrize("module, error, said", [

@@ -27,7 +27,7 @@ from exporter.verify.localise import probe_reference
 from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, module_of
 from exporter.verify.reports import format_verify, render_html, render_junit
-from exporter.verify.tolerances import profile_for
+from exporter.verify.tolerances import Overrides, profile_for
 from helpers import claim_seed, edit_manifest
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
@@ -208,20 +208,43 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     # a save interrupted between its two files, or a value edited since: the arrays' hash differs
     assert "sha256 differs" in damaged(shift, rehash=False)
     # an edited greedy id, valid but not what the reference chose
-    assert "greedy runs or settings in golden.json changed" in damaged(
+    assert "greedy runs, settings or overrides in golden.json changed" in damaged(
         edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(5, 7), rehash=False)
+    # the tolerance overrides the recording was judged with, which a replay applies: edited, left out or unreadable
+    assert "overrides in golden.json changed" in damaged(edit_meta=lambda m: m.update(overrides={"logits.peak": 1}),
+                                                         rehash=False)
+    assert "golden.json records no tolerance overrides, which a v4 bundle holds" in damaged(
+        edit_meta=lambda m: m.pop("overrides"))
+    assert "golden.json overrides logits.atol: 'loose' is not a number" in damaged(
+        edit_meta=lambda m: m.update(overrides={"logits.atol": "loose"}))
+    assert "golden.json overrides: 'logits' is no tolerance term" in damaged(
+        edit_meta=lambda m: m.update(overrides={"logits": 1e-3}))
     assert "logits has shape" in damaged(lambda a: a.update({"0/out/logits": a["0/out/logits"][:, :, :7]}))
     assert "holds the outputs" in damaged(lambda a: a.pop("0/out/present.0.key"),
                                           lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
 
-    recording, settings, versions = load_bundle(full[1], manifest)
+    bundle = load_bundle(full[1], manifest)
     blocked = tmp_path / "blocked"
     (blocked / "arrays.npz").mkdir(parents=True)  # the swap into place fails
     with pytest.raises(OutputPathError, match="cannot write the golden bundle"):
-        recording.save(blocked, manifest, settings, versions)
+        bundle.reference.save(blocked, manifest, bundle.settings, bundle.overrides, bundle.versions)
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
+
+
+def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_path):
+    # Version 3 recorded no overrides and other prefill labels; a later version is a later toolkit's.
+    manifest = read_manifest(artifact_fp32)
+    old = shutil.copytree(full[1], tmp_path / "v3")
+    meta = json.loads((old / "golden.json").read_text())
+    assert meta["format_version"] == 4 and meta["overrides"] == {}
+    for version in (3, 5):
+        meta["format_version"] = version
+        (old / "golden.json").write_text(json.dumps(meta))
+        with pytest.raises(ToolkitError, match=f"is format 'minimind-onnx-golden' v{version}, expected "
+                                               "'minimind-onnx-golden' v4; re-record it"):
+            load_bundle(old, manifest)
 
 
 def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
@@ -500,7 +523,7 @@ def test_every_check_of_a_report_can_fail_the_verdict():
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):
     from exporter.verify import tolerances
     from exporter.verify.providers import attribute, cross_providers
-    from exporter.verify.tolerances import CPU, CUDA, Overrides
+    from exporter.verify.tolerances import CPU, CUDA
     rng = np.random.default_rng(0)
     cpu = {"logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
            "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32)}

@@ -28,7 +28,7 @@ from exporter.verify.localise import Localisation, first_diverging_layer, probe_
 from exporter.verify.probe import DebugGraph
 from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
-from exporter.verify.tolerances import Overrides, Profile, profile_for
+from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +137,20 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
                           judge_greedy(trace, actual, profile, expected, dropped_eos=eos))
 
 
-def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, settings: ParitySettings):
-    """(reference or None, its description, the settings to use)."""
+def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, settings: ParitySettings,
+               overrides: Overrides):
+    """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
     if golden is not None:
-        reference, recorded, versions = load_bundle(golden, manifest)
+        bundle = load_bundle(golden, manifest)
         log.info("reference: golden bundle %s (recorded with %s)", golden,
-                 ", ".join(f"{k} {v}" for k, v in versions.items()))
-        return reference, f"golden bundle {golden}", ParitySettings(**{**recorded.to_dict(), "probe": settings.probe})
+                 ", ".join(f"{k} {v}" for k, v in bundle.versions.items()))
+        return (bundle.reference, f"golden bundle {golden}",
+                ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
+                AppliedOverrides(overrides, bundle.overrides))
     if model is not None:
         from exporter.reference_runner import TorchRunner  # torch only on this path
-        return RecordedReference(TorchRunner(model, manifest)), "pytorch model", settings
-    return None, "none", settings
+        return RecordedReference(TorchRunner(model, manifest)), "pytorch model", settings, AppliedOverrides(overrides)
+    return None, "none", settings, AppliedOverrides(overrides)
 
 
 def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
@@ -157,9 +160,11 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     """Verify an artifact on the given providers (each must exist), or on every available one when None.
 
     model: the PyTorch reference (torch.nn.Module); golden: a golden bundle folder to compare with instead
-    (no torch); with neither, only the reference-free invariants run. golden_save: record the reference's
-    inputs and outputs there. genai: also check onnxruntime-genai's greedy tokens; None runs the check when it
-    can and reports why not otherwise, True makes each of those a ConsumerError, False skips it.
+    (no torch), judged with the tolerance overrides it was recorded with, each term in `overrides` taking its
+    recorded one's place; with neither, only the reference-free invariants run. golden_save: record the
+    reference's inputs and outputs there, with `overrides`. genai: also check onnxruntime-genai's greedy
+    tokens; None runs the check when it can and reports why not otherwise, True makes each of those a
+    ConsumerError, False skips it.
     fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
     manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
     """
@@ -172,7 +177,8 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
             raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
-    reference, described, settings = _reference(folder, manifest, model, golden, settings)
+    reference, described, settings, applied = _reference(folder, manifest, model, golden, settings, overrides)
+    overrides = applied.overrides  # a replay's: the bundle's, each given term in its place
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
     else:
@@ -212,6 +218,6 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
                                      else profile_for(manifest.dtype)))
     if golden_save is not None:
         import torch  # the reference side's version, recorded with the bundle
-        reference.save(golden_save, manifest, settings, {"torch": torch.__version__})
+        reference.save(golden_save, manifest, settings, overrides, {"torch": torch.__version__})
     return VerifyReport(str(folder), reports, skipped, consumers, consumers_skipped, described, invariants, cross,
-                        probes, attribution, settings.to_dict(), time.perf_counter() - start)
+                        probes, attribution, settings.to_dict(), applied, time.perf_counter() - start)

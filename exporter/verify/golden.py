@@ -10,11 +10,12 @@ each call also keeps its routers' scores and chosen experts, so that expert
 choice and the routing explanation of a failing sweep case replay too.
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
-dtype and file hashes, the settings, the call list, the sha256 of arrays.npz
-and one of what golden.json records) and arrays.npz. The hashes tie the two
-files together: a save interrupted between them, or a stored value or id
-edited since, reads as a damaged bundle, never as a numeric failure of the
-artifact.
+dtype and file hashes, the settings, the tolerance overrides the recording
+was judged with, the call list, the sha256 of arrays.npz and one of what
+golden.json records) and arrays.npz. A replay judges with the recorded
+overrides (see tolerances.AppliedOverrides). The hashes tie the two files
+together: a save interrupted between them, or a stored value or id edited
+since, reads as a damaged bundle, never as a numeric failure of the artifact.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import platform
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +39,15 @@ from exporter.paths import check_output_path
 from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.tolerances import Overrides
 
 log = logging.getLogger(__name__)
 
 BUNDLE = "golden.json"
 ARRAYS = "arrays.npz"
-FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 3  # 2: router choices per call; 3: the two sha256
+# 2: router choices per call; 3: the two sha256; 4: the tolerance overrides, and prefill labels that leave out
+# each padded row's first real token (a v3 recording holds other labels, so it could not replay)
+FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 4
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
 
 
@@ -120,8 +125,10 @@ class RecordedReference:
             self.greedy_traces[key] = self.backing.greedy(prompt, max_new_tokens, eos)
         return self.greedy_traces[key]
 
-    def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, versions: dict) -> Path:
-        """Write the recording as a bundle; `versions` are those of the reference side (e.g. torch)."""
+    def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, overrides: Overrides,
+             versions: dict) -> Path:
+        """Write the recording as a bundle, with the settings and tolerance overrides it was judged with;
+        `versions` are those of the reference side (e.g. torch)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         arrays, calls = {}, []
@@ -142,7 +149,8 @@ class RecordedReference:
             with open(partial_arrays, "wb") as f:  # a file object: savez would append .npz to a name
                 np.savez(f, **arrays)
             meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": _identity(manifest),
-                    "arrays_sha256": sha256_file(partial_arrays), "settings": settings.to_dict(), "calls": calls,
+                    "arrays_sha256": sha256_file(partial_arrays), "settings": settings.to_dict(),
+                    "overrides": overrides.to_dict(), "calls": calls,
                     "greedy": greedy, "versions": {**versions, "numpy": np.__version__,
                                                    "onnxruntime": ort.__version__,
                                                    "python": platform.python_version()}}
@@ -160,9 +168,17 @@ class RecordedReference:
         return folder
 
 
-def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, ParitySettings, dict]:
-    """The bundle's replaying reference, its settings and versions; GoldenMismatch when it belongs to
-    another artifact (config, dtype or file hashes), ToolkitError when it is no bundle."""
+@dataclass(frozen=True)
+class GoldenBundle:
+    reference: RecordedReference  # replays the recorded calls
+    settings: ParitySettings
+    overrides: Overrides  # the tolerance overrides the recording was judged with
+    versions: dict  # of the recording side: torch, numpy, onnxruntime, python
+
+
+def load_bundle(folder: Path, manifest: Manifest) -> GoldenBundle:
+    """The bundle, ready to replay; GoldenMismatch when it belongs to another artifact (config, dtype or
+    file hashes), ToolkitError when it is no bundle or a damaged one."""
     folder = Path(folder)
     meta = check_bundle(folder, manifest)
     try:
@@ -175,7 +191,8 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
                                           "an interrupted save, or values changed since"))
     try:
         if _recording_digest(meta) != meta.get("recording_sha256"):
-            raise ValueError(f"the calls, greedy runs or settings in {BUNDLE} changed since the save (sha256 differs)")
+            raise ValueError(f"the calls, greedy runs, settings or overrides in {BUNDLE} changed since the save "
+                             "(sha256 differs)")
         return _replay(folder, meta, arrays, manifest)
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, InputError, OSError,
             zipfile.BadZipFile) as exc:
@@ -183,8 +200,8 @@ def load_bundle(folder: Path, manifest: Manifest) -> tuple[RecordedReference, Pa
 
 
 def check_bundle(folder: Path, manifest: Manifest) -> dict:
-    """The bundle's description, once its format is known and it was recorded from this artifact
-    (what load_bundle checks before it reads the arrays)."""
+    """The bundle's description, once its format is known, it was recorded from this artifact and its
+    tolerance overrides read (what load_bundle checks before it reads the arrays)."""
     folder = Path(folder)
     try:
         meta = json.loads((folder / BUNDLE).read_text())
@@ -192,15 +209,16 @@ def check_bundle(folder: Path, manifest: Manifest) -> dict:
         raise _unreadable(folder, exc) from None
     try:
         _check_identity(folder, manifest, meta)
-    except (KeyError, TypeError, AttributeError) as exc:
+        recorded_overrides(meta)
+    except (KeyError, TypeError, AttributeError, InputError) as exc:
         raise _damaged(folder, exc) from None
     return meta
 
 
 def _recording_digest(meta: dict) -> str:
-    """The sha256 of what golden.json records (with the arrays' own hash): an edited id or setting would
-    otherwise read as a failure of the artifact."""
-    recorded = {key: meta[key] for key in ("arrays_sha256", "settings", "calls", "greedy")}
+    """The sha256 of what golden.json records (with the arrays' own hash): an edited id, setting or override
+    would otherwise read as a failure of the artifact."""
+    recorded = {key: meta[key] for key in ("arrays_sha256", "settings", "overrides", "calls", "greedy")}
     return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
 
 
@@ -239,7 +257,15 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
                              "differ(s) in sha256; re-record the bundle from this artifact")
 
 
-def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> tuple[RecordedReference, ParitySettings, dict]:
+def recorded_overrides(meta: dict) -> Overrides:
+    """The tolerance overrides a bundle's golden.json records; InputError when the field is missing or is no
+    table of tolerance terms."""
+    if "overrides" not in meta:
+        raise InputError(f"{BUNDLE} records no tolerance overrides, which a v{FORMAT_VERSION} bundle holds")
+    return Overrides.from_dict(meta["overrides"], f"{BUNDLE} overrides")
+
+
+def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundle:
     calls = [(c["kind"], {k: arrays[f"{i}/feed/{k}"] for k in c["feeds"]},
               {k: arrays[f"{i}/out/{k}"] for k in c["outputs"]}) for i, c in enumerate(meta["calls"])]
     for index, (kind, feeds, outputs) in enumerate(calls):
@@ -256,8 +282,8 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> tuple[Recor
     settings = meta["settings"]
     if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
         raise ValueError(f"settings must be integers of at least 0, got {settings}")
-    return (RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing),
-            ParitySettings(**settings), meta["versions"])
+    return GoldenBundle(RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing),
+                        ParitySettings(**settings), recorded_overrides(meta), meta["versions"])
 
 
 def _check_call(index: int, kind: str, feeds: dict, outputs: dict, manifest: Manifest) -> None:

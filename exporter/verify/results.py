@@ -10,7 +10,7 @@ from exporter.verify.health import HealthReport
 from exporter.verify.invariants import Invariant
 from exporter.verify.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
-from exporter.verify.tolerances import Profile
+from exporter.verify.tolerances import AppliedOverrides, Profile
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class VerifyReport:
     cross_probes: list[ProbeResult] = field(default_factory=list)
     attribution: Attribution | None = None
     settings: dict = field(default_factory=dict)
+    tolerance_overrides: AppliedOverrides = field(default_factory=AppliedOverrides)
     seconds: float = 0.0
 
     @property
@@ -98,6 +99,7 @@ class VerifyReport:
     def to_dict(self) -> dict:
         return {"folder": self.folder, "passed": self.passed, "reference": self.reference,
                 "seconds": round(self.seconds, 2), "settings": self.settings,
+                "tolerance_overrides": self.tolerance_overrides.to_dict(),
                 "providers": [r.to_dict() for r in self.reports], "skipped": self.skipped,
                 "invariants": [i.to_dict() for i in self.invariants],
                 "cross_provider": [c.to_dict() for c in self.cross],

@@ -110,10 +110,67 @@ class Overrides:
         for kind, term, value in self.terms:
             values[kind][term] = value
         return dataclasses.replace(profile, **{kind: Tolerance(**values[kind]) for kind in KINDS},
-                                   overridden=tuple(f"{kind}.{term}" for kind, term, _ in self.terms))
+                                   overridden=tuple(self.to_dict()))
 
     def to_dict(self) -> dict:
+        """{"logits.atol": 1e-3, ...}; a term set twice (in a file, then on the command line) keeps its last value."""
         return {f"{kind}.{term}": value for kind, term, value in self.terms}
+
+    @classmethod
+    def from_dict(cls, data, where: str) -> Overrides:
+        """to_dict's form read back (from a golden bundle); InputError names `where` when it is not that."""
+        if not isinstance(data, dict):
+            raise InputError(f"{where}: expected a table of tolerance terms like {{\"logits.atol\": 1e-3}}, got "
+                             f"{data!r}")
+        terms = []
+        for name, value in data.items():
+            kind, _, term = name.partition(".")
+            if term not in TERMS:
+                raise InputError(f"{where}: {name!r} is no tolerance term; write KIND.TERM, TERM one of "
+                                 f"{', '.join(TERMS)}")
+            terms.append((_kind(kind, where), term, _value(value, f"{where} {name}")))
+        return cls(tuple(terms))
+
+
+@dataclass(frozen=True)
+class AppliedOverrides:
+    """The overrides a verification judges with, and where each came from: `given` for this run (options or
+    file) and, on a golden replay, `recorded` in the bundle (None when no bundle is replayed).
+
+    A replay applies the recorded terms, so that it judges as the recording did, and a given term takes the
+    place of the recorded one of the same KIND.TERM while the other recorded terms stay. Term by term, not
+    refused and not all-or-nothing: each term is its own bound, so terms of different names never conflict,
+    and for one name the given value is the user's explicit, later choice (tightening logits.peak on a
+    bundle recorded with a loosened kv.atol asks for that one change); the report names each term's origin,
+    so no mix goes unseen. To replay a term with the profile's own value, give that value."""
+
+    given: Overrides = Overrides()
+    recorded: Overrides | None = None
+
+    @property
+    def overrides(self) -> Overrides:
+        if self.recorded is None:
+            return self.given
+        replaced = self.given.to_dict()
+        kept = tuple((kind, term, value) for kind, term, value in self.recorded.terms
+                     if f"{kind}.{term}" not in replaced)
+        return Overrides(kept + self.given.terms)
+
+    def describe(self) -> str:
+        """Each applied term with its value and origin, e.g. "logits.atol=0.001 (recorded in the golden bundle),
+        kv.peak=0 (given, in place of the bundle's 0.0001)"; '' when none applies."""
+        recorded = {} if self.recorded is None else self.recorded.to_dict()
+        given = self.given.to_dict()
+
+        def origin(name: str) -> str:
+            if name not in given:
+                return "recorded in the golden bundle"
+            return f"given, in place of the bundle's {recorded[name]:g}" if name in recorded else "given"
+        return ", ".join(f"{name}={value:g} ({origin(name)})" for name, value in self.overrides.to_dict().items())
+
+    def to_dict(self) -> dict:
+        return {"applied": self.overrides.to_dict(), "given": self.given.to_dict(),
+                "recorded_in_golden_bundle": None if self.recorded is None else self.recorded.to_dict()}
 
 
 def _value(text, where: str) -> float:

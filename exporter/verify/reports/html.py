@@ -77,6 +77,8 @@ def render_html(report: VerifyReport) -> str:
              f"<h1>Verification of {escape(report.folder)}: <span class='{verdict(report.passed)}'>{overall}</span></h1>",
              f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
              f"{escape(str(report.settings))}</p>"]
+    overrides = report.tolerance_overrides.describe()
+    parts += [f"<p>tolerance overrides: {escape(overrides)}</p>"] if overrides else []
     parts += [_provider(p) for p in report.reports]
     parts += [f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped,
                                                                         **report.consumers_skipped}.items()]

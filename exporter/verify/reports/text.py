@@ -112,7 +112,9 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
 
 
 def format_verify(report: VerifyReport) -> str:
-    blocks = [f"reference: {report.reference}"] + [_provider(p) for p in report.reports]
+    overrides = report.tolerance_overrides.describe()
+    blocks = [f"reference: {report.reference}" + (f"\ntolerance overrides: {overrides}" if overrides else "")]
+    blocks += [_provider(p) for p in report.reports]
     blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
     blocks += [f"{title}\n{table(header, rows)}" for title, header, rows in summary_tables(report)]
     for consumer in report.consumers:

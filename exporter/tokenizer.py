@@ -62,7 +62,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _tokens(path: Path, data: dict) -> dict[int, str]:
-    """Every id the tokenizer can produce: its model's vocabulary plus the added (special) tokens."""
+    """The ids tokenizer.json lists: its model's vocabulary plus the added (special) tokens."""
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     try:

@@ -469,6 +469,14 @@ def _parse_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a list of integers; write e.g. --prompt-ids 1,42,7") from None
 
 
+def _encode_prompt(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text).ids
+    if not ids:  # said here: the runtime's "the prompt is empty" would deny the text the user gave
+        raise click.BadParameter(f"{text!r} encodes to no tokens with this tokenizer; give text that it covers",
+                                 param_hint="--prompt")
+    return ids
+
+
 @main.command()
 @click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
@@ -537,7 +545,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
             raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
                                    "--tokenizer PATH or re-export with --tokenizer")
         text_tokenizer = load_tokenizer(tokenizer or folder, config.vocab_size)
-    batch = ([text_tokenizer.encode(text).ids for text in prompts] if prompts
+    batch = ([_encode_prompt(text_tokenizer, text) for text in prompts] if prompts
              else [_parse_ids(text) for text in prompt_ids])
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)

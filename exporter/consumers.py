@@ -118,9 +118,20 @@ def optimum_unsupported(manifest: Manifest) -> str:
     return ""
 
 
+def genai_eos_token_id(eos_token_id: int | None, vocab_size: int) -> int:
+    """The token onnxruntime-genai stops at: the model's EOS, or for a model without one the last id.
+
+    genai always stops at some id: it refuses one outside the vocabulary, and given none it stops at its pad
+    id, 0 unless set (measured with 0.18.0: a teaching GPT without an EOS stopped at its first token 0, which
+    is "!" in GPT-2's tokenizer). The last id of the teaching GPT's 50304-row vocabulary is a padding row
+    that GPT-2's 50257-token tokenizer never produces."""
+    return vocab_size - 1 if eos_token_id is None else eos_token_id
+
+
 def _token_ids(sizes: ModelSizes) -> dict:
-    """The special ids a family has; onnxruntime-genai reads a missing one as "none", not a JSON null."""
-    ids = {"bos_token_id": sizes.bos_token_id, "eos_token_id": sizes.eos_token_id, "pad_token_id": sizes.pad_token_id}
+    """The special ids for genai_config.json; onnxruntime-genai reads a missing one as "none", not a JSON null."""
+    ids = {"bos_token_id": sizes.bos_token_id, "eos_token_id": genai_eos_token_id(sizes.eos_token_id, sizes.vocab_size),
+           "pad_token_id": sizes.pad_token_id}
     return {name: value for name, value in ids.items() if value is not None}
 
 

@@ -2,7 +2,8 @@
 
 The folder is loaded as it is (genai_config.json beside the graph), on the
 CPU. onnxruntime-genai stops at EOS and leaves the EOS token out of what it
-returns; our runtime and the reference keep it.
+returns; our runtime and the reference keep it. A model without an EOS still
+stops in genai, at the id consumers.genai_eos_token_id names.
 """
 
 from __future__ import annotations

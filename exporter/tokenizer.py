@@ -32,7 +32,7 @@ class TokenizerSource:
 
     tokenizer: Path
     config: Path | None
-    tokens: dict[int, str]  # id -> token, the model vocabulary and the added tokens
+    tokens: dict[int, str]  # id -> token: the model vocabulary, the added tokens and the post-processor's
     loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
     special: frozenset[int] = frozenset()  # ids of the added tokens marked special
 
@@ -62,7 +62,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _tokens(path: Path, data: dict) -> dict[int, str]:
-    """Every id the tokenizer can produce: its model's vocabulary plus the added (special) tokens."""
+    """The ids tokenizer.json lists: its model's vocabulary plus the added (special) tokens."""
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     try:
@@ -83,6 +83,15 @@ def _tokens(path: Path, data: dict) -> dict[int, str]:
     return tokens
 
 
+def _post_processor_tokens(loaded) -> dict[int, str]:
+    """The tokens a post-processor (TemplateProcessing, BertProcessing, ...) adds around every text: it gives
+    them ids of its own, which need not be in the vocabulary. They are all an empty text (or pair) encodes to."""
+    tokens = {}
+    for encoding in (loaded.encode(""), loaded.encode("", "")):
+        tokens.update(zip(encoding.ids, encoding.tokens))
+    return tokens
+
+
 def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     """Resolve a tokenizer.json (or a folder holding one) and check that its ids fit the model."""
     path = Path(path)
@@ -91,9 +100,11 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
     data = _read_json(tokenizer)
     tokens = _tokens(tokenizer, data)
+    loaded = _load(tokenizer)
+    tokens = {**_post_processor_tokens(loaded), **tokens}
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
-    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, _load(tokenizer), special)
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special)
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
@@ -105,10 +116,22 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
+# Fields onnxruntime-genai's tokenizer reads with one JSON type only: given any other (null included), og.Tokenizer
+# fails to load with a bare JSON type error, though the model loads. Measured with onnxruntime-genai 0.18.0
+# (transformers also accepts a list of named chat templates, which genai does not).
+GENAI_CONFIG_TYPES = {"tokenizer_class": "string", "chat_template": "string", "model_max_length": "number",
+                      "clean_up_tokenization_spaces": "boolean"}
+
 
 def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> None:
     """The special tokens a tokenizer_config.json names must be tokens of tokenizer.json: transformers adds any
-    other one as a new token, with an id past the model's vocabulary."""
+    other one as a new token, with an id past the model's vocabulary. The fields onnxruntime-genai reads must
+    have the type it reads."""
+    for key, expected in GENAI_CONFIG_TYPES.items():
+        if key in config and _json_type(config[key]) != expected:
+            raise TokenizerError(f"{source.config}: {key} is a JSON {_json_type(config[key])}, but onnxruntime-genai "
+                                 f"reads only a JSON {expected} there (its tokenizer would fail to load); correct it "
+                                 "or leave the tokenizer_config.json out")
     named = [(key, config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None]
     extra = config.get("additional_special_tokens") or []
     named += [("additional_special_tokens", token) for token in (extra if isinstance(extra, list) else [extra])]
@@ -128,6 +151,12 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
         if key.startswith("added_tokens_decoder") and key[len("added_tokens_decoder["):-1] != str(token_id):
             raise TokenizerError(f"{source.config}: {key} says {content!r}, which {source.tokenizer.name} holds at id "
                                  f"{token_id}; correct the id or leave the tokenizer_config.json out")
+
+
+def _json_type(value) -> str:
+    """The JSON type of a value read by json.loads."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), "null")
 
 
 def minimal_tokenizer_config(source: TokenizerSource, context_length: int, bos_token_id: int,

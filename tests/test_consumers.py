@@ -142,6 +142,40 @@ def test_a_tokenizer_config_naming_tokens_the_tokenizer_lacks_is_refused(tiny_to
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("config, fragment", [
+    ({"chat_template": [{"name": "default", "template": "{{ messages }}"}]}, "chat_template is a JSON list"),
+    ({"tokenizer_class": None}, "tokenizer_class is a JSON null"),
+    ({"model_max_length": "32k"}, "model_max_length is a JSON string, but onnxruntime-genai reads only a JSON number"),
+    ({"clean_up_tokenization_spaces": None}, "clean_up_tokenization_spaces is a JSON null"),
+])
+def test_a_tokenizer_config_genai_cannot_read_is_refused(tiny_tokenizer, tmp_path, config, fragment):
+    # each makes og.Tokenizer fail to load (test_genai.py measures it); a list of chat templates is transformers' own
+    (tmp_path / "tokenizer.json").write_bytes((tiny_tokenizer / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match=fragment) as info:
+        find_tokenizer(tmp_path, 512)
+    assert "\n" not in str(info.value)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}",
+                                                                "model_max_length": 1e30,
+                                                                "clean_up_tokenization_spaces": False}))
+    assert find_tokenizer(tmp_path, 512).config is not None
+
+
+def test_a_post_processor_adding_ids_past_the_vocabulary_is_refused(tiny_tokenizer, tmp_path):
+    """A TemplateProcessing (or BertProcessing...) gives the tokens it adds ids of its own, outside model.vocab."""
+    from tokenizers import Tokenizer, processors
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 900)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("kalo").ids[0] == 900  # what every text would start with
+    with pytest.raises(TokenizerError, match=r"ids in \[0, 900\] \(513 tokens\).*vocab_size is 512"):
+        find_tokenizer(tmp_path, 512)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                             special_tokens=[("<|im_start|>", 1)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert find_tokenizer(tmp_path, 512).max_id == 511
+
+
 def test_the_minimal_config_names_only_special_tokens(tiny_tokenizer, tmp_path, caplog):
     data = _tokenizer_json(tiny_tokenizer)
     for added in data["added_tokens"]:

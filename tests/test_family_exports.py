@@ -66,7 +66,14 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
     # (and so ours, asserted above), EOS aside.
     [genai] = report.consumers
     assert genai.passed and genai.greedy.match_length == len(genai.greedy.reference_ids) > 3, genai.greedy.note
-    assert genai.model_type == json.loads((artifact / "genai_config.json").read_text())["model"]["type"]
+    genai_config = json.loads((artifact / "genai_config.json").read_text())["model"]
+    assert genai.model_type == genai_config["type"]
+    config = read_manifest(artifact).config
+    if config.eos_token_id is None:  # genai needs a stop id: the last one, not its default 0 (see conftest)
+        assert genai_config["eos_token_id"] == config.vocab_size - 1
+    if family == "teaching GPT":  # genai ran on through token 0 and stopped at 511 (conftest's GPT_SEED)
+        ours = cpu.greedy.onnx_ids
+        assert 0 in genai.greedy.onnx_ids and genai.greedy.onnx_ids == ours[:ours.index(511)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from exporter.errors import ArtifactError, ConsumerError
 from exporter.genai import GenaiGenerator, genai_greedy
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import ParitySettings, verify_artifact
+from exporter.tokenizer import GENAI_CONFIG_TYPES
 from exporter.verify import engine
 from exporter.verify.checks import judge_greedy
 from exporter.verify.tolerances import profile_for
@@ -115,6 +116,22 @@ def test_text_generation_agrees_across_genai_tokenizers_and_our_cli(artifact_fp3
     [data] = json.loads(result.stdout)
     assert data["prompt_ids"] == ids and data["new_ids"] == new_ids
     assert data["text"] == ours.decode(new_ids)
+
+
+def test_genai_tokenizer_reads_the_config_fields_the_export_checks_with_one_type_only(artifact_copy):
+    """GENAI_CONFIG_TYPES is measured: a value of another JSON type (null included) fails og.Tokenizer, though
+    og.Model loads; the export refuses such a tokenizer_config.json (test_consumers.py)."""
+    path = artifact_copy / "tokenizer_config.json"
+    written = json.loads(path.read_text())
+    other_type = {"string": 1, "number": "1", "boolean": None}
+    for key, json_type in GENAI_CONFIG_TYPES.items():
+        for value in (None, other_type[json_type]):
+            path.write_text(json.dumps({**written, key: value}))
+            model = og.Model(str(artifact_copy))
+            with pytest.raises(RuntimeError, match="type must be"):
+                og.Tokenizer(model)
+    path.write_text(json.dumps({**written, "chat_template": "{{ messages }}", "model_max_length": 1e30}))
+    assert list(og.Tokenizer(og.Model(str(artifact_copy))).encode("kalo")) == [48]
 
 
 # The consumer check does not depend on the decode steps or the sweep.

@@ -281,6 +281,16 @@ def test_streamed_text_is_printed(artifact_fp32, tokenizer_file):
     assert len(result.stdout.split()) == 5
 
 
+def test_text_that_encodes_to_no_tokens_is_refused_as_text(artifact_fp32, monkeypatch):
+    # the artifact's byte-level BPE knows only lower-case ASCII letters and has no unknown token
+    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded"))
+    for text in ("", "KALO"):
+        result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "kalo", "--prompt", text])
+        assert result.exit_code == 2, result.output
+        [line] = result.stderr.strip().splitlines()
+        assert f"Invalid value for --prompt: {text!r} encodes to no tokens with this tokenizer" in line
+
+
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_path):
     from tokenizers import Tokenizer, models
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.consumers import GENAI_CONFIG, genai_unsupported
+from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
@@ -124,12 +124,13 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
                 ) -> ConsumerReport:
     """onnxruntime-genai's own loop over the folder against the reference, from check_greedy's prompt.
 
-    onnxruntime-genai stops at EOS and leaves it out, so a final EOS of the reference is dropped first.
+    onnxruntime-genai stops at EOS and leaves it out, so the reference's tokens are compared up to its
+    first EOS; for a model without one, up to the id genai_config.json makes genai stop at instead.
     """
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    eos = manifest.config.eos_token_id
-    trace = reference.greedy(prompt, settings.greedy_tokens, eos)
-    expected = trace.ids[:-1] if trace.ids and trace.ids[-1] == eos else trace.ids
+    trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
+    eos = genai_eos_token_id(manifest.config.eos_token_id, manifest.config.vocab_size)
+    expected = trace.ids[:trace.ids.index(eos)] if eos in trace.ids else trace.ids
     log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
     generator = GenaiGenerator(folder, manifest)
     actual = generator.greedy(prompt, settings.greedy_tokens)

@@ -14,6 +14,7 @@ from helpers import claim_seed, edit_manifest
 
 from exporter.pytest_plugin import CHECKS, Plan, reference_plan
 from exporter.verify.checks import SweepCase
+from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
 
 
@@ -201,7 +202,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
                 "--artifact-provider cpu or --artifact-provider cuda", "--artifact-provider", "bogus")
     other = tmp_path / "other-bundle"
     other.mkdir()
-    (other / "golden.json").write_text(json.dumps({"format": "minimind-onnx-golden", "format_version": 3, "artifact": {
+    (other / "golden.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
     usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", "--golden-bundle", other)
     usage_error(tmp_path / "none", "is not a folder", "--golden-bundle", other)  # the folder is checked first

@@ -155,7 +155,7 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
 
 def _json_type(value) -> str:
     """The JSON type of a value read by json.loads."""
-    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
         type(value), "null")
 
 

@@ -143,7 +143,7 @@ def test_a_tokenizer_config_naming_tokens_the_tokenizer_lacks_is_refused(tiny_to
 
 
 @pytest.mark.parametrize("config, fragment", [
-    ({"chat_template": [{"name": "default", "template": "{{ messages }}"}]}, "chat_template is a JSON list"),
+    ({"chat_template": [{"name": "default", "template": "{{ messages }}"}]}, "chat_template is a JSON array"),
     ({"tokenizer_class": None}, "tokenizer_class is a JSON null"),
     ({"model_max_length": "32k"}, "model_max_length is a JSON string, but onnxruntime-genai reads only a JSON number"),
     ({"clean_up_tokenization_spaces": None}, "clean_up_tokenization_spaces is a JSON null"),

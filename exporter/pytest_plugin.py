@@ -219,8 +219,13 @@ def _worst(comparisons) -> tuple[bool, str]:
 
 
 def _sweep(cases) -> tuple[bool, str]:
-    bad = [c for c in cases if not c.passed]  # a MoE routing near-tie passes, as in `export-onnx verify`
-    return not bad, "; ".join(f"{c.name}: {_worst([c.logits, c.kv])[1]}" for c in bad)
+    bad = [c for c in cases if not c.passed]  # a MoE routing near-tie leaves out what it reached, as in verify
+    return not bad, "; ".join(_sweep_failure(c) for c in bad)
+
+
+def _sweep_failure(case) -> str:
+    parts = [_worst([case.logits, case.kv])[1]] + [flip.describe() for flip in case.routing if not flip.explained]
+    return f"{case.name}: {', '.join(part for part in parts if part)}"
 
 
 def _per_provider(part):

@@ -98,13 +98,12 @@ class ExpertAgreement:
     """How often ONNX Runtime's routers chose the same experts as the reference's, over (token, layer) pairs.
 
     A token agrees when its set of top-k expert ids is the same on both sides.
-    A disagreement is a near-tie when the reference's k-th and (k+1)-th router
-    scores are closer than the dtype's tolerance: either choice is then within
-    the precision of the computation. Within one call, a disagreement is
-    explained when it is a near-tie at the first layer that differs, or comes
-    after such a layer whose every disagreement is one (see _compare_choices).
-    Parity passes when every disagreement is explained. `measured` is False
-    when the graph's routers could not be found.
+    A disagreement is explained when it is a near-tie (the reference's k-th and
+    (k+1)-th router scores closer than the dtype's tolerance: either choice is
+    then within the precision of the computation), or when an earlier layer's
+    disagreement reached the token (see _compare_choices). Parity passes when
+    every disagreement is explained. `measured` is False when the graph's
+    routers could not be found.
     """
 
     measured: bool
@@ -126,43 +125,93 @@ class ExpertAgreement:
                 "fraction": self.fraction, "explained": self.explained, "passed": self.passed, "note": self.note}
 
 
-def _compare_choices(reference_routing: dict, onnx_ids: dict, keep: np.ndarray, tolerance) -> tuple[int, int, int]:
-    """(pairs, agreeing, explained) over the layers of one call. A token routed differently at one layer
-    reaches the next layers with other hidden states (and, through attention, so do its neighbours), so only
-    the first layer that differs can be judged against the reference's router scores: its disagreements are
-    explained when each is a near-tie, and then every later disagreement of the call follows from them."""
-    pairs = agreeing = 0
-    first_differing = None  # (disagreements, near-ties) of the lowest layer that differs
+@dataclass(frozen=True)
+class ChoiceCount:
+    """The (token, layer) expert choices of one call compared; `reached` (B, T) marks each row's tokens from
+    its first differing choice on: the tokens whose outputs a differing choice can have changed."""
+
+    pairs: int
+    agreeing: int
+    explained: int
+    reached: np.ndarray
+
+
+def _compare_choices(reference_routing: dict, onnx_ids: dict, valid: np.ndarray, tolerance) -> ChoiceCount:
+    """The expert choices of one call at its real tokens (`valid`, (B, T)), layer by layer.
+
+    A token routed differently at layer l reaches the later layers with other hidden states, and through
+    their attention so do the later tokens of its row (never earlier ones, never other rows). So at each
+    layer a disagreement is explained when an earlier layer's disagreement reached the token (its router saw
+    other inputs than the reference's), or else when it is a near-tie of the reference's router scores."""
+    rows, length = valid.shape
+    position = np.arange(length)
+    first_reached = np.full(rows, length)  # per row: the first token an earlier layer's disagreement reached
+    pairs = agreeing = explained = 0
     for layer in sorted(onnx_ids):
         scores, ref_ids = reference_routing[layer]
-        same = (np.sort(ref_ids, axis=-1) == np.sort(onnx_ids[layer], axis=-1)).all(axis=-1)[keep]
-        pairs, agreeing = pairs + same.size, agreeing + int(same.sum())
-        if first_differing is None and not same.all():
-            k = ref_ids.shape[-1]
-            ranked = -np.sort(-scores, axis=-1)
-            gap = ranked[:, k - 1] - (ranked[:, k] if ranked.shape[1] > k else -np.inf)
-            tie = (gap <= tolerance.allowed(ranked[:, k - 1].astype(np.float64)))[keep]
-            first_differing = (int((~same).sum()), int((~same & tie).sum()))
-    if first_differing is None:
-        return pairs, agreeing, 0
-    differing, near_ties = first_differing
-    return pairs, agreeing, (pairs - agreeing) if near_ties == differing else near_ties
+        same = (np.sort(ref_ids, axis=-1) == np.sort(onnx_ids[layer], axis=-1)).all(axis=-1).reshape(rows, length)
+        k = ref_ids.shape[-1]
+        ranked = -np.sort(-scores, axis=-1)
+        gap = ranked[:, k - 1] - (ranked[:, k] if ranked.shape[1] > k else -np.inf)
+        tie = (gap <= tolerance.allowed(ranked[:, k - 1].astype(np.float64))).reshape(rows, length)
+        differ = ~same & valid
+        reached = position >= first_reached[:, None]
+        pairs, agreeing = pairs + int(valid.sum()), agreeing + int((same & valid).sum())
+        explained += int((differ & (reached | tie)).sum())
+        first_reached = np.minimum(first_reached, np.where(differ.any(axis=1), differ.argmax(axis=1), length))
+    return ChoiceCount(pairs, agreeing, explained, position >= first_reached[:, None])
+
+
+@dataclass(frozen=True)
+class CallRouting:
+    """One call's expert choices on both sides (each on its own inputs, e.g. its own cache)."""
+
+    agreement: ExpertAgreement
+    reached: np.ndarray  # (B, T): the tokens whose outputs a differing choice can have changed
+
+    @property
+    def explained_flip(self) -> bool:
+        """Some real token was routed differently, each time at a near-tie or as a consequence of one: the
+        outputs it reached differ within the precision of a discrete choice."""
+        return self.agreement.measured and self.agreement.agreeing < self.agreement.pairs and self.agreement.passed
+
+    def loss_without_reached(self, actual: dict, expected: dict, labels: np.ndarray) -> float:
+        """ONNX Runtime's loss of the call (one mean over the targets `labels` (B, T)) with the terms of the
+        positions a differing choice reached taken from the reference's logits: compared with the reference's
+        loss, it judges the other positions."""
+        terms = _loss_terms(actual["logits"], labels) - _loss_terms(expected["logits"], labels)
+        return float(actual["loss"]) - (terms * self.reached).sum() / max(int((labels[:, 1:] != -100).sum()), 1)
+
+
+def _loss_terms(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(B, T): each position's term of MiniMind's shifted cross entropy, -log p(the next label) at t, 0 where
+    that label is ignored (-100) and at the last position."""
+    x = logits[:, :-1].astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    log_p = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    target = labels[:, 1:]
+    picked = np.take_along_axis(log_p, np.where(target == -100, 0, target)[..., None], axis=-1)[..., 0]
+    return np.pad(np.where(target == -100, 0.0, -picked), ((0, 0), (0, 1)))
 
 
 def routing_agreement(reference_routing: dict, probe: RouterProbe, onnx_feeds: dict, valid: np.ndarray,
-                      tolerance) -> ExpertAgreement:
-    """Expert choices of one decode call, each side on its own inputs (e.g. its own cache): did the two
-    route some real token (`valid`, (B, T)) differently, and only at near-ties? `reference_routing` is
-    {layer: (scores, ids)} of the reference's call, `probe` a RouterProbe of decode.onnx."""
+                      tolerance) -> CallRouting:
+    """Expert choices of one call, each side on its own inputs: did the two route some real token (`valid`,
+    (B, T)) differently, and only at near-ties and where one reached? `reference_routing` is
+    {layer: (scores, ids)} of the reference's call, `probe` a RouterProbe of the graph that ran it."""
+    valid = np.asarray(valid) == 1
     if not reference_routing or not probe.complete:
-        return ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured")
-    pairs, agreeing, explained = _compare_choices(reference_routing, probe.expert_ids(onnx_feeds),
-                                                  valid.reshape(-1) == 1, tolerance)
-    note = f"{pairs - agreeing} of {pairs} (token, layer) expert choices differ"
-    if pairs > agreeing:
-        note += (f", {explained} explained by near-ties of the reference's router scores at the first layer "
-                 f"that differs{' (a precision flip of a discrete choice)' if explained == pairs - agreeing else ''}")
-    return ExpertAgreement(True, pairs, agreeing, explained, note)
+        return CallRouting(ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured"),
+                           np.zeros_like(valid))
+    count = _compare_choices(reference_routing, probe.expert_ids(onnx_feeds), valid, tolerance)
+    differing = count.pairs - count.agreeing
+    note = f"{differing} of {count.pairs} (token, layer) expert choices differ"
+    if differing:
+        note += (f", {count.explained} explained by near-ties of the reference's router scores or reached by an "
+                 "earlier layer's differing choice")
+        if count.explained == differing:
+            note += " (a precision flip of a discrete choice)"
+    return CallRouting(ExpertAgreement(True, count.pairs, count.agreeing, count.explained, note), count.reached)
 
 
 def check_expert_choice(reference, folder: Path, manifest, provider: str, batch: dict, decode_tokens: list,
@@ -184,20 +233,20 @@ def check_expert_choice(reference, folder: Path, manifest, provider: str, batch:
         found = sorted(probes[0].layers)
         return ExpertAgreement(False, 0, 0, 0, f"router TopK nodes not found in the graphs (found layers {found} "
                                                f"of {layers}); expert choice not measured")
+    counts = [_compare_choices(reference.last_routing(), probes[0].expert_ids(feeds), batch["attention_mask"] == 1,
+                               tolerance)]
     mask = batch["attention_mask"]
-    totals = np.array(_compare_choices(reference.last_routing(), probes[0].expert_ids(feeds), mask.reshape(-1) == 1,
-                                       tolerance))
     for tokens in decode_tokens:
         mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
         step = {"input_ids": tokens, "attention_mask": mask,
                 "position_ids": position_ids_from_mask(mask, mask.shape[1] - tokens.shape[1]),
                 **presents_as_past(manifest, ref_out)}
         ref_out = reference.decode(step)
-        keep = np.ones(tokens.size, dtype=bool)
-        totals += _compare_choices(reference.last_routing(), probes[1].expert_ids(step), keep, tolerance)
-    pairs, agreeing, explained = (int(v) for v in totals)
+        counts.append(_compare_choices(reference.last_routing(), probes[1].expert_ids(step),
+                                       np.ones(tokens.shape, dtype=bool), tolerance))
+    pairs, agreeing, explained = (sum(getattr(c, name) for c in counts) for name in ("pairs", "agreeing", "explained"))
     note = f"{agreeing}/{pairs} (token, layer) choices agree"
     if pairs > agreeing:
         note += (f"; {explained} of {pairs - agreeing} disagreements are explained by near-ties of the "
-                 "reference's router scores at the first layer that differs in their call")
+                 "reference's router scores or reached by an earlier layer's differing choice in their call")
     return ExpertAgreement(True, pairs, agreeing, explained, note)

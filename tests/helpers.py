@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
-from exporter.manifest import read_manifest
+from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter.verify.probe import module_of
 
 
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
@@ -44,6 +46,23 @@ def edit_manifest(folder: Path, change) -> None:
 def claim_seed(seed: int):
     """A manifest edit: the reference is rebuilt with another seed's weights (the hashes still match the files)."""
     return lambda manifest: manifest["model"]["source"].update(seed=seed)
+
+
+def perturb_weight(folder: Path, module: str, delta: float) -> str:
+    """Add `delta` to the weight read by the MatMul (float32) or Gemm (float16) of `module` (prefill and
+    decode share it), keeping the manifest's hashes consistent; returns the initializer's name."""
+    manifest = read_manifest(folder)
+    graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
+    node = next(n for n in graph.node if n.op_type in ("MatMul", "Gemm") and module_of(n) == module)
+    name = node.input[1]
+    entry = next(e for e in manifest.initializers["prefill.onnx"] if e["name"] == name)
+    weights = np.memmap(folder / manifest.weights_file, dtype=entry["dtype"], mode="r+", offset=entry["offset"],
+                        shape=tuple(entry["shape"]))
+    weights += delta
+    weights.flush()
+    digest = sha256_file(folder / manifest.weights_file)
+    edit_manifest(folder, lambda data: data["files"][manifest.weights_file].update(sha256=digest))
+    return name
 
 
 def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:

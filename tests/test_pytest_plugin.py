@@ -140,14 +140,19 @@ def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_onc
         out.stdout
 
 
-def test_the_shape_sweep_item_lets_a_routing_near_tie_pass_as_verify_does():
+def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
     failing = SimpleNamespace(passed=False, name="logits", max_abs=0.5, needed=SimpleNamespace(scale=3.0))
     passing = SimpleNamespace(passed=True, name="kv", max_abs=0.0, needed=SimpleNamespace(scale=0.0))
-    def judged(near_tie):
-        case = SweepCase(batch=2, new_tokens=1, past=3, logits=failing, kv=passing, routing_near_tie=near_tie)
+
+    def judged(logits, explained):
+        flip = SimpleNamespace(explained=explained, describe=lambda: "past prefill: 1 of 8 differ, not a near-tie")
+        case = SweepCase(batch=2, new_tokens=1, past=3, logits=logits, kv=passing, routing=[flip])
         return CHECKS["shape_sweep"](SimpleNamespace(reports=[SimpleNamespace(provider="cpu", sweep=[case])]))
-    assert judged(near_tie=True) == (True, "")
-    assert judged(near_tie=False) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
+    # an explained flip has left the positions it reached out of the comparisons: what is left must pass
+    assert judged(passing, explained=True) == (True, "")
+    assert judged(failing, explained=True) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
+    assert judged(passing, explained=False) == (False, "cpu: batch 2 x new 1 x past 3: past prefill: 1 of 8 "
+                                                       "differ, not a near-tie")
 
 
 def test_each_per_provider_item_fails_when_its_own_check_failed():

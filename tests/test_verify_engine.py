@@ -25,10 +25,10 @@ from exporter.verify.golden import GoldenMismatch, _recording_digest, load_bundl
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_reference
 from exporter.verify.metrics import Needed, compare
-from exporter.verify.probe import DebugGraph, module_of
+from exporter.verify.probe import DebugGraph
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
-from helpers import claim_seed, edit_manifest
+from helpers import claim_seed, edit_manifest, perturb_weight
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
@@ -93,25 +93,8 @@ def test_health_flags_a_float16_overflow_that_the_outputs_do_not_show():
                              "(beyond 65504); compute it in float32"]
 
 
-def _perturb(folder, module: str, delta: float) -> str:
-    """Add `delta` to the weight read by the MatMul of `module` (prefill and decode share it), keeping the
-    manifest's hashes consistent; returns the initializer's name."""
-    manifest = read_manifest(folder)
-    graph = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
-    node = next(n for n in graph.node if n.op_type == "MatMul" and module_of(n) == module)
-    name = node.input[1]
-    entry = next(e for e in manifest.initializers["prefill.onnx"] if e["name"] == name)
-    weights = np.memmap(folder / manifest.weights_file, dtype=entry["dtype"], mode="r+", offset=entry["offset"],
-                        shape=tuple(entry["shape"]))
-    weights += delta
-    weights.flush()
-    digest = sha256_file(folder / manifest.weights_file)
-    edit_manifest(folder, lambda data: data["files"][manifest.weights_file].update(sha256=digest))
-    return name
-
-
 def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny_model):
-    _perturb(artifact_copy, "model.layers.1.self_attn.k_proj", 0.05)
+    perturb_weight(artifact_copy, "model.layers.1.self_attn.k_proj", 0.05)
     report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
     [cpu] = report.reports
     assert not report.passed and not cpu.comparisons[0].passed
@@ -158,7 +141,7 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
     assert passed and reference.startswith("golden bundle") and steps == 65 and sweep == 36
     assert max_abs == report.reports[0].comparisons[0].max_abs  # the same numbers as against the model
     assert alone_passed and alone_reference == "none" and invariants == 6 and providers == 0
-    _perturb(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
+    perturb_weight(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
     with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
 
@@ -328,40 +311,120 @@ def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path
     assert "Verification of" in dom and "PASS" in dom
 
 
-def test_a_failing_sweep_case_passes_only_when_every_routing_difference_is_a_near_tie(artifact_copy, tiny_model):
-    from exporter.routing import ExpertAgreement
+def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact_copy, tiny_model):
+    """A real fault that fails every shape, with stand-in expert choices: a flip explained by near-ties leaves
+    out of the comparison the positions it reached and nothing else, so the fault still fails every call with
+    a position left to judge. A flip that is not a near-tie, or no differing choice at all, excuses nothing."""
+    from exporter.routing import CallRouting, ExpertAgreement
     from exporter.verify.checks import run_sweep
     from exporter.verify.health import HealthScan
-    _perturb(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # a real fault: every shape fails
+    perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # moves the logits only: the presents pass
     manifest = read_manifest(artifact_copy)
     reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(artifact_copy, manifest=manifest)
     profile = profile_for("float32", "cpu")
 
-    def sweep(agreement):
+    def sweep(agreement, reach):
+        def explain(graph, onnx_feeds, valid):
+            assert graph == "decode"  # the past's prefill passes: only its presents are handed on
+            return CallRouting(agreement, reach(np.shape(valid)))
         return run_sweep(reference, onnx, manifest, profile, HealthScan("float32"), np.random.default_rng(0),
-                         lambda *_: agreement)
-    tie = ExpertAgreement(True, 10, 9, 1, "1 of 10 differ, 1 at near-ties")
-    assert all(c.passed and c.routing_near_tie for c in sweep(tie))
+                         explain)
+
+    def everything(shape):
+        return np.ones(shape, dtype=bool)
+
+    def last_token(shape):
+        reached = np.zeros(shape, dtype=bool)
+        reached[:, -1] = True
+        return reached
+    tie = ExpertAgreement(True, 10, 9, 1, "1 of 10 differ, 1 explained")
+    assert all(c.passed and c.routing_near_tie for c in sweep(tie, everything))
+    cases = sweep(tie, last_token)
+    assert [c.passed for c in cases] == [c.new_tokens == 1 for c in cases]  # a single new token: all reached
+    assert all(c.routing_near_tie and c.routing[0].excluded == c.batch for c in cases)
     for other in (ExpertAgreement(True, 10, 9, 0, "not a tie"), ExpertAgreement(True, 10, 10, 0, "all agree"),
                   ExpertAgreement(False, 0, 0, 0, "not measured")):
-        assert not any(c.passed for c in sweep(other)), other.note
+        assert not any(c.passed or c.routing_near_tie for c in sweep(other, everything)), other.note
 
 
-def test_routing_differences_after_the_first_differing_layer_follow_from_it():
-    """Two tokens, two layers, top-1 of 3 experts. A flip at a near-tie in layer 0 explains every flip of the
-    call in later layers, whatever their router gaps; a flip at a clear choice in layer 0 explains nothing."""
+def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip():
+    """Two rows of two tokens, two layers, top-1 of 3 experts. A flip at layer 0 reaches, in later layers, its
+    own token and the later tokens of its row (through attention): their differences follow from it whatever
+    their router gaps. An earlier token of its row or a token of another row is not reached: a difference
+    there is explained only as a near-tie of its own."""
     from exporter.routing import _compare_choices
     from exporter.verify.metrics import Tolerance
     tolerance = Tolerance(1e-4, 1e-4)
-    near_tie = np.array([[0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]])  # token 0: experts 0 and 1 within 1e-5
-    clear = np.array([[0.9, 0.05, 0.05], [0.9, 0.05, 0.05]])
-    reference = {0: (near_tie, np.array([[0], [0]])), 1: (clear, np.array([[0], [0]]))}
-    keep = np.ones(2, dtype=bool)
-    onnx_ids = {0: np.array([[1], [0]]), 1: np.array([[2], [1]])}  # layer 0: token 0 flips; layer 1: both flip
-    assert _compare_choices(reference, onnx_ids, keep, tolerance) == (4, 1, 3)
-    reference[0] = (clear, np.array([[0], [0]]))
-    assert _compare_choices(reference, onnx_ids, keep, tolerance) == (4, 1, 0)
-    assert _compare_choices(reference, {0: np.array([[0], [0]]), 1: np.array([[0], [0]])}, keep, tolerance) == (4, 4, 0)
+    tie, clear = [0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]  # a near-tie: experts 0 and 1 within 1e-5
+    valid = np.ones((2, 2), dtype=bool)
+    reference_ids = np.zeros((4, 1), dtype=np.int64)  # tokens in row order: (0, 0), (0, 1), (1, 0), (1, 1)
+
+    def count(layer0_tie: int, layer0_flip: int, layer1_flips: list[int]):
+        scores = np.array([tie if token == layer0_tie else clear for token in range(4)])
+        flipped = [np.isin(np.arange(4), flips).astype(np.int64)[:, None] for flips in ([layer0_flip], layer1_flips)]
+        reference = {0: (scores, reference_ids), 1: (np.array([clear] * 4), reference_ids)}
+        result = _compare_choices(reference, dict(enumerate(flipped)), valid, tolerance)
+        return (result.pairs, result.agreeing, result.explained), result.reached.tolist()
+    # token (0, 0) flips at a near-tie; at layer 1 it and the next token of its row follow
+    assert count(0, 0, [0, 1]) == ((8, 5, 3), [[True, True], [False, False]])
+    # a clear flip in the other row at layer 1 is not reached
+    assert count(0, 0, [2]) == ((8, 6, 1), [[True, True], [True, True]])
+    # token (0, 1) flips at a near-tie; the earlier token (0, 0) is not reached by it
+    assert count(1, 1, [0]) == ((8, 6, 1), [[True, True], [False, False]])
+    # a flip at a clear choice is not explained; what it reached at layer 1 is
+    assert count(1, 0, [0, 1]) == ((8, 5, 2), [[True, True], [False, False]])
+    assert count(0, -1, []) == ((8, 8, 0), [[False, False], [False, False]])
+
+
+class _DecodeFlipsAt:
+    """An OrtRunner whose decode call `at` (counting from 0) returns logits and layer 1's key moved by 1 at
+    its new positions, as a token routed to another expert would: a difference the next steps inherit
+    through the cache."""
+
+    def __init__(self, inner, at: int):
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def prefill(self, feeds):
+        return self.inner.prefill(feeds)
+
+    def decode(self, feeds):
+        outputs = self.inner.decode(feeds)
+        self.calls += 1
+        if self.calls - 1 != self.at:
+            return outputs
+        key = self.inner.manifest.cache.present(1, "key")
+        moved = outputs[key].copy()
+        moved[:, :, -feeds["input_ids"].shape[1]:] += 1
+        return {**outputs, "logits": outputs["logits"] + 1, key: moved}
+
+
+def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cache(runner, tiny_model):
+    """Without the reference's cache, every step after a flip inherits it and fails; with it, the later steps
+    judge the graph again. A flip that is not a near-tie keeps its failure and ONNX Runtime its own cache."""
+    from exporter.routing import CallRouting, ExpertAgreement
+    from exporter.verify.checks import check_decode
+    from exporter.verify.health import HealthScan
+    manifest = runner.manifest
+    batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
+    profile = profile_for("float32", "cpu")
+    asked = []
+
+    def decode(agreement):
+        def explain(graph, onnx_feeds, valid):
+            asked.append(graph)
+            return CallRouting(agreement, np.ones(np.shape(valid), dtype=bool))
+        return check_decode(TorchRunner(tiny_model, manifest), _DecodeFlipsAt(runner, 2), manifest, batch,
+                            ParitySettings(decode_steps=5), profile, HealthScan("float32"), np.random.default_rng(1),
+                            explain)[0]
+    result = decode(ExpertAgreement(True, 4, 3, 1, "1 of 4 differ, 1 explained"))
+    assert asked == ["decode"] and all(row.passed for row in result.comparisons)
+    assert [s.routing is not None and s.routing.explained for s in result.curve] == [False, False, True, False,
+                                                                                      False, False]
+    assert [s.fed_reference_cache for s in result.curve] == [False, False, False, True, False, False]
+    assert result.curve[2].routing.logits.needed.scale > 1000  # the whole call failed; none of it was judged
+    not_a_tie = decode(ExpertAgreement(True, 4, 3, 0, "1 of 4 differ, not a near-tie"))
+    assert [s.logits.passed for s in not_a_tie.curve] == [True, True, False, False, False, False]
+    assert not any(s.fed_reference_cache for s in not_a_tie.curve)
 
 
 class _DecodeLogitsShifted:

@@ -8,15 +8,15 @@ imports torch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from exporter.contract import KV_KINDS
 from exporter.generation import NonFiniteLogits, generate_greedy
 from exporter.manifest import Manifest
+from exporter.routing import ExpertAgreement
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
@@ -56,27 +56,126 @@ def layer_errors(manifest: Manifest, actual: dict, expected: dict, profile: Prof
             for layer in range(cache.num_layers)]
 
 
+def _present(label: str, layers: list[LayerError]) -> Comparison:
+    return aggregate(label, [c for layer in layers for c in (layer.key, layer.value)])
+
+
+@dataclass(frozen=True)
+class RoutingFlip:
+    """A call of a MoE model that failed its tolerance, with what the two sides' routers chose.
+
+    explained: some real token was routed to other experts, each time at a near-tie of the reference's router
+    scores or where an earlier layer's differing choice reached it (exporter.routing): those outputs differ by
+    an expert's contribution, within the precision of a discrete choice. The call is then judged at the
+    positions no differing choice reached (`excluded` of its `positions` real ones are left out), and in a
+    chain of calls ONNX Runtime takes the reference's cache for the next one, which would otherwise inherit
+    the difference for good. Not explained, the call keeps its verdict. `logits` and `present` compare the
+    whole call (and `loss`, a prefill's), before anything was left out.
+    """
+
+    call: str
+    agreement: ExpertAgreement
+    explained: bool
+    excluded: int
+    positions: int
+    logits: Comparison
+    present: Comparison
+    loss: Comparison | None = None
+
+    def describe(self) -> str:
+        whole = "the whole call: " + ", ".join(
+            f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol)"
+            for output, c in (("logits", self.logits), ("present", self.present), ("loss", self.loss)) if c is not None)
+        if not self.explained:
+            return f"{self.call}: {self.agreement.note}; not a near-tie: judged whole ({whole})"
+        return (f"{self.call}: {self.agreement.note}; judged at the {self.positions - self.excluded} of "
+                f"{self.positions} positions no differing choice reaches ({whole})")
+
+    def to_dict(self) -> dict:
+        return {"call": self.call, "explained": self.explained, "excluded_positions": self.excluded,
+                "positions": self.positions, "expert_choice": self.agreement.to_dict(),
+                "whole_call": {"logits": self.logits.to_dict(), "present": self.present.to_dict(),
+                               "loss": self.loss.to_dict() if self.loss is not None else None}}
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """One call's outputs against the reference's: what judge_call returns."""
+
+    logits: Comparison
+    layers: list[LayerError]
+    loss: Comparison | None  # prefill.onnx with labels
+    routing: RoutingFlip | None  # MoE: a failing call's expert choices
+
+    @property
+    def cache_passed(self) -> bool:
+        return all(layer.passed for layer in self.layers)
+
+    @property
+    def passed(self) -> bool:
+        return self.logits.passed and self.cache_passed and (self.loss is None or self.loss.passed)
+
+
+def judge_call(manifest: Manifest, call: str, graph: str, onnx_feeds: dict, actual: dict, expected: dict,
+               profile: Profile, valid: np.ndarray, cache: np.ndarray, explain_routing=None,
+               cache_only: bool = False) -> CallResult:
+    """A call's logits at its real tokens (`valid`, (B, T)), each layer's present at the real cache positions
+    (`cache`, (B, L), the call's tokens last) and the loss, named after the call. For a MoE model whose call
+    failed, also its RoutingFlip, and when that is explained the comparisons of the positions it did not
+    reach, the loss with the reached positions' terms from the reference's logits. cache_only: a call that
+    only builds the cache of the next one (its logits and loss are judged elsewhere or not at all) fails
+    only by its presents.
+
+    explain_routing(graph, onnx_feeds, valid) -> exporter.routing.CallRouting, asked right after the
+    reference's call: the expert choices of that call on both sides, `graph` being "prefill" or "decode"."""
+    real = np.asarray(valid) == 1
+    cache = np.asarray(cache) == 1
+
+    def judge(reached: np.ndarray, loss, routing: RoutingFlip | None = None) -> CallResult:
+        kept_cache = cache & np.pad(~reached, ((0, 0), (cache.shape[1] - reached.shape[1], 0)), constant_values=True)
+        return CallResult(compare(f"{call} logits", "logits", actual["logits"], expected["logits"], profile.logits,
+                                  valid=real & ~reached),
+                          layer_errors(manifest, actual, expected, profile, call, kept_cache),
+                          None if loss is None else compare(f"{call} loss", "loss", loss, expected["loss"],
+                                                            profile.loss), routing)
+    result = judge(np.zeros_like(real), actual.get("loss"))
+    if explain_routing is None or (result.cache_passed if cache_only else result.passed):
+        return result
+    routing = explain_routing(graph, onnx_feeds, valid)
+    flip = RoutingFlip(call, routing.agreement, routing.explained_flip, int((routing.reached & real).sum()),
+                       int(real.sum()), result.logits, _present(f"{call} present", result.layers), result.loss)
+    if not flip.explained:
+        return replace(result, routing=flip)
+    loss = None if "loss" not in actual else routing.loss_without_reached(actual, expected, onnx_feeds["labels"])
+    return judge(routing.reached, loss, flip)
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     comparisons: list[Comparison]
     layers: list[LayerError]
     histogram: dict  # |logit difference| counts, for the report plot
+    routing: RoutingFlip | None = None  # MoE: a failing call's expert choices
 
 
-def check_prefill(reference, onnx, manifest: Manifest, batch: dict, profile: Profile,
-                  health: HealthScan) -> tuple[PrefillResult, dict]:
-    """Logits and every present at the real positions, the loss; returns the result and ONNX Runtime's outputs."""
+def check_prefill(reference, onnx, manifest: Manifest, batch: dict, profile: Profile, health: HealthScan,
+                  explain_routing=None) -> tuple[PrefillResult, dict]:
+    """Logits and every present at the real positions, the loss; returns the result and ONNX Runtime's
+    outputs. For MoE models (explain_routing, see judge_call) a failure where the routers chose other experts
+    at near-ties is judged at the positions those choices do not reach, the loss with their terms taken from
+    the reference's logits."""
     feeds = prefill_feeds(manifest, batch)  # labels only where the graph takes them (an export with loss)
     expected = reference.prefill(feeds)
     actual = onnx.prefill(feeds)
-    real = batch["attention_mask"] == 1
     health.scan_outputs("prefill", actual, batch["attention_mask"])
-    layers = layer_errors(manifest, actual, expected, profile, "prefill", batch["attention_mask"])
-    rows = [compare("prefill logits", "logits", actual["logits"], expected["logits"], profile.logits, valid=real),
-            aggregate("prefill present (all layers)", [c for layer in layers for c in (layer.key, layer.value)])]
-    if "loss" in actual:
-        rows.append(compare("prefill loss", "loss", actual["loss"], expected["loss"], profile.loss))
-    return PrefillResult(rows, layers, difference_histogram(actual["logits"][real], expected["logits"][real])), actual
+    call = judge_call(manifest, "prefill", "prefill", feeds, actual, expected, profile, batch["attention_mask"],
+                      batch["attention_mask"], explain_routing)
+    rows = [call.logits, _present("prefill present (all layers)", call.layers)]
+    if call.loss is not None:
+        rows.append(call.loss)
+    real = batch["attention_mask"] == 1
+    return PrefillResult(rows, call.layers, difference_histogram(actual["logits"][real], expected["logits"][real]),
+                         call.routing), actual
 
 
 @dataclass(frozen=True)
@@ -88,13 +187,17 @@ class StepError:
     logits: Comparison
     kv: Comparison  # the worst layer
     first_failing_layer: int | None
+    routing: RoutingFlip | None = None  # MoE: a failing step's expert choices
+    fed_reference_cache: bool = False  # ONNX Runtime's past was the reference's present: see check_decode
 
     def to_dict(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "passed": self.logits.passed and self.kv.passed,
                 "logits_max_abs": self.logits.max_abs, "logits_needed_scale": self.logits.needed.scale,
                 "kv_max_abs": self.kv.max_abs, "kv_needed_scale": self.kv.needed.scale,
                 "kl_mean": self.logits.llm.get("kl_mean"), "top1_agreement": self.logits.llm.get("top1_agreement"),
-                "first_failing_layer": self.first_failing_layer}
+                "first_failing_layer": self.first_failing_layer,
+                "routing": self.routing.to_dict() if self.routing else None,
+                "fed_reference_cache": self.fed_reference_cache}
 
 
 @dataclass(frozen=True)
@@ -104,27 +207,38 @@ class DecodeResult:
 
 
 def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile,
-                 health: HealthScan, rng: np.random.Generator) -> tuple[DecodeResult, dict]:
+                 health: HealthScan, rng: np.random.Generator, explain_routing=None) -> tuple[DecodeResult, dict]:
     """Prefill, then `decode_steps` single-token steps and one 3-token chunk, each side feeding its own
     present back as past; the new tokens are the same seeded ids for both. Returns the result and ONNX
-    Runtime's last outputs."""
+    Runtime's last outputs.
+
+    For MoE models (explain_routing, see judge_call) a call whose failure a routing near-tie explains
+    is judged at the positions the flip did not reach, and the next step feeds ONNX Runtime the reference's
+    present instead of its own: after one flipped expert the two caches differ for good, and the later steps
+    would judge that flip again rather than the graph. The prefill is the prefill check's call, which reports it.
+    """
     feeds = prefill_feeds(manifest, batch)
     ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
     mask = batch["attention_mask"]
+    flip = None if explain_routing is None else judge_call(manifest, "decode prefill", "prefill", feeds, ort_out,
+                                                           ref_out, profile, mask, mask, explain_routing, True).routing
+    resync = flip is not None and flip.explained
     curve = []
     chunks = [1] * settings.decode_steps + [FINAL_CHUNK]
     for step, length in enumerate(chunks):
         step_feeds, mask = next_tokens(manifest, mask, length, rng)
-        ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
-        ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
+        ref_past = presents_as_past(manifest, ref_out)
+        onnx_feeds = {**step_feeds, **(ref_past if resync else presents_as_past(manifest, ort_out))}
+        ref_out = reference.decode({**step_feeds, **ref_past})
+        ort_out = onnx.decode(onnx_feeds)
         health.scan_outputs(f"decode step {step}", ort_out, mask)
-        layers = layer_errors(manifest, ort_out, ref_out, profile, f"decode step {step}", mask)
-        failing = next((layer.layer for layer in layers if not layer.passed), None)
-        curve.append(StepError(step, length,
-                               compare(f"decode step {step} logits", "logits", ort_out["logits"], ref_out["logits"],
-                                       profile.logits),
-                               aggregate(f"decode step {step} present",
-                                         [c for layer in layers for c in (layer.key, layer.value)]), failing))
+        label = f"decode step {step}"
+        call = judge_call(manifest, label, "decode", onnx_feeds, ort_out, ref_out, profile,
+                          np.ones_like(step_feeds["input_ids"]), mask, explain_routing)
+        failing = next((layer.layer for layer in call.layers if not layer.passed), None)
+        curve.append(StepError(step, length, call.logits, _present(f"{label} present", call.layers), failing,
+                               call.routing, resync))
+        resync = call.routing is not None and call.routing.explained
     rows = [aggregate(f"decode logits ({len(chunks)} steps)", [s.logits for s in curve]),
             aggregate(f"decode present ({len(chunks)} steps, all layers)", [s.kv for s in curve])]
     return DecodeResult(rows, curve), ort_out
@@ -196,14 +310,17 @@ class SweepCase:
     past: int
     logits: Comparison
     kv: Comparison
-    # MoE: a failing case whose every expert-choice disagreement is a near-tie of the reference's router
-    # scores diverged within the precision of the routing decision (like a greedy near-tie); the note says so.
-    routing_near_tie: bool = False
-    routing_note: str = ""
+    # MoE: the failing calls of the case (the past's prefill, the decode) with their expert choices; a flip
+    # explained by near-ties leaves the positions it reached out of logits and kv (see RoutingFlip)
+    routing: list[RoutingFlip] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return (self.logits.passed and self.kv.passed) or self.routing_near_tie
+        return self.logits.passed and self.kv.passed and all(flip.explained for flip in self.routing)
+
+    @property
+    def routing_near_tie(self) -> bool:
+        return any(flip.explained for flip in self.routing)
 
     @property
     def name(self) -> str:
@@ -211,8 +328,8 @@ class SweepCase:
 
     def to_dict(self) -> dict:
         return {"batch": self.batch, "new_tokens": self.new_tokens, "past": self.past, "passed": self.passed,
-                "logits": self.logits.to_dict(), "kv": self.kv.to_dict(), "routing_near_tie": self.routing_near_tie,
-                "routing_note": self.routing_note}
+                "logits": self.logits.to_dict(), "kv": self.kv.to_dict(),
+                "routing": [flip.to_dict() for flip in self.routing]}
 
 
 def _with_labels(manifest: Manifest, feeds: dict) -> dict:
@@ -226,34 +343,35 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
     """Every (batch, new tokens, past) of the grid with ragged left padding: each side prefills the past
     with prefill.onnx (or starts from an empty cache) and decodes the new tokens on top of its own cache.
 
-    explain_routing(onnx_feeds, valid) -> ExpertAgreement, for MoE models: asked about a failing case right
-    after the reference's decode call, it tells whether the two sides routed some token differently, and at a
-    near-tie."""
+    For MoE models (explain_routing, see judge_call) a failing call whose routers chose other experts at
+    near-ties is judged at the positions that choice did not reach; after such a flip in the past's prefill,
+    ONNX Runtime decodes on the reference's cache."""
     cases = []
     vocab = manifest.config.vocab_size
     for batch, new, past in sweep_grid(manifest.config.max_position_embeddings):
         mask = ragged_mask(batch, past, new)
         ids = rng.integers(0, vocab, (batch, past + new), dtype=np.int64)
+        label = f"sweep b{batch} n{new} p{past}"
+        flips = []
         if past:
             first = _with_labels(manifest, {"input_ids": ids[:, :past], "attention_mask": mask[:, :past],
                                             "position_ids": position_ids_from_mask(mask[:, :past])})
-            ref_past = presents_as_past(manifest, reference.prefill(first))
-            ort_past = presents_as_past(manifest, onnx.prefill(first))
+            ref_first, ort_first = reference.prefill(first), onnx.prefill(first)
+            flip = None if explain_routing is None else judge_call(
+                manifest, f"{label} past prefill", "prefill", first, ort_first, ref_first, profile, mask[:, :past],
+                mask[:, :past], explain_routing, True).routing
+            flips += [flip] if flip else []
+            ref_past = presents_as_past(manifest, ref_first)
+            ort_past = ref_past if flip is not None and flip.explained else presents_as_past(manifest, ort_first)
         else:
             ref_past = ort_past = onnx.empty_past(batch)
         feeds = {"input_ids": ids[:, past:], "attention_mask": mask, "position_ids": position_ids_from_mask(mask, past)}
-        expected, actual = reference.decode({**feeds, **ref_past}), onnx.decode({**feeds, **ort_past})
-        label = f"sweep b{batch} n{new} p{past}"
+        onnx_feeds = {**feeds, **ort_past}
+        expected, actual = reference.decode({**feeds, **ref_past}), onnx.decode(onnx_feeds)
         health.scan_outputs(label, actual, mask)
-        kv = [compare(f"{label} {name}", "kv", actual[name], expected[name], profile.kv, valid=real_keys(mask))
-              for name in actual if name.startswith("present.")]
-        case = SweepCase(batch, new, past, compare(f"{label} logits", "logits", actual["logits"], expected["logits"],
-                                                   profile.logits, valid=mask[:, past:]),
-                         aggregate(f"{label} present", kv))
-        if not case.passed and explain_routing is not None:
-            routing = explain_routing({**feeds, **ort_past}, mask[:, past:])
-            diverged = routing.measured and routing.agreeing < routing.pairs
-            case = dataclasses.replace(case, routing_near_tie=diverged and routing.passed, routing_note=routing.note)
-        cases.append(case)
+        call = judge_call(manifest, label, "decode", onnx_feeds, actual, expected, profile, mask[:, past:], mask,
+                          explain_routing)
+        cases.append(SweepCase(batch, new, past, call.logits, _present(f"{label} present", call.layers),
+                               flips + ([call.routing] if call.routing else [])))
     log.info("sweep: %d/%d shapes pass", sum(c.passed for c in cases), len(cases))
     return cases

@@ -17,7 +17,7 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
-from exporter.routing import ExpertAgreement, RouterProbe, check_expert_choice, routing_agreement
+from exporter.routing import CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, routing_agreement
 from exporter.runtime import OrtRunner, available_parity_providers, check_parity_providers
 from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
 from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
@@ -66,15 +66,17 @@ def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifes
 
 def _routing_explainer(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str,
                        profile: Profile):
-    """For MoE models: explains a failing sweep case by the expert choices of its decode call."""
+    """For MoE models: explains a failing call by the expert choices of both sides (see
+    exporter.verify.checks.judge_call), asked right after the reference's call."""
     if getattr(manifest.config, "use_moe", False) is not True:
         return None
-    probes = []  # the decode graph with its routers exposed, built at the first failing case only
+    probes = {}  # graph -> the graph with its routers exposed, built at its first failing call only
+    contracts = {"prefill": manifest.prefill, "decode": manifest.decode}
 
-    def explain(onnx_feeds: dict, valid) -> ExpertAgreement:
-        if not probes:
-            probes.append(RouterProbe(folder, manifest.decode, provider, manifest.cache.num_layers))
-        return routing_agreement(reference.last_routing(), probes[0], onnx_feeds, valid, profile.logits)
+    def explain(graph: str, onnx_feeds: dict, valid) -> CallRouting:
+        if graph not in probes:
+            probes[graph] = RouterProbe(folder, contracts[graph], provider, manifest.cache.num_layers)
+        return routing_agreement(reference.last_routing(), probes[graph], onnx_feeds, valid, profile.logits)
     return explain
 
 
@@ -88,12 +90,13 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
     values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
     health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.nodes
                                      for o in n.outputs})
+    explain_routing = _routing_explainer(reference, folder, manifest, onnx.provider, profile)
     log.info("%s: prefill", onnx.provider)
-    prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health)
+    prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)
     log.info("%s: %d decode steps feeding present back as past", onnx.provider, settings.decode_steps + 1)
     decode, _ = check_decode(reference, onnx, manifest, batch, settings, profile, health,
-                             np.random.default_rng(settings.seed + 1))
+                             np.random.default_rng(settings.seed + 1), explain_routing)
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
     greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile)
@@ -101,12 +104,12 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)
         sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3),
-                          _routing_explainer(reference, folder, manifest, onnx.provider, profile))
+                          explain_routing)
     localisation = _localise(prefill, decode, reference, debug, values, batch, settings, profile)
     experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
     report = ProviderReport(onnx.provider, manifest.dtype, profile, prefill.comparisons + decode.comparisons, greedy,
                             decode.curve, prefill.layers, prefill.histogram, sweep, health.report(), repeat,
-                            localisation, experts)
+                            localisation, experts, prefill.routing)
     return report, outputs, values
 
 

@@ -7,7 +7,7 @@ that the token inputs are the ones recorded. Decode calls store only the new
 positions of each present (the reference's present is its past with the new
 positions appended), so a bundle holds each cache entry once. For MoE models
 each call also keeps its routers' scores and chosen experts, so that expert
-choice and the routing explanation of a failing sweep case replay too.
+choice and the routing explanation of a failing call replay too.
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the tolerance overrides the recording

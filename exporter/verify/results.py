@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from exporter.routing import ExpertAgreement
-from exporter.verify.checks import GreedyResult, LayerError, StepError, SweepCase
+from exporter.verify.checks import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
 from exporter.verify.health import HealthReport
 from exporter.verify.invariants import Invariant
 from exporter.verify.localise import Localisation, ProbeResult
@@ -28,6 +28,13 @@ class ProviderReport:
     repeat: Comparison  # a second prefill run against the first: nondeterminism
     localisation: Localisation
     experts: ExpertAgreement | None = None  # MoE models against the PyTorch reference; None otherwise
+    prefill_routing: RoutingFlip | None = None  # MoE: the failing prefill's expert choices
+
+    @property
+    def routing_flips(self) -> list[RoutingFlip]:
+        """Every failing call whose expert choices were compared: the prefill, decode steps, sweep calls."""
+        return ([self.prefill_routing] if self.prefill_routing else []) + [
+            s.routing for s in self.curve if s.routing] + [flip for case in self.sweep for flip in case.routing]
 
     @property
     def passed(self) -> bool:
@@ -42,7 +49,10 @@ class ProviderReport:
                 "sweep": [c.to_dict() for c in self.sweep], "health": self.health.to_dict(),
                 "repeat": {**self.repeat.to_dict(), "deterministic": self.repeat.max_abs == 0},
                 "localisation": self.localisation.to_dict(),
-                "expert_choice": self.experts.to_dict() if self.experts is not None else None}
+                "expert_choice": self.experts.to_dict() if self.experts is not None else None,
+                "routing_flips": {"failing_calls": len(self.routing_flips),
+                                  "explained": sum(flip.explained for flip in self.routing_flips),
+                                  "prefill": self.prefill_routing.to_dict() if self.prefill_routing else None}}
 
 
 @dataclass(frozen=True)

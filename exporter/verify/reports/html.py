@@ -7,7 +7,7 @@ from __future__ import annotations
 from html import escape
 
 from exporter.verify.reports.svg import bar_chart, line_chart
-from exporter.verify.reports.text import HEADER, comparison_row, summary_tables, verdict
+from exporter.verify.reports.text import HEADER, comparison_row, routing_notes, summary_tables, verdict
 from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
@@ -64,6 +64,7 @@ def _provider(p: ProviderReport) -> str:
                      f"in {probe.module}")
     if p.experts is not None:
         notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")
+    notes += routing_notes(p)
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
     return (f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
             f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'

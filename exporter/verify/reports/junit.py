@@ -46,6 +46,9 @@ def render_junit(report: VerifyReport) -> str:
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
         if p.experts is not None:
             cases.append(("expert choice", p.experts.passed, p.experts.note))
+        if p.routing_flips:
+            cases.append(("routing near-ties", all(flip.explained for flip in p.routing_flips),
+                          "; ".join(flip.describe() for flip in p.routing_flips)))
         cases += [(f"sweep {c.name}", c.passed, sweep_detail(c)) for c in p.sweep]
         cases.append(("repeat run", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))

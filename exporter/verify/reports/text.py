@@ -39,7 +39,18 @@ def sweep_detail(case) -> str:
     """A sweep case's two outputs, each with its multiple of the tolerance and its verdict."""
     outputs = ", ".join(f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol, {verdict(c.passed)})"
                         for output, c in _sweep_outputs(case))
-    return outputs + (f"; {case.routing_note}" if case.routing_note else "")
+    return "; ".join([outputs] + [flip.describe() for flip in case.routing])
+
+
+def routing_notes(p: ProviderReport) -> list[str]:
+    """The prefill's and decode steps' failing calls with their expert choices, and where ONNX Runtime
+    took the reference's cache after an explained flip (the sweep's are in its own lines)."""
+    flips = ([p.prefill_routing] if p.prefill_routing else []) + [s.routing for s in p.curve if s.routing]
+    notes = [f"routing {'near-tie' if flip.explained else 'FAIL'}: {flip.describe()}" for flip in flips]
+    fed = [str(s.step) for s in p.curve if s.fed_reference_cache]
+    if fed:
+        notes.append(f"decode steps fed the reference's cache after an explained routing flip: {', '.join(fed)}")
+    return notes
 
 
 HEADER = ["check", "max abs", "mean abs", "max rel", "LLM metrics", "atol/rtol/peak", "needed atol (x tol)", "result"]
@@ -55,6 +66,11 @@ def _provider(p: ProviderReport) -> str:
                                   key=lambda entry: entry[1].needed.scale)
         rows.append([f"shape sweep ({len(p.sweep)} shapes)", f"{worst.max_abs:.3g}", "", "", "", "",
                      f"{worst.needed.scale:.2g}x ({output}) at {case.name}", verdict(not failed)])
+    flips = p.routing_flips
+    if flips:
+        explained = sum(flip.explained for flip in flips)
+        rows.append(["routing near-ties", f"{explained}/{len(flips)} explained", "", "",
+                     "failing calls whose routers chose other experts", "", "", verdict(explained == len(flips))])
     if p.experts is not None:
         agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
         rows.append(["expert choice", agreement, "", "", "", "", "", verdict(p.experts.passed)])
@@ -72,6 +88,7 @@ def _provider(p: ProviderReport) -> str:
     curve = p.curve
     lines.append(f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
                  f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})")
+    lines += [f"  {note}" for note in routing_notes(p)]
     lines += [f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: {sweep_detail(c)}"
               for c in p.sweep if not c.passed or c.routing_near_tie]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]

@@ -167,13 +167,13 @@ def check_prefill(reference, onnx, manifest: Manifest, batch: dict, profile: Pro
     feeds = prefill_feeds(manifest, batch)  # labels only where the graph takes them (an export with loss)
     expected = reference.prefill(feeds)
     actual = onnx.prefill(feeds)
+    real = batch["attention_mask"] == 1
     health.scan_outputs("prefill", actual, batch["attention_mask"])
     call = judge_call(manifest, "prefill", "prefill", feeds, actual, expected, profile, batch["attention_mask"],
                       batch["attention_mask"], explain_routing)
     rows = [call.logits, _present("prefill present (all layers)", call.layers)]
     if call.loss is not None:
         rows.append(call.loss)
-    real = batch["attention_mask"] == 1
     return PrefillResult(rows, call.layers, difference_histogram(actual["logits"][real], expected["logits"][real]),
                          call.routing), actual
 
@@ -360,7 +360,8 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
             flip = None if explain_routing is None else judge_call(
                 manifest, f"{label} past prefill", "prefill", first, ort_first, ref_first, profile, mask[:, :past],
                 mask[:, :past], explain_routing, True).routing
-            flips += [flip] if flip else []
+            if flip is not None:
+                flips.append(flip)
             ref_past = presents_as_past(manifest, ref_first)
             ort_past = ref_past if flip is not None and flip.explained else presents_as_past(manifest, ort_first)
         else:
@@ -372,6 +373,6 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
         call = judge_call(manifest, label, "decode", onnx_feeds, actual, expected, profile, mask[:, past:], mask,
                           explain_routing)
         cases.append(SweepCase(batch, new, past, call.logits, _present(f"{label} present", call.layers),
-                               flips + ([call.routing] if call.routing else [])))
+                               flips + ([call.routing] if call.routing is not None else [])))
     log.info("sweep: %d/%d shapes pass", sum(c.passed for c in cases), len(cases))
     return cases

@@ -78,9 +78,10 @@ class HealthScan:
                 self._scan_values(where, value[real], np.empty(0, np.float32))
                 zero = np.all(value == 0, axis=-1) & real
             elif value.ndim == 4:  # present (B, Hkv, L, D)
-                real = np.broadcast_to(real_keys(mask)[..., None], value.shape)
+                keys = real_keys(mask)
+                real = np.broadcast_to(keys[..., None], value.shape)
                 self._scan_values(where, value[real], value[~real])
-                zero = np.any(np.all(value == 0, axis=-1), axis=1) & real_keys(mask)[:, 0]  # a zero row in any head
+                zero = np.any(np.all(value == 0, axis=-1), axis=1) & keys[:, 0]  # a zero row in any head
             else:  # the loss
                 self._scan_values(where, value, np.empty(0, np.float32))
                 continue

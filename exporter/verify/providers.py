@@ -20,7 +20,7 @@ from exporter.errors import ArtifactError, InputError
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import prefill_feeds
-from exporter.verify.metrics import Comparison, aggregate, compare, real_keys
+from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
 from exporter.verify.results import Attribution, ProviderReport
 from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
 
@@ -35,7 +35,7 @@ def _looser(dtype: str, a: str, b: str, overrides: Overrides):
 def _outputs_pair(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
     """Logits and presents of one prefill batch, judged at the positions its `mask` marks real."""
     rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
-                    valid=mask == 1)]
+                    valid=real_queries(mask, actual["logits"].shape[1]))]
     kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
           for n in actual if n.startswith("present.")]
     return rows + [aggregate(f"{label} present (all layers)", kv)]

@@ -31,10 +31,14 @@ class ProviderReport:
     prefill_routing: RoutingFlip | None = None  # MoE: the failing prefill's expert choices
 
     @property
+    def chain_flips(self) -> list[RoutingFlip]:
+        """The failing calls of the prefill and decode checks whose expert choices were compared."""
+        return ([self.prefill_routing] if self.prefill_routing else []) + [s.routing for s in self.curve if s.routing]
+
+    @property
     def routing_flips(self) -> list[RoutingFlip]:
         """Every failing call whose expert choices were compared: the prefill, decode steps, sweep calls."""
-        return ([self.prefill_routing] if self.prefill_routing else []) + [
-            s.routing for s in self.curve if s.routing] + [flip for case in self.sweep for flip in case.routing]
+        return self.chain_flips + [flip for case in self.sweep for flip in case.routing]
 
     @property
     def passed(self) -> bool:

@@ -45,8 +45,7 @@ def sweep_detail(case) -> str:
 def routing_notes(p: ProviderReport) -> list[str]:
     """The prefill's and decode steps' failing calls with their expert choices, and where ONNX Runtime
     took the reference's cache after an explained flip (the sweep's are in its own lines)."""
-    flips = ([p.prefill_routing] if p.prefill_routing else []) + [s.routing for s in p.curve if s.routing]
-    notes = [f"routing {'near-tie' if flip.explained else 'FAIL'}: {flip.describe()}" for flip in flips]
+    notes = [f"routing {'near-tie' if flip.explained else 'FAIL'}: {flip.describe()}" for flip in p.chain_flips]
     fed = [str(s.step) for s in p.curve if s.fed_reference_cache]
     if fed:
         notes.append(f"decode steps fed the reference's cache after an explained routing flip: {', '.join(fed)}")

@@ -120,6 +120,12 @@ class ExpertAgreement:
     def passed(self) -> bool:
         return not self.measured or self.pairs - self.agreeing == self.explained
 
+    @property
+    def explained_flip(self) -> bool:
+        """Some real token was routed differently, each time at a near-tie or as a consequence of one: the
+        outputs it reached differ within the precision of a discrete choice."""
+        return self.measured and self.agreeing < self.pairs and self.passed
+
     def to_dict(self) -> dict:
         return {"measured": self.measured, "pairs": self.pairs, "agreeing": self.agreeing,
                 "fraction": self.fraction, "explained": self.explained, "passed": self.passed, "note": self.note}
@@ -169,12 +175,6 @@ class CallRouting:
     agreement: ExpertAgreement
     reached: np.ndarray  # (B, T): the tokens whose outputs a differing choice can have changed
 
-    @property
-    def explained_flip(self) -> bool:
-        """Some real token was routed differently, each time at a near-tie or as a consequence of one: the
-        outputs it reached differ within the precision of a discrete choice."""
-        return self.agreement.measured and self.agreement.agreeing < self.agreement.pairs and self.agreement.passed
-
     def loss_without_reached(self, actual: dict, expected: dict, labels: np.ndarray) -> float:
         """ONNX Runtime's loss of the call (one mean over the targets `labels` (B, T)) with the terms of the
         positions a differing choice reached taken from the reference's logits: compared with the reference's
@@ -212,6 +212,50 @@ def routing_agreement(reference_routing: dict, probe: RouterProbe, onnx_feeds: d
         if count.explained == differing:
             note += " (a precision flip of a discrete choice)"
     return CallRouting(ExpertAgreement(True, count.pairs, count.agreeing, count.explained, note), count.reached)
+
+
+def greedy_choices(reference_calls: list[dict], onnx, probe: RouterProbe, manifest, prompt: list[int],
+                   shared: list[int], tolerance) -> ExpertAgreement:
+    """Expert choices of a greedy run up to the token where the two sides' runs differ.
+
+    `reference_calls` holds the reference run's routing per call ({layer: (scores, ids)}): the prompt, then
+    each chosen token fed back, call i choosing token i. `shared` is the tokens both sides chose before
+    they differed. ONNX Runtime's calls are replayed through decode.onnx as OrtRunner.start and step ran
+    them (`onnx` an OrtRunner, `probe` a RouterProbe of decode.onnx), on its own cache. A difference at a
+    router near-tie in one call reaches every later call through the cache, so the differing token is
+    explained when the first call whose routers differ does so at near-ties only (or at tokens an earlier
+    layer's difference reached, as in one call of judge_call); the differences of the calls after it are
+    its consequences."""
+    calls = len(shared) + 1  # the last one chose the differing token
+    if not probe.complete or len(reference_calls) < calls:
+        what = "the graph's router TopK nodes were not found" if not probe.complete else \
+            "the reference's router choices of the greedy run were not recorded"
+        return ExpertAgreement(False, 0, 0, 0, f"{what}; not measured")
+    past = onnx.empty_past(1)
+    pairs = agreeing = explained = 0
+    first = None  # the first call whose routers differ
+    for call, routing in enumerate(reference_calls[:calls]):
+        tokens, length = (prompt if call == 0 else [shared[call - 1]]), len(prompt) + call
+        feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": np.ones((1, length), np.int64),
+                 "position_ids": np.arange(length - len(tokens), length, dtype=np.int64)[None], **past}
+        past = presents_as_past(manifest, onnx.decode(feeds))
+        count = _compare_choices(routing, probe.expert_ids(feeds), np.ones(feeds["input_ids"].shape, bool), tolerance)
+        differing = count.pairs - count.agreeing
+        pairs, agreeing = pairs + count.pairs, agreeing + count.agreeing
+        explained += count.explained if first is None else differing
+        if first is None and differing:
+            first = call
+    span = f"{calls} call{'s' * (calls > 1)} up to the differing token"
+    if first is None:
+        return ExpertAgreement(True, pairs, agreeing, 0, f"the routers agree on all {pairs} (token, layer) "
+                                                         f"expert choices of the {span}")
+    where = "the prompt" if first == 0 else f"generated token {first - 1} fed back"
+    note = (f"{pairs - agreeing} of {pairs} (token, layer) expert choices of the {span} differ, first in call "
+            f"{first} ({where}); {explained} explained by near-ties of the reference's router scores or reached "
+            "by an earlier differing choice")
+    if explained == pairs - agreeing:
+        note += " (a precision flip of a discrete choice)"
+    return ExpertAgreement(True, pairs, agreeing, explained, note)
 
 
 def check_expert_choice(reference, folder: Path, manifest, provider: str, batch: dict, decode_tokens: list,

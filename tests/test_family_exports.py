@@ -152,6 +152,27 @@ def test_a_float16_moe_routing_difference_that_is_no_near_tie_fails(moe3_artifac
     assert not flip.explained and flip.agreement.explained < flip.agreement.pairs - flip.agreement.agreeing
     assert not any(step.fed_reference_cache for step in cpu.curve)
     assert "routing FAIL: prefill:" in _failures(report)
+    # the greedy run differs at its first token, and the prompt's routers differ at a clear gap there too
+    greedy = cpu.greedy
+    assert not greedy.passed and greedy.match_length == 0 and greedy.routing.measured
+    assert not greedy.routing.explained_flip and "routers: 1 of 16 (token, layer) expert choices" in greedy.note
+
+
+def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(moe3_artifact_fp16, moe3_model,
+                                                                              tmp_path):
+    """Measured with input seed 83: feeding back the first generated token, ONNX Runtime's router chose
+    another expert at a near-tie of the reference's scores, and the next token differs at a logit gap of 0.83
+    (the greedy check failed). The explanation replays from a golden bundle too."""
+    settings = ParitySettings(decode_steps=2, seed=83, sweep=False)
+    live = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=False,
+                           golden_save=tmp_path / "golden")
+    assert live.passed, _failures(live)
+    greedy = live.reports[0].greedy
+    assert greedy.passed and greedy.match_length == 1 and greedy.routing.explained_flip, greedy.note
+    assert "not a tie); explained by a router near-tie: 1 of 18 (token, layer) expert choices of the 2 calls up " \
+           "to the differing token differ, first in call 1 (generated token 0 fed back)" in greedy.note
+    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=tmp_path / "golden", genai=False)
+    assert replay.passed and replay.reports[0].greedy == greedy, _failures(replay)
 
 
 def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind2_artifact, minimind2_checkpoint):

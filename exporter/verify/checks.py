@@ -142,8 +142,9 @@ def judge_call(manifest: Manifest, call: str, graph: str, onnx_feeds: dict, actu
     if explain_routing is None or (result.cache_passed if cache_only else result.passed):
         return result
     routing = explain_routing(graph, onnx_feeds, valid)
-    flip = RoutingFlip(call, routing.agreement, routing.explained_flip, int((routing.reached & real).sum()),
-                       int(real.sum()), result.logits, _present(f"{call} present", result.layers), result.loss)
+    flip = RoutingFlip(call, routing.agreement, routing.agreement.explained_flip,
+                       int((routing.reached & real).sum()), int(real.sum()), result.logits,
+                       _present(f"{call} present", result.layers), result.loss)
     if not flip.explained:
         return replace(result, routing=flip)
     loss = None if "loss" not in actual else routing.loss_without_reached(actual, expected, onnx_feeds["labels"])
@@ -250,6 +251,9 @@ class GreedyTrace:
 
     ids: list[int]
     logits: np.ndarray  # (len(ids), vocab) float32
+    # MoE: per call of the run (the prompt, then each chosen token fed back; call i chose token i) the routers'
+    # {layer: (scores, ids)}; empty for models without routers, or a bundle recorded before it was kept
+    routing: list[dict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -259,10 +263,12 @@ class GreedyResult:
     match_length: int  # tokens equal from the start
     passed: bool
     note: str
+    routing: ExpertAgreement | None = None  # MoE: the expert choices of both runs up to the differing token
 
     def to_dict(self) -> dict:
         return {"reference_ids": self.reference_ids, "onnx_ids": self.onnx_ids, "match_length": self.match_length,
-                "passed": self.passed, "note": self.note}
+                "passed": self.passed, "note": self.note,
+                "expert_choice": self.routing.to_dict() if self.routing is not None else None}
 
 
 def judge_greedy(trace: GreedyTrace, actual: list[int], profile: Profile, expected: list[int] | None = None,
@@ -292,15 +298,27 @@ def judge_greedy(trace: GreedyTrace, actual: list[int], profile: Profile, expect
 
 
 def check_greedy(reference, onnx, manifest: Manifest, prompt: list[int], settings: ParitySettings,
-                 profile: Profile) -> GreedyResult:
-    """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt."""
+                 profile: Profile, explain_routing=None) -> GreedyResult:
+    """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt.
+
+    For MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
+    (exporter.routing.greedy_choices) compares the expert choices of the two runs up to a differing token
+    that is no near-tie of the reference's logits: a router near-tie in an earlier call reaches every later
+    token through the cache, so a differing token after one is within the precision of a discrete choice,
+    as a failing call's positions after one are in judge_call."""
     eos = manifest.config.eos_token_id
     trace = reference.greedy(prompt, settings.greedy_tokens, eos)
     try:
         actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
     except NonFiniteLogits:  # a result to report with the others, not an error that ends the run
         return GreedyResult(trace.ids, [], 0, False, NonFiniteLogits.reason)
-    return judge_greedy(trace, actual, profile)
+    result = judge_greedy(trace, actual, profile)
+    if result.passed or explain_routing is None or result.match_length == min(len(actual), len(trace.ids)):
+        return result
+    routing = explain_routing(trace.routing, prompt, trace.ids[:result.match_length])
+    flip = "explained by a router near-tie: " if routing.explained_flip else "routers: "
+    return replace(result, passed=routing.explained_flip, note=f"{result.note}; {flip}{routing.note}",
+                   routing=routing)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, read_manifest
-from exporter.routing import CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, routing_agreement
+from exporter.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, greedy_choices,
+                              routing_agreement)
 from exporter.runtime import OrtRunner, available_parity_providers, check_parity_providers
 from exporter.verify.checks import check_decode, check_greedy, check_prefill, judge_greedy, run_sweep
 from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
@@ -64,20 +65,29 @@ def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifes
     return check_expert_choice(reference, folder, manifest, provider, batch, steps, profile.logits)
 
 
-def _routing_explainer(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str,
-                       profile: Profile):
-    """For MoE models: explains a failing call by the expert choices of both sides (see
-    exporter.verify.checks.judge_call), asked right after the reference's call."""
-    if getattr(manifest.config, "use_moe", False) is not True:
-        return None
-    probes = {}  # graph -> the graph with its routers exposed, built at its first failing call only
-    contracts = {"prefill": manifest.prefill, "decode": manifest.decode}
+class _RoutingExplainer:
+    """For MoE models: the expert choices of both sides behind a failing call (judge_call's explain_routing,
+    asked right after the reference's call) or a greedy run that differs (check_greedy's); each graph's
+    router probe is built at its first use."""
 
-    def explain(graph: str, onnx_feeds: dict, valid) -> CallRouting:
-        if graph not in probes:
-            probes[graph] = RouterProbe(folder, contracts[graph], provider, manifest.cache.num_layers)
-        return routing_agreement(reference.last_routing(), probes[graph], onnx_feeds, valid, profile.logits)
-    return explain
+    def __init__(self, reference: RecordedReference, onnx: OrtRunner, manifest: Manifest, profile: Profile):
+        self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.logits
+        self._probes: dict[str, RouterProbe] = {}
+
+    def _probe(self, graph: str) -> RouterProbe:
+        if graph not in self._probes:
+            contract = {"prefill": self.manifest.prefill, "decode": self.manifest.decode}[graph]
+            self._probes[graph] = RouterProbe(self.onnx.folder, contract, self.onnx.provider,
+                                              self.manifest.cache.num_layers)
+        return self._probes[graph]
+
+    def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:
+        return routing_agreement(self.reference.last_routing(), self._probe(graph), onnx_feeds, valid,
+                                 self.tolerance)
+
+    def greedy(self, reference_calls: list[dict], prompt: list[int], shared: list[int]) -> ExpertAgreement:
+        return greedy_choices(reference_calls, self.onnx, self._probe("decode"), self.manifest, prompt, shared,
+                              self.tolerance)
 
 
 def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
@@ -90,7 +100,9 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
     values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
     health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.nodes
                                      for o in n.outputs})
-    explain_routing = _routing_explainer(reference, folder, manifest, onnx.provider, profile)
+    explainer = _RoutingExplainer(reference, onnx, manifest, profile) \
+        if getattr(manifest.config, "use_moe", False) is True else None
+    explain_routing = explainer.call if explainer else None
     log.info("%s: prefill", onnx.provider)
     prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)
@@ -99,7 +111,7 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
                              np.random.default_rng(settings.seed + 1), explain_routing)
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile)
+    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile, explainer and explainer.greedy)
     sweep = []
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)

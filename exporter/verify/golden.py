@@ -6,8 +6,10 @@ providers, or a bundle loaded from disk) it replays the recording, checking
 that the token inputs are the ones recorded. Decode calls store only the new
 positions of each present (the reference's present is its past with the new
 positions appended), so a bundle holds each cache entry once. For MoE models
-each call also keeps its routers' scores and chosen experts, so that expert
-choice and the routing explanation of a failing call replay too.
+each call, and each call of a greedy run, also keeps its routers' scores and
+chosen experts, so that expert choice and the routing explanation of a failing
+call or of a greedy run that differs replay too (a v4 bundle recorded before
+greedy runs kept them replays without that explanation).
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the tolerance overrides the recording
@@ -26,7 +28,7 @@ import logging
 import os
 import platform
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +124,11 @@ class RecordedReference:
         if key not in self.greedy_traces:
             if self.backing is None:
                 raise GoldenMismatch("the bundle holds no greedy run for this prompt; re-record it with --golden-save")
-            self.greedy_traces[key] = self.backing.greedy(prompt, max_new_tokens, eos)
+            with record_reference_routing(self.backing.model) as routed:
+                trace = self.backing.greedy(prompt, max_new_tokens, eos)
+            calls = len(next(iter(routed.values()), []))
+            self.greedy_traces[key] = replace(trace, routing=[{layer: routed[layer][call] for layer in routed}
+                                                              for call in range(calls)])
         return self.greedy_traces[key]
 
     def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, overrides: Overrides,
@@ -140,8 +146,13 @@ class RecordedReference:
                 arrays[f"{index}/router/{layer}/scores"], arrays[f"{index}/router/{layer}/ids"] = scores, ids
         greedy = []
         for index, ((prompt, n, eos), trace) in enumerate(self.greedy_traces.items()):
-            greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids})
+            greedy.append({"prompt": list(prompt), "max_new_tokens": n, "eos": eos, "ids": trace.ids,
+                           "routed_layers": [list(routing) for routing in trace.routing]})
             arrays[f"greedy/{index}/logits"] = trace.logits
+            for call, routing in enumerate(trace.routing):
+                for layer, (scores, ids) in routing.items():
+                    key = f"greedy/{index}/router/{call}/{layer}"
+                    arrays[f"{key}/scores"], arrays[f"{key}/ids"] = scores, ids
         # Over an older bundle: each file is written aside and swapped in, the index last. An interrupted
         # save leaves the older bundle whole, or its index with the new arrays, whose hash it then refuses.
         partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
@@ -272,8 +283,11 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
         _check_call(index, kind, feeds, outputs, manifest)
     routing = [{layer: (arrays[f"{i}/router/{layer}/scores"], arrays[f"{i}/router/{layer}/ids"])
                 for layer in c["routed_layers"]} for i, c in enumerate(meta["calls"])]
-    greedy = {(tuple(g["prompt"]), g["max_new_tokens"], g["eos"]): GreedyTrace(g["ids"], arrays[f"greedy/{i}/logits"])
-              for i, g in enumerate(meta["greedy"])}
+    greedy = {(tuple(g["prompt"]), g["max_new_tokens"], g["eos"]): GreedyTrace(
+        g["ids"], arrays[f"greedy/{i}/logits"],
+        [{layer: (arrays[f"greedy/{i}/router/{call}/{layer}/scores"], arrays[f"greedy/{i}/router/{call}/{layer}/ids"])
+          for layer in layers} for call, layers in enumerate(g.get("routed_layers", []))])
+        for i, g in enumerate(meta["greedy"])}
     vocab = manifest.config.vocab_size
     for (prompt, n, eos), trace in greedy.items():
         ids = [*prompt, *trace.ids, *([] if eos is None else [eos])]

@@ -148,15 +148,18 @@ def _boolean_mask_adapter(byo_example):
 def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo_example, tmp_path):
     # Verification compared every position: this decoder failed the prefill logits, every present, the loss
     # (its first real token was a target predicted from padding), the sweep and the split-prefill invariant
-    # at 1e4x the tolerance, while every real token agreed.
+    # at 1e4x the tolerance, while every real token agreed; the probe named layer 0's o_proj at 8.7e3x.
     adapter = _boolean_mask_adapter(byo_example)
     folder = tmp_path / "boolean-mask"
     export_artifact(adapter, folder, source={"kind": "custom", "model": "boolean-mask"})
-    settings = ParitySettings(decode_steps=2, greedy_tokens=4)  # the sweep on: ragged padding, past and not
+    # the sweep on: ragged padding, past and not
+    settings = ParitySettings(decode_steps=2, greedy_tokens=4, probe=True)
     report = verify_artifact(folder, adapter, ["cpu"], settings, genai=False, golden_save=tmp_path / "golden")
     assert report.passed, format_verify(report)
     [cpu] = report.reports
     assert all(layer.passed for layer in cpu.layers) and len(cpu.sweep) == 36 and len(report.invariants) == 6
+    probe = cpu.localisation.probe
+    assert probe.first is None and probe.checked == 23, probe  # every module output and present matched
     # the premise: the two sides do differ at the padded positions, and agree at the real ones
     manifest = read_manifest(folder)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))

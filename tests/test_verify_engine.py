@@ -23,9 +23,9 @@ from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch, _recording_digest, load_bundle
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
-from exporter.verify.localise import probe_reference
+from exporter.verify.localise import probe_between, probe_reference
 from exporter.verify.metrics import Needed, compare
-from exporter.verify.probe import DebugGraph
+from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
 from helpers import claim_seed, edit_manifest, perturb_weight
@@ -146,19 +146,75 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
 
 
-def test_the_probe_checks_the_presents_where_the_layer_level_localisation_looks(artifact_fp32, tiny_model):
-    # A fault between layer 1's k_proj and its present (the rotary embedding, say) shows in present.1.key
-    # before o_proj: the probe must name the present's operator, as the layer-level check names layer 1.
+@pytest.fixture(scope="module")
+def probed(artifact_fp32, tiny_model):
+    """The debug copy of the tiny artifact, its values and the reference's module outputs on the default batch
+    (row 0 left-padded by 3)."""
     manifest = read_manifest(artifact_fp32)
     batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
     debug = DebugGraph(artifact_fp32, manifest, manifest.prefill.file)
     values = debug.run(prefill_feeds(manifest, batch))
     expected = TorchRunner(tiny_model, manifest).module_outputs(batch)
-    tolerance = profile_for(manifest.dtype).kv
-    assert probe_reference(debug, values, expected, tolerance).first is None
-    values["present.1.key"] = -values["present.1.key"]
-    first = probe_reference(debug, values, expected, tolerance).first
+    return debug, values, expected, profile_for(manifest.dtype).kv, batch["attention_mask"]
+
+
+def test_the_probe_checks_the_presents_where_the_layer_level_localisation_looks(probed):
+    # A fault between layer 1's k_proj and its present (the rotary embedding, say) shows in present.1.key
+    # before o_proj: the probe must name the present's operator, as the layer-level check names layer 1.
+    debug, values, expected, tolerance, mask = probed
+    assert probe_reference(debug, values, expected, tolerance, mask).first is None
+    values = {**values, "present.1.key": -values["present.1.key"]}
+    first = probe_reference(debug, values, expected, tolerance, mask).first
     assert first.tensor == "present.1.key" and first.module.startswith("model.layers.1.self_attn"), first
+
+
+def test_the_probe_judges_real_positions_only(probed):
+    # A model may leave a padded position arbitrary (nothing real reads it): a difference there is no
+    # divergence, against the reference or between two runs; one at a single real token is named.
+    debug, values, expected, tolerance, mask = probed
+    assert debug.axes == PositionAxes("batch_size", frozenset({"sequence_length"}))
+    padded, real = (0, slice(0, 3)), (0, 3)  # row 0's padding and its first real token
+    hidden = next(o for n in debug.nodes for o in n.outputs if debug.dims[o] == ("batch_size", "sequence_length", 64))
+    for tensor in ("present.0.value", hidden):
+        axis = 2 if tensor.startswith("present.") else 1  # presents are (B, kv_heads, L, head_dim)
+        for where, diverges in ((padded, False), (real, True)):
+            changed = values[tensor].copy()
+            np.moveaxis(changed, axis, 1)[where] += 1.0
+            faulty = {**values, tensor: changed}
+            between = probe_between(debug, faulty, values, tolerance, "changed vs run", mask)
+            assert (between.first is not None) == diverges, (tensor, where, between)
+            assert not diverges or between.first.tensor == tensor
+            if tensor.startswith("present."):
+                first = probe_reference(debug, faulty, expected, tolerance, mask).first
+                assert (first is not None) == diverges and (first is None or first.tensor == tensor), (where, first)
+    # grouped-query attention ('2*sequence_length') and lm_head's flattened rows fold the sequence: left out
+    result = probe_between(debug, values, values, tolerance, "run vs run", mask)
+    assert result.first is None and result.checked == 158
+    assert result.note.startswith("10 values left out: their shape folds the sequence")
+
+
+def test_a_values_real_elements_follow_its_batch_and_position_axes():
+    axes = PositionAxes("batch_size", frozenset({"sequence_length"}))
+    mask = np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    real = mask == 1
+    scores = real_elements(("batch_size", 4, "sequence_length", "sequence_length"), (2, 4, 4, 4), axes, mask)
+    assert np.array_equal(scores, real[:, None, :, None] & real[:, None, None, :])  # (B, 1, query, key)
+    present = real_elements(("batch_size", 2, "sequence_length", 16), (2, 2, 4, 16), axes, mask)
+    assert np.array_equal(present, real[:, None, :, None])
+    hidden = real_elements(("batch_size", "sequence_length", 64), (2, 4, 64), axes, mask)
+    assert np.array_equal(hidden, real[:, :, None])
+    # a causal mask (no batch axis) and a per-row value (no position axis) cannot depend on a row's padding
+    for dims in (("sequence_length", "sequence_length"), ("batch_size", 64), ()):
+        whole = real_elements(dims, (4,) * len(dims), axes, mask)
+        assert whole.shape == (1,) * len(dims) and whole.all(), dims
+    for dims in (("sequence_length*batch_size", 64), ("batch_size", 2, "2*sequence_length", 16),
+                 ("batch_size", "sequence_length - 1"), (None, 4, "sequence_length", None)):
+        assert real_elements(dims, (8,) * len(dims), axes, mask) is None, dims
+    assert real_elements(("sequence_length*batch_size", 64), (8, 64), axes, np.ones((2, 4))).all()
+    # a query axis shorter than the mask covers its last positions (a graph with a past names them apart)
+    apart = PositionAxes("batch", frozenset({"sequence", "total"}))
+    scores = real_elements(("batch", 4, "sequence", "total"), (2, 4, 2, 4), apart, mask)
+    assert np.array_equal(scores, real[:, None, 2:, None] & real[:, None, None, :])
 
 
 def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp32, tmp_path):

@@ -49,7 +49,8 @@ def _localise(prefill, decode, reference, debug: DebugGraph, values: dict, batch
         return Localisation(first, where, None, "the probe against the reference needs the PyTorch model; a golden "
                                                 "bundle holds no intermediate values")
     log.info("probe: comparing %d graph values with the reference's module outputs", len(values))
-    return Localisation(first, where, probe_reference(debug, values, module_outputs(batch), profile.kv))
+    probe = probe_reference(debug, values, module_outputs(batch), profile.kv, batch["attention_mask"])
+    return Localisation(first, where, probe)
 
 
 def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
@@ -223,7 +224,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     if settings.probe and len(values) > 1:
         first, *others = values
         probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
-                                f"{p} vs {first}") for p in others]
+                                f"{p} vs {first}", batch["attention_mask"]) for p in others]
     attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
     consumers, consumers_skipped = [], {}
     if genai_skipped:

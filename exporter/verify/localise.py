@@ -15,6 +15,13 @@ whose value is not checked (a scale inside attention, say) shows at the next
 checked value: the probe names the first diverging checked value, which lies
 at or after the fault and after the last agreeing one. Between two ONNX Runtime
 runs (two providers), every value is compared by name.
+
+Both judge real positions only, as every check of logits and presents does: a
+value's dims (from the graph's value_info) say which axes are the batch and the
+positions, and an element counts where each position axis indexes a real token
+of its row. A value whose dims fold the sequence into another axis, or hold an
+axis the export left unnamed, cannot be mapped to positions, so on a padded
+batch it is left out and counted.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import numpy as np
 
 from exporter.verify.checks import LayerError
 from exporter.verify.metrics import Tolerance, compare
-from exporter.verify.probe import DebugGraph
+from exporter.verify.probe import DebugGraph, real_elements
 
 
 @dataclass(frozen=True)
@@ -70,19 +77,33 @@ def first_diverging_layer(layers: list[LayerError]) -> int | None:
     return next((layer.layer for layer in layers if not layer.passed), None)
 
 
-def _first_failure(graph: DebugGraph, pairs: list[tuple[int, str, str, np.ndarray, np.ndarray]],
-                   tolerance: Tolerance) -> Divergence | None:
-    for index, module, tensor, actual, expected in sorted(pairs, key=lambda p: p[0]):
-        result = compare(tensor, "activation", actual, expected, tolerance)
+Pair = tuple[int, str, str, np.ndarray, np.ndarray]  # node index, module, tensor, actual, expected
+
+
+def _first_failure(graph: DebugGraph, pairs: list[Pair], tolerance: Tolerance, mask: np.ndarray
+                   ) -> tuple[Divergence | None, int, str]:
+    """The first pair in topological order that diverges at its real elements, how many pairs are compared,
+    and a note on those left out."""
+    judged = [(pair, real_elements(graph.dims[pair[2]], pair[3].shape, graph.axes, mask))
+              for pair in sorted(pairs, key=lambda p: p[0])]
+    left_out = sum(valid is None for _, valid in judged)
+    note = (f"{left_out} values left out: their shape folds the sequence into another axis or has an axis the "
+            "export left unnamed, so their real positions are unknown") if left_out else ""
+    for (index, module, tensor, actual, expected), valid in judged:
+        if valid is None:
+            continue
+        result = compare(tensor, "activation", actual, expected, tolerance, valid)
         if not result.passed:
             node = graph.nodes[index]
-            return Divergence(node.name, node.op_type, module, tensor, result.max_abs, result.needed.scale)
-    return None
+            divergence = Divergence(node.name, node.op_type, module, tensor, result.max_abs, result.needed.scale)
+            return divergence, len(pairs) - left_out, note
+    return None, len(pairs) - left_out, note
 
 
-def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, tolerance: Tolerance) -> ProbeResult:
+def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, tolerance: Tolerance,
+                    mask: np.ndarray) -> ProbeResult:
     """`values`: the debug graph's outputs; `module_outputs`: reference module path (or graph output name)
-    -> output array."""
+    -> output array; `mask`: the prefill's attention mask, whose padded positions are not judged."""
     if not graph.has_scopes:
         return ProbeResult("reference", 0, None, "the graph carries no module scopes (not a torch.onnx dynamo "
                                                  "export); compare two providers instead")
@@ -98,14 +119,16 @@ def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, toler
                       if o in values and values[o].shape == expected.shape), None)
         if match is not None:
             pairs.append((match[0], module, match[1], values[match[1]], expected))
-    first = _first_failure(graph, pairs, tolerance)
-    return ProbeResult("reference", len(pairs), first,
-                       f"{len(pairs)} of {len(module_outputs)} reference module outputs and presents matched to "
-                       "graph values")
+    first, checked, note_left_out = _first_failure(graph, pairs, tolerance, mask)
+    matched = f"{len(pairs)} of {len(module_outputs)} reference module outputs and presents matched to graph values"
+    return ProbeResult("reference", checked, first, "; ".join(filter(None, [matched, note_left_out])))
 
 
-def probe_between(graph: DebugGraph, values: dict, baseline: dict, tolerance: Tolerance, mode: str) -> ProbeResult:
-    """Every value of one run against the same value of another run of the same debug graph."""
+def probe_between(graph: DebugGraph, values: dict, baseline: dict, tolerance: Tolerance, mode: str,
+                  mask: np.ndarray) -> ProbeResult:
+    """Every value of one run against the same value of another run of the same debug graph, at the real
+    positions of `mask`."""
     pairs = [(n.index, n.module, o, values[o], baseline[o]) for n in graph.nodes for o in n.outputs
              if o in values and o in baseline]
-    return ProbeResult(mode, len(pairs), _first_failure(graph, pairs, tolerance))
+    first, checked, note_left_out = _first_failure(graph, pairs, tolerance, mask)
+    return ProbeResult(mode, checked, first, note_left_out)

@@ -7,12 +7,15 @@ weights file otherwise (a session places a given initializer only where it
 planned it: not on a CUDA device, nor before a graph optimisation folds it into a
 new constant, as for the float16 weights the CPU casts). Each node keeps the module
 scope that torch.onnx recorded in its metadata, which lets localisation map
-intermediate tensors back to the reference model's modules.
+intermediate tensors back to the reference model's modules, and each exposed value
+keeps the dims its value_info declares, which tell which of its elements belong to
+real (not padded) positions.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +24,12 @@ import onnx
 
 from exporter.manifest import Manifest
 from exporter.runtime import SharedWeightMap, graph_session
+from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+Dim = str | int | None  # a symbolic name ('batch_size', '2*sequence_length'), a fixed size, or unknown
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,59 @@ def module_of(node: onnx.NodeProto) -> str | None:
     return path[len(root) + 1:] if path.startswith(root + ".") else ""
 
 
+def dims_of(value: onnx.ValueInfoProto) -> tuple[Dim, ...]:
+    return tuple(d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+                 for d in value.type.tensor_type.shape.dim)
+
+
+@dataclass(frozen=True)
+class PositionAxes:
+    """The graph's own names for the batch axis and the token positions, read from its inputs: the query
+    length of input_ids and the total length of attention_mask (the same positions in a prefill)."""
+    batch: str
+    positions: frozenset[str]
+
+    @staticmethod
+    def of_graph(graph: onnx.GraphProto) -> PositionAxes:
+        inputs = {v.name: dims_of(v) for v in graph.input}
+        batch, query = inputs["input_ids"]
+        return PositionAxes(batch, frozenset({query, inputs["attention_mask"][1]}))
+
+
+def _hides_positions(dim: Dim, names: frozenset[str]) -> bool:
+    """An unknown dim, or one that folds the batch or a position axis into another ('2*sequence_length',
+    'sequence_length*batch_size', 'sequence_length - 1'): the value's real elements cannot be told apart."""
+    if dim is None:
+        return True
+    return isinstance(dim, str) and dim not in names and bool(names & set(re.findall(r"[A-Za-z_]\w*", dim)))
+
+
+def real_elements(dims: tuple[Dim, ...], shape: tuple[int, ...], axes: PositionAxes, mask: np.ndarray
+                  ) -> np.ndarray | None:
+    """compare's `valid` (of the value's rank) for a value of `shape` whose value_info declares `dims`, in a
+    prefill of `mask` (B, L); None when its real positions are unknown.
+
+    An element is real when each of its position axes indexes a real token of its row: an axis of size n
+    covers the mask's last n positions (the queries of a prefill after a past). A value without a batch axis
+    (a causal mask) or without a position axis cannot depend on a row's padding, so it is judged whole, as
+    every value is when nothing is padded.
+    """
+    whole = np.ones((1,) * len(dims), bool)
+    if np.all(np.asarray(mask) == 1):
+        return whole
+    if any(_hides_positions(dim, axes.positions | {axes.batch}) for dim in dims):
+        return None
+    position_axes = [i for i, dim in enumerate(dims) if dim in axes.positions]
+    if axes.batch not in dims or not position_axes:
+        return whole
+    batch_axis = dims.index(axes.batch)
+    valid = whole
+    for axis in position_axes:
+        real = real_queries(mask, shape[axis])  # (B, n)
+        valid = valid & np.moveaxis(real.reshape(real.shape + (1,) * (len(dims) - 2)), (0, 1), (batch_axis, axis))
+    return valid
+
+
 class DebugGraph:
     def __init__(self, folder: Path, manifest: Manifest, graph_file: str):
         folder = Path(folder)
@@ -61,11 +120,14 @@ class DebugGraph:
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
         self.nodes: list[NodeInfo] = []
+        self.dims = {o.name: dims_of(o) for o in model.graph.output}  # every exposed value's, as added below
+        self.axes = PositionAxes.of_graph(model.graph)
         self.has_scopes = False
         for index, node in enumerate(model.graph.node):
             exposed = tuple(o for o in node.output if o in types and o not in declared
                             and types[o].type.tensor_type.elem_type in FLOAT_TYPES)
             model.graph.output.extend(types[o] for o in exposed)
+            self.dims.update((o, dims_of(types[o])) for o in exposed)
             module = module_of(node)
             self.has_scopes |= module is not None
             outputs = exposed + tuple(o for o in node.output if o in declared)

@@ -26,6 +26,7 @@ from exporter.report import format_inspect
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
 from exporter.routing import RouterProbe, record_reference_routing
+from exporter.genai import GenaiGenerator
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.verify.reports import format_verify
@@ -162,17 +163,39 @@ def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(mo
                                                                               tmp_path):
     """Measured with input seed 83: feeding back the first generated token, ONNX Runtime's router chose
     another expert at a near-tie of the reference's scores, and the next token differs at a logit gap of 0.83
-    (the greedy check failed). The explanation replays from a golden bundle too."""
+    (the greedy check failed, and so did onnxruntime-genai's, whose tokens are our loop's). The explanation
+    replays from a golden bundle too."""
     settings = ParitySettings(decode_steps=2, seed=83, sweep=False)
-    live = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=False,
+    live = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=True,
                            golden_save=tmp_path / "golden")
     assert live.passed, _failures(live)
     greedy = live.reports[0].greedy
     assert greedy.passed and greedy.match_length == 1 and greedy.routing.explained_flip, greedy.note
     assert "not a tie); explained by a router near-tie: 1 of 18 (token, layer) expert choices of the 2 calls up " \
            "to the differing token differ, first in call 1 (generated token 0 fed back)" in greedy.note
-    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=tmp_path / "golden", genai=False)
+    [genai] = live.consumers
+    assert genai.passed and genai.greedy.match_length == 1 and genai.greedy.routing == greedy.routing
+    assert "the tokens of our loop on the CPU up to and including this one" in genai.greedy.note
+    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=tmp_path / "golden", genai=True)
     assert replay.passed and replay.reports[0].greedy == greedy, _failures(replay)
+    assert replay.consumers[0].greedy == genai.greedy
+
+
+def test_a_consumer_run_that_differs_from_our_loop_is_not_explained_by_our_loops_router_near_tie(
+        moe3_artifact_fp16, moe3_model, monkeypatch):
+    """genai's routers cannot be probed: our loop's explanation covers genai only where genai chose the same
+    tokens, the differing one included."""
+    original = GenaiGenerator.greedy
+
+    def another_second_token(self, prompt_ids, max_new_tokens):
+        tokens = original(self, prompt_ids, max_new_tokens)
+        return [tokens[0], (tokens[1] + 1) % moe3_model.config.vocab_size, *tokens[2:]]
+    monkeypatch.setattr(GenaiGenerator, "greedy", another_second_token)
+    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=2, seed=83,
+                                                                                     sweep=False), genai=True)
+    assert report.reports[0].greedy.passed and report.reports[0].greedy.routing.explained_flip
+    [genai] = report.consumers
+    assert not genai.passed and genai.greedy.match_length == 1 and genai.greedy.routing is None, genai.greedy.note
 
 
 def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind2_artifact, minimind2_checkpoint):

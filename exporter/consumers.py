@@ -201,6 +201,8 @@ def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerS
         (Path(folder) / name).write_text(json.dumps(document, indent=2) + "\n")
     names = list(documents)
     if tokenizer is not None:
+        for disagreement in tokenizer.disagreements({"bos_token": sizes.bos_token_id, "eos_token": sizes.eos_token_id}):
+            log.warning("%s", disagreement)
         minimal = minimal_tokenizer_config(tokenizer, sizes.context_length, sizes.bos_token_id,
                                            sizes.eos_token_id, sizes.pad_token_id)
         names += copy_tokenizer(tokenizer, folder, minimal)

@@ -50,6 +50,21 @@ class TokenizerSource:
             return None
         return self.token_id(_read_json(self.config).get("pad_token"))
 
+    def disagreements(self, model_ids: dict[str, int | None]) -> list[str]:
+        """Where tokenizer_config.json names a special token (`bos_token`, `eos_token`, ...) at another id than
+        the model's in `model_ids`: generation stops at the model's id (genai_config.json,
+        generation_config.json, our runtime), while code that reads the tokenizer's id gets the other."""
+        config = {} if self.config is None else _read_json(self.config)
+        found = []
+        for name, model_id in model_ids.items():
+            token_id = self.token_id(config.get(name))
+            if model_id is not None and token_id is not None and token_id != model_id:
+                found.append(f"{self.config.name} names {name} {self.tokens[token_id]!r} (id {token_id}), but the "
+                             f"model's {name}_id is {model_id} ({self.tokens.get(model_id, 'not a token')!r}): the "
+                             f"consumers' configs and our runtime use {model_id}, code reading the tokenizer's "
+                             f"{name}_id gets {token_id}; name the model's token there if they should agree")
+        return found
+
 
 def _read_json(path: Path) -> dict:
     try:

@@ -80,6 +80,26 @@ def test_a_users_tokenizer_config_is_copied_and_names_the_pad_token(artifact_fp3
     assert _json(out, "config.json")["pad_token_id"] == 0
 
 
+def test_a_tokenizer_config_naming_another_eos_than_the_models_is_copied_with_a_warning(artifact_fp32,
+                                                                                        tiny_tokenizer, tmp_path,
+                                                                                        caplog):
+    source = tmp_path / "tok"
+    source.mkdir()
+    (source / "tokenizer.json").write_bytes((tiny_tokenizer / "tokenizer.json").read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>",
+                                                              "eos_token": {"content": "<|endoftext|>"}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    write_consumer_files(out, read_manifest(artifact_fp32), find_tokenizer(source, 512))
+    assert _json(out, "tokenizer_config.json")["eos_token"] == {"content": "<|endoftext|>"}  # as the user wrote it
+    assert _json(out, "genai_config.json")["model"]["eos_token_id"] == 2
+    assert _json(out, "generation_config.json")["eos_token_id"] == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["tokenizer_config.json names eos_token '<|endoftext|>' (id 0), but the model's eos_token_id "
+                        "is 2 ('<|im_end|>'): the consumers' configs and our runtime use 2, code reading the "
+                        "tokenizer's eos_token_id gets 0; name the model's token there if they should agree"]
+
+
 def test_a_family_without_consumer_types_gets_no_config(artifact_fp32, tmp_path, monkeypatch):
     reason = "no consumer runs this family"
     monkeypatch.setattr(consumers, "consumer_types", lambda manifest: FamilyTypes(None, None, reason, reason))

@@ -270,8 +270,9 @@ def verify_options(func):
                      help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
         click.option("--probe", is_flag=True, help="Node-level localisation: a debug copy of prefill.onnx exposing "
                                                    "intermediate values names the first value that diverges from "
-                                                   "the reference's module outputs and presents, and the operator "
-                                                   "that computed it."),
+                                                   "the reference's module outputs and presents (the model's, or "
+                                                   "those a golden bundle recorded), and the operator that "
+                                                   "computed it."),
         click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
                                                                      "loss (repeatable), e.g. --atol logits=1e-3."),
         click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),
@@ -443,8 +444,7 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     from exporter.verify.reports import format_verify
     if golden is not None:
         context = click.get_current_context()
-        flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "probe": "--probe",
-                 "golden_save": "--golden-save"}
+        flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "golden_save": "--golden-save"}
         given = [flag for name, flag in flags.items()
                  if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
         if given:

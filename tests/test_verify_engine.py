@@ -28,7 +28,7 @@ from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
-from helpers import claim_seed, edit_manifest, perturb_weight
+from helpers import claim_seed, edit_manifest, perturb_weight, run_cli
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
@@ -144,6 +144,43 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
     perturb_weight(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
     with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
         verify_artifact(artifact_copy, None, ["cpu"], golden=bundle)
+
+
+@pytest.fixture(scope="module")
+def broken_and_bundle(artifact_fp32, tiny_model, tmp_path_factory):
+    """A copy of the tiny artifact with 0.05 added to layer 1's k_proj weight, and a golden bundle recorded while
+    verifying it without the probe."""
+    folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("broken") / "artifact")
+    perturb_weight(folder, "model.layers.1.self_attn.k_proj", 0.05)
+    bundle = folder.parent / "golden"
+    verify_artifact(folder, tiny_model, ["cpu"], dataclasses.replace(QUICK, probe=False), genai=False,
+                    golden_save=bundle)
+    return folder, bundle
+
+
+def test_a_golden_replay_probes_against_the_module_outputs_its_bundle_recorded(broken_and_bundle, tiny_model):
+    # Recorded without --probe, the bundle still lets its replay name what a live probe names, to the value.
+    folder, bundle = broken_and_bundle
+    live = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False).reports[0].localisation
+    assert live.probe.first.module == "model.layers.1.self_attn.k_proj" and live.probe.first.op_type == "MatMul"
+    result = run_cli("verify", folder, "--golden", bundle, "--probe", "--provider", "cpu", "--no-genai", "--json",
+                     "-q")
+    assert result.exit_code == 1, result.output  # the perturbed weight fails parity
+    replayed = json.loads(result.stdout)["providers"][0]["localisation"]
+    assert replayed == live.to_dict(), (replayed, live)
+
+
+def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_probe(broken_and_bundle, tmp_path):
+    folder, bundle = broken_and_bundle
+    manifest = read_manifest(folder)
+    recorded = load_bundle(bundle, manifest)
+    recorded.reference.recorded_module_outputs = None  # saved as an earlier v4 toolkit saved it
+    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides,
+                                  recorded.versions)
+    assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
+    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
+    assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
+    assert cpu.localisation.probe_skipped == "the bundle holds no module outputs: re-record it with --golden-save"
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +300,15 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
                                           lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
+    # the module outputs a replay's probe reads: a value edited, a present cut or lost, a value of integers, the
+    # token feeds cut or lost
+    present, head, positions = "modules/out/present.1.key", "modules/out/lm_head", "modules/feed/position_ids"
+    assert "sha256 differs" in damaged(lambda a: a.update({head: a[head] + 1}), rehash=False)
+    assert "module outputs: present.1.key has shape" in damaged(lambda a: a.update({present: a[present][:, :, :5]}))
+    assert "lack the presents ['present.1.key']" in damaged(lambda a: a.pop(present))
+    assert "['lm_head'] hold no floating-point values" in damaged(lambda a: a.update({head: a[head].astype(int)}))
+    assert "token feeds have shapes" in damaged(lambda a: a.update({positions: a[positions][:, :5]}))
+    assert "KeyError: 'input_ids'" in damaged(lambda a: a.pop("modules/feed/input_ids"))
 
     bundle = load_bundle(full[1], manifest)
     blocked = tmp_path / "blocked"
@@ -301,6 +347,11 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     recorded.rewind()
     with pytest.raises(GoldenMismatch, match="call 0 \\(decode\\) does not match"):
         recorded.decode(feeds)
+    assert recorded.module_outputs(feeds) is None  # none recorded: the probe says so
+    probed = RecordedReference(None, module_outputs=(feeds, {"model.norm": np.ones((1, 3, 4), np.float32)}))
+    assert probed.module_outputs(feeds)["model.norm"].shape == (1, 3, 4)
+    with pytest.raises(GoldenMismatch, match="module outputs were recorded for other inputs"):
+        probed.module_outputs({**feeds, "input_ids": ids + 1})
 
 
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):

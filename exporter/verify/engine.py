@@ -36,8 +36,8 @@ from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, pro
 log = logging.getLogger(__name__)
 
 
-def _localise(prefill, decode, reference, debug: DebugGraph, values: dict, batch: dict, settings: ParitySettings,
-              profile: Profile) -> Localisation:
+def _localise(prefill, decode, reference: RecordedReference, debug: DebugGraph, values: dict, batch: dict,
+              settings: ParitySettings, profile: Profile) -> Localisation:
     first = first_diverging_layer(prefill.layers)
     where = "prefill present" if first is not None else ""
     if first is None:
@@ -46,12 +46,11 @@ def _localise(prefill, decode, reference, debug: DebugGraph, values: dict, batch
             first, where = step.first_failing_layer, f"decode step {step.step} present"
     if not settings.probe:
         return Localisation(first, where, None, "not requested (--probe)")
-    module_outputs = getattr(getattr(reference, "backing", None), "module_outputs", None)
+    module_outputs = reference.module_outputs(batch)
     if module_outputs is None:
-        return Localisation(first, where, None, "the probe against the reference needs the PyTorch model; a golden "
-                                                "bundle holds no intermediate values")
+        return Localisation(first, where, None, "the bundle holds no module outputs: re-record it with --golden-save")
     log.info("probe: comparing %d graph values with the reference's module outputs", len(values))
-    probe = probe_reference(debug, values, module_outputs(batch), profile.kv, batch["attention_mask"])
+    probe = probe_reference(debug, values, module_outputs, profile.kv, batch["attention_mask"])
     return Localisation(first, where, probe)
 
 
@@ -248,6 +247,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
                                      else profile_for(manifest.dtype), cpu))
     if golden_save is not None:
         import torch  # the reference side's version, recorded with the bundle
+        reference.module_outputs(batch)  # recorded with or without --probe, so that any replay can probe
         reference.save(golden_save, manifest, settings, overrides, {"torch": torch.__version__})
     return VerifyReport(str(folder), reports, skipped, consumers, consumers_skipped, described, invariants, cross,
                         probes, attribution, settings.to_dict(), applied, time.perf_counter() - start)

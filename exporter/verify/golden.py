@@ -9,7 +9,10 @@ positions appended), so a bundle holds each cache entry once. For MoE models
 each call, and each call of a greedy run, also keeps its routers' scores and
 chosen experts, so that expert choice and the routing explanation of a failing
 call or of a greedy run that differs replay too (a v4 bundle recorded before
-greedy runs kept them replays without that explanation).
+greedy runs kept them replays without that explanation). Every saved bundle also
+holds the reference's module outputs for the prefill batch (TorchRunner.module_outputs),
+so that a replay's node-level probe names the diverging operator as a live one
+does (a v4 bundle recorded before they were kept replays without the probe).
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the tolerance overrides the recording
@@ -51,10 +54,21 @@ ARRAYS = "arrays.npz"
 # each padded row's first real token (a v3 recording holds other labels, so it could not replay)
 FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 4
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
+# The probe's module outputs are arrays.npz entries alone, covered by its sha256: golden.json and its digest stay
+# as every v4 toolkit reads them, so a toolkit from before they were kept still replays a bundle that holds them.
+MODULE_FEEDS, MODULE_OUTPUTS = "modules/feed/", "modules/out/"
 
 
 class GoldenMismatch(ToolkitError):
     """A golden bundle that does not belong to the artifact, or was recorded with other inputs."""
+
+
+def _tokens(feeds: dict) -> dict:
+    return {k: np.asarray(feeds[k]) for k in TOKEN_FEEDS if k in feeds}
+
+
+def _same_tokens(recorded: dict, tokens: dict) -> bool:
+    return recorded.keys() == tokens.keys() and all(np.array_equal(recorded[k], tokens[k]) for k in tokens)
 
 
 def _identity(manifest: Manifest) -> dict:
@@ -66,11 +80,14 @@ def _identity(manifest: Manifest) -> dict:
 
 class RecordedReference:
     def __init__(self, backing=None, calls: list | None = None, greedy: dict | None = None, source: str = "",
-                 routing: list | None = None):
+                 routing: list | None = None, module_outputs: tuple[dict, dict] | None = None):
         self.backing = backing
         self.calls: list[tuple[str, dict, dict]] = calls or []  # (kind, token feeds, stored outputs)
         self.routing: list[dict] = routing or [{} for _ in self.calls]  # per call: {layer: (scores, ids)}
         self.greedy_traces: dict[tuple, GreedyTrace] = greedy or {}
+        # (token feeds, {module path or present name: output}); None until asked for, and in a bundle recorded
+        # before module outputs were kept
+        self.recorded_module_outputs = module_outputs
         self.cursor = 0
         self.name = source or getattr(backing, "name", "recorded reference")
 
@@ -79,12 +96,10 @@ class RecordedReference:
         self.cursor = 0
 
     def _call(self, kind: str, feeds: dict) -> dict:
-        tokens = {k: np.asarray(feeds[k]) for k in TOKEN_FEEDS if k in feeds}
+        tokens = _tokens(feeds)
         if self.cursor < len(self.calls):
             recorded_kind, recorded_tokens, outputs = self.calls[self.cursor]
-            same = recorded_kind == kind and recorded_tokens.keys() == tokens.keys() and all(
-                np.array_equal(recorded_tokens[k], tokens[k]) for k in tokens)
-            if not same:
+            if recorded_kind != kind or not _same_tokens(recorded_tokens, tokens):
                 raise GoldenMismatch(f"call {self.cursor} ({kind}) does not match the recording: the bundle was "
                                      "recorded with other inputs; re-record it with --golden-save")
         elif self.backing is None:
@@ -131,6 +146,21 @@ class RecordedReference:
                                                               for call in range(calls)])
         return self.greedy_traces[key]
 
+    def module_outputs(self, feeds: dict) -> dict | None:
+        """Every reference module's output and the presents for a prefill of `feeds`, which the probe matches to
+        the graph's values: the backing's, recorded; replayed for the recorded token feeds. None without a
+        backing when none were recorded (a bundle recorded before module outputs were kept)."""
+        tokens = _tokens(feeds)
+        if self.recorded_module_outputs is not None and _same_tokens(self.recorded_module_outputs[0], tokens):
+            return self.recorded_module_outputs[1]
+        if self.backing is None:
+            if self.recorded_module_outputs is None:
+                return None
+            raise GoldenMismatch("the bundle's module outputs were recorded for other inputs than this prefill; "
+                                 "re-record it with --golden-save")
+        self.recorded_module_outputs = (tokens, self.backing.module_outputs(feeds))
+        return self.recorded_module_outputs[1]
+
     def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, overrides: Overrides,
              versions: dict) -> Path:
         """Write the recording as a bundle, with the settings and tolerance overrides it was judged with;
@@ -153,6 +183,10 @@ class RecordedReference:
                 for layer, (scores, ids) in routing.items():
                     key = f"greedy/{index}/router/{call}/{layer}"
                     arrays[f"{key}/scores"], arrays[f"{key}/ids"] = scores, ids
+        if self.recorded_module_outputs is not None:
+            tokens, outputs = self.recorded_module_outputs
+            arrays.update({f"{MODULE_FEEDS}{k}": v for k, v in tokens.items()})
+            arrays.update({f"{MODULE_OUTPUTS}{k}": v for k, v in outputs.items()})
         # Over an older bundle: each file is written aside and swapped in, the index last. An interrupted
         # save leaves the older bundle whole, or its index with the new arrays, whose hash it then refuses.
         partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
@@ -293,10 +327,15 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
         ids = [*prompt, *trace.ids, *([] if eos is None else [eos])]
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids) or n < 1:
             raise ValueError(f"a greedy run holds ids outside the vocabulary [0, {vocab}) or {n} new tokens")
+    module_outputs = (_entries(arrays, MODULE_FEEDS), _entries(arrays, MODULE_OUTPUTS))
+    if any(module_outputs):
+        _check_module_outputs(*module_outputs, manifest)
+    else:  # recorded before module outputs were kept
+        module_outputs = None
     settings = meta["settings"]
     if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
         raise ValueError(f"settings must be integers of at least 0, got {settings}")
-    return GoldenBundle(RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing),
+    return GoldenBundle(RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing, module_outputs),
                         ParitySettings(**settings), recorded_overrides(meta), meta["versions"])
 
 
@@ -310,9 +349,37 @@ def _check_call(index: int, kind: str, feeds: dict, outputs: dict, manifest: Man
         raise ValueError(f"call {index} ({kind}) holds the outputs {sorted(outputs)}, expected "
                          f"{sorted(contract.output_names)}")
     # a decode call's stored present keeps the new positions only (see RecordedReference._stored)
-    sizes = {BATCH: ids.shape[0], SEQUENCE: ids.shape[1], TOTAL: ids.shape[1]}
-    for spec in contract.outputs:
+    _check_shapes(f"call {index} ({kind})", contract.outputs, outputs, ids.shape)
+
+
+def _entries(arrays, prefix: str) -> dict:
+    """The arrays.npz entries under `prefix`, by the rest of their names."""
+    return {name[len(prefix):]: arrays[name] for name in arrays.files if name.startswith(prefix)}
+
+
+def _check_module_outputs(feeds: dict, outputs: dict, manifest: Manifest) -> None:
+    """Recorded module outputs are floating-point values of one prefill of 2-D token feeds, among them its
+    presents in the contract's shapes."""
+    ids = feeds["input_ids"]
+    if ids.ndim != 2 or any(feeds[k].shape != ids.shape for k in ("attention_mask", "position_ids")):
+        raise ValueError(f"the module outputs' token feeds have shapes {[feeds[k].shape for k in feeds]}, expected "
+                         "one (batch, sequence)")
+    not_floating = sorted(name for name, value in outputs.items() if not np.issubdtype(value.dtype, np.floating))
+    if not_floating:
+        raise ValueError(f"the module outputs {not_floating} hold no floating-point values")
+    presents = [spec for spec in manifest.prefill.outputs if spec.name.startswith("present.")]
+    missing = [spec.name for spec in presents if spec.name not in outputs]
+    if missing:
+        raise ValueError(f"the module outputs lack the presents {missing}")
+    _check_shapes("module outputs", presents, outputs, ids.shape)
+
+
+def _check_shapes(where: str, specs, outputs: dict, tokens: tuple[int, int]) -> None:
+    """Each output of `specs` shaped as the contract says, for (batch, sequence) `tokens` whose total length is
+    the sequence (a prefill, or a decode call's stored presents)."""
+    sizes = {BATCH: tokens[0], SEQUENCE: tokens[1], TOTAL: tokens[1]}
+    for spec in specs:
         expected = tuple(sizes.get(axis, axis) if isinstance(axis, str) else axis for axis in spec.axes)
         shape = outputs[spec.name].shape
         if len(shape) != len(expected) or any(isinstance(e, int) and e != s for e, s in zip(expected, shape)):
-            raise ValueError(f"call {index} ({kind}): {spec.name} has shape {shape}, expected {expected}")
+            raise ValueError(f"{where}: {spec.name} has shape {shape}, expected {expected}")

@@ -144,29 +144,35 @@ def common_options(func):
 
 
 def export_options(func):
-    func = click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
-                        help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
-                             "--checkpoint, which must then fit the preset exactly.")(func)
-    func = click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-                        help="Weights to export: a MiniMind .pth, a .safetensors file, a Transformers folder "
-                             "(config.json + model.safetensors) or a teaching-GPT {'model_state_dict': ...} file. "
-                             "Family and sizes are inferred from it unless --preset or --config is given.")(func)
-    func = click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
-                        help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
-                             "upstream names); fields it lacks are inferred from the checkpoint.")(func)
-    func = click.option("--seed", type=int, default=0, show_default=True,
-                        help="Seed of the deterministic weight initialisation.")(func)
-    func = click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-                        help="Artifact folder [default: artifacts/<preset>, or artifacts/<checkpoint file's name>; "
-                             "-float16 appended for --dtype float16]. An earlier artifact there is "
-                             "replaced only once the new one is complete.")(func)
-    func = click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
-                        show_default=True, help="Precision of the weights and activations.")(func)
-    func = click.option("--no-loss", is_flag=True,
-                        help="Drop the labels input and loss output of prefill.onnx (inference-only).")(func)
-    func = click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
-                        help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
-                             "artifact for text generation; its ids must fit the model's vocabulary.")(func)
+    """The export's options, shared by `export` and `run`; --help lists them in this order."""
+    options = [
+        click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
+                     help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
+                          "--checkpoint, which must then fit the preset exactly."),
+        click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                     help="Weights to export: a MiniMind .pth, a .safetensors file, a Transformers folder "
+                          "(config.json + model.safetensors) or a teaching-GPT {'model_state_dict': ...} file. "
+                          "Family and sizes are inferred from it unless --preset or --config is given."),
+        click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                     help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
+                          "upstream names); fields it lacks are inferred from the checkpoint."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of the deterministic weight initialisation."),
+        click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+                     help="Artifact folder [default: artifacts/<preset>, or for a checkpoint without --preset "
+                          "artifacts/<its file or folder name without suffix>, lowercased; -float16 appended for "
+                          "--dtype float16]. An earlier artifact there is replaced only once the new one is "
+                          "complete."),
+        click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
+                     show_default=True, help="Precision of the weights and activations."),
+        click.option("--no-loss", is_flag=True,
+                     help="Drop the labels input and loss output of prefill.onnx (inference-only)."),
+        click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+                     help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
+                          "artifact for text generation; its ids must fit the model's vocabulary."),
+    ]
+    for option in reversed(options):
+        func = option(func)
     return func
 
 
@@ -484,7 +490,7 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (needs a tokenizer). Repeat for a batch.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
-              help="tokenizer.json for --prompt text [default: the artifact's own].")
+              help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
@@ -589,3 +595,7 @@ def inspect(folder, as_json, quiet, verbose):
     from exporter.report import format_inspect
     manifest = read_manifest(folder)
     _emit(manifest.to_dict(), as_json, format_inspect(manifest, str(folder)))
+
+
+if __name__ == "__main__":  # python -m exporter.cli, where the console script is not on PATH
+    main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,24 @@ def test_help_explains_commands_and_exit_codes():
     assert result.exit_code == 0
     for word in ("run", "export", "verify", "generate", "inspect", "Exit codes"):
         assert word in result.output
+
+
+def test_python_dash_m_runs_the_command():
+    """`python -m exporter.cli` is the command where the console script is not on PATH (it once exited 0
+    without doing anything)."""
+    out = subprocess.run([sys.executable, "-m", "exporter.cli", "inspect", "--help"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "Show an artifact's I/O contract" in out.stdout, out.stderr[-3000:]
+
+
+def test_help_lists_the_export_options_in_their_written_order():
+    """The order of README's command table: the model first, the tokenizer last (it was the reverse)."""
+    for command in ("export", "run"):
+        result = run_cli(command, "--help")
+        options = [re.match(r"  (?:-\w, )?(--[\w-]+)", line).group(1)
+                   for line in result.output.splitlines() if line.startswith("  -")]
+        assert options[:8] == ["--preset", "--checkpoint", "--config", "--seed", "--output", "--dtype", "--no-loss",
+                               "--tokenizer"], options
 
 
 def test_no_loss_export_drops_labels_and_loss(cli_artifact):

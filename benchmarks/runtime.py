@@ -443,7 +443,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # With --json an error is a JSON object on stdout too (README), a usage error included.
         if "--json" in sys.argv[1:]:
-            print(json.dumps({"error": {"message": message}, "exit_code": 2}, indent=2))
+            print(json.dumps({"error": {"kind": "usage", "message": message}, "exit_code": 2}, indent=2))
         super().error(message)
 
 
@@ -483,10 +483,10 @@ def main() -> None:
         ensure_artifact(args.artifact)
         report = measure(args)
     except (ToolkitError, WorkerFailed) as exc:
-        code = 2 if isinstance(exc, ToolkitError) else 1
+        kind, code = ("input", 2) if isinstance(exc, ToolkitError) else ("worker", 1)
         print(f"error: {exc}", file=sys.stderr)
-        if args.json:
-            print(json_text({"error": {"message": str(exc)}, "exit_code": code}))
+        if args.json:  # the CLI's error object, with "worker" for a worker process that failed
+            print(json_text({"error": {"kind": kind, "message": str(exc)}, "exit_code": code}))
         sys.exit(code)
     print(json_text(report) if args.json else format_table(report))
 

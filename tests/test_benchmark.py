@@ -46,10 +46,12 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
         out = run(*args)
         assert out.returncode == 2 and fragment in out.stderr, out.stderr[-2000:]
         out = run(*args, "--json")  # a usage error is a JSON object too
-        assert out.returncode == 2 and fragment.split(": ", 1)[1] in json.loads(out.stdout)["error"]["message"]
+        error = json.loads(out.stdout)["error"]
+        assert out.returncode == 2 and error["kind"] == "usage" and fragment.split(": ", 1)[1] in error["message"]
     out = run("--artifact", tmp_path / "typo", "--json")  # a typo is not exported to: only the default folder is
     assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
-    assert json.loads(out.stdout) == {"error": {"message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
+    assert json.loads(out.stdout) == {"error": {"kind": "input",
+                                                "message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
                                                            "folder written by 'export-onnx export'"}, "exit_code": 2}
     if cuda_unusable() is not None:  # a CUDA the benchmark cannot use is refused in one line, not by a worker
         out = run("--artifact", tmp_path / "typo", "--provider", "cuda")

@@ -204,14 +204,20 @@ def routing_agreement(reference_routing: dict, probe: RouterProbe, onnx_feeds: d
         return CallRouting(ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured"),
                            np.zeros_like(valid))
     count = _compare_choices(reference_routing, probe.expert_ids(onnx_feeds), valid, tolerance)
-    differing = count.pairs - count.agreeing
-    note = f"{differing} of {count.pairs} (token, layer) expert choices differ"
+    return CallRouting(ExpertAgreement(True, count.pairs, count.agreeing, count.explained,
+                                       _choices_note(count.pairs, count.agreeing, count.explained)), count.reached)
+
+
+def _choices_note(pairs: int, agreeing: int, explained: int, scope: str = "", first: str = "") -> str:
+    """'N of M (token, layer) expert choices{scope} differ{first}', and how many of those are explained."""
+    differing = pairs - agreeing
+    note = f"{differing} of {pairs} (token, layer) expert choices{scope} differ{first}"
     if differing:
-        note += (f", {count.explained} explained by near-ties of the reference's router scores or reached by an "
-                 "earlier layer's differing choice")
-        if count.explained == differing:
+        note += (f"; {explained} explained by near-ties of the reference's router scores or reached by an earlier "
+                 "differing choice")
+        if explained == differing:
             note += " (a precision flip of a discrete choice)"
-    return CallRouting(ExpertAgreement(True, count.pairs, count.agreeing, count.explained, note), count.reached)
+    return note
 
 
 def greedy_choices(reference_calls: list[dict], onnx, probe: RouterProbe, manifest, prompt: list[int],
@@ -245,17 +251,10 @@ def greedy_choices(reference_calls: list[dict], onnx, probe: RouterProbe, manife
         explained += count.explained if first is None else differing
         if first is None and differing:
             first = call
-    span = f"{calls} call{'s' * (calls > 1)} up to the differing token"
-    if first is None:
-        return ExpertAgreement(True, pairs, agreeing, 0, f"the routers agree on all {pairs} (token, layer) "
-                                                         f"expert choices of the {span}")
-    where = "the prompt" if first == 0 else f"generated token {first - 1} fed back"
-    note = (f"{pairs - agreeing} of {pairs} (token, layer) expert choices of the {span} differ, first in call "
-            f"{first} ({where}); {explained} explained by near-ties of the reference's router scores or reached "
-            "by an earlier differing choice")
-    if explained == pairs - agreeing:
-        note += " (a precision flip of a discrete choice)"
-    return ExpertAgreement(True, pairs, agreeing, explained, note)
+    where = "" if first is None else \
+        f", first in call {first} ({'the prompt' if first == 0 else f'generated token {first - 1} fed back'})"
+    return ExpertAgreement(True, pairs, agreeing, explained, _choices_note(
+        pairs, agreeing, explained, f" of the {calls} call{'s' * (calls > 1)} up to the differing token", where))
 
 
 def check_expert_choice(reference, folder: Path, manifest, provider: str, batch: dict, decode_tokens: list,

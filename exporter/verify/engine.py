@@ -113,7 +113,8 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
                              np.random.default_rng(settings.seed + 1), explain_routing)
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile, explainer and explainer.greedy)
+    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile,
+                          explainer.greedy if explainer else None)
     sweep = []
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)

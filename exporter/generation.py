@@ -15,7 +15,6 @@ generator, so its rows depend on each other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -29,6 +28,9 @@ PAD_ID = 0  # any valid id; padded slots are masked out
 # overflowed them to inf, and the draw then fell outside the vocabulary); a temperature this small is
 # the argmax in all but name.
 MIN_DIVISOR = 1e-6
+# The largest: both are applied in float32, where a larger one rounds to inf (and a seen logit of 0 times an
+# infinite penalty is NaN, which would be blamed on the artifact).
+MAX_DIVISOR = float(np.finfo(np.float32).max)
 # MiniMind's sampling (its eval script: temperature and top_p 0.85, with transformers' top_k of 50): the
 # CLI's --sample and the consumers' configs (genai_config.json, generation_config.json) sample so.
 # SamplingConfig's own defaults leave the distribution as it is (1, 0, 1).
@@ -49,16 +51,16 @@ class SamplingConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
                 raise InputError(f"{name} must be a number, got {value!r}")
-        if self.do_sample and not MIN_DIVISOR <= self.temperature < math.inf:
-            raise InputError(f"temperature must be >= {MIN_DIVISOR:g} and finite when sampling, got "
-                             f"{self.temperature}; use greedy decoding for deterministic output")
+        if self.do_sample and not MIN_DIVISOR <= self.temperature <= MAX_DIVISOR:
+            raise InputError(f"temperature must lie in [{MIN_DIVISOR:g}, {MAX_DIVISOR:.4g}] (finite in float32) when "
+                             f"sampling, got {self.temperature}; use greedy decoding for deterministic output")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must lie in (0, 1], got {self.top_p}")
         if not is_integer(self.top_k) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not MIN_DIVISOR <= self.repetition_penalty < math.inf:
-            raise InputError(f"repetition_penalty must be >= {MIN_DIVISOR:g} and finite (1 disables it), "
-                             f"got {self.repetition_penalty}")
+        if not MIN_DIVISOR <= self.repetition_penalty <= MAX_DIVISOR:
+            raise InputError(f"repetition_penalty must lie in [{MIN_DIVISOR:g}, {MAX_DIVISOR:.4g}] (finite in "
+                             f"float32; 1 disables it), got {self.repetition_penalty}")
         seeds = self.seed if isinstance(self.seed, (tuple, list)) else (self.seed,)
         if not seeds or not all(is_integer(s) and s >= 0 for s in seeds):
             raise InputError(f"seed must be an integer >= 0 or a tuple of them (one per row), got {self.seed!r}")
@@ -82,7 +84,8 @@ def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig)
         # As upstream (jingyaogong/minimind dddedc6, "[fix] repetition_penalty"): a positive logit is divided,
         # a negative one multiplied, so a seen token always becomes less likely (dividing a negative raised it).
         penalty = np.float32(config.repetition_penalty)
-        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+        with np.errstate(over="ignore"):  # a seen negative logit times a huge penalty: -inf, never chosen
+            logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         kth = -np.partition(-logits, config.top_k - 1, axis=-1)[:, config.top_k - 1:config.top_k]
         logits = np.where(logits < kth, -np.inf, logits)

@@ -7,13 +7,16 @@ top-2 routing plus a shared expert. Fields left None take their generation's
 default. Parameter names are MiniMind's state-dict keys, so real checkpoints
 load one to one.
 
-Deliberate, numerically neutral departures from the upstream code, all so the
-model exports without Python branches on tensor values:
+Deliberate departures from the upstream code, all but one numerically neutral,
+all so the model exports without Python branches on tensor values:
 - RoPE cos/sin are computed in float32 from position ids (`pos * inv_freq`, the
   float ops of the upstream table, YaRN included) instead of slicing a
   32768-row table; callers can pass explicit position ids (left padding). A
   sequence past max_position_embeddings raises ContextLengthError, where the
-  upstream slice of that table comes up short.
+  upstream slice of that table comes up short. Not neutral in float16: upstream's
+  `.half()` rounds its table to float16 and rotates in float16, while here cos/sin
+  stay float32 and the rotation is rounded to float16 once, a difference of float16
+  rounding in q and k (the exported graphs do as the reference).
 - The fused attention path is chosen when there is no cache and no mask
   (upstream also takes it for an all-ones mask, which needs a tensor test).
 - MoE routing: upstream loops over experts with `if mask.any()` / bincount, so

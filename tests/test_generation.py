@@ -286,12 +286,25 @@ def test_text_in_and_out_through_a_tokenizer(artifact_fp32, tokenizer_file, runn
     assert len(words) == 8 and all(w.startswith("w") or w.startswith("<") for w in words)
 
 
-def test_streamed_text_is_printed(artifact_fp32, tokenizer_file):
+def test_streamed_text_is_printed_as_it_is_produced(artifact_fp32, tokenizer_file, monkeypatch):
+    import sys
+
+    import exporter.generation
+    produced = exporter.generation.stream
+    printed_at_step = []  # the words on stdout when each step is produced
+
+    def watched(*args, **kwargs):
+        for tokens in produced(*args, **kwargs):
+            sys.stdout.flush()
+            printed_at_step.append(len(sys.stdout.buffer.getvalue().decode().split()))
+            yield tokens
+    monkeypatch.setattr(exporter.generation, "stream", watched)
     result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17",
                                        "--tokenizer", str(tokenizer_file), "--max-new-tokens", "5",
                                        "--ignore-eos", "-q"])
     assert result.exit_code == 0, result.output
     assert len(result.stdout.split()) == 5
+    assert printed_at_step == [0, 1, 2, 3, 4]  # each step's word was on stdout before the next step was produced
 
 
 def test_text_that_encodes_to_no_tokens_is_refused_as_text(artifact_fp32, monkeypatch):

@@ -14,6 +14,7 @@ from exporter.parity import TOLERANCES, compare
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
 from exporter.verify.probe import module_of
+from reference.minimind import RMSNorm
 
 
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
@@ -63,6 +64,20 @@ def perturb_weight(folder: Path, module: str, delta: float) -> str:
     digest = sha256_file(folder / manifest.weights_file)
     edit_manifest(folder, lambda data: data["files"][manifest.weights_file].update(sha256=digest))
     return name
+
+
+@torch.no_grad()
+def randomise_norms_(model, seed: int = 0):
+    """Every norm weight to 1 + U(-0.5, 0.5) and every norm bias (LayerNorm) to U(-0.5, 0.5), seeded; returns the
+    model. Seeded weights have every norm weight at one, as upstream initialises them, and then no comparison can
+    tell which norm is applied where (keys normalised with q_norm, a block's two norms swapped)."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, torch.nn.LayerNorm)):
+            module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
+            if getattr(module, "bias", None) is not None:
+                module.bias.copy_(torch.rand(module.bias.shape, generator=generator) - 0.5)
+    return model
 
 
 def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import warnings
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from exporter.cli import main
+from helpers import randomise_norms_
 from reference import CheckpointError, build_model, get_preset
 from reference.checkpoints import load_checkpoint
 
@@ -95,7 +98,7 @@ def _rounded(model):
 @pytest.mark.parametrize("preset", MINIMIND_PRESETS)
 @pytest.mark.parametrize("kind", ["pth", "safetensors", "hf-safetensors", "hf-bin"])
 def test_minimind_checkpoints_load_exactly_in_every_format(preset, kind, tmp_path):
-    model = build_model(get_preset(preset), seed=3)
+    model = randomise_norms_(build_model(get_preset(preset), seed=3))  # norms at one: two swapped would look loaded
     path = _write(kind, model, tmp_path)
     given = None if kind.startswith("hf") else get_preset(preset)  # .pth/.safetensors carry no config
     loaded, report = load_checkpoint(path, config=given)
@@ -139,7 +142,7 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
 
 
 def test_teaching_gpt_training_checkpoint_loads_and_drops_its_buffers(tmp_path):
-    model = build_model(get_preset("teaching-gpt-tiny"), seed=1)
+    model = randomise_norms_(build_model(get_preset("teaching-gpt-tiny"), seed=1))
     path = tmp_path / "checkpoint_epoch2.pt"
     checkpoint = _gpt_checkpoint(model)
     checkpoint["model_state_dict"] = {f"_orig_mod.{k}": v for k, v in checkpoint["model_state_dict"].items()}
@@ -193,6 +196,44 @@ def test_a_malicious_pickle_is_refused_and_never_runs(wrap, tmp_path):
     assert "refusing to run code from a pickle" in result.stderr
     assert not marker.exists(), "the pickle's code ran"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_plain_pickle_is_refused_for_what_it_is_and_never_runs(protocol, tmp_path):
+    # pickle.dump rather than torch.save (Python's default protocol is 4): torch's safe loader took protocols 4
+    # and 5 for a damaged file, printing a warning first. Such a file never loads safely: its tensors' storages
+    # unpickle through torch.storage._load_from_bytes, a torch.load without weights_only.
+    marker = tmp_path / "pwned"
+    path = tmp_path / "full_sft_512.pth"
+    with open(path, "wb") as file:
+        pickle.dump({"model.embed_tokens.weight": torch.zeros(2, 2), "x": _Payload(marker)}, file, protocol=protocol)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=rf"is a plain Python pickle \(pickle.dump, protocol {protocol}\), "
+                                                  r"not a torch.save checkpoint, and needs arbitrary Python objects "
+                                                  r"to load \(it references posix.system, torch._utils.*nothing in "
+                                                  r"it was run"):
+            load_checkpoint(path)
+        result = CliRunner().invoke(main, ["export", "--checkpoint", str(path), "-o", str(tmp_path / "out"), "-q"])
+    assert not caught, [str(w.message) for w in caught]
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "plain Python pickle" in result.stderr and "posix.system" in result.stderr
+    assert not marker.exists(), "the pickle's code ran"
+
+
+def test_torch_files_of_other_pickle_protocols_load_or_are_refused_without_a_warning(tmp_path):
+    # torch warns of every protocol but 2 before reading it (3) or failing on it (4).
+    state = _half_state(build_model(get_preset("minimind-3-tiny")))
+    torch.save(state, tmp_path / "p3.pth", pickle_protocol=3)
+    torch.save(state, tmp_path / "p4.pth", pickle_protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, _ = load_checkpoint(tmp_path / "p3.pth")
+        with pytest.raises(CheckpointError, match="saved with a pickle_protocol above 3, which torch's weights-only "
+                                                  "loader cannot read; nothing in it was run"):
+            load_checkpoint(tmp_path / "p4.pth")
+    assert not caught, [str(w.message) for w in caught]
+    assert torch.equal(loaded.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
 
 
 def test_missing_unexpected_and_misshaped_keys_are_listed_with_counts(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import upstream
-from helpers import assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids
+from helpers import (assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids,
+                     randomise_norms_)
 from reference.init import DEFAULT_STD
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
 from reference.minimind import Attention, apply_rotary, rope_cos_sin, rope_inv_freq
@@ -32,7 +33,7 @@ def test_minimind3_has_exactly_the_published_parameter_count():
 def test_dense_minimind_equals_a_forward_written_from_the_spec(preset):
     # Left padding on the first row: the mask's -1e9 and the causal mask together.
     config = get_preset(preset)
-    model = build_model(config, seed=0)
+    model = randomise_norms_(build_model(config, seed=0))  # with every norm at one, any norm would do anywhere
     ids = random_ids(config.vocab_size, 2, 12)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -95,7 +96,7 @@ def test_training_drops_attention_probabilities_then_the_projection_as_upstream(
     # Upstream draws attn_dropout over the (B, H, T, L) probabilities, then resid_dropout over
     # o_proj's output; with one seed the by-hand computation must draw the same two masks.
     cfg = dataclasses.replace(tiny_config, dropout=0.5, attn_implementation=implementation)
-    attention = Attention(cfg).train()
+    attention = randomise_norms_(Attention(cfg)).train()  # q_norm and k_norm told apart
     b, t, heads, kv_heads, d = 2, 5, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     cos, sin = rope_cos_sin(rope_inv_freq(cfg), torch.arange(t)[None].expand(b, t))

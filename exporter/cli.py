@@ -274,11 +274,12 @@ def verify_options(func):
                           "past), then one 3-token step; cut to what the model's context leaves after the prompt."),
         click.option("--sweep/--no-sweep", default=True, show_default=True,
                      help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
-        click.option("--probe", is_flag=True, help="Node-level localisation: a debug copy of prefill.onnx exposing "
-                                                   "intermediate values names the first value that diverges from "
-                                                   "the reference's module outputs and presents (the model's, or "
-                                                   "those a golden bundle recorded), and the operator that "
-                                                   "computed it."),
+        click.option("--probe", is_flag=True, help="Node-level localisation: debug copies of prefill.onnx (on the "
+                                                   "prefill batch) and decode.onnx (on the first failing decode "
+                                                   "call, fed the reference's past) exposing intermediate values "
+                                                   "name the first value that diverges from the reference's module "
+                                                   "outputs and presents (the model's, or those a golden bundle "
+                                                   "recorded), and the operator that computed it."),
         click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
                                                                      "loss (repeatable), e.g. --atol logits=1e-3."),
         click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),

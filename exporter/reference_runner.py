@@ -62,9 +62,10 @@ class TorchRunner:
         return GreedyTrace(ids, logits)
 
     @torch.no_grad()
-    def module_outputs(self, feeds: dict) -> dict:
-        """Every submodule's output (its first tensor) for a prefill of `feeds`, by module path, and the
-        prefill's presents, by output name; the probe matches them to values of the graph."""
+    def module_outputs(self, feeds: dict, graph: str = "prefill") -> dict:
+        """Every submodule's output (its first tensor) for a call of `graph` ("prefill" or "decode", whose
+        `feeds` hold the past) on `feeds`, by module path, and the call's presents, by output name; the probe
+        matches them to values of that graph."""
         outputs: dict[str, np.ndarray] = {}
 
         def hook(path):
@@ -77,7 +78,10 @@ class TorchRunner:
 
         handles = [module.register_forward_hook(hook(path)) for path, module in self.model.named_modules() if path]
         try:
-            result = self.prefill({name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")})
+            if graph == "prefill":  # the loss's labels play no part in the modules
+                result = self.prefill({name: feeds[name] for name in ("input_ids", "attention_mask", "position_ids")})
+            else:
+                result = self.decode(feeds)
         finally:
             for handle in handles:
                 handle.remove()

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from onnx import numpy_helper
 
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
@@ -78,6 +79,22 @@ def randomise_norms_(model, seed: int = 0):
             if getattr(module, "bias", None) is not None:
                 module.bias.copy_(torch.rand(module.bias.shape, generator=generator) - 0.5)
     return model
+
+
+def scale_inline_weight(folder: Path, graph_file: str, suffix: str, factor: float) -> str:
+    """Multiply the initializer whose name ends with `suffix`, held inside `graph_file` (a small weight, such as
+    a norm's, that each graph carries itself), by `factor` in that graph alone, keeping the manifest's hashes
+    consistent; returns the initializer's name."""
+    path = Path(folder) / graph_file
+    model = onnx.load(str(path), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.name.endswith(suffix))
+    assert tensor.data_location != onnx.TensorProto.EXTERNAL, tensor.name
+    weight = numpy_helper.to_array(tensor)
+    tensor.CopyFrom(numpy_helper.from_array((weight * factor).astype(weight.dtype), tensor.name))
+    onnx.save(model, str(path))
+    digest = sha256_file(path)
+    edit_manifest(folder, lambda data: data["files"][graph_file].update(sha256=digest))
+    return tensor.name
 
 
 def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:

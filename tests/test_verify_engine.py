@@ -22,13 +22,13 @@ from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import GoldenMismatch, _recording_digest, load_bundle
-from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
+from exporter.verify.inputs import PREFILL_BATCH, ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_between, probe_reference
 from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
-from helpers import claim_seed, edit_manifest, perturb_weight, run_cli
+from helpers import claim_seed, edit_manifest, perturb_weight, run_cli, scale_inline_weight
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
@@ -56,6 +56,7 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
     assert logits.llm["top1_agreement"] == 1.0 and logits.llm["kl_mean"] < 1e-9 and logits.cosine > 0.999999
     assert 0 < logits.needed.scale < 1 and cpu.localisation.first_layer is None
     assert cpu.localisation.probe.first is None and cpu.localisation.probe.checked >= 10
+    assert cpu.localisation.decode_probe.first is None and cpu.localisation.decode_probe.checked >= 10
 
 
 def test_health_flags_zero_rows_and_nan_that_outputs_hide():
@@ -102,6 +103,9 @@ def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny
     assert cpu.layers[0].passed and not cpu.layers[1].key.passed and cpu.layers[1].value.passed
     first = cpu.localisation.probe.first
     assert first.module == "model.layers.1.self_attn.k_proj" and first.op_type == "MatMul", first
+    # decode.onnx reads the same weight: probed on the reference's past, it names the same module
+    decoded = cpu.localisation.decode_probe
+    assert decoded.call == "decode step 0, fed the reference's past" and decoded.first.module == first.module
     text = format_verify(report)
     assert "first diverging layer 1" in text and first.node in text
     # The invariants hold whatever the weights: they cannot see this fault.
@@ -175,13 +179,79 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     folder, bundle = broken_and_bundle
     manifest = read_manifest(folder)
     recorded = load_bundle(bundle, manifest)
-    recorded.reference.recorded_module_outputs = None  # saved as an earlier v4 toolkit saved it
+    recorded.reference.recorded_module_outputs = {}  # saved as an earlier v4 toolkit saved it
     old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides,
                                   recorded.versions)
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
     [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
     assert cpu.localisation.probe_skipped == "the bundle holds no module outputs: re-record it with --golden-save"
+    assert cpu.localisation.decode_probe is None
+    assert cpu.localisation.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")
+
+
+@pytest.fixture(scope="module")
+def decode_fault(artifact_fp32, tiny_model, tmp_path_factory):
+    """A copy of the tiny artifact whose decode.onnx alone holds layer 0's q_norm weight x1.05 (each graph carries
+    its norm weights itself), verified with the probe while a golden bundle is recorded."""
+    folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("decode-fault") / "artifact")
+    scale_inline_weight(folder, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
+    bundle = folder.parent / "golden"
+    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, golden_save=bundle)
+    return folder, report, bundle
+
+
+def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
+    # The probe ran on prefill.onnx alone and printed "probe: no checked value diverges" under decode checks
+    # failing at 2.8e3x the tolerance.
+    _, report, _ = decode_fault
+    [cpu] = report.reports
+    assert all(c.passed for c in cpu.comparisons if c.name.startswith("prefill")) and all(x.passed for x in cpu.layers)
+    assert not cpu.curve[0].logits.passed and cpu.curve[0].logits.needed.scale > 100
+    loc = cpu.localisation
+    assert (loc.probe.graph, loc.probe.call, loc.probe.first) == ("prefill.onnx", PREFILL_BATCH, None)
+    first = loc.decode_probe.first
+    assert (loc.decode_probe.graph, loc.decode_probe.call) == ("decode.onnx", "decode step 0, fed the reference's past")
+    assert first.module == "model.layers.0.self_attn.q_norm" and first.op_type == "Mul" and first.needed_scale > 100
+    text = format_verify(report)
+    assert (f"probe decode.onnx (decode step 0, fed the reference's past): first diverging checked value "
+            f"{first.tensor}, computed by {first.node} (Mul) in model.layers.0.self_attn.q_norm") in text
+    assert "probe prefill.onnx (the prefill batch): no checked value diverges" in text
+    assert "probe: no checked value diverges" not in text
+
+
+def test_the_attribution_does_not_report_an_export_that_fails_decode_as_passing(decode_fault):
+    # Its one leg, "export", was the prefill logits alone and passed at 0.024x while decode.onnx failed.
+    _, report, _ = decode_fault
+    legs = report.attribution.legs
+    assert [(leg.cause, leg.covers, leg.comparison.passed) for leg in legs] == [
+        ("export", "prefill.onnx, the prefill batch", True),
+        ("export", "decode.onnx, the 3 decode steps after it", False)]
+    assert legs[1].comparison.max_abs == max(s.logits.max_abs for s in report.reports[0].curve)
+    text = format_verify(report)
+    assert re.search(r"\nexport +decode\.onnx, the 3 decode steps after it +\S+ +\S+x +FAIL\n", text), text
+    assert "repeat run of the prefill batch (nondeterminism)" in text  # it reruns the prefill batch only
+    assert [leg["covers"] for leg in report.to_dict()["attribution"]["legs"]] == [leg.covers for leg in legs]
+    assert ET.fromstring(render_junit(report)).find(
+        ".//testcase[@name='export leg (decode.onnx, the 3 decode steps after it)']/failure") is not None
+
+
+def test_a_golden_replay_probes_decode_onnx_only_with_the_decode_calls_module_outputs(decode_fault, tmp_path):
+    folder, report, bundle = decode_fault
+    live = report.reports[0].localisation
+    manifest = read_manifest(folder)
+    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=bundle).reports
+    assert cpu.localisation == live  # the same operator, the same error
+    # a bundle recorded before the decode call's module outputs were kept: the prefill probe alone, and why
+    recorded = load_bundle(bundle, manifest)
+    recorded.reference.recorded_module_outputs.pop("decode")
+    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides,
+                                  recorded.versions)
+    report = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old)
+    loc = report.reports[0].localisation
+    assert loc.probe == live.probe and loc.decode_probe is None
+    assert loc.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")
+    assert f"probe of the decode graph: {loc.decode_probe_skipped}" in format_verify(report)
 
 
 @pytest.fixture(scope="module")
@@ -200,10 +270,22 @@ def test_the_probe_checks_the_presents_where_the_layer_level_localisation_looks(
     # A fault between layer 1's k_proj and its present (the rotary embedding, say) shows in present.1.key
     # before o_proj: the probe must name the present's operator, as the layer-level check names layer 1.
     debug, values, expected, tolerance, mask = probed
-    assert probe_reference(debug, values, expected, tolerance, mask).first is None
+    assert probe_reference(debug, values, expected, tolerance, mask, PREFILL_BATCH).first is None
     values = {**values, "present.1.key": -values["present.1.key"]}
-    first = probe_reference(debug, values, expected, tolerance, mask).first
+    first = probe_reference(debug, values, expected, tolerance, mask, PREFILL_BATCH).first
     assert first.tensor == "present.1.key" and first.module.startswith("model.layers.1.self_attn"), first
+
+
+def test_a_module_named_like_an_intermediate_value_is_matched_by_its_scope(probed):
+    # The teaching GPT's final norm is the module `layer_norm`, and its first block's LayerNormalization computes
+    # the value `layer_norm`: the probe took that module's output for that value, and named a clean export's
+    # first LayerNormalization at 4e4x the tolerance. Only the graph's own outputs (presents) match by name.
+    debug, values, expected, tolerance, mask = probed
+    inner = next(o for n in debug.nodes if n.module == "model.layers.0.input_layernorm" for o in n.outputs)
+    assert inner not in debug.graph_outputs
+    named_like = {**expected, inner: values[inner] + 1.0}  # a module of that path, with its own output
+    result = probe_reference(debug, values, named_like, tolerance, mask, PREFILL_BATCH)
+    assert result.first is None and result.note.startswith(f"36 of {len(named_like)} reference module outputs"), result
 
 
 def test_the_probe_judges_real_positions_only(probed):
@@ -219,14 +301,14 @@ def test_the_probe_judges_real_positions_only(probed):
             changed = values[tensor].copy()
             np.moveaxis(changed, axis, 1)[where] += 1.0
             faulty = {**values, tensor: changed}
-            between = probe_between(debug, faulty, values, tolerance, "changed vs run", mask)
+            between = probe_between(debug, faulty, values, tolerance, "changed vs run", mask, PREFILL_BATCH)
             assert (between.first is not None) == diverges, (tensor, where, between)
             assert not diverges or between.first.tensor == tensor
             if tensor.startswith("present."):
-                first = probe_reference(debug, faulty, expected, tolerance, mask).first
+                first = probe_reference(debug, faulty, expected, tolerance, mask, PREFILL_BATCH).first
                 assert (first is not None) == diverges and (first is None or first.tensor == tensor), (where, first)
     # grouped-query attention ('2*sequence_length') and lm_head's flattened rows fold the sequence: left out
-    result = probe_between(debug, values, values, tolerance, "run vs run", mask)
+    result = probe_between(debug, values, values, tolerance, "run vs run", mask, PREFILL_BATCH)
     assert result.first is None and result.checked == 158
     assert result.note.startswith("10 values left out: their shape folds the sequence")
 
@@ -349,10 +431,17 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     with pytest.raises(GoldenMismatch, match="call 0 \\(decode\\) does not match"):
         recorded.decode(feeds)
     assert recorded.module_outputs(feeds) is None  # none recorded: the probe says so
-    probed = RecordedReference(None, module_outputs=(feeds, {"model.norm": np.ones((1, 3, 4), np.float32)}))
+    norm = {"model.norm": np.ones((1, 3, 4), np.float32)}
+    probed = RecordedReference(None, module_outputs={"prefill": (feeds, norm)})
     assert probed.module_outputs(feeds)["model.norm"].shape == (1, 3, 4)
     with pytest.raises(GoldenMismatch, match="module outputs were recorded for other inputs"):
         probed.module_outputs({**feeds, "input_ids": ids + 1})
+    # a bundle keeps one decode call's: another decode call (a replay failing at another step) is not probed
+    step = {"input_ids": ids[:, :1], "attention_mask": np.ones((1, 4), np.int64), "position_ids": np.array([[3]])}
+    assert probed.module_outputs(step, "decode") is None
+    probed.recorded_module_outputs["decode"] = (step, {"model.norm": np.ones((1, 1, 4), np.float32)})
+    assert probed.module_outputs(step, "decode")["model.norm"].shape == (1, 1, 4)
+    assert probed.module_outputs({**step, "input_ids": ids[:, 1:2]}, "decode") is None
 
 
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):
@@ -710,17 +799,19 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert all(c.passed for c in cross_providers({CUDA: tf32, CPU: cpu}, "float32", Overrides(), mask))
     wrong = {**cpu, "logits": cpu["logits"] + np.float32(0.5)}
     rows = cross_providers({CPU: cpu, CUDA: wrong}, "float32", Overrides(), mask)
-    assert [c.name for c in rows if not c.passed] == [f"{CUDA} vs {CPU} logits"]
+    assert [c.name for c in rows if not c.passed] == [f"{CUDA} vs {CPU} prefill logits"]
 
     manifest = read_manifest(artifact_fp32)
     provider = attribute([], {CPU: cpu, CUDA: tf32}, rows, manifest, {}, None, Overrides())
-    assert set(provider.legs) == {"provider"} and not provider.legs["provider"].passed
+    [leg] = provider.legs
+    assert (leg.cause, leg.covers) == ("provider", "prefill.onnx, the prefill batch") and not leg.comparison.passed
     assert provider.skipped == "precision leg needs a float16 companion artifact"
     # the pair in the order the providers were given; CUDA alone has no provider leg
     flipped = attribute([], {CUDA: tf32, CPU: cpu},
                         cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides(), mask), manifest, {}, None,
                         Overrides())
-    assert flipped.legs["provider"].name == f"{CPU} vs {CUDA} logits" and not flipped.legs["provider"].passed
+    [leg] = flipped.legs
+    assert leg.comparison.name == f"{CPU} vs {CUDA} prefill logits" and not leg.comparison.passed
     cuda_only = attribute([], {CUDA: tf32}, [], manifest, {}, None, Overrides())
     assert not cuda_only.legs and "need CPUExecutionProvider too" in cuda_only.skipped
     cpu_only = attribute([], {CPU: cpu}, [], manifest, {}, None, Overrides())

@@ -191,8 +191,12 @@ class StepError:
     routing: RoutingFlip | None = None  # MoE: a failing step's expert choices
     fed_reference_cache: bool = False  # ONNX Runtime's past was the reference's present: see check_decode
 
+    @property
+    def passed(self) -> bool:
+        return self.logits.passed and self.kv.passed
+
     def to_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "passed": self.logits.passed and self.kv.passed,
+        return {"step": self.step, "tokens": self.tokens, "passed": self.passed,
                 "logits_max_abs": self.logits.max_abs, "logits_needed_scale": self.logits.needed.scale,
                 "kv_max_abs": self.kv.max_abs, "kv_needed_scale": self.kv.needed.scale,
                 "kl_mean": self.logits.llm.get("kl_mean"), "top1_agreement": self.logits.llm.get("top1_agreement"),
@@ -202,9 +206,19 @@ class StepError:
 
 
 @dataclass(frozen=True)
+class DecodeCall:
+    """A decode call as the reference made it: the node-level probe runs decode.onnx on these feeds, the
+    reference's past included, so that it judges that graph alone whatever cache ONNX Runtime built."""
+
+    label: str  # "decode step 3"
+    feeds: dict  # the token feeds and the reference's past
+
+
+@dataclass(frozen=True)
 class DecodeResult:
     comparisons: list[Comparison]
     curve: list[StepError]
+    probe_call: DecodeCall  # the first failing call, or the first call when none fails
 
 
 def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile,
@@ -224,25 +238,29 @@ def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: Par
     flip = None if explain_routing is None else judge_call(manifest, "decode prefill", "prefill", feeds, ort_out,
                                                            ref_out, profile, mask, mask, explain_routing, True).routing
     resync = flip is not None and flip.explained
-    curve = []
+    curve, first_call, failing_call = [], None, None
     chunks = [1] * settings.decode_steps + [FINAL_CHUNK]
     for step, length in enumerate(chunks):
         step_feeds, mask = next_tokens(manifest, mask, length, rng)
         ref_past = presents_as_past(manifest, ref_out)
         onnx_feeds = {**step_feeds, **(ref_past if resync else presents_as_past(manifest, ort_out))}
-        ref_out = reference.decode({**step_feeds, **ref_past})
-        ort_out = onnx.decode(onnx_feeds)
-        health.scan_outputs(f"decode step {step}", ort_out, mask)
         label = f"decode step {step}"
+        ref_call = DecodeCall(label, {**step_feeds, **ref_past})
+        ref_out = reference.decode(ref_call.feeds)
+        ort_out = onnx.decode(onnx_feeds)
+        health.scan_outputs(label, ort_out, mask)
         call = judge_call(manifest, label, "decode", onnx_feeds, ort_out, ref_out, profile,
                           np.ones_like(step_feeds["input_ids"]), mask, explain_routing)
         failing = next((layer.layer for layer in call.layers if not layer.passed), None)
         curve.append(StepError(step, length, call.logits, _present(f"{label} present", call.layers), failing,
                                call.routing, resync))
         resync = call.routing is not None and call.routing.explained
+        first_call = first_call or ref_call
+        if failing_call is None and not curve[-1].passed:
+            failing_call = ref_call
     rows = [aggregate(f"decode logits ({len(chunks)} steps)", [s.logits for s in curve]),
             aggregate(f"decode present ({len(chunks)} steps, all layers)", [s.kv for s in curve])]
-    return DecodeResult(rows, curve), ort_out
+    return DecodeResult(rows, curve, failing_call or first_call), ort_out
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +21,15 @@ from exporter.manifest import Manifest, read_manifest
 from exporter.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, greedy_choices,
                               routing_agreement)
 from exporter.runtime import CPU, OrtRunner, available_parity_providers, check_parity_providers
-from exporter.verify.checks import (GreedyResult, check_decode, check_greedy, check_prefill, judge_greedy,
-                                    run_sweep)
+from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
+                                    judge_greedy, run_sweep)
 from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
 from exporter.verify.health import HealthScan
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
+from exporter.verify.inputs import (FINAL_CHUNK, PREFILL_BATCH, ParitySettings, greedy_prompt, prefill_feeds,
+                                    prompt_batch)
 from exporter.verify.invariants import check_invariants
-from exporter.verify.localise import Localisation, first_diverging_layer, probe_between, probe_reference
+from exporter.verify.localise import (Localisation, ProbeResult, first_diverging_layer, probe_between,
+                                      probe_reference)
 from exporter.verify.probe import DebugGraph
 from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
@@ -36,8 +38,32 @@ from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, pro
 log = logging.getLogger(__name__)
 
 
-def _localise(prefill, decode, reference: RecordedReference, debug: DebugGraph, values: dict, batch: dict,
-              settings: ParitySettings, profile: Profile) -> Localisation:
+@dataclass(frozen=True)
+class _DebugGraphs:
+    """The debug copies of both graphs: prefill.onnx's for the activation scan and the probe, decode.onnx's for
+    the probe alone (None without --probe)."""
+    prefill: DebugGraph
+    decode: DebugGraph | None
+
+
+def _probe_decode(call: DecodeCall, reference: RecordedReference, debug: DebugGraph, provider: str,
+                  profile: Profile) -> tuple[ProbeResult | None, str]:
+    """decode.onnx's values on the reference's inputs of `call` against the reference's module outputs for it;
+    or None and why not."""
+    module_outputs = reference.module_outputs(call.feeds, "decode")
+    if module_outputs is None:
+        return None, (f"the bundle holds no module outputs of {call.label} (it keeps those of the decode call probed "
+                      "when it was recorded; one recorded before they were kept, none): re-record it with "
+                      "--golden-save, or probe against the PyTorch model")
+    values = debug.run(call.feeds, provider)
+    log.info("probe: comparing %d values of %s on %s with the reference's module outputs", len(values),
+             debug.graph_file, call.label)
+    return probe_reference(debug, values, module_outputs, profile.kv, call.feeds["attention_mask"],
+                           f"{call.label}, fed the reference's past"), ""
+
+
+def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs, values: dict, provider: str,
+              batch: dict, settings: ParitySettings, profile: Profile) -> Localisation:
     first = first_diverging_layer(prefill.layers)
     where = "prefill present" if first is not None else ""
     if first is None:
@@ -45,13 +71,16 @@ def _localise(prefill, decode, reference: RecordedReference, debug: DebugGraph, 
         if step is not None:
             first, where = step.first_failing_layer, f"decode step {step.step} present"
     if not settings.probe:
-        return Localisation(first, where, None, "not requested (--probe)")
+        return Localisation(first, where, None, "not requested (--probe)", None, "not requested (--probe)")
     module_outputs = reference.module_outputs(batch)
-    if module_outputs is None:
-        return Localisation(first, where, None, "the bundle holds no module outputs: re-record it with --golden-save")
-    log.info("probe: comparing %d graph values with the reference's module outputs", len(values))
-    probe = probe_reference(debug, values, module_outputs, profile.kv, batch["attention_mask"])
-    return Localisation(first, where, probe)
+    probe, skipped = None, "the bundle holds no module outputs: re-record it with --golden-save"
+    if module_outputs is not None:
+        log.info("probe: comparing %d values of %s with the reference's module outputs", len(values),
+                 debug.prefill.graph_file)
+        probe, skipped = probe_reference(debug.prefill, values, module_outputs, profile.kv, batch["attention_mask"],
+                                         PREFILL_BATCH), ""
+    return Localisation(first, where, probe, skipped,
+                        *_probe_decode(decode.probe_call, reference, debug.decode, provider, profile))
 
 
 def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
@@ -92,15 +121,23 @@ class _RoutingExplainer:
                               self.tolerance)
 
 
-def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGraph, batch: dict,
-                  settings: ParitySettings, overrides: Overrides) -> tuple[ProviderReport, dict, dict]:
+@dataclass(frozen=True)
+class _ProviderRun:
+    report: ProviderReport
+    outputs: dict  # ONNX Runtime's prefill outputs, for the providers against each other
+    values: dict  # the prefill debug copy's values, for the probe between providers
+    decode_call: DecodeCall  # the decode call the probe examines, whose module outputs a golden bundle keeps
+
+
+def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: _DebugGraphs, batch: dict,
+                  settings: ParitySettings, overrides: Overrides) -> _ProviderRun:
     folder = onnx.folder
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
     reference.rewind()
     log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
-    values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
-    health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.nodes
+    values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
+    health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes
                                      for o in n.outputs})
     explainer = _RoutingExplainer(reference, onnx, manifest, profile) \
         if getattr(manifest.config, "use_moe", False) is True else None
@@ -120,12 +157,12 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
         log.info("%s: shape sweep", onnx.provider)
         sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3),
                           explain_routing)
-    localisation = _localise(prefill, decode, reference, debug, values, batch, settings, profile)
+    localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
     experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
     report = ProviderReport(onnx.provider, manifest.dtype, profile, prefill.comparisons + decode.comparisons, greedy,
                             decode.curve, prefill.layers, prefill.histogram, sweep, health.report(), repeat,
                             localisation, experts, prefill.routing)
-    return report, outputs, values
+    return _ProviderRun(report, outputs, values, decode.probe_call)
 
 
 def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
@@ -216,16 +253,18 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
-    reports, outputs, values = [], {}, {}
-    debug = DebugGraph(folder, manifest, manifest.prefill.file)
+    runs = []
+    debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill.file),
+                         DebugGraph(folder, manifest, manifest.decode.file) if settings.probe else None)
     first_runner = None  # kept for the invariants: loading the sessions again costs seconds
     if reference is not None:
         for provider in chosen:
             onnx = OrtRunner(folder, provider, manifest=manifest)
             first_runner = first_runner or onnx
-            report, outputs[provider], values[provider] = _run_provider(onnx, manifest, reference, debug, batch,
-                                                                        settings, overrides)
-            reports.append(report)
+            runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
+    reports = [run.report for run in runs]
+    outputs = {run.report.provider: run.outputs for run in runs}
+    values = {run.report.provider: run.values for run in runs}
     log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
     invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
     invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
@@ -235,8 +274,9 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     probes = []
     if settings.probe and len(values) > 1:
         first, *others = values
-        probes = [probe_between(debug, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
-                                f"{p} vs {first}", batch["attention_mask"]) for p in others]
+        probes = [probe_between(debug.prefill, values[p], values[first],
+                                overrides.apply(profile_for(manifest.dtype, p)).kv, f"{p} vs {first}",
+                                batch["attention_mask"], PREFILL_BATCH) for p in others]
     attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
     consumers, consumers_skipped = [], {}
     if genai_skipped:
@@ -248,7 +288,9 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
                                      else profile_for(manifest.dtype), cpu))
     if golden_save is not None:
         import torch  # the reference side's version, recorded with the bundle
-        reference.module_outputs(batch)  # recorded with or without --probe, so that any replay can probe
+        # recorded with or without --probe, so that any replay can probe both graphs
+        reference.module_outputs(batch)
+        reference.module_outputs(runs[0].decode_call.feeds, "decode")
         reference.save(golden_save, manifest, settings, overrides, {"torch": torch.__version__})
     return VerifyReport(str(folder), reports, skipped, consumers, consumers_skipped, described, invariants, cross,
                         probes, attribution, settings.to_dict(), applied, time.perf_counter() - start)

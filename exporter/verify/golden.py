@@ -10,9 +10,12 @@ each call, and each call of a greedy run, also keeps its routers' scores and
 chosen experts, so that expert choice and the routing explanation of a failing
 call or of a greedy run that differs replay too (a v4 bundle recorded before
 greedy runs kept them replays without that explanation). Every saved bundle also
-holds the reference's module outputs for the prefill batch (TorchRunner.module_outputs),
-so that a replay's node-level probe names the diverging operator as a live one
-does (a v4 bundle recorded before they were kept replays without the probe).
+holds the reference's module outputs (TorchRunner.module_outputs) for the prefill
+batch and for the decode call the probe examines (the decode check's first failing
+call, its first call when none fails), so that a replay's node-level probe names
+the diverging operator in either graph as a live one does (a v4 bundle recorded
+before they were kept replays without the probe, one recorded before the decode
+call's were kept without the probe of decode.onnx).
 
 A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the tolerance overrides the recording
@@ -56,7 +59,9 @@ FORMAT, FORMAT_VERSION = "minimind-onnx-golden", 4
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")
 # The probe's module outputs are arrays.npz entries alone, covered by its sha256: golden.json and its digest stay
 # as every v4 toolkit reads them, so a toolkit from before they were kept still replays a bundle that holds them.
-MODULE_FEEDS, MODULE_OUTPUTS = "modules/feed/", "modules/out/"
+# graph -> (prefix of the call's token feeds, prefix of its module outputs)
+MODULE_ENTRIES = {"prefill": ("modules/feed/", "modules/out/"),
+                  "decode": ("modules/decode/feed/", "modules/decode/out/")}
 
 
 class GoldenMismatch(ToolkitError):
@@ -80,14 +85,14 @@ def _identity(manifest: Manifest) -> dict:
 
 class RecordedReference:
     def __init__(self, backing=None, calls: list | None = None, greedy: dict | None = None, source: str = "",
-                 routing: list | None = None, module_outputs: tuple[dict, dict] | None = None):
+                 routing: list | None = None, module_outputs: dict[str, tuple[dict, dict]] | None = None):
         self.backing = backing
         self.calls: list[tuple[str, dict, dict]] = calls or []  # (kind, token feeds, stored outputs)
         self.routing: list[dict] = routing or [{} for _ in self.calls]  # per call: {layer: (scores, ids)}
         self.greedy_traces: dict[tuple, GreedyTrace] = greedy or {}
-        # (token feeds, {module path or present name: output}); None until asked for, and in a bundle recorded
-        # before module outputs were kept
-        self.recorded_module_outputs = module_outputs
+        # graph -> (token feeds, {module path or present name: output}) of one call of that graph; a graph is
+        # absent until asked for, and in a bundle recorded before its module outputs were kept
+        self.recorded_module_outputs = module_outputs or {}
         self.cursor = 0
         self.name = source or getattr(backing, "name", "recorded reference")
 
@@ -146,20 +151,23 @@ class RecordedReference:
                                                               for call in range(calls)])
         return self.greedy_traces[key]
 
-    def module_outputs(self, feeds: dict) -> dict | None:
-        """Every reference module's output and the presents for a prefill of `feeds`, which the probe matches to
-        the graph's values: the backing's, recorded; replayed for the recorded token feeds. None without a
-        backing when none were recorded (a bundle recorded before module outputs were kept)."""
+    def module_outputs(self, feeds: dict, graph: str = "prefill") -> dict | None:
+        """Every reference module's output and the presents for a call of `graph` ("prefill" or "decode") on
+        `feeds`, which the probe matches to the graph's values: the backing's, recorded (one call per graph, the
+        latest asked for); replayed for the recorded token feeds. None without a backing when none were recorded
+        for that graph (a bundle recorded before they were kept), or for a decode call other than the recorded
+        one (a replay whose first failing decode call is another)."""
         tokens = _tokens(feeds)
-        if self.recorded_module_outputs is not None and _same_tokens(self.recorded_module_outputs[0], tokens):
-            return self.recorded_module_outputs[1]
+        recorded = self.recorded_module_outputs.get(graph)
+        if recorded is not None and _same_tokens(recorded[0], tokens):
+            return recorded[1]
         if self.backing is None:
-            if self.recorded_module_outputs is None:
+            if recorded is None or graph == "decode":
                 return None
             raise GoldenMismatch("the bundle's module outputs were recorded for other inputs than this prefill; "
                                  "re-record it with --golden-save")
-        self.recorded_module_outputs = (tokens, self.backing.module_outputs(feeds))
-        return self.recorded_module_outputs[1]
+        self.recorded_module_outputs[graph] = (tokens, self.backing.module_outputs(feeds, graph))
+        return self.recorded_module_outputs[graph][1]
 
     def save(self, folder: Path, manifest: Manifest, settings: ParitySettings, overrides: Overrides,
              versions: dict) -> Path:
@@ -183,10 +191,10 @@ class RecordedReference:
                 for layer, (scores, ids) in routing.items():
                     key = f"greedy/{index}/router/{call}/{layer}"
                     arrays[f"{key}/scores"], arrays[f"{key}/ids"] = scores, ids
-        if self.recorded_module_outputs is not None:
-            tokens, outputs = self.recorded_module_outputs
-            arrays.update({f"{MODULE_FEEDS}{k}": v for k, v in tokens.items()})
-            arrays.update({f"{MODULE_OUTPUTS}{k}": v for k, v in outputs.items()})
+        for graph, (tokens, outputs) in self.recorded_module_outputs.items():
+            feeds_prefix, outputs_prefix = MODULE_ENTRIES[graph]
+            arrays.update({f"{feeds_prefix}{k}": v for k, v in tokens.items()})
+            arrays.update({f"{outputs_prefix}{k}": v for k, v in outputs.items()})
         # Over an older bundle: each file is written aside and swapped in, the index last. An interrupted
         # save leaves the older bundle whole, or its index with the new arrays, whose hash it then refuses.
         partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
@@ -327,11 +335,12 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
         ids = [*prompt, *trace.ids, *([] if eos is None else [eos])]
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids) or n < 1:
             raise ValueError(f"a greedy run holds ids outside the vocabulary [0, {vocab}) or {n} new tokens")
-    module_outputs = (_entries(arrays, MODULE_FEEDS), _entries(arrays, MODULE_OUTPUTS))
-    if any(module_outputs):
-        _check_module_outputs(*module_outputs, manifest)
-    else:  # recorded before module outputs were kept
-        module_outputs = None
+    module_outputs = {}
+    for graph, prefixes in MODULE_ENTRIES.items():
+        feeds, outputs = (_entries(arrays, prefix) for prefix in prefixes)
+        if feeds or outputs:  # else recorded before this graph's were kept
+            _check_module_outputs(graph, feeds, outputs, manifest)
+            module_outputs[graph] = feeds, outputs
     settings = meta["settings"]
     if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
         raise ValueError(f"settings must be integers of at least 0, got {settings}")
@@ -357,27 +366,30 @@ def _entries(arrays, prefix: str) -> dict:
     return {name[len(prefix):]: arrays[name] for name in arrays.files if name.startswith(prefix)}
 
 
-def _check_module_outputs(feeds: dict, outputs: dict, manifest: Manifest) -> None:
-    """Recorded module outputs are floating-point values of one prefill of 2-D token feeds, among them its
-    presents in the contract's shapes."""
-    ids = feeds["input_ids"]
-    if ids.ndim != 2 or any(feeds[k].shape != ids.shape for k in ("attention_mask", "position_ids")):
-        raise ValueError(f"the module outputs' token feeds have shapes {[feeds[k].shape for k in feeds]}, expected "
-                         "one (batch, sequence)")
+def _check_module_outputs(graph: str, feeds: dict, outputs: dict, manifest: Manifest) -> None:
+    """Recorded module outputs are floating-point values of one call of `graph` on 2-D token feeds (a decode
+    call's attention mask covers its past too), among them its presents in the contract's shapes."""
+    ids, mask = feeds["input_ids"], feeds["attention_mask"]
+    total = mask.shape[-1] if graph == "decode" and mask.ndim == 2 else ids.shape[-1]
+    if ids.ndim != 2 or feeds["position_ids"].shape != ids.shape or mask.shape != (ids.shape[0], total) \
+            or total < ids.shape[1]:
+        raise ValueError(f"the {graph} module outputs' token feeds have shapes {[feeds[k].shape for k in feeds]}, "
+                         "expected one (batch, sequence) and an attention mask over the past too in a decode call")
     not_floating = sorted(name for name, value in outputs.items() if not np.issubdtype(value.dtype, np.floating))
     if not_floating:
         raise ValueError(f"the module outputs {not_floating} hold no floating-point values")
-    presents = [spec for spec in manifest.prefill.outputs if spec.name.startswith("present.")]
+    contract = {"prefill": manifest.prefill, "decode": manifest.decode}[graph]
+    presents = [spec for spec in contract.outputs if spec.name.startswith("present.")]
     missing = [spec.name for spec in presents if spec.name not in outputs]
     if missing:
-        raise ValueError(f"the module outputs lack the presents {missing}")
-    _check_shapes("module outputs", presents, outputs, ids.shape)
+        raise ValueError(f"the {graph} module outputs lack the presents {missing}")
+    _check_shapes(f"{graph} module outputs", presents, outputs, ids.shape, total)
 
 
-def _check_shapes(where: str, specs, outputs: dict, tokens: tuple[int, int]) -> None:
-    """Each output of `specs` shaped as the contract says, for (batch, sequence) `tokens` whose total length is
-    the sequence (a prefill, or a decode call's stored presents)."""
-    sizes = {BATCH: tokens[0], SEQUENCE: tokens[1], TOTAL: tokens[1]}
+def _check_shapes(where: str, specs, outputs: dict, tokens: tuple[int, int], total: int | None = None) -> None:
+    """Each output of `specs` shaped as the contract says, for (batch, sequence) `tokens` and `total` positions
+    with the past (None: the sequence, as in a prefill or a decode call's stored presents)."""
+    sizes = {BATCH: tokens[0], SEQUENCE: tokens[1], TOTAL: tokens[1] if total is None else total}
     for spec in specs:
         expected = tuple(sizes.get(axis, axis) if isinstance(axis, str) else axis for axis in spec.axes)
         shape = outputs[spec.name].shape

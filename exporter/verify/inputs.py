@@ -18,6 +18,7 @@ SWEEP_NEW_TOKENS = (1, 2, 7, 64)
 SWEEP_PASTS = (0, 1, 17)
 GREEDY_PROMPT_LENGTH = 8
 FINAL_CHUNK = 3  # the decode check ends with one multi-token step
+PREFILL_BATCH = "the prefill batch"  # how reports name prompt_batch's call: what a check on it alone covers
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class ParitySettings:
     greedy_tokens: int = 32
     seed: int = 0
     sweep: bool = True  # the batch x new tokens x past grid, with ragged left padding
-    probe: bool = False  # node-level localisation with a debug copy of prefill.onnx
+    probe: bool = False  # node-level localisation with debug copies of prefill.onnx and decode.onnx
 
     def __post_init__(self):
         if self.decode_steps < 1 or self.greedy_tokens < 1:

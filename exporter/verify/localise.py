@@ -5,15 +5,17 @@ on the layers before it and on the layer's own input norm and key/value path,
 so the first layer whose present diverges holds the fault, or the output path
 (attention output projection, MLP) of the layer just before it.
 
-Operator level (the probe): a debug copy of prefill.onnx exposes every
-intermediate value. Against the PyTorch reference, each reference module's
-output (recorded with forward hooks) is matched to the last value computed in
-that module's scope with the same shape, and each present to the graph output
-of its name; the first match in the graph's topological order that diverges
-beyond tolerance names the operator that computed it. A fault in an operator
-whose value is not checked (a scale inside attention, say) shows at the next
-checked value: the probe names the first diverging checked value, which lies
-at or after the fault and after the last agreeing one. Between two ONNX Runtime
+Operator level (the probe): a debug copy of a graph exposes every
+intermediate value: prefill.onnx on the prefill batch, and decode.onnx on one
+decode call fed the reference's own inputs and past, so that it judges that
+graph alone. Against the PyTorch reference, each reference module's output
+(recorded with forward hooks on the same call) is matched to the last value
+computed in that module's scope with the same shape, and each present to the
+graph output of its name; the first match in the graph's topological order
+that diverges beyond tolerance names the operator that computed it. A fault in
+an operator whose value is not checked (a scale inside attention, say) shows at
+the next checked value: the probe names the first diverging checked value,
+which lies at or after the fault and after the last agreeing one. Between two ONNX Runtime
 runs (two providers), every value is compared by name.
 
 Both judge real positions only, as every check of logits and presents does: a
@@ -52,25 +54,36 @@ class Divergence:
 @dataclass(frozen=True)
 class ProbeResult:
     mode: str  # "reference" or "<provider> vs <provider>"
+    graph: str  # the graph file probed
+    call: str  # the inputs it ran on: "the prefill batch", "decode step 3, fed the reference's past"
     checked: int  # values compared
     first: Divergence | None  # None: nothing diverged
     note: str = ""
 
+    @property
+    def covers(self) -> str:
+        return f"{self.graph}, {self.call}"
+
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "checked": self.checked, "first": self.first.to_dict() if self.first else None,
-                "note": self.note}
+        return {"mode": self.mode, "graph": self.graph, "call": self.call, "checked": self.checked,
+                "first": self.first.to_dict() if self.first else None, "note": self.note}
 
 
 @dataclass(frozen=True)
 class Localisation:
     first_layer: int | None
     where: str  # which check found it
-    probe: ProbeResult | None
+    probe: ProbeResult | None  # prefill.onnx on the prefill batch
     probe_skipped: str = ""  # why there is no probe result
+    # decode.onnx on the first failing call of the decode check (its first call when none fails)
+    decode_probe: ProbeResult | None = None
+    decode_probe_skipped: str = ""
 
     def to_dict(self) -> dict:
         return {"first_layer": self.first_layer, "where": self.where,
-                "probe": self.probe.to_dict() if self.probe else None, "probe_skipped": self.probe_skipped}
+                "probe": self.probe.to_dict() if self.probe else None, "probe_skipped": self.probe_skipped,
+                "decode_probe": self.decode_probe.to_dict() if self.decode_probe else None,
+                "decode_probe_skipped": self.decode_probe_skipped}
 
 
 def first_diverging_layer(layers: list[LayerError]) -> int | None:
@@ -101,16 +114,20 @@ def _first_failure(graph: DebugGraph, pairs: list[Pair], tolerance: Tolerance, m
 
 
 def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, tolerance: Tolerance,
-                    mask: np.ndarray) -> ProbeResult:
-    """`values`: the debug graph's outputs; `module_outputs`: reference module path (or graph output name)
-    -> output array; `mask`: the prefill's attention mask, whose padded positions are not judged."""
+                    mask: np.ndarray, call: str) -> ProbeResult:
+    """`values`: the debug graph's outputs on `call`; `module_outputs`: reference module path (or graph output
+    name) -> output array on the same call; `mask`: the call's attention mask, whose padded positions are not
+    judged."""
     if not graph.has_scopes:
-        return ProbeResult("reference", 0, None, "the graph carries no module scopes (not a torch.onnx dynamo "
-                                                 "export); compare two providers instead")
+        return ProbeResult("reference", graph.graph_file, call, 0, None,
+                           "the graph carries no module scopes (not a torch.onnx dynamo export); compare two "
+                           "providers instead")
     producers = {o: n.index for n in graph.nodes for o in n.outputs}
     pairs = []
     for module, expected in module_outputs.items():
-        if module in producers and module in values:  # a graph output the reference returns too (a present)
+        # a graph output the reference returns too (a present); a module path may equal the name of an
+        # intermediate value (the teaching GPT's final `layer_norm` and its first block's LayerNormalization)
+        if module in graph.graph_outputs and module in values:
             index = producers[module]
             pairs.append((index, graph.nodes[index].module, module, values[module], expected))
             continue
@@ -121,14 +138,15 @@ def probe_reference(graph: DebugGraph, values: dict, module_outputs: dict, toler
             pairs.append((match[0], module, match[1], values[match[1]], expected))
     first, checked, note_left_out = _first_failure(graph, pairs, tolerance, mask)
     matched = f"{len(pairs)} of {len(module_outputs)} reference module outputs and presents matched to graph values"
-    return ProbeResult("reference", checked, first, "; ".join(filter(None, [matched, note_left_out])))
+    return ProbeResult("reference", graph.graph_file, call, checked, first,
+                       "; ".join(filter(None, [matched, note_left_out])))
 
 
 def probe_between(graph: DebugGraph, values: dict, baseline: dict, tolerance: Tolerance, mode: str,
-                  mask: np.ndarray) -> ProbeResult:
-    """Every value of one run against the same value of another run of the same debug graph, at the real
-    positions of `mask`."""
+                  mask: np.ndarray, call: str) -> ProbeResult:
+    """Every value of one run against the same value of another run of the same debug graph on `call`, at the
+    real positions of its attention mask `mask`."""
     pairs = [(n.index, n.module, o, values[o], baseline[o]) for n in graph.nodes for o in n.outputs
              if o in values and o in baseline]
     first, checked, note_left_out = _first_failure(graph, pairs, tolerance, mask)
-    return ProbeResult(mode, checked, first, note_left_out)
+    return ProbeResult(mode, graph.graph_file, call, checked, first, note_left_out)

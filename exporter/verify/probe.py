@@ -90,10 +90,10 @@ def _hides_positions(dim: Dim, names: frozenset[str]) -> bool:
 def real_elements(dims: tuple[Dim, ...], shape: tuple[int, ...], axes: PositionAxes, mask: np.ndarray
                   ) -> np.ndarray | None:
     """compare's `valid` (of the value's rank) for a value of `shape` whose value_info declares `dims`, in a
-    prefill of `mask` (B, L); None when its real positions are unknown.
+    call whose attention mask is `mask` (B, L); None when its real positions are unknown.
 
     An element is real when each of its position axes indexes a real token of its row: an axis of size n
-    covers the mask's last n positions (the queries of a prefill after a past). A value without a batch axis
+    covers the mask's last n positions (the queries of a call after a past). A value without a batch axis
     (a causal mask) or without a position axis cannot depend on a row's padding, so it is judged whole, as
     every value is when nothing is padded.
     """
@@ -119,6 +119,7 @@ class DebugGraph:
         model = onnx.load(str(folder / graph_file), load_external_data=False)
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
+        self.graph_outputs = frozenset(declared)  # the graph's own outputs (logits, presents)
         self.nodes: list[NodeInfo] = []
         self.dims = {o.name: dims_of(o) for o in model.graph.output}  # every exposed value's, as added below
         self.axes = PositionAxes.of_graph(model.graph)

@@ -1,11 +1,16 @@
 """Execution providers against each other: pairwise agreement, a repeat run, and the attribution chain.
 
 Attribution splits the error between PyTorch fp32 and ONNX Runtime CUDA fp16
-into three legs, each measured on the same prefill batch:
-export (ORT CPU fp32 vs PyTorch fp32), provider (ORT CUDA fp32 vs ORT CPU
-fp32) and precision (ORT CUDA fp16 vs ORT CUDA fp32, the float16 export of
-the same weights). It runs where CUDA is available and the float32 artifact is
-verified with a float16 companion.
+into three causes: export (ORT CPU fp32 vs PyTorch fp32, one leg per graph: the
+prefill batch's logits and the decode check's over every step), provider (ORT
+CUDA fp32 vs ORT CPU fp32) and precision (ORT CUDA fp16 vs ORT CUDA fp32, the
+float16 export of the same weights), the last two on the prefill batch. Each leg
+names the graph and inputs it covers, so that a passing prefill leg cannot read
+as a verdict on decode.onnx. The CUDA legs run where CUDA is available and the
+float32 artifact is verified with a float16 companion.
+
+The providers against each other and the repeat run compare the prefill batch
+alone, and their rows say so.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import numpy as np
 from exporter.errors import ArtifactError, InputError
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import OrtRunner
-from exporter.verify.inputs import prefill_feeds
+from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds
 from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
-from exporter.verify.results import Attribution, ProviderReport
+from exporter.verify.results import Attribution, AttributionLeg, ProviderReport
 from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
 
 log = logging.getLogger(__name__)
@@ -41,10 +46,14 @@ def _outputs_pair(label: str, actual: dict, expected: dict, profile, mask: np.nd
     return rows + [aggregate(f"{label} present (all layers)", kv)]
 
 
+def _pair(b: str, a: str) -> str:
+    return f"{b} vs {a} prefill"
+
+
 def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, profile) -> Comparison:
     """The prefill batch once more on the same session; any difference is nondeterminism."""
     again = onnx.prefill(prefill_feeds(manifest, batch))
-    return aggregate(f"{onnx.provider} repeat run",
+    return aggregate(f"{onnx.provider} repeat run of {PREFILL_BATCH}",
                      _outputs_pair("repeat", again, first, profile, batch["attention_mask"]))
 
 
@@ -54,7 +63,7 @@ def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, 
     profiles."""
     rows = []
     for a, b in itertools.combinations(outputs, 2):
-        rows += _outputs_pair(f"{b} vs {a}", outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
+        rows += _outputs_pair(_pair(b, a), outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
     return rows
 
 
@@ -103,31 +112,35 @@ def _weights_of(source: dict) -> tuple | None:
 
 def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: list[Comparison], manifest: Manifest,
               batch: dict, companion: tuple[Path, Manifest] | None, overrides: Overrides) -> Attribution:
-    legs: dict[str, Comparison] = {}
+    legs: list[AttributionLeg] = []
     missing = []
     cpu = next((r for r in reports if r.provider == CPU), None)
     if manifest.dtype != "float32":
-        return Attribution({}, "attribution starts from a float32 artifact; verify the float32 export with the "
+        return Attribution([], "attribution starts from a float32 artifact; verify the float32 export with the "
                                "float16 one as its companion")
-    if cpu is not None:
-        legs["export"] = cpu.comparisons[0]  # prefill logits, ORT CPU fp32 vs PyTorch fp32
+    prefill_batch = f"{manifest.prefill.file}, {PREFILL_BATCH}"
+    if cpu is not None:  # ORT CPU fp32 vs PyTorch fp32
+        legs.append(AttributionLeg("export", prefill_batch, cpu.comparisons[0]))  # the prefill logits
+        steps = len(cpu.curve)
+        legs.append(AttributionLeg("export", f"{manifest.decode.file}, the {steps} decode steps after it",
+                                   aggregate(f"decode logits ({steps} steps)", [s.logits for s in cpu.curve])))
     if CPU not in outputs:
         missing.append("export and provider legs need CPUExecutionProvider too (--provider cpu --provider cuda)")
     if CUDA not in outputs:
         missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
     else:
         # cross_providers names a pair in the order the providers were given
-        pair = {f"{CUDA} vs {CPU} logits", f"{CPU} vs {CUDA} logits"}
+        pair = {f"{_pair(CUDA, CPU)} logits", f"{_pair(CPU, CUDA)} logits"}
         provider_leg = next((c for c in cross if c.name in pair), None)
         if provider_leg is not None:
-            legs["provider"] = provider_leg
+            legs.append(AttributionLeg("provider", prefill_batch, provider_leg))
         if companion is None:
             missing.append("precision leg needs a float16 companion artifact")
         else:
             log.info("attribution: the float16 companion on %s", CUDA)
             folder, fp16_manifest = companion
             fp16 = OrtRunner(folder, CUDA, manifest=fp16_manifest).prefill(prefill_feeds(fp16_manifest, batch))
-            legs["precision"] = compare("ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"],
-                                        outputs[CUDA]["logits"], overrides.apply(profile_for("float16", CUDA)).logits,
-                                        valid=batch["attention_mask"] == 1)
+            legs.append(AttributionLeg("precision", prefill_batch, compare(
+                "ORT CUDA fp16 vs ORT CUDA fp32 logits", "logits", fp16["logits"], outputs[CUDA]["logits"],
+                overrides.apply(profile_for("float16", CUDA)).logits, valid=batch["attention_mask"] == 1)))
     return Attribution(legs, "; ".join(missing))

@@ -25,7 +25,7 @@ class ProviderReport:
     histogram: dict  # |prefill logit difference|
     sweep: list[SweepCase]
     health: HealthReport
-    repeat: Comparison  # a second prefill run against the first: nondeterminism
+    repeat: Comparison  # a second run of the prefill batch against the first: nondeterminism
     localisation: Localisation
     experts: ExpertAgreement | None = None  # MoE models against the PyTorch reference; None otherwise
     prefill_routing: RoutingFlip | None = None  # MoE: the failing prefill's expert choices
@@ -77,15 +77,26 @@ class ConsumerReport:
 
 
 @dataclass(frozen=True)
-class Attribution:
-    """PyTorch fp32 -> ORT CPU fp32 -> ORT CUDA fp32 -> ORT CUDA fp16 on the prefill batch: each leg's error
-    is one cause (export, provider, precision)."""
+class AttributionLeg:
+    cause: str  # "export", "provider" or "precision"
+    covers: str  # the graph and the inputs compared, e.g. "prefill.onnx, the prefill batch"
+    comparison: Comparison  # of the logits
 
-    legs: dict[str, Comparison]  # "export", "provider", "precision" -> logits comparison
+    def to_dict(self) -> dict:
+        return {"cause": self.cause, "covers": self.covers, **self.comparison.to_dict()}
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """PyTorch fp32 -> ORT CPU fp32 -> ORT CUDA fp32 -> ORT CUDA fp16: each leg's error is one cause (export,
+    provider, precision) on the graph and inputs it covers. The export has a leg per graph; the provider and
+    precision legs cover the prefill batch."""
+
+    legs: list[AttributionLeg]
     skipped: str = ""  # why some or all legs are missing
 
     def to_dict(self) -> dict:
-        return {"legs": {k: v.to_dict() for k, v in self.legs.items()}, "skipped": self.skipped}
+        return {"legs": [leg.to_dict() for leg in self.legs], "skipped": self.skipped}
 
 
 @dataclass(frozen=True)

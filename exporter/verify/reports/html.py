@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from html import escape
 
+from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.reports.svg import bar_chart, line_chart
-from exporter.verify.reports.text import HEADER, comparison_row, routing_notes, summary_tables, verdict
+from exporter.verify.reports.text import HEADER, comparison_row, probe_notes, routing_notes, summary_tables, verdict
 from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
@@ -50,18 +51,16 @@ def _provider(p: ProviderReport) -> str:
                    ) if p.sweep else "<p>sweep off</p>"
     h = p.health
     loc = p.localisation
-    probe = loc.probe.first if loc.probe else None
     overridden = f"; overridden: {', '.join(p.profile.overridden)}" if p.profile.overridden else ""
     headroom = f"; fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
     repeat = "bit-identical" if p.repeat.max_abs == 0 else f"max abs {p.repeat.max_abs:.3g}"
     notes = [f"profile {p.profile.name}: {p.profile.why}{overridden}",
              f"health: {h.nan} NaN, {h.inf} Inf, {h.zero_rows} zero rows{headroom}: {verdict(h.passed)}",
-             *h.issues, *h.warnings, f"repeat run (nondeterminism): {repeat}: {verdict(p.repeat.passed)}"]
+             *h.issues, *h.warnings,
+             f"repeat run of {PREFILL_BATCH} (nondeterminism): {repeat}: {verdict(p.repeat.passed)}"]
     if loc.first_layer is not None:
         notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
-    if probe:
-        notes.append(f"first diverging checked value: {probe.tensor}, computed by {probe.node} ({probe.op_type}) "
-                     f"in {probe.module}")
+    notes += probe_notes(p)
     if p.experts is not None:
         notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")
     notes += routing_notes(p)

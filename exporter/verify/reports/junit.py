@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from xml.etree import ElementTree as ET
 
+from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.reports.text import sweep_detail
 from exporter.verify.results import VerifyReport
 
@@ -50,7 +51,7 @@ def render_junit(report: VerifyReport) -> str:
             cases.append(("routing near-ties", all(flip.explained for flip in p.routing_flips),
                           "; ".join(flip.describe() for flip in p.routing_flips)))
         cases += [(f"sweep {c.name}", c.passed, sweep_detail(c)) for c in p.sweep]
-        cases.append(("repeat run", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
+        cases.append((f"repeat run of {PREFILL_BATCH}", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
         _suite(root, f"{p.provider} {p.dtype}", cases)
     if report.invariants:
@@ -58,7 +59,8 @@ def render_junit(report: VerifyReport) -> str:
     if report.cross:
         _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
     if report.attribution is not None and report.attribution.legs:
-        _suite(root, "attribution", [_comparison(c, f"{leg} leg") for leg, c in report.attribution.legs.items()])
+        _suite(root, "attribution", [_comparison(leg.comparison, f"{leg.cause} leg ({leg.covers})")
+                                     for leg in report.attribution.legs])
     if report.consumers:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     skipped = {**report.skipped, **report.consumers_skipped}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.metrics import Comparison
 from exporter.verify.results import ProviderReport, VerifyReport
 
@@ -73,7 +74,7 @@ def _provider(p: ProviderReport) -> str:
     if p.experts is not None:
         agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
         rows.append(["expert choice", agreement, "", "", "", "", "", verdict(p.experts.passed)])
-    rows.append(["repeat run (nondeterminism)", f"{p.repeat.max_abs:.3g}", "", "", "", "", "",
+    rows.append([f"repeat run of {PREFILL_BATCH} (nondeterminism)", f"{p.repeat.max_abs:.3g}", "", "", "", "", "",
                  verdict(p.repeat.passed)])
     h = p.health
     headroom = f"fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
@@ -95,16 +96,35 @@ def _provider(p: ProviderReport) -> str:
     if loc.first_layer is not None:
         lines.append(f"  localisation: first diverging layer {loc.first_layer} ({loc.where}): the fault lies in layer "
                      f"{loc.first_layer}'s input norm or key/value path, or in the output path of the layer before")
-    if loc.probe is not None:
-        first = loc.probe.first
-        lines.append("  probe: " + (f"first diverging checked value {first.tensor}, computed by {first.node} "
-                                    f"({first.op_type}) in {first.module}, max abs {first.max_abs:.3g} "
-                                    f"({first.needed_scale:.2g}x tol); the fault lies there or in the operators "
-                                    "since the last agreeing value"
-                                    if first else f"no checked value diverges ({loc.probe.note})"))
-    elif loc.probe_skipped and loc.first_layer is not None:
-        lines.append(f"  probe: {loc.probe_skipped}")
+    lines += [f"  {note}" for note in probe_notes(p)]
     return "\n".join(lines)
+
+
+def probe_notes(p: ProviderReport) -> list[str]:
+    """What the node-level probe found in each graph, or why it did not run where that graph's check failed
+    (a prefill fault shows in the layer-level localisation, a decode one in any failing step)."""
+    loc = p.localisation
+    decode_failed = not all(step.passed for step in p.curve)
+    if loc.probe is None and loc.decode_probe is None and loc.probe_skipped == loc.decode_probe_skipped:
+        return [f"probe: {loc.probe_skipped}"] if loc.first_layer is not None or decode_failed else []
+    notes = []
+    for graph, probe, skipped, failed in (("prefill", loc.probe, loc.probe_skipped, loc.first_layer is not None),
+                                          ("decode", loc.decode_probe, loc.decode_probe_skipped, decode_failed)):
+        if probe is None:
+            notes += [f"probe of the {graph} graph: {skipped}"] if failed else []
+            continue
+        first = probe.first
+        if first is not None:
+            found = (f"first diverging checked value {first.tensor}, computed by {first.node} ({first.op_type}) in "
+                     f"{first.module}, max abs {first.max_abs:.3g} ({first.needed_scale:.2g}x tol); the fault lies "
+                     "there or in the operators since the last agreeing value")
+        else:
+            found = f"no checked value diverges ({probe.note})"
+            if graph == "decode" and decode_failed:
+                found += (f"; {probe.graph} computes this call as the reference does when fed the reference's "
+                          "past, so the decode check's failure comes from the cache ONNX Runtime built before it")
+        notes.append(f"probe {probe.graph} ({probe.call}): {found}")
+    return notes
 
 
 def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -114,16 +134,20 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
         tables.append(("reference-free invariants", ["invariant", "detail", "result"],
                        [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
     if report.cross:
-        tables.append(("providers against each other", HEADER, [comparison_row(c) for c in report.cross]))
+        tables.append((f"providers against each other (on {PREFILL_BATCH} only)", HEADER,
+                       [comparison_row(c) for c in report.cross]))
     if report.cross_probes:
-        tables.append(("node-level probe between providers", ["providers", "first diverging operator"],
-                       [[probe.mode, f"{probe.first.node} ({probe.first.op_type}) in {probe.first.module or 'graph'}"
+        tables.append(("node-level probe between providers", ["providers", "covers", "first diverging operator"],
+                       [[probe.mode, probe.covers,
+                         f"{probe.first.node} ({probe.first.op_type}) in {probe.first.module or 'graph'}"
                          if probe.first else "no operator diverges"] for probe in report.cross_probes]))
     if report.attribution is not None:
         a = report.attribution
-        rows = [[leg, f"{c.max_abs:.3g}", f"{c.needed.scale:.2g}x", verdict(c.passed)] for leg, c in a.legs.items()]
-        tables.append(("attribution (export / provider / precision)", ["leg", "logits max abs", "x tol", "result"],
-                       rows + ([["skipped", a.skipped, "", ""]] if a.skipped else [])))
+        rows = [[leg.cause, leg.covers, f"{leg.comparison.max_abs:.3g}", f"{leg.comparison.needed.scale:.2g}x",
+                 verdict(leg.comparison.passed)] for leg in a.legs]
+        tables.append(("attribution (export / provider / precision)",
+                       ["leg", "covers", "logits max abs", "x tol", "result"],
+                       rows + ([["skipped", a.skipped, "", "", ""]] if a.skipped else [])))
     return tables
 
 

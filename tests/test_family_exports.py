@@ -34,8 +34,8 @@ from helpers import assert_decode_graph_matches, edit_manifest, perturb_weight
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
-    "minimind-3 MoE + YaRN (sparse)": ("moe3_artifact", "moe3_model"),
-    "MiniMind2 MoE (dense)": ("moe2_artifact", "moe2_model"),
+    "minimind-3 MoE + YaRN (dense)": ("moe3_dense_artifact", "moe3_dense_model"),
+    "MiniMind2 MoE (sparse)": ("moe2_artifact", "moe2_model"),
     "teaching GPT": ("gpt_artifact", "gpt_model"),
     "seed 001 demo (bring your own)": ("byo_artifact", "byo_adapter"),
 }
@@ -269,7 +269,7 @@ def _covering_single_tokens(model, config):
     return sorted(set(chosen))
 
 
-@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+@pytest.mark.parametrize("variant", ["moe3_dense", "moe2"])
 def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant, request):
     artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")
     manifest = read_manifest(artifact, check_hashes=False)
@@ -301,7 +301,7 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     assert all(receives.values()) and all(starved.values()), (receives, starved)
 
 
-@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+@pytest.mark.parametrize("variant", ["moe3_dense", "moe2"])
 @pytest.mark.parametrize("batch,length,past", [(1, 1, 0), (3, 1, 17), (2, 9, 5)])
 def test_moe_decode_graph_matches_at_other_sizes(variant, batch, length, past, request):
     artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")

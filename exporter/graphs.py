@@ -4,6 +4,11 @@ The reference keeps MiniMind's Python API (a list of (k, v) per layer, each
 (B, L, Hkv, D)). The graphs follow the contract consumers expect (ANCHORS.md):
 flat named past/present tensors laid out (B, Hkv, L, D). That plumbing lives
 here, not in the model.
+
+Both graphs send a negative input id past the embedding table, for every
+family: the model's Gather then fails on it as torch's embedding does, where
+ONNX Gather would take the table's last rows (an id of -1 gave the logits of
+the last id).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from reference.layers import negative_past_the_table
 
 IGNORE_INDEX = -100
 
@@ -23,6 +30,9 @@ def masked_shifted_loss(logits, labels):
     padding with IGNORE_INDEX keeps every tensor non-empty; the mean over
     non-ignored targets is then sum / count, which is 0 / 0 = NaN exactly when
     PyTorch's mean is NaN.
+
+    A target outside [0, vocab) other than IGNORE_INDEX makes the gather fail, as
+    PyTorch's cross entropy refuses it, instead of picking a logit from the end.
     """
     b = labels.shape[0]
     pad = torch.full((b, 1), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
@@ -30,7 +40,8 @@ def masked_shifted_loss(logits, labels):
     keep = targets != IGNORE_INDEX
     logits32 = logits.float()
     log_z = torch.logsumexp(logits32, dim=-1)  # (B, T)
-    picked = torch.gather(logits32, -1, torch.where(keep, targets, 0)[..., None])[..., 0]
+    index = negative_past_the_table(torch.where(keep, targets, 0), logits.shape[-1])
+    picked = torch.gather(logits32, -1, index[..., None])[..., 0]
     nll = torch.where(keep, log_z - picked, 0.0)
     return nll.sum() / keep.sum().float()
 
@@ -81,6 +92,7 @@ class PrefillGraph(nn.Module):
         self.with_loss = with_loss
 
     def forward(self, input_ids, attention_mask, position_ids, labels=None):
+        input_ids = negative_past_the_table(input_ids, self.model.config.vocab_size)
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         outputs = [out.logits, *_flatten_presents(out.past_key_values)]
         if self.with_loss:
@@ -98,6 +110,7 @@ class DecodeGraph(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
         pairs = [(past_key_values[2 * i].transpose(1, 2), past_key_values[2 * i + 1].transpose(1, 2))
                  for i in range(len(past_key_values) // 2)]
+        input_ids = negative_past_the_table(input_ids, self.model.config.vocab_size)
         out = self.model(input_ids, attention_mask=attention_mask, past_key_values=pairs,
                          position_ids=position_ids, use_cache=True)
         return (out.logits, *_flatten_presents(out.past_key_values))

@@ -1,4 +1,5 @@
-"""Pieces every decoder family shares: the output type, the training loss, attention over a KV cache.
+"""Pieces every decoder family shares: the output type, the training loss, attention over a KV cache,
+negative indices sent past a table.
 
 Attention math is one pure function chosen by name (`ATTENTION`), not one
 class per backend. `attend` adds the cache: it appends the new keys/values to
@@ -49,6 +50,16 @@ def check_length(input_ids, past_key_values, limit: int, field: str) -> None:
     if not torch.compiler.is_exporting() and total > limit:
         raise ContextLengthError(f"sequence of {total} tokens (past {past_len} + new {input_ids.shape[1]}) "
                                  f"exceeds {field} {limit}; shorten the prompt or the generation")
+
+
+def negative_past_the_table(indices, table_size: int):
+    """`indices` with each negative one replaced by `table_size`, one past the table's last row.
+
+    ONNX Gather and GatherElements take a negative index from the table's end where torch refuses
+    it; sent past the table instead, it fails in both, like any index past the table. Valid
+    indices are unchanged.
+    """
+    return torch.where(indices < 0, table_size, indices)
 
 
 def default_position_ids(input_ids, past_key_values):

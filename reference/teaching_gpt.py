@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
+from reference.layers import (CausalLMOutput, attend, check_length, default_position_ids, negative_past_the_table,
+                              shifted_cross_entropy)
 from reference.teaching_gpt_config import TeachingGPTConfig
 
 
@@ -99,9 +100,7 @@ class TeachingGPT(nn.Module):
         check_length(input_ids, past_key_values, self.config.context_length, "context_length")
         if position_ids is None:
             position_ids = default_position_ids(input_ids, past_key_values)
-        # ONNX Gather wraps a negative index round the table where torch refuses it: sent past the table
-        # instead, it fails in both, like a position past the context
-        position_ids = torch.where(position_ids < 0, self.config.context_length, position_ids)
+        position_ids = negative_past_the_table(position_ids, self.config.context_length)
         x = self.token_embed(input_ids) + self.position_embed(position_ids)  # (B, T, C)
         presents = []
         for i, block in enumerate(self.attn_blocks):

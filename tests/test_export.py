@@ -19,10 +19,12 @@ from exporter import export as export_module
 from exporter import runtime
 from exporter.axes import lint_axes
 from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
-from exporter.errors import ExportFailed, OutputPathError
+from exporter.errors import ExportFailed, GraphRunError, OutputPathError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
-from exporter.runtime import OrtRunner, SessionSettings
+from exporter.parity import TOLERANCES, compare
+from exporter.reference_runner import TorchRunner
+from exporter.runtime import OrtRunner, SessionSettings, presents_as_past
 from exporter.weights import INLINE_LIMIT_BYTES
 from reference import build_model
 from reference.minimind import RMSNorm
@@ -251,3 +253,32 @@ def test_exporting_leaves_the_callers_model_as_it_was(tiny_model, tiny_config, a
     fresh = build_model(tiny_config, seed=0).state_dict()
     for name, value in tiny_model.state_dict().items():
         assert value.dtype == fresh[name].dtype and torch.equal(value, fresh[name]), name
+
+
+def test_an_id_or_label_outside_the_vocabulary_fails_in_both_graphs_as_in_the_reference(runner, tiny_model):
+    # ONNX Gather counts a negative index from the table's end: id -1 gave the logits of id 511 and label -1
+    # a finite loss, where the reference raises IndexError. Valid ids and labels keep their results.
+    reference = TorchRunner(tiny_model, runner.manifest)
+    ids = np.array([[5, 9, 511, 0]])
+    labels = np.array([[-1, 9, -100, 511]])  # the first label is no target (the loss shifts), in torch too
+    valid = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None],
+             "labels": labels}
+    prefill = runner.prefill(valid)
+    step = {"input_ids": np.array([[511]]), "attention_mask": np.ones((1, 5), np.int64),
+            "position_ids": np.array([[4]]), **presents_as_past(runner.manifest, prefill)}
+    for graph, feeds, outputs in (("prefill", valid, ("logits", "loss")), ("decode", step, ("logits",))):
+        onnx_out, torch_out = getattr(runner, graph)(feeds), getattr(reference, graph)(feeds)
+        for name in outputs:
+            assert compare(graph, name, onnx_out[name], torch_out[name], TOLERANCES["float32"][name]).passed
+    invalid = [("prefill", {**valid, "input_ids": np.array([[5, 9, -1, 0]])}),
+               ("prefill", {**valid, "labels": np.array([[-100, 9, -1, 511]])}),
+               ("prefill", {**valid, "labels": np.array([[-100, 9, 512, 511]])}),
+               ("decode", {**step, "input_ids": np.array([[-1]])})]
+    for graph, feeds in invalid:
+        with pytest.raises(IndexError):
+            getattr(reference, graph)(feeds)
+        with pytest.raises(GraphRunError, match=rf"onnxruntime failed running {graph}.onnx \(.*Gather") as info:
+            getattr(runner, graph)(feeds)
+        assert "\n" not in str(info.value)
+    with pytest.raises(GraphRunError, match="decode.onnx"):  # generation's path: decode.onnx with IO binding
+        runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from exporter import export as export_module
 from exporter.cli import main
 from exporter.contract import PAST
-from exporter.errors import ExportFailed, InputError
+from exporter.errors import ExportFailed, GraphRunError, InputError
 from exporter.export import _example_inputs
 from exporter.manifest import read_manifest
 from exporter.report import format_inspect
@@ -34,8 +34,8 @@ from helpers import assert_decode_graph_matches, edit_manifest, perturb_weight
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
-    "minimind-3 MoE + YaRN (sparse)": ("moe3_artifact", "moe3_model"),
-    "MiniMind2 MoE (dense)": ("moe2_artifact", "moe2_model"),
+    "minimind-3 MoE + YaRN (dense)": ("moe3_dense_artifact", "moe3_dense_model"),
+    "MiniMind2 MoE (sparse)": ("moe2_artifact", "moe2_model"),
     "teaching GPT": ("gpt_artifact", "gpt_model"),
     "seed 001 demo (bring your own)": ("byo_artifact", "byo_adapter"),
 }
@@ -76,6 +76,21 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
     if family == "teaching GPT":  # genai ran on through token 0 and stopped at 511 (conftest's GPT_SEED)
         ours = cpu.greedy.onnx_ids
         assert 0 in genai.greedy.onnx_ids and genai.greedy.onnx_ids == ours[:ours.index(511)]
+
+
+@pytest.mark.parametrize("family", FAMILY_ARTIFACTS)
+def test_a_negative_input_id_fails_in_both_graphs_of_every_family(family, request):
+    # ONNX Gather would read id -1 as the table's last row; the reference raises IndexError
+    artifact, model = (request.getfixturevalue(name) for name in FAMILY_ARTIFACTS[family])
+    onnx = OrtRunner(artifact)
+    ids, one = np.array([[3, -1]]), np.ones((1, 1), np.int64)
+    with pytest.raises(IndexError):
+        model(torch.as_tensor(ids))
+    with pytest.raises(GraphRunError, match=r"prefill.onnx \(.*Gather"):
+        onnx.prefill({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(2)[None],
+                      "labels": np.full_like(ids, -100)})
+    with pytest.raises(GraphRunError, match=r"decode.onnx \(.*Gather"):
+        onnx.decode({"input_ids": -one, "attention_mask": one, "position_ids": 0 * one, **onnx.empty_past(1)})
 
 
 # Input seed 45 routes two tokens of the float16 prefill batch at router near-ties (measured: 2 of 42 (token,
@@ -254,7 +269,7 @@ def _covering_single_tokens(model, config):
     return sorted(set(chosen))
 
 
-@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+@pytest.mark.parametrize("variant", ["moe3_dense", "moe2"])
 def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant, request):
     artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")
     manifest = read_manifest(artifact, check_hashes=False)
@@ -286,7 +301,7 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     assert all(receives.values()) and all(starved.values()), (receives, starved)
 
 
-@pytest.mark.parametrize("variant", ["moe3", "moe2"])
+@pytest.mark.parametrize("variant", ["moe3_dense", "moe2"])
 @pytest.mark.parametrize("batch,length,past", [(1, 1, 0), (3, 1, 17), (2, 9, 5)])
 def test_moe_decode_graph_matches_at_other_sizes(variant, batch, length, past, request):
     artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")

@@ -62,7 +62,7 @@ def test_optimum_generates_text_with_the_artifacts_tokenizer(artifact_fp32):
     assert tokenizer.decode(out) == ours.decode(expected)
 
 
-@pytest.mark.parametrize("artifact", ["moe3_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact",
+@pytest.mark.parametrize("artifact", ["moe3_dense_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact",
                                       "minimind2_artifact"])
 def test_optimum_runs_every_family(request, artifact):
     """Optimum reads only the sizes from config.json; its tokens equal our runtime's for every family."""

@@ -6,10 +6,17 @@ error). Parity failures are results, not errors: they exit with 1.
 
 
 def first_line(exc: BaseException, limit: int | None = None) -> str:
-    """The first line of an exception's message (cut to `limit` characters), or its type's name when it has
-    none: what a one-line error quotes of a library's multi-line one."""
+    """The first line of an exception's message, or its type's name when it has none: what a one-line error
+    quotes of a library's multi-line one. Past `limit` characters its middle is left out: onnxruntime puts
+    the reason last, after the source file and the kernel's C++ signature."""
     text = str(exc).strip()
-    return text.splitlines()[0][:limit] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    if limit is None or len(line) <= limit:
+        return line
+    half = (limit - 5) // 2
+    return f"{line[:half]} ... {line[-half:]}"
 
 
 class ToolkitError(Exception):

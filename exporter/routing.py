@@ -82,7 +82,6 @@ class RouterProbe:
         for name in self.layers.values():
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
         options = plain_session_options()
-        options.log_severity_level = 3
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
         self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=session_providers(provider))
 

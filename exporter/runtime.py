@@ -70,7 +70,7 @@ def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
     model = onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=9)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = _log_severity()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the build's own "not in available provider names"
@@ -201,12 +201,19 @@ def _use_global_thread_pool(threads: int) -> None:
                     _global_pool_threads, threads)
 
 
+def _log_severity() -> int:
+    """onnxruntime's own log: errors under debug logging (-v); otherwise nothing, since every failure it logs
+    is raised too, and reported in one line (it printed a red multi-line copy of each before)."""
+    return 3 if log.isEnabledFor(logging.DEBUG) else 4
+
+
 def plain_session_options() -> ort.SessionOptions:
     """Options for a helper session (a probe, a debug copy of a graph) that fits this process's threading.
 
     Once the global thread pool exists, ONNX Runtime refuses a session that asks for a pool of its own.
     """
     options = ort.SessionOptions()
+    options.log_severity_level = _log_severity()
     if _global_pool_threads is not None:
         options.use_per_session_threads = False
     return options
@@ -252,7 +259,7 @@ def _session_options(settings: SessionSettings, graph_file: str, weights: Shared
     # does. Recording them cost the peak RSS 69 MB (477 -> 408 MB, minimind-3, 512-token
     # prompts) and ~0.7% of the instructions of a decode step.
     options.enable_mem_pattern = False
-    options.log_severity_level = 3
+    options.log_severity_level = _log_severity()
     if settings.shared_thread_pool:
         _use_global_thread_pool(settings.intra_op_threads)
         options.use_per_session_threads = False
@@ -294,7 +301,7 @@ _BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
-    return GraphRunError(graph_file, first_line(exc, 300))
+    return GraphRunError(graph_file, first_line(exc, 400))
 
 
 def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOptions,

@@ -27,7 +27,7 @@ from exporter.verify.golden import RecordedReference, check_golden_destination, 
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, prefill_feeds, prompt_batch
 from exporter.verify.invariants import check_invariants
-from exporter.verify.localise import Localisation, first_diverging_layer, probe_between, probe_reference
+from exporter.verify.localise import Localisation, locate_layer, probe_between, probe_reference
 from exporter.verify.probe import DebugGraph
 from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
@@ -38,20 +38,14 @@ log = logging.getLogger(__name__)
 
 def _localise(prefill, decode, reference: RecordedReference, debug: DebugGraph, values: dict, batch: dict,
               settings: ParitySettings, profile: Profile) -> Localisation:
-    first = first_diverging_layer(prefill.layers)
-    where = "prefill present" if first is not None else ""
-    if first is None:
-        step = next((s for s in decode.curve if s.first_failing_layer is not None), None)
-        if step is not None:
-            first, where = step.first_failing_layer, f"decode step {step.step} present"
+    located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
-        return Localisation(first, where, None, "not requested (--probe)")
+        return replace(located, probe_skipped="not requested (--probe)")
     module_outputs = reference.module_outputs(batch)
     if module_outputs is None:
-        return Localisation(first, where, None, "the bundle holds no module outputs: re-record it with --golden-save")
+        return replace(located, probe_skipped="the bundle holds no module outputs: re-record it with --golden-save")
     log.info("probe: comparing %d graph values with the reference's module outputs", len(values))
-    probe = probe_reference(debug, values, module_outputs, profile.kv, batch["attention_mask"])
-    return Localisation(first, where, probe)
+    return replace(located, probe=probe_reference(debug, values, module_outputs, profile.kv, batch["attention_mask"]))
 
 
 def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
@@ -101,7 +95,7 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: DebugGr
     log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
     values = debug.run(prefill_feeds(manifest, batch), onnx.provider)
     health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.nodes
-                                     for o in n.outputs})
+                                     for o in n.outputs}, debug.mask_fed)
     explainer = _RoutingExplainer(reference, onnx, manifest, profile) \
         if getattr(manifest.config, "use_moe", False) is True else None
     explain_routing = explainer.call if explainer else None

@@ -77,8 +77,8 @@ def _provider(p: ProviderReport) -> str:
                  verdict(p.repeat.passed)])
     h = p.health
     headroom = f"fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
-    rows.append(["health (NaN/Inf/zero rows)", f"{h.nan}/{h.inf}/{h.zero_rows}", "", "", headroom, "", "",
-                 verdict(h.passed)])
+    rows.append(["health (NaN/Inf/saturated/zero rows)", f"{h.nan}/{h.inf}/{h.saturated}/{h.zero_rows}", "", "",
+                 headroom, "", "", verdict(h.passed)])
     lines = [f"{p.provider} ({p.dtype}, profile {p.profile.name}"
              f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
              f"{'PASS' if p.passed else 'FAIL'}", table(HEADER, rows), f"  greedy: {g.note}"]
@@ -92,9 +92,8 @@ def _provider(p: ProviderReport) -> str:
               for c in p.sweep if not c.passed or c.routing_near_tie]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation
-    if loc.first_layer is not None:
-        lines.append(f"  localisation: first diverging layer {loc.first_layer} ({loc.where}): the fault lies in layer "
-                     f"{loc.first_layer}'s input norm or key/value path, or in the output path of the layer before")
+    if loc.fault_in:
+        lines.append(f"  localisation: {loc.describe()}")
     if loc.probe is not None:
         first = loc.probe.first
         lines.append("  probe: " + (f"first diverging checked value {first.tensor}, computed by {first.node} "
@@ -102,7 +101,7 @@ def _provider(p: ProviderReport) -> str:
                                     f"({first.needed_scale:.2g}x tol); the fault lies there or in the operators "
                                     "since the last agreeing value"
                                     if first else f"no checked value diverges ({loc.probe.note})"))
-    elif loc.probe_skipped and loc.first_layer is not None:
+    elif loc.probe_skipped and loc.fault_in:
         lines.append(f"  probe: {loc.probe_skipped}")
     return "\n".join(lines)
 

@@ -81,17 +81,76 @@ def test_health_flags_a_float16_overflow_that_the_outputs_do_not_show():
     # zeroes every key where float16 is computed as declared (PyTorch does)
     from exporter.verify.health import HealthScan
     values = {"pow_2": np.array([np.inf, 4.0e4, 1.0], np.float16),
-              "mask": np.array([-np.inf, -65504.0], np.float16),  # negative: mask sentinels
+              "mask": np.array([-np.inf, -5.0], np.float16),  # the attention mask's fill, -inf
               "bias": np.array([np.inf], np.float32)}
     scan = HealthScan("float16")
-    scan.scan_activations(values)
+    scan.scan_activations(values, mask_fed=frozenset({"mask"}))
     report = scan.report()
     assert not report.passed and report.inf == 1 and report.activation_max_abs == 4.0e4
     scan = HealthScan("float16")
-    scan.scan_activations(values, {"pow_2": "Pow in model.layers.0.input_layernorm"})
+    scan.scan_activations(values, {"pow_2": "Pow in model.layers.0.input_layernorm"}, frozenset({"mask"}))
     report = scan.report()
     assert report.issues == ["activation pow_2 (Pow in model.layers.0.input_layernorm): 1 +Inf, float16 overflow "
                              "(beyond 65504); compute it in float32"]
+
+
+def test_health_flags_saturation_and_an_infinity_no_mask_explains():
+    # A float16 norm that overflows can saturate at +-65504 instead of giving Inf. The export masks attention with
+    # -inf (reference/layers.py), never with float16's lowest value: -Inf is its mask only in a value computed
+    # from that fill, and +-65504 is saturation wherever it is.
+    from exporter.verify.health import HealthScan
+    saturated_row = np.array([[65504.0] * 4, [1.0, -2.0, 3.0, 0.5]], np.float16)
+    scan = HealthScan("float16")
+    scan.scan_activations({"mlp": saturated_row, "scores": np.array([-np.inf, 3.0], np.float16)},
+                          {"mlp": "Mul in model.layers.0.mlp"}, frozenset({"scores"}))
+    report = scan.report()
+    assert not report.passed and (report.saturated, report.inf) == (4, 0)
+    assert report.issues == ["activation mlp (Mul in model.layers.0.mlp): 4 at +-65504, saturated at float16's "
+                             "limit (an overflow held there instead of Inf); compute it in float32"]
+    assert report.activation_max_abs == 65504 and report.activation_at == "mlp" and report.headroom == 1.0
+    assert report.warnings == ["largest value 6.55e+04 at mlp is within 16x of float16's limit 65504"]
+
+    overflowed = {"norm": np.array([-np.inf, 2.0], np.float16), "scores": np.array([-65504.0, 1.0], np.float16)}
+    scan = HealthScan("float16")
+    scan.scan_activations(overflowed, mask_fed=frozenset({"scores"}))
+    report = scan.report()
+    assert not report.passed and (report.inf, report.saturated) == (1, 1)
+    assert report.issues == ["activation norm: 1 -Inf, float16 overflow (beyond 65504); compute it in float32",
+                             "activation scores: 1 at +-65504, saturated at float16's limit (an overflow held "
+                             "there instead of Inf); compute it in float32"]
+    assert report.to_dict()["saturated"] == 1
+
+
+@pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
+def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it(artifact, request):
+    # The debug copy knows the values computed from the mask's fill up to the softmax: every value of the export
+    # holding -inf is one of them, and no value the softmax computes is. A float16 export scans clean with them,
+    # and fails on a row of its first MLP's output saturated at 65504.
+    from exporter.verify.health import HealthScan
+    folder = request.getfixturevalue(artifact)
+    manifest = read_manifest(folder)
+    debug = DebugGraph(folder, manifest, manifest.prefill.file)
+    values = debug.run(prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0))))
+    holding_fill = {name for name, value in values.items() if np.isneginf(value).any()}
+    assert holding_fill and holding_fill <= debug.mask_fed
+    after_softmax = {o for n in debug.nodes if n.op_type == "Softmax" for o in n.outputs}
+    assert after_softmax and not after_softmax & debug.mask_fed
+    assert {n.module for n in debug.nodes if set(n.outputs) & debug.mask_fed} == {"model.layers.0.self_attn",
+                                                                                   "model.layers.1.self_attn"}
+    producers = {o: f"{n.op_type} in {n.module}" for n in debug.nodes for o in n.outputs}
+    clean = HealthScan(manifest.dtype)
+    clean.scan_activations(values, producers, debug.mask_fed)
+    assert clean.report().passed and clean.report().saturated == 0
+    if manifest.dtype == "float16":
+        mlp = next(o for n in debug.nodes if n.module == "model.layers.0.mlp" for o in n.outputs
+                   if values[o].dtype == np.float16)
+        saturated = values[mlp].copy()
+        saturated[0, -1] = 65504.0  # row 0's last token, a real one
+        scan = HealthScan("float16")
+        scan.scan_activations({**values, mlp: saturated}, producers, debug.mask_fed)
+        report = scan.report()
+        assert not report.passed and report.saturated == saturated.shape[-1] and report.activation_at == mlp
+        assert report.issues[0].startswith(f"activation {mlp} ({producers[mlp]}): {saturated.shape[-1]} at +-65504")
 
 
 def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny_model):
@@ -107,9 +166,28 @@ def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny
     decoded = cpu.localisation.decode_probe
     assert decoded.call == "decode step 0, fed the reference's past" and decoded.first.module == first.module
     text = format_verify(report)
-    assert "first diverging layer 1" in text and first.node in text
+    assert ("localisation: first diverging layer 1 (prefill present): the fault lies in layer 1's input norm or "
+            "key/value path, or in layer 0's query path, attention, output projection or MLP") in text
+    assert first.node in text
     # The invariants hold whatever the weights: they cannot see this fault.
     assert all(i.passed for i in report.invariants)
+
+
+def test_localisation_places_a_fault_after_the_last_layers_key_value_path(artifact_copy, tiny_model):
+    # A layer's present depends on that layer's input alone: failing logits with every present passing put the
+    # fault after the last layer's key/value projections (here in its MLP).
+    perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
+    [cpu] = report.reports
+    assert cpu.comparisons[0].needed.scale > 1000 and all(layer.passed for layer in cpu.layers)
+    assert all(step.first_failing_layer is None for step in cpu.curve)
+    located = report.to_dict()["providers"][0]["localisation"]
+    assert located["first_layer"] is None and located["where"] == "prefill logits diverge, every layer's present passing"
+    assert located["fault_in"] == ("after layer 1's key/value path: in layer 1's query path, attention, output "
+                                   "projection or MLP, the final norm or lm_head")
+    assert located["probe"]["first"]["module"] == "model.layers.1.mlp.down_proj"
+    assert ("localisation: prefill logits diverge, every layer's present passing: the fault lies after layer 1's "
+            "key/value path") in format_verify(report)
 
 
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
@@ -490,7 +568,7 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     page = render_html(broken)
     assert "art\x01&lt;&amp;&gt;" in page and "2 not finite, not drawn" in page
     assert not re.search(r'="-?(nan|inf)"', page)  # no SVG attribute holds a non-finite number
-    assert "health: 0 NaN, 0 Inf, 0 zero rows" in page and ": pass</li>" in page
+    assert "health: 0 NaN, 0 Inf, 0 saturated, 0 zero rows" in page and ": pass</li>" in page
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -674,6 +752,8 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
     assert all(i.passed for i in invariants.check_invariants(artifact_copy, runner, manifest, batch, profile))
+    assert invariants.identical_weights(artifact_copy, manifest).detail == (
+        "15 distinct weight tensors in the weights file and 10 floating initializers inline, equal by content")
     shifted = _DecodeLogitsShifted(runner)
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed
     assert not invariants.decode_past_zero(shifted, manifest, batch, profile).passed
@@ -684,6 +764,14 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
                       invariants.padded_row_alone(broken, manifest, batch, profile)):
         assert not invariant.passed and "NaN or Inf in" in invariant.detail, invariant.detail
         assert "present.0.key" in invariant.detail and "no invariant can vouch for" in invariant.detail
+
+    # decode.onnx scales a norm weight kept inline (16 floats, under the weights file's 1 KiB threshold)
+    clean = {name: (artifact_copy / name).read_bytes() for name in ("decode.onnx", "manifest.json")}
+    scale_inline_weight(artifact_copy, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
+    weights = invariants.identical_weights(artifact_copy, manifest)
+    assert not weights.passed and weights.detail == "1 tensor(s) only in prefill, 1 only in decode (shapes [16] inline)"
+    for name, data in clean.items():
+        (artifact_copy / name).write_bytes(data)
 
     # decode.onnx reads one weight from other bytes; then bakes the batch axis of input_ids
     model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
@@ -698,7 +786,8 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
         entry.value = {"location": "other.data", "offset": "0"}.get(entry.key, entry.value)
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     weights = invariants.identical_weights(artifact_copy, manifest)
-    assert not weights.passed and "1 tensor(s) only in prefill, 1 only in decode" in weights.detail
+    assert not weights.passed and weights.detail == ("1 tensor(s) only in prefill, 1 only in decode "
+                                                     "(shapes [512, 64] in the weights file)")
     assert invariants.symbolic_axes(artifact_copy, manifest).passed
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
     onnx.save(model, str(artifact_copy / "decode.onnx"))

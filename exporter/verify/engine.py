@@ -28,8 +28,7 @@ from exporter.verify.health import HealthScan
 from exporter.verify.inputs import (FINAL_CHUNK, PREFILL_BATCH, ParitySettings, greedy_prompt, prefill_feeds,
                                     prompt_batch)
 from exporter.verify.invariants import check_invariants
-from exporter.verify.localise import (Localisation, ProbeResult, first_diverging_layer, probe_between,
-                                      probe_reference)
+from exporter.verify.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.probe import DebugGraph
 from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
@@ -64,14 +63,9 @@ def _probe_decode(call: DecodeCall, reference: RecordedReference, debug: DebugGr
 
 def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs, values: dict, provider: str,
               batch: dict, settings: ParitySettings, profile: Profile) -> Localisation:
-    first = first_diverging_layer(prefill.layers)
-    where = "prefill present" if first is not None else ""
-    if first is None:
-        step = next((s for s in decode.curve if s.first_failing_layer is not None), None)
-        if step is not None:
-            first, where = step.first_failing_layer, f"decode step {step.step} present"
+    located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
-        return Localisation(first, where, None, "not requested (--probe)", None, "not requested (--probe)")
+        return replace(located, probe_skipped="not requested (--probe)", decode_probe_skipped="not requested (--probe)")
     module_outputs = reference.module_outputs(batch)
     probe, skipped = None, "the bundle holds no module outputs: re-record it with --golden-save"
     if module_outputs is not None:
@@ -79,8 +73,9 @@ def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs
                  debug.prefill.graph_file)
         probe, skipped = probe_reference(debug.prefill, values, module_outputs, profile.kv, batch["attention_mask"],
                                          PREFILL_BATCH), ""
-    return Localisation(first, where, probe, skipped,
-                        *_probe_decode(decode.probe_call, reference, debug.decode, provider, profile))
+    decode_probe, decode_skipped = _probe_decode(decode.probe_call, reference, debug.decode, provider, profile)
+    return replace(located, probe=probe, probe_skipped=skipped, decode_probe=decode_probe,
+                   decode_probe_skipped=decode_skipped)
 
 
 def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
@@ -138,7 +133,7 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: _DebugG
     log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
     values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
     health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes
-                                     for o in n.outputs})
+                                     for o in n.outputs}, debug.prefill.mask_fed)
     explainer = _RoutingExplainer(reference, onnx, manifest, profile) \
         if getattr(manifest.config, "use_moe", False) is True else None
     explain_routing = explainer.call if explainer else None

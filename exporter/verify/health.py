@@ -3,7 +3,15 @@
 A float16 norm that overflows can return zeros or saturate instead of NaN
 (onnxruntime #29034). So ONNX Runtime's outputs are scanned for NaN, Inf and
 all-zero rows, and the intermediate activations of a debug copy of
-prefill.onnx for how close they come to float16's largest finite value (65504).
+prefill.onnx for how close they come to float16's largest finite value (65504),
+for values saturated at +-65504, and for Inf.
+
+The one infinity a correct float16 graph may hold is its attention mask's fill:
+-inf (the export's causal mask; its padding bias of -1e9 also rounds to -inf in
+float16), in a value computed from that fill before the softmax consumes it
+(DebugGraph.mask_fed). The export never fills with float16's lowest finite
+value, so -65504, like +65504, is a saturated value, and -Inf anywhere else is
+an overflow.
 
 Where padding matters: NaN or Inf fails in a present at any position, padded
 ones included (a later step weighs a padded key by zero, and 0 x NaN is NaN,
@@ -32,11 +40,12 @@ class HealthReport:
     passed: bool
     nan: int
     inf: int
+    saturated: int  # float16 activations at +-65504
     zero_rows: int
     output_max_abs: float
     activation_max_abs: float | None  # over float16 activations; None: none scanned (a float32 export)
     activation_at: str  # the tensor holding activation_max_abs
-    issues: list[str] = field(default_factory=list)  # failures: NaN, Inf, zero rows
+    issues: list[str] = field(default_factory=list)  # failures: NaN, Inf, saturated values, zero rows
     warnings: list[str] = field(default_factory=list)  # close to the float16 limit; NaN/Inf in padded logits
 
     @property
@@ -47,7 +56,7 @@ class HealthReport:
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "passed": self.passed, "nan": self.nan, "inf": self.inf,
-                "zero_rows": self.zero_rows, "output_max_abs": self.output_max_abs,
+                "saturated": self.saturated, "zero_rows": self.zero_rows, "output_max_abs": self.output_max_abs,
                 "activation_max_abs": self.activation_max_abs, "activation_at": self.activation_at,
                 "fp16_headroom": self.headroom, "issues": self.issues, "warnings": self.warnings}
 
@@ -57,7 +66,7 @@ class HealthScan:
 
     def __init__(self, dtype: str):
         self.dtype = dtype
-        self.nan = self.inf = self.zero_rows = 0
+        self.nan = self.inf = self.saturated = self.zero_rows = 0
         self.output_max = 0.0
         self.activation_max: float | None = None
         self.activation_at = ""
@@ -109,15 +118,15 @@ class HealthScan:
         if (nan or inf) and len(self.warnings) < MAX_LISTED:
             self.warnings.append(f"{where}: {nan} NaN, {inf} Inf at padded query positions, which no token reads")
 
-    def scan_activations(self, values: dict, producers: dict | None = None) -> None:
-        """Intermediate tensors of the debug graph: NaN in any, +Inf in those held in float16, and the largest
-        magnitude of those held in float16 (the ones that can overflow; a float32 attention bias of -1e9
-        cannot). Infinities and +-65504 are left out of the maximum (-inf and -65504 may be mask sentinels).
-        +Inf in a float16 tensor is an overflow: a mask sentinel is negative. It need not reach the outputs: ONNX
-        Runtime's CPU provider computes float16 ops such as a norm's Pow and ReduceMean in float32 and rounds
-        only the tensors this debug copy exposes, so a norm whose float16 statistics overflow (|x| > 256
-        squared) gives right outputs on the CPU, while computed in float16 as declared (PyTorch does) every
-        normalised row, and so every key, is zero.
+    def scan_activations(self, values: dict, producers: dict | None = None, mask_fed: frozenset[str] = frozenset()
+                         ) -> None:
+        """Intermediate tensors of the debug graph: NaN in any; in those held in float16 (the ones that can
+        overflow; a float32 attention bias of -1e9 cannot), Inf, values saturated at +-65504, and the largest
+        finite magnitude. -Inf is the mask's fill in the values `mask_fed` names, and an overflow elsewhere.
+        An overflow need not reach the outputs: ONNX Runtime's CPU provider computes float16 ops such as a
+        norm's Pow and ReduceMean in float32 and rounds only the tensors this debug copy exposes, so a norm
+        whose float16 statistics overflow (|x| > 256 squared) gives right outputs on the CPU, while computed in
+        float16 as declared (PyTorch does) every normalised row, and so every key, is zero.
         `producers` names each tensor's operator and module for the messages."""
         peak, where, scanned = 0.0, "", False
         producers = producers or {}
@@ -130,15 +139,21 @@ class HealthScan:
             if value.dtype != np.float16:
                 continue
             scanned = True
-            overflow = int(np.isposinf(value).sum())
-            if overflow:
-                self.inf += overflow
-                self._issue(f"activation {name}{at}: {overflow} +Inf, float16 overflow (beyond {FP16_MAX:g}); "
+            positive = int(np.isposinf(value).sum())
+            negative = 0 if name in mask_fed else int(np.isneginf(value).sum())
+            if positive or negative:
+                self.inf += positive + negative
+                counts = ", ".join(f"{count} {sign}Inf" for count, sign in ((positive, "+"), (negative, "-")) if count)
+                self._issue(f"activation {name}{at}: {counts}, float16 overflow (beyond {FP16_MAX:g}); "
                             "compute it in float32")
-            magnitude = np.abs(value.astype(np.float32))
-            real = magnitude[np.isfinite(magnitude) & (magnitude != FP16_MAX)]
-            if real.size and real.max() > peak:
-                peak, where = float(real.max()), name
+            magnitude = np.abs(value[np.isfinite(value)].astype(np.float32))
+            saturated = int((magnitude == FP16_MAX).sum())
+            if saturated:
+                self.saturated += saturated
+                self._issue(f"activation {name}{at}: {saturated} at +-{FP16_MAX:g}, saturated at float16's limit "
+                            "(an overflow held there instead of Inf); compute it in float32")
+            if magnitude.size and magnitude.max() > peak:
+                peak, where = float(magnitude.max()), name
         if scanned:
             self.activation_max, self.activation_at = peak, where
 
@@ -150,6 +165,6 @@ class HealthScan:
             message = (f"largest value {peak:.4g} at {where} is within {HEADROOM_WARN:g}x of float16's limit "
                        f"{FP16_MAX:g}")
             warnings.append(message + ("" if self.dtype == "float16" else " (matters for a float16 export)"))
-        return HealthReport(self.dtype, not self.issues and not self.nan and not self.inf and not self.zero_rows,
-                            self.nan, self.inf, self.zero_rows, self.output_max, self.activation_max,
+        return HealthReport(self.dtype, not (self.issues or self.nan or self.inf or self.saturated or self.zero_rows),
+                            self.nan, self.inf, self.saturated, self.zero_rows, self.output_max, self.activation_max,
                             self.activation_at, list(self.issues), warnings)

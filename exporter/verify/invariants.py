@@ -6,7 +6,7 @@ artifact whose reference model is not available:
   decode of the rest (the cache carries everything the rest needs);
 - decode with an empty past equals prefill;
 - a row of a left-padded batch equals the same sequence run alone;
-- the two graphs carry identical weights;
+- the two graphs carry identical weights, inline ones included;
 - every axis the contract declares dynamic is symbolic in the saved graphs;
 - a float32 export casts nothing to float16 or bfloat16.
 """
@@ -14,7 +14,6 @@ artifact whose reference model is not available:
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,8 @@ from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
+from exporter.verify.probe import FLOAT_TYPES
 from exporter.verify.tolerances import Profile
-from exporter.weights import INLINE_LIMIT_BYTES
 
 
 @dataclass(frozen=True)
@@ -107,11 +106,14 @@ def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
                     what=f"{int((~real).sum())} padding tokens")
 
 
-def _weight_digests(folder: Path, graph_file: str) -> Counter:
-    """Content hashes (dtype, shape, bytes) of a graph's large initializers, read the way ONNX Runtime reads
-    them: from the graph's own external-data references, not from the manifest."""
+def _weight_digests(folder: Path, graph_file: str) -> set[tuple]:
+    """Content hashes (where stored, dtype, shape, bytes) of a graph's weights, read the way ONNX Runtime reads
+    them: those in the weights file through the graph's own external-data references, not the manifest; and
+    every floating initializer kept inline (a norm weight under 1 KiB, the rotary frequencies, scalar
+    constants), which no hash of the weights file covers. Inline integer initializers are shapes and axes,
+    which the two graphs need not share."""
     model = onnx.load(str(folder / graph_file), load_external_data=False)
-    digests = Counter()
+    digests = set()
     handles: dict[str, object] = {}
     try:
         for tensor in model.graph.initializer:
@@ -119,11 +121,12 @@ def _weight_digests(folder: Path, graph_file: str) -> Counter:
                 info = {e.key: e.value for e in tensor.external_data}
                 f = handles.setdefault(info["location"], open(folder / info["location"], "rb"))
                 f.seek(int(info.get("offset", 0)))
-                data = f.read(int(info["length"]))
+                stored, data = "in the weights file", f.read(int(info["length"]))
+            elif tensor.data_type in FLOAT_TYPES:
+                stored, data = "inline", numpy_helper.to_array(tensor).tobytes()
             else:
-                data = numpy_helper.to_array(tensor).tobytes()
-            if len(data) >= INLINE_LIMIT_BYTES:
-                digests[(tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest())] += 1
+                continue
+            digests.add((stored, tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest()))
     finally:
         for f in handles.values():
             f.close()
@@ -131,15 +134,18 @@ def _weight_digests(folder: Path, graph_file: str) -> Counter:
 
 
 def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
+    """Matched by content, not by name: the exporter names folded tensors differently in each graph."""
     prefill, decode = (_weight_digests(Path(folder), g.file) for g in (manifest.prefill, manifest.decode))
-    only_prefill, only_decode = set(prefill) - set(decode), set(decode) - set(prefill)
+    only_prefill, only_decode = prefill - decode, decode - prefill
     if only_prefill or only_decode:
-        shapes = sorted({str(list(key[1])) for key in only_prefill | only_decode})
+        shapes = sorted({f"{list(key[2])} {key[0]}" for key in only_prefill | only_decode})
         return Invariant("prefill and decode carry identical weights", False,
                          f"{len(only_prefill)} tensor(s) only in prefill, {len(only_decode)} only in decode "
                          f"(shapes {', '.join(shapes[:6])})")
+    inline = sum(key[0] == "inline" for key in prefill)
     return Invariant("prefill and decode carry identical weights", True,
-                     f"{len(prefill)} distinct weight tensors, equal by content")
+                     f"{len(prefill) - inline} distinct weight tensors in the weights file and {inline} floating "
+                     "initializers inline, equal by content")
 
 
 def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:

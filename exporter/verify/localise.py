@@ -3,7 +3,10 @@
 Layer level: each layer's present key/value is a checkpoint that depends only
 on the layers before it and on the layer's own input norm and key/value path,
 so the first layer whose present diverges holds the fault, or the output path
-(attention output projection, MLP) of the layer just before it.
+(query path, attention, output projection, MLP) of the layer just before it.
+Where logits diverge and every present passes, every layer's input is right:
+the fault lies after the last layer's key/value path, in that layer's output
+path, the final norm or lm_head.
 
 Operator level (the probe): a debug copy of a graph exposes every
 intermediate value: prefill.onnx on the prefill batch, and decode.onnx on one
@@ -32,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exporter.verify.checks import LayerError
-from exporter.verify.metrics import Tolerance, compare
+from exporter.verify.checks import LayerError, StepError
+from exporter.verify.metrics import Comparison, Tolerance, compare
 from exporter.verify.probe import DebugGraph, real_elements
 
 
@@ -71,23 +74,53 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class Localisation:
-    first_layer: int | None
+    first_layer: int | None  # the first layer whose present diverges
     where: str  # which check found it
-    probe: ProbeResult | None  # prefill.onnx on the prefill batch
+    fault_in: str  # the part of the model that holds the fault; "" when nothing diverges
+    probe: ProbeResult | None = None  # prefill.onnx on the prefill batch
     probe_skipped: str = ""  # why there is no probe result
     # decode.onnx on the first failing call of the decode check (its first call when none fails)
     decode_probe: ProbeResult | None = None
     decode_probe_skipped: str = ""
 
+    def describe(self) -> str:
+        found = f"first diverging layer {self.first_layer} ({self.where})" if self.first_layer is not None \
+            else self.where
+        return f"{found}: the fault lies {self.fault_in}"
+
     def to_dict(self) -> dict:
-        return {"first_layer": self.first_layer, "where": self.where,
+        return {"first_layer": self.first_layer, "where": self.where, "fault_in": self.fault_in,
                 "probe": self.probe.to_dict() if self.probe else None, "probe_skipped": self.probe_skipped,
                 "decode_probe": self.decode_probe.to_dict() if self.decode_probe else None,
                 "decode_probe_skipped": self.decode_probe_skipped}
 
 
-def first_diverging_layer(layers: list[LayerError]) -> int | None:
-    return next((layer.layer for layer in layers if not layer.passed), None)
+def _output_path(layer: int) -> str:
+    return f"layer {layer}'s query path, attention, output projection or MLP"
+
+
+def _at_layer(layer: int, where: str) -> Localisation:
+    before = "the token embedding" if layer == 0 else _output_path(layer - 1)
+    return Localisation(layer, where, f"in layer {layer}'s input norm or key/value path, or in {before}")
+
+
+def locate_layer(layers: list[LayerError], logits: Comparison, curve: list[StepError]) -> Localisation:
+    """The layer level from the prefill's per-layer presents and logits and the decode steps: the first layer
+    whose present diverges (in the prefill, else at the first decode step where one does); else, where logits
+    diverge, the part after the last layer's key/value path."""
+    first = next((layer.layer for layer in layers if not layer.passed), None)
+    if first is not None:
+        return _at_layer(first, "prefill present")
+    step = next((s for s in curve if s.first_failing_layer is not None), None)
+    if step is not None:
+        return _at_layer(step.first_failing_layer, f"decode step {step.step} present")
+    failing = "prefill" if not logits.passed else next((f"decode step {s.step}" for s in curve if not s.logits.passed),
+                                                       None)
+    if failing is None:
+        return Localisation(None, "", "")
+    last = layers[-1].layer
+    return Localisation(None, f"{failing} logits diverge, every layer's present passing",
+                        f"after layer {last}'s key/value path: in {_output_path(last)}, the final norm or lm_head")
 
 
 Pair = tuple[int, str, str, np.ndarray, np.ndarray]  # node index, module, tensor, actual, expected

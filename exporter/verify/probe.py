@@ -9,7 +9,8 @@ new constant, as for the float16 weights the CPU casts). Each node keeps the mod
 scope that torch.onnx recorded in its metadata, which lets localisation map
 intermediate tensors back to the reference model's modules, and each exposed value
 keeps the dims its value_info declares, which tell which of its elements belong to
-real (not padded) positions.
+real (not padded) positions, and the values computed from an attention mask's
+fill, where -inf is the mask and not an overflow.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from exporter.manifest import Manifest
 from exporter.runtime import SharedWeightMap, graph_session
@@ -28,6 +30,11 @@ from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+# The export's attention mask fills (reference/layers.py attention_bias): -inf above the causal diagonal, -1e9 on
+# padded keys.
+MASK_FILLS = (-np.inf, -1e9)
+# A softmax, whole or decomposed, turns the fill into zero weights: what it computes holds no fill.
+MASK_CONSUMERS = {"Softmax", "Exp"}
 
 Dim = str | int | None  # a symbolic name ('batch_size', '2*sequence_length'), a fixed size, or unknown
 
@@ -113,6 +120,23 @@ def real_elements(dims: tuple[Dim, ...], shape: tuple[int, ...], axes: PositionA
     return valid
 
 
+def mask_fed_values(graph: onnx.GraphProto) -> frozenset[str]:
+    """The values computed from a mask fill (an initializer holding nothing but MASK_FILLS; the exporter folds
+    constants into initializers) before a softmax consumes them: the mask, the biases built from it, the scores
+    it is added to."""
+    fed = set()
+    for tensor in graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # a weight: a fill is a small constant
+            continue
+        values = numpy_helper.to_array(tensor)
+        if values.size and values.dtype.kind == "f" and np.isin(values, MASK_FILLS).all():
+            fed.add(tensor.name)
+    for node in graph.node:  # topologically sorted: a node's inputs are settled before it
+        if node.op_type not in MASK_CONSUMERS and any(name in fed for name in node.input):
+            fed.update(node.output)
+    return frozenset(fed)
+
+
 class DebugGraph:
     def __init__(self, folder: Path, manifest: Manifest, graph_file: str):
         folder = Path(folder)
@@ -123,6 +147,7 @@ class DebugGraph:
         self.nodes: list[NodeInfo] = []
         self.dims = {o.name: dims_of(o) for o in model.graph.output}  # every exposed value's, as added below
         self.axes = PositionAxes.of_graph(model.graph)
+        self.mask_fed = mask_fed_values(model.graph)
         self.has_scopes = False
         for index, node in enumerate(model.graph.node):
             exposed = tuple(o for o in node.output if o in types and o not in declared

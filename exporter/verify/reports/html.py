@@ -55,11 +55,12 @@ def _provider(p: ProviderReport) -> str:
     headroom = f"; fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
     repeat = "bit-identical" if p.repeat.max_abs == 0 else f"max abs {p.repeat.max_abs:.3g}"
     notes = [f"profile {p.profile.name}: {p.profile.why}{overridden}",
-             f"health: {h.nan} NaN, {h.inf} Inf, {h.zero_rows} zero rows{headroom}: {verdict(h.passed)}",
+             f"health: {h.nan} NaN, {h.inf} Inf, {h.saturated} saturated, {h.zero_rows} zero rows{headroom}: "
+             f"{verdict(h.passed)}",
              *h.issues, *h.warnings,
              f"repeat run of {PREFILL_BATCH} (nondeterminism): {repeat}: {verdict(p.repeat.passed)}"]
-    if loc.first_layer is not None:
-        notes.append(f"first diverging layer: {loc.first_layer} ({loc.where})")
+    if loc.fault_in:
+        notes.append(f"localisation: {loc.describe()}")
     notes += probe_notes(p)
     if p.experts is not None:
         notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")

@@ -78,8 +78,8 @@ def _provider(p: ProviderReport) -> str:
                  verdict(p.repeat.passed)])
     h = p.health
     headroom = f"fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
-    rows.append(["health (NaN/Inf/zero rows)", f"{h.nan}/{h.inf}/{h.zero_rows}", "", "", headroom, "", "",
-                 verdict(h.passed)])
+    rows.append(["health (NaN/Inf/saturated/zero rows)", f"{h.nan}/{h.inf}/{h.saturated}/{h.zero_rows}", "", "",
+                 headroom, "", "", verdict(h.passed)])
     lines = [f"{p.provider} ({p.dtype}, profile {p.profile.name}"
              f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
              f"{'PASS' if p.passed else 'FAIL'}", table(HEADER, rows), f"  greedy: {g.note}"]
@@ -93,9 +93,8 @@ def _provider(p: ProviderReport) -> str:
               for c in p.sweep if not c.passed or c.routing_near_tie]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation
-    if loc.first_layer is not None:
-        lines.append(f"  localisation: first diverging layer {loc.first_layer} ({loc.where}): the fault lies in layer "
-                     f"{loc.first_layer}'s input norm or key/value path, or in the output path of the layer before")
+    if loc.fault_in:
+        lines.append(f"  localisation: {loc.describe()}")
     lines += [f"  {note}" for note in probe_notes(p)]
     return "\n".join(lines)
 
@@ -106,9 +105,9 @@ def probe_notes(p: ProviderReport) -> list[str]:
     loc = p.localisation
     decode_failed = not all(step.passed for step in p.curve)
     if loc.probe is None and loc.decode_probe is None and loc.probe_skipped == loc.decode_probe_skipped:
-        return [f"probe: {loc.probe_skipped}"] if loc.first_layer is not None or decode_failed else []
+        return [f"probe: {loc.probe_skipped}"] if loc.fault_in or decode_failed else []
     notes = []
-    for graph, probe, skipped, failed in (("prefill", loc.probe, loc.probe_skipped, loc.first_layer is not None),
+    for graph, probe, skipped, failed in (("prefill", loc.probe, loc.probe_skipped, bool(loc.fault_in)),
                                           ("decode", loc.decode_probe, loc.decode_probe_skipped, decode_failed)):
         if probe is None:
             notes += [f"probe of the {graph} graph: {skipped}"] if failed else []

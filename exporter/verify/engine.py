@@ -65,7 +65,8 @@ def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs
               batch: dict, settings: ParitySettings, profile: Profile) -> Localisation:
     located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
-        return replace(located, probe_skipped="not requested (--probe)", decode_probe_skipped="not requested (--probe)")
+        skipped = "not requested (--probe)"
+        return replace(located, probe_skipped=skipped, decode_probe_skipped=skipped)
     module_outputs = reference.module_outputs(batch)
     probe, skipped = None, "the bundle holds no module outputs: re-record it with --golden-save"
     if module_outputs is not None:

@@ -31,14 +31,15 @@ from torch.export import Dim
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
-from exporter.errors import ExportFailed, GraphRunError, OutputPathError, first_line
+from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries
+from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
 from exporter.paths import check_output_path
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
 from exporter.weights import write_shared_weights
+from reference.families import family_of
 
 log = logging.getLogger(__name__)
 
@@ -250,20 +251,36 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
                            f"max_position_embeddings {last + 1}; set it to the positions the model has")
 
 
-def _check_forward(model: torch.nn.Module, config, args) -> None:
+def _check_forward(model: torch.nn.Module, config, args, with_loss: bool) -> None:
     """One eager prefill of the tracing example, its outputs held to the config's sizes. A wrong layer count
     or cache layout otherwise surfaces from the graph lint as outputs out of place ("loss has rank 4",
-    "unexpected input/output div_2"), which names neither the field nor the fix."""
+    "unexpected input/output div_2"), which names neither the field nor the fix; a forward giving no loss
+    for labels, as a KeyError when verifying the export's loss against it."""
     from reference.byo import output_problems
     input_ids, attention_mask, position_ids = args[:3]
+    labels = args[3] if with_loss else None
     try:
-        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    labels=labels)
     except Exception as exc:  # the user's own forward: any type
         raise ExportFailed(f"the model's forward failed on a {tuple(input_ids.shape)} example: "
                            f"{type(exc).__name__}: {first_line(exc)}") from exc
-    problems = output_problems(out, config, *input_ids.shape)
+    problems = output_problems(out, config, *input_ids.shape, with_loss)
     if problems:
         raise ExportFailed(f"the model's forward breaks the contract (reference/byo.py): {'; '.join(problems)}")
+
+
+def _check_source(source) -> None:
+    """The source as manifest.json must record it: readable back (the reader's own rule) and JSON."""
+    problem = source_problem(source)
+    if problem is None:
+        try:
+            json.dumps(source)
+        except (TypeError, ValueError) as exc:  # a Path: the export would fail after all its work
+            problem = f"model.source cannot be written as JSON ({exc})"
+    if problem:
+        raise InputError(f"source is {source!r:.80}: {problem}; pass a dict of JSON values with a \"kind\", e.g. "
+                         '{"kind": "custom", "model": "my-decoder"}')
 
 
 def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -299,6 +316,10 @@ def _prepare_destination(folder: Path) -> None:
     if folder.is_symlink():  # the swap into place would replace the link, not what it points to
         raise OutputPathError(f"output folder {folder} is a symbolic link; pass the folder it points to "
                               f"({folder.resolve()}) or another --output")
+    if os.path.ismount(folder):  # the rename of the built folder onto it fails with "Device or resource busy"
+        raise OutputPathError(f"output folder {folder} is a mount point, and the export is built beside its "
+                              "destination and then swapped in, which a mount point cannot be; export into a "
+                              f"folder inside it (e.g. {folder / 'artifact'})")
     artifact = next((parent for parent in folder.parents if _listed_files(parent) is not None), None)
     if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
         raise OutputPathError(f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
@@ -345,6 +366,13 @@ def _move_into_place(built: Path, folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return OutputPathError(f"cannot write the export for {folder}: {exc.strerror or first_line(exc)}{where}; it is "
+                           f"built in a hidden folder beside it, .{folder.name}.partial-*, removed again, and an "
+                           "earlier artifact there is untouched: free space, or choose a shorter or other --output")
+
+
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
                     source: dict | None = None, tokenizer: Path | None = None) -> ExportResult:
     """Export `model` as an artifact folder.
@@ -358,25 +386,31 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     """
     if dtype not in DTYPES:
         raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    # Before any export work: the manifest needs both, and both failed only after the graphs were built.
+    config = family_of(model.config).own_config(model.config)
+    source = {"kind": "in-memory"} if source is None else source
+    _check_source(source)
     shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent
     _prepare_destination(folder)
-    tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, model.config.vocab_size)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, config.vocab_size)
     start = time.perf_counter()
-    config = model.config
     model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)
 
-    built = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        built = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    except OSError as exc:
+        raise _write_failed(folder, exc) from None
     umask = os.umask(0)
     os.umask(umask)
-    built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
     try:
+        built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
         with torch.no_grad():
             args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
-            _check_forward(model, config, args)
+            _check_forward(model, config, args, with_loss)
             prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
             args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
             decode_model = _torch_export(DecodeGraph(model), args, names, decode)
@@ -390,7 +424,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
             except Exception as exc:
                 raise ExportFailed(f"onnx.checker rejected {contract.file}: {str(exc).splitlines()[0]}") from exc
         manifest = Manifest(
-            config=config, source=source or {"kind": "in-memory"}, dtype=dtype, opset=OPSET,
+            config=config, source=source, dtype=dtype, opset=OPSET,
             prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
             initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
             versions={"torch": torch.__version__, "onnx": onnx.__version__,
@@ -405,6 +439,8 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
             raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs ({exc.detail})") from exc
         manifest.write(built)
         _move_into_place(built, folder)
+    except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
+        raise _write_failed(folder, exc) from None
     finally:
         shutil.rmtree(built, ignore_errors=True)
     total = sum(entry["bytes"] for entry in manifest.files.values())

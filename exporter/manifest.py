@@ -96,12 +96,9 @@ def _inconsistency(manifest: Manifest) -> str | None:
                 cache_layout(config, dtype))
     if expected != (manifest.prefill, manifest.decode, manifest.cache):
         return "its graphs' inputs, outputs or cache layout do not follow from its model config"
-    if not isinstance(manifest.source, dict):
-        return f"model.source is a {type(manifest.source).__name__}, not an object"
-    required = {"seeded": {"preset": str, "seed": int}, "checkpoint": {"path": str, "sha256": str}}
-    for key, kind in required.get(manifest.source.get("kind"), {}).items():
-        if not _is(manifest.source.get(key), kind):
-            return f"model.source.{key} is {manifest.source.get(key)!r}, expected {kind.__name__}"
+    problem = source_problem(manifest.source)
+    if problem:
+        return problem
     if not isinstance(manifest.versions, dict):
         return "versions is not an object"
     if not isinstance(manifest.files, dict):
@@ -117,6 +114,18 @@ def _inconsistency(manifest: Manifest) -> str | None:
     if unlisted:
         return f"{', '.join(unlisted)} not listed in files"
     return _initializer_problem(manifest)
+
+
+def source_problem(source) -> str | None:
+    """What makes `source` no model.source a manifest reader accepts, or None: the reader's rule, which the
+    export applies to the source it is given."""
+    if not isinstance(source, dict):
+        return f"model.source is a {type(source).__name__}, not an object"
+    required = {"seeded": {"preset": str, "seed": int}, "checkpoint": {"path": str, "sha256": str}}
+    for key, kind in required.get(source.get("kind"), {}).items():
+        if not _is(source.get(key), kind):
+            return f"model.source.{key} is {source.get(key)!r}, expected {kind.__name__}"
+    return None
 
 
 def _is(value, kind: type) -> bool:

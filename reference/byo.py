@@ -43,14 +43,22 @@ class DecoderAdapter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
 
 
-def output_problems(out, config, batch: int, length: int) -> list[str]:
-    """How a forward's output for (batch, length) new tokens, no past and use_cache=True, breaks the
-    contract sizes of `config` (empty when it keeps them); each names the field to fix."""
+def output_problems(out, config, batch: int, length: int, with_loss: bool = False) -> list[str]:
+    """How a forward's output for (batch, length) new tokens, no past and use_cache=True (and labels, when
+    `with_loss`), breaks the contract sizes of `config` (empty when it keeps them); each names the field to fix."""
     logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
     if not isinstance(logits, torch.Tensor):
         return [f"forward returned a {type(out).__name__}, not a CausalLMOutput (logits, past_key_values, loss, "
                 "aux_loss)"]
     problems = []
+    if with_loss:  # verification compares the graph's loss with this one
+        loss = getattr(out, "loss", None)
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+            found = "None" if loss is None else f"a {type(loss).__name__}" + (
+                f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            problems.append(f"loss is {found} with labels given, not a scalar tensor: return the shifted cross "
+                            "entropy (reference.layers.shifted_cross_entropy), or export without the loss "
+                            "(with_loss=False, --no-loss)")
     if tuple(logits.shape) != (batch, length, config.vocab_size):
         problems.append(f"logits have shape {tuple(logits.shape)}, not (batch, length, vocab_size) = "
                         f"{(batch, length, config.vocab_size)}: set vocab_size to the model's")
@@ -87,18 +95,27 @@ class AdapterCheck:
 
 
 @torch.no_grad()
-def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5) -> AdapterCheck:
-    """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward."""
+def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5,
+                  with_loss: bool = True) -> AdapterCheck:
+    """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward.
+    `with_loss`: the adapter must return a scalar loss for labels, as an export with the loss (the default)
+    needs; pass False for an adapter exported with with_loss=False (--no-loss)."""
     # Each module's own mode, put back below: a training loop may call this, and a new adapter is in
     # training mode (nn.Module's default) around a user's model in eval mode.
     modes = [(module, module.training) for module in adapter.modules()]
     adapter.eval()
     try:
-        full = adapter(input_ids, use_cache=True)
-        problems = output_problems(full, adapter.config, *input_ids.shape)
+        full = adapter(input_ids, use_cache=True, labels=input_ids if with_loss else None)
+        problems = output_problems(full, adapter.config, *input_ids.shape, with_loss)
         if problems:
             raise ModelError(f"{type(adapter).__name__} breaks the contract (reference/byo.py): {'; '.join(problems)}")
         original = original_logits(input_ids)
+        if not isinstance(original, torch.Tensor) or original.shape != full.logits.shape:
+            found = (f"a tensor of shape {tuple(original.shape)}" if isinstance(original, torch.Tensor)
+                     else f"a {type(original).__name__}")
+            raise ModelError(f"original_logits returned {found}, not the logits {tuple(full.logits.shape)} "
+                             "(batch, length, vocab_size): pass a function of input_ids returning your model's "
+                             "logits, e.g. lambda ids: model(ids)[0]")
         past, steps = None, []
         for t in range(input_ids.shape[1]):
             out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)

@@ -13,6 +13,7 @@ model classes are named as "module:Class" and imported only to build a model.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,6 +52,14 @@ class Family:
         module, name = self.model_class.split(":")
         return getattr(importlib.import_module(module), name)
 
+    def own_config(self, config):
+        """`config` as the family's own class, its fields only: what the manifest records and reads back
+        (a subclass's extra fields would be refused as unknown when the artifact is read)."""
+        if type(config) is self.config_class:
+            return config
+        return self.config_class(**{field.name: getattr(config, field.name)
+                                    for field in dataclasses.fields(self.config_class)})
+
     def build(self, config, seed: int = 0):
         """A model with seeded weights, in eval mode."""
         from reference.init import seeded_init_
@@ -74,7 +83,7 @@ def get_family(name: str) -> Family:
 
 def family_of(config) -> Family:
     for family in FAMILIES.values():
-        if type(config) is family.config_class:
+        if isinstance(config, family.config_class):  # a subclass too: a user's DecoderSpec with methods
             return family
     raise ConfigError(f"{type(config).__name__} is not the config of a known family ({', '.join(FAMILIES)}); "
                       "describe your own decoder with reference.byo.DecoderSpec")

@@ -4,23 +4,27 @@ built, and torch.onnx's own failures are quoted by their cause."""
 from __future__ import annotations
 
 import dataclasses
+import types
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 
-from exporter.errors import ExportFailed
+from exporter import export as export_module
+from exporter.errors import ExportFailed, InputError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.reports import format_verify
-from reference import CausalLMOutput, check_adapter
+from reference import CausalLMOutput, DecoderSpec, check_adapter
 from reference.layers import shifted_cross_entropy
 from reference.checkpoints import load_checkpoint
-from reference.errors import CheckpointError, ModelError
+from reference.errors import CheckpointError, ConfigError, ModelError
 
 IDS = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
 
@@ -172,3 +176,102 @@ def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo
     assert gap[~real].max() > 0.1 and gap[real].max() < 1e-4
     replayed = verify_artifact(folder, None, ["cpu"], genai=False, golden=tmp_path / "golden")
     assert replayed.passed, format_verify(replayed)
+
+
+def _no_export_work(monkeypatch):
+    def exported(*args, **kwargs):
+        raise AssertionError("the export began before the refusal")
+    monkeypatch.setattr(export_module, "_copy_for_export", exported)
+
+
+def _without_loss(adapter, loss=lambda out: None):
+    forward = adapter.forward
+    adapter.forward = lambda *a, **kw: (lambda out: dataclasses.replace(out, loss=loss(out)))(forward(*a, **kw))
+    return adapter
+
+
+@pytest.mark.parametrize("loss, found", [
+    (lambda out: None, "None"),
+    (lambda out: out.logits.new_zeros(out.logits.shape[:2]), r"a Tensor of shape \(2, \d\)"),
+], ids=["no loss", "per-token loss"])
+def test_a_forward_without_a_scalar_loss_is_refused_unless_exported_without_the_loss(
+        byo_example, tmp_path, loss, found):
+    # It exported (the graph computes its own loss) and verify_artifact then crashed with KeyError: 'loss'.
+    model, adapter = _adapter(byo_example)
+    _without_loss(adapter, loss)
+    message = rf"loss is {found} with labels given, not a scalar tensor: .* \(with_loss=False, --no-loss\)"
+    with pytest.raises(ModelError, match=message):
+        check_adapter(adapter, lambda x: model(x)[0], IDS)
+    assert check_adapter(adapter, lambda x: model(x)[0], IDS, with_loss=False)
+    with pytest.raises(ExportFailed, match="the model's forward breaks the contract .*" + message):
+        export_artifact(adapter, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_artifact_with_a_loss_is_judged_without_it_against_a_reference_giving_none(byo_example, byo_artifact):
+    # An artifact exported before the check above: the verifier raised KeyError: 'loss'.
+    _, adapter = _adapter(byo_example)
+    settings = ParitySettings(decode_steps=2, greedy_tokens=2, sweep=False)
+    with_loss = verify_artifact(byo_artifact, adapter.eval(), ["cpu"], settings, genai=False)
+    report = verify_artifact(byo_artifact, _without_loss(adapter), ["cpu"], settings, genai=False)
+    assert report.passed, format_verify(report)
+    names = [c.name for c in report.reports[0].comparisons]
+    assert "prefill loss" in [c.name for c in with_loss.reports[0].comparisons] and "prefill loss" not in names
+    assert len(names) == len(with_loss.reports[0].comparisons) - 1
+
+
+def test_check_adapter_names_the_form_of_original_logits(byo_example):
+    # Passing the model itself (it returns (logits, loss)) failed with "'tuple' object has no attribute 'double'".
+    model, adapter = _adapter(byo_example)
+    with pytest.raises(ModelError, match=r"original_logits returned a tuple, not the logits \(2, 6, 256\) .*"
+                                         r"lambda ids: model\(ids\)\[0\]"):
+        check_adapter(adapter, model, IDS)
+    with pytest.raises(ModelError, match=r"original_logits returned a tensor of shape \(2, 5, 256\)"):
+        check_adapter(adapter, lambda x: model(x)[0][:, 1:], IDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MySpec(DecoderSpec):
+    """A user's own spec: DecoderSpec's fields and one more."""
+
+    hidden_size: int = 64
+
+
+def test_a_decoder_spec_subclass_exports_as_a_custom_decoder(byo_example, byo_artifact, tmp_path, monkeypatch):
+    # It was refused after both graphs were built, as "MySpec is not the config of a known family ...;
+    # describe your own decoder with reference.byo.DecoderSpec".
+    _, adapter = _adapter(byo_example)
+    adapter.config = MySpec(**dataclasses.asdict(adapter.config))
+    protos = {name: onnx.load(str(byo_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
+    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
+                        lambda module, args, names, contract: protos[contract.file])
+    result = export_artifact(adapter, tmp_path / "out")
+    manifest = read_manifest(tmp_path / "out")
+    assert manifest.family == result.manifest.family == "custom"
+    assert manifest.config == DecoderSpec(**{f.name: getattr(adapter.config, f.name)
+                                             for f in dataclasses.fields(DecoderSpec)})
+
+
+def test_a_config_of_no_known_family_is_refused_before_any_export_work(byo_example, tmp_path, monkeypatch):
+    # A config missing fields failed after 34 s, once both graphs were built.
+    _, adapter = _adapter(byo_example)
+    adapter.config = types.SimpleNamespace(num_hidden_layers=2, vocab_size=256)
+    _no_export_work(monkeypatch)
+    with pytest.raises(ConfigError, match="SimpleNamespace is not the config of a known family"):
+        export_artifact(adapter, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source, problem", [
+    ({"kind": "seeded"}, "model.source.preset is None, expected str"),
+    ("my model", "model.source is a str, not an object"),
+    ({"kind": "custom", "path": Path("model.pt")}, "model.source cannot be written as JSON .*PosixPath"),
+], ids=["seeded without preset", "a string", "a path"])
+def test_a_source_the_manifest_cannot_record_is_refused_before_any_export_work(
+        byo_example, tmp_path, monkeypatch, source, problem):
+    # The first two exported, and inspect then called the folder inconsistent; the path failed after the export.
+    _, adapter = _adapter(byo_example)
+    _no_export_work(monkeypatch)
+    with pytest.raises(InputError, match=rf"^source is .*: {problem}.*; pass a dict of JSON values"):
+        export_artifact(adapter, tmp_path / "out", source=source)
+    assert list(tmp_path.iterdir()) == []

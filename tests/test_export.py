@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
@@ -174,6 +175,48 @@ def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_mode
     with pytest.raises(OutputPathError, match="holds no manifest.json"):
         export_artifact(tiny_model, foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, monkeypatch):
+    # An empty tmpfs at the destination was exported to in full, then "cannot replace ... (Device or resource
+    # busy); the earlier artifact is untouched", though there was none.
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    monkeypatch.setattr(export_module.os.path, "ismount", lambda path: Path(path) == mount)
+    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
+    with pytest.raises(OutputPathError, match=r"is a mount point, and the export is built beside its destination "
+                                              r"and then swapped in.*export into a folder inside it"):
+        export_artifact(tiny_model, mount)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+
+
+def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
+        artifact_copy, artifact_fp32, tiny_model, monkeypatch):
+    # It was "internal error: OSError: [Errno 28] No space left on device" (exit 3), naming no path.
+    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
+    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
+                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+
+    def disk_full(models, folder, file_name):  # as a write() fails: no file name in the error
+        (folder / file_name).write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_module, "write_shared_weights", disk_full)
+    before = _tree(artifact_copy)
+    with pytest.raises(OutputPathError, match=rf"^cannot write the export for {re.escape(str(artifact_copy))}: "
+                                              r"No space left on device; .*earlier artifact there is untouched"):
+        export_artifact(tiny_model, artifact_copy)
+    assert _tree(artifact_copy) == before
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
+
+
+def test_a_folder_name_too_long_for_the_hidden_sibling_is_a_one_line_error(tmp_path, tiny_model):
+    # A valid 245-character name: its sibling .NAME.partial-XXXXXXXX is not, and failed as an internal error.
+    folder = tmp_path / ("n" * 245)
+    with pytest.raises(OutputPathError, match=r"cannot write the export for .*n{245}: File name too long \(.*"
+                                              r"\.n{245}\.partial-.*\); .*choose a shorter or other --output"):
+        export_artifact(tiny_model, folder)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):

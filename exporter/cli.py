@@ -43,6 +43,10 @@ class ProgressHandler(logging.Handler):
 
 
 _interrupted_by: str | None = None  # the signal that stopped this command, if one did
+# The report paths (by write_error_reports's keywords) a verification owes once its options were accepted: an
+# error then writes them as error reports, so that none an earlier run left passes for this one's verdict.
+_owed_reports: dict[str, Path | None] = {}
+_result_printed = False  # stdout holds the result: under --json an error must not add a second document
 _LIBRARY_LOGGERS = ("torch", "onnx_ir", "onnxscript")  # their info lines would drown the progress lines
 
 
@@ -64,12 +68,23 @@ _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
     click.echo(_PREFIX[kind] + message, err=True)
-    if as_json:  # stdout stays parseable: an error object instead of a result
+    error = {"error": {"kind": kind, "message": message}, "exit_code": code}
+    if _owed_reports:
+        _write_error_reports(error)
+    if as_json and not _result_printed:  # stdout stays parseable: an error object instead of a result
         try:
-            click.echo(json.dumps({"error": {"kind": kind, "message": message}, "exit_code": code}, indent=2))
+            click.echo(json.dumps(error, indent=2))
         except OSError:  # stdout itself failed (a full disk, a closed pipe): the line on stderr has said it all
             sys.stdout = open(os.devnull, "w")  # nor may the flush at exit raise again
     sys.exit(code)
+
+
+def _write_error_reports(error: dict) -> None:
+    from exporter.verify.reports import write_error_reports
+    try:
+        write_error_reports(error, **_owed_reports)
+    except ToolkitError as exc:  # a second line: the first said why the verification stopped
+        click.echo(f"error: {exc}", err=True)
 
 
 def handle_errors(func):
@@ -132,8 +147,10 @@ def _setup_logging(verbose: bool, quiet: bool) -> None:
 
 
 def _emit(result, as_json: bool, text: str) -> None:
+    global _result_printed
     from exporter.verify.reports import json_text
     click.echo(json_text(result) if as_json else text)
+    _result_printed = True
 
 
 def common_options(func):
@@ -347,14 +364,36 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, gol
             read_companion(options["fp16_companion"])
         else:
             companion_for(options["fp16_companion"], *planned)
+    global _owed_reports
+    _owed_reports = _report_paths(options)
     return overrides, settings
+
+
+def _report_paths(options: dict) -> dict:
+    return {"json_path": options["report_json"], "junit_path": options["junit"], "html_path": options["html"]}
+
+
+def _finish(report, options: dict, result: dict, as_json: bool, text: str) -> None:
+    """Write the reports, print the result and exit (1 on a parity failure). A report that cannot be written is
+    an input error (exit 2), raised once the verdict is on stdout and the other reports hold it."""
+    from exporter.verify.reports import write_reports
+    global _owed_reports
+    _owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
+    try:
+        write_reports(report, **_report_paths(options))
+        unwritten = None
+    except ToolkitError as exc:
+        unwritten = exc
+    _emit(result, as_json, text)
+    if unwritten is not None:
+        raise unwritten
+    sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
 
 def _verify(folder, providers, genai, options: dict, plan, model=None, golden=None):
     """Run the engine with the CLI's options; torch is imported only when the reference model is needed."""
     from exporter.manifest import read_manifest
     from exporter.verify.engine import verify_artifact
-    from exporter.verify.reports import write_reports
     overrides, settings = plan
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     if model is None and golden is None:
@@ -365,7 +404,6 @@ def _verify(folder, providers, genai, options: dict, plan, model=None, golden=No
     report = verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
                              golden_save=options["golden_save"], overrides=overrides,
                              fp16_companion=options["fp16_companion"], manifest=manifest)
-    write_reports(report, options["report_json"], options["junit"], options["html"])
     return report
 
 
@@ -382,8 +420,8 @@ def main(ctx):
     Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143
     interrupted (SIGINT/SIGTERM), 141 stdout closed early (e.g. piped into head).
     """
-    global _interrupted_by
-    _interrupted_by = None
+    global _interrupted_by, _owed_reports, _result_printed
+    _interrupted_by, _owed_reports, _result_printed = None, {}, False
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     if ctx.invoked_subcommand is None:
@@ -408,9 +446,8 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
                         planned=_planned_artifact(preset, seed, checkpoint, dtype))
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = _verify(exported.folder, providers, genai, options, plan, model)
-    _emit({"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
-          format_export(exported) + "\n\n" + format_verify(report))
-    sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
+    _finish(report, options, {"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
+            format_export(exported) + "\n\n" + format_verify(report))
 
 
 @main.command()
@@ -459,8 +496,7 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
                                    f"drop {', '.join(given)}")
     report = _verify(folder, providers, genai, options, _verify_plan(folder, providers, genai, options, golden),
                      golden=golden)
-    _emit(report.to_dict(), as_json, format_verify(report))
-    sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
+    _finish(report, options, report.to_dict(), as_json, format_verify(report))
 
 
 def _parse_ids(text: str) -> list[int]:

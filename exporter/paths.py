@@ -32,3 +32,21 @@ def _can_create_in(folder: Path) -> bool:
     os.close(handle)
     os.unlink(name)
     return True
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it, so an interrupt
+    or a full disk leaves the earlier file (or none), never a truncated one. A path that exists and is no
+    regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace the device."""
+    path = Path(os.path.realpath(path))  # through a link to its file, which a rename would otherwise replace
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

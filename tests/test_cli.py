@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from xml.etree import ElementTree as ET
 
 import pytest
 
@@ -22,10 +24,12 @@ QUICK = ("--decode-steps", "16", "--no-sweep")
 def cli_artifact(tmp_path_factory):
     """An inference-only (no loss) tiny artifact exported and verified by `run`, the default command."""
     folder = tmp_path_factory.mktemp("cli") / "tiny"
+    report = folder.parent / "report.json"
     result = run_cli("run", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--provider", "cpu",
-                    "--no-genai", "--decode-steps", "2", "--no-sweep", "--json", "-q")
+                    "--no-genai", "--decode-steps", "2", "--no-sweep", "--json", "-q", "--report-json", report)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    assert json.loads(report.read_text()) == data["verify"]  # the verification's document, as `verify` writes it
     assert data["export"]["folder"] == str(folder) and data["export"]["dtype"] == "float32"
     assert data["verify"]["passed"] and len(data["verify"]["providers"][0]["decode_curve"]) == 3
     return folder
@@ -271,6 +275,60 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
                     "--peak", "logits=0", "-q", "--decode-steps", "3", "--no-sweep", "--no-genai")
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides
+
+
+def _report_options(folder):
+    return ("--report-json", folder / "r.json", "--junit", folder / "r.xml", "--html", folder / "r.html")
+
+
+def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_pass(cli_artifact, tmp_path):
+    reports = tmp_path / "reports"
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "2",
+                    "--no-sweep", *_report_options(reports))
+    assert result.exit_code == 0 and json.loads((reports / "r.json").read_text())["passed"], result.output
+    earlier = {name: (reports / name).read_text() for name in ("r.json", "r.xml", "r.html")}
+    # A usage error in the options themselves: nothing ran, so the reports are left as they were.
+    refused = run_cli("verify", cli_artifact, "--atol", "logits", "-q", *_report_options(reports))
+    assert refused.exit_code == 2 and {name: (reports / name).read_text() for name in earlier} == earlier
+    damaged = shutil.copytree(cli_artifact, tmp_path / "damaged")
+    with open(damaged / "weights.onnx.data", "r+b") as f:  # one flipped byte: the manifest's sha256 refuses it
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    result = run_cli("verify", damaged, "--provider", "cpu", "--no-genai", "-q", "--json", *_report_options(reports))
+    assert_one_line_error(result, 2, "sha256 of weights.onnx.data does not match")
+    error = json.loads(result.stdout)
+    assert json.loads((reports / "r.json").read_text()) == error and error["exit_code"] == 2
+    suite = ET.fromstring((reports / "r.xml").read_text()).find("testsuite")
+    assert (suite.get("tests"), suite.get("errors"), suite.get("failures")) == ("1", "1", "0")
+    assert "sha256 of weights.onnx.data does not match" in suite.find("testcase/error").get("message")
+    page = (reports / "r.html").read_text()
+    assert "ERROR" in page and "sha256 of weights.onnx.data does not match" in page and "PASS" not in page
+    assert sorted(p.name for p in reports.iterdir()) == ["r.html", "r.json", "r.xml"]  # no partial file left
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here to fail a write with ENOSPC")
+def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_verdict(cli_artifact, tmp_path):
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "2",
+                    "--no-sweep", "--json", "--report-json", tmp_path / "r.json", "--junit", "/dev/full")
+    assert_one_line_error(result, 2, "--junit /dev/full: cannot write the report (No space left on device)")
+    verdict = json.loads(result.stdout)  # the verdict alone: one JSON document, no error object after it
+    assert verdict["passed"] and json.loads((tmp_path / "r.json").read_text()) == verdict
+    assert Path("/dev/full").is_char_device()  # written as it is, never renamed over
+
+
+def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from exporter.paths import write_text_whole
+    report = tmp_path / "r.json"
+    write_text_whole(report, "earlier")
+
+    def interrupted(source, destination):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.paths.os.replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_text_whole(report, "later")
+    assert report.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
 def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_artifact, tmp_path):

@@ -21,7 +21,8 @@ from exporter.manifest import read_manifest, sha256_file
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
-from exporter.verify.golden import GoldenMismatch, _recording_digest, load_bundle
+from exporter.verify.golden import (GoldenMismatch, RecordedReference, _recording_digest, check_golden_destination,
+                                    load_bundle)
 from exporter.verify.inputs import PREFILL_BATCH, ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_between, probe_reference
 from exporter.verify.metrics import Needed, compare
@@ -477,6 +478,19 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     with pytest.raises(OutputPathError, match="cannot write the golden bundle"):
         bundle.reference.save(blocked, manifest, bundle.settings, bundle.overrides, bundle.versions)
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
+
+
+def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path,
+                                                                                  monkeypatch):
+    folder = tmp_path / "golden"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.verify.golden.np.savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
+    assert list(folder.iterdir()) == []
+    check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
 
 
 def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_path):

@@ -212,10 +212,11 @@ class RecordedReference:
             os.replace(partial_arrays, folder / ARRAYS)
             os.replace(partial_index, folder / BUNDLE)
         except OSError as exc:
-            partial_arrays.unlink(missing_ok=True)
-            partial_index.unlink(missing_ok=True)
             raise OutputPathError(f"cannot write the golden bundle {folder} ({exc.strerror or exc}); "
                                   "choose another --golden-save folder") from None
+        finally:  # after an interrupt too: a partial file left would make the next save refuse the folder
+            partial_arrays.unlink(missing_ok=True)
+            partial_index.unlink(missing_ok=True)
         log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
                  (folder / ARRAYS).stat().st_size / 1e6)
         return folder

@@ -3,16 +3,22 @@ self-contained HTML page with inline SVG plots."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
-from exporter.verify.reports.html import render_html
-from exporter.verify.reports.junit import render_junit
+from exporter.errors import OutputPathError
+from exporter.paths import write_text_whole
+
+from exporter.verify.reports.html import render_html, render_html_error
+from exporter.verify.reports.junit import render_junit, render_junit_error
 from exporter.verify.reports.text import format_verify
 from exporter.verify.results import VerifyReport
 
-__all__ = ["format_verify", "json_text", "render_html", "render_junit", "write_reports"]
+__all__ = ["format_verify", "json_text", "render_html", "render_html_error", "render_junit", "render_junit_error",
+           "write_error_reports", "write_reports"]
 
 
 def json_text(document) -> str:
@@ -33,8 +39,35 @@ def _finite(value):
 
 def write_reports(report: VerifyReport, json_path: Path | None = None, junit_path: Path | None = None,
                   html_path: Path | None = None) -> None:
-    for path, render in ((json_path, lambda r: json_text(r.to_dict()) + "\n"),
-                         (junit_path, render_junit), (html_path, render_html)):
-        if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(render(report))
+    """The requested reports of a verification's verdict; see _write."""
+    _write([("--report-json", json_path, lambda: json_text(report.to_dict()) + "\n"),
+            ("--junit", junit_path, lambda: render_junit(report)), ("--html", html_path, lambda: render_html(report))])
+
+
+def write_error_reports(error: dict, json_path: Path | None = None, junit_path: Path | None = None,
+                        html_path: Path | None = None) -> None:
+    """The requested reports of a verification that stopped with an error, so that none left by an earlier run
+    passes for this one's verdict: `error` is the document the CLI prints under --json,
+    {"error": {"kind": ..., "message": ...}, "exit_code": N}."""
+    kind, message = error["error"]["kind"], error["error"]["message"]
+    _write([("--report-json", json_path, lambda: json_text(error) + "\n"),
+            ("--junit", junit_path, lambda: render_junit_error(kind, message)),
+            ("--html", html_path, lambda: render_html_error(kind, message))])
+
+
+def _write(reports: list[tuple[str, Path | None, Callable[[], str]]]) -> None:
+    """Each report with a path, written whole or not at all. One that cannot be written does not stop the others,
+    and what an earlier run left at its path is removed; OutputPathError then names the first that failed."""
+    failures = []
+    for flag, path, render in reports:
+        if path is None:
+            continue
+        try:
+            write_text_whole(path, render())
+        except OSError as exc:
+            if Path(path).is_file():  # an earlier run's verdict, which would pass for this one's
+                with contextlib.suppress(OSError):
+                    Path(path).unlink()
+            failures.append(f"{flag} {path}: cannot write the report ({exc.strerror or exc})")
+    if failures:
+        raise OutputPathError("; ".join(failures) + "; choose another path")

@@ -88,3 +88,10 @@ def render_html(report: VerifyReport) -> str:
     for c in report.consumers:
         parts.append(f"<h2>Consumer {escape(c.consumer)}</h2><p>{escape(c.greedy.note)}: {verdict(c.passed)}</p>")
     return "\n".join(parts + ["</body></html>"]) + "\n"
+
+
+def render_html_error(kind: str, message: str) -> str:
+    """A verification that stopped with an error: the page says so, and what the error was."""
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify: ERROR</title>"
+            f"<style>{STYLE}</style></head><body>\n<h1>Verification stopped: <span class='FAIL'>ERROR</span></h1>\n"
+            f"<p>{escape(kind)} error: {escape(message)}</p>\n</body></html>\n")

@@ -74,3 +74,14 @@ def render_junit(report: VerifyReport) -> str:
     for total in ("tests", "failures", "errors", "skipped"):
         root.set(total, str(sum(int(suite.get(total)) for suite in suites)))
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def render_junit_error(kind: str, message: str) -> str:
+    """A verification that stopped with an error: one testsuite with one testcase holding the <error>, which CI
+    systems show as a broken run rather than a pass."""
+    root = ET.Element("testsuites", name="verify", tests="1", failures="0", errors="1", skipped="0", time="0")
+    suite = ET.SubElement(root, "testsuite", name="verify", tests="1", failures="0", errors="1", skipped="0",
+                          time="0")
+    case = ET.SubElement(suite, "testcase", classname="verify", name="verification", time="0")
+    ET.SubElement(case, "error", type=kind, message=_xml_text(message[:200])).text = _xml_text(message)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

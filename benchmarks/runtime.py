@@ -16,7 +16,7 @@ leaves in their allocators when they decode).
 
     .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--json]
 
-Exit codes: 0 done, 1 a worker failed, 2 bad arguments or artifact.
+Exit codes: 0 done, 1 a worker failed, 2 bad arguments or artifact, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,14 +110,15 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     import torch
 
     from exporter.manifest import read_manifest
-    from reference import build_model
+    from exporter.reference_runner import rebuild_reference
 
     if threads:
         torch.set_num_threads(threads)
     manifest = read_manifest(artifact, check_hashes=False)
-    # In the artifact's precision, as the parity checks run it (a float16 artifact against float32
-    # PyTorch would compare two precisions).
-    model = build_model(manifest.config, manifest.source.get("seed", 0)).to(device, getattr(torch, manifest.dtype))
+    # The model verify compares the artifact with (seeded again, or its checkpoint read again), in the
+    # artifact's precision as the parity checks run it (a float16 artifact against float32 PyTorch would
+    # compare two precisions).
+    model = rebuild_reference(artifact, manifest).to(device, getattr(torch, manifest.dtype))
     vocab = manifest.config.vocab_size
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -214,12 +216,20 @@ class WorkerFailed(Exception):
     """A worker process stopped; its own error went to stderr."""
 
 
+def _ignore_sigint() -> None:
+    """In a worker, before it runs: Ctrl-C reaches the whole process group, and the parent stops the workers
+    itself; left alone, each worker would print its own KeyboardInterrupt traceback. Python keeps a SIGINT
+    that is ignored at its start ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict]:
     """Every task of every worker, `rounds` times, in turns: within a round each task runs on each
     worker offering it, in an order reversed every other round. Returns each worker's figures per
     task (one per round) and each worker's peak RSS at the end."""
     procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True) for name, args in workers.items()}
+                                    stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_sigint)
+             for name, args in workers.items()}
     try:
         return _turns(procs, rounds)
     finally:  # a failed worker stops the others too, rather than leaving them behind
@@ -298,7 +308,8 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
 
 
 def run_worker(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         preexec_fn=_ignore_sigint)  # on an interrupt, subprocess.run kills it
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-2000:])
         raise WorkerFailed(f"benchmark worker {args[1]} failed (its error is above)")
@@ -312,7 +323,8 @@ DEFAULT_ARTIFACT = Path("artifacts/minimind-3")
 
 def ensure_artifact(folder: Path) -> None:
     """The default folder is exported when it is missing; any other folder must be an artifact already, with
-    room for the decode run (a prompt, DECODE_STEPS steps, and onnxruntime-genai's last picked token)."""
+    room for the decode run (a prompt, DECODE_STEPS steps, and onnxruntime-genai's last picked token), and a
+    PyTorch side the toolkit can rebuild."""
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
         from exporter.export import export_artifact
@@ -321,7 +333,9 @@ def ensure_artifact(folder: Path) -> None:
                         source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
     from exporter.errors import InputError
     from exporter.manifest import read_manifest
+    from exporter.reference_runner import check_rebuildable
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
+    check_rebuildable(folder, manifest)  # else the PyTorch worker fails in its warm-up, the others started
     needed = PROMPT_FOR_DECODE + DECODE_STEPS + 1
     if manifest.config.max_position_embeddings < needed:  # else every worker fails in its warm-up
         raise InputError(f"{folder}: the decode run needs {needed} positions ({PROMPT_FOR_DECODE}-token prompt, "
@@ -447,6 +461,16 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def fail(kind: str, message: str, code: int, as_json: bool) -> None:
+    """One line on stderr and, with --json, the CLI's error object on stdout (kind "worker" for a worker
+    process that failed); then exit with `code`."""
+    print(message if kind == "interrupted" else f"error: {message}", file=sys.stderr)
+    if as_json:
+        from exporter.verify.reports import json_text
+        print(json_text({"error": {"kind": kind, "message": message}, "exit_code": code}))
+    sys.exit(code)
+
+
 def main() -> None:
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
@@ -482,12 +506,11 @@ def main() -> None:
         check_provider(args.provider)  # before any worker starts
         ensure_artifact(args.artifact)
         report = measure(args)
+    except KeyboardInterrupt:  # the workers ignore SIGINT: run_in_turns and subprocess.run stop them
+        fail("interrupted", "interrupted (SIGINT)", 130, args.json)
     except (ToolkitError, WorkerFailed) as exc:
         kind, code = ("input", 2) if isinstance(exc, ToolkitError) else ("worker", 1)
-        print(f"error: {exc}", file=sys.stderr)
-        if args.json:  # the CLI's error object, with "worker" for a worker process that failed
-            print(json_text({"error": {"kind": kind, "message": str(exc)}, "exit_code": code}))
-        sys.exit(code)
+        fail(kind, str(exc), code, args.json)
     print(json_text(report) if args.json else format_table(report))
 
 

@@ -623,15 +623,26 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
 @common_options
 @handle_errors
 def inspect(folder, as_json, quiet, verbose):
-    """Show an artifact's I/O contract, file sizes, hashes and the versions that wrote it.
+    """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
 
-    FOLDER defaults to artifacts/minimind-3.
+    A damaged folder (a file missing, or not the size or sha256 its manifest lists) is shown too, then
+    exits 2; an unreadable manifest is a one-line error. FOLDER defaults to artifacts/minimind-3.
     """
     _setup_logging(verbose, quiet)
-    from exporter.manifest import read_manifest
+    from exporter.manifest import file_status, load_manifest
     from exporter.report import format_inspect
-    manifest = read_manifest(folder)
-    _emit(manifest.to_dict(), as_json, format_inspect(manifest, str(folder)))
+    manifest = load_manifest(folder)
+    status = file_status(folder, manifest)
+    result = {**manifest.to_dict(), "file_status": status}
+    damaged = {name: state for name, state in status.items() if state != "ok"}
+    if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
+        message = (f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items())
+                   + "; re-export the folder")
+        click.echo(f"error: {message}", err=True)
+        result.update(error={"kind": "input", "message": message}, exit_code=EXIT_INPUT_ERROR)
+    _emit(result, as_json, format_inspect(manifest, str(folder), status))
+    if damaged:
+        sys.exit(EXIT_INPUT_ERROR)
 
 
 if __name__ == "__main__":  # python -m exporter.cli, where the console script is not on PATH

@@ -153,8 +153,8 @@ def _initializer_problem(manifest: Manifest) -> str | None:
     return None
 
 
-def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
-    """Load folder/manifest.json and check that every file it lists is there, intact."""
+def load_manifest(folder: Path) -> Manifest:
+    """Load folder/manifest.json and check that it is consistent, not yet the files it lists."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass an artifact folder written by 'export-onnx export'")
@@ -169,6 +169,13 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     problem = _inconsistency(manifest)
     if problem:
         raise ArtifactError(f"{path} is inconsistent: {problem}; re-export the folder")
+    return manifest
+
+
+def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
+    """Load folder/manifest.json and check that every file it lists is there, intact."""
+    folder = Path(folder)
+    manifest = load_manifest(folder)
     missing = [name for name in manifest.files if not (folder / name).is_file()]
     if missing:
         raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "
@@ -190,3 +197,18 @@ def check_sizes(folder: Path, manifest: Manifest) -> None:
                for name, entry in manifest.files.items() if sizes[name] != entry["bytes"]]
     if resized:
         raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
+
+
+def file_status(folder: Path, manifest: Manifest) -> dict:
+    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or
+    "sha256 differs"; what inspect shows of a damaged folder."""
+    status = {}
+    for name, entry in manifest.files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            status[name] = "missing"
+        elif path.stat().st_size != entry["bytes"]:
+            status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
+        else:
+            status[name] = "ok" if sha256_file(path) == entry["sha256"] else "sha256 differs"
+    return status

@@ -110,19 +110,30 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
 
 
-def rebuild_reference(folder: Path, manifest: Manifest) -> torch.nn.Module:
-    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
+def check_rebuildable(folder: Path, manifest: Manifest) -> None:
+    """Refuse, before any work, an artifact whose reference model cannot be rebuilt: weights from a source the
+    toolkit does not build, or a checkpoint that is gone or has changed since the export."""
     source = manifest.source
     if source.get("kind") == "seeded":
-        from reference import build_model
-        return build_model(manifest.config, source["seed"])
+        return
     if source.get("kind") == "checkpoint":
-        from reference.checkpoints import fingerprint, load_checkpoint
+        from reference.checkpoints import fingerprint
         path = Path(source["path"])
         if not path.exists() or fingerprint(path) != source["sha256"]:
             raise ArtifactError(f"{folder} was exported from checkpoint {path}, which is "
                                 f"{'gone' if not path.exists() else 'changed since'}; restore it or re-export")
-        return load_checkpoint(path, config=manifest.config)[0]
+        return
     raise ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({source}); verify it "
                         "against a golden bundle (--golden DIR), from Python with verify_artifact(folder, model), "
                         "or with the invariants alone (pytest --artifacts)")
+
+
+def rebuild_reference(folder: Path, manifest: Manifest) -> torch.nn.Module:
+    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
+    check_rebuildable(folder, manifest)
+    source = manifest.source
+    if source["kind"] == "seeded":
+        from reference import build_model
+        return build_model(manifest.config, source["seed"])
+    from reference.checkpoints import load_checkpoint
+    return load_checkpoint(Path(source["path"]), config=manifest.config)[0]

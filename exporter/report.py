@@ -12,9 +12,11 @@ if TYPE_CHECKING:  # the export module imports torch, which inspect must not nee
     from exporter.export import ExportResult
 
 
-def _files_table(files: dict) -> str:
-    rows = [[name, f"{entry['bytes'] / 1e6:.2f} MB", entry["sha256"][:16]] for name, entry in files.items()]
-    return _table(["file", "size", "sha256"], rows)
+def _files_table(files: dict, status: dict | None = None) -> str:
+    """The files as the manifest lists them; with `status` (manifest.file_status), a column of their state."""
+    rows = [[name, f"{entry['bytes'] / 1e6:.2f} MB", entry["sha256"][:16]] + ([status[name]] if status else [])
+            for name, entry in files.items()]
+    return _table(["file", "size", "sha256"] + (["status"] if status else []), rows)
 
 
 def format_export(result: ExportResult) -> str:
@@ -22,7 +24,7 @@ def format_export(result: ExportResult) -> str:
             f"{result.bytes / 1e6:.1f} MB\n" + _files_table(result.manifest.files))
 
 
-def format_inspect(manifest: Manifest, folder: str) -> str:
+def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
     sizes = ModelSizes.of(manifest)  # the sizes every family has, as the consumers' configs state them
     lines = [f"artifact {folder}",
              f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
@@ -35,5 +37,5 @@ def format_inspect(manifest: Manifest, folder: str) -> str:
         rows = [[direction, spec.name, spec.dtype, "[" + ", ".join(map(str, spec.axes)) + "]"]
                 for direction, specs in (("in", contract.inputs), ("out", contract.outputs)) for spec in specs]
         lines += ["", contract.file, _table(["", "name", "dtype", "axes"], rows)]
-    lines += ["", _files_table(manifest.files)]
+    lines += ["", _files_table(manifest.files, status)]
     return "\n".join(lines)

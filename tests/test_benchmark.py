@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from exporter.runtime import cuda_unusable
+from helpers import edit_manifest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
 
@@ -122,6 +127,59 @@ def test_pytorch_runs_in_the_artifacts_precision(benchmark, artifact_fp16, monke
     monkeypatch.setattr(reference, "build_model", build_model)
     benchmark.torch_tasks(artifact_fp16, 0, "cpu")  # 0: torch's threads untouched for later tests
     assert next(built[0].parameters()).dtype == torch.float16
+
+
+def test_an_artifact_whose_reference_cannot_be_rebuilt_is_refused_before_any_worker_starts(
+        byo_artifact, minimind2_artifact, tmp_path):
+    # A bring-your-own artifact started every worker, then printed the PyTorch worker's traceback and exited 1.
+    gone = shutil.copytree(minimind2_artifact, tmp_path / "gone")
+    edit_manifest(gone, lambda m: m["model"]["source"].update(path=str(tmp_path / "moved.pth")))
+    for folder, fragment in ((byo_artifact, "was exported from weights the toolkit cannot rebuild"),
+                             (gone, f"was exported from checkpoint {tmp_path / 'moved.pth'}, which is gone")):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(folder), "--rounds", "1", "--json"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr[-2000:]
+        error = json.loads(out.stdout)
+        assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and fragment in error["error"]["message"]
+
+
+def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(benchmark, minimind2_artifact,
+                                                                  minimind2_checkpoint, monkeypatch):
+    # It timed seeded random weights instead, whatever the artifact's source.
+    import torch
+
+    import reference.checkpoints
+    original, loaded = reference.checkpoints.load_checkpoint, []
+
+    def load_checkpoint(*args, **kwargs):
+        loaded.append(original(*args, **kwargs))
+        return loaded[-1]
+    monkeypatch.setattr(reference.checkpoints, "load_checkpoint", load_checkpoint)
+    benchmark.torch_tasks(minimind2_artifact, 0, "cpu")
+    assert len(loaded) == 1
+    weights = loaded[0][0].state_dict()
+    for name, tensor in torch.load(minimind2_checkpoint).items():  # float16 values, exact in float32
+        assert torch.equal(weights[name], tensor.float()), name
+
+
+def test_an_interrupt_stops_the_workers_quietly_and_says_so_in_one_line(artifact_fp32):
+    # Ctrl-C reaches the whole process group: it gave one KeyboardInterrupt traceback per worker, nothing on
+    # stdout under --json, and exit -2.
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "50",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 120
+    while len(workers := children.read_text().split()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(workers) >= 3, "the workers did not start"
+    time.sleep(2)  # the workers are importing and warming up
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.splitlines() == ["interrupted (SIGINT)"], stderr[-2000:]
+    assert json.loads(stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
+                                  "exit_code": 130}
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # stopped, not left behind
 
 
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")

@@ -135,6 +135,39 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")
 
 
+def test_inspect_shows_a_damaged_folder_with_each_files_state_then_exits_2(artifact_fp32, tmp_path):
+    # It printed only "config.json is 452 bytes, not 451": inspect is what a user reaches for when something
+    # is wrong, so it shows the contract and every file's state, and exits 2 after saying what is damaged.
+    folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
+    size = (folder / "config.json").stat().st_size
+    with open(folder / "config.json", "a") as f:
+        f.write(" ")
+    (folder / "decode.onnx").unlink()
+    weights = bytearray((folder / "weights.onnx.data").read_bytes())
+    weights[0] ^= 1  # same size, other content
+    (folder / "weights.onnx.data").write_bytes(bytes(weights))
+    expected = {"decode.onnx": "missing", "weights.onnx.data": "sha256 differs",
+                "config.json": f"{size + 1} bytes, not {size}"}
+    message = (f"{folder} is damaged: decode.onnx: missing; weights.onnx.data: sha256 differs; "
+               f"config.json: {size + 1} bytes, not {size}; re-export the folder")
+    result = run_cli("inspect", folder)
+    assert_one_line_error(result, 2, message)
+    assert "past_key_values.1.value" in result.stdout  # the contract, as for an intact folder
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.split()[:1] and "MB" in line}
+    assert set(rows) == set(json.loads((folder / "manifest.json").read_text())["files"])
+    for name, row in rows.items():
+        assert row.endswith(expected.get(name, "ok")), row
+    result = run_cli("inspect", folder, "--json")
+    report = json.loads(result.stdout)  # one object: what inspect shows, and the error
+    assert result.exit_code == 2 and report["exit_code"] == 2
+    assert report["error"] == {"kind": "input", "message": message}
+    assert report["file_status"] == {name: expected.get(name, "ok") for name in rows}
+    assert report["graphs"]["decode"]["file"] == "decode.onnx"
+    intact = run_cli("inspect", artifact_fp32, "--json")
+    assert intact.exit_code == 0 and set(json.loads(intact.stdout)["file_status"].values()) == {"ok"}
+    assert "error" not in json.loads(intact.stdout)
+
+
 def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every_reader(artifact_fp32, tmp_path):
     from exporter.errors import ToolkitError
     from exporter.manifest import read_manifest

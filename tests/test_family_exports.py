@@ -21,7 +21,7 @@ from exporter.cli import main
 from exporter.contract import PAST
 from exporter.errors import ExportFailed, GraphRunError, InputError
 from exporter.export import _example_inputs
-from exporter.manifest import read_manifest
+from exporter.manifest import file_status, read_manifest
 from exporter.report import format_inspect
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
@@ -324,7 +324,7 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
     alone = gpt_model(torch.as_tensor(short)).logits[0].detach().numpy()
     assert compare("padded", "logits", padded, alone, TOLERANCES["float32"]["logits"]).passed
     assert manifest.config.max_position_embeddings == 64 and manifest.decode.inputs[3].axes[2] == PAST
-    assert "model: teaching-gpt, " in format_inspect(manifest, str(gpt_artifact))
+    assert "model: teaching-gpt, " in format_inspect(manifest, str(gpt_artifact), file_status(gpt_artifact, manifest))
     with pytest.raises(InputError, match=r"exceeds max_position_embeddings \(64\)"):
         generate_greedy(onnx, [1] * 60, 5)
     ids = np.ones((1, 1), np.int64)

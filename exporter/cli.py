@@ -564,7 +564,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     FOLDER defaults to artifacts/minimind-3.
     """
     _setup_logging(verbose, quiet)
-    from exporter.generation import SamplingConfig, check_request, stream
+    from exporter.generation import Generation, SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
     from exporter.runtime import OrtRunner, SessionSettings, check_provider
     from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
@@ -593,17 +593,16 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
     eos = None if ignore_eos else config.eos_token_id
-    check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
+    _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
-    rows: list[list[int]] = [[] for _ in batch]
+    results = [Generation(prompt) for prompt in batch]
     live = len(batch) == 1 and not as_json
     text = TextStream(text_tokenizer) if text_tokenizer is not None else None
     try:
         for tokens in steps:
-            for row, token in zip(rows, tokens):
-                if token is not None:
-                    row.append(token)
+            for result, token in zip(results, tokens):
+                result.add(token, stops)
             if live and tokens[0] is not None:
                 click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
     finally:
@@ -611,11 +610,10 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
             click.echo(text.rest() if text else "")
     if live:
         return
-    decoded = [text_tokenizer.decode(row) if text_tokenizer else None for row in rows]
-    results = [{"prompt_ids": prompt, "new_ids": row, **({"text": t} if t is not None else {})}
-               for prompt, row, t in zip(batch, rows, decoded)]
-    _emit(results, as_json, "\n".join(t if t is not None else " ".join(map(str, row))
-                                      for row, t in zip(rows, decoded)))
+    decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]
+    rows = [{**result.to_dict(), **({"text": t} if t is not None else {})} for result, t in zip(results, decoded)]
+    _emit(rows, as_json, "\n".join(t if t is not None else " ".join(map(str, result.new_ids))
+                                   for result, t in zip(results, decoded)))
 
 
 @main.command()

@@ -138,6 +138,12 @@ class Generation:
     new_ids: list[int] = field(default_factory=list)
     stopped_at_eos: bool = False  # stopped at eos or another stop id (included in new_ids)
 
+    def add(self, token: int | None, stops: set[int]) -> None:
+        """One step's token of this row, as `stream` yields it (None: the row has stopped)."""
+        if token is not None:
+            self.new_ids.append(token)
+            self.stopped_at_eos = token in stops
+
     def to_dict(self) -> dict:
         return {"prompt_ids": self.prompt_ids, "new_ids": self.new_ids, "stopped_at_eos": self.stopped_at_eos}
 
@@ -184,7 +190,9 @@ def check_request(config, prompts, max_new_tokens: int, sampling: SamplingConfig
     prompts = check_prompts(config, prompts, max_new_tokens)
     sampling.seeds(len(prompts))
     if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__") or getattr(stop_ids, "ndim", 1) != 1:
-        raise InputError(f"stop_ids must be a list of token ids, got {stop_ids!r}; write e.g. stop_ids=[{stop_ids}]")
+        example = f"[{stop_ids}]" if is_integer(stop_ids) else "[2]"  # a lone id wrapped; anything else replaced
+        raise InputError(f"stop_ids must be a list of token ids, got {stop_ids!r}; write e.g. stop_ids={example}, "
+                         "or () for none")
     stop_ids = list(stop_ids)
     vocab = config.vocab_size
     bad_stops = [i for i in stop_ids if not is_integer(i) or not 0 <= i < vocab]
@@ -264,9 +272,7 @@ def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = Sa
     results = [Generation(prompt) for prompt in prompts]
     for tokens in _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops):
         for result, token in zip(results, tokens):
-            if token is not None:
-                result.new_ids.append(token)
-                result.stopped_at_eos = token in stops
+            result.add(token, stops)
     return results
 
 

@@ -29,6 +29,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def config_differences(ours: dict, theirs: dict) -> list[str]:
+    """The fields in which two model configs, as their to_dict() writes them, differ (sorted); empty: the same
+    model. Configs of two families differ in the fields only one of them has."""
+    return sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+
+
 def file_entries(folder: Path, names: list[str]) -> dict:
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
             for name in names}

@@ -24,13 +24,22 @@ def format_export(result: ExportResult) -> str:
             f"{result.bytes / 1e6:.1f} MB\n" + _files_table(result.manifest.files))
 
 
+def describe_source(source: dict) -> str:
+    """Where an artifact's weights came from, as a line for people: "seeded preset minimind-3, seed 0", or the
+    kind followed by its other fields as key=value."""
+    if source.get("kind") == "seeded":
+        return f"seeded preset {source.get('preset')}, seed {source.get('seed')}"
+    fields = [f"{k}={v}" for k, v in source.items() if k != "kind" and v not in ({}, [])]  # empty: nothing to say
+    return ", ".join([str(source.get("kind", "unknown"))] + fields)
+
+
 def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
     sizes = ModelSizes.of(manifest)  # the sizes every family has, as the consumers' configs state them
     lines = [f"artifact {folder}",
              f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
              f"heads {sizes.num_attention_heads}/{sizes.num_key_value_heads}, vocab {sizes.vocab_size}, "
              f"max positions {sizes.context_length}",
-             f"  weights from: {manifest.source}",
+             f"  weights from: {describe_source(manifest.source)}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]
     for contract in (manifest.prefill, manifest.decode):

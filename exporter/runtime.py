@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,9 @@ def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
 
 
 def check_parity_providers(names) -> list[str]:
-    """Providers to verify on, as full names without repeats, each checked."""
+    """Providers to verify on, as full names without repeats, each checked; a str names one provider."""
+    if isinstance(names, str):  # iterated, "cpu" would be the providers "c", "p" and "u"
+        names = [names]
     return list(dict.fromkeys(check_provider(name) for name in names))
 
 
@@ -152,7 +155,8 @@ class SessionSettings:
     optimization: str = "all"  # disable | basic | extended | all
     prepack_weights: bool = True  # for decode.onnx, the generation hot path; see _session_options
     shared_thread_pool: bool = False  # see _use_global_thread_pool
-    optimized_model_dir: Path | None = None  # save the optimised graphs here (inspection, faster reloads)
+    # save the optimised graphs here (inspection, faster reloads); a str becomes a Path
+    optimized_model_dir: Path | None = None
     prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
     huge_pages: bool = True  # decode.onnx's prepacked weights in transparent huge pages (Linux); see OrtRunner
 
@@ -167,6 +171,15 @@ class SessionSettings:
         if not is_integer(self.prompt_chunk) or self.prompt_chunk < 0:
             raise InputError(f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), "
                              f"got {self.prompt_chunk!r}")
+        for name in ("prepack_weights", "shared_thread_pool", "huge_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # a string such as "no" or "false" would read as true
+                raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+        if self.optimized_model_dir is not None:
+            if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
+                raise InputError(f"optimized_model_dir must be a folder path (str or Path), "
+                                 f"got {self.optimized_model_dir!r}")
+            object.__setattr__(self, "optimized_model_dir", Path(self.optimized_model_dir))  # frozen dataclass
 
 
 GRAPH_OPTIMIZATION = {
@@ -460,6 +473,9 @@ class OrtRunner:
         in one call.
         """
         _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
+        if 0 in input_ids.shape:
+            raise InputError(f"start() needs at least one prompt of at least one token, got input_ids of shape "
+                             f"{input_ids.shape}")
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
         self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,

@@ -436,6 +436,9 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     take the place of a config.json; the remaining fields are inferred. With
     neither, config.json beside the weights is read when there is one.
     """
+    if config_data is not None and not isinstance(config_data, dict):
+        raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
+                          f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
     state, config_json, fmt = read_checkpoint(path)
     if config_data is not None:
         config_json = config_data

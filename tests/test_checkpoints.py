@@ -335,3 +335,13 @@ def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path)
     (path / "config.json").write_text(json.dumps({**config, "head_dim": 32}))  # hidden 64 / 4 heads = 16
     with pytest.raises(CheckpointError, match=r"head_dim \(32\) differs from hidden_size / num_attention_heads \(16\)"):
         load_checkpoint(path)
+
+
+def test_config_data_that_is_no_dict_is_refused(tmp_path):
+    """A path given as config_data failed with AttributeError ('str' object has no attribute 'get') before."""
+    from reference import ConfigError
+    torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
+    for data in ("config.json", [("hidden_size", 64)]):
+        with pytest.raises(ConfigError, match=r"^config_data must be a dict of config fields, got (str|list) .*; "
+                                              r"pass json.loads of the file's text"):
+            load_checkpoint(tmp_path / "model.pth", config_data=data)

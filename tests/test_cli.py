@@ -370,3 +370,31 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
     (golden / "golden.json").write_text(json.dumps(meta))
     assert_one_line_error(run_cli("verify", cli_artifact, "--golden", golden, "-q"), 2,
                           "golden.json overrides logits.peak: 'loose' is not a number")
+
+
+def test_generate_json_says_whether_a_row_stopped(cli_artifact):
+    """Each row is Generation.to_dict(): a script tells a stop from reaching --max-new-tokens (the rows held
+    prompt_ids and new_ids alone before)."""
+    def rows(*options):
+        result = run_cli("generate", cli_artifact, "--prompt-ids", "1,17,230", "--max-new-tokens", "6",
+                         "--ignore-eos", "--json", "-q", *options)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+    [free] = rows()
+    assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped_at_eos": False}
+    assert len(free["new_ids"]) == 6
+    stop = free["new_ids"][2]
+    [stopped] = rows("--stop-id", str(stop))
+    assert stopped["new_ids"] == free["new_ids"][:free["new_ids"].index(stop) + 1]
+    assert stopped["stopped_at_eos"] is True
+
+
+def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):
+    from exporter.report import describe_source
+    result = run_cli("inspect", cli_artifact)
+    assert result.exit_code == 0, result.output
+    assert "  weights from: seeded preset minimind-3-tiny, seed 0\n" in result.stdout  # a dict's repr before
+    assert describe_source({"kind": "in-memory"}) == "in-memory"
+    assert describe_source({"kind": "checkpoint", "path": "/m/model.pth", "sha256": "ab12", "format": "torch",
+                            "converted": {}, "assumed": {"max_position_embeddings": 32768}}) == (
+        "checkpoint, path=/m/model.pth, sha256=ab12, format=torch, assumed={'max_position_embeddings': 32768}")

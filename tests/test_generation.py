@@ -211,6 +211,8 @@ def test_a_two_dimensional_integer_array_is_a_batch(runner):
     ([[1]], {"stop_ids": [9999]}, "stop ids"),
     ([[1]], {"stop_ids": 5}, r"stop_ids must be a list .*stop_ids=\[5\]"),
     ([[1]], {"stop_ids": np.array(5)}, "stop_ids must be a list"),
+    ([[1]], {"stop_ids": None}, r"stop_ids must be a list of token ids, got None; write e.g. stop_ids=\[2\], or \(\) "
+                                r"for none$"),
     ([[1]], {"sampling": {"do_sample": True}}, "sampling must be a SamplingConfig"),
     ([{1, 2}], {}, "a prompt must be a list of token ids, got set"),
     ([[1, 2]], {"eos_token_id": 1000}, "eos_token_id 1000 is not a token id"),

@@ -196,3 +196,28 @@ def test_bad_session_settings_are_refused():
     for chunk in (-1, 1.5):
         with pytest.raises(InputError, match="prompt_chunk must be an integer >= 0"):
             SessionSettings(prompt_chunk=chunk)
+
+
+def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_path):
+    """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
+    from exporter.runtime import SessionSettings
+    for name in ("prepack_weights", "huge_pages", "shared_thread_pool"):
+        for value in ("no", "false", "False", 0, None):
+            with pytest.raises(InputError, match=f"{name} must be True or False, got"):
+                SessionSettings(**{name: value})
+    with pytest.raises(InputError, match="optimized_model_dir must be a folder path"):
+        SessionSettings(optimized_model_dir=3)
+    settings = SessionSettings(optimized_model_dir=str(tmp_path / "optimized"))
+    assert settings.optimized_model_dir == tmp_path / "optimized"
+    OrtRunner(artifact_fp32, settings=settings)
+    assert (tmp_path / "optimized" / "decode.optimized.onnx").is_file()
+
+
+@pytest.mark.parametrize("prompt_chunk", [0, 128])
+def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
+    """It raised UnboundLocalError (no chunk ran), or with prompt_chunk=0 range()'s step-zero ValueError."""
+    from exporter.runtime import SessionSettings
+    runner = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=prompt_chunk))
+    empty = np.zeros((1, 0), dtype=np.int64)
+    with pytest.raises(InputError, match=r"at least one prompt of at least one token, got input_ids of shape \(1, 0\)"):
+        runner.start(empty, empty, empty)

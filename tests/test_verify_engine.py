@@ -979,3 +979,35 @@ def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
 
     result = check_greedy(Reference(), NaNRunner(), runner.manifest, [1, 2], QUICK, profile_for("float32", "cpu"))
     assert not result.passed and result.onnx_ids == [] and "not finite" in result.note
+
+
+def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifact_fp32):
+    """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
+    (top1 0.000), blaming the export."""
+    from exporter.errors import InputError
+    from reference import build_model, get_preset
+    other = build_model(get_preset("minimind2-tiny"), seed=0)
+    with pytest.raises(InputError, match=r"^the model does not match the artifact: its config differs in "
+                                         r"intermediate_size \(model 192, artifact 256\), .*rms_norm_eps.*, version; "
+                                         r"pass the model the artifact was exported from"):
+        verify_artifact(artifact_fp32, other, ["cpu"], QUICK, genai=False)
+    gpt = build_model(get_preset("teaching-gpt-tiny"), seed=0)
+    with pytest.raises(InputError, match=r"the model \(TeachingGPT with config TeachingGPTConfig\) is not of the "
+                                         r"artifact's family minimind"):
+        verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False)
+
+
+def test_a_float16_companion_of_another_config_names_the_fields(artifact_fp16):
+    from exporter.errors import InputError
+    from exporter.verify.providers import companion_for
+    from reference import get_preset
+    with pytest.raises(InputError, match=r"is not a float16 export of the same model \(its config differs in "
+                                         r"intermediate_size, .*, version\)"):
+        companion_for(artifact_fp16, "float32", get_preset("minimind2-tiny"))
+
+
+def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
+    """A str was iterated before: "cpu" asked for the providers "c", "p" and "u" (ProviderError "not c")."""
+    report = verify_artifact(artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False)
+    assert [r.provider for r in report.reports] == ["CPUExecutionProvider"]
+    assert report.passed

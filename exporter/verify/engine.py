@@ -17,7 +17,7 @@ import numpy as np
 from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
-from exporter.manifest import Manifest, read_manifest
+from exporter.manifest import Manifest, config_differences, read_manifest
 from exporter.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, greedy_choices,
                               routing_agreement)
 from exporter.runtime import CPU, OrtRunner, available_parity_providers, check_parity_providers
@@ -215,15 +215,33 @@ def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, set
     return None, "none", settings, AppliedOverrides(overrides)
 
 
+def _check_model(model, manifest: Manifest) -> None:
+    """InputError unless `model` is of the artifact's family and config: another model's logits would fail every
+    check and blame the export for it."""
+    config = getattr(model, "config", None)
+    if type(config) is not type(manifest.config):
+        raise InputError(f"the model ({type(model).__name__} with config {type(config).__name__}) is not of the "
+                         f"artifact's family {manifest.family}; pass the model the artifact was exported from")
+    ours, theirs = config.to_dict(), manifest.config.to_dict()
+    changed = config_differences(ours, theirs)
+    if changed:
+        # the values of the first few, the names of all: one line either way
+        shown = [f"{k} (model {ours.get(k)!r}, artifact {theirs.get(k)!r})" for k in changed[:4]] + changed[4:]
+        raise InputError(f"the model does not match the artifact: its config differs in {', '.join(shown)}; pass "
+                         "the model the artifact was exported from, or re-export the artifact from this model")
+
+
 def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
                     settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
                     golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
                     fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
-    """Verify an artifact on the given providers (each must exist), or on every available one when None.
+    """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
+    when None.
 
-    model: the PyTorch reference (torch.nn.Module); golden: a golden bundle folder to compare with instead
-    (no torch), judged with the tolerance overrides it was recorded with, each term in `overrides` taking its
-    recorded one's place; with neither, only the reference-free invariants run. golden_save: record the
+    model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
+    golden: a golden bundle folder to compare with instead (no torch), judged with the tolerance overrides it
+    was recorded with, each term in `overrides` taking its recorded one's place; with neither, only the
+    reference-free invariants run. golden_save: record the
     reference's inputs and outputs there, with `overrides`. genai: also check onnxruntime-genai's greedy
     tokens; None runs the check when it can and reports why not otherwise, True makes each of those a
     ConsumerError, False skips it.
@@ -233,6 +251,8 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     start = time.perf_counter()
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
+    if model is not None:
+        _check_model(model, manifest)
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
         if model is None or golden is not None:

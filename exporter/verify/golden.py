@@ -42,7 +42,7 @@ import onnxruntime as ort
 
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
-from exporter.manifest import Manifest, sha256_file
+from exporter.manifest import Manifest, config_differences, sha256_file
 from exporter.paths import check_output_path
 from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
@@ -301,7 +301,7 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
                            f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with --golden-save")
     ours, theirs = _identity(manifest), meta["artifact"]
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
-        changed = sorted(k for k in ours["config"] if ours["config"][k] != theirs["config"].get(k))
+        changed = config_differences(ours["config"], theirs["config"])
         raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in "
                              f"{', '.join(changed) or 'dtype'}: bundle dtype {theirs['dtype']}, artifact {ours['dtype']}); "
                              "verify against a bundle recorded from this artifact")

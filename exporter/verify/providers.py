@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.errors import ArtifactError, InputError
-from exporter.manifest import Manifest, read_manifest
+from exporter.manifest import Manifest, config_differences, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds
 from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
@@ -90,9 +90,10 @@ def companion_for(folder: Path, dtype: str, config=None, source: dict | None = N
     if dtype != "float32":
         raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {dtype}")
     companion = read_companion(folder)
-    if config is not None and companion.config != config:
-        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (another config); "
-                         "export this model with --dtype float16")
+    changed = [] if config is None else config_differences(config.to_dict(), companion.config.to_dict())
+    if changed:
+        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (its config differs "
+                         f"in {', '.join(changed)}); export this model with --dtype float16")
     ours, theirs = _weights_of(source or {}), _weights_of(companion.source)
     if ours is not None and theirs is not None and ours != theirs:
         # the precision leg would charge the difference of the weights to float16

@@ -153,11 +153,16 @@ def pytest_make_collect_report(collector):
     """The session collects each folder's manifest.json itself, after the test paths. Given as a test path,
     the manifest would be reached through a directory collector for each folder from the rootdir down, and
     pytest imports the conftest.py of every directory it collects: one beside or above the artifact
-    (`/downloads/conftest.py` for `--artifacts /downloads/model`) would run as code."""
+    (`/downloads/conftest.py` for `--artifacts=/downloads/model`) would run as code."""
     report = yield
     plans = collector.config.stash.get(_PLANS, None)
     if isinstance(collector, pytest.Session) and plans and report.passed:
-        report.result += [ArtifactFile.from_parent(collector, path=folder / "manifest.json", plan=plan)
+        # The id is relative to the rootdir, which is where pytest starts, so it may lie beside the folder: pytest's
+        # own id for a path outside the rootdir drops the folder ("::manifest.json"), and with it what tells
+        # two folders apart.
+        report.result += [ArtifactFile.from_parent(collector, path=folder / "manifest.json", plan=plan,
+                                                   nodeid=os.path.relpath(folder / "manifest.json",
+                                                                          collector.config.rootpath))
                           for folder, plan in plans.items()]
     return report
 
@@ -196,7 +201,7 @@ class ArtifactCheck(pytest.Item):
         folder = artifact.path.parent
         if self.name != "invariants" and artifact.plan.reference == "invariants":
             pytest.skip(f"{folder}::{self.name}: no reference to compare with: {artifact.plan.reason}; pass "
-                        "--golden-bundle DIR")
+                        "--golden-bundle=DIR")
         outcome = artifact.verify()
         if isinstance(outcome, Exception):
             from exporter.errors import ToolkitError, first_line

@@ -1,38 +1,48 @@
-"""pytest plugin: `pytest --artifacts DIR [DIR ...]` runs the verification suite on your own artifacts.
+"""pytest plugin: `pytest --artifacts=DIR [--artifacts=DIR ...]` runs the verification suite on your own artifacts.
 
 Registered through the `pytest11` entry point, so it is active wherever this package is installed;
 without --artifacts it adds nothing. Each folder is collected as `DIR/manifest.json` with one test item
 per check, after the test paths given (alone when none is). The session itself holds these items:
 pytest never collects the folder or its parents as directories, since collecting a directory imports
-its conftest.py, and one above a downloaded artifact is as foreign as one inside it. Per folder the
-reference is, in this order: a golden bundle (--golden-bundle DIR, or a `golden/` folder inside the artifact),
-the reference model rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), or
-none, in which case only the reference-free invariants run and the other checks are skipped with the
-reason. Everything that can be checked without running the graphs (the manifest, the file sizes,
-the providers, the bundle's identity) is checked at startup: a problem there is one line and
-pytest's usage-error exit code, 4.
+its conftest.py, and one above a downloaded artifact is as foreign as one inside it. A path option is
+written as one argument (`--artifacts=DIR`): pytest picks its rootdir and ini file from the arguments
+before this plugin registers its options, so in `--artifacts DIR` it takes DIR for a test path and an
+ini file beside or above the artifact would configure the run; the two-argument form is refused. Per
+folder the reference is, in this order: a golden bundle given (--golden-bundle=DIR), the reference model
+rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), a `golden/` bundle inside
+the artifact (only when the reference cannot be rebuilt), or none, in which case only the reference-free
+invariants run and the other checks are skipped with the reason. Everything that can be checked without
+running the graphs (the manifest, the file sizes, the providers, the bundle's identity) is checked at
+startup: a problem there is one line and pytest's usage-error exit code, 4.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 GOLDEN_IN_ARTIFACT = "golden"
+PATH_OPTIONS = ("--artifacts", "--golden-bundle")  # written --option=DIR: see the module's docstring
+# Files pytest would run (conftest.py) or read as its configuration (the ini files) from a folder it collects
+# or starts in; an artifact holds none of them.
+PYTEST_FILES = {"conftest.py": "run as code", **{name: "read as its configuration" for name in
+                                                 ("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
+                                                  "pyproject.toml")}}
 _PLANS = pytest.StashKey[dict]()  # absolute folder (a pytest node's path) -> Plan
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("minimind-onnx", "verification of exported ONNX artifacts")
-    group.addoption("--artifacts", nargs="+", action="extend", type=Path, default=None, metavar="DIR",
-                    help="artifact folder(s) to run the verification suite on (repeatable); every argument up to "
-                         "the next option is taken as one, so write test paths before --artifacts (or use "
-                         "--artifacts=DIR)")
+    group.addoption("--artifacts", action="append", type=Path, default=None, metavar="DIR",
+                    help="artifact folder to run the verification suite on, written --artifacts=DIR (one argument, "
+                         "else pytest reads DIR as a test path when it picks its ini file); repeatable")
     group.addoption("--golden-bundle", type=Path, default=None, metavar="DIR",
-                    help="golden bundle to verify the artifacts against (instead of rebuilding the reference)")
+                    help="golden bundle to verify the artifacts against, written --golden-bundle=DIR (instead of "
+                         "rebuilding the reference)")
     group.addoption("--artifact-provider", action="append", default=None, metavar="NAME",
                     help="execution provider, cpu or cuda (repeatable); default: every available one")
 
@@ -43,37 +53,50 @@ class Plan:
 
     reference: str
     bundle: Path | None = None
-    reason: str = ""
+    reason: str = ""  # why the reference could not be rebuilt, for 'invariants' and an in-folder bundle
     overrides: str = ""  # the tolerance overrides a golden bundle was recorded with, which its replay applies
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
     """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used,
-    CheckpointError when the checkpoint it was exported from is gone or changed."""
+    CheckpointError when the checkpoint it was exported from is gone or changed and no bundle stands in.
+
+    A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
+    so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
     from exporter.errors import ToolkitError
     from exporter.manifest import check_sizes, read_manifest
-    from exporter.verify.golden import BUNDLE, check_bundle, recorded_overrides
-    from exporter.verify.tolerances import AppliedOverrides
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)
-    if (Path(folder) / "conftest.py").exists():  # pytest imports the conftest.py beside what it collects
-        raise ToolkitError(f"{folder} holds a conftest.py, which pytest would run as code; an artifact holds "
-                           "none: remove it")
-    bundle = golden or (folder / GOLDEN_IN_ARTIFACT if (folder / GOLDEN_IN_ARTIFACT / BUNDLE).is_file() else None)
-    if bundle is not None:
-        recorded = recorded_overrides(check_bundle(bundle, manifest))
-        return Plan("golden", Path(bundle), overrides=AppliedOverrides(recorded=recorded).describe())
+    for name, fate in PYTEST_FILES.items():
+        if (Path(folder) / name).exists():
+            raise ToolkitError(f"{folder} holds a {name}, which pytest would {fate}; an artifact holds none: "
+                               "remove it")
+    if golden is not None:
+        return _golden_plan(golden, manifest)
     source = manifest.source
     if source.get("kind") == "seeded":
         return Plan("rebuilt")
     if source.get("kind") == "checkpoint":
         problem = _checkpoint_problem(Path(source.get("path", "")), source.get("sha256"))
-        if problem:  # as `export-onnx verify` refuses it: a stale artifact must not pass with its checks skipped
-            raise CheckpointError(f"{folder}: {problem}; restore it, pass --golden-bundle DIR, or re-export")
-        return Plan("rebuilt")
-    return Plan("invariants", reason=f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit "
-                                     "cannot rebuild")
+        if not problem:
+            return Plan("rebuilt")
+    else:
+        problem = f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit cannot rebuild"
+    from exporter.verify.golden import BUNDLE
+    in_folder = Path(folder) / GOLDEN_IN_ARTIFACT
+    if (in_folder / BUNDLE).is_file():
+        return _golden_plan(in_folder, manifest, reason=problem)
+    if source.get("kind") == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
+        raise CheckpointError(f"{folder}: {problem}; restore it, pass --golden-bundle=DIR, or re-export")
+    return Plan("invariants", reason=problem)
+
+
+def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
+    from exporter.verify.golden import check_bundle, recorded_overrides
+    from exporter.verify.tolerances import AppliedOverrides
+    recorded = recorded_overrides(check_bundle(bundle, manifest))
+    return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
 
 
 def _checkpoint_problem(path: Path, sha256: str | None) -> str:
@@ -95,6 +118,11 @@ def pytest_configure(config):
         if given:
             raise pytest.UsageError(f"{', '.join(given)} without --artifacts: name the artifact folders to verify")
         return
+    split = [option for option in PATH_OPTIONS if option in _command_line(config)]
+    if split:
+        raise pytest.UsageError(f"write {split[0]}=DIR as one argument: in `{split[0]} DIR` pytest takes DIR for a "
+                                "test path when it picks its rootdir and ini file, so a pytest.ini beside or above "
+                                "it would configure the run")
     from exporter.errors import ProviderError, ToolkitError
     from exporter.runtime import check_parity_providers
     from reference.errors import ModelError
@@ -107,14 +135,17 @@ def pytest_configure(config):
         plans = {Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}
     except (ToolkitError, ModelError) as exc:
-        stray = [str(f) for f in folders if Path(f).is_file() or Path(f).suffix == ".py"
-                 or Path(f).is_dir() and not (Path(f) / "manifest.json").exists() and any(Path(f).glob("test_*.py"))]
-        hint = (f" ({', '.join(stray)}: --artifacts takes every argument up to the next option; write test paths "
-                "before it)") if stray else ""
+        manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
+        hint = f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else ""
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone
         config.args[:] = []
+
+
+def _command_line(config) -> list[str]:
+    """The arguments pytest picked its rootdir and ini file from: PYTEST_ADDOPTS, then the command line."""
+    return shlex.split(os.environ.get("PYTEST_ADDOPTS", "")) + [str(arg) for arg in config.invocation_params.args]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -122,11 +153,16 @@ def pytest_make_collect_report(collector):
     """The session collects each folder's manifest.json itself, after the test paths. Given as a test path,
     the manifest would be reached through a directory collector for each folder from the rootdir down, and
     pytest imports the conftest.py of every directory it collects: one beside or above the artifact
-    (`/downloads/conftest.py` for `--artifacts /downloads/model`) would run as code."""
+    (`/downloads/conftest.py` for `--artifacts=/downloads/model`) would run as code."""
     report = yield
     plans = collector.config.stash.get(_PLANS, None)
     if isinstance(collector, pytest.Session) and plans and report.passed:
-        report.result += [ArtifactFile.from_parent(collector, path=folder / "manifest.json", plan=plan)
+        # The id is relative to the rootdir, which is where pytest starts, so it may lie beside the folder: pytest's
+        # own id for a path outside the rootdir drops the folder ("::manifest.json"), and with it what tells
+        # two folders apart.
+        report.result += [ArtifactFile.from_parent(collector, path=folder / "manifest.json", plan=plan,
+                                                   nodeid=os.path.relpath(folder / "manifest.json",
+                                                                          collector.config.rootpath))
                           for folder, plan in plans.items()]
     return report
 
@@ -165,7 +201,7 @@ class ArtifactCheck(pytest.Item):
         folder = artifact.path.parent
         if self.name != "invariants" and artifact.plan.reference == "invariants":
             pytest.skip(f"{folder}::{self.name}: no reference to compare with: {artifact.plan.reason}; pass "
-                        "--golden-bundle DIR")
+                        "--golden-bundle=DIR")
         outcome = artifact.verify()
         if isinstance(outcome, Exception):
             from exporter.errors import ToolkitError, first_line
@@ -207,6 +243,8 @@ SKIP = object()  # a check that does not apply to this artifact or run
 def _skip_reason(name: str, report) -> str:
     if name == "expert_choice":
         return "a dense model: no expert routing to compare"
+    if name == "shape_sweep":  # the plugin's own runs sweep: only a golden bundle's recorded settings leave it out
+        return "no shape sweep ran: the golden bundle was recorded with --no-sweep"
     if name == "providers_agree":
         skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
         return f"one provider ran ({report.reports[0].provider})" + (f"; skipped {skipped}" if skipped else "")
@@ -239,6 +277,12 @@ def _per_provider(part):
     return pick
 
 
+def _shape_sweep(report):
+    if not report.settings.get("sweep"):  # no case ran: nothing to pass
+        return SKIP
+    return _per_provider(lambda r: _sweep(r.sweep))(report)
+
+
 def _experts(report):
     if all(r.experts is None for r in report.reports):
         return SKIP
@@ -257,7 +301,7 @@ CHECKS = {
                              "; ".join(f"{i.name}: {i.detail}" for i in r.invariants if not i.passed)),
     "prefill_and_decode": _per_provider(lambda p: _worst(p.comparisons)),
     "greedy": _per_provider(lambda p: (p.greedy.passed, p.greedy.note)),
-    "shape_sweep": _per_provider(lambda p: _sweep(p.sweep)),
+    "shape_sweep": _shape_sweep,
     "fp16_health": _per_provider(lambda p: (p.health.passed, "; ".join(p.health.issues))),
     "repeat_run": _per_provider(lambda p: (p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}")),
     "expert_choice": _experts,
@@ -270,8 +314,8 @@ def pytest_report_header(config):
     plans = config.stash.get(_PLANS, None)
     if not plans:
         return None
-    described = {"golden": lambda p: f"golden bundle {p.bundle}" + (f"; tolerance overrides: {p.overrides}"
-                                                                    if p.overrides else ""),
+    described = {"golden": lambda p: f"golden bundle {p.bundle}" + (f" ({p.reason})" if p.reason else "")
+                 + (f"; tolerance overrides: {p.overrides}" if p.overrides else ""),
                  "rebuilt": lambda p: "the reference model rebuilt from the manifest (its seed or checkpoint)",
                  "invariants": lambda p: f"none ({p.reason}): reference-free invariants only"}
     return [f"artifact {folder}: reference = {described[plan.reference](plan)}" for folder, plan in plans.items()]

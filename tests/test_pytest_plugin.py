@@ -1,8 +1,9 @@
-"""`pytest --artifacts DIR`: the suite on a user's own artifact folder, through the installed plugin."""
+"""`pytest --artifacts=DIR`: the suite on a user's own artifact folder, through the installed plugin."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import claim_seed, edit_manifest
+from helpers import claim_seed, edit_manifest, perturb_weight
 
-from exporter.pytest_plugin import CHECKS, Plan, reference_plan
+from exporter.pytest_plugin import CHECKS, SKIP, Plan, reference_plan
 from exporter.verify.checks import SweepCase
 from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
@@ -33,22 +34,59 @@ def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(arti
     # Two folders of one name: each item's id carries its path. Without test paths only the folders are collected.
     folders = [shutil.copytree(artifact_fp32, tmp_path / side / "model") for side in ("a", "b")]
     (tmp_path / "test_x.py").write_text("def test_one():\n    pass\n")
-    out = _pytest(tmp_path, "--collect-only", "-q", "--artifacts", *folders)
+    out = _pytest(tmp_path, "--collect-only", "-q", *(f"--artifacts={folder}" for folder in folders))
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "18 tests collected" in out.stdout
     assert {i.split("::")[0] for i in ids} == {"a/model/manifest.json", "b/model/manifest.json"}
-    with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", "--artifacts", folders[0])
+    with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", f"--artifacts={folders[0]}")
     assert "test_x.py::test_one" in with_tests.stdout and "10 tests collected" in with_tests.stdout
     # A repeated --artifacts adds its folders; test files inside a folder are not collected, and a conftest.py
     # there, which pytest would import, is refused before anything runs.
     (folders[0] / "test_extra.py").write_text("def test_extra():\n    pass\n")
-    repeated = _pytest(tmp_path, "--collect-only", "-q", "--artifacts", folders[0], "--artifacts", folders[1])
+    after = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", "test_x.py")  # either order
+    assert "test_x.py::test_one" in after.stdout and "10 tests collected" in after.stdout
+    repeated = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", f"--artifacts={folders[1]}")
     assert "18 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
     (folders[0] / "conftest.py").write_text("print('code from the artifact folder ran')\n")
-    refused = _pytest(tmp_path, "--collect-only", "-q", "-s", "--artifacts", folders[0])
+    refused = _pytest(tmp_path, "--collect-only", "-q", "-s", f"--artifacts={folders[0]}")
     assert refused.returncode == 4 and "holds a conftest.py, which pytest would run as code" in refused.stderr
     assert "code from the artifact folder ran" not in refused.stdout + refused.stderr
+
+
+def test_a_path_option_in_two_arguments_and_pytest_files_in_the_artifact_are_refused(artifact_fp32, tmp_path):
+    # In `--artifacts DIR` pytest takes DIR for a test path when it picks its rootdir and ini file, before the
+    # plugin's option exists: an ini file beside or above the artifact would configure the run.
+    folder = shutil.copytree(artifact_fp32, tmp_path / "model")
+    for args in (["--artifacts", folder], [f"--artifacts={folder}", "--golden-bundle", folder / "golden"]):
+        split = _pytest(tmp_path, "--collect-only", "-q", *args)
+        assert split.returncode == 4 and f"write {args[-2]}=DIR as one argument: in `{args[-2]} DIR` pytest takes " \
+            "DIR for a test path when it picks its rootdir and ini file" in split.stderr, split.stderr[-2000:]
+    split = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=900, env={**os.environ,
+                                                                             "PYTEST_ADDOPTS": f"--artifacts {folder}"})
+    assert split.returncode == 4 and "write --artifacts=DIR as one argument" in split.stderr, split.stderr[-2000:]
+    for name in ("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml"):
+        (folder / name).write_text("[pytest]\n")
+        refused = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folder}")
+        assert refused.returncode == 4, refused.stdout[-2000:]
+        assert f"holds a {name}, which pytest would read as its configuration" in refused.stderr, refused.stderr
+        (folder / name).unlink()
+
+
+def test_a_hostile_ini_file_above_the_artifact_is_not_read(artifact_fp32, tmp_path):
+    # Unpacked with a pytest.ini one folder up that would run its own plugin and turn the run into a collection.
+    download = tmp_path / "downloads"
+    folder = shutil.copytree(artifact_fp32, download / "model")
+    marker = tmp_path / "ran"
+    (download / "hostile.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (download / "pytest.ini").write_text("[pytest]\npythonpath = .\naddopts = -p hostile --collect-only\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    out = _pytest(project, f"--artifacts={folder}", "--co")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"rootdir: {project}\n" in out.stdout and "configfile" not in out.stdout, out.stdout[:2000]
+    assert f"collected {len(CHECKS)} items" in out.stdout and not marker.exists()
 
 
 def test_a_conftest_above_the_artifact_is_not_imported_while_the_test_paths_keep_theirs(artifact_fp32, tmp_path):
@@ -64,15 +102,16 @@ def test_a_conftest_above_the_artifact_is_not_imported_while_the_test_paths_keep
     (suite / "test_x.py").write_text("def test_one(answer):\n    assert answer == 42\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    for cwd, args in ((tmp_path, ["--artifacts", folder.relative_to(tmp_path)]),
-                      (elsewhere, ["--artifacts", folder]),  # the rootdir is then their common ancestor
-                      (tmp_path, ["suite", "--artifacts", folder])):
+    for cwd, args in ((tmp_path, [f"--artifacts={folder.relative_to(tmp_path)}"]),
+                      (elsewhere, [f"--artifacts={folder}"]),
+                      (tmp_path, ["suite", f"--artifacts={folder}"])):
         out = _pytest(cwd, "--collect-only", "-q", *args)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert f"{len(CHECKS) + (args[0] == 'suite')} tests collected" in out.stdout, out.stdout[-2000:]
-        assert "downloads/pack/model/manifest.json::greedy" in out.stdout
+        beside = "../" if cwd == elsewhere else ""  # the rootdir is where pytest starts: ids are relative to it
+        assert f"\n{beside}downloads/pack/model/manifest.json::greedy\n" in out.stdout, out.stdout[-2000:]
         assert not marker.exists(), args
-    ran = _pytest(tmp_path, "suite", "--artifacts", folder, "-k", "test_one")
+    ran = _pytest(tmp_path, "suite", f"--artifacts={folder}", "-k", "test_one")
     assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout[-2000:]
     assert not marker.exists()
 
@@ -82,18 +121,18 @@ def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_refer
     # Weights exported from memory: no seed or checkpoint to rebuild the reference from, no golden bundle.
     folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
     edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
-    out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "reference-free invariants only" in out.stdout and "1 passed, 8 skipped" in out.stdout
     assert "PASSED mine/manifest.json::invariants" in out.stdout
     assert (f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
-            "cannot rebuild; pass --golden-bundle DIR") in out.stdout  # the skip names its folder and check
+            "cannot rebuild; pass --golden-bundle=DIR") in out.stdout  # the skip names its folder and check
 
 
 def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "wrong")
     edit_manifest(folder, claim_seed(1))  # the reference is rebuilt with other weights
-    out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-rA")
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 1, out.stdout[-3000:]
     assert "the reference model rebuilt from the manifest" in out.stdout
     assert "prefill_and_decode failed on " in out.stdout and "prefill logits max abs" in out.stdout
@@ -112,12 +151,40 @@ def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artif
     recorded = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False),
                                genai=False, golden_save=bundle, overrides=parse_overrides(peak=["logits=0"]))
     assert not recorded.passed
-    out = _pytest(tmp_path, "--artifacts", artifact_fp32, "--golden-bundle", bundle, "--artifact-provider", "cpu",
+    out = _pytest(tmp_path, f"--artifacts={artifact_fp32}", f"--golden-bundle={bundle}", "--artifact-provider", "cpu",
                   "-rA")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
     assert (f"reference = golden bundle {bundle}; tolerance overrides: logits.peak=0 (recorded in the golden "
             "bundle)") in out.stdout
     assert "prefill_and_decode failed on " in out.stdout and "PASSED" in out.stdout  # the invariants
+
+
+def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_cannot_be_rebuilt(artifact_fp32,
+                                                                                                   tiny_model, tmp_path):
+    # A perturbed artifact carrying a bundle recorded from itself with every tolerance loosened: the bundle
+    # travels with the artifact, so it must not outrank the reference rebuilt from the seed.
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.tolerances import parse_overrides
+    folder = shutil.copytree(artifact_fp32, tmp_path / "perturbed")
+    perturb_weight(folder, "model.layers.0.self_attn.q_proj", 0.002)
+    verify_artifact(folder, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False,
+                    golden_save=tmp_path / "loosened", overrides=parse_overrides(atol=["logits=1", "kv=1", "loss=1"]))
+    shutil.copytree(tmp_path / "loosened", folder / "golden")
+    assert reference_plan(folder, None) == Plan("rebuilt")
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "reference = the reference model rebuilt from the manifest" in out.stdout
+    assert "prefill_and_decode failed on " in out.stdout
+    # Weights exported from memory cannot be rebuilt: the bundle is the reference, its --no-sweep recording
+    # leaves the shape sweep out, and the header says why the bundle stands in.
+    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert (f"reference = golden bundle {folder / 'golden'} (the weights came from a in-memory source this toolkit "
+            "cannot rebuild); tolerance overrides: ") in out.stdout
+    assert (f"{folder}::shape_sweep: no shape sweep ran: the golden bundle was recorded with --no-sweep" in
+            out.stdout and "6 passed, 3 skipped" in out.stdout), out.stdout[-3000:]
 
 
 @pytest.mark.parametrize("module, error, said", [
@@ -133,7 +200,7 @@ def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_onc
         f"    raise {error}('onnxruntime cannot load decode.onnx; re-export the folder')\n"
         "engine.verify_artifact = cannot_run\n")
     folder = shutil.copytree(artifact_fp32, tmp_path / "model")
-    out = _pytest(tmp_path, "--artifacts", folder, "--artifact-provider", "cpu", "-s")
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-s")
     assert out.returncode == 1 and f"{len(CHECKS)} failed" in out.stdout, out.stdout[-3000:]
     assert out.stdout.count("verification started") == 1 and "Traceback" not in out.stdout
     assert f"greedy could not run on {folder}: {said}onnxruntime cannot load decode.onnx; re-export the folder" in \
@@ -147,12 +214,16 @@ def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
     def judged(logits, explained):
         flip = SimpleNamespace(explained=explained, describe=lambda: "past prefill: 1 of 8 differ, not a near-tie")
         case = SweepCase(batch=2, new_tokens=1, past=3, logits=logits, kv=passing, routing=[flip])
-        return CHECKS["shape_sweep"](SimpleNamespace(reports=[SimpleNamespace(provider="cpu", sweep=[case])]))
+        return CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": True},
+                                                     reports=[SimpleNamespace(provider="cpu", sweep=[case])]))
     # an explained flip has left the positions it reached out of the comparisons: what is left must pass
     assert judged(passing, explained=True) == (True, "")
     assert judged(failing, explained=True) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
     assert judged(passing, explained=False) == (False, "cpu: batch 2 x new 1 x past 3: past prefill: 1 of 8 "
                                                        "differ, not a near-tie")
+    # a golden bundle recorded with --no-sweep replays no case: there is nothing to pass
+    assert CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": False},
+                                                 reports=[SimpleNamespace(provider="cpu", sweep=[])])) is SKIP
 
 
 def test_each_per_provider_item_fails_when_its_own_check_failed():
@@ -173,7 +244,14 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
     # Gone or changed, it is refused as `export-onnx verify` refuses it: a stale artifact must not pass on skips.
+    from exporter.manifest import read_manifest
+    from exporter.reference_runner import rebuild_reference
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
     assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")
+    bundle = tmp_path / "bundle"
+    verify_artifact(minimind2_artifact, rebuild_reference(minimind2_artifact, read_manifest(minimind2_artifact)),
+                    ["cpu"], ParitySettings(decode_steps=1, sweep=False), genai=False, golden_save=bundle)
     folder = shutil.copytree(minimind2_artifact, tmp_path / "copy")
     changed = tmp_path / "elsewhere" / minimind2_checkpoint.name  # the same name: only the content differs
     changed.parent.mkdir()
@@ -186,13 +264,16 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path="/dev/null"))
     with pytest.raises(CheckpointError, match="its checkpoint /dev/null is gone"):
         reference_plan(folder, None)
-    out = _pytest(tmp_path, "--artifacts", folder)
+    out = _pytest(tmp_path, f"--artifacts={folder}")
     assert out.returncode == 4 and "its checkpoint /dev/null is gone" in out.stderr, out.stderr[-2000:]
+    # A bundle inside the artifact stands in for a reference that cannot be rebuilt.
+    shutil.copytree(bundle, folder / "golden")
+    assert reference_plan(folder, None) == Plan("golden", folder / "golden", reason="its checkpoint /dev/null is gone")
 
 
 def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_path):
     def usage_error(folder, fragment, *options):
-        out = _pytest(tmp_path, "--artifacts", folder, *options)
+        out = _pytest(tmp_path, f"--artifacts={folder}", *options)
         assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
         assert "INTERNALERROR" not in out.stdout + out.stderr and fragment in out.stderr, out.stderr[-2000:]
 
@@ -209,7 +290,9 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
     other.mkdir()
     (other / "golden.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
-    usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", "--golden-bundle", other)
-    usage_error(tmp_path / "none", "is not a folder", "--golden-bundle", other)  # the folder is checked first
-    alone = _pytest(tmp_path, "--golden-bundle", other)  # an option of the plugin's without its folders
+    usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", f"--golden-bundle={other}")
+    usage_error(tmp_path / "none", "is not a folder", f"--golden-bundle={other}")  # the folder is checked first
+    usage_error(artifact_fp32 / "manifest.json", f"({artifact_fp32 / 'manifest.json'}: pass the artifact folder, not "
+                "its manifest.json)")
+    alone = _pytest(tmp_path, f"--golden-bundle={other}")  # an option of the plugin's without its folders
     assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import claim_seed, edit_manifest, perturb_weight
 
+from exporter.errors import ToolkitError
 from exporter.pytest_plugin import CHECKS, SKIP, Plan, reference_plan
 from exporter.verify.checks import SweepCase
 from exporter.verify.golden import FORMAT, FORMAT_VERSION
@@ -172,6 +173,14 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
                     golden_save=tmp_path / "loosened", overrides=parse_overrides(atol=["logits=1", "kv=1", "loss=1"]))
     shutil.copytree(tmp_path / "loosened", folder / "golden")
     assert reference_plan(folder, None) == Plan("rebuilt")
+    with pytest.MonkeyPatch.context() as patch:  # without torch the seed cannot be rebuilt: the bundle stands in
+        patch.setitem(sys.modules, "torch", None)
+        plan = reference_plan(folder, None)
+        assert plan.reference == "golden" and plan.reason.startswith("PyTorch, which rebuilding the reference")
+        shutil.rmtree(folder / "golden")
+        with pytest.raises(ToolkitError, match="does not import here; install it .* or pass --golden-bundle=DIR"):
+            reference_plan(folder, None)
+        shutil.copytree(tmp_path / "loosened", folder / "golden")
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
     assert "reference = the reference model rebuilt from the manifest" in out.stdout

@@ -457,7 +457,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # With --json an error is a JSON object on stdout too (README), a usage error included.
         if "--json" in sys.argv[1:]:
-            print(json.dumps({"error": {"kind": "usage", "message": message}, "exit_code": 2}, indent=2))
+            from exporter.errors import error_document
+            print(json.dumps(error_document("usage", message, 2), indent=2))
         super().error(message)
 
 
@@ -466,8 +467,9 @@ def fail(kind: str, message: str, code: int, as_json: bool) -> None:
     process that failed); then exit with `code`."""
     print(message if kind == "interrupted" else f"error: {message}", file=sys.stderr)
     if as_json:
+        from exporter.errors import error_document
         from exporter.verify.reports import json_text
-        print(json_text({"error": {"kind": kind, "message": message}, "exit_code": code}))
+        print(json_text(error_document(kind, message, code)))
     sys.exit(code)
 
 

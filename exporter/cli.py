@@ -7,7 +7,6 @@ Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal erro
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from exporter.errors import ToolkitError
+from exporter.errors import ToolkitError, error_document, torch_import_error
 from exporter.generation import MINIMIND_SAMPLING
 from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
 from reference.errors import ModelError
@@ -68,7 +67,7 @@ _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
     click.echo(_PREFIX[kind] + message, err=True)
-    error = {"error": {"kind": kind, "message": message}, "exit_code": code}
+    error = error_document(kind, message, code)
     if _owed_reports:
         _write_error_reports(error)
     if as_json and not _result_printed:  # stdout stays parseable: an error object instead of a result
@@ -268,10 +267,9 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
 def _require_torch(purpose: str, fix: str = "install it (pip install torch==2.13.0)") -> None:
     """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
     inspect, generate and a golden replay are enough for."""
-    try:
-        importlib.import_module("torch")
-    except ImportError as exc:
-        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({exc}); {fix}") from None
+    missing = torch_import_error()
+    if missing is not None:
+        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); {fix}")
 
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
@@ -637,7 +635,7 @@ def inspect(folder, as_json, quiet, verbose):
         message = (f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items())
                    + "; re-export the folder")
         click.echo(f"error: {message}", err=True)
-        result.update(error={"kind": "input", "message": message}, exit_code=EXIT_INPUT_ERROR)
+        result.update(error_document("input", message, EXIT_INPUT_ERROR))
     _emit(result, as_json, format_inspect(manifest, str(folder), status))
     if damaged:
         sys.exit(EXIT_INPUT_ERROR)

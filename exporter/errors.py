@@ -4,6 +4,24 @@ The CLI turns these into a one-line message and exit code 2 (usage or input
 error). Parity failures are results, not errors: they exit with 1.
 """
 
+import importlib
+
+
+def error_document(kind: str, message: str, exit_code: int) -> dict:
+    """What a failed command prints on stdout under --json (and writes as its error report): the CLI's, the
+    benchmark's and inspect's error object."""
+    return {"error": {"kind": kind, "message": message}, "exit_code": exit_code}
+
+
+def torch_import_error() -> str | None:
+    """Why PyTorch does not import here, or None when it does: the reference model and the export need it, a
+    deployment may hold only onnxruntime."""
+    try:
+        importlib.import_module("torch")
+    except ImportError as exc:
+        return str(exc)
+    return None
+
 
 def first_line(exc: BaseException, limit: int | None = None) -> str:
     """The first line of an exception's message, or its type's name when it has none: what a one-line error

@@ -18,7 +18,6 @@ startup: a problem there is one line and pytest's usage-error exit code, 4.
 
 from __future__ import annotations
 
-import importlib
 import os
 import shlex
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
 
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
-    from exporter.errors import ToolkitError
+    from exporter.errors import ToolkitError, torch_import_error
     from exporter.manifest import check_sizes, read_manifest
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
@@ -78,11 +77,10 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     source = manifest.source
     if source.get("kind") not in ("seeded", "checkpoint"):
         problem = f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit cannot rebuild"
-    elif not _torch_imports():
+    elif torch_import_error() is not None:
         problem = "PyTorch, which rebuilding the reference needs, does not import here"
     else:
-        problem = _checkpoint_problem(Path(source.get("path", "")), source.get("sha256")) \
-            if source.get("kind") == "checkpoint" else ""
+        problem = _checkpoint_problem(source) if source.get("kind") == "checkpoint" else ""
         if not problem:
             return Plan("rebuilt")
     from exporter.verify.golden import BUNDLE
@@ -97,14 +95,6 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     return Plan("invariants", reason=problem)
 
 
-def _torch_imports() -> bool:
-    try:
-        importlib.import_module("torch")
-    except ImportError:
-        return False
-    return True
-
-
 def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     from exporter.verify.golden import check_bundle, recorded_overrides
     from exporter.verify.tolerances import AppliedOverrides
@@ -112,14 +102,11 @@ def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
 
 
-def _checkpoint_problem(path: Path, sha256: str | None) -> str:
+def _checkpoint_problem(source: dict) -> str:
     """Why the checkpoint the artifact was exported from cannot be its reference now; '' when it can."""
-    if not (path.is_file() or path.is_dir()):
-        return f"its checkpoint {path} is gone"
-    from reference.checkpoints import fingerprint
-    if fingerprint(path) != sha256:
-        return f"its checkpoint {path} changed since the export"
-    return ""
+    from reference.checkpoints import checkpoint_change
+    change = checkpoint_change(source.get("path", ""), source.get("sha256"))
+    return f"its checkpoint {source.get('path', '')} {change}" if change else ""
 
 
 def pytest_configure(config):

@@ -117,11 +117,11 @@ def check_rebuildable(folder: Path, manifest: Manifest) -> None:
     if source.get("kind") == "seeded":
         return
     if source.get("kind") == "checkpoint":
-        from reference.checkpoints import fingerprint
-        path = Path(source["path"])
-        if not path.exists() or fingerprint(path) != source["sha256"]:
-            raise ArtifactError(f"{folder} was exported from checkpoint {path}, which is "
-                                f"{'gone' if not path.exists() else 'changed since'}; restore it or re-export")
+        from reference.checkpoints import checkpoint_change
+        change = checkpoint_change(source["path"], source["sha256"])
+        if change:
+            raise ArtifactError(f"{folder} was exported from checkpoint {source['path']}, which {change}; restore "
+                                "it or re-export")
         return
     raise ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({source}); verify it "
                         "against a golden bundle (--golden DIR), from Python with verify_artifact(folder, model), "

@@ -222,6 +222,15 @@ def _strip_wrappers(state: dict) -> dict:
     return state
 
 
+def checkpoint_change(path, sha256: str | None) -> str:
+    """What became of the checkpoint an artifact was exported from (its path and fingerprint then): "" when it
+    is there unchanged, else "is gone" or "changed since the export"."""
+    path = Path(path)
+    if not (path.is_file() or path.is_dir()):
+        return "is gone"
+    return "" if fingerprint(path) == sha256 else "changed since the export"
+
+
 def fingerprint(path) -> str:
     """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents)."""
     path = Path(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import glob
 import io
 import json
 import logging
@@ -342,11 +343,43 @@ def _prepare_destination(folder: Path) -> None:
                               "list and replacing it would delete; move them out or choose another --output")
 
 
+def _hidden_sibling(folder: Path, kind: str) -> Path:
+    """A new hidden folder beside `folder`, named for this process, so that a later export can tell whether the
+    export that made it is still running."""
+    return Path(tempfile.mkdtemp(prefix=f".{folder.name}.{kind}-{os.getpid()}-", dir=folder.parent))
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process: running, as far as this one can tell
+        pass
+    return True
+
+
+def _clear_interrupted(folder: Path) -> None:
+    """Remove the hidden folders that an export stopped where no cleanup could run (SIGKILL, SIGHUP, a power cut)
+    left beside `folder`; those of a running export are left alone. One killed between the two renames of the
+    swap had moved the earlier artifact aside: that artifact is put back first."""
+    pattern = re.compile(rf"\.{re.escape(folder.name)}\.(partial|old)-(\d+)-[^/]+")
+    leftovers = sorted((p for p in folder.parent.glob(f".{glob.escape(folder.name)}.*-*")
+                        if (match := pattern.fullmatch(p.name)) and not _process_running(int(match[2]))),
+                       key=lambda p: ".partial-" in p.name)  # the moved-aside artifact before the build folder
+    for leftover in leftovers:
+        if (leftover / folder.name).is_dir() and not os.path.lexists(folder):
+            os.rename(leftover / folder.name, folder)
+            log.warning("put back %s, which an interrupted export had moved aside to %s", folder.name, leftover.name)
+        shutil.rmtree(leftover, ignore_errors=True)
+        log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
+
+
 def _move_into_place(built: Path, folder: Path) -> None:
     """Swap the finished folder in; an earlier artifact is removed only after the new one is in place."""
     old = None
     if folder.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+        old = _hidden_sibling(folder, "old")
     try:
         if old is not None:
             try:
@@ -401,7 +434,8 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        built = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        _clear_interrupted(folder)
+        built = _hidden_sibling(folder, "partial")
     except OSError as exc:
         raise _write_failed(folder, exc) from None
     umask = os.umask(0)

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -328,3 +330,37 @@ def test_an_id_or_label_outside_the_vocabulary_fails_in_both_graphs_as_in_the_re
     assert "onnxruntime" not in capfd.readouterr().err  # its own red log copy of each failure is not printed
     with pytest.raises(GraphRunError, match="decode.onnx"):  # generation's path: decode.onnx with IO binding
         runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_put_back(tmp_path):
+    # SIGKILL or SIGHUP between the swap's two renames: the earlier artifact sat in .art.old-*, art was gone,
+    # and nothing ever looked at the hidden folders again.
+    folder, dead, running = tmp_path / "art", _dead_pid(), os.getpid()
+    moved_aside = tmp_path / f".art.old-{dead}-abc" / "art"
+    moved_aside.mkdir(parents=True)
+    (moved_aside / "manifest.json").write_text("earlier")
+    (tmp_path / f".art.partial-{dead}-def").mkdir()
+    (tmp_path / f".art.partial-{running}-ghi").mkdir()  # an export still running: not ours to remove
+    (tmp_path / f".artx.partial-{dead}-jkl").mkdir()  # beside another destination
+    export_module._clear_interrupted(folder)
+    assert (folder / "manifest.json").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".art.partial-{running}-ghi", f".artx.partial-{dead}-jkl",
+                                                          "art"]
+
+
+def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model,
+                                                                 monkeypatch):
+    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
+    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
+                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+    left = artifact_copy.parent / f".{artifact_copy.name}.partial-{_dead_pid()}-x"
+    left.mkdir()
+    (left / "prefill.onnx").write_bytes(b"half")
+    export_artifact(tiny_model, artifact_copy)
+    assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]

@@ -134,7 +134,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
         log.debug("torch.onnx output:\n%s", noise.getvalue())
         cause = _root_cause(exc)
         raise ExportFailed(f"torch.onnx could not export {contract.file}: {type(cause).__name__}: "
-                           f"{_ANSI.sub('', first_line(cause))}") from exc
+                           f"{_ANSI.sub('', first_line(cause))}{_raising_line(cause)}") from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
     _strip_trace_metadata(model)
     _rsqrt_as_division(model)
@@ -145,6 +145,18 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch.onnx colours its messages for a terminal
+_RAISING_CALL = re.compile(r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)'
+                           r'(?:\n[ \t]+(\S.*))?')
+
+
+def _raising_line(cause: BaseException) -> str:
+    """Where in the model's code torch.export stopped, which torch names only far down its message (after
+    the advice on its own APIs): for a branch on tensor values, the user's `if`."""
+    call = _RAISING_CALL.search(str(cause))
+    if call is None:
+        return ""
+    file, line, function, code = call.groups()
+    return f", raised by {file}:{line} in {function}" + ("" if code is None else f": `{code.strip()}`")
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -4,6 +4,7 @@ built, and torch.onnx's own failures are quoted by their cause."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 from pathlib import Path
 
@@ -107,6 +108,9 @@ def test_an_unexportable_forward_is_reported_by_its_cause(byo_example, tmp_path)
     message = str(caught.value)
     assert message.startswith("torch.onnx could not export prefill.onnx: GuardOnDataDependentSymNode: ")
     assert "data-dependent" in message and "\x1b" not in message and "Next steps" not in message
+    # torch names the user's line only far down its message; the one line ends with it.
+    assert re.search(r", raised by \S*test_byo\.py:\d+ in skips_an_unpadded_mask: `if attention_mask is not None "
+                     r"and bool\(\(attention_mask == 1\)\.all\(\)\):  # a branch on tensor values`$", message), message
 
 
 def test_a_checkpoint_of_another_design_points_to_bring_your_own(byo_example, tmp_path):

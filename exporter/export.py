@@ -265,10 +265,11 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
 
 
 def _check_forward(model: torch.nn.Module, config, args, with_loss: bool) -> None:
-    """One eager prefill of the tracing example, its outputs held to the config's sizes. A wrong layer count
-    or cache layout otherwise surfaces from the graph lint as outputs out of place ("loss has rank 4",
-    "unexpected input/output div_2"), which names neither the field nor the fix; a forward giving no loss
-    for labels, as a KeyError when verifying the export's loss against it."""
+    """One eager prefill of the tracing example and one cached step after it, their outputs held to the
+    config's sizes. A wrong layer count or cache layout otherwise surfaces from the graph lint as outputs out
+    of place ("loss has rank 4", "unexpected input/output div_2"), which names neither the field nor the fix;
+    a present without the past, as an axis-name clash after both traces; a forward giving no loss for labels,
+    as a KeyError when verifying the export's loss against it."""
     from reference.byo import output_problems
     input_ids, attention_mask, position_ids = args[:3]
     labels = args[3] if with_loss else None
@@ -279,6 +280,15 @@ def _check_forward(model: torch.nn.Module, config, args, with_loss: bool) -> Non
         raise ExportFailed(f"the model's forward failed on a {tuple(input_ids.shape)} example: "
                            f"{type(exc).__name__}: {first_line(exc)}") from exc
     problems = output_problems(out, config, *input_ids.shape, with_loss)
+    if not problems:  # one cached step on that prefill's present: the decode graph's forward
+        batch, length = input_ids.shape
+        try:
+            out = model(input_ids[:, -1:], attention_mask=torch.ones(batch, length + 1, dtype=attention_mask.dtype),
+                        position_ids=position_ids[:, -1:] + 1, past_key_values=out.past_key_values, use_cache=True)
+        except Exception as exc:
+            raise ExportFailed(f"the model's forward failed on one cached step after a {tuple(input_ids.shape)} "
+                               f"example: {type(exc).__name__}: {first_line(exc)}") from exc
+        problems = output_problems(out, config, batch, 1, past_length=length)
     if problems:
         raise ExportFailed(f"the model's forward breaks the contract (reference/byo.py): {'; '.join(problems)}")
 

@@ -43,9 +43,10 @@ class DecoderAdapter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
 
 
-def output_problems(out, config, batch: int, length: int, with_loss: bool = False) -> list[str]:
-    """How a forward's output for (batch, length) new tokens, no past and use_cache=True (and labels, when
-    `with_loss`), breaks the contract sizes of `config` (empty when it keeps them); each names the field to fix."""
+def output_problems(out, config, batch: int, length: int, with_loss: bool = False, past_length: int = 0) -> list[str]:
+    """How a forward's output for (batch, length) new tokens after `past_length` cached ones, use_cache=True (and
+    labels, when `with_loss`), breaks the contract sizes of `config` (empty when it keeps them); each names the
+    field to fix."""
     logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
     if not isinstance(logits, torch.Tensor):
         return [f"forward returned a {type(out).__name__}, not a CausalLMOutput (logits, past_key_values, loss, "
@@ -68,9 +69,15 @@ def output_problems(out, config, batch: int, length: int, with_loss: bool = Fals
     if len(past) != config.num_hidden_layers:
         problems.append(f"past_key_values holds {len(past)} layers, but num_hidden_layers is "
                         f"{config.num_hidden_layers}: set it to the model's")
-    want = (batch, length, config.num_key_value_heads, config.head_dim)
+    want = (batch, past_length + length, config.num_key_value_heads, config.head_dim)
+    new_only = (batch, length, *want[2:])
     for layer, pair in enumerate(past):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
+        if past_length and len(shapes) == 2 and all(shape == new_only for shape in shapes):
+            problems.append(f"layer {layer}'s present (k, v) hold the {length} new positions only, not the "
+                            f"{past_length} past ones before them: return the past concatenated with the new keys "
+                            "and values along the length axis (reference.layers.attend does)")
+            break
         if len(shapes) != 2 or any(shape != want for shape in shapes):
             problems.append(f"layer {layer}'s (k, v) have shapes {shapes}, not (batch, length, num_key_value_heads, "
                             f"head_dim) = {want} each: return them in that layout, or fix the config's sizes")

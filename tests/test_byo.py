@@ -82,6 +82,26 @@ def test_a_cache_in_the_models_own_heads_first_layout_is_named(byo_example):
         check_adapter(adapter, lambda x: model(x)[0], IDS[:, :1])
 
 
+def test_a_present_without_the_past_is_named_before_tracing(byo_example, tmp_path, monkeypatch):
+    # It failed after both traces as "symbol 'sequence_length' stands for both sequence_length and
+    # total_sequence_length", naming neither the cache nor the fix.
+    model, adapter = _adapter(byo_example)
+    forward = adapter.forward
+
+    def new_positions_only(input_ids, past_key_values=None, **kw):
+        out = forward(input_ids, past_key_values=past_key_values, **kw)
+        if past_key_values is None:
+            return out
+        new = input_ids.shape[1]
+        return dataclasses.replace(out, past_key_values=[(k[:, -new:], v[:, -new:]) for k, v in out.past_key_values])
+    adapter.forward = new_positions_only
+    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("traced before the check"))
+    with pytest.raises(ExportFailed, match=r"layer 0's present \(k, v\) hold the 1 new positions only, not the 3 "
+                                           r"past ones before them: return the past concatenated"):
+        export_artifact(adapter, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_check_adapter_leaves_each_modules_mode_as_it_found_it(byo_example):
     model, adapter = _adapter(byo_example)
     assert adapter.training and not model.training  # a new adapter is in training mode around an eval model

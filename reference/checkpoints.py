@@ -203,22 +203,28 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     else:
         raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
                               f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}")
-    if isinstance(state, dict) and "model_state_dict" in state:
-        state, fmt = state["model_state_dict"], f"{fmt} (model_state_dict)"
+    # The teaching GPT saves {"model_state_dict": ..., optimizer}; MiniMind's trainers save their *_resume.pth
+    # as {"model": ..., "optimizer": ..., "epoch": ..., "step": ...}.
+    for wrapper in ("model_state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state, fmt = state[wrapper], f"{fmt} ({wrapper})"
+            break
     if not isinstance(state, dict) or not state:
         raise CheckpointError(f"{path} does not hold a state dict (got {'an empty dict' if state == {} else type(state).__name__}); "
                               "save one with torch.save(model.state_dict(), path)")
     not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
+        shown = ", ".join(map(str, not_tensors[:SHOWN])) + (", ..." if len(not_tensors) > SHOWN else "")
         raise CheckpointError(f"{path} is not a flat state dict: {len(not_tensors)} entries are not tensors "
-                              f"({', '.join(map(str, not_tensors[:SHOWN]))}); save model.state_dict() itself")
+                              f"({shown}); save model.state_dict() itself")
     return _strip_wrappers(state), config, fmt
 
 
 def _strip_wrappers(state: dict) -> dict:
-    for prefix in WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
+    """The keys without the prefixes wrappers add, in whichever order they were nested: MiniMind's trainers
+    wrap the compiled model in DDP (module._orig_mod.)."""
+    while prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None):
+        state = {k[len(prefix):]: v for k, v in state.items()}
     return state
 
 

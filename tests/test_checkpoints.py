@@ -141,6 +141,31 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         load_checkpoint(path, config_data={"head_dim": config.head_dim, "num_attention_heads": 2})
 
 
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
+def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path):
+    # MiniMind's trainers wrap the compiled model in DDP and save {"model": ..., "optimizer": ..., "epoch": ...}
+    # as *_resume.pth: "module._orig_mod." was stripped to "_orig_mod." and refused as no known family's keys,
+    # and the resume file as "not a flat state dict".
+    model = randomise_norms_(build_model(get_preset("minimind-3-tiny"), seed=4))
+    path = tmp_path / "full_sft_64_resume.pth"
+    weights = {prefix + k: v for k, v in _half_state(model).items()}
+    torch.save({"model": weights, "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}, "epoch": 1,
+                "step": 200, "world_size": 2, "wandb_id": None}, path)
+    loaded, report = load_checkpoint(path, config=get_preset("minimind-3-tiny"))
+    assert report.format == "pth (model)"
+    expected = _rounded(model).state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_dict_of_more_than_a_few_non_tensors_says_there_are_more(tmp_path):
+    path = tmp_path / "mixed.pth"
+    torch.save({f"entry{i}": i for i in range(7)} | {"w": torch.zeros(1)}, path)
+    with pytest.raises(CheckpointError, match=r"7 entries are not tensors \(entry0, entry1, entry2, entry3, "
+                                              r"entry4, \.\.\.\); save model.state_dict\(\) itself"):
+        load_checkpoint(path)
+
+
 def test_teaching_gpt_training_checkpoint_loads_and_drops_its_buffers(tmp_path):
     model = randomise_norms_(build_model(get_preset("teaching-gpt-tiny"), seed=1))
     path = tmp_path / "checkpoint_epoch2.pt"

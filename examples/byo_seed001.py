@@ -125,6 +125,7 @@ class SeedDemoAdapter(DecoderAdapter):
         attn = model.model.layers[0].self_attn
         spec = DecoderSpec(name="seed001-demo", num_hidden_layers=len(model.model.layers),
                            num_key_value_heads=attn.n_heads, head_dim=attn.head_dim,
+                           num_attention_heads=attn.n_heads, hidden_size=model.model.embed_tokens.embedding_dim,
                            vocab_size=model.model.embed_tokens.num_embeddings,
                            max_position_embeddings=max_position_embeddings)  # no positions: any cap works
         super().__init__(model, spec)

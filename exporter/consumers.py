@@ -84,15 +84,19 @@ class ModelSizes:
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    assumed: tuple[str, ...] = ()  # fields the config does not give (a DecoderSpec may leave them out)
 
     @classmethod
     def of(cls, manifest: Manifest, pad_token_id: int | None = None) -> ModelSizes:
         config, cache = manifest.config, manifest.cache
-        # Families without grouped-query attention name no query-head count; it is then the kv-head count.
-        heads = getattr(config, "num_attention_heads", cache.num_key_value_heads)
+        heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+        assumed = tuple(name for name, value in (("num_attention_heads", heads), ("hidden_size", hidden))
+                        if value is None)
+        # Without grouped-query attention: as many query heads as kv heads, each head_dim wide.
+        heads = cache.num_key_value_heads if heads is None else heads
         return cls(types=consumer_types(manifest), vocab_size=config.vocab_size,
                    context_length=config.max_position_embeddings,
-                   hidden_size=getattr(config, "hidden_size", heads * cache.head_dim),
+                   hidden_size=heads * cache.head_dim if hidden is None else hidden, assumed=assumed,
                    num_attention_heads=heads, num_key_value_heads=cache.num_key_value_heads,
                    num_hidden_layers=cache.num_layers, head_size=cache.head_dim,
                    bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
@@ -187,6 +191,10 @@ def generation_config(sizes: ModelSizes) -> dict:
 def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerSource | None = None) -> list[str]:
     """Write the configs of every consumer this family runs in, and copy the tokenizer; return the names."""
     sizes = ModelSizes.of(manifest, tokenizer.pad_token_id() if tokenizer else None)
+    if sizes.assumed:
+        log.warning("the config gives no %s: the consumers' configs assume %d query heads and hidden size %d; "
+                    "set them in the DecoderSpec if the model's differ", " or ".join(sizes.assumed),
+                    sizes.num_attention_heads, sizes.hidden_size)
     documents = {}
     if genai_unsupported(manifest):
         log.warning("no %s: onnxruntime-genai cannot run this artifact (%s)", GENAI_CONFIG, genai_unsupported(manifest))

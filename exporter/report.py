@@ -39,6 +39,8 @@ def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
              f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
              f"heads {sizes.num_attention_heads}/{sizes.num_key_value_heads}, vocab {sizes.vocab_size}, "
              f"max positions {sizes.context_length}",
+             *([f"  assumed, not given by the config: {', '.join(sizes.assumed)} (kv heads, and heads x head_dim, "
+                "in config.json and genai_config.json)"] if sizes.assumed else []),
              f"  weights from: {describe_source(manifest.source)}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]

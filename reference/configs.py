@@ -75,10 +75,19 @@ class DecoderSpec(JsonConfig):
     max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Not in the graphs' contract, only in the consumers' configs (config.json, genai_config.json); when not
+    # given they are assumed as a decoder without grouped-query attention has them, and inspect says so.
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"config field name must be a non-empty string, got {self.name!r}")
         check_positive_ints(self, ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size",
                                    "max_position_embeddings"))
+        check_positive_ints(self, [name for name in ("num_attention_heads", "hidden_size")
+                                   if getattr(self, name) is not None])
+        if self.num_attention_heads is not None and self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config field num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads})")
         check_token_ids(self)

@@ -30,8 +30,16 @@ class TeachingGPTConfig(JsonConfig):
         return self.n_blocks
 
     @property
+    def num_attention_heads(self) -> int:
+        return self.n_head
+
+    @property
     def num_key_value_heads(self) -> int:
         return self.n_head
+
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embed
 
     @property
     def head_dim(self) -> int:

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from exporter import export as export_module
 from exporter.errors import ExportFailed, InputError
 from exporter.export import export_artifact
+from exporter.consumers import ModelSizes, genai_config, hf_config
 from exporter.manifest import read_manifest
+from exporter.report import format_inspect
 from exporter.runtime import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
@@ -258,7 +260,7 @@ def test_check_adapter_names_the_form_of_original_logits(byo_example):
 class MySpec(DecoderSpec):
     """A user's own spec: DecoderSpec's fields and one more."""
 
-    hidden_size: int = 64
+    rope_theta: float = 1e4
 
 
 def test_a_decoder_spec_subclass_exports_as_a_custom_decoder(byo_example, byo_artifact, tmp_path, monkeypatch):
@@ -299,3 +301,25 @@ def test_a_source_the_manifest_cannot_record_is_refused_before_any_export_work(
     with pytest.raises(InputError, match=rf"^source is .*: {problem}.*; pass a dict of JSON values"):
         export_artifact(adapter, tmp_path / "out", source=source)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_inspect_marks_assumed_ones(
+        byo_artifact):
+    # A DecoderSpec had no query-head count or hidden size: config.json, genai_config.json and inspect showed
+    # kv heads and kv heads x head_dim as the model's own, right or not.
+    manifest = read_manifest(byo_artifact)
+    spec = manifest.config
+    grouped = dataclasses.replace(spec, num_attention_heads=4 * spec.num_key_value_heads,
+                                  hidden_size=4 * spec.num_key_value_heads * spec.head_dim)
+    sizes = ModelSizes.of(dataclasses.replace(manifest, config=grouped))
+    assert sizes.assumed == ()
+    decoder = genai_config(manifest, sizes)["model"]["decoder"]
+    hf = hf_config(manifest, sizes)
+    for config in (decoder, hf):
+        assert (config["num_attention_heads"], config["hidden_size"]) == (grouped.num_attention_heads,
+                                                                          grouped.hidden_size)
+        assert config["num_key_value_heads"] == spec.num_key_value_heads
+    bare = dataclasses.replace(manifest, config=dataclasses.replace(spec, num_attention_heads=None, hidden_size=None))
+    assert ("assumed, not given by the config: num_attention_heads, hidden_size"
+            in format_inspect(bare, str(byo_artifact), {}))
+    assert "assumed" not in format_inspect(manifest, str(byo_artifact), {})  # the example's spec gives both

@@ -46,7 +46,7 @@ def test_genai_tokens_equal_our_runtime_and_the_reference(artifact_fp32, tiny_mo
     assert ours == reference
     assert genai == without_final_eos(reference, eos)
     assert len(genai) == 40 and len(set(genai)) > 5, "degenerate output makes token equality meaningless"
-    assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form the benchmark uses
+    assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form, loading the folder anew
 
 
 def test_genai_samples_as_minimind_when_asked_and_is_greedy_otherwise(artifact_fp32, generator):

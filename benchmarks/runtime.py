@@ -36,7 +36,6 @@ from pathlib import Path
 PREFILL_LENGTHS = (128, 512)
 DECODE_STEPS = 128
 PROMPT_FOR_DECODE = 16
-MAX_THREADS = 1024  # exporter.runtime.MAX_THREADS: more is refused here, not by a worker's traceback
 SETTLE_S = 0.1  # between turns: the previous worker's pool threads stop spinning
 
 
@@ -151,22 +150,15 @@ def genai_tasks(artifact: Path, threads: int) -> dict:
     from exporter.genai import GenaiGenerator
 
     generator = GenaiGenerator(artifact, threads=threads)
-    og, model = generator._og, generator.model
     vocab = generator.manifest.config.vocab_size
     decode_ids = prompt(PROMPT_FOR_DECODE, vocab)[0].tolist()
 
-    def started(ids: list[int], new_tokens: int):
-        params = og.GeneratorParams(model)
-        total = len(ids) + new_tokens  # min_length keeps eos from ending the run early
-        params.set_search_options(do_sample=False, min_length=total, max_length=total)
-        return og.Generator(model, params)
-
     def prefill_ms(ids: list[int]) -> float:
-        run = started(ids, 1)
+        run = generator.greedy_search(len(ids) + 1, stop_at_eos=False)
         return elapsed_ms(lambda: run.append_tokens(ids))  # runs the prompt
 
     def decode_run():
-        run = started(decode_ids, 1 + DECODE_STEPS)
+        run = generator.greedy_search(len(decode_ids) + 1 + DECODE_STEPS, stop_at_eos=False)
         run.append_tokens(decode_ids)
         # The first call only picks a token from the prompt's logits; each later one runs the model
         # on the token before, then picks: DECODE_STEPS model runs, as in ort_decode_run.
@@ -474,6 +466,8 @@ def fail(kind: str, message: str, code: int, as_json: bool) -> None:
 
 
 def main() -> None:
+    from exporter.runtime import MAX_THREADS  # more is refused here, not by a worker's traceback
+
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
                         help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
@@ -531,9 +525,10 @@ def measure(args) -> dict:
     if importlib.util.find_spec("onnxruntime_genai") and args.provider == "cpu":  # its config selects the CPU
         workers["genai"] = ["--worker", "genai", *common]
     figures, peaks = run_in_turns(workers, args.rounds)
-    report = summarise(figures, peaks, (args.artifact / "weights.onnx.data").stat().st_size)
     from exporter.manifest import read_manifest
-    note = floor_note(read_manifest(args.artifact, check_hashes=False).config)
+    manifest = read_manifest(args.artifact, check_hashes=False)
+    report = summarise(figures, peaks, (args.artifact / manifest.weights_file).stat().st_size)
+    note = floor_note(manifest.config)
     if note:
         report["floor_note"] = note
     if args.provider == "cuda":

@@ -2,5 +2,6 @@
 
 Modules follow the data: contract (I/O names and axes) -> graphs (export
 wrappers) -> export (pipeline, weights, axes, manifest) -> runtime / generation
-(ONNX Runtime) -> reference_runner / parity (comparison) -> report / cli.
+(ONNX Runtime) -> reference_runner / verify (the verification engine; parity re-exports its
+API under the older import path) -> report / cli.
 """

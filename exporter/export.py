@@ -478,7 +478,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
             try:
                 onnx.checker.check_model(str(built / contract.file), full_check=True)
             except Exception as exc:
-                raise ExportFailed(f"onnx.checker rejected {contract.file}: {str(exc).splitlines()[0]}") from exc
+                raise ExportFailed(f"onnx.checker rejected {contract.file}: {first_line(exc)}") from exc
         manifest = Manifest(
             config=config, source=source, dtype=dtype, opset=OPSET,
             prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,

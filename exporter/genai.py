@@ -37,7 +37,8 @@ def _import_genai():
 
 
 class GenaiGenerator:
-    """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` may be called many times."""
+    """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` and `greedy_search` may be called many
+    times."""
 
     def __init__(self, folder: Path, manifest: Manifest | None = None, threads: int = 0):
         """`manifest`: the folder's, read with its hashes checked (read here when not given); `threads`:
@@ -63,14 +64,23 @@ class GenaiGenerator:
             raise ConsumerError(f"onnxruntime-genai could not load {folder}: {first_line(exc)}") from exc
         self._og = og
 
+    def greedy_search(self, max_length: int, stop_at_eos: bool = True):
+        """A new onnxruntime-genai Generator doing greedy search on this model, for sequences of up to
+        `max_length` tokens, prompt included; the caller appends the prompt and steps it. Without
+        `stop_at_eos` it never picks EOS and runs to max_length (a benchmark times a fixed number of steps)."""
+        options = {"do_sample": False, "num_beams": 1, "max_length": max_length}
+        if not stop_at_eos:
+            options["min_length"] = max_length  # below min_length genai masks EOS out of the choice
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(**options)
+        return self._og.Generator(self.model, params)
+
     def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
         """New token ids, greedy; stops at EOS, which onnxruntime-genai leaves out."""
         ids = check_prompt(self.manifest.config, prompt_ids, max_new_tokens)
         if max_new_tokens == 0:
             return []
-        params = self._og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, num_beams=1, max_length=len(ids) + max_new_tokens)
-        generator = self._og.Generator(self.model, params)
+        generator = self.greedy_search(len(ids) + max_new_tokens)
         generator.append_tokens(ids)
         while not generator.is_done():
             generator.generate_next_token()

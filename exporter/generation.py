@@ -136,16 +136,16 @@ def choose_tokens(logits: np.ndarray, config: SamplingConfig, rngs: list[np.rand
 class Generation:
     prompt_ids: list[int]
     new_ids: list[int] = field(default_factory=list)
-    stopped_at_eos: bool = False  # stopped at eos or another stop id (included in new_ids)
+    stopped: bool = False  # ended at eos or another stop id (included in new_ids), not at max_new_tokens
 
     def add(self, token: int | None, stops: set[int]) -> None:
         """One step's token of this row, as `stream` yields it (None: the row has stopped)."""
         if token is not None:
             self.new_ids.append(token)
-            self.stopped_at_eos = token in stops
+            self.stopped = token in stops
 
     def to_dict(self) -> dict:
-        return {"prompt_ids": self.prompt_ids, "new_ids": self.new_ids, "stopped_at_eos": self.stopped_at_eos}
+        return {"prompt_ids": self.prompt_ids, "new_ids": self.new_ids, "stopped": self.stopped}
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

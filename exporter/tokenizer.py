@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.errors import TokenizerError
+from exporter.errors import TokenizerError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _load(path: Path):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception for any parse problem
-        raise TokenizerError(f"{path} is not a readable {TOKENIZER}: {str(exc).splitlines()[0]}") from None
+        raise TokenizerError(f"{path} is not a readable {TOKENIZER}: {first_line(exc)}") from None
 
 
 class TextStream:

@@ -58,7 +58,7 @@ class LoadReport:
     path: str
     format: str
     family: str
-    config_source: str  # "given", "config.json" or "inferred"
+    config_source: str  # "given" (a config), "given fields" (config_data), "config.json" or "inferred"
     converted: dict = field(default_factory=dict)  # original dtype -> number of tensors converted to float32
     dropped: list = field(default_factory=list)  # buffers checked and dropped
     assumed: dict = field(default_factory=dict)  # config fields the weights cannot show -> default used
@@ -405,12 +405,6 @@ def _loader_for(state: dict, path):
             return loader
     raise CheckpointError(f"{path}: no known model family has these keys (first: {', '.join(list(state)[:SHOWN])}); "
                           "export your own decoder with reference.byo instead")
-
-
-def config_from_json(family: str, data: dict):
-    """A family's config from a JSON dict: the toolkit's own fields, or the upstream config.json names."""
-    loader = next(loader for loader in LOADERS if loader.family == family)
-    return get_family(family).config_class.from_dict(loader.translate(data))
 
 
 # ---------------------------------------------------------------- fitting tensors to a model

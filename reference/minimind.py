@@ -134,7 +134,7 @@ class FeedForward(nn.Module):
 class Router(nn.Module):
     """The MoE gate (key `mlp.gate.weight`, (E, hidden)): softmax scores, top-k experts and their weights."""
 
-    is_moe_router = True  # parity records its choices (exporter/routing.py)
+    is_moe_router = True  # parity records its choices (exporter/verify/routing.py)
 
     def __init__(self, config: MiniMindConfig):
         super().__init__()

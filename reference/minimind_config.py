@@ -4,7 +4,6 @@ ONNX Runtime side (manifest, runtime) can read it without importing PyTorch."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
@@ -123,13 +122,6 @@ class MiniMindConfig(JsonConfig):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def n_rep(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
 
 
 def _yarn_from_dict(data: dict) -> YarnScaling:

@@ -101,11 +101,6 @@ def test_the_floor_is_flagged_where_a_step_reads_only_some_weights(benchmark):
     assert benchmark.floor_note(get_preset("teaching-gpt-tiny")) is None
 
 
-def test_the_thread_bound_is_the_runtimes(benchmark):
-    from exporter.runtime import MAX_THREADS
-    assert benchmark.MAX_THREADS == MAX_THREADS
-
-
 def test_a_model_without_room_for_the_decode_run_is_refused_before_any_worker_starts(benchmark, artifact_fp32,
                                                                                      monkeypatch):
     # teaching-gpt-tiny (64 positions) failed in every worker's warm-up, with tracebacks and exit 1.

@@ -381,12 +381,12 @@ def test_generate_json_says_whether_a_row_stopped(cli_artifact):
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)
     [free] = rows()
-    assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped_at_eos": False}
+    assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped": False}
     assert len(free["new_ids"]) == 6
     stop = free["new_ids"][2]
     [stopped] = rows("--stop-id", str(stop))
     assert stopped["new_ids"] == free["new_ids"][:free["new_ids"].index(stop) + 1]
-    assert stopped["stopped_at_eos"] is True
+    assert stopped["stopped"] is True
 
 
 def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):

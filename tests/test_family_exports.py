@@ -25,11 +25,11 @@ from exporter.manifest import file_status, read_manifest
 from exporter.report import format_inspect
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
-from exporter.routing import RouterProbe, record_reference_routing
 from exporter.genai import GenaiGenerator
 from exporter.generation import generate_greedy
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.verify.reports import format_verify
+from exporter.verify.routing import RouterProbe, record_reference_routing
 from helpers import assert_decode_graph_matches, edit_manifest, perturb_weight
 from reference.checkpoints import load_checkpoint
 

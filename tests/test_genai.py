@@ -46,7 +46,7 @@ def test_genai_tokens_equal_our_runtime_and_the_reference(artifact_fp32, tiny_mo
     assert ours == reference
     assert genai == without_final_eos(reference, eos)
     assert len(genai) == 40 and len(set(genai)) > 5, "degenerate output makes token equality meaningless"
-    assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form the benchmark uses
+    assert genai_greedy(artifact_fp32, prompt, 40) == genai  # the one-call form, loading the folder anew
 
 
 def test_genai_samples_as_minimind_when_asked_and_is_greedy_otherwise(artifact_fp32, generator):
@@ -99,7 +99,15 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
         sha256=sha256_file(path), bytes=path.stat().st_size))  # a user's edit, listed as the export would
     ours = generate_greedy(OrtRunner(artifact_copy), prompt, 40, eos).new_ids
     assert ours == free_run[:stop + 1] and ours[-1] == eos
-    assert GenaiGenerator(artifact_copy).greedy(prompt, 40) == free_run[:stop]
+    generator = GenaiGenerator(artifact_copy)
+    assert generator.greedy(prompt, 40) == free_run[:stop]
+    # Without stop_at_eos (the benchmark's fixed-length runs) it never picks the EOS and runs to max_length.
+    run = generator.greedy_search(len(prompt) + 40, stop_at_eos=False)
+    run.append_tokens(prompt)
+    while not run.is_done():
+        run.generate_next_token()
+    new_ids = [int(token) for token in run.get_sequence(0)[len(prompt):]]
+    assert len(new_ids) == 40 and new_ids[:stop] == free_run[:stop] and eos not in new_ids
 
 
 def test_text_generation_agrees_across_genai_tokenizers_and_our_cli(artifact_fp32, generator):

@@ -104,9 +104,9 @@ def test_stop_ids_end_each_row_and_are_kept(runner):
     stop = free[0].new_ids[4]
     stopped = generate(runner, [[1, 17, 230], [9, 9]], 20, stop_ids=[stop])
     assert stopped[0].new_ids == free[0].new_ids[: free[0].new_ids.index(stop) + 1]
-    assert stopped[0].stopped_at_eos
+    assert stopped[0].stopped
     assert stop not in free[1].new_ids  # so the other row runs on to max_new_tokens
-    assert stopped[1].new_ids == free[1].new_ids
+    assert stopped[1].new_ids == free[1].new_ids and not stopped[1].stopped
 
 
 class CountingRunner:

@@ -29,7 +29,7 @@ def test_generation_stops_at_eos(runner):
     tokens = generate_greedy(runner, [1, 17, 230], 20).new_ids
     eos = tokens[6]  # pretend the 7th generated token is the eos id
     result = generate_greedy(runner, [1, 17, 230], 20, eos_token_id=eos)
-    assert result.stopped_at_eos and result.new_ids == tokens[: tokens.index(eos) + 1]
+    assert result.stopped and result.new_ids == tokens[: tokens.index(eos) + 1]
 
 
 @pytest.mark.parametrize("prompt,max_new,message", [

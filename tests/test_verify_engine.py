@@ -604,7 +604,7 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
     """A real fault that fails every shape, with stand-in expert choices: a flip explained by near-ties leaves
     out of the comparison the positions it reached and nothing else, so the fault still fails every call with
     a position left to judge. A flip that is not a near-tie, or no differing choice at all, excuses nothing."""
-    from exporter.routing import CallRouting, ExpertAgreement
+    from exporter.verify.routing import CallRouting, ExpertAgreement
     from exporter.verify.checks import run_sweep
     from exporter.verify.health import HealthScan
     perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # moves the logits only: the presents pass
@@ -641,7 +641,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     own token and the later tokens of its row (through attention): their differences follow from it whatever
     their router gaps. An earlier token of its row or a token of another row is not reached: a difference
     there is explained only as a near-tie of its own."""
-    from exporter.routing import _compare_choices
+    from exporter.verify.routing import _compare_choices
     from exporter.verify.metrics import Tolerance
     tolerance = Tolerance(1e-4, 1e-4)
     tie, clear = [0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]  # a near-tie: experts 0 and 1 within 1e-5
@@ -690,7 +690,7 @@ class _DecodeFlipsAt:
 def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cache(runner, tiny_model):
     """Without the reference's cache, every step after a flip inherits it and fails; with it, the later steps
     judge the graph again. A flip that is not a near-tie keeps its failure and ONNX Runtime its own cache."""
-    from exporter.routing import CallRouting, ExpertAgreement
+    from exporter.verify.routing import CallRouting, ExpertAgreement
     from exporter.verify.checks import check_decode
     from exporter.verify.health import HealthScan
     manifest = runner.manifest

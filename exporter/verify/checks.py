@@ -16,12 +16,12 @@ import numpy as np
 from exporter.contract import KV_KINDS
 from exporter.generation import NonFiniteLogits, generate_greedy
 from exporter.manifest import Manifest
-from exporter.routing import ExpertAgreement
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
 from exporter.verify.metrics import (Comparison, aggregate, compare, difference_histogram, match_length,
                                      real_keys)
+from exporter.verify.routing import ExpertAgreement
 from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class RoutingFlip:
     """A call of a MoE model that failed its tolerance, with what the two sides' routers chose.
 
     explained: some real token was routed to other experts, each time at a near-tie of the reference's router
-    scores or where an earlier layer's differing choice reached it (exporter.routing): those outputs differ by
-    an expert's contribution, within the precision of a discrete choice. The call is then judged at the
+    scores or where an earlier layer's differing choice reached it (exporter.verify.routing): those outputs differ
+    by an expert's contribution, within the precision of a discrete choice. The call is then judged at the
     positions no differing choice reached (`excluded` of its `positions` real ones are left out), and in a
     chain of calls ONNX Runtime takes the reference's cache for the next one, which would otherwise inherit
     the difference for good. Not explained, the call keeps its verdict. `logits` and `present` compare the
@@ -126,7 +126,7 @@ def judge_call(manifest: Manifest, call: str, graph: str, onnx_feeds: dict, actu
     only builds the cache of the next one (its logits and loss are judged elsewhere or not at all) fails
     only by its presents.
 
-    explain_routing(graph, onnx_feeds, valid) -> exporter.routing.CallRouting, asked right after the
+    explain_routing(graph, onnx_feeds, valid) -> exporter.verify.routing.CallRouting, asked right after the
     reference's call: the expert choices of that call on both sides, `graph` being "prefill" or "decode"."""
     real = np.asarray(valid) == 1
     cache = np.asarray(cache) == 1
@@ -323,7 +323,7 @@ def check_greedy(reference, onnx, manifest: Manifest, prompt: list[int], setting
     """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt.
 
     For MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
-    (exporter.routing.greedy_choices) compares the expert choices of the two runs up to a differing token
+    (exporter.verify.routing.greedy_choices) compares the expert choices of the two runs up to a differing token
     that is no near-tie of the reference's logits: a router near-tie in an earlier call reaches every later
     token through the cache, so a differing token after one is within the precision of a discrete choice,
     as a failing call's positions after one are in judge_call."""

@@ -18,8 +18,6 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
-from exporter.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice, greedy_choices,
-                              routing_agreement)
 from exporter.runtime import CPU, OrtRunner, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
                                     judge_greedy, run_sweep)
@@ -32,6 +30,8 @@ from exporter.verify.localise import Localisation, ProbeResult, locate_layer, pr
 from exporter.verify.probe import DebugGraph
 from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
+from exporter.verify.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice,
+                                     greedy_choices, routing_agreement)
 from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type, greedy)
 
 
-def _reference(folder: Path, manifest: Manifest, model, golden: Path | None, settings: ParitySettings,
+def _reference(manifest: Manifest, model, golden: Path | None, settings: ParitySettings,
                overrides: Overrides):
     """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
     if golden is not None:
@@ -259,7 +259,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
             raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
-    reference, described, settings, applied = _reference(folder, manifest, model, golden, settings, overrides)
+    reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
     overrides = applied.overrides  # a replay's: the bundle's, each given term in its place
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"

@@ -44,9 +44,9 @@ from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.manifest import Manifest, config_differences, sha256_file
 from exporter.paths import check_output_path
-from exporter.routing import record_reference_routing
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.routing import record_reference_routing
 from exporter.verify.tolerances import Overrides
 
 log = logging.getLogger(__name__)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.routing import ExpertAgreement
 from exporter.verify.checks import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
 from exporter.verify.health import HealthReport
 from exporter.verify.invariants import Invariant
 from exporter.verify.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
+from exporter.verify.routing import ExpertAgreement
 from exporter.verify.tolerances import AppliedOverrides, Profile
 
 

@@ -208,6 +208,8 @@ def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerS
     for name, document in documents.items():
         (Path(folder) / name).write_text(json.dumps(document, indent=2) + "\n")
     names = list(documents)
+    if tokenizer is not None and GENAI_CONFIG in documents:
+        _warn_of_genai_tokenizer_limits(tokenizer, sizes)
     if tokenizer is not None:
         for disagreement in tokenizer.disagreements({"bos_token": sizes.bos_token_id, "eos_token": sizes.eos_token_id}):
             log.warning("%s", disagreement)
@@ -215,3 +217,17 @@ def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerS
                                            sizes.eos_token_id, sizes.pad_token_id)
         names += copy_tokenizer(tokenizer, folder, minimal)
     return names
+
+
+def _warn_of_genai_tokenizer_limits(tokenizer: TokenizerSource, sizes: ModelSizes) -> None:
+    """What onnxruntime-genai will do wrong with this tokenizer in this artifact, said at export: it writes the
+    artifact all the same, as our runtime and Optimum read the tokenizer as the `tokenizers` library does."""
+    if tokenizer.genai_unreadable:
+        log.warning("%s is %s: onnxruntime-genai's og.Tokenizer cannot read it (it fails to load or encodes other "
+                    "ids); generate with token ids there, or text with export-onnx generate --prompt",
+                    tokenizer.tokenizer.name, tokenizer.genai_unreadable)
+    stop_id = genai_eos_token_id(sizes.eos_token_id, sizes.vocab_size)
+    if sizes.eos_token_id is None and stop_id in tokenizer.tokens:
+        log.warning("the model has no eos_token_id, so %s makes onnxruntime-genai stop at the last id, %d, but the "
+                    "tokenizer uses it for %r: genai would end a text at that token; give the model an "
+                    "eos_token_id", GENAI_CONFIG, stop_id, tokenizer.tokens[stop_id])

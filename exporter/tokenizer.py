@@ -5,7 +5,8 @@ The export copies `tokenizer.json` (Hugging Face `tokenizers` format) and
 onnxruntime-genai and transformers need that file beside tokenizer.json.
 Validation reads the JSON directly for the ids and loads the file with the
 `tokenizers` library, as every consumer will; that loaded tokenizer turns
-text into ids and back (`load_tokenizer`, `TextStream`).
+text into ids and back (`load_tokenizer`, `TextStream`). Text in and out reads
+tokenizer.json only: the checks of tokenizer_config.json are the export's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class TokenizerSource:
     tokens: dict[int, str]  # id -> token: the model vocabulary, the added tokens and the post-processor's
     loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
     special: frozenset[int] = frozenset()  # ids of the added tokens marked special
+    genai_unreadable: str = ""  # why onnxruntime-genai's tokenizer cannot read it like `tokenizers`, or ""
 
     @property
     def max_id(self) -> int:
@@ -107,8 +109,25 @@ def _post_processor_tokens(loaded) -> dict[int, str]:
     return tokens
 
 
-def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
-    """Resolve a tokenizer.json (or a folder holding one) and check that its ids fit the model."""
+def _genai_unreadable(data: dict) -> str:
+    """Why onnxruntime-genai's og.Tokenizer cannot read this tokenizer.json as `tokenizers` does, or ''.
+
+    Measured with onnxruntime-genai 0.18.0 on tokenizers trained in `tokenizers`: only a byte-level BPE
+    (MiniMind's, GPT-2's, Qwen's kind: a ByteLevel pre-tokenizer, alone or in a Sequence) encoded and decoded
+    alike. WordPiece and Unigram failed to load; WordLevel, and BPE over a Whitespace pre-tokenizer, loaded but
+    encoded unknown ids (-1) and decoded without spaces; BPE over Metaspace failed to load."""
+    kind = data["model"].get("type")  # _tokens has read model.vocab
+    if kind != "BPE":
+        return f"a {kind} model"
+    pre_tokenizer = data.get("pre_tokenizer") or {}
+    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer]) if isinstance(pre_tokenizer, dict) else []
+    if not any(isinstance(step, dict) and step.get("type") == "ByteLevel" for step in steps):
+        return "a BPE model without a ByteLevel pre-tokenizer"
+    return ""
+
+
+def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
+    """A tokenizer.json (or a folder holding one), read and checked to fit the model's vocabulary."""
     path = Path(path)
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():
@@ -119,11 +138,19 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokens = {**_post_processor_tokens(loaded), **tokens}
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
-    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special)
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special,
+                             _genai_unreadable(data))
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
                              f"in [0, {vocab_size}); pass the tokenizer the model was trained with")
+    return source
+
+
+def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
+    """The tokenizer an export copies: a tokenizer.json (or a folder holding one) whose ids fit the model, and
+    the tokenizer_config.json beside it, when there is one, checked as the consumers will read it."""
+    source = _read_tokenizer(path, vocab_size)
     if source.config is not None:
         _check_config(source, _read_json(source.config), vocab_size)
     return source
@@ -204,9 +231,10 @@ def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) 
     return [TOKENIZER, TOKENIZER_CONFIG]
 
 
-def load_tokenizer(path: Path, vocab_size: int):
-    """A `tokenizers.Tokenizer` from a tokenizer.json, or a folder (an artifact) holding one, checked to fit."""
-    return find_tokenizer(path, vocab_size).loaded
+def load_tokenizer(path: Path, vocab_size: int) -> TextTokenizer:
+    """The tokenizer.json, or a folder (an artifact) holding one, for text in and out, checked to fit the model.
+    A tokenizer_config.json beside it is not read: generation never uses it."""
+    return TextTokenizer(_read_tokenizer(path, vocab_size).loaded)
 
 
 def _load(path: Path):
@@ -218,6 +246,30 @@ def _load(path: Path):
         raise TokenizerError(f"{path} is not a readable {TOKENIZER}: {first_line(exc)}") from None
 
 
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` for text in and out that says which ids its text leaves out.
+
+    `tokenizers` (and transformers over it) decodes an id that is no token of the tokenizer to nothing, silently;
+    a model's vocabulary may be larger than its tokenizer's, so generated ids can be such ids. `decode` warns,
+    naming each such id once."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self._unknown_reported: set[int] = set()
+
+    def encode(self, text: str):
+        """The `tokenizers.Encoding` of text (`.ids`)."""
+        return self.loaded.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        unknown = sorted({i for i in ids if self.loaded.id_to_token(i) is None} - self._unknown_reported)
+        if unknown:
+            self._unknown_reported.update(unknown)
+            log.warning("generated ids that are no tokens of the tokenizer, left out of the text: %s",
+                        ", ".join(map(str, unknown)))
+        return self.loaded.decode(ids)
+
+
 class TextStream:
     """Turns a growing list of ids into the text to print now.
 
@@ -225,20 +277,21 @@ class TextStream:
     the whole sequence and printing what it added does not.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.printed = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.loaded.decode(self.ids)  # quietly: `rest` names the ids left out, once
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         return self._advance(text)
 
     def rest(self) -> str:
-        """At the end of the stream: what is still held back (an incomplete character, as the decoder shows it)."""
+        """At the end of the stream: what is still held back (an incomplete character, as the decoder shows it).
+        Here the tokenizer warns of ids it left out of the text."""
         return self._advance(self.tokenizer.decode(self.ids))
 
     def _advance(self, text: str) -> str:

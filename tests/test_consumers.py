@@ -206,3 +206,41 @@ def test_a_unigram_vocabulary_counts_by_position(tmp_path):
     assert find_tokenizer(tmp_path, 10).max_id == 9
     with pytest.raises(TokenizerError, match="vocab_size is 9"):
         find_tokenizer(tmp_path / "tokenizer.json", 9)
+
+
+def _word_level_tokenizer(folder, size):
+    """A WordLevel tokenizer.json of `size` tokens w0, w1, ...: a kind onnxruntime-genai cannot read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_tokenizer_genai_cannot_read_is_copied_with_a_warning(artifact_fp32, tmp_path, caplog):
+    source = _word_level_tokenizer(tmp_path / "tok", 300)
+    out = tmp_path / "out"
+    out.mkdir()
+    names = write_consumer_files(out, read_manifest(artifact_fp32), find_tokenizer(source, 512))
+    assert "tokenizer.json" in names  # our runtime and Optimum read it as the tokenizers library does
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert ("tokenizer.json is a WordLevel model: onnxruntime-genai's og.Tokenizer cannot read it (it fails to "
+            "load or encodes other ids); generate with token ids there, or text with export-onnx generate --prompt"
+            in warnings)
+
+
+def test_genai_stopping_at_a_real_token_of_a_model_without_eos_is_warned_of(gpt_artifact, tiny_tokenizer,
+                                                                            tmp_path, caplog):
+    without_eos = read_manifest(gpt_artifact)  # the teaching GPT: no EOS, 512 ids
+    out = tmp_path / "out"
+    out.mkdir()
+    tokenizer = find_tokenizer(tiny_tokenizer, 512)  # 512 tokens: the last id, 511, is one of them
+    write_consumer_files(out, without_eos, tokenizer)
+    assert _json(out, "genai_config.json")["model"]["eos_token_id"] == 511
+    assert (f"the model has no eos_token_id, so genai_config.json makes onnxruntime-genai stop at the last id, 511, "
+            f"but the tokenizer uses it for {tokenizer.tokens[511]!r}: genai would end a text at that token; give "
+            "the model an eos_token_id") in caplog.text
+    caplog.clear()
+    write_consumer_files(out, without_eos, find_tokenizer(_word_level_tokenizer(tmp_path / "small", 300), 512))
+    assert "no eos_token_id" not in caplog.text  # 511 is no token of a 300-token tokenizer: genai never sees it

@@ -17,7 +17,7 @@ from exporter.errors import ArtifactError, ConsumerError
 from exporter.genai import GenaiGenerator, genai_greedy
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import ParitySettings, verify_artifact
-from exporter.tokenizer import GENAI_CONFIG_TYPES
+from exporter.tokenizer import GENAI_CONFIG_TYPES, find_tokenizer
 from exporter.verify import engine
 from exporter.verify.checks import judge_greedy
 from exporter.verify.tolerances import profile_for
@@ -202,3 +202,51 @@ def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path)
     result = CliRunner().invoke(main, ["verify", str(old), "--provider", "cpu", "--genai", "-q"])
     assert result.exit_code == 2 and "genai_config.json" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _trained(model, pre_tokenizer, decoder, trainer):
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizer, decoder
+    words = [a + b for a in ("ka", "lo", "mi", "ne") for b in ("ru", "to", "sa", "vi")]
+    tokenizer.train_from_iterator([" ".join(words)] * 3, trainer)
+    return tokenizer
+
+
+def _tokenizer_kinds():
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    bpe = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)
+    return {
+        "byte-level BPE": _trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                   decoders.ByteLevel(), bpe),
+        "BPE over Whitespace": _trained(models.BPE(unk_token="<unk>"), pre_tokenizers.Whitespace(), None, bpe),
+        "BPE over Metaspace": _trained(models.BPE(unk_token="<unk>"), pre_tokenizers.Metaspace(),
+                                       decoders.Metaspace(), bpe),
+        "WordPiece": _trained(models.WordPiece(unk_token="<unk>"), pre_tokenizers.Whitespace(), decoders.WordPiece(),
+                              trainers.WordPieceTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)),
+        "Unigram": _trained(models.Unigram(), pre_tokenizers.Metaspace(), decoders.Metaspace(),
+                            trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>"], unk_token="<unk>",
+                                                    show_progress=False)),
+        "WordLevel": _trained(models.WordLevel(unk_token="<unk>"), pre_tokenizers.Whitespace(), None,
+                              trainers.WordLevelTrainer(special_tokens=["<unk>"], show_progress=False)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["byte-level BPE", "BPE over Whitespace", "BPE over Metaspace", "WordPiece", "Unigram",
+                                  "WordLevel"])
+def test_the_tokenizer_kinds_the_export_warns_of_are_those_genai_misreads(artifact_copy, tmp_path, kind):
+    """The export's warning (tokenizer.genai_unreadable) is measured: og.Tokenizer fails to load every kind it
+    names, or encodes other ids than the tokenizers library; the kind it does not name reads alike."""
+    tokenizer = _tokenizer_kinds()[kind]
+    tokenizer.save(str(artifact_copy / "tokenizer.json"))
+    (artifact_copy / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    warned = find_tokenizer(artifact_copy, 512).genai_unreadable
+    text = "kalo mine ruto"
+    ids = tokenizer.encode(text).ids
+    try:
+        genai_tokenizer = og.Tokenizer(og.Model(str(artifact_copy)))
+        read_alike = ([int(i) for i in genai_tokenizer.encode(text)] == ids
+                      and genai_tokenizer.decode(ids) == tokenizer.decode(ids))
+    except RuntimeError:
+        read_alike = False
+    assert read_alike == (warned == ""), (kind, warned)

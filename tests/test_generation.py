@@ -309,6 +309,37 @@ def test_streamed_text_is_printed_as_it_is_produced(artifact_fp32, tokenizer_fil
     assert printed_at_step == [0, 1, 2, 3, 4]  # each step's word was on stdout before the next step was produced
 
 
+@pytest.mark.parametrize("config_text", ['{bad', '{"chat_template": [{"name": "default", "template": "x"}]}'])
+def test_generate_does_not_read_the_tokenizer_config_beside_its_tokenizer(artifact_fp32, tokenizer_file, tmp_path,
+                                                                          config_text):
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(config_text)  # the export would refuse it; generation needs none
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17", "--tokenizer",
+                                       str(tmp_path / "tokenizer.json"), "--max-new-tokens", "3", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)[0]["new_ids"]) == 3
+
+
+def test_generated_ids_the_tokenizer_lacks_are_named_once(artifact_fp32, runner, tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    small = Tokenizer(models.WordLevel({f"w{i}": i for i in range(319)}, unk_token="w0"))  # the model has 512 ids
+    small.pre_tokenizer = pre_tokenizers.Whitespace()
+    small.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    small.save(str(tmp_path / "tokenizer.json"))
+    new_ids = generate(runner, [small.encode("w5 w17").ids], 20)[0].new_ids
+    missing = sorted({i for i in new_ids if i >= 319})
+    assert missing, "the seeded model must emit ids past the tokenizer for this test to mean anything"
+    warning = f"generated ids that are no tokens of the tokenizer, left out of the text: {', '.join(map(str, missing))}"
+    command = ["generate", str(artifact_fp32), "--prompt", "w5 w17", "--tokenizer", str(tmp_path / "tokenizer.json"),
+               "--max-new-tokens", "20", "--ignore-eos", "-q"]
+    for options in (["--json"], ["--prompt", "w5 w17", "--json"], []):  # a batch of two, and the live stream
+        result = CliRunner().invoke(main, command + options)
+        assert result.exit_code == 0, result.output
+        assert result.stderr.count("left out of the text") == 1 and warning in result.stderr
+    [row] = json.loads(CliRunner().invoke(main, command + ["--json"]).stdout)
+    assert row["new_ids"] == new_ids and row["text"].split() == [f"w{i}" for i in new_ids if i < 319]
+
+
 def test_text_that_encodes_to_no_tokens_is_refused_as_text(artifact_fp32, monkeypatch):
     # the artifact's byte-level BPE knows only lower-case ASCII letters and has no unknown token
     monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded"))
@@ -342,12 +373,12 @@ def test_generate_checks_stop_and_eos_ids_before_loading_the_model(artifact_fp32
 
 def test_a_character_cut_by_the_end_of_the_stream_is_still_printed():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from exporter.tokenizer import TextStream
+    from exporter.tokenizer import TextStream, TextTokenizer
     tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, []))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     a, e_first, e_second = tokenizer.encode("aé").ids  # one id per byte: "é" is two
-    text = TextStream(tokenizer)
+    text = TextStream(TextTokenizer(tokenizer))
     assert text.push(a) == "a"
     assert text.push(e_first) == ""  # held back until the character is complete
     assert text.push(e_second) == "é"

@@ -2,5 +2,7 @@
 
 Modules follow the data: contract (I/O names and axes) -> graphs (export
 wrappers) -> export (pipeline, weights, axes, manifest) -> runtime / generation
-(ONNX Runtime) -> reference_runner / parity (comparison) -> report / cli.
+(ONNX Runtime) -> model_source / reference_runner / parity (comparison) -> report / cli.
 """
+
+LIBRARY_LOGGERS = ("torch", "onnx_ir", "onnxscript")  # torch.onnx and its optimiser: their info lines drown ours

@@ -109,7 +109,7 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     import torch
 
     from exporter.manifest import read_manifest
-    from exporter.reference_runner import rebuild_reference
+    from exporter.model_source import rebuild_reference
 
     if threads:
         torch.set_num_threads(threads)
@@ -320,12 +320,12 @@ def ensure_artifact(folder: Path) -> None:
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
         from exporter.export import export_artifact
-        from reference import build_model, get_preset
-        export_artifact(build_model(get_preset("minimind-3"), 0), folder,
-                        source={"kind": "seeded", "preset": "minimind-3", "seed": 0})
+        from exporter.model_source import seeded_model
+        seeded = seeded_model("minimind-3")
+        export_artifact(seeded.model, folder, source=seeded.source)
     from exporter.errors import InputError
     from exporter.manifest import read_manifest
-    from exporter.reference_runner import check_rebuildable
+    from exporter.model_source import check_rebuildable
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
     check_rebuildable(folder, manifest)  # else the PyTorch worker fails in its warm-up, the others started
     needed = PROMPT_FOR_DECODE + DECODE_STEPS + 1

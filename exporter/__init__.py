@@ -2,6 +2,8 @@
 
 Modules follow the data: contract (I/O names and axes) -> graphs (export
 wrappers) -> export (pipeline, weights, axes, manifest) -> runtime / generation
-(ONNX Runtime) -> reference_runner / verify (the verification engine; parity re-exports its
-API under the older import path) -> report / cli.
+(ONNX Runtime) -> model_source / reference_runner / verify (the verification engine; parity
+re-exports its API under the older import path) -> report / cli.
 """
+
+LIBRARY_LOGGERS = ("torch", "onnx_ir", "onnxscript")  # torch.onnx and its optimiser: their info lines drown ours

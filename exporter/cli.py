@@ -13,13 +13,15 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
+from exporter import LIBRARY_LOGGERS
 from exporter.errors import ToolkitError, error_document, torch_import_error
 from exporter.generation import MINIMIND_SAMPLING
-from reference import DEFAULT_PRESET, PRESETS, build_model, get_preset
+from reference import DEFAULT_PRESET, PRESETS, get_preset
 from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
@@ -41,20 +43,26 @@ class ProgressHandler(logging.Handler):
             click.echo(logging.Formatter().formatException(record.exc_info), err=True)
 
 
-_interrupted_by: str | None = None  # the signal that stopped this command, if one did
-# The report paths (by write_error_reports's keywords) a verification owes once its options were accepted: an
-# error then writes them as error reports, so that none an earlier run left passes for this one's verdict.
-_owed_reports: dict[str, Path | None] = {}
-_result_printed = False  # stdout holds the result: under --json an error must not add a second document
-_LIBRARY_LOGGERS = ("torch", "onnx_ir", "onnxscript")  # their info lines would drown the progress lines
+@dataclass
+class CommandState:
+    """How far the running command got, which its error handling reads: the signal handler and the error exit
+    (after click has left the command's context) reach it, so it is this module's, reset by main per command."""
+
+    interrupted_by: str | None = None  # the signal that stopped this command, if one did
+    # The report paths (by write_error_reports's keywords) a verification owes once its options were accepted: an
+    # error then writes them as error reports, so that none an earlier run left passes for this one's verdict.
+    owed_reports: dict[str, Path | None] = field(default_factory=dict)
+    result_printed: bool = False  # stdout holds the result: under --json an error must not add a second document
+
+
+_state = CommandState()
 
 
 def _interrupt(signum, frame):
     """SIGINT and SIGTERM raise KeyboardInterrupt, so that cleanups run (an export's partial folder is
     removed); the signal is remembered because torch.export can turn the interrupt into an error of its own."""
-    global _interrupted_by
-    _interrupted_by = signal.Signals(signum).name
-    for library in _LIBRARY_LOGGERS:  # what torch.export logs about the interrupt it turns into an error
+    _state.interrupted_by = signal.Signals(signum).name
+    for library in LIBRARY_LOGGERS:  # what torch.export logs about the interrupt it turns into an error
         logging.getLogger(library).setLevel(logging.CRITICAL)
     raise KeyboardInterrupt
 
@@ -68,9 +76,9 @@ _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
     click.echo(_PREFIX[kind] + message, err=True)
     error = error_document(kind, message, code)
-    if _owed_reports:
+    if _state.owed_reports:
         _write_error_reports(error)
-    if as_json and not _result_printed:  # stdout stays parseable: an error object instead of a result
+    if as_json and not _state.result_printed:  # stdout stays parseable: an error object instead of a result
         try:
             click.echo(json.dumps(error, indent=2))
         except OSError:  # stdout itself failed (a full disk, a closed pipe): the line on stderr has said it all
@@ -81,7 +89,7 @@ def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
 def _write_error_reports(error: dict) -> None:
     from exporter.verify.reports import write_error_reports
     try:
-        write_error_reports(error, **_owed_reports)
+        write_error_reports(error, **_state.owed_reports)
     except ToolkitError as exc:  # a second line: the first said why the verification stopped
         click.echo(f"error: {exc}", err=True)
 
@@ -101,9 +109,10 @@ def handle_errors(func):
                 sys.stdout = open(os.devnull, "w")
                 sys.exit(141)
             log = logging.getLogger(__name__)
-            if isinstance(exc, KeyboardInterrupt) or _interrupted_by is not None:
-                code = 143 if _interrupted_by == "SIGTERM" else 130
-                signal_name = f" ({_interrupted_by})" if _interrupted_by else ""
+            interrupted_by = _state.interrupted_by
+            if isinstance(exc, KeyboardInterrupt) or interrupted_by is not None:
+                code = 143 if interrupted_by == "SIGTERM" else 130
+                signal_name = f" ({interrupted_by})" if interrupted_by else ""
                 outcome = ("; an export leaves no partial artifact: the destination holds the earlier one or the "
                            "complete new one") if func.__name__ in _WRITES_ARTIFACT else ""
                 _fail("interrupted", f"interrupted{signal_name}{outcome}", code, as_json)
@@ -141,15 +150,14 @@ def _setup_logging(verbose: bool, quiet: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [ProgressHandler()]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
-    for library in _LIBRARY_LOGGERS:
+    for library in LIBRARY_LOGGERS:
         logging.getLogger(library).setLevel(logging.WARNING)
 
 
 def _emit(result, as_json: bool, text: str) -> None:
-    global _result_printed
     from exporter.verify.reports import json_text
     click.echo(json_text(result) if as_json else text)
-    _result_printed = True
+    _state.result_printed = True
 
 
 def common_options(func):
@@ -215,37 +223,29 @@ def _read_config_file(path: Path) -> dict:
 
 
 def _model_and_source(preset, seed, checkpoint, config_path):
-    """The model to export and the manifest's record of where its weights came from."""
+    """The model to export, with the manifest's record of where its weights came from (a SourcedModel)."""
+    from exporter.model_source import checkpoint_model, seeded_model
     if checkpoint is None:
         if config_path is not None:
             raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
-        preset = preset or DEFAULT_PRESET
-        return build_model(get_preset(preset), seed), _seeded_source(preset, seed)
-    from reference.checkpoints import fingerprint, load_checkpoint
+        return seeded_model(preset or DEFAULT_PRESET, seed)
     context = click.get_current_context(silent=True)
     if context is not None and context.get_parameter_source("seed") == click.core.ParameterSource.COMMANDLINE:
         raise ToolkitError("--seed seeds generated weights; a --checkpoint brings its own: drop --seed")
     if preset is not None and config_path is not None:
         raise ToolkitError("give --preset or --config for a checkpoint, not both")
-    config = get_preset(preset) if preset else None
     data = _read_config_file(config_path) if config_path is not None else None
-    model, report = load_checkpoint(checkpoint, config=config, config_data=data)
-    source = {"kind": "checkpoint", "path": str(Path(checkpoint).resolve()), "sha256": fingerprint(checkpoint),
-              **{k: v for k, v in report.to_dict().items() if k != "path"}}
-    return model, source
-
-
-def _seeded_source(preset: str, seed: int) -> dict:
-    return {"kind": "seeded", "preset": preset.lower(), "seed": seed}
+    return checkpoint_model(checkpoint, preset, config_data=data)
 
 
 def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
     """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
     to before the export; a checkpoint's config and source are known only once it has been read (None)."""
+    from exporter.model_source import seeded_source
     if checkpoint is not None:
         return dtype, None, None
     preset = preset or DEFAULT_PRESET
-    return dtype, get_preset(preset), _seeded_source(preset, seed)
+    return dtype, get_preset(preset), seeded_source(preset, seed)
 
 
 def _check_outside_artifact(path, flag: str, folder) -> None:
@@ -264,21 +264,22 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
     return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
 
 
-def _require_torch(purpose: str, fix: str = "install it (pip install torch==2.13.0)") -> None:
+def _require_torch(purpose: str) -> None:
     """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
     inspect, generate and a golden replay are enough for."""
     missing = torch_import_error()
     if missing is not None:
-        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); {fix}")
+        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); install it "
+                           "(pip install torch==2.13.0)")
 
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     _require_torch("exporting")
     from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
-    model, source = _model_and_source(preset, seed, checkpoint, config_path)
+    sourced = _model_and_source(preset, seed, checkpoint, config_path)
     folder = _output_folder(output, preset, checkpoint, dtype)
-    return model, export_artifact(model, folder, dtype=dtype, with_loss=not no_loss, source=source,
-                                  tokenizer=tokenizer)
+    return sourced.model, export_artifact(sourced.model, folder, dtype=dtype, with_loss=not no_loss,
+                                          source=sourced.source, tokenizer=tokenizer)
 
 
 def verify_options(func):
@@ -320,7 +321,29 @@ def verify_options(func):
     return func
 
 
-def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, golden: Path | None = None,
+@dataclass(frozen=True)
+class VerifyOptions:
+    """The values of verify_options, as click passes them (keyword names = the options' parameter names)."""
+
+    decode_steps: int
+    sweep: bool
+    probe: bool
+    atol: tuple[str, ...]
+    rtol: tuple[str, ...]
+    peak: tuple[str, ...]
+    tolerance_file: Path | None
+    report_json: Path | None
+    junit: Path | None
+    html: Path | None
+    golden_save: Path | None
+    fp16_companion: Path | None
+
+    def report_paths(self) -> dict:
+        """The reports to write, by write_reports's (and write_error_reports's) keywords."""
+        return {"json_path": self.report_json, "junit_path": self.junit, "html_path": self.html}
+
+
+def _verify_plan(folder: Path, providers, genai: bool | None, options: VerifyOptions, golden: Path | None = None,
                  planned: tuple | None = None):
     """The verification's options, each checked before anything runs (for `run`, before the export, with
     --fp16-companion held to the `planned` artifact, see _planned_artifact; the engine checks it again after)."""
@@ -332,16 +355,16 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, gol
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.providers import companion_for, read_companion
     from exporter.verify.tolerances import parse_overrides
-    overrides = parse_overrides(options["atol"], options["rtol"], options["peak"], options["tolerance_file"])
-    settings = ParitySettings(decode_steps=options["decode_steps"], sweep=options["sweep"], probe=options["probe"])
+    overrides = parse_overrides(options.atol, options.rtol, options.peak, options.tolerance_file)
+    settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)
     check_parity_providers(providers)
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
-    bundles = {Path(path).resolve(): flag for path, flag in ((options["golden_save"], "--golden-save"),
+    bundles = {Path(path).resolve(): flag for path, flag in ((options.golden_save, "--golden-save"),
                                                              (golden, "--golden")) if path is not None}
     written: dict[Path, str] = {}  # each report path -> its flag
     for option in ("report_json", "junit", "html", "golden_save"):
-        path, flag = options[option], "--" + option.replace("_", "-")
+        path, flag = getattr(options, option), "--" + option.replace("_", "-")
         if path is None:
             continue
         resolved = Path(path).resolve()
@@ -357,28 +380,22 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: dict, gol
             raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
                                "would change; write it elsewhere")
         check_output_path(path, flag, folder=False)
-    if options["fp16_companion"] is not None:
+    if options.fp16_companion is not None:
         if planned is None:
-            read_companion(options["fp16_companion"])
+            read_companion(options.fp16_companion)
         else:
-            companion_for(options["fp16_companion"], *planned)
-    global _owed_reports
-    _owed_reports = _report_paths(options)
+            companion_for(options.fp16_companion, *planned)
+    _state.owed_reports = options.report_paths()
     return overrides, settings
 
 
-def _report_paths(options: dict) -> dict:
-    return {"json_path": options["report_json"], "junit_path": options["junit"], "html_path": options["html"]}
-
-
-def _finish(report, options: dict, result: dict, as_json: bool, text: str) -> None:
+def _finish(report, options: VerifyOptions, result: dict, as_json: bool, text: str) -> None:
     """Write the reports, print the result and exit (1 on a parity failure). A report that cannot be written is
     an input error (exit 2), raised once the verdict is on stdout and the other reports hold it."""
     from exporter.verify.reports import write_reports
-    global _owed_reports
-    _owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
+    _state.owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
     try:
-        write_reports(report, **_report_paths(options))
+        write_reports(report, **options.report_paths())
         unwritten = None
     except ToolkitError as exc:
         unwritten = exc
@@ -388,21 +405,19 @@ def _finish(report, options: dict, result: dict, as_json: bool, text: str) -> No
     sys.exit(0 if report.passed else EXIT_PARITY_FAILURE)
 
 
-def _verify(folder, providers, genai, options: dict, plan, model=None, golden=None):
-    """Run the engine with the CLI's options; torch is imported only when the reference model is needed."""
+def _verify(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
+    """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
+    --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
     from exporter.manifest import read_manifest
+    from exporter.model_source import reference_for
     from exporter.verify.engine import verify_artifact
     overrides, settings = plan
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
-    if model is None and golden is None:
-        _require_torch("verifying against the reference model",
-                       "install it (pip install torch==2.13.0), or replay a golden bundle with --golden DIR")
-        from exporter.reference_runner import rebuild_reference
-        model = rebuild_reference(folder, manifest)
-    report = verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
-                             golden_save=options["golden_save"], overrides=overrides,
-                             fp16_companion=options["fp16_companion"], manifest=manifest)
-    return report
+    if model is None:
+        model = reference_for(folder, manifest, golden).model(folder, manifest)
+    return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
+                           golden_save=options.golden_save, overrides=overrides,
+                           fp16_companion=options.fp16_companion, manifest=manifest)
 
 
 @click.group(cls=OneLineErrorGroup, invoke_without_command=True,
@@ -418,8 +433,8 @@ def main(ctx):
     Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143
     interrupted (SIGINT/SIGTERM), 141 stdout closed early (e.g. piped into head).
     """
-    global _interrupted_by, _owed_reports, _result_printed
-    _interrupted_by, _owed_reports, _result_printed = None, {}, False
+    global _state
+    _state = CommandState()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     if ctx.invoked_subcommand is None:
@@ -437,6 +452,7 @@ def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer
         verbose, **options):
     """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
     _setup_logging(verbose, quiet)
+    options = VerifyOptions(**options)
     from exporter.report import format_export
     from exporter.verify.reports import format_verify
     # a bad verification option must not cost an export
@@ -484,6 +500,7 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     """
     _setup_logging(verbose, quiet)
     from exporter.verify.reports import format_verify
+    options = VerifyOptions(**options)
     if golden is not None:
         context = click.get_current_context()
         flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "golden_save": "--golden-save"}
@@ -526,7 +543,7 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
               help="Prompt text (needs a tokenizer). Repeat for a batch.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
               help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
 @click.option("--temperature", type=float, default=MINIMIND_SAMPLING["temperature"], show_default=True,
@@ -545,7 +562,7 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
 @click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
 @click.option("--threads", type=int, default=0, show_default=True,
               help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.")
-@click.option("--prompt-chunk", type=int, default=None,
+@click.option("--prompt-chunk", type=click.IntRange(min=0), default=None,
               help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
                    "0 = the whole prompt at once.")
 @click.option("--save-optimized", type=click.Path(path_type=Path), default=None, metavar="DIR",

@@ -29,6 +29,7 @@ import onnxruntime
 import torch
 from torch.export import Dim
 
+from exporter import LIBRARY_LOGGERS
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
@@ -123,7 +124,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
     noise = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise), \
-                _quiet_loggers("torch", "onnx_ir", "onnxscript"):
+                _quiet_loggers(*LIBRARY_LOGGERS):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module, args, dynamo=True, opset_version=OPSET, optimize=True, verbose=False,

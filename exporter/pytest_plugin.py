@@ -63,8 +63,9 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
 
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
-    from exporter.errors import ToolkitError, torch_import_error
+    from exporter.errors import ToolkitError
     from exporter.manifest import check_sizes, read_manifest
+    from exporter.model_source import reference_for
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
     check_sizes(folder, manifest)
@@ -72,27 +73,18 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
         if (Path(folder) / name).exists():
             raise ToolkitError(f"{folder} holds a {name}, which pytest would {fate}; an artifact holds none: "
                                "remove it")
-    if golden is not None:
-        return _golden_plan(golden, manifest)
-    source = manifest.source
-    if source.get("kind") not in ("seeded", "checkpoint"):
-        problem = f"the weights came from a {source.get('kind', 'unnamed')} source this toolkit cannot rebuild"
-    elif torch_import_error() is not None:
-        problem = "PyTorch, which rebuilding the reference needs, does not import here"
-    else:
-        problem = _checkpoint_problem(source) if source.get("kind") == "checkpoint" else ""
-        if not problem:
-            return Plan("rebuilt")
-    from exporter.verify.golden import BUNDLE
-    in_folder = Path(folder) / GOLDEN_IN_ARTIFACT
-    if (in_folder / BUNDLE).is_file():
-        return _golden_plan(in_folder, manifest, reason=problem)
-    if source.get("kind") == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
-        raise CheckpointError(f"{folder}: {problem}; restore it, pass --golden-bundle=DIR, or re-export")
-    if source.get("kind") == "seeded":  # torch missing: the checks must not be skipped as if none could run
-        raise ToolkitError(f"{folder}: {problem}; install it (pip install torch==2.13.0) or pass "
+    reference = reference_for(folder, manifest, golden, stand_in=Path(folder) / GOLDEN_IN_ARTIFACT)
+    if reference.kind == "rebuilt":
+        return Plan("rebuilt")
+    problem = reference.problem
+    if reference.kind == "golden":
+        return _golden_plan(reference.bundle, manifest, reason=problem.reason if problem else "")
+    if problem.cause == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
+        raise CheckpointError(f"{folder}: {problem.reason}; restore it, pass --golden-bundle=DIR, or re-export")
+    if problem.cause == "torch":  # the checks must not be skipped as if none could run
+        raise ToolkitError(f"{folder}: {problem.reason}; install it (pip install torch==2.13.0) or pass "
                            "--golden-bundle=DIR")
-    return Plan("invariants", reason=problem)
+    return Plan("invariants", reason=problem.reason)
 
 
 def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
@@ -100,13 +92,6 @@ def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     from exporter.verify.tolerances import AppliedOverrides
     recorded = recorded_overrides(check_bundle(bundle, manifest))
     return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
-
-
-def _checkpoint_problem(source: dict) -> str:
-    """Why the checkpoint the artifact was exported from cannot be its reference now; '' when it can."""
-    from reference.checkpoints import checkpoint_change
-    change = checkpoint_change(source.get("path", ""), source.get("sha256"))
-    return f"its checkpoint {source.get('path', '')} {change}" if change else ""
 
 
 def pytest_configure(config):
@@ -228,12 +213,10 @@ class ArtifactCheck(pytest.Item):
 
 def _verify(folder: Path, plan: Plan, providers):
     from exporter.manifest import read_manifest
+    from exporter.model_source import rebuild_reference
     from exporter.verify.engine import verify_artifact
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
-    model = None
-    if plan.reference == "rebuilt":
-        from exporter.reference_runner import rebuild_reference
-        model = rebuild_reference(folder, manifest)
+    model = rebuild_reference(folder, manifest) if plan.reference == "rebuilt" else None
     return verify_artifact(folder, model, providers, golden=plan.bundle, manifest=manifest)
 
 

@@ -8,13 +8,11 @@ compares the graphs with the model rather than with themselves.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from exporter.contract import KV_KINDS
-from exporter.errors import ArtifactError
 from exporter.export import TORCH_DTYPES
 from exporter.manifest import Manifest
 from exporter.verify.checks import GreedyTrace
@@ -108,32 +106,3 @@ def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_toke
         if token == eos_token_id or len(new_ids) == max_new_tokens:
             return (new_ids, np.stack(logits)) if with_logits else new_ids
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-
-
-def check_rebuildable(folder: Path, manifest: Manifest) -> None:
-    """Refuse, before any work, an artifact whose reference model cannot be rebuilt: weights from a source the
-    toolkit does not build, or a checkpoint that is gone or has changed since the export."""
-    source = manifest.source
-    if source.get("kind") == "seeded":
-        return
-    if source.get("kind") == "checkpoint":
-        from reference.checkpoints import checkpoint_change
-        change = checkpoint_change(source["path"], source["sha256"])
-        if change:
-            raise ArtifactError(f"{folder} was exported from checkpoint {source['path']}, which {change}; restore "
-                                "it or re-export")
-        return
-    raise ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({source}); verify it "
-                        "against a golden bundle (--golden DIR), from Python with verify_artifact(folder, model), "
-                        "or with the invariants alone (pytest --artifacts)")
-
-
-def rebuild_reference(folder: Path, manifest: Manifest) -> torch.nn.Module:
-    """The reference model an artifact was exported from: seeded again, or its checkpoint read again."""
-    check_rebuildable(folder, manifest)
-    source = manifest.source
-    if source["kind"] == "seeded":
-        from reference import build_model
-        return build_model(manifest.config, source["seed"])
-    from reference.checkpoints import load_checkpoint
-    return load_checkpoint(Path(source["path"]), config=manifest.config)[0]

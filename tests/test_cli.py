@@ -398,3 +398,29 @@ def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):
     assert describe_source({"kind": "checkpoint", "path": "/m/model.pth", "sha256": "ab12", "format": "torch",
                             "converted": {}, "assumed": {"max_position_embeddings": 32768}}) == (
         "checkpoint, path=/m/model.pth, sha256=ab12, format=torch, assumed={'max_position_embeddings': 32768}")
+
+
+def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
+    # click's check, as for --decode-steps and --seed: the flag the user typed, not the library's parameter name
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--prompt-chunk", "-1", "-q"), 2,
+                          "Invalid value for '--prompt-chunk': -1 is not in the range x>=0")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "-3", "-q"), 2,
+                          "Invalid value for '--max-new-tokens': -3 is not in the range x>=0")
+
+
+def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it(cli_artifact, minimind2_artifact,
+                                                                                  minimind2_checkpoint, tmp_path):
+    from exporter.export import export_artifact
+    from exporter.manifest import read_manifest
+    from exporter.model_source import checkpoint_model, seeded_model
+    assert seeded_model("minimind-3-tiny", seed=0).source == read_manifest(cli_artifact).source
+    config = json.loads((minimind2_artifact.parent / "config.json").read_text())  # the export's --config
+    sourced = checkpoint_model(minimind2_checkpoint, config_data=config)
+    assert sourced.source == read_manifest(minimind2_artifact).source
+    assert sourced.source["sha256"] and sourced.source["format"]  # the fingerprint and the LoadReport's fields
+    folder = tmp_path / "api"
+    export_artifact(sourced.model, folder, source=sourced.source)
+    result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "--decode-steps", "1", "--no-sweep", "-q",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reference"].startswith("pytorch"), result.stdout[:500]

@@ -254,7 +254,7 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
     # Gone or changed, it is refused as `export-onnx verify` refuses it: a stale artifact must not pass on skips.
     from exporter.manifest import read_manifest
-    from exporter.reference_runner import rebuild_reference
+    from exporter.model_source import rebuild_reference
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
     assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")

@@ -174,8 +174,10 @@ def export_options(func):
                      help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
                           "--checkpoint, which must then fit the preset exactly."),
         click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-                     help="Weights to export: a MiniMind .pth, a .safetensors file, a Transformers folder "
-                          "(config.json + model.safetensors) or a teaching-GPT {'model_state_dict': ...} file. "
+                     help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
+                          "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
+                          "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
+                          "are read as .pth). "
                           "Family and sizes are inferred from it unless --preset or --config is given."),
         click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
                      help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
@@ -183,10 +185,10 @@ def export_options(func):
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed of the deterministic weight initialisation."),
         click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-                     help="Artifact folder [default: artifacts/<preset>, or for a checkpoint without --preset "
-                          "artifacts/<its file or folder name without suffix>, lowercased; -float16 appended for "
-                          "--dtype float16]. An earlier artifact there is replaced only once the new one is "
-                          "complete."),
+                     help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
+                          "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
+                          "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
+                          "one is complete."),
         click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
                      show_default=True, help="Precision of the weights and activations."),
         click.option("--no-loss", is_flag=True,
@@ -257,10 +259,19 @@ def _check_outside_artifact(path, flag: str, folder) -> None:
 
 
 def _output_folder(output, preset, checkpoint, dtype) -> Path:
-    """-o, or artifacts/<preset or checkpoint name>[-<dtype>]."""
+    """-o, or artifacts/<checkpoint name, or preset>[-<dtype>]: two checkpoints fitting one preset get folders of
+    their own."""
     if output is not None:
         return output
-    name = (preset or (Path(checkpoint).stem if checkpoint else DEFAULT_PRESET)).lower()
+    if checkpoint is None:
+        name = preset or DEFAULT_PRESET
+    else:  # resolved: `--checkpoint .` is named after the current folder; a folder keeps its dots (MiniMind2-v1.5)
+        resolved = Path(checkpoint).resolve()
+        name = resolved.name if resolved.is_dir() else resolved.stem
+        if not name:
+            raise ToolkitError(f"--checkpoint {checkpoint} has no name to call the artifact folder after; "
+                               "pass --output DIR")
+    name = name.lower()
     return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
 
 

@@ -424,3 +424,23 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
                      "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"].startswith("pytorch"), result.stdout[:500]
+
+
+def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monkeypatch):
+    # `--checkpoint .` exported into artifacts/ itself (Path(".").stem is ""), which then held every later default
+    # export "inside the artifact folder"; MiniMind2-Small-v1.5/ and -v1.6/ both went to minimind2-small-v1; and two
+    # checkpoints fitting one --preset replaced each other in artifacts/<preset>.
+    from exporter.cli import DEFAULT_ROOT, _output_folder
+    from exporter.errors import ToolkitError
+    checkpoint = tmp_path / "MiniMind3-Tiny"
+    (checkpoint / "MiniMind2-Small-v1.5").mkdir(parents=True)
+    monkeypatch.chdir(checkpoint)
+    assert _output_folder(None, None, Path("."), "float32") == DEFAULT_ROOT / "minimind3-tiny"
+    assert _output_folder(None, None, Path("MiniMind2-Small-v1.5"), "float16") == (
+        DEFAULT_ROOT / "minimind2-small-v1.5-float16")
+    assert _output_folder(None, "minimind2-small", Path("full_sft_512.pth"), "float32") == DEFAULT_ROOT / "full_sft_512"
+    assert _output_folder(None, "minimind2-small", None, "float32") == DEFAULT_ROOT / "minimind2-small"
+    assert _output_folder(Path("out"), "minimind2-small", Path("."), "float32") == Path("out")
+    with pytest.raises(ToolkitError, match=r"--checkpoint / has no name to call the artifact folder after; pass "
+                                           r"--output DIR"):
+        _output_folder(None, None, Path("/"), "float32")

@@ -598,6 +598,12 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     if tokenizer is not None and not prompts:
         raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
+    context = click.get_current_context()
+    sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
+                      if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
+        raise click.UsageError(f"{', '.join(sampling_flags)} only shape sampling, and without --sample the "
+                               "decoding is greedy; add --sample, or drop them")
     if save_optimized is not None:
         from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)

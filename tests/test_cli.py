@@ -408,6 +408,17 @@ def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
                           "Invalid value for '--max-new-tokens': -3 is not in the range x>=0")
 
 
+def test_sampling_options_without_sample_are_refused(cli_artifact):
+    # They were ignored in silence: --temperature 5 --top-p 0.1 --seed 9 printed the greedy tokens, exit 0.
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--temperature", "5", "--top-p",
+                                  "0.1", "--seed", "9", "-q"), 2,
+                          "--temperature, --top-p, --seed only shape sampling, and without --sample the decoding is "
+                          "greedy; add --sample, or drop them")
+    sampled = run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--sample", "--temperature", "5", "--seed",
+                      "9", "--max-new-tokens", "2", "--json")
+    assert sampled.exit_code == 0, sampled.output
+
+
 def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it(cli_artifact, minimind2_artifact,
                                                                                   minimind2_checkpoint, tmp_path):
     from exporter.export import export_artifact

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from exporter.consumers import GENAI_CONFIG, genai_unsupported
-from exporter.errors import ConsumerError, first_line
+from exporter.errors import ArtifactError, ConsumerError, first_line
 from exporter.manifest import Manifest, read_manifest
 from exporter.runtime import check_prompt
 
@@ -36,6 +36,17 @@ def _import_genai():
     return onnxruntime_genai
 
 
+def genai_model_type(folder: Path) -> str:
+    """The model type genai_config.json names; ArtifactError, in one line, when the file is no JSON that names
+    one (an edit listed again in the manifest: its hash alone cannot tell)."""
+    path = Path(folder) / GENAI_CONFIG
+    try:
+        return json.loads(path.read_text())["model"]["type"]
+    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without model.type
+        raise ArtifactError(f"{path} is not onnxruntime-genai's config ({type(exc).__name__}: {first_line(exc)}); "
+                            "undo the edit or re-export the folder") from None
+
+
 class GenaiGenerator:
     """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` and `greedy_search` may be called many
     times."""
@@ -52,7 +63,7 @@ class GenaiGenerator:
         if GENAI_CONFIG not in self.manifest.files:  # listed, so hashed: what the export wrote
             raise ConsumerError(f"{folder} has no {GENAI_CONFIG}; re-export it with this toolkit to run it in "
                                 "onnxruntime-genai")
-        self.model_type = json.loads((self.folder / GENAI_CONFIG).read_text())["model"]["type"]
+        self.model_type = genai_model_type(self.folder)
         try:
             config = og.Config(str(self.folder))
             config.clear_providers()  # the CPU

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
+from google.protobuf.message import DecodeError
 
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError, first_line
@@ -304,8 +305,10 @@ def graph_session(model: bytes, folder: Path, graph_file: str, weights: SharedWe
     return ort.InferenceSession(model, options, providers=session_providers(check_provider(provider)))
 
 
+# UnicodeDecodeError: onnxruntime's refusal of a graph whose damaged bytes are a name it quotes, which the binding
+# cannot turn into a str (a flipped byte in decode.onnx, found by flipping bytes of a tiny export).
 _LOAD_ERRORS = (_ort_errors.Fail, _ort_errors.InvalidArgument, _ort_errors.NoSuchFile, _ort_errors.InvalidProtobuf,
-                _ort_errors.InvalidGraph)
+                _ort_errors.InvalidGraph, UnicodeDecodeError)
 
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
@@ -317,19 +320,43 @@ def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
     return GraphRunError(graph_file, first_line(exc, 400))
 
 
-def _load_session(folder: Path, contract: GraphContract, options: ort.SessionOptions,
-                  providers: list[str]) -> ort.InferenceSession:
-    """A session on one of the artifact's graphs, which must take the inputs its manifest says."""
+def _listed(names: list) -> str:
+    return "[" + ", ".join(str(name) for name in names[:4]) + (", ...]" if len(names) > 4 else "]")
+
+
+def read_graph(folder: Path, manifest: Manifest, contract: GraphContract) -> onnx.ModelProto:
+    """One of the artifact's graphs without its weights, checked against its manifest: it parses, takes and gives
+    the values the contract names, and imports the manifest's opset. What reads a graph before onnxruntime has
+    loaded it goes through here, so that a damaged graph whose hashes were listed again is a one-line
+    ArtifactError, not the parser's error or a missing input found later."""
+    path = Path(folder) / contract.file
     try:
-        session = ort.InferenceSession(str(folder / contract.file), options, providers=providers)
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as exc:
+        raise ArtifactError(f"{path} is no ONNX model ({first_line(exc, 200)}); re-export the folder") from None
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    inputs = [value.name for value in model.graph.input if value.name not in initializers]
+    outputs = [value.name for value in model.graph.output]
+    for kind, found, listed in (("inputs", inputs, contract.input_names), ("outputs", outputs, contract.output_names)):
+        if sorted(found) != sorted(listed):
+            raise ArtifactError(f"{path} has the {kind} {_listed(found)}, its manifest lists {_listed(listed)}; "
+                                "re-export the folder")
+    opsets = [entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")]
+    if opsets != [manifest.opset]:
+        raise ArtifactError(f"{path} imports the opset {_listed(opsets)}, its manifest says {manifest.opset}; "
+                            "re-export the folder")
+    return model
+
+
+def _load_session(folder: Path, manifest: Manifest, contract: GraphContract, options: ort.SessionOptions,
+                  providers: list[str]) -> ort.InferenceSession:
+    """A session on one of the artifact's graphs, which must be the graph its manifest describes."""
+    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
+    try:
+        return ort.InferenceSession(str(folder / contract.file), options, providers=providers)
     except _LOAD_ERRORS as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
                             f"({first_line(exc, 200)}); re-export the folder") from None
-    inputs = [i.name for i in session.get_inputs()]
-    if sorted(inputs) != sorted(contract.input_names):
-        raise ArtifactError(f"{folder / contract.file} takes the inputs {', '.join(inputs[:4])}..., not those its "
-                            "manifest lists; re-export the folder")
-    return session
 
 
 def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
@@ -379,12 +406,12 @@ class OrtRunner:
         prefill, decode = self.manifest.prefill, self.manifest.decode
         on_cpu = self.provider == CPU
         before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
-        self.decode_session = _load_session(self.folder, decode, _session_options(settings, decode.file, None),
-                                            providers)
+        self.decode_session = _load_session(self.folder, self.manifest, decode,
+                                            _session_options(settings, decode.file, None), providers)
         self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
         log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
-        self.prefill_session = _load_session(self.folder, prefill, _session_options(settings, prefill.file,
-                                                                                     self._weights, spin=False),
+        self.prefill_session = _load_session(self.folder, self.manifest, prefill,
+                                             _session_options(settings, prefill.file, self._weights, spin=False),
                                              providers)
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.

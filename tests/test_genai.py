@@ -250,3 +250,26 @@ def test_the_tokenizer_kinds_the_export_warns_of_are_those_genai_misreads(artifa
     except RuntimeError:
         read_alike = False
     assert read_alike == (warned == ""), (kind, warned)
+
+
+def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, tiny_model, monkeypatch):
+    # Both ran every check first, then ended in GenaiGenerator: the unlisted file (left on disk) with exit 2 and
+    # the verdict lost, the malformed one with an internal JSONDecodeError, exit 3.
+    monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
+    path = artifact_copy / "genai_config.json"
+    edit_manifest(artifact_copy, lambda manifest: manifest["files"].pop("genai_config.json"))
+    assert path.is_file()
+    with pytest.raises(ConsumerError, match="manifest lists no genai_config.json"):
+        verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
+    assert engine._genai_skip_reason(artifact_copy, read_manifest(artifact_copy)).startswith(
+        "the folder's manifest lists no genai_config.json")  # what a run without --genai reports, then passes
+    path.write_text('{"model": ')
+    edit_manifest(artifact_copy, lambda manifest: manifest["files"].update(
+        {"genai_config.json": {"sha256": sha256_file(path), "bytes": path.stat().st_size}}))
+    with pytest.raises(ArtifactError, match=r"genai_config.json is not onnxruntime-genai's config \(JSONDecodeError"):
+        verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy), "--provider", "cpu", "-q"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "undo the edit or re-export the folder" in result.stderr
+    with pytest.raises(ArtifactError, match="JSONDecodeError"):
+        GenaiGenerator(artifact_copy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -16,10 +17,11 @@ import numpy as np
 import onnx
 import pytest
 
-from exporter.errors import OutputPathError, ToolkitError
+from exporter.errors import ArtifactError, OutputPathError, ToolkitError
 from exporter.manifest import read_manifest, sha256_file
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
+from exporter.verify import checks
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import (GoldenMismatch, RecordedReference, _recording_digest, check_golden_destination,
                                     load_bundle)
@@ -29,7 +31,8 @@ from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
-from helpers import claim_seed, edit_manifest, perturb_weight, run_cli, scale_inline_weight
+from helpers import (assert_one_line_error, claim_seed, edit_manifest, perturb_weight, run_cli,
+                     scale_inline_weight)
 
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
@@ -130,7 +133,7 @@ def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it
     from exporter.verify.health import HealthScan
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
-    debug = DebugGraph(folder, manifest, manifest.prefill.file)
+    debug = DebugGraph(folder, manifest, manifest.prefill)
     values = debug.run(prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0))))
     holding_fill = {name for name, value in values.items() if np.isneginf(value).any()}
     assert holding_fill and holding_fill <= debug.mask_fed
@@ -198,7 +201,7 @@ def test_the_debug_copy_computes_with_the_artifacts_weights(artifact, request):
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
     feeds = prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0)))
-    exposed = DebugGraph(folder, manifest, manifest.prefill.file).run(feeds)
+    exposed = DebugGraph(folder, manifest, manifest.prefill).run(feeds)
     logits = OrtRunner(folder, manifest=manifest).prefill(feeds)["logits"]
     # The same graph, fused differently around the exposed values: rounding apart.
     assert compare("logits", "logits", exposed["logits"], logits, profile_for(manifest.dtype).logits).passed
@@ -339,7 +342,7 @@ def probed(artifact_fp32, tiny_model):
     (row 0 left-padded by 3)."""
     manifest = read_manifest(artifact_fp32)
     batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
-    debug = DebugGraph(artifact_fp32, manifest, manifest.prefill.file)
+    debug = DebugGraph(artifact_fp32, manifest, manifest.prefill)
     values = debug.run(prefill_feeds(manifest, batch))
     expected = TorchRunner(tiny_model, manifest).module_outputs(batch)
     return debug, values, expected, profile_for(manifest.dtype).kv, batch["attention_mask"]
@@ -1011,3 +1014,51 @@ def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
     report = verify_artifact(artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False)
     assert [r.provider for r in report.reports] == ["CPUExecutionProvider"]
     assert report.passed
+
+
+def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_error(artifact_fp32, tiny_model,
+                                                                                   tmp_path):
+    # The debug copy read the graph before any session did: a truncated prefill.onnx ended in protobuf's
+    # DecodeError and an empty one in KeyError: 'input_ids', both exit 3; another opset than the manifest's
+    # passed.
+    def damaged(name: str, content: bytes | None = None, opset: int | None = None) -> str:
+        folder = shutil.copytree(artifact_fp32, tmp_path / name)
+        graph = folder / "prefill.onnx"
+        if content is not None:
+            graph.write_bytes(content)
+            edit_manifest(folder, lambda manifest: manifest["files"]["prefill.onnx"].update(
+                sha256=sha256_file(graph), bytes=graph.stat().st_size))
+        if opset is not None:
+            edit_manifest(folder, lambda manifest: manifest.update(opset=opset))
+        with pytest.raises(ArtifactError) as caught:
+            verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False)
+        message = str(caught.value)
+        assert len(message.splitlines()) == 1 and message.endswith("; re-export the folder"), message
+        result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "-q")
+        assert_one_line_error(result, 2, message)
+        return message
+
+    data = (artifact_fp32 / "prefill.onnx").read_bytes()
+    assert "prefill.onnx is no ONNX model (Error parsing message" in damaged("truncated", data[:len(data) // 2])
+    assert ("prefill.onnx has the inputs [], its manifest lists [input_ids, attention_mask, position_ids, labels]"
+            in damaged("empty", b""))
+    assert "prefill.onnx imports the opset [20], its manifest says 17" in damaged("opset", opset=17)
+
+
+def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_model, monkeypatch, caplog):
+    # Each ran silent between its first line and the next check (20 s apiece on the tiny model under load).
+    monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 0.0)  # a line after every item but the last
+    monkeypatch.setattr(checks, "sweep_grid", lambda context: [(1, 1, 0), (2, 2, 1), (3, 1, 17)])
+    manifest = read_manifest(artifact_fp32)
+    settings = ParitySettings(decode_steps=3, greedy_tokens=2, probe=False)
+    with caplog.at_level(logging.INFO, logger=checks.__name__):
+        report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, manifest=manifest)
+    assert report.passed
+    lines = [r.getMessage() for r in caplog.records if r.name == checks.__name__]
+    assert lines == ["decode steps: 1/4 done", "decode steps: 2/4 done", "decode steps: 3/4 done",
+                     "sweep shapes: 1/3 done", "sweep shapes: 2/3 done", "sweep: 3/3 shapes pass"]
+    caplog.clear()
+    monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 5.0)  # the default: a tiny loop this short says nothing
+    with caplog.at_level(logging.INFO, logger=checks.__name__):
+        verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, manifest=manifest)
+    assert [r.getMessage() for r in caplog.records if r.name == checks.__name__] == ["sweep: 3/3 shapes pass"]

@@ -9,6 +9,7 @@ imports torch.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -25,6 +26,27 @@ from exporter.verify.routing import ExpertAgreement
 from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
+
+# Seconds between two progress lines of a long loop: the decode steps and the sweep each ran 20 s silent on the
+# tiny model, and minutes on minimind-3.
+PROGRESS_INTERVAL = 5.0
+
+
+class _Progress:
+    """Progress lines of a long loop ("decode steps: 30/65 done"), at most one every PROGRESS_INTERVAL seconds,
+    at the level of the other progress lines (info: -q hides them, --json keeps them on stderr); none for
+    the last item, which the line after the loop reports."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done = what, total, 0
+        self.last_line = time.perf_counter()
+
+    def advance(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.done < self.total and now - self.last_line >= PROGRESS_INTERVAL:
+            log.info("%s: %d/%d done", self.what, self.done, self.total)
+            self.last_line = now
 
 
 @dataclass(frozen=True)
@@ -243,6 +265,7 @@ def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: Par
     resync = flip is not None and flip.explained
     curve, first_call, failing_call = [], None, None
     chunks = [1] * settings.decode_steps + [FINAL_CHUNK]
+    progress = _Progress("decode steps", len(chunks))
     for step, length in enumerate(chunks):
         step_feeds, mask = next_tokens(manifest, mask, length, rng)
         ref_past = presents_as_past(manifest, ref_out)
@@ -261,6 +284,7 @@ def check_decode(reference, onnx, manifest: Manifest, batch: dict, settings: Par
         first_call = first_call or ref_call
         if failing_call is None and not curve[-1].passed:
             failing_call = ref_call
+        progress.advance()
     rows = [aggregate(f"decode logits ({len(chunks)} steps)", [s.logits for s in curve]),
             aggregate(f"decode present ({len(chunks)} steps, all layers)", [s.kv for s in curve])]
     return DecodeResult(rows, curve, failing_call or first_call), ort_out
@@ -387,7 +411,9 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
     ONNX Runtime decodes on the reference's cache."""
     cases = []
     vocab = manifest.config.vocab_size
-    for batch, new, past in sweep_grid(manifest.config.max_position_embeddings):
+    grid = sweep_grid(manifest.config.max_position_embeddings)
+    progress = _Progress("sweep shapes", len(grid))
+    for batch, new, past in grid:
         mask = ragged_mask(batch, past, new)
         ids = rng.integers(0, vocab, (batch, past + new), dtype=np.int64)
         label = f"sweep b{batch} n{new} p{past}"
@@ -413,5 +439,6 @@ def run_sweep(reference, onnx, manifest: Manifest, profile: Profile, health: Hea
                           explain_routing)
         cases.append(SweepCase(batch, new, past, call.logits, _present(f"{label} present", call.layers),
                                flips + ([call.routing] if call.routing is not None else [])))
+        progress.advance()
     log.info("sweep: %d/%d shapes pass", sum(c.passed for c in cases), len(cases))
     return cases

@@ -16,7 +16,7 @@ import numpy as np
 
 from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.errors import ConsumerError, InputError
-from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_version
+from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
 from exporter.runtime import CPU, OrtRunner, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
@@ -166,8 +166,9 @@ def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
         return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
     if genai_unsupported(manifest):
         return genai_unsupported(manifest)
-    if not (Path(folder) / GENAI_CONFIG).is_file():
-        return f"the folder has no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
+    if GENAI_CONFIG not in manifest.files:  # GenaiGenerator loads the listed file alone, whatever else is there
+        return f"the folder's manifest lists no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
+    genai_model_type(folder)  # a damaged one is refused here, before any work, rather than after every check
     return ""
 
 
@@ -270,8 +271,8 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     settings = settings.fit(manifest.config.max_position_embeddings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     runs = []
-    debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill.file),
-                         DebugGraph(folder, manifest, manifest.decode.file) if settings.probe else None)
+    debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill),
+                         DebugGraph(folder, manifest, manifest.decode) if settings.probe else None)
     first_runner = None  # kept for the invariants: loading the sessions again costs seconds
     if reference is not None:
         for provider in chosen:

@@ -24,8 +24,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from exporter.contract import GraphContract
 from exporter.manifest import Manifest
-from exporter.runtime import SharedWeightMap, graph_session
+from exporter.runtime import SharedWeightMap, graph_session, read_graph
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
@@ -138,9 +139,9 @@ def mask_fed_values(graph: onnx.GraphProto) -> frozenset[str]:
 
 
 class DebugGraph:
-    def __init__(self, folder: Path, manifest: Manifest, graph_file: str):
+    def __init__(self, folder: Path, manifest: Manifest, contract: GraphContract):
         folder = Path(folder)
-        model = onnx.load(str(folder / graph_file), load_external_data=False)
+        model = read_graph(folder, manifest, contract)  # built before any session: the first to read the graph
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
         self.graph_outputs = frozenset(declared)  # the graph's own outputs (logits, presents)
@@ -160,7 +161,7 @@ class DebugGraph:
             self.nodes.append(NodeInfo(index, node.name, node.op_type, outputs, module or ""))
         self._model = model.SerializeToString()
         self._folder = folder
-        self.graph_file = graph_file
+        self.graph_file = contract.file
         self._weights = SharedWeightMap(folder, manifest)
         self._sessions: dict = {}
 

@@ -76,7 +76,8 @@ def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the build's own "not in available provider names"
-            started = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA]).get_providers()
+            started = ort.InferenceSession(model.SerializeToString(), options, providers=[CUDA],
+                                           enable_fallback=0).get_providers()
     except Exception as exc:  # noqa: BLE001 -- any failure to start it is the answer, never a crash
         return f"could not start ({first_line(exc, 200)}); check the GPU, CUDA and cuDNN installation"
     if CUDA not in started:
@@ -93,6 +94,10 @@ def check_parity_providers(names) -> list[str]:
 
 def session_providers(full_name: str) -> list:
     """The providers list of a session on `full_name`: the CPU provider runs the ops another provider lacks.
+
+    Every session is made with enable_fallback=0: onnxruntime's Python binding otherwise answers a failure to
+    create or run one (any ValueError or RuntimeError, e.g. a message that is no UTF-8) by printing a banner to
+    stdout, into --json's document, and retrying on the CPU alone: a CUDA verification would run on the CPU.
 
     CUDA runs with TF32 off: onnxruntime's CUDA provider turns it on by default, which rounds a float32
     MatMul's inputs to 11 significant bits, so a float32 artifact would neither compute in float32 nor
@@ -302,7 +307,8 @@ def graph_session(model: bytes, folder: Path, graph_file: str, weights: SharedWe
     takes them, and read from the artifact's weights file where it does not."""
     options = _session_options(settings, graph_file, weights)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    return ort.InferenceSession(model, options, providers=session_providers(check_provider(provider)))
+    return ort.InferenceSession(model, options, providers=session_providers(check_provider(provider)),
+                                enable_fallback=0)
 
 
 # UnicodeDecodeError: onnxruntime's refusal of a graph whose damaged bytes are a name it quotes, which the binding
@@ -353,7 +359,7 @@ def _load_session(folder: Path, manifest: Manifest, contract: GraphContract, opt
     """A session on one of the artifact's graphs, which must be the graph its manifest describes."""
     read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
     try:
-        return ort.InferenceSession(str(folder / contract.file), options, providers=providers)
+        return ort.InferenceSession(str(folder / contract.file), options, providers=providers, enable_fallback=0)
     except _LOAD_ERRORS as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
                             f"({first_line(exc, 200)}); re-export the folder") from None

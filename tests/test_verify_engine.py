@@ -1043,6 +1043,11 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
     assert ("prefill.onnx has the inputs [], its manifest lists [input_ids, attention_mask, position_ids, labels]"
             in damaged("empty", b""))
     assert "prefill.onnx imports the opset [20], its manifest says 17" in damaged("opset", opset=17)
+    # An op type that is no UTF-8: onnxruntime's message quoting it fails to decode, a ValueError, on which its
+    # Python binding printed a four-line "EP Error ... Falling back" banner to stdout, into --json's document.
+    assert "'utf-8' codec can't decode byte 0xff" in damaged("op-type", data.replace(b"MatMul", b"\xffatMul", 1))
+    result = run_cli("verify", tmp_path / "op-type", "--provider", "cpu", "--no-genai", "--json", "-q")
+    assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "input", result.stdout
 
 
 def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_model, monkeypatch, caplog):

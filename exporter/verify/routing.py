@@ -83,7 +83,8 @@ class RouterProbe:
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
         options = plain_session_options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=session_providers(provider))
+        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=session_providers(provider),
+                                            enable_fallback=0)
 
     def expert_ids(self, feeds: dict) -> dict[int, np.ndarray]:
         """layer -> (N, k) chosen expert ids for the N = batch * sequence tokens of `feeds`."""

@@ -63,7 +63,8 @@ def prompt(length: int, vocab: int):
 # returning one figure: milliseconds for a prefill, tokens/s for a decode run, GB/s for bandwidth.
 
 def ort_runner(artifact: Path, provider: str, threads: int, shared_pool: bool = False):
-    from exporter.runtime import OrtRunner, SessionSettings
+    from exporter.runtime import OrtRunner
+    from exporter.sessions import SessionSettings
     return OrtRunner(artifact, provider,
                      settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool))
 
@@ -466,7 +467,7 @@ def fail(kind: str, message: str, code: int, as_json: bool) -> None:
 
 
 def main() -> None:
-    from exporter.runtime import MAX_THREADS  # more is refused here, not by a worker's traceback
+    from exporter.sessions import MAX_THREADS  # more is refused here, not by a worker's traceback
 
     parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
@@ -496,7 +497,7 @@ def main() -> None:
         return
 
     from exporter.errors import ToolkitError
-    from exporter.runtime import check_provider
+    from exporter.sessions import check_provider
     from exporter.verify.reports import json_text
     try:
         check_provider(args.provider)  # before any worker starts

@@ -361,7 +361,7 @@ def _verify_plan(folder: Path, providers, genai: bool | None, options: VerifyOpt
     from exporter.errors import ConsumerError
     from exporter.genai import INSTALL_HINT, genai_version
     from exporter.paths import check_output_path
-    from exporter.runtime import check_parity_providers
+    from exporter.sessions import check_parity_providers
     from exporter.verify.golden import check_golden_destination
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.providers import companion_for, read_companion
@@ -592,7 +592,8 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     _setup_logging(verbose, quiet)
     from exporter.generation import Generation, SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
-    from exporter.runtime import OrtRunner, SessionSettings, check_provider
+    from exporter.runtime import OrtRunner
+    from exporter.sessions import SessionSettings, check_provider
     from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
     if bool(prompt_ids) == bool(prompts):
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")

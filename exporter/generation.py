@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exporter.errors import InputError, ToolkitError
-from exporter.runtime import check_prompt, is_integer, position_ids_from_mask
+from exporter.runtime import check_prompt, position_ids_from_mask
+from exporter.sessions import is_integer
 
 PAD_ID = 0  # any valid id; padded slots are masked out
 # The smallest temperature and repetition penalty: logits divided by both stay finite in float32 (1e-40

@@ -109,7 +109,7 @@ def pytest_configure(config):
                                 "test path when it picks its rootdir and ini file, so a pytest.ini beside or above "
                                 "it would configure the run")
     from exporter.errors import ProviderError, ToolkitError
-    from exporter.runtime import check_parity_providers
+    from exporter.sessions import check_parity_providers
     from reference.errors import ModelError
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.runtime import cuda_unusable
+from exporter.sessions import cuda_unusable
 from helpers import edit_manifest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"

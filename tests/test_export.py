@@ -28,7 +28,8 @@ from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
 from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, SessionSettings, presents_as_past
+from exporter.runtime import OrtRunner, presents_as_past
+from exporter.sessions import SessionSettings
 from exporter.weights import INLINE_LIMIT_BYTES
 from reference import build_model
 from reference.minimind import RMSNorm

@@ -13,7 +13,8 @@ from exporter.cli import main
 from exporter.errors import InputError
 from exporter.generation import SamplingConfig, generate, process_logits, stream
 from exporter.reference_runner import reference_greedy
-from exporter.runtime import OrtRunner, SessionSettings
+from exporter.runtime import OrtRunner
+from exporter.sessions import SessionSettings
 
 
 def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):

@@ -8,7 +8,8 @@ import pytest
 from exporter.manifest import read_manifest
 from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.reference_runner import TorchRunner
-from exporter.runtime import CUDA, OrtRunner, cuda_unusable, position_ids_from_mask
+from exporter.runtime import OrtRunner, position_ids_from_mask
+from exporter.sessions import CUDA, cuda_unusable
 from helpers import assert_decode_graph_matches
 from reference import build_model
 

@@ -11,7 +11,8 @@ import pytest
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
 from exporter.reference_runner import reference_greedy
 from exporter.generation import generate_greedy
-from exporter.runtime import CPU, CUDA, OrtRunner, available_parity_providers, check_provider, cuda_unusable
+from exporter.runtime import OrtRunner
+from exporter.sessions import CPU, CUDA, available_parity_providers, check_provider, cuda_unusable
 
 
 def test_greedy_generation_equals_the_reference(runner, tiny_model):
@@ -148,7 +149,8 @@ def test_generation_runs_the_prompt_through_decode_like_prefill(runner):
 
 def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact_fp32):
     """Chunks of 3 (a last one of 2) on a left-padded batch, against the whole prompt in one call."""
-    from exporter.runtime import SessionSettings, position_ids_from_mask
+    from exporter.runtime import position_ids_from_mask
+    from exporter.sessions import SessionSettings
     whole = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=0))
     chunked = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=3))
     ids = np.array([[0, 0, 0, 5, 9, 100, 3, 8, 2, 40, 41], [7, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]], dtype=np.int64)
@@ -186,7 +188,7 @@ def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, 
 
 
 def test_bad_session_settings_are_refused():
-    from exporter.runtime import SessionSettings
+    from exporter.sessions import SessionSettings
     with pytest.raises(InputError, match="optimization must be one of"):
         SessionSettings(optimization="max")
     for threads in (-2, 1025, 2.0):
@@ -200,7 +202,7 @@ def test_bad_session_settings_are_refused():
 
 def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_path):
     """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
-    from exporter.runtime import SessionSettings
+    from exporter.sessions import SessionSettings
     for name in ("prepack_weights", "huge_pages", "shared_thread_pool"):
         for value in ("no", "false", "False", 0, None):
             with pytest.raises(InputError, match=f"{name} must be True or False, got"):
@@ -216,7 +218,7 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
 @pytest.mark.parametrize("prompt_chunk", [0, 128])
 def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
     """It raised UnboundLocalError (no chunk ran), or with prompt_chunk=0 range()'s step-zero ValueError."""
-    from exporter.runtime import SessionSettings
+    from exporter.sessions import SessionSettings
     runner = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=prompt_chunk))
     empty = np.zeros((1, 0), dtype=np.int64)
     with pytest.raises(InputError, match=r"at least one prompt of at least one token, got input_ids of shape \(1, 0\)"):

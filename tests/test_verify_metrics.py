@@ -10,7 +10,7 @@ import pytest
 from exporter.errors import InputError
 from exporter.verify.metrics import (Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length,
                                      real_keys, real_queries)
-from exporter.runtime import session_providers
+from exporter.sessions import session_providers
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
 

@@ -18,7 +18,8 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
-from exporter.runtime import CPU, OrtRunner, available_parity_providers, check_parity_providers
+from exporter.runtime import OrtRunner
+from exporter.sessions import CPU, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
                                     judge_greedy, run_sweep)
 from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle

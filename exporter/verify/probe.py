@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 from exporter.contract import GraphContract
 from exporter.manifest import Manifest
-from exporter.runtime import SharedWeightMap, graph_session, read_graph
+from exporter.sessions import SharedWeightMap, graph_session, read_graph
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}

@@ -25,7 +25,8 @@ import onnx
 import onnxruntime as ort
 
 from exporter.contract import GraphContract
-from exporter.runtime import plain_session_options, position_ids_from_mask, presents_as_past, session_providers
+from exporter.runtime import position_ids_from_mask, presents_as_past
+from exporter.sessions import plain_session_options, session_providers
 from exporter.verify.probe import SCOPES_KEY
 
 if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model

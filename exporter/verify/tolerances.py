@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.errors import InputError
-from exporter.runtime import CPU, CUDA
+from exporter.sessions import CPU, CUDA
 from exporter.verify.metrics import Tolerance
 
 KINDS = ("logits", "kv", "loss")
@@ -75,7 +75,7 @@ _CPU_FP16 = Profile(
     "float16/CPU", logits=_FP16_ACTIVATIONS, kv=_FP16_ACTIVATIONS, loss=Tolerance(2e-3, 4 * _U),
     why="float16 rounds every activation to 11 bits at different points on each side; measured ~7u of the "
         "logits peak, allowed 16u of the peak + 4u elementwise")
-# CUDA float32: every session turns TF32 off (exporter.runtime.session_providers), so the CUDA provider
+# CUDA float32: every session turns TF32 off (exporter.sessions.session_providers), so the CUDA provider
 # computes in float32 with its own kernels and summation orders: the CPU argument and bound. Not measured
 # here (no GPU).
 _CUDA_FP32 = dataclasses.replace(_CPU_FP32, name="float32/CUDA",

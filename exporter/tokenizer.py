@@ -11,9 +11,9 @@ tokenizer.json only: the checks of tokenizer_config.json are the export's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,9 @@ class TokenizerSource:
     loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
     special: frozenset[int] = frozenset()  # ids of the added tokens marked special
     genai_unreadable: str = ""  # why onnxruntime-genai's tokenizer cannot read it like `tokenizers`, or ""
+    # Each file is read once: what was checked is what the artifact gets, even if the file changes meanwhile.
+    content: bytes = field(default=b"", compare=False, repr=False)  # tokenizer.json as read
+    config_data: dict | None = field(default=None, compare=False, repr=False)  # tokenizer_config.json as read
 
     @property
     def max_id(self) -> int:
@@ -48,15 +51,13 @@ class TokenizerSource:
         return next((i for i, t in self.tokens.items() if t == content), None)
 
     def pad_token_id(self) -> int | None:
-        if self.config is None:
-            return None
-        return self.token_id(_read_json(self.config).get("pad_token"))
+        return None if self.config_data is None else self.token_id(self.config_data.get("pad_token"))
 
     def disagreements(self, model_ids: dict[str, int | None]) -> list[str]:
         """Where tokenizer_config.json names a special token (`bos_token`, `eos_token`, ...) at another id than
         the model's in `model_ids`: generation stops at the model's id (genai_config.json,
         generation_config.json, our runtime), while code that reads the tokenizer's id gets the other."""
-        config = {} if self.config is None else _read_json(self.config)
+        config = self.config_data or {}
         found = []
         for name, model_id in model_ids.items():
             token_id = self.token_id(config.get(name))
@@ -68,14 +69,16 @@ class TokenizerSource:
         return found
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> tuple[bytes, dict]:
+    """A JSON object file: its bytes and what they hold."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        content = path.read_bytes()
+        data = json.loads(content.decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise TokenizerError(f"cannot read {path} ({type(exc).__name__}: {exc}); pass a valid JSON file") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} holds a {type(data).__name__}, expected a JSON object")
-    return data
+    return content, data
 
 
 def _tokens(path: Path, data: dict) -> dict[int, str]:
@@ -132,14 +135,14 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
-    data = _read_json(tokenizer)
+    content, data = _read_json(tokenizer)
     tokens = _tokens(tokenizer, data)
-    loaded = _load(tokenizer)
+    loaded = _load(tokenizer, content)
     tokens = {**_post_processor_tokens(loaded), **tokens}
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
     source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special,
-                             _genai_unreadable(data))
+                             _genai_unreadable(data), content)
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "
@@ -151,8 +154,10 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     """The tokenizer an export copies: a tokenizer.json (or a folder holding one) whose ids fit the model, and
     the tokenizer_config.json beside it, when there is one, checked as the consumers will read it."""
     source = _read_tokenizer(path, vocab_size)
-    if source.config is not None:
-        _check_config(source, _read_json(source.config), vocab_size)
+    if source.config is None:
+        return source
+    source = dataclasses.replace(source, config_data=_read_json(source.config)[1])
+    _check_config(source, source.config_data, vocab_size)
     return source
 
 
@@ -222,10 +227,10 @@ def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) 
 
     A copied config gains the minimal one's model_input_names when it has none, for the same reason."""
     folder = Path(folder)
-    shutil.copyfile(source.tokenizer, folder / TOKENIZER)  # a copy: onnxruntime rejects links out of the folder
+    (folder / TOKENIZER).write_bytes(source.content)  # a copy: onnxruntime rejects links out of the folder
     config = minimal_config
-    if source.config is not None:
-        config = _read_json(source.config)
+    if source.config_data is not None:
+        config = {**source.config_data}
         config.setdefault("model_input_names", minimal_config["model_input_names"])
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return [TOKENIZER, TOKENIZER_CONFIG]
@@ -237,11 +242,11 @@ def load_tokenizer(path: Path, vocab_size: int) -> TextTokenizer:
     return TextTokenizer(_read_tokenizer(path, vocab_size).loaded)
 
 
-def _load(path: Path):
+def _load(path: Path, content: bytes):
     from tokenizers import Tokenizer
 
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(content.decode("utf-8"))
     except Exception as exc:  # the Rust side raises plain Exception for any parse problem
         raise TokenizerError(f"{path} is not a readable {TOKENIZER}: {first_line(exc)}") from None
 

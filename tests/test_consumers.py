@@ -12,7 +12,7 @@ from exporter.consumers import FamilyTypes, optimum_unsupported, write_consumer_
 from exporter.errors import TokenizerError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
-from exporter.tokenizer import find_tokenizer, minimal_tokenizer_config
+from exporter.tokenizer import copy_tokenizer, find_tokenizer, minimal_tokenizer_config
 
 
 def _json(folder, name):
@@ -244,3 +244,21 @@ def test_genai_stopping_at_a_real_token_of_a_model_without_eos_is_warned_of(gpt_
     caplog.clear()
     write_consumer_files(out, without_eos, find_tokenizer(_word_level_tokenizer(tmp_path / "small", 300), 512))
     assert "no eos_token_id" not in caplog.text  # 511 is no token of a 300-token tokenizer: genai never sees it
+
+
+def test_the_artifact_gets_the_tokenizer_files_as_they_were_checked(tiny_tokenizer, tmp_path):
+    # Each file was read again to copy it, after the export's minutes of work: an edit meanwhile reached the
+    # artifact unchecked. A tokenizer.json with CRLF line ends is copied byte for byte.
+    source_folder = tmp_path / "tokenizer"
+    source_folder.mkdir()
+    checked = (tiny_tokenizer / "tokenizer.json").read_bytes().replace(b"\n", b"\r\n")
+    (source_folder / "tokenizer.json").write_bytes(checked)
+    (source_folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    source = find_tokenizer(source_folder, 512)
+    (source_folder / "tokenizer.json").write_text("{}")
+    (source_folder / "tokenizer_config.json").write_text('{"chat_template": ["changed since the check"]}')
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    copy_tokenizer(source, artifact, minimal_tokenizer_config(source, 64, 1, 2, 2))
+    assert (artifact / "tokenizer.json").read_bytes() == checked
+    assert json.loads((artifact / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -387,15 +387,16 @@ def _clear_interrupted(folder: Path) -> None:
     left beside `folder`; those of a running export are left alone. One killed between the two renames of the
     swap had moved the earlier artifact aside: that artifact is put back first."""
     pattern = re.compile(rf"\.{re.escape(folder.name)}\.(partial|old)-(\d+)-[^/]+")
-    leftovers = sorted((p for p in folder.parent.glob(f".{glob.escape(folder.name)}.*-*")
-                        if (match := pattern.fullmatch(p.name)) and not _process_running(int(match[2]))),
-                       key=lambda p: ".partial-" in p.name)  # the moved-aside artifact before the build folder
-    for leftover in leftovers:
-        if (leftover / folder.name).is_dir() and not os.path.lexists(folder):
+    for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.*-*"):
+        match = pattern.fullmatch(leftover.name)
+        if match is None or _process_running(int(match[2])):
+            continue
+        if match[1] == "old" and (leftover / folder.name).is_dir() and not os.path.lexists(folder):
             os.rename(leftover / folder.name, folder)
             log.warning("put back %s, which an interrupted export had moved aside to %s", folder.name, leftover.name)
         shutil.rmtree(leftover, ignore_errors=True)
-        log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
+        if not leftover.exists():
+            log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
 
 
 def _move_into_place(built: Path, folder: Path) -> None:

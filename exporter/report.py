@@ -33,14 +33,18 @@ def describe_source(source: dict) -> str:
     return ", ".join([str(source.get("kind", "unknown"))] + fields)
 
 
+ASSUMED_AS = {"num_attention_heads": "num_attention_heads as the kv heads",
+              "hidden_size": "hidden_size as heads x head_dim"}
+
+
 def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
     sizes = ModelSizes.of(manifest)  # the sizes every family has, as the consumers' configs state them
     lines = [f"artifact {folder}",
              f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
              f"heads {sizes.num_attention_heads}/{sizes.num_key_value_heads}, vocab {sizes.vocab_size}, "
              f"max positions {sizes.context_length}",
-             *([f"  assumed, not given by the config: {', '.join(sizes.assumed)} (kv heads, and heads x head_dim, "
-                "in config.json and genai_config.json)"] if sizes.assumed else []),
+             *(["  assumed, not given by the config (in config.json and genai_config.json): "
+                + ", ".join(ASSUMED_AS[name] for name in sizes.assumed)] if sizes.assumed else []),
              f"  weights from: {describe_source(manifest.source)}",
              f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
              "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items())]

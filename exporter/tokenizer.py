@@ -112,14 +112,14 @@ def _post_processor_tokens(loaded) -> dict[int, str]:
     return tokens
 
 
-def _genai_unreadable(data: dict) -> str:
+def _genai_unreadable(data: dict, loaded) -> str:
     """Why onnxruntime-genai's og.Tokenizer cannot read this tokenizer.json as `tokenizers` does, or ''.
 
     Measured with onnxruntime-genai 0.18.0 on tokenizers trained in `tokenizers`: only a byte-level BPE
     (MiniMind's, GPT-2's, Qwen's kind: a ByteLevel pre-tokenizer, alone or in a Sequence) encoded and decoded
     alike. WordPiece and Unigram failed to load; WordLevel, and BPE over a Whitespace pre-tokenizer, loaded but
     encoded unknown ids (-1) and decoded without spaces; BPE over Metaspace failed to load."""
-    kind = data["model"].get("type")  # _tokens has read model.vocab
+    kind = type(loaded.model).__name__  # older files name no model "type"; `tokenizers` knows it all the same
     if kind != "BPE":
         return f"a {kind} model"
     pre_tokenizer = data.get("pre_tokenizer") or {}
@@ -142,7 +142,7 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
     source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special,
-                             _genai_unreadable(data), content)
+                             _genai_unreadable(data, loaded), content)
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "

@@ -7,7 +7,11 @@ Formats read:
   sharded safetensors with `model.safetensors.index.json`, or `pytorch_model.bin`;
 - a single `.safetensors` file;
 - the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
-  it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped).
+  it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped);
+- MiniMind's resume files (`*_resume.pth`, the weights under `model`, beside the
+  optimizer state and the step).
+Keys lose the prefixes of torch.compile (`_orig_mod.`) and DDP (`module.`), nested
+in either order.
 
 Safety: a pickle is read with `torch.load(weights_only=True)`, which rebuilds
 tensors and plain containers only; a file that needs any other Python object is

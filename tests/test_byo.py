@@ -320,6 +320,9 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
                                                                           grouped.hidden_size)
         assert config["num_key_value_heads"] == spec.num_key_value_heads
     bare = dataclasses.replace(manifest, config=dataclasses.replace(spec, num_attention_heads=None, hidden_size=None))
-    assert ("assumed, not given by the config: num_attention_heads, hidden_size"
-            in format_inspect(bare, str(byo_artifact), {}))
+    assert ("assumed, not given by the config (in config.json and genai_config.json): num_attention_heads as the "
+            "kv heads, hidden_size as heads x head_dim" in format_inspect(bare, str(byo_artifact), {}))
+    hidden_only = dataclasses.replace(manifest, config=dataclasses.replace(grouped, hidden_size=None))
+    assert format_inspect(hidden_only, str(byo_artifact), {}).count("assumed") == 1
+    assert "): hidden_size as heads x head_dim\n" in format_inspect(hidden_only, str(byo_artifact), {})
     assert "assumed" not in format_inspect(manifest, str(byo_artifact), {})  # the example's spec gives both

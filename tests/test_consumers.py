@@ -262,3 +262,12 @@ def test_the_artifact_gets_the_tokenizer_files_as_they_were_checked(tiny_tokeniz
     copy_tokenizer(source, artifact, minimal_tokenizer_config(source, 64, 1, 2, 2))
     assert (artifact / "tokenizer.json").read_bytes() == checked
     assert json.loads((artifact / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_a_tokenizer_json_naming_no_model_type_is_read_by_its_kind(tiny_tokenizer, tmp_path):
+    # Older files name no model "type"; `tokenizers` loads them, and the export warned "a None model" of a
+    # byte-level BPE that onnxruntime-genai reads.
+    data = json.loads((tiny_tokenizer / "tokenizer.json").read_text())
+    del data["model"]["type"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    assert find_tokenizer(tmp_path, 512).genai_unreadable == ""

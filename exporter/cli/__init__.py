@@ -1,0 +1,339 @@
+"""export-onnx: export MiniMind to ONNX, verify it against PyTorch, run it.
+
+A thin layer: parse options, call the library, print its result objects.
+Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error.
+The commands are here; the options they share, with the checks of the verification's, are in options.py; how a
+command ends (exit codes, one-line errors, signals, progress lines) is in outcome.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from exporter.cli.options import (VerifyOptions, check_outside_artifact, common_options, export_options,
+                                  finish_verification, genai_option, provider_option, run_verification,
+                                  verification_plan, verify_options)
+from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
+                                  setup_logging)
+from exporter.errors import ToolkitError, error_document, torch_import_error
+from exporter.generation import MINIMIND_SAMPLING
+from reference import DEFAULT_PRESET, get_preset
+
+DEFAULT_ROOT = Path("artifacts")
+
+
+def _read_config_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
+        raise ToolkitError(f"--config {path} is not a readable JSON file ({exc}); pass a JSON object of config fields")
+    if not isinstance(data, dict):
+        raise ToolkitError(f"--config {path} holds a {type(data).__name__}, not a JSON object of config fields")
+    return data
+
+
+def _model_and_source(preset, seed, checkpoint, config_path):
+    """The model to export, with the manifest's record of where its weights came from (a SourcedModel)."""
+    from exporter.model_source import checkpoint_model, seeded_model
+    if checkpoint is None:
+        if config_path is not None:
+            raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
+        return seeded_model(preset or DEFAULT_PRESET, seed)
+    context = click.get_current_context(silent=True)
+    if context is not None and context.get_parameter_source("seed") == click.core.ParameterSource.COMMANDLINE:
+        raise ToolkitError("--seed seeds generated weights; a --checkpoint brings its own: drop --seed")
+    if preset is not None and config_path is not None:
+        raise ToolkitError("give --preset or --config for a checkpoint, not both")
+    data = _read_config_file(config_path) if config_path is not None else None
+    return checkpoint_model(checkpoint, preset, config_data=data)
+
+
+def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
+    """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
+    to before the export; a checkpoint's config and source are known only once it has been read (None)."""
+    from exporter.model_source import seeded_source
+    if checkpoint is not None:
+        return dtype, None, None
+    preset = preset or DEFAULT_PRESET
+    return dtype, get_preset(preset), seeded_source(preset, seed)
+
+
+def _output_folder(output, preset, checkpoint, dtype) -> Path:
+    """-o, or artifacts/<checkpoint name, or preset>[-<dtype>]: two checkpoints fitting one preset get folders of
+    their own."""
+    if output is not None:
+        return output
+    if checkpoint is None:
+        name = preset or DEFAULT_PRESET
+    else:  # resolved: `--checkpoint .` is named after the current folder; a folder keeps its dots (MiniMind2-v1.5)
+        resolved = Path(checkpoint).resolve()
+        name = resolved.name if resolved.is_dir() else resolved.stem
+        if not name:
+            raise ToolkitError(f"--checkpoint {checkpoint} has no name to call the artifact folder after; "
+                               "pass --output DIR")
+    name = name.lower()
+    return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
+
+
+def _require_torch(purpose: str) -> None:
+    """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
+    inspect, generate and a golden replay are enough for."""
+    missing = torch_import_error()
+    if missing is not None:
+        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); install it "
+                           "(pip install torch==2.13.0)")
+
+
+def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
+    _require_torch("exporting")
+    from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
+    sourced = _model_and_source(preset, seed, checkpoint, config_path)
+    folder = _output_folder(output, preset, checkpoint, dtype)
+    return sourced.model, export_artifact(sourced.model, folder, dtype=dtype, with_loss=not no_loss,
+                                          source=sourced.source, tokenizer=tokenizer)
+
+
+@click.group(cls=OneLineErrorGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
+def main(ctx):
+    """Export MiniMind to ONNX (prefill + cached decode graphs) and prove that ONNX Runtime reproduces
+    the PyTorch reference: logits, present KV and loss, on every available execution provider.
+
+    With no command, runs `export-onnx run`: export the minimind-3 preset with seeded weights to
+    artifacts/minimind-3, then verify it.
+
+    Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143
+    interrupted (SIGINT/SIGTERM), 141 stdout closed early (e.g. piped into head).
+    """
+    begin_command()
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(run)
+
+
+@main.command()
+@export_options
+@provider_option
+@genai_option
+@verify_options
+@common_options
+@handle_errors
+def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet,
+        verbose, **options):
+    """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
+    setup_logging(verbose, quiet)
+    options = VerifyOptions(**options)
+    from exporter.report import format_export
+    from exporter.verify.reports import format_verify
+    # a bad verification option must not cost an export
+    plan = verification_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options,
+                             planned=_planned_artifact(preset, seed, checkpoint, dtype))
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
+    report = run_verification(exported.folder, providers, genai, options, plan, model)
+    finish_verification(report, options, {"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
+                        format_export(exported) + "\n\n" + format_verify(report))
+
+
+@main.command()
+@export_options
+@common_options
+@handle_errors
+def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
+    """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
+    onnxruntime-genai and Optimum load the folder as it is."""
+    setup_logging(verbose, quiet)
+    from exporter.report import format_export
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
+    emit(exported.to_dict(), as_json, format_export(exported))
+
+
+@main.command()
+@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@provider_option
+@genai_option
+@verify_options
+@click.option("--golden", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Compare with a golden bundle instead of the PyTorch model (needs no torch), judged with "
+                   "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
+                   "replace its terms one by one.")
+@common_options
+@handle_errors
+def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options):
+    """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
+    greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
+    providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
+
+    The reference is rebuilt from the manifest (the config with the weight seed, or the checkpoint file it
+    was exported from, which must be unchanged), or replayed from a golden bundle (--golden). Exits 1 when
+    any check fails, 2 on bad input (e.g. a bundle of another artifact). FOLDER defaults to
+    artifacts/minimind-3.
+    """
+    setup_logging(verbose, quiet)
+    from exporter.verify.reports import format_verify
+    options = VerifyOptions(**options)
+    if golden is not None:
+        context = click.get_current_context()
+        flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "golden_save": "--golden-save"}
+        given = [flag for name, flag in flags.items()
+                 if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
+                                   f"drop {', '.join(given)}")
+    plan = verification_plan(folder, providers, genai, options, golden)
+    report = run_verification(folder, providers, genai, options, plan, golden=golden)
+    finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
+
+
+def _parse_ids(text: str) -> list[int]:
+    parts = text.split(",")
+    try:
+        if len(parts) > 1 and not all(part.strip() for part in parts):
+            raise ValueError  # "1,,2": a lost id, not a separator
+        tokens = [token for part in parts for token in part.split()]
+        if not all(token.isascii() and token.lstrip("-").isdigit() for token in tokens):
+            raise ValueError  # int() also reads "1_000" and non-ASCII digits
+        return [int(token) for token in tokens]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of integers; write e.g. --prompt-ids 1,42,7") from None
+
+
+def _encode_prompt(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.encode(text).ids
+    if not ids:  # said here: the runtime's "the prompt is empty" would deny the text the user gave
+        raise click.BadParameter(f"{text!r} encodes to no tokens with this tokenizer; give text that it covers",
+                                 param_hint="--prompt")
+    return ids
+
+
+@main.command()
+@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
+              help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).")
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
+              help="Prompt text (needs a tokenizer). Repeat for a batch.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
+@click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
+@click.option("--temperature", type=float, default=MINIMIND_SAMPLING["temperature"], show_default=True,
+              help="With --sample.")
+@click.option("--top-k", type=int, default=MINIMIND_SAMPLING["top_k"], show_default=True,
+              help="With --sample; 0 disables.")
+@click.option("--top-p", type=float, default=MINIMIND_SAMPLING["top_p"], show_default=True,
+              help="With --sample; 1 disables.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the logits of ids already present by this (MiniMind's rule).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the sampler; each row of a batch draws from its own generator with it, so a row "
+                   "samples as it would alone.")
+@click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
+@click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
+@click.option("--threads", type=int, default=0, show_default=True,
+              help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.")
+@click.option("--prompt-chunk", type=click.IntRange(min=0), default=None,
+              help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
+                   "0 = the whole prompt at once.")
+@click.option("--save-optimized", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help="Also save the graphs as ONNX Runtime optimised them, into DIR.")
+@common_options
+@handle_errors
+def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, temperature, top_k, top_p,
+             repetition_penalty, seed, stop_ids, ignore_eos, provider, threads, prompt_chunk, save_optimized,
+             as_json, quiet, verbose):
+    """Generate with ONNX Runtime, printing tokens as they are produced.
+
+    Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
+    --sample the decoding is greedy. Every prompt and option is checked before the model loads.
+    FOLDER defaults to artifacts/minimind-3.
+    """
+    setup_logging(verbose, quiet)
+    from exporter.generation import Generation, SamplingConfig, check_request, stream
+    from exporter.manifest import read_manifest
+    from exporter.runtime import OrtRunner
+    from exporter.sessions import SessionSettings, check_provider
+    from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
+    if bool(prompt_ids) == bool(prompts):
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if tokenizer is not None and not prompts:
+        raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
+    context = click.get_current_context()
+    sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
+                      if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
+        raise click.UsageError(f"{', '.join(sampling_flags)} only shape sampling, and without --sample the "
+                               "decoding is greedy; add --sample, or drop them")
+    if save_optimized is not None:
+        from exporter.paths import check_output_path
+        check_output_path(save_optimized, "--save-optimized", folder=True)
+        check_outside_artifact(save_optimized, "--save-optimized", folder)
+    provider = check_provider(provider)
+    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
+                               **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
+    manifest = read_manifest(folder)
+    config = manifest.config
+    text_tokenizer = None
+    if prompts:  # text in, text out; ids in, ids out
+        # the artifact's own: the one its manifest lists (and read_manifest has hashed), not any file there
+        if tokenizer is None and TOKENIZER not in manifest.files:
+            raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
+                                   "--tokenizer PATH or re-export with --tokenizer")
+        text_tokenizer = load_tokenizer(tokenizer or folder, config.vocab_size)
+    batch = ([_encode_prompt(text_tokenizer, text) for text in prompts] if prompts
+             else [_parse_ids(text) for text in prompt_ids])
+    sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    eos = None if ignore_eos else config.eos_token_id
+    _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
+    runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
+    steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
+    results = [Generation(prompt) for prompt in batch]
+    live = len(batch) == 1 and not as_json
+    text = TextStream(text_tokenizer) if text_tokenizer is not None else None
+    try:
+        for tokens in steps:
+            for result, token in zip(results, tokens):
+                result.add(token, stops)
+            if live and tokens[0] is not None:
+                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+    finally:
+        if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
+            click.echo(text.rest() if text else "")
+    if live:
+        return
+    decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]
+    rows = [{**result.to_dict(), **({"text": t} if t is not None else {})} for result, t in zip(results, decoded)]
+    emit(rows, as_json, "\n".join(t if t is not None else " ".join(map(str, result.new_ids))
+                                  for result, t in zip(results, decoded)))
+
+
+@main.command()
+@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@common_options
+@handle_errors
+def inspect(folder, as_json, quiet, verbose):
+    """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
+
+    A damaged folder (a file missing, or not the size or sha256 its manifest lists) is shown too, then
+    exits 2; an unreadable manifest is a one-line error. FOLDER defaults to artifacts/minimind-3.
+    """
+    setup_logging(verbose, quiet)
+    from exporter.manifest import file_status, load_manifest
+    from exporter.report import format_inspect
+    manifest = load_manifest(folder)
+    status = file_status(folder, manifest)
+    result = {**manifest.to_dict(), "file_status": status}
+    damaged = {name: state for name, state in status.items() if state != "ok"}
+    if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
+        message = (f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items())
+                   + "; re-export the folder")
+        click.echo(f"error: {message}", err=True)
+        result.update(error_document("input", message, EXIT_INPUT_ERROR))
+    emit(result, as_json, format_inspect(manifest, str(folder), status))
+    if damaged:
+        sys.exit(EXIT_INPUT_ERROR)

@@ -1,0 +1,215 @@
+"""The options that several export-onnx commands share, and for the verification's options (`verify` and `run`)
+the checks before anything runs and the reports and exit once the verdict is in."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from exporter.cli import outcome
+from exporter.errors import ToolkitError
+from reference import DEFAULT_PRESET, PRESETS
+
+
+def common_options(func):
+    func = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")(func)
+    func = click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")(func)
+    func = click.option("-v", "--verbose", is_flag=True, help="Debug logging, with tracebacks of failures.")(func)
+    return func
+
+
+def export_options(func):
+    """The export's options, shared by `export` and `run`; --help lists them in this order."""
+    options = [
+        click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
+                     help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
+                          "--checkpoint, which must then fit the preset exactly."),
+        click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                     help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
+                          "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
+                          "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
+                          "are read as .pth). "
+                          "Family and sizes are inferred from it unless --preset or --config is given."),
+        click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+                     help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
+                          "upstream names); fields it lacks are inferred from the checkpoint."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of the deterministic weight initialisation."),
+        click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+                     help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
+                          "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
+                          "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
+                          "one is complete."),
+        click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
+                     show_default=True, help="Precision of the weights and activations."),
+        click.option("--no-loss", is_flag=True,
+                     help="Drop the labels input and loss output of prefill.onnx (inference-only)."),
+        click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+                     help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
+                          "artifact for text generation; its ids must fit the model's vocabulary."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def provider_option(func):
+    return click.option("--provider", "providers", multiple=True, metavar="NAME",
+                        help="Execution provider to verify on (cpu, cuda, or a full name); repeatable. "
+                             "Default: every available one, the others reported as skipped.")(func)
+
+
+def genai_option(func):
+    return click.option("--genai/--no-genai", "genai", default=None,
+                        help="Also load the folder in onnxruntime-genai and compare its greedy tokens with the "
+                             "reference. Default: when onnxruntime-genai is installed and the family runs in it.")(func)
+
+
+def verify_options(func):
+    """The verification engine's options, shared by `verify` and `run`."""
+    options = [
+        click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Stateful single-token decode steps (each feeding ONNX Runtime's own present back as "
+                          "past), then one 3-token step; cut to what the model's context leaves after the prompt."),
+        click.option("--sweep/--no-sweep", default=True, show_default=True,
+                     help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
+        click.option("--probe", is_flag=True, help="Node-level localisation: debug copies of prefill.onnx (on the "
+                                                   "prefill batch) and decode.onnx (on the first failing decode "
+                                                   "call, fed the reference's past) exposing intermediate values "
+                                                   "name the first value that diverges from the reference's module "
+                                                   "outputs and presents (the model's, or those a golden bundle "
+                                                   "recorded), and the operator that computed it."),
+        click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
+                                                                     "loss (repeatable), e.g. --atol logits=1e-3."),
+        click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),
+        click.option("--peak", multiple=True, metavar="KIND=V",
+                     help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
+                          "e.g. --peak logits=0."),
+        click.option("--tolerances", "tolerance_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
+        click.option("--report-json", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write the full JSON report here."),
+        click.option("--junit", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write a JUnit XML report here (for CI systems)."),
+        click.option("--html", type=click.Path(path_type=Path), default=None, metavar="PATH",
+                     help="Write a self-contained HTML report with plots here."),
+        click.option("--golden-save", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                     help="Record the reference's inputs and outputs as a golden bundle in DIR, with the "
+                          "tolerance overrides of this run, which its replay applies."),
+        click.option("--fp16-companion", type=click.Path(path_type=Path), default=None, metavar="DIR",
+                     help="A float16 export of the same model: the precision leg of the CUDA attribution."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """The values of verify_options, as click passes them (keyword names = the options' parameter names)."""
+
+    decode_steps: int
+    sweep: bool
+    probe: bool
+    atol: tuple[str, ...]
+    rtol: tuple[str, ...]
+    peak: tuple[str, ...]
+    tolerance_file: Path | None
+    report_json: Path | None
+    junit: Path | None
+    html: Path | None
+    golden_save: Path | None
+    fp16_companion: Path | None
+
+    def report_paths(self) -> dict:
+        """The reports to write, by write_reports's (and write_error_reports's) keywords."""
+        return {"json_path": self.report_json, "junit_path": self.junit, "html_path": self.html}
+
+
+def check_outside_artifact(path, flag: str, folder) -> None:
+    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
+    artifact, resolved = Path(folder).resolve(), Path(path).resolve()
+    if resolved == artifact or artifact in resolved.parents:
+        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                           "write it elsewhere")
+
+
+def verification_plan(folder: Path, providers, genai: bool | None, options: VerifyOptions, golden: Path | None = None,
+                      planned: tuple | None = None):
+    """The verification's options, each checked before anything runs (for `run`, before the export, with
+    --fp16-companion held to the `planned` artifact, see _planned_artifact in exporter/cli/__init__.py; the engine
+    checks it again after)."""
+    from exporter.errors import ConsumerError
+    from exporter.genai import INSTALL_HINT, genai_version
+    from exporter.paths import check_output_path
+    from exporter.sessions import check_parity_providers
+    from exporter.verify.golden import check_golden_destination
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.providers import companion_for, read_companion
+    from exporter.verify.tolerances import parse_overrides
+    overrides = parse_overrides(options.atol, options.rtol, options.peak, options.tolerance_file)
+    settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)
+    check_parity_providers(providers)
+    if genai and genai_version() is None:
+        raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
+    bundles = {Path(path).resolve(): flag for path, flag in ((options.golden_save, "--golden-save"),
+                                                             (golden, "--golden")) if path is not None}
+    written: dict[Path, str] = {}  # each report path -> its flag
+    for option in ("report_json", "junit", "html", "golden_save"):
+        path, flag = getattr(options, option), "--" + option.replace("_", "-")
+        if path is None:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in written:
+            raise ToolkitError(f"{flag} {path} is also the path of {written[resolved]}; give each report its own file")
+        written[resolved] = flag
+        check_outside_artifact(path, flag, folder)
+        if option == "golden_save":
+            check_golden_destination(path)
+            continue
+        bundle = next((b for b in bundles if b in resolved.parents), None)
+        if bundle is not None:
+            raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
+                               "would change; write it elsewhere")
+        check_output_path(path, flag, folder=False)
+    if options.fp16_companion is not None:
+        if planned is None:
+            read_companion(options.fp16_companion)
+        else:
+            companion_for(options.fp16_companion, *planned)
+    outcome.state.owed_reports = options.report_paths()
+    return overrides, settings
+
+
+def finish_verification(report, options: VerifyOptions, result: dict, as_json: bool, text: str) -> None:
+    """Write the reports, print the result and exit (1 on a parity failure). A report that cannot be written is
+    an input error (exit 2), raised once the verdict is on stdout and the other reports hold it."""
+    from exporter.verify.reports import write_reports
+    outcome.state.owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
+    try:
+        write_reports(report, **options.report_paths())
+        unwritten = None
+    except ToolkitError as exc:
+        unwritten = exc
+    outcome.emit(result, as_json, text)
+    if unwritten is not None:
+        raise unwritten
+    sys.exit(0 if report.passed else outcome.EXIT_PARITY_FAILURE)
+
+
+def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
+    """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
+    --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
+    from exporter.manifest import read_manifest
+    from exporter.model_source import reference_for
+    from exporter.verify.engine import verify_artifact
+    overrides, settings = plan
+    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
+    if model is None:
+        model = reference_for(folder, manifest, golden).model(folder, manifest)
+    return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
+                           golden_save=options.golden_save, overrides=overrides,
+                           fp16_companion=options.fp16_companion, manifest=manifest)

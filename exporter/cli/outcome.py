@@ -1,0 +1,164 @@
+"""How an export-onnx command ends: its exit code, a one-line error (with the error reports a verification owes),
+its result on stdout, progress lines on stderr, and SIGINT/SIGTERM turned into a clean interruption."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from exporter import LIBRARY_LOGGERS
+from exporter.errors import ToolkitError, error_document
+from reference.errors import ModelError
+
+EXIT_PARITY_FAILURE = 1
+EXIT_INPUT_ERROR = 2
+EXIT_INTERNAL_ERROR = 3
+
+
+class ProgressHandler(logging.Handler):
+    """Progress lines on stderr with the elapsed time, so stdout stays clean for --json."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = time.perf_counter()
+
+    def emit(self, record):
+        click.echo(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}", err=True)
+        if record.exc_info:  # --verbose: the traceback of a failure
+            click.echo(logging.Formatter().formatException(record.exc_info), err=True)
+
+
+@dataclass
+class CommandState:
+    """How far the running command got, which its error handling reads: the signal handler and the error exit
+    (after click has left the command's context) reach it, so it is this module's, reset by begin_command per
+    command (read it as outcome.state: the name is rebound)."""
+
+    interrupted_by: str | None = None  # the signal that stopped this command, if one did
+    # The report paths (by write_error_reports's keywords) a verification owes once its options were accepted: an
+    # error then writes them as error reports, so that none an earlier run left passes for this one's verdict.
+    owed_reports: dict[str, Path | None] = field(default_factory=dict)
+    result_printed: bool = False  # stdout holds the result: under --json an error must not add a second document
+
+
+state = CommandState()
+
+
+def begin_command() -> None:
+    """A fresh state for the command about to run, and SIGINT and SIGTERM routed to _interrupt."""
+    global state
+    state = CommandState()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+
+
+def _interrupt(signum, frame):
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so that cleanups run (an export's partial folder is
+    removed); the signal is remembered because torch.export can turn the interrupt into an error of its own."""
+    state.interrupted_by = signal.Signals(signum).name
+    for library in LIBRARY_LOGGERS:  # what torch.export logs about the interrupt it turns into an error
+        logging.getLogger(library).setLevel(logging.CRITICAL)
+    raise KeyboardInterrupt
+
+
+_WRITES_ARTIFACT = ("run", "export")  # the commands whose interruption leaves the destination as it was
+
+
+_PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: ", "interrupted": ""}
+
+
+def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
+    click.echo(_PREFIX[kind] + message, err=True)
+    error = error_document(kind, message, code)
+    if state.owed_reports:
+        _write_error_reports(error)
+    if as_json and not state.result_printed:  # stdout stays parseable: an error object instead of a result
+        try:
+            click.echo(json.dumps(error, indent=2))
+        except OSError:  # stdout itself failed (a full disk, a closed pipe): the line on stderr has said it all
+            sys.stdout = open(os.devnull, "w")  # nor may the flush at exit raise again
+    sys.exit(code)
+
+
+def _write_error_reports(error: dict) -> None:
+    from exporter.verify.reports import write_error_reports
+    try:
+        write_error_reports(error, **state.owed_reports)
+    except ToolkitError as exc:  # a second line: the first said why the verification stopped
+        click.echo(f"error: {exc}", err=True)
+
+
+def handle_errors(func):
+    """Toolkit errors become a one-line message and exit code 2; anything unexpected exit code 3."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False)
+        try:
+            return func(*args, **kwargs)
+        except BaseException as exc:
+            if isinstance(exc, (SystemExit, click.ClickException)):
+                raise
+            if isinstance(exc, BrokenPipeError):  # stdout closed by the reader (`| head`): stop quietly
+                sys.stdout = open(os.devnull, "w")
+                sys.exit(141)
+            log = logging.getLogger(__name__)
+            interrupted_by = state.interrupted_by
+            if isinstance(exc, KeyboardInterrupt) or interrupted_by is not None:
+                code = 143 if interrupted_by == "SIGTERM" else 130
+                signal_name = f" ({interrupted_by})" if interrupted_by else ""
+                outcome = ("; an export leaves no partial artifact: the destination holds the earlier one or the "
+                           "complete new one") if func.__name__ in _WRITES_ARTIFACT else ""
+                _fail("interrupted", f"interrupted{signal_name}{outcome}", code, as_json)
+            if isinstance(exc, (ToolkitError, ModelError)):
+                log.debug("input error", exc_info=True)
+                _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
+            log.debug("internal error", exc_info=True)
+            hint = "" if log.isEnabledFor(logging.DEBUG) else " (rerun with --verbose for the traceback)"
+            _fail("internal", f"{type(exc).__name__}: {exc}{hint}", EXIT_INTERNAL_ERROR, as_json)
+
+    return wrapper
+
+
+class OneLineErrorGroup(click.Group):
+    """Usage errors as one line ('error: ... (see --help)') instead of click's usage block."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        as_json = "--json" in (sys.argv[1:] if args is None else args)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            _fail("usage", f"{exc.format_message()}{where}", EXIT_INPUT_ERROR, as_json)
+        except click.ClickException as exc:
+            _fail("usage", exc.format_message(), exc.exit_code, as_json)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def setup_logging(verbose: bool, quiet: bool) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [ProgressHandler()]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    for library in LIBRARY_LOGGERS:
+        logging.getLogger(library).setLevel(logging.WARNING)
+
+
+def emit(result, as_json: bool, text: str) -> None:
+    """Print the command's result (JSON with --json), which an error after it must not follow with another."""
+    from exporter.verify.reports import json_text
+    click.echo(json_text(result) if as_json else text)
+    state.result_printed = True

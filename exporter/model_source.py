@@ -126,8 +126,7 @@ class Reference:
         return rebuild_reference(folder, manifest) if self.kind == "rebuilt" else None
 
 
-def reference_for(folder: Path, manifest: Manifest, golden: Path | None = None,
-                  stand_in: Path | None = None) -> Reference:
+def reference_for(manifest: Manifest, golden: Path | None = None, stand_in: Path | None = None) -> Reference:
     """The artifact's reference: the golden bundle given; else the model rebuilt from the manifest's source; else
     the `stand_in` bundle, when one is there; else none, with the problem. A bundle that travels with the artifact
     is `stand_in`, not `golden`: whoever altered the graphs could have recorded it from them."""

@@ -73,7 +73,7 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
         if (Path(folder) / name).exists():
             raise ToolkitError(f"{folder} holds a {name}, which pytest would {fate}; an artifact holds none: "
                                "remove it")
-    reference = reference_for(folder, manifest, golden, stand_in=Path(folder) / GOLDEN_IN_ARTIFACT)
+    reference = reference_for(manifest, golden, stand_in=Path(folder) / GOLDEN_IN_ARTIFACT)
     if reference.kind == "rebuilt":
         return Plan("rebuilt")
     problem = reference.problem

@@ -209,7 +209,7 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
     overrides, settings = plan
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     if model is None:
-        model = reference_for(folder, manifest, golden).model(folder, manifest)
+        model = reference_for(manifest, golden).model(folder, manifest)
     return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
                            golden_save=options.golden_save, overrides=overrides,
                            fp16_companion=options.fp16_companion, manifest=manifest)

@@ -339,7 +339,7 @@ def _prepare_destination(folder: Path) -> None:
     check_output_path(folder, "output folder", folder=True)
     if folder.is_symlink():  # the swap into place would replace the link, not what it points to
         raise OutputPathError(f"output folder {folder} is a symbolic link; pass the folder it points to "
-                              f"({folder.resolve()}) or another --output")
+                              f"({folder.resolve()}) or another output folder (folder, --output)")
     if os.path.ismount(folder):  # the rename of the built folder onto it fails with "Device or resource busy"
         raise OutputPathError(f"output folder {folder} is a mount point, and the export is built beside its "
                               "destination and then swapped in, which a mount point cannot be; export into a "
@@ -347,23 +347,25 @@ def _prepare_destination(folder: Path) -> None:
     artifact = next((parent for parent in folder.parents if _listed_files(parent) is not None), None)
     if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
         raise OutputPathError(f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
-                              "change; choose another --output")
+                              "change; choose another output folder (folder, --output)")
     if not folder.is_dir():
         return
     cwd, real = Path.cwd().resolve(), folder.resolve()
     if real == cwd or real in cwd.parents:
         raise OutputPathError(f"output folder {folder} holds the current directory, which replacing it would "
-                              "delete; run from elsewhere or choose another --output")
+                              "delete; run from elsewhere or choose another output folder (folder, --output)")
     if not any(folder.iterdir()):
         return
     listed = _listed_files(folder)
     if listed is None:
         raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST} of this toolkit; "
-                              "refusing to overwrite files it did not write: choose another --output or empty it")
+                              "refusing to overwrite files it did not write: choose another output folder "
+                              "(folder, --output) or empty it")
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
     if foreign:
         raise OutputPathError(f"output folder {folder} holds {', '.join(foreign[:5])}, which its artifact does not "
-                              "list and replacing it would delete; move them out or choose another --output")
+                              "list and replacing it would delete; move them out or choose another output "
+                              "folder (folder, --output)")
 
 
 def _hidden_sibling(folder: Path, kind: str) -> Path:
@@ -427,7 +429,8 @@ def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
     where = f" ({exc.filename})" if exc.filename else ""
     return OutputPathError(f"cannot write the export for {folder}: {exc.strerror or first_line(exc)}{where}; it is "
                            f"built in a hidden folder beside it, .{folder.name}.partial-*, removed again, and an "
-                           "earlier artifact there is untouched: free space, or choose a shorter or other --output")
+                           "earlier artifact there is untouched: free space, or choose a shorter or other output "
+                           "folder (folder, --output)")
 
 
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,

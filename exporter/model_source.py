@@ -67,13 +67,13 @@ class RebuildProblem:
         if self.cause == "torch":
             return ToolkitError(f"verifying against the reference model needs PyTorch, which does not import here "
                                 f"({self.detail}); install it (pip install torch==2.13.0), or replay a golden bundle "
-                                "with --golden DIR")
+                                "(golden, --golden DIR)")
         if self.cause == "checkpoint":
             return ArtifactError(f"{folder} was exported from checkpoint {self.source['path']}, which {self.detail}; "
                                  "restore it or re-export")
         return ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({self.source}); verify "
-                             "it against a golden bundle (--golden DIR), from Python with verify_artifact(folder, "
-                             "model), or with the invariants alone (pytest --artifacts)")
+                             "it against a golden bundle (golden, --golden DIR), from Python with "
+                             "verify_artifact(folder, model), or with the invariants alone (pytest --artifacts)")
 
 
 def rebuild_problem(manifest: Manifest) -> RebuildProblem | None:

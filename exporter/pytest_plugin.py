@@ -109,13 +109,13 @@ def pytest_configure(config):
                                 "test path when it picks its rootdir and ini file, so a pytest.ini beside or above "
                                 "it would configure the run")
     from exporter.errors import ProviderError, ToolkitError
-    from exporter.sessions import check_parity_providers
+    from exporter.sessions import PROVIDER_OPTION, check_parity_providers
     from reference.errors import ModelError
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])
     except ProviderError as exc:
-        raise pytest.UsageError(f"--artifact-provider: {str(exc).replace('--provider', '--artifact-provider')}") \
-            from None
+        hint = str(exc).replace(PROVIDER_OPTION, "--artifact-provider")
+        raise pytest.UsageError(f"--artifact-provider: {hint}") from None
     try:
         plans = {Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}

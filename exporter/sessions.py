@@ -37,6 +37,10 @@ def provider_name(name: str) -> str:
     return PROVIDER_ALIASES.get(name.lower(), name)
 
 
+# where a provider is chosen: the Python parameter and the CLI's flag; the pytest plugin names its own instead
+PROVIDER_OPTION = "provider or providers, --provider"
+
+
 def check_provider(name: str) -> str:
     """The full provider name, or ProviderError unless it is the CPU or CUDA provider and this build has it.
 
@@ -46,7 +50,7 @@ def check_provider(name: str) -> str:
     full = provider_name(name)
     if full not in PARITY_PROVIDERS:
         raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not {full}; "
-                            "pass --provider cpu or --provider cuda")
+                            f"pass cpu or cuda ({PROVIDER_OPTION})")
     if full == CUDA and (unusable := cuda_unusable()) is not None:  # every build has the CPU provider
         raise ProviderError(f"{CUDA} cannot run here: {unusable}")
     return full

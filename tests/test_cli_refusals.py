@@ -55,7 +55,8 @@ def test_run_checks_its_verification_options_before_exporting(tmp_path, monkeypa
     out = tmp_path / "never"
     report = tmp_path / "report.out"
     for option, fragment in ((["--atol", "foo=1"], "unknown kind 'foo'"), (["--atol", "logits=inf"], "finite"),
-                             (["--provider", "bogus"], "not bogus; pass --provider cpu or --provider cuda"),
+                             (["--provider", "bogus"],
+                              "not bogus; pass cpu or cuda (provider or providers, --provider)"),
                              (["--report-json", tmp_path], "is a folder; give the path of a file"),
                              (["--report-json", report, "--junit", report],
                               f"--junit {report} is also the path of --report-json; give each report its own file")):
@@ -72,7 +73,8 @@ def test_run_checks_its_float16_companion_before_exporting(artifact_fp16, tmp_pa
     # the companion is the precision leg of a float32 artifact's attribution; the engine refused a companion of a
     # float16 export, or of other weights, only after the export (44 s for the tiny model)
     out = tmp_path / "never"
-    for option, fragment in ((["--dtype", "float16"], "--fp16-companion needs a float32 artifact to verify"),
+    for option, fragment in ((["--dtype", "float16"],
+                              "fp16_companion (--fp16-companion) needs a float32 artifact to verify"),
                              (["--seed", "1"], "holds other weights (seeded, minimind-3-tiny, seed 0 against "
                                                "seeded, minimind-3-tiny, seed 1)"),
                              (["--preset", "minimind2-tiny"], "is not a float16 export of the same model")):

@@ -217,7 +217,8 @@ def test_a_folder_name_too_long_for_the_hidden_sibling_is_a_one_line_error(tmp_p
     # A valid 245-character name: its sibling .NAME.partial-XXXXXXXX is not, and failed as an internal error.
     folder = tmp_path / ("n" * 245)
     with pytest.raises(OutputPathError, match=r"cannot write the export for .*n{245}: File name too long \(.*"
-                                              r"\.n{245}\.partial-.*\); .*choose a shorter or other --output"):
+                                              r"\.n{245}\.partial-.*\); .*choose a shorter or other output "
+                                              r"folder \(folder, --output\)"):
         export_artifact(tiny_model, folder)
     assert list(tmp_path.iterdir()) == []
 

@@ -294,7 +294,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
         weights.truncate(4096)
     usage_error(truncated, "weights.onnx.data is 4096 bytes, not ")
     usage_error(artifact_fp32, "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not bogus; pass "
-                "--artifact-provider cpu or --artifact-provider cuda", "--artifact-provider", "bogus")
+                "cpu or cuda (--artifact-provider)", "--artifact-provider", "bogus")
     other = tmp_path / "other-bundle"
     other.mkdir()
     (other / "golden.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": {

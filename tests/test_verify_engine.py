@@ -267,7 +267,8 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
     [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
-    assert cpu.localisation.probe_skipped == "the bundle holds no module outputs: re-record it with --golden-save"
+    assert cpu.localisation.probe_skipped == ("the bundle holds no module outputs: re-record it with golden_save "
+                                              "(--golden-save)")
     assert cpu.localisation.decode_probe is None
     assert cpu.localisation.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")
 
@@ -440,7 +441,8 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
         (folder / "golden.json").write_text(json.dumps(meta))
         with pytest.raises(ToolkitError) as caught:
             load_bundle(folder, manifest)
-        assert "is damaged" in str(caught.value) and "re-record it with --golden-save" in str(caught.value)
+        assert "is damaged" in str(caught.value)
+        assert "re-record it with golden_save (--golden-save)" in str(caught.value)
         return str(caught.value)
 
     def shift(arrays):
@@ -1007,6 +1009,27 @@ def test_a_float16_companion_of_another_config_names_the_fields(artifact_fp16):
     with pytest.raises(InputError, match=r"is not a float16 export of the same model \(its config differs in "
                                          r"intermediate_size, .*, version\)"):
         companion_for(artifact_fp16, "float32", get_preset("minimind2-tiny"))
+
+
+def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_fp32, tiny_model, tmp_path):
+    """A Python caller never typed --output or --golden-save: each refusal names the argument it passed first."""
+    from exporter.errors import InputError, ProviderError
+    from exporter.export import export_artifact
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(OutputPathError, match=r"choose another output folder \(folder, --output\) or empty it$"):
+        export_artifact(tiny_model, foreign)
+    with pytest.raises(InputError, match=r"^golden_save \(--golden-save\) records the PyTorch reference: it needs the "
+                                         r"model and no golden bundle \(golden, --golden\)$"):
+        verify_artifact(artifact_fp32, None, "cpu", golden_save=tmp_path / "bundle")
+    with pytest.raises(InputError, match=r"^fp16_companion \(--fp16-companion\) .* is not a float16 export "
+                                         r'\(float32\); export the same model as float16 '
+                                         r'\(dtype="float16", --dtype float16\)$'):
+        verify_artifact(artifact_fp32, None, "cpu", fp16_companion=artifact_fp32)
+    with pytest.raises(ProviderError, match=r"; pass cpu or cuda \(provider or providers, --provider\)$"):
+        verify_artifact(artifact_fp32, None, "bogus")
+    assert (foreign / "notes.txt").read_text() == "keep me" and not (tmp_path / "bundle").exists()
 
 
 def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):

@@ -54,7 +54,7 @@ def _probe_decode(call: DecodeCall, reference: RecordedReference, debug: DebugGr
     if module_outputs is None:
         return None, (f"the bundle holds no module outputs of {call.label} (it keeps those of the decode call probed "
                       "when it was recorded; one recorded before they were kept, none): re-record it with "
-                      "--golden-save, or probe against the PyTorch model")
+                      "golden_save (--golden-save), or probe against the PyTorch model")
     values = debug.run(call.feeds, provider)
     log.info("probe: comparing %d values of %s on %s with the reference's module outputs", len(values),
              debug.graph_file, call.label)
@@ -66,10 +66,10 @@ def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs
               batch: dict, settings: ParitySettings, profile: Profile) -> Localisation:
     located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
-        skipped = "not requested (--probe)"
+        skipped = "not requested (settings.probe, --probe)"
         return replace(located, probe_skipped=skipped, decode_probe_skipped=skipped)
     module_outputs = reference.module_outputs(batch)
-    probe, skipped = None, "the bundle holds no module outputs: re-record it with --golden-save"
+    probe, skipped = None, "the bundle holds no module outputs: re-record it with golden_save (--golden-save)"
     if module_outputs is not None:
         log.info("probe: comparing %d values of %s with the reference's module outputs", len(values),
                  debug.prefill.graph_file)
@@ -258,7 +258,8 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
         if model is None or golden is not None:
-            raise InputError("--golden-save records the PyTorch reference: it needs the model and no --golden bundle")
+            raise InputError("golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
+                             "golden bundle (golden, --golden)")
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)

@@ -106,10 +106,10 @@ class RecordedReference:
             recorded_kind, recorded_tokens, outputs = self.calls[self.cursor]
             if recorded_kind != kind or not _same_tokens(recorded_tokens, tokens):
                 raise GoldenMismatch(f"call {self.cursor} ({kind}) does not match the recording: the bundle was "
-                                     "recorded with other inputs; re-record it with --golden-save")
+                                     "recorded with other inputs; re-record it with golden_save (--golden-save)")
         elif self.backing is None:
             raise GoldenMismatch(f"the bundle holds {len(self.calls)} calls and this verification needs more; "
-                                 "re-record it with --golden-save")
+                                 "re-record it with golden_save (--golden-save)")
         else:
             with record_reference_routing(self.backing.model) as routed:
                 full = getattr(self.backing, kind)(feeds)
@@ -143,7 +143,8 @@ class RecordedReference:
         key = (tuple(prompt), max_new_tokens, eos)
         if key not in self.greedy_traces:
             if self.backing is None:
-                raise GoldenMismatch("the bundle holds no greedy run for this prompt; re-record it with --golden-save")
+                raise GoldenMismatch("the bundle holds no greedy run for this prompt; re-record it with golden_save "
+                                     "(--golden-save)")
             with record_reference_routing(self.backing.model) as routed:
                 trace = self.backing.greedy(prompt, max_new_tokens, eos)
             calls = len(next(iter(routed.values()), []))
@@ -165,7 +166,7 @@ class RecordedReference:
             if recorded is None or graph == "decode":
                 return None
             raise GoldenMismatch("the bundle's module outputs were recorded for other inputs than this prefill; "
-                                 "re-record it with --golden-save")
+                                 "re-record it with golden_save (--golden-save)")
         self.recorded_module_outputs[graph] = (tokens, self.backing.module_outputs(feeds, graph))
         return self.recorded_module_outputs[graph][1]
 
@@ -213,7 +214,7 @@ class RecordedReference:
             os.replace(partial_index, folder / BUNDLE)
         except OSError as exc:
             raise OutputPathError(f"cannot write the golden bundle {folder} ({exc.strerror or exc}); "
-                                  "choose another --golden-save folder") from None
+                                  "choose another golden_save folder (--golden-save)") from None
         finally:  # after an interrupt too: a partial file left would make the next save refuse the folder
             partial_arrays.unlink(missing_ok=True)
             partial_index.unlink(missing_ok=True)
@@ -278,27 +279,27 @@ def _recording_digest(meta: dict) -> str:
 
 def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
     return ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
-                        "'export-onnx verify --golden-save DIR'")
+                        "verify_artifact's golden_save (export-onnx verify --golden-save DIR)")
 
 
 def _damaged(folder: Path, exc: Exception) -> ToolkitError:
     return ToolkitError(f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
-                        "--golden-save")
+                        "golden_save (--golden-save)")
 
 
 def check_golden_destination(folder: Path) -> None:
     """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle."""
-    check_output_path(folder, "--golden-save", folder=True)
+    check_output_path(folder, "golden_save (--golden-save)", folder=True)
     folder = Path(folder)
     if folder.is_dir() and any(folder.iterdir()) and not (folder / BUNDLE).is_file():
-        raise OutputPathError(f"--golden-save {folder} is not empty and holds no golden bundle; choose a new or "
-                              "empty folder")
+        raise OutputPathError(f"golden_save (--golden-save) {folder} is not empty and holds no golden bundle; "
+                              "choose a new or empty folder")
 
 
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
-                           f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with --golden-save")
+                           f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with golden_save (--golden-save)")
     ours, theirs = _identity(manifest), meta["artifact"]
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])

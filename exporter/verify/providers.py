@@ -72,10 +72,10 @@ def read_companion(folder: Path) -> Manifest:
     try:
         companion = read_manifest(folder)
     except ArtifactError as exc:
-        raise InputError(f"--fp16-companion: {exc}") from None
+        raise InputError(f"fp16_companion (--fp16-companion): {exc}") from None
     if companion.dtype != "float16":
-        raise InputError(f"--fp16-companion {folder} is not a float16 export ({companion.dtype}); export the same "
-                         "model with --dtype float16")
+        raise InputError(f"fp16_companion (--fp16-companion) {folder} is not a float16 export ({companion.dtype}); "
+                         'export the same model as float16 (dtype="float16", --dtype float16)')
     return companion
 
 
@@ -88,17 +88,19 @@ def companion_for(folder: Path, dtype: str, config=None, source: dict | None = N
     """A float16 export of the model of an artifact of `dtype`, `config` and weights `source` (each None: not
     known yet, not compared); `export-onnx run` checks so before its export, the engine after it."""
     if dtype != "float32":
-        raise InputError(f"--fp16-companion needs a float32 artifact to verify; this one is {dtype}")
+        raise InputError(f"fp16_companion (--fp16-companion) needs a float32 artifact to verify; this one is {dtype}")
     companion = read_companion(folder)
     changed = [] if config is None else config_differences(config.to_dict(), companion.config.to_dict())
     if changed:
-        raise InputError(f"--fp16-companion {folder} is not a float16 export of the same model (its config differs "
-                         f"in {', '.join(changed)}); export this model with --dtype float16")
+        raise InputError(f"fp16_companion (--fp16-companion) {folder} is not a float16 export of the same model "
+                         f"(its config differs in {', '.join(changed)}); export this model as float16 "
+                         '(dtype="float16", --dtype float16)')
     ours, theirs = _weights_of(source or {}), _weights_of(companion.source)
     if ours is not None and theirs is not None and ours != theirs:
         # the precision leg would charge the difference of the weights to float16
-        raise InputError(f"--fp16-companion {folder} holds other weights ({', '.join(map(str, theirs))} against "
-                         f"{', '.join(map(str, ours))}); export this model's weights with --dtype float16")
+        raise InputError(f"fp16_companion (--fp16-companion) {folder} holds other weights "
+                         f"({', '.join(map(str, theirs))} against {', '.join(map(str, ours))}); export this model's "
+                         'weights as float16 (dtype="float16", --dtype float16)')
     return Path(folder), companion
 
 
@@ -126,7 +128,8 @@ def attribute(reports: list[ProviderReport], outputs: dict[str, dict], cross: li
         legs.append(AttributionLeg("export", f"{manifest.decode.file}, the {steps} decode steps after it",
                                    aggregate(f"decode logits ({steps} steps)", [s.logits for s in cpu.curve])))
     if CPU not in outputs:
-        missing.append("export and provider legs need CPUExecutionProvider too (--provider cpu --provider cuda)")
+        missing.append('export and provider legs need CPUExecutionProvider too (providers=["cpu", "cuda"], '
+                       "--provider cpu --provider cuda)")
     if CUDA not in outputs:
         missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
     else:

@@ -179,7 +179,7 @@ def _value(text, where: str) -> float:
             raise TypeError
         value = float(text)
     except (TypeError, ValueError):
-        raise InputError(f"{where}: {text!r} is not a number; write e.g. --atol logits=1e-3") from None
+        raise InputError(f"{where}: {text!r} is not a number; write e.g. logits=1e-3 (atol, --atol)") from None
     if not 0 <= value < math.inf:
         raise InputError(f"{where}: tolerances must be finite and >= 0, got {text!r}")
     return value
@@ -214,6 +214,7 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
         for item in items:
             kind, sep, value = item.partition("=")
             if not sep:
-                raise InputError(f"--{term} {item!r}: expected KIND=VALUE, e.g. --{term} logits=1e-3")
-            terms.append((_kind(kind.strip(), f"--{term} {item}"), term, _value(value.strip(), f"--{term} {item}")))
+                raise InputError(f"{term} (--{term}) {item!r}: expected KIND=VALUE, e.g. logits=1e-3")
+            where = f"{term} (--{term}) {item}"
+            terms.append((_kind(kind.strip(), where), term, _value(value.strip(), where)))
     return Overrides(tuple(terms))

@@ -63,7 +63,7 @@ class RebuildProblem:
         return f"the weights came from a {self.source.get('kind', 'unnamed')} source this toolkit cannot rebuild"
 
     def error(self, folder) -> ToolkitError:
-        """The refusal of `export-onnx verify` and the benchmark, which name --golden DIR as the way out."""
+        """The refusal of `export-onnx verify` and `verify_artifact`, which name a golden bundle as the way out."""
         if self.cause == "torch":
             return ToolkitError(f"verifying against the reference model needs PyTorch, which does not import here "
                                 f"({self.detail}); install it (pip install torch==2.13.0), or replay a golden bundle "
@@ -92,17 +92,12 @@ def rebuild_problem(manifest: Manifest) -> RebuildProblem | None:
     return None
 
 
-def check_rebuildable(folder: Path, manifest: Manifest) -> None:
-    """Refuse, before any work, an artifact whose reference model cannot be rebuilt here."""
-    problem = rebuild_problem(manifest)
-    if problem is not None:
-        raise problem.error(folder)
-
-
 def rebuild_reference(folder: Path, manifest: Manifest):
     """The reference model (torch.nn.Module) an artifact was exported from: seeded again, or its checkpoint read
     again."""
-    check_rebuildable(folder, manifest)
+    problem = rebuild_problem(manifest)
+    if problem is not None:
+        raise problem.error(folder)
     source = manifest.source
     if source["kind"] == "seeded":
         from reference import build_model

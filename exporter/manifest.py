@@ -179,34 +179,28 @@ def load_manifest(folder: Path) -> Manifest:
 
 
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
-    """Load folder/manifest.json and check that every file it lists is there, intact."""
+    """Load folder/manifest.json and check that every file it lists is there with its listed size and, unless
+    check_hashes is False, its listed sha256."""
     folder = Path(folder)
     manifest = load_manifest(folder)
-    missing = [name for name in manifest.files if not (folder / name).is_file()]
+    status = file_status(folder, manifest, hashes=False)  # a truncated copy is found before the hashing reads it
+    missing = [name for name, state in status.items() if state == "missing"]
     if missing:
         raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "
                             "re-export the folder")
+    resized = [f"{name} is {state}" for name, state in status.items() if state != "ok"]
+    if resized:
+        raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
     if check_hashes:
-        check_sizes(folder, manifest)  # a truncated copy is found before the hashing reads it
-        changed = [name for name, entry in manifest.files.items()
-                   if sha256_file(folder / name) != entry["sha256"]]
+        changed = [name for name, state in file_status(folder, manifest).items() if state != "ok"]
         if changed:
             raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
                                 "(file modified or corrupted); re-export the folder")
     return manifest
 
 
-def check_sizes(folder: Path, manifest: Manifest) -> None:
-    """Every file the manifest lists has the size it lists: a truncated copy, found without reading it."""
-    sizes = {name: (Path(folder) / name).stat().st_size for name in manifest.files}
-    resized = [f"{name} is {sizes[name]} bytes, not {entry['bytes']}"
-               for name, entry in manifest.files.items() if sizes[name] != entry["bytes"]]
-    if resized:
-        raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
-
-
-def file_status(folder: Path, manifest: Manifest) -> dict:
-    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or
+def file_status(folder: Path, manifest: Manifest, hashes: bool = True) -> dict:
+    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or, with hashes,
     "sha256 differs"; what inspect shows of a damaged folder."""
     status = {}
     for name, entry in manifest.files.items():
@@ -216,5 +210,5 @@ def file_status(folder: Path, manifest: Manifest) -> dict:
         elif path.stat().st_size != entry["bytes"]:
             status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
         else:
-            status[name] = "ok" if sha256_file(path) == entry["sha256"] else "sha256 differs"
+            status[name] = "ok" if not hashes or sha256_file(path) == entry["sha256"] else "sha256 differs"
     return status

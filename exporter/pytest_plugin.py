@@ -64,11 +64,10 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
     from exporter.errors import ToolkitError
-    from exporter.manifest import check_sizes, read_manifest
+    from exporter.manifest import read_manifest
     from exporter.model_source import reference_for
     from reference.errors import CheckpointError
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
-    check_sizes(folder, manifest)
     for name, fate in PYTEST_FILES.items():
         if (Path(folder) / name).exists():
             raise ToolkitError(f"{folder} holds a {name}, which pytest would {fate}; an artifact holds none: "

@@ -298,22 +298,32 @@ def read_graph(folder: Path, manifest: Manifest, contract: GraphContract) -> onn
     loaded it goes through here, so that a damaged graph whose hashes were listed again is a one-line
     ArtifactError, not the parser's error or a missing input found later."""
     path = Path(folder) / contract.file
+    model, problem = _checked_graph(path, manifest, contract)
+    if problem:
+        raise ArtifactError(f"{path} {problem}; re-export the folder")
+    return model
+
+
+def graph_state(path: Path, manifest: Manifest, contract: GraphContract) -> str:
+    """What inspect shows of a graph: "ok", or how it is not the graph its manifest describes."""
+    return _checked_graph(path, manifest, contract)[1] or "ok"
+
+
+def _checked_graph(path: Path, manifest: Manifest, contract: GraphContract) -> tuple[onnx.ModelProto | None, str | None]:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except DecodeError as exc:
-        raise ArtifactError(f"{path} is no ONNX model ({first_line(exc, 200)}); re-export the folder") from None
+        return None, f"is no ONNX model ({first_line(exc, 200)})"
     initializers = {tensor.name for tensor in model.graph.initializer}
     inputs = [value.name for value in model.graph.input if value.name not in initializers]
     outputs = [value.name for value in model.graph.output]
     for kind, found, listed in (("inputs", inputs, contract.input_names), ("outputs", outputs, contract.output_names)):
         if sorted(found) != sorted(listed):
-            raise ArtifactError(f"{path} has the {kind} {_listed(found)}, its manifest lists {_listed(listed)}; "
-                                "re-export the folder")
+            return model, f"has the {kind} {_listed(found)}, its manifest lists {_listed(listed)}"
     opsets = [entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")]
     if opsets != [manifest.opset]:
-        raise ArtifactError(f"{path} imports the opset {_listed(opsets)}, its manifest says {manifest.opset}; "
-                            "re-export the folder")
-    return model
+        return model, f"imports the opset {_listed(opsets)}, its manifest says {manifest.opset}"
+    return model, None
 
 
 def load_session(folder: Path, manifest: Manifest, contract: GraphContract, options: ort.SessionOptions,

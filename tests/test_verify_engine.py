@@ -1062,10 +1062,16 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
         return message
 
     data = (artifact_fp32 / "prefill.onnx").read_bytes()
-    assert "prefill.onnx is no ONNX model (Error parsing message" in damaged("truncated", data[:len(data) // 2])
+    messages = {"truncated": damaged("truncated", data[:len(data) // 2]), "empty": damaged("empty", b""),
+                "opset": damaged("opset", opset=17)}
+    assert "prefill.onnx is no ONNX model (Error parsing message" in messages["truncated"]
     assert ("prefill.onnx has the inputs [], its manifest lists [input_ids, attention_mask, position_ids, labels]"
-            in damaged("empty", b""))
-    assert "prefill.onnx imports the opset [20], its manifest says 17" in damaged("opset", opset=17)
+            in messages["empty"])
+    assert "prefill.onnx imports the opset [20], its manifest says 17" in messages["opset"]
+    for name, message in messages.items():  # inspect showed each graph as "ok" and exited 0
+        shown = run_cli("inspect", tmp_path / name, "--json")
+        state = json.loads(shown.stdout)["file_status"]["prefill.onnx"]
+        assert shown.exit_code == 2 and state != "ok" and f"prefill.onnx {state}; re-export" in message, state
     # An op type that is no UTF-8: onnxruntime's message quoting it fails to decode, a ValueError, on which its
     # Python binding printed a four-line "EP Error ... Falling back" banner to stdout, into --json's document.
     assert "'utf-8' codec can't decode byte 0xff" in damaged("op-type", data.replace(b"MatMul", b"\xffatMul", 1))

@@ -14,7 +14,7 @@ same folder is one more worker, when it is installed, running the same
 prompts and decode as ours (so both processes hold what a 512-token prompt
 leaves in their allocators when they decode).
 
-    .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--json]
+    .venv/bin/python benchmarks/runtime.py [--artifact DIR] [--threads N] [--rounds N] [--provider cpu|cuda] [--json]
 
 Exit codes: 0 done, 1 a worker failed, 2 bad arguments or artifact, 130 interrupted (Ctrl-C).
 """

@@ -243,8 +243,11 @@ def load_tokenizer(path: Path, vocab_size: int) -> TextTokenizer:
 
 
 def _load(path: Path, content: bytes):
-    from tokenizers import Tokenizer
-
+    try:  # a dependency of the package, but a deployment that replays golden bundles may lack it
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise TokenizerError(f"reading {path} needs the tokenizers library, which does not import here ({exc}); "
+                             "install it (pip install tokenizers), or pass token ids (--prompt-ids)") from None
     try:
         return Tokenizer.from_str(content.decode("utf-8"))
     except Exception as exc:  # the Rust side raises plain Exception for any parse problem

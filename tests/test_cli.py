@@ -414,6 +414,9 @@ def test_sampling_options_without_sample_are_refused(cli_artifact):
                                   "0.1", "--seed", "9", "-q"), 2,
                           "--temperature, --top-p, --seed only shape sampling, and without --sample the decoding is "
                           "greedy; add --sample, or drop them")
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--seed", "9", "-q"), 2,
+                          "--seed only shapes sampling, and without --sample the decoding is greedy; add --sample, "
+                          "or drop it")
     sampled = run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--sample", "--temperature", "5", "--seed",
                       "9", "--max-new-tokens", "2", "--json")
     assert sampled.exit_code == 0, sampled.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -287,6 +288,17 @@ def test_text_in_and_out_through_a_tokenizer(artifact_fp32, tokenizer_file, runn
     assert row["new_ids"] == generate(runner, [[8, 20, 233]], 8)[0].new_ids
     words = row["text"].split()
     assert len(words) == 8 and all(w.startswith("w") or w.startswith("<") for w in words)
+
+
+def test_prompt_text_without_the_tokenizers_library_is_a_one_line_error(artifact_fp32, tokenizer_file, monkeypatch):
+    # A deployment installed without dependencies (README, "Golden bundles") exited 3 with "internal error:
+    # ModuleNotFoundError" here.
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # any import of it now fails
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5", "--tokenizer",
+                                       str(tokenizer_file), "-q"])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert "needs the tokenizers library" in line and "pip install tokenizers" in line, line
 
 
 def test_streamed_text_is_printed_as_it_is_produced(artifact_fp32, tokenizer_file, monkeypatch):

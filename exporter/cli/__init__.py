@@ -1,7 +1,8 @@
 """export-onnx: export MiniMind to ONNX, verify it against PyTorch, run it.
 
 A thin layer: parse options, call the library, print its result objects.
-Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error.
+Exit codes: 0 success, 1 parity failure, 2 usage or input error, 3 internal error, 130/143 interrupted
+(SIGINT/SIGTERM), 141 stdout closed early.
 The commands are here; the options they share, with the checks of the verification's, are in options.py; how a
 command ends (exit codes, one-line errors, signals, progress lines) is in outcome.py.
 """
@@ -266,8 +267,9 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
                       if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
-        raise click.UsageError(f"{', '.join(sampling_flags)} only shape sampling, and without --sample the "
-                               "decoding is greedy; add --sample, or drop them")
+        one = len(sampling_flags) == 1
+        raise click.UsageError(f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
+                               f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}")
     if save_optimized is not None:
         from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)

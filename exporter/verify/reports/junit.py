@@ -1,5 +1,6 @@
-"""JUnit XML: one testsuite per provider (plus invariants and cross-provider checks), one testcase per
-check, a <failure> with the figures when it fails; CI systems show these natively."""
+"""JUnit XML: one testsuite per provider (plus invariants, cross-provider checks, the attribution's legs, the
+consumers and what was skipped), one testcase per check, a <failure> with the figures when it fails; CI systems
+show these natively."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The terminal report: one table per provider, then the sweep, invariants, health, localisation."""
+"""The terminal report: one table per provider (its checks, the sweep and health, then notes: greedy, decode curve,
+localisation), then the invariants, providers against each other, attribution and the consumer check."""
 
 from __future__ import annotations
 

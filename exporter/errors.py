@@ -49,8 +49,10 @@ class GraphRunError(ArtifactError):
     """A graph that loaded but failed to run: damaged, or not built to the manifest's contract."""
 
     def __init__(self, graph_file: str, detail: str):
-        super().__init__(f"onnxruntime failed running {graph_file} ({detail}); with inputs that follow the "
-                         "manifest's contract this is a damaged graph: re-export the folder")
+        # The graphs refuse an id or label outside the vocabulary, as the reference does: the inputs come first.
+        super().__init__(f"onnxruntime failed running {graph_file} ({detail}); check the inputs (an id or label "
+                         "outside the vocabulary fails here as in the reference), else the graph is damaged: "
+                         "re-export the folder")
         self.graph_file, self.detail = graph_file, detail
 
 

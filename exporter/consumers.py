@@ -126,7 +126,7 @@ def genai_eos_token_id(eos_token_id: int | None, vocab_size: int) -> int:
     """The token onnxruntime-genai stops at: the model's EOS, or for a model without one the last id.
 
     genai always stops at some id: it refuses one outside the vocabulary, and given none it stops at its pad
-    id, 0 unless set (measured with 0.18.0: a teaching GPT without an EOS stopped at its first token 0, which
+    id, 0 unless set (measured with 0.18.0: a teaching GPT without an EOS stopped at the first 0 it generated, which
     is "!" in GPT-2's tokenizer). The last id of the teaching GPT's 50304-row vocabulary is a padding row
     that GPT-2's 50257-token tokenizer never produces."""
     return vocab_size - 1 if eos_token_id is None else eos_token_id

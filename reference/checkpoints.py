@@ -482,15 +482,21 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
                                   f"({exc})") from None
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    for name, value in assumed.items():
-        log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
     family = get_family(loader.family)
     # Shapes first, on the meta device: a config that does not fit the tensors (a stray key
     # model.layers.99999..., --config vocab_size 1e9) is refused before gigabytes are allocated for it.
-    with torch.device("meta"):
-        shapes = family.model_type()(config)
+    try:
+        with torch.device("meta"):
+            shapes = family.model_type()(config)
+    except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # a size beyond what a tensor can hold
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
+                              "the preset or --config that matches the checkpoint, or neither to infer it") from None
     state = loader.prepare(state, shapes, report)
     _check_fit(path, config, shapes, state)
+    # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
+    for name, value in assumed.items():
+        log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
     model = family.model_type()(config)
     for value in state.values():
         if value.dtype != torch.float32:

@@ -259,3 +259,38 @@ def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     assert export.returncode == 143, stderr[-2000:]
     assert "interrupted (SIGTERM)" in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_refused_for_its_config_is_one_line_without_the_fields_it_assumed(tmp_path):
+    # The "max_position_embeddings is not visible in the weights; assuming 32768" warning came first, a second
+    # line; a --config size past what a tensor holds failed in torch with exit 3 and 14 lines of C++ frames.
+    import torch
+    from reference import build_model, get_preset
+    state = build_model(get_preset("minimind-3-tiny")).state_dict()
+    torch.save(state, tmp_path / "model.pth")
+    config = tmp_path / "config.json"
+    for vocab_size, fragment in ((10 ** 30, "Overflow when unpacking long long"),
+                                 (2 ** 62, "Storage size calculation overflowed")):
+        config.write_text(json.dumps({"vocab_size": vocab_size}))
+        result = run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a",
+                         "-q")
+        refused(result, "model.pth: the config's sizes make tensors too large to build (")
+        assert fragment in result.stderr
+    name = "model.layers.0.self_attn.q_proj.weight"
+    state[name] = state[name][:, :-1].clone()
+    torch.save(state, tmp_path / "narrow.pth")
+    refused(run_cli("export", "--checkpoint", tmp_path / "narrow.pth", "-o", tmp_path / "a", "-q"),
+            f"1 mis-shaped ({name}: checkpoint (64, 63) vs model (64, 64))")
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp32, monkeypatch):
+    # torch's C++ errors carry their stack frames after the first line
+    import exporter.manifest
+
+    def fails(folder):
+        raise RuntimeError("size overflowed\nException raised from f at x.h:79\nframe #0: c10::Error::Error")
+    monkeypatch.setattr(exporter.manifest, "load_manifest", fails)
+    result = run_cli("inspect", artifact_fp32, "--json")
+    assert_one_line_error(result, 3, "internal error: RuntimeError: size overflowed (rerun with --verbose")
+    assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")

@@ -31,6 +31,9 @@ PARITY_PROVIDERS = (CPU, CUDA)
 
 def provider_name(name: str) -> str:
     """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
+    if not isinstance(name, str):  # None, or a list where one name is taken, failed as "no attribute 'lower'"
+        raise ProviderError(f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); "
+                            f"pass one ({PROVIDER_OPTION})")
     for full in ort.get_available_providers():
         if name.lower() in (full.lower(), full.lower().removesuffix("executionprovider")):
             return full

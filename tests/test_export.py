@@ -23,7 +23,7 @@ from exporter import export as export_module
 from exporter import runtime
 from exporter.axes import lint_axes
 from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
-from exporter.errors import ExportFailed, GraphRunError, OutputPathError
+from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
@@ -330,8 +330,11 @@ def test_an_id_or_label_outside_the_vocabulary_fails_in_both_graphs_as_in_the_re
         # one line that keeps onnxruntime's reason, which it puts last (after the kernel's C++ signature)
         assert "\n" not in str(info.value) and re.search("out of (range|data bounds)", str(info.value), re.I)
     assert "onnxruntime" not in capfd.readouterr().err  # its own red log copy of each failure is not printed
+    with pytest.raises(InputError, match=r"input_ids \[-1\] lie outside the vocabulary \[0, 512\)"):
+        runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])  # refused before it runs
+    runner.start(np.array([[5]]), np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64))
     with pytest.raises(GraphRunError, match="decode.onnx"):  # generation's path: decode.onnx with IO binding
-        runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])
+        runner.step(np.array([[-1]]), np.ones((1, 2), np.int64), np.ones((1, 1), np.int64))
 
 
 def _dead_pid() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +162,8 @@ def _initializer_problem(manifest: Manifest) -> str | None:
 
 def load_manifest(folder: Path) -> Manifest:
     """Load folder/manifest.json and check that it is consistent, not yet the files it lists."""
+    if not isinstance(folder, (str, os.PathLike)):  # Path(None) raised pathlib's TypeError
+        raise ArtifactError(f"an artifact folder is a path (str or Path), got {folder!r:.80}")
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass an artifact folder written by 'export-onnx export'")
@@ -180,8 +183,8 @@ def load_manifest(folder: Path) -> Manifest:
 
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     """Load folder/manifest.json and check that every file it lists is there, intact."""
-    folder = Path(folder)
     manifest = load_manifest(folder)
+    folder = Path(folder)
     missing = [name for name in manifest.files if not (folder / name).is_file()]
     if missing:
         raise ArtifactError(f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; "

@@ -93,6 +93,9 @@ def check_parity_providers(names) -> list[str]:
     """Providers to verify on, as full names without repeats, each checked; a str names one provider."""
     if isinstance(names, str):  # iterated, "cpu" would be the providers "c", "p" and "u"
         names = [names]
+    if not isinstance(names, (list, tuple)):  # 5: "'int' object is not iterable"
+        raise ProviderError(f"providers must be a provider name or a list of them, got {names!r:.80}; pass e.g. "
+                            f"['cpu'], or None for every available one ({PROVIDER_OPTION})")
     return list(dict.fromkeys(check_provider(name) for name in names))
 
 

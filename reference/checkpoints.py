@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import pickletools
 import re
@@ -195,6 +196,8 @@ def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
 
 def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     """(flat state dict of tensors, config.json contents or None, format name), without running any code."""
+    if not isinstance(path, (str, os.PathLike)):  # Path(None) raised pathlib's TypeError
+        raise CheckpointError(f"a checkpoint is a path (str or Path) of a file or model folder, got {path!r:.80}")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .pth/.safetensors file or a model folder")
@@ -452,6 +455,8 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     if config_data is not None and not isinstance(config_data, dict):
         raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
                           f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+    if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
+        raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
     state, config_json, fmt = read_checkpoint(path)
     if config_data is not None:
         config_json = config_data

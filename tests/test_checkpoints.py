@@ -370,3 +370,15 @@ def test_config_data_that_is_no_dict_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"^config_data must be a dict of config fields, got (str|list) .*; "
                                               r"pass json.loads of the file's text"):
             load_checkpoint(tmp_path / "model.pth", config_data=data)
+
+
+def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
+    """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
+    from exporter.model_source import checkpoint_model
+    from reference import ConfigError
+    for path in (None, 5):
+        with pytest.raises(CheckpointError, match=f"a checkpoint is a path .* got {path}$"):
+            checkpoint_model(path)
+    torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), tmp_path / "model.pth")
+    with pytest.raises(ConfigError, match=r"give config \(a preset's config\) or config_data .*, not both"):
+        checkpoint_model(tmp_path / "model.pth", preset="minimind-3-tiny", config_data={"dropout": 0.0})

@@ -172,7 +172,12 @@ def load_manifest(folder: Path) -> Manifest:
         raise ArtifactError(f"{folder} has no {MANIFEST}; it is not an artifact folder "
                             "(export one with 'export-onnx export')")
     try:
-        manifest = Manifest.from_dict(json.loads(path.read_text()))
+        text = path.read_text()
+    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+        raise ArtifactError(f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
+                            "files, or re-export the folder") from None
+    try:
+        manifest = Manifest.from_dict(json.loads(text))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
     problem = _inconsistency(manifest)
@@ -192,11 +197,19 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     if check_hashes:
         check_sizes(folder, manifest)  # a truncated copy is found before the hashing reads it
         changed = [name for name, entry in manifest.files.items()
-                   if sha256_file(folder / name) != entry["sha256"]]
+                   if _readable_sha256(folder, name) != entry["sha256"]]
         if changed:
             raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
                                 "(file modified or corrupted); re-export the folder")
     return manifest
+
+
+def _readable_sha256(folder: Path, name: str) -> str:
+    try:
+        return sha256_file(folder / name)
+    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+        raise ArtifactError(f"{folder}: {name} cannot be read ({exc.strerror or exc}); let this user read the "
+                            "artifact's files, or re-export the folder") from None
 
 
 def check_sizes(folder: Path, manifest: Manifest) -> None:
@@ -219,5 +232,8 @@ def file_status(folder: Path, manifest: Manifest) -> dict:
         elif path.stat().st_size != entry["bytes"]:
             status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
         else:
-            status[name] = "ok" if sha256_file(path) == entry["sha256"] else "sha256 differs"
+            try:
+                status[name] = "ok" if sha256_file(path) == entry["sha256"] else "sha256 differs"
+            except OSError as exc:  # shown, as a damaged file is: inspect exits 2 naming it
+                status[name] = f"unreadable ({exc.strerror or exc})"
     return status

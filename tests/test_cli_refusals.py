@@ -294,3 +294,33 @@ def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp3
     result = run_cli("inspect", artifact_fp32, "--json")
     assert_one_line_error(result, 3, "internal error: RuntimeError: size overflowed (rerun with --verbose")
     assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")
+
+
+def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(artifact_fp32, monkeypatch):
+    # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
+    # verify. Simulated, since the tests may run as root, whom permission bits do not stop.
+    import pathlib
+    import exporter.manifest
+    denied = PermissionError(13, "Permission denied")
+    real_sha256 = exporter.manifest.sha256_file
+
+    def sha256_file(path):
+        if Path(path).name == "weights.onnx.data":
+            raise denied
+        return real_sha256(path)
+    monkeypatch.setattr(exporter.manifest, "sha256_file", sha256_file)
+    result = run_cli("inspect", artifact_fp32, "--json")
+    assert_one_line_error(result, 2, "is damaged: weights.onnx.data: unreadable (Permission denied)")
+    assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == "unreadable (Permission denied)"
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1"),
+            "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files")
+    monkeypatch.setattr(exporter.manifest, "sha256_file", real_sha256)
+    real_read_text = pathlib.Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "manifest.json":
+            raise denied
+        return real_read_text(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
+        refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")

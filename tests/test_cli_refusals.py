@@ -324,3 +324,16 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
     for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
+
+
+def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifact_fp32, tmp_path, monkeypatch):
+    # An unset shell variable: `--save-optimized ""` wrote the optimised graphs into the current folder, and
+    # `--checkpoint ""` read it as a model folder.
+    monkeypatch.chdir(tmp_path)
+    for command in (["export", "--preset", "minimind-3-tiny", "-o", ""], ["export", "--checkpoint", ""],
+                    ["generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", ""],
+                    ["inspect", ""], ["verify", artifact_fp32, "--report-json", ""]):
+        result = run_cli(*command, "--json")
+        refused(result, "the path is empty; give a path (. for the current folder)")
+        assert json.loads(result.stdout)["error"]["kind"] == "usage"
+    assert list(tmp_path.iterdir()) == []

@@ -155,6 +155,10 @@ def _torch_load(path: Path):
 def _safetensors_load(path: Path) -> dict:
     from safetensors.torch import load_file
     try:
+        path.open("rb").close()  # safetensors reports a file it may not read as "No such file or directory"
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
+    try:
         return load_file(str(path), device="cpu")
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file ({type(exc).__name__}: "
@@ -163,7 +167,11 @@ def _safetensors_load(path: Path) -> dict:
 
 def _json_object(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
+    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
+    try:
+        data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
         raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
     if not isinstance(data, dict):

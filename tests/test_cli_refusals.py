@@ -337,3 +337,18 @@ def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifac
         refused(result, "the path is empty; give a path (. for the current folder)")
         assert json.loads(result.stdout)["error"]["kind"] == "usage"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line(tmp_path, monkeypatch):
+    # chmod 000 on a parent of -o: Path.exists raised PermissionError, exit 3. Simulated (root ignores the bits).
+    import pathlib
+    locked = tmp_path / "locked"
+    real_exists = pathlib.Path.exists
+
+    def exists(path, *args, **kwargs):
+        if locked in (path, *path.parents) and path != locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_exists(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "exists", exists)
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
+            f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path")

@@ -307,6 +307,19 @@ def _check_source(source) -> None:
                          '{"kind": "custom", "model": "my-decoder"}')
 
 
+def _check_arguments(model, folder, with_loss) -> None:
+    """export_artifact's own arguments, which failed as AttributeError or pathlib's TypeError, or read "no" as
+    True."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"model must be a reference model or a reference.byo adapter (a torch.nn.Module with a "
+                         f".config), got {type(model).__name__}; build one with exporter.model_source.seeded_model "
+                         "or checkpoint_model")
+    if not isinstance(folder, (str, os.PathLike)):
+        raise InputError(f"folder must be a path (str or Path), got {folder!r:.80} (folder, --output)")
+    if not isinstance(with_loss, bool):  # a string such as "no" would read as true
+        raise InputError(f"with_loss must be True or False, got {with_loss!r} ({type(with_loss).__name__})")
+
+
 def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The module tree, copied so that export can rewire it (share_tied_table, eval) without touching
     the caller's model; its weights are the caller's own tensors when they already have `dtype`.
@@ -446,6 +459,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     """
     if dtype not in DTYPES:
         raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    _check_arguments(model, folder, with_loss)
     # Before any export work: the manifest needs both, and both failed only after the graphs were built.
     config = family_of(model.config).own_config(model.config)
     source = {"kind": "in-memory"} if source is None else source

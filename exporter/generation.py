@@ -48,6 +48,9 @@ class SamplingConfig:
     seed: int | tuple[int, ...] = 0  # one seed for every row, or one per row
 
     def __post_init__(self):
+        if not isinstance(self.do_sample, (bool, np.bool_)):  # a string such as "no" would read as true
+            raise InputError(f"do_sample must be True or False, got {self.do_sample!r} "
+                             f"({type(self.do_sample).__name__})")
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +162,8 @@ def _initializer_problem(manifest: Manifest) -> str | None:
 
 def load_manifest(folder: Path) -> Manifest:
     """Load folder/manifest.json and check that it is consistent, not yet the files it lists."""
+    if not isinstance(folder, (str, os.PathLike)):  # Path(None) raised pathlib's TypeError
+        raise ArtifactError(f"an artifact folder is a path (str or Path), got {folder!r:.80}")
     folder = Path(folder)
     if not folder.is_dir():
         raise ArtifactError(f"{folder} is not a folder; pass an artifact folder written by 'export-onnx export'")
@@ -169,7 +172,12 @@ def load_manifest(folder: Path) -> Manifest:
         raise ArtifactError(f"{folder} has no {MANIFEST}; it is not an artifact folder "
                             "(export one with 'export-onnx export')")
     try:
-        manifest = Manifest.from_dict(json.loads(path.read_text()))
+        text = path.read_text()
+    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+        raise ArtifactError(f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
+                            "files, or re-export the folder") from None
+    try:
+        manifest = Manifest.from_dict(json.loads(text))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
     problem = _inconsistency(manifest)
@@ -181,8 +189,8 @@ def load_manifest(folder: Path) -> Manifest:
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     """Load folder/manifest.json and check that every file it lists is there with its listed size and, unless
     check_hashes is False, its listed sha256."""
-    folder = Path(folder)
     manifest = load_manifest(folder)
+    folder = Path(folder)
     status = file_status(folder, manifest, hashes=False)  # a truncated copy is found before the hashing reads it
     missing = [name for name, state in status.items() if state == "missing"]
     if missing:
@@ -192,16 +200,25 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
     if resized:
         raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
     if check_hashes:
-        changed = [name for name, state in file_status(folder, manifest).items() if state != "ok"]
+        status = file_status(folder, manifest)
+        unreadable = [f"{name} cannot be read {state.removeprefix(UNREADABLE + ' ')}"
+                      for name, state in status.items() if state.startswith(UNREADABLE)]
+        if unreadable:  # an internal error before, exit 3
+            raise ArtifactError(f"{folder}: {'; '.join(unreadable)}; let this user read the artifact's files, "
+                                "or re-export the folder")
+        changed = [name for name, state in status.items() if state != "ok"]
         if changed:
             raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
                                 "(file modified or corrupted); re-export the folder")
     return manifest
 
 
+UNREADABLE = "unreadable"
+
+
 def file_status(folder: Path, manifest: Manifest, hashes: bool = True) -> dict:
     """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or, with hashes,
-    "sha256 differs"; what inspect shows of a damaged folder."""
+    "sha256 differs" or "unreadable (why)"; what inspect shows of a damaged folder."""
     status = {}
     for name, entry in manifest.files.items():
         path = Path(folder) / name
@@ -209,6 +226,11 @@ def file_status(folder: Path, manifest: Manifest, hashes: bool = True) -> dict:
             status[name] = "missing"
         elif path.stat().st_size != entry["bytes"]:
             status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
+        elif not hashes:
+            status[name] = "ok"
         else:
-            status[name] = "ok" if not hashes or sha256_file(path) == entry["sha256"] else "sha256 differs"
+            try:
+                status[name] = "ok" if sha256_file(path) == entry["sha256"] else "sha256 differs"
+            except OSError as exc:  # shown, as a damaged file is: inspect exits 2 naming it
+                status[name] = f"{UNREADABLE} ({exc.strerror or exc})"
     return status

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.errors import ArtifactError, ToolkitError, torch_import_error
+from exporter.errors import ArtifactError, InputError, ToolkitError, torch_import_error
 from exporter.manifest import Manifest
 
 REBUILT_KINDS = ("seeded", "checkpoint")  # the sources whose model the toolkit builds again
@@ -31,6 +31,8 @@ def seeded_source(preset: str, seed: int) -> dict:
 def seeded_model(preset: str, seed: int = 0) -> SourcedModel:
     """A preset's model with deterministically seeded weights; `export-onnx verify` seeds it again."""
     from reference import build_model, get_preset
+    if not isinstance(seed, int) or isinstance(seed, bool):  # "x" seeded fine, and the manifest refused it after
+        raise InputError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
     return SourcedModel(build_model(get_preset(preset), seed), seeded_source(preset, seed))
 
 

@@ -12,6 +12,14 @@ from exporter.errors import OutputPathError
 def check_output_path(path: Path, option: str, folder: bool) -> None:
     """`path` (a file, or a folder when `folder`) can be created or replaced by this process."""
     path = Path(os.path.abspath(path))
+    try:
+        _check_output_path(path, option, folder)
+    except OSError as exc:  # a parent this user may not search: Path.exists raised PermissionError, exit 3
+        raise OutputPathError(f"{option} {path} cannot be reached ({exc.strerror or exc}); choose another "
+                              "path") from None
+
+
+def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if path.exists() and path.is_dir() != folder:
         found, wanted = ("a folder", "a file") if path.is_dir() else ("a file", "a folder")
         raise OutputPathError(f"{option} {path} is {found}; give the path of {wanted}")

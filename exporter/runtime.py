@@ -8,6 +8,7 @@ manifest; nothing here is specific to one model.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +65,15 @@ def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
     return GraphRunError(graph_file, first_line(exc, 400))
 
 
-def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
+def _check_feeds(input_ids, attention_mask, position_ids, past_length: int) -> None:
+    """start's and step's arrays as the graph takes them; onnxruntime's own refusal (of int32 ids, say) would be
+    reported as a damaged graph."""
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.ndim != 2:
+            got = (f"an array of {value.dtype} with shape {value.shape}" if isinstance(value, np.ndarray)
+                   else type(value).__name__)
+            raise InputError(f"{name} must be a 2-D (batch, tokens) numpy array of int64, got {got}; "
+                             "convert it with np.asarray(..., dtype=np.int64)")
     batch, length = input_ids.shape
     if position_ids.shape != input_ids.shape:
         raise InputError(f"position_ids has shape {position_ids.shape}, expected {input_ids.shape}")
@@ -103,6 +112,14 @@ class OrtRunner:
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,
                  manifest: Manifest | None = None, settings: SessionSettings = SessionSettings()):
+        if not isinstance(folder, (str, os.PathLike)):
+            raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
+        if not isinstance(settings, SessionSettings):
+            raise InputError(f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
+                             "SessionSettings(intra_op_threads=2)")
+        if manifest is not None and not isinstance(manifest, Manifest):
+            raise InputError(f"manifest must be the folder's Manifest (exporter.manifest.read_manifest) or None, "
+                             f"got {type(manifest).__name__}")
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
         self.provider = check_provider(provider)
@@ -204,10 +221,14 @@ class OrtRunner:
         logits: each row of a MatMul and each query's attention is computed as it would be
         in one call.
         """
-        _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
+        _check_feeds(input_ids, attention_mask, position_ids, past_length=0)
         if 0 in input_ids.shape:
             raise InputError(f"start() needs at least one prompt of at least one token, got input_ids of shape "
                              f"{input_ids.shape}")
+        vocab = self.manifest.config.vocab_size
+        if input_ids.min() < 0 or input_ids.max() >= vocab:  # onnxruntime's Gather would blame the graph
+            bad = sorted({int(i) for i in input_ids.ravel() if not 0 <= i < vocab})
+            raise InputError(f"input_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
         self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
@@ -227,9 +248,11 @@ class OrtRunner:
         if not self.cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
         cached = self.cache[0].shape()
+        if not isinstance(input_ids, np.ndarray) or input_ids.ndim != 2:
+            _check_feeds(input_ids, attention_mask, position_ids, past_length=cached[2])
         if input_ids.shape[0] != cached[0]:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
-        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
+        _check_feeds(input_ids, attention_mask, position_ids, past_length=cached[2])
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return self._run_decode(feeds)
 

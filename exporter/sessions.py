@@ -31,6 +31,9 @@ PARITY_PROVIDERS = (CPU, CUDA)
 
 def provider_name(name: str) -> str:
     """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
+    if not isinstance(name, str):  # None, or a list where one name is taken, failed as "no attribute 'lower'"
+        raise ProviderError(f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); "
+                            f"pass one ({PROVIDER_OPTION})")
     for full in ort.get_available_providers():
         if name.lower() in (full.lower(), full.lower().removesuffix("executionprovider")):
             return full
@@ -90,6 +93,9 @@ def check_parity_providers(names) -> list[str]:
     """Providers to verify on, as full names without repeats, each checked; a str names one provider."""
     if isinstance(names, str):  # iterated, "cpu" would be the providers "c", "p" and "u"
         names = [names]
+    if not isinstance(names, (list, tuple)):  # 5: "'int' object is not iterable"
+        raise ProviderError(f"providers must be a provider name or a list of them, got {names!r:.80}; pass e.g. "
+                            f"['cpu'], or None for every available one ({PROVIDER_OPTION})")
     return list(dict.fromkeys(check_provider(name) for name in names))
 
 

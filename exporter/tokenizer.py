@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +132,9 @@ def _genai_unreadable(data: dict, loaded) -> str:
 
 def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     """A tokenizer.json (or a folder holding one), read and checked to fit the model's vocabulary."""
+    if not isinstance(path, (str, os.PathLike)):  # Path(5) raised pathlib's TypeError
+        raise TokenizerError(f"a tokenizer is the path (str or Path) of a {TOKENIZER} or a folder holding one, "
+                             f"got {path!r:.80}")
     path = Path(path)
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():

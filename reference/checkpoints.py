@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import pickletools
 import re
@@ -154,6 +155,10 @@ def _torch_load(path: Path):
 def _safetensors_load(path: Path) -> dict:
     from safetensors.torch import load_file
     try:
+        path.open("rb").close()  # safetensors reports a file it may not read as "No such file or directory"
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
+    try:
         return load_file(str(path), device="cpu")
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file ({type(exc).__name__}: "
@@ -162,7 +167,11 @@ def _safetensors_load(path: Path) -> dict:
 
 def _json_object(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
+    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
+    try:
+        data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
         raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
     if not isinstance(data, dict):
@@ -195,6 +204,8 @@ def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
 
 def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     """(flat state dict of tensors, config.json contents or None, format name), without running any code."""
+    if not isinstance(path, (str, os.PathLike)):  # Path(None) raised pathlib's TypeError
+        raise CheckpointError(f"a checkpoint is a path (str or Path) of a file or model folder, got {path!r:.80}")
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .pth/.safetensors file or a model folder")
@@ -452,6 +463,8 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     if config_data is not None and not isinstance(config_data, dict):
         raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
                           f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+    if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
+        raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
     state, config_json, fmt = read_checkpoint(path)
     if config_data is not None:
         config_json = config_data
@@ -482,15 +495,21 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
                                   f"({exc})") from None
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    for name, value in assumed.items():
-        log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
     family = get_family(loader.family)
     # Shapes first, on the meta device: a config that does not fit the tensors (a stray key
     # model.layers.99999..., --config vocab_size 1e9) is refused before gigabytes are allocated for it.
-    with torch.device("meta"):
-        shapes = family.model_type()(config)
+    try:
+        with torch.device("meta"):
+            shapes = family.model_type()(config)
+    except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # a size beyond what a tensor can hold
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
+                              "the preset or --config that matches the checkpoint, or neither to infer it") from None
     state = loader.prepare(state, shapes, report)
     _check_fit(path, config, shapes, state)
+    # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
+    for name, value in assumed.items():
+        log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
     model = family.model_type()(config)
     for value in state.values():
         if value.dtype != torch.float32:

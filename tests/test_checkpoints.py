@@ -370,3 +370,43 @@ def test_config_data_that_is_no_dict_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"^config_data must be a dict of config fields, got (str|list) .*; "
                                               r"pass json.loads of the file's text"):
             load_checkpoint(tmp_path / "model.pth", config_data=data)
+
+
+def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
+    """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
+    from exporter.model_source import checkpoint_model
+    from reference import ConfigError
+    for path in (None, 5):
+        with pytest.raises(CheckpointError, match=f"a checkpoint is a path .* got {path}$"):
+            checkpoint_model(path)
+    torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), tmp_path / "model.pth")
+    with pytest.raises(ConfigError, match=r"give config \(a preset's config\) or config_data .*, not both"):
+        checkpoint_model(tmp_path / "model.pth", preset="minimind-3-tiny", config_data={"dropout": 0.0})
+
+
+def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch):
+    """chmod 000: config.json failed as PermissionError (exit 3), model.safetensors as "No such file or directory".
+    Simulated, since the tests may run as root, whom permission bits do not stop."""
+    import pathlib
+    state = {k: v.clone() for k, v in build_model(get_preset("minimind-3-tiny")).state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    real_open, real_read_text = pathlib.Path.open, pathlib.Path.read_text
+    denied = PermissionError(13, "Permission denied")
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "config.json":
+            raise denied
+        return real_read_text(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    with pytest.raises(CheckpointError, match=r"config.json cannot be read \(Permission denied\); let this user"):
+        load_checkpoint(tmp_path)
+    monkeypatch.setattr(pathlib.Path, "read_text", real_read_text)
+
+    def open_(path, *args, **kwargs):
+        if path.name == "model.safetensors":
+            raise denied
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "open", open_)
+    with pytest.raises(CheckpointError, match=r"model.safetensors cannot be read \(Permission denied\); let this"):
+        load_checkpoint(tmp_path)

@@ -259,3 +259,96 @@ def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     assert export.returncode == 143, stderr[-2000:]
     assert "interrupted (SIGTERM)" in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_refused_for_its_config_is_one_line_without_the_fields_it_assumed(tmp_path):
+    # The "max_position_embeddings is not visible in the weights; assuming 32768" warning came first, a second
+    # line; a --config size past what a tensor holds failed in torch with exit 3 and 14 lines of C++ frames.
+    import torch
+    from reference import build_model, get_preset
+    state = build_model(get_preset("minimind-3-tiny")).state_dict()
+    torch.save(state, tmp_path / "model.pth")
+    config = tmp_path / "config.json"
+    for vocab_size, fragment in ((10 ** 30, "Overflow when unpacking long long"),
+                                 (2 ** 62, "Storage size calculation overflowed")):
+        config.write_text(json.dumps({"vocab_size": vocab_size}))
+        result = run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a",
+                         "-q")
+        refused(result, "model.pth: the config's sizes make tensors too large to build (")
+        assert fragment in result.stderr
+    name = "model.layers.0.self_attn.q_proj.weight"
+    state[name] = state[name][:, :-1].clone()
+    torch.save(state, tmp_path / "narrow.pth")
+    refused(run_cli("export", "--checkpoint", tmp_path / "narrow.pth", "-o", tmp_path / "a", "-q"),
+            f"1 mis-shaped ({name}: checkpoint (64, 63) vs model (64, 64))")
+    assert not (tmp_path / "a").exists()
+
+
+def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp32, monkeypatch):
+    # torch's C++ errors carry their stack frames after the first line
+    import exporter.manifest
+
+    def fails(folder):
+        raise RuntimeError("size overflowed\nException raised from f at x.h:79\nframe #0: c10::Error::Error")
+    monkeypatch.setattr(exporter.manifest, "load_manifest", fails)
+    result = run_cli("inspect", artifact_fp32, "--json")
+    assert_one_line_error(result, 3, "internal error: RuntimeError: size overflowed (rerun with --verbose")
+    assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")
+
+
+def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(artifact_fp32, monkeypatch):
+    # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
+    # verify. Simulated, since the tests may run as root, whom permission bits do not stop.
+    import pathlib
+    import exporter.manifest
+    denied = PermissionError(13, "Permission denied")
+    real_sha256 = exporter.manifest.sha256_file
+
+    def sha256_file(path):
+        if Path(path).name == "weights.onnx.data":
+            raise denied
+        return real_sha256(path)
+    monkeypatch.setattr(exporter.manifest, "sha256_file", sha256_file)
+    result = run_cli("inspect", artifact_fp32, "--json")
+    assert_one_line_error(result, 2, "is damaged: weights.onnx.data: unreadable (Permission denied)")
+    assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == "unreadable (Permission denied)"
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1"),
+            "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files")
+    monkeypatch.setattr(exporter.manifest, "sha256_file", real_sha256)
+    real_read_text = pathlib.Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "manifest.json":
+            raise denied
+        return real_read_text(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
+        refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
+
+
+def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifact_fp32, tmp_path, monkeypatch):
+    # An unset shell variable: `--save-optimized ""` wrote the optimised graphs into the current folder, and
+    # `--checkpoint ""` read it as a model folder.
+    monkeypatch.chdir(tmp_path)
+    for command in (["export", "--preset", "minimind-3-tiny", "-o", ""], ["export", "--checkpoint", ""],
+                    ["generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", ""],
+                    ["inspect", ""], ["verify", artifact_fp32, "--report-json", ""]):
+        result = run_cli(*command, "--json")
+        refused(result, "the path is empty; give a path (. for the current folder)")
+        assert json.loads(result.stdout)["error"]["kind"] == "usage"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line(tmp_path, monkeypatch):
+    # chmod 000 on a parent of -o: Path.exists raised PermissionError, exit 3. Simulated (root ignores the bits).
+    import pathlib
+    locked = tmp_path / "locked"
+    real_exists = pathlib.Path.exists
+
+    def exists(path, *args, **kwargs):
+        if locked in (path, *path.parents) and path != locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_exists(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "exists", exists)
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
+            f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path")

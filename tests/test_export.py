@@ -23,7 +23,7 @@ from exporter import export as export_module
 from exporter import runtime
 from exporter.axes import lint_axes
 from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
-from exporter.errors import ExportFailed, GraphRunError, OutputPathError
+from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, TokenizerError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
@@ -229,6 +229,26 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
     assert not (tmp_path / "x").exists()
 
 
+def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model):
+    """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
+    TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest."""
+    from exporter.model_source import seeded_model
+    for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
+        with pytest.raises(InputError, match=f"model must be a reference model or a reference.byo adapter .*, got "
+                                             f"{kind}; build one with exporter.model_source.seeded_model"):
+            export_artifact(model, tmp_path / "x")
+    with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(folder, --output\)"):
+        export_artifact(tiny_model, None)
+    with pytest.raises(InputError, match=r"with_loss must be True or False, got 'no' \(str\)"):
+        export_artifact(tiny_model, tmp_path / "x", with_loss="no")
+    with pytest.raises(TokenizerError, match="a tokenizer is the path .* got 5"):
+        export_artifact(tiny_model, tmp_path / "x", tokenizer=5)
+    for seed in ("x", 1.5, None, True):
+        with pytest.raises(InputError, match="seed must be an integer, got"):
+            seeded_model("minimind-3-tiny", seed)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("failure, message", [
     (lambda: ExportFailed("smoke run: injected failure"), "injected"),
     # as OrtRunner reports onnxruntime's failures: a kernel this build lacks for the dtype, an index past a table
@@ -330,8 +350,11 @@ def test_an_id_or_label_outside_the_vocabulary_fails_in_both_graphs_as_in_the_re
         # one line that keeps onnxruntime's reason, which it puts last (after the kernel's C++ signature)
         assert "\n" not in str(info.value) and re.search("out of (range|data bounds)", str(info.value), re.I)
     assert "onnxruntime" not in capfd.readouterr().err  # its own red log copy of each failure is not printed
+    with pytest.raises(InputError, match=r"input_ids \[-1\] lie outside the vocabulary \[0, 512\)"):
+        runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])  # refused before it runs
+    runner.start(np.array([[5]]), np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64))
     with pytest.raises(GraphRunError, match="decode.onnx"):  # generation's path: decode.onnx with IO binding
-        runner.start(np.array([[5, -1]]), np.ones((1, 2), np.int64), np.arange(2)[None])
+        runner.step(np.array([[-1]]), np.ones((1, 2), np.int64), np.ones((1, 1), np.int64))
 
 
 def _dead_pid() -> int:

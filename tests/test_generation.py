@@ -253,6 +253,8 @@ def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwarg
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"seed": -1}, "seed must be an integer >= 0"),
     ({"seed": (1, "2")}, "seed must be an integer >= 0"),
+    ({"do_sample": "no"}, r"do_sample must be True or False, got 'no' \(str\)"),  # it sampled: "no" is truthy
+    ({"do_sample": None}, "do_sample must be True or False"),
 ])
 def test_bad_sampling_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnxruntime as ort
@@ -71,11 +72,41 @@ def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
 
 
 def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
-    # generation's path (IO binding) raises other exceptions than session.run; same stand-in for the damage
-    ids = np.ones((1, 3), np.int32)
+    # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is an
+    # id outside the vocabulary in a step (start refuses inputs of the wrong type or ids outside it, see below)
+    runner.start(np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None])
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running decode.onnx \(.*\); .*re-export") as info:
-        runner.start(ids, ids, ids)
+        runner.step(np.array([[-1]]), np.ones((1, 4), np.int64), np.array([[3]]))
     assert "\n" not in str(info.value)
+
+
+def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(runner, artifact_fp32):
+    """int32 ids, lists, 1-D arrays or ids outside the vocabulary failed inside onnxruntime (or with an
+    AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder."""
+    ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
+    for bad, got in ((ids.astype(np.int32), "an array of int32 with shape (1, 3)"), ([[1, 1, 1]], "list"),
+                     (ids[0], "an array of int64 with shape (3,)"), (None, "NoneType")):
+        with pytest.raises(InputError, match=re.escape(f"input_ids must be a 2-D (batch, tokens) numpy array of "
+                                                       f"int64, got {got}; convert it")):
+            runner.start(bad, mask, positions)
+    with pytest.raises(InputError, match=r"position_ids must be .* got an array of float64"):
+        runner.start(ids, mask, positions.astype(float))
+    with pytest.raises(InputError, match=r"input_ids \[512, 9999\] lie outside the vocabulary \[0, 512\)"):
+        runner.start(np.array([[9999, 512, 9999]]), mask, positions)
+    runner.start(ids, mask, positions)
+    with pytest.raises(InputError, match="input_ids must be a 2-D .* got list"):
+        runner.step([[4]], np.ones((1, 4), np.int64), np.array([[3]]))
+    with pytest.raises(InputError, match="attention_mask must be a 2-D .* got an array of int32"):
+        runner.step(np.array([[4]]), np.ones((1, 4), np.int32), np.array([[3]]))
+    for provider in (None, 5, ["cpu"]):  # AttributeError: no attribute 'lower'
+        with pytest.raises(ProviderError, match=r"a provider is a name such as 'cpu' or 'cuda', got .*--provider"):
+            OrtRunner(artifact_fp32, provider)
+    with pytest.raises(InputError, match="settings must be a SessionSettings, got dict"):
+        OrtRunner(artifact_fp32, settings={"intra_op_threads": 1})
+    with pytest.raises(InputError, match="manifest must be the folder's Manifest"):
+        OrtRunner(artifact_fp32, manifest=str(artifact_fp32))
+    with pytest.raises(InputError, match="folder must be an artifact folder's path"):
+        OrtRunner(None)
 
 
 def test_folder_without_manifest_is_refused(tmp_path):

@@ -1032,6 +1032,23 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
     assert (foreign / "notes.txt").read_text() == "keep me" and not (tmp_path / "bundle").exists()
 
 
+def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifact_fp32, tiny_model):
+    """Each failed deep in the engine (AttributeError, pathlib's or iteration's TypeError), genai="no" ran the
+    check, and providers=[] verified nothing and failed."""
+    from exporter.errors import InputError, ProviderError
+    for kwargs, error, message in (
+            ({"settings": {"decode_steps": 3}}, InputError, "settings must be a ParitySettings, got dict"),
+            ({"overrides": "logits=1"}, InputError, "overrides must be an Overrides, got str"),
+            ({"genai": "no"}, InputError, r"genai must be None, True or False, got 'no' \(str\)"),
+            ({"providers": 5}, ProviderError, "providers must be a provider name or a list of them, got 5"),
+            ({"providers": []}, ProviderError, r"providers is empty; pass e.g. \['cpu'\], or None"),
+            ({"fp16_companion": 5}, InputError, "an artifact folder is a path .* got 5")):
+        with pytest.raises(error, match=message):
+            verify_artifact(artifact_fp32, tiny_model, **kwargs)
+    with pytest.raises(ArtifactError, match=r"an artifact folder is a path \(str or Path\), got None"):
+        verify_artifact(None, tiny_model)
+
+
 def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
     """A str was iterated before: "cpu" asked for the providers "c", "p" and "u" (ProviderError "not c")."""
     report = verify_artifact(artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False)

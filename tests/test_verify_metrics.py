@@ -158,6 +158,11 @@ def test_overrides_from_options_and_files(tmp_path):
                 dict(file=tmp_path / "missing.json")):
         with pytest.raises(InputError):
             parse_overrides(**bad)
+    # a str was iterated, one term per character ("'l': expected KIND=VALUE"); a kind given twice, the last won
+    assert parse_overrides(atol="logits=1e-3") == parse_overrides(atol=["logits=1e-3"])
+    with pytest.raises(InputError, match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "
+                                         "give it once$"):
+        parse_overrides(atol=["logits=1", "logits=2"])
 
 
 def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch(tiny_model):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from exporter.cli.options import (VerifyOptions, check_outside_artifact, common_options, export_options,
+from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
                                   finish_verification, genai_option, provider_option, run_verification,
                                   verification_plan, verify_options)
 from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
@@ -153,11 +153,11 @@ def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokeni
 
 
 @main.command()
-@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @provider_option
 @genai_option
 @verify_options
-@click.option("--golden", type=click.Path(path_type=Path), default=None, metavar="DIR",
+@click.option("--golden", type=PathOption(), default=None, metavar="DIR",
               help="Compare with a golden bundle instead of the PyTorch model (needs no torch), judged with "
                    "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
                    "replace its terms one by one.")
@@ -211,12 +211,12 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 @main.command()
-@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
               help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).")
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
               help="Prompt text (needs a tokenizer). Repeat for a batch.")
-@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+@click.option("--tokenizer", type=PathOption(), default=None,
               help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
               help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
@@ -240,7 +240,7 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
 @click.option("--prompt-chunk", type=click.IntRange(min=0), default=None,
               help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
                    "0 = the whole prompt at once.")
-@click.option("--save-optimized", type=click.Path(path_type=Path), default=None, metavar="DIR",
+@click.option("--save-optimized", type=PathOption(), default=None, metavar="DIR",
               help="Also save the graphs as ONNX Runtime optimised them, into DIR.")
 @common_options
 @handle_errors
@@ -315,7 +315,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
 
 
 @main.command()
-@click.argument("folder", type=click.Path(path_type=Path), default=DEFAULT_ROOT / DEFAULT_PRESET)
+@click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @common_options
 @handle_errors
 def inspect(folder, as_json, quiet, verbose):

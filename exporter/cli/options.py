@@ -14,6 +14,19 @@ from exporter.errors import ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
 
 
+class PathOption(click.Path):
+    """A path option or argument; an empty one (an unset shell variable, say) is refused. It read as the current
+    folder: `--save-optimized ""` wrote the optimised graphs there, `--checkpoint ""` read it as a model folder."""
+
+    def __init__(self):
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("the path is empty; give a path (. for the current folder)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def common_options(func):
     func = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")(func)
     func = click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")(func)
@@ -27,18 +40,18 @@ def export_options(func):
         click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
                      help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
                           "--checkpoint, which must then fit the preset exactly."),
-        click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+        click.option("--checkpoint", type=PathOption(), default=None,
                      help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
                           "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
                           "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
                           "are read as .pth). "
                           "Family and sizes are inferred from it unless --preset or --config is given."),
-        click.option("--config", "config_path", type=click.Path(path_type=Path), default=None,
+        click.option("--config", "config_path", type=PathOption(), default=None,
                      help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
                           "upstream names); fields it lacks are inferred from the checkpoint."),
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed of the deterministic weight initialisation."),
-        click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+        click.option("--output", "-o", type=PathOption(), default=None,
                      help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
                           "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
                           "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
@@ -47,7 +60,7 @@ def export_options(func):
                      show_default=True, help="Precision of the weights and activations."),
         click.option("--no-loss", is_flag=True,
                      help="Drop the labels input and loss output of prefill.onnx (inference-only)."),
-        click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+        click.option("--tokenizer", type=PathOption(), default=None,
                      help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
                           "artifact for text generation; its ids must fit the model's vocabulary."),
     ]
@@ -88,18 +101,18 @@ def verify_options(func):
         click.option("--peak", multiple=True, metavar="KIND=V",
                      help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
                           "e.g. --peak logits=0."),
-        click.option("--tolerances", "tolerance_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+        click.option("--tolerances", "tolerance_file", type=PathOption(), default=None, metavar="FILE",
                      help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
-        click.option("--report-json", type=click.Path(path_type=Path), default=None, metavar="PATH",
+        click.option("--report-json", type=PathOption(), default=None, metavar="PATH",
                      help="Write the full JSON report here."),
-        click.option("--junit", type=click.Path(path_type=Path), default=None, metavar="PATH",
+        click.option("--junit", type=PathOption(), default=None, metavar="PATH",
                      help="Write a JUnit XML report here (for CI systems)."),
-        click.option("--html", type=click.Path(path_type=Path), default=None, metavar="PATH",
+        click.option("--html", type=PathOption(), default=None, metavar="PATH",
                      help="Write a self-contained HTML report with plots here."),
-        click.option("--golden-save", type=click.Path(path_type=Path), default=None, metavar="DIR",
+        click.option("--golden-save", type=PathOption(), default=None, metavar="DIR",
                      help="Record the reference's inputs and outputs as a golden bundle in DIR, with the "
                           "tolerance overrides of this run, which its replay applies."),
-        click.option("--fp16-companion", type=click.Path(path_type=Path), default=None, metavar="DIR",
+        click.option("--fp16-companion", type=PathOption(), default=None, metavar="DIR",
                      help="A float16 export of the same model: the precision leg of the CUDA attribution."),
     ]
     for option in reversed(options):

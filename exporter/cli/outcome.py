@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from exporter import LIBRARY_LOGGERS
-from exporter.errors import ToolkitError, error_document
+from exporter.errors import ToolkitError, error_document, first_line
 from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
@@ -124,7 +124,9 @@ def handle_errors(func):
                 _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
             log.debug("internal error", exc_info=True)
             hint = "" if log.isEnabledFor(logging.DEBUG) else " (rerun with --verbose for the traceback)"
-            _fail("internal", f"{type(exc).__name__}: {exc}{hint}", EXIT_INTERNAL_ERROR, as_json)
+            # the first line: torch's C++ errors carry their stack after it (14 lines for a size that overflows)
+            detail = f": {first_line(exc, 400)}" if str(exc).strip() else ""
+            _fail("internal", f"{type(exc).__name__}{detail}{hint}", EXIT_INTERNAL_ERROR, as_json)
 
     return wrapper
 

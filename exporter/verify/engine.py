@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
-from exporter.errors import ConsumerError, InputError
+from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
 from exporter.runtime import OrtRunner
-from exporter.sessions import CPU, available_parity_providers, check_parity_providers
+from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
                                     judge_greedy, run_sweep)
 from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
@@ -233,6 +233,18 @@ def _check_model(model, manifest: Manifest) -> None:
                          "the model the artifact was exported from, or re-export the artifact from this model")
 
 
+def _check_arguments(settings, genai, overrides) -> None:
+    """verify_artifact's option objects, which failed deep in the engine (AttributeError), or read "no" as True."""
+    if not isinstance(settings, ParitySettings):
+        raise InputError(f"settings must be a ParitySettings, got {type(settings).__name__}; write e.g. "
+                         "ParitySettings(decode_steps=16)")
+    if not isinstance(overrides, Overrides):
+        raise InputError(f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
+                         "exporter.verify.tolerances.parse_overrides(atol=['logits=1e-3'])")
+    if genai not in (None, True, False) or not isinstance(genai, (bool, type(None))):
+        raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
+
+
 def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
                     settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
                     golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
@@ -251,10 +263,14 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
     """
     start = time.perf_counter()
+    _check_arguments(settings, genai, overrides)
+    manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
     folder = Path(folder)
-    manifest = manifest or read_manifest(folder)
     if model is not None:
         _check_model(model, manifest)
+    if providers is not None and not providers:  # [] verified nothing, and the report failed
+        raise ProviderError(f"providers is empty; pass e.g. ['cpu'], or None for every available one "
+                            f"({PROVIDER_OPTION})")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
         if model is None or golden is not None:

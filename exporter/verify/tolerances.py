@@ -210,11 +210,17 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
             if not isinstance(entry, dict) or set(entry) - set(TERMS):
                 raise InputError(f"{file}: {kind} must map some of {', '.join(TERMS)} to numbers")
             terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]
+    given: dict[tuple[str, str], float] = {}  # (kind, term) -> value, of the command-line terms
     for term, items in (("atol", atol), ("rtol", rtol), ("peak", peak)):
-        for item in items:
-            kind, sep, value = item.partition("=")
+        for item in [items] if isinstance(items, str) else items:  # iterated, a str was one term per character
+            kind, sep, value = item.partition("=") if isinstance(item, str) else (item, "", "")
             if not sep:
                 raise InputError(f"{term} (--{term}) {item!r}: expected KIND=VALUE, e.g. logits=1e-3")
             where = f"{term} (--{term}) {item}"
-            terms.append((_kind(kind.strip(), where), term, _value(value.strip(), where)))
+            key, number = (_kind(kind.strip(), where), term), _value(value.strip(), where)
+            if given.get(key, number) != number:  # the last one won, silently
+                raise InputError(f"{where}: {key[0]}'s {term} is given twice ({given[key]:g} and {number:g}); "
+                                 "give it once")
+            given[key] = number
+            terms.append((*key, number))
     return Overrides(tuple(terms))

@@ -65,8 +65,8 @@ def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
     return GraphRunError(graph_file, first_line(exc, 400))
 
 
-def _check_feeds(input_ids, attention_mask, position_ids, past_length: int) -> None:
-    """start's and step's arrays as the graph takes them; onnxruntime's own refusal (of int32 ids, say) would be
+def _check_arrays(input_ids, attention_mask, position_ids) -> None:
+    """start's and step's arrays of the type the graph takes; onnxruntime's own refusal (of int32 ids, say) would be
     reported as a damaged graph."""
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
         if not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.ndim != 2:
@@ -74,6 +74,9 @@ def _check_feeds(input_ids, attention_mask, position_ids, past_length: int) -> N
                    else type(value).__name__)
             raise InputError(f"{name} must be a 2-D (batch, tokens) numpy array of int64, got {got}; "
                              "convert it with np.asarray(..., dtype=np.int64)")
+
+
+def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
     batch, length = input_ids.shape
     if position_ids.shape != input_ids.shape:
         raise InputError(f"position_ids has shape {position_ids.shape}, expected {input_ids.shape}")
@@ -221,7 +224,8 @@ class OrtRunner:
         logits: each row of a MatMul and each query's attention is computed as it would be
         in one call.
         """
-        _check_feeds(input_ids, attention_mask, position_ids, past_length=0)
+        _check_arrays(input_ids, attention_mask, position_ids)
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
         if 0 in input_ids.shape:
             raise InputError(f"start() needs at least one prompt of at least one token, got input_ids of shape "
                              f"{input_ids.shape}")
@@ -248,11 +252,10 @@ class OrtRunner:
         if not self.cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
         cached = self.cache[0].shape()
-        if not isinstance(input_ids, np.ndarray) or input_ids.ndim != 2:
-            _check_feeds(input_ids, attention_mask, position_ids, past_length=cached[2])
+        _check_arrays(input_ids, attention_mask, position_ids)
         if input_ids.shape[0] != cached[0]:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
-        _check_feeds(input_ids, attention_mask, position_ids, past_length=cached[2])
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return self._run_decode(feeds)
 

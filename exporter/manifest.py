@@ -128,6 +128,8 @@ def source_problem(source) -> str | None:
     export applies to the source it is given."""
     if not isinstance(source, dict):
         return f"model.source is a {type(source).__name__}, not an object"
+    if not _is(source.get("kind"), str):  # what verify reads first, to know whether it can rebuild the model
+        return f"model.source.kind is {source.get('kind')!r}, expected str"
     required = {"seeded": {"preset": str, "seed": int}, "checkpoint": {"path": str, "sha256": str}}
     for key, kind in required.get(source.get("kind"), {}).items():
         if not _is(source.get(key), kind):

@@ -292,7 +292,8 @@ def test_a_config_of_no_known_family_is_refused_before_any_export_work(byo_examp
     ({"kind": "seeded"}, "model.source.preset is None, expected str"),
     ("my model", "model.source is a str, not an object"),
     ({"kind": "custom", "path": Path("model.pt")}, "model.source cannot be written as JSON .*PosixPath"),
-], ids=["seeded without preset", "a string", "a path"])
+    ({"model": "my-decoder"}, "model.source.kind is None, expected str"),
+], ids=["seeded without preset", "a string", "a path", "no kind"])
 def test_a_source_the_manifest_cannot_record_is_refused_before_any_export_work(
         byo_example, tmp_path, monkeypatch, source, problem):
     # The first two exported, and inspect then called the folder inconsistent; the path failed after the export.

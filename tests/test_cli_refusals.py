@@ -310,7 +310,8 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
         return real_sha256(path)
     monkeypatch.setattr(exporter.manifest, "sha256_file", sha256_file)
     result = run_cli("inspect", artifact_fp32, "--json")
-    assert_one_line_error(result, 2, "is damaged: weights.onnx.data: unreadable (Permission denied)")
+    assert_one_line_error(result, 2, "is damaged: weights.onnx.data: unreadable (Permission denied); "
+                                     "let this user read the artifact's files")
     assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == "unreadable (Permission denied)"
     refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1"),
             "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files")

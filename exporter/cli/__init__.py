@@ -325,7 +325,7 @@ def inspect(folder, as_json, quiet, verbose):
     inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.manifest import file_status, load_manifest
+    from exporter.manifest import UNREADABLE, file_status, load_manifest
     from exporter.report import format_inspect
     from exporter.sessions import graph_state
     manifest = load_manifest(folder)
@@ -336,8 +336,10 @@ def inspect(folder, as_json, quiet, verbose):
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
+        fix = ("let this user read the artifact's files, or re-export the folder"
+               if any(state.startswith(UNREADABLE) for state in damaged.values()) else "re-export the folder")
         message = (f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items())
-                   + "; re-export the folder")
+                   + f"; {fix}")
         click.echo(f"error: {message}", err=True)
         result.update(error_document("input", message, EXIT_INPUT_ERROR))
     emit(result, as_json, format_inspect(manifest, str(folder), status))

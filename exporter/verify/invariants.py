@@ -22,8 +22,10 @@ import onnx
 from onnx import numpy_helper
 
 from exporter.axes import lint_axes
+from exporter.contract import GraphContract
 from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
+from exporter.sessions import read_graph
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import Comparison, compare_outputs, real_queries
 from exporter.verify.probe import FLOAT_TYPES
@@ -103,13 +105,13 @@ def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
                     what=f"{int((~real).sum())} padding tokens")
 
 
-def _weight_digests(folder: Path, graph_file: str) -> set[tuple]:
+def _weight_digests(folder: Path, manifest: Manifest, contract: GraphContract) -> set[tuple]:
     """Content hashes (where stored, dtype, shape, bytes) of a graph's weights, read the way ONNX Runtime reads
     them: those in the weights file through the graph's own external-data references, not the manifest; and
     every floating initializer kept inline (a norm weight under 1 KiB, the rotary frequencies, scalar
     constants), which no hash of the weights file covers. Inline integer initializers are shapes and axes,
     which the two graphs need not share."""
-    model = onnx.load(str(folder / graph_file), load_external_data=False)
+    model = read_graph(folder, manifest, contract)
     digests = set()
     handles: dict[str, object] = {}
     try:
@@ -132,7 +134,7 @@ def _weight_digests(folder: Path, graph_file: str) -> set[tuple]:
 
 def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
     """Matched by content, not by name: the exporter names folded tensors differently in each graph."""
-    prefill, decode = (_weight_digests(Path(folder), g.file) for g in (manifest.prefill, manifest.decode))
+    prefill, decode = (_weight_digests(Path(folder), manifest, g) for g in (manifest.prefill, manifest.decode))
     only_prefill, only_decode = prefill - decode, decode - prefill
     if only_prefill or only_decode:
         shapes = sorted({f"{list(key[2])} {key[0]}" for key in only_prefill | only_decode})
@@ -148,7 +150,7 @@ def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
 def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
     problems = []
     for contract in (manifest.prefill, manifest.decode):
-        problems += lint_axes(onnx.load(str(Path(folder) / contract.file), load_external_data=False), contract)
+        problems += lint_axes(read_graph(folder, manifest, contract), contract)
     return Invariant("every dynamic axis is symbolic", not problems,
                      "; ".join(problems[:5]) if problems else "all contract axes symbolic, named as declared")
 
@@ -161,7 +163,7 @@ def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
     and back up as a no-op, so no comparison on the CPU can see the rounding that CUDA would then do."""
     found = []
     for contract in (manifest.prefill, manifest.decode):
-        model = onnx.load(str(Path(folder) / contract.file), load_external_data=False)
+        model = read_graph(folder, manifest, contract)
         nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
         found += [f"{contract.file}: {node.name or node.op_type}" for node in nodes if node.op_type == "Cast"
                   and any(a.name == "to" and a.i in _BELOW_FLOAT32 for a in node.attribute)]

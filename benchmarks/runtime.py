@@ -324,22 +324,20 @@ def ensure_artifact(folder: Path) -> None:
         from exporter.model_source import seeded_model
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)
-    from exporter.errors import InputError
+    from exporter.errors import TORCH_INSTALL_HINT, InputError
     from exporter.manifest import read_manifest
     from exporter.model_source import rebuild_problem
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
     problem = rebuild_problem(manifest)
     if problem is not None:  # else the PyTorch worker fails in its warm-up, the others started
+        fix = {"torch": f"install it ({TORCH_INSTALL_HINT})", "checkpoint": "restore it or re-export",
+               "source": "benchmark an artifact export-onnx exported from a preset or a checkpoint"}[problem.cause]
         raise InputError(f"{folder}: the benchmark times the PyTorch reference beside onnxruntime, and "
-                         f"{problem.reason}; {REBUILD_FIX[problem.cause]}")
+                         f"{problem.reason}; {fix}")
     needed = PROMPT_FOR_DECODE + DECODE_STEPS + 1
     if manifest.config.max_position_embeddings < needed:  # else every worker fails in its warm-up
         raise InputError(f"{folder}: the decode run needs {needed} positions ({PROMPT_FOR_DECODE}-token prompt, "
                          f"{DECODE_STEPS} steps); the model has {manifest.config.max_position_embeddings}")
-
-
-REBUILD_FIX = {"torch": "install it (pip install torch==2.13.0)", "checkpoint": "restore it or re-export",
-               "source": "benchmark an artifact export-onnx exported from a preset or a checkpoint"}
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:

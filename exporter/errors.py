@@ -13,6 +13,10 @@ def error_document(kind: str, message: str, exit_code: int) -> dict:
     return {"error": {"kind": kind, "message": message}, "exit_code": exit_code}
 
 
+# The torch the toolkit is tested with (pyproject.toml pins it): what a message tells a user without it to install.
+TORCH_INSTALL_HINT = "pip install torch==2.13.0"
+
+
 def torch_import_error() -> str | None:
     """Why PyTorch does not import here, or None when it does: the reference model and the export need it, a
     deployment may hold only onnxruntime."""

@@ -281,5 +281,6 @@ def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = Sa
 
 
 def generate_greedy(runner, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
-    """Greedy decoding of one prompt: prefill, then one token at a time feeding present back as past."""
+    """Greedy decoding of one prompt: the prompt through decode.onnx on an empty past (OrtRunner.start), then one
+    token at a time feeding present back as past."""
     return generate(runner, [prompt_ids], max_new_tokens, eos_token_id=eos_token_id)[0]

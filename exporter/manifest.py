@@ -63,6 +63,10 @@ class Manifest:
     def with_loss(self) -> bool:
         return "loss" in self.prefill.output_names
 
+    def contract(self, graph: str) -> GraphContract:
+        """The contract of the graph named "prefill" or "decode"."""
+        return {"prefill": self.prefill, "decode": self.decode}[graph]
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "format_version": FORMAT_VERSION,

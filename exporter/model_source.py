@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter.errors import ArtifactError, InputError, ToolkitError, torch_import_error
+from exporter.errors import TORCH_INSTALL_HINT, ArtifactError, InputError, ToolkitError, torch_import_error
 from exporter.manifest import Manifest
 
 REBUILT_KINDS = ("seeded", "checkpoint")  # the sources whose model the toolkit builds again
@@ -68,7 +68,7 @@ class RebuildProblem:
         """The refusal of `export-onnx verify` and `verify_artifact`, which name a golden bundle as the way out."""
         if self.cause == "torch":
             return ToolkitError(f"verifying against the reference model needs PyTorch, which does not import here "
-                                f"({self.detail}); install it (pip install torch==2.13.0), or replay a golden bundle "
+                                f"({self.detail}); install it ({TORCH_INSTALL_HINT}), or replay a golden bundle "
                                 "(golden, --golden DIR)")
         if self.cause == "checkpoint":
             return ArtifactError(f"{folder} was exported from checkpoint {self.source['path']}, which {self.detail}; "

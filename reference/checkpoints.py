@@ -435,16 +435,20 @@ def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
                            "model of another design exports as your own decoder (reference/byo.py)")
 
 
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _check_fit(path, config, model, state: dict) -> None:
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    model_tensors = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in model_tensors.items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     misshaped = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
                  for k in expected if k in state and tuple(state[k].shape) != expected[k]]
     if missing or unexpected or misshaped:
         raise _fit_error(path, config, missing, unexpected, misshaped)
-    model_tensors = model.state_dict()
-    not_float = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in state.items()
+    not_float = [f"{k} ({_dtype_name(v)})" for k, v in state.items()
                  if model_tensors[k].is_floating_point() and not v.is_floating_point()]
     if not_float:
         raise CheckpointError(f"{path}: weights stored as integers, which no model of this toolkit holds: "
@@ -513,7 +517,6 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     model = family.model_type()(config)
     for value in state.values():
         if value.dtype != torch.float32:
-            report.converted[str(value.dtype).replace("torch.", "")] = report.converted.get(
-                str(value.dtype).replace("torch.", ""), 0) + 1
+            report.converted[_dtype_name(value)] = report.converted.get(_dtype_name(value), 0) + 1
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return model.eval(), report

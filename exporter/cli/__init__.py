@@ -20,7 +20,7 @@ from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artif
                                   verification_plan, verify_options)
 from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
                                   setup_logging)
-from exporter.errors import ToolkitError, error_document, torch_import_error
+from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
 from exporter.generation import MINIMIND_SAMPLING
 from reference import DEFAULT_PRESET, get_preset
 
@@ -86,7 +86,7 @@ def _require_torch(purpose: str) -> None:
     missing = torch_import_error()
     if missing is not None:
         raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); install it "
-                           "(pip install torch==2.13.0)")
+                           f"({TORCH_INSTALL_HINT})")
 
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):

@@ -104,8 +104,7 @@ class _RoutingExplainer:
 
     def _probe(self, graph: str) -> RouterProbe:
         if graph not in self._probes:
-            contract = {"prefill": self.manifest.prefill, "decode": self.manifest.decode}[graph]
-            self._probes[graph] = RouterProbe(self.onnx.folder, contract, self.onnx.provider,
+            self._probes[graph] = RouterProbe(self.onnx.folder, self.manifest.contract(graph), self.onnx.provider,
                                               self.manifest.cache.num_layers)
         return self._probes[graph]
 
@@ -300,10 +299,10 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     reports = [run.report for run in runs]
     outputs = {run.report.provider: run.outputs for run in runs}
     values = {run.report.provider: run.values for run in runs}
-    log.info("reference-free invariants on %s", chosen[0] if chosen else "cpu")
-    invariant_profile = overrides.apply(profile_for(manifest.dtype, chosen[0] if chosen else "cpu"))
-    invariants = check_invariants(folder, first_runner or OrtRunner(folder, chosen[0] if chosen else "cpu",
-                                                                    manifest=manifest),
+    invariant_provider = chosen[0] if chosen else "cpu"
+    log.info("reference-free invariants on %s", invariant_provider)
+    invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
+    invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),
                                   manifest, batch, invariant_profile)
     cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
     probes = []

@@ -352,7 +352,7 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
 
 def _check_call(index: int, kind: str, feeds: dict, outputs: dict, manifest: Manifest) -> None:
     """A recorded call holds what its graph returns, each output shaped as the contract says."""
-    contract = {"prefill": manifest.prefill, "decode": manifest.decode}[kind]
+    contract = manifest.contract(kind)
     ids = feeds["input_ids"]
     if ids.ndim != 2:
         raise ValueError(f"call {index}: input_ids has shape {ids.shape}, expected (batch, sequence)")
@@ -380,7 +380,7 @@ def _check_module_outputs(graph: str, feeds: dict, outputs: dict, manifest: Mani
     not_floating = sorted(name for name, value in outputs.items() if not np.issubdtype(value.dtype, np.floating))
     if not_floating:
         raise ValueError(f"the module outputs {not_floating} hold no floating-point values")
-    contract = {"prefill": manifest.prefill, "decode": manifest.decode}[graph]
+    contract = manifest.contract(graph)
     presents = [spec for spec in contract.outputs if spec.name.startswith("present.")]
     missing = [spec.name for spec in presents if spec.name not in outputs]
     if missing:

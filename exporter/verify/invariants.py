@@ -22,10 +22,12 @@ import onnx
 from onnx import numpy_helper
 
 from exporter.axes import lint_axes
+from exporter.contract import GraphContract
 from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
+from exporter.sessions import read_graph
 from exporter.verify.inputs import prefill_feeds
-from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
+from exporter.verify.metrics import Comparison, compare_outputs, real_queries
 from exporter.verify.probe import FLOAT_TYPES
 from exporter.verify.tolerances import Profile
 
@@ -54,20 +56,17 @@ def _outcome(name: str, rows: list[Comparison], nonfinite: list[str], what: str)
     return Invariant(name, all(c.passed for c in rows), detail, tuple(rows))
 
 
-def _pair(label: str, actual: dict, expected: dict, profile: Profile, names, mask: np.ndarray
+def _pair(label: str, actual: dict, expected: dict, profile: Profile, mask: np.ndarray
           ) -> tuple[list[Comparison], list[str]]:
-    """The comparisons of logits and every present at the positions `mask` (B, total) marks real, and the
-    outputs of either side holding NaN or Inf where it matters: at a real query's logits, or anywhere in a
-    present (a later step weighs a padded key by zero, and 0 x NaN is NaN)."""
-    names = ["logits", *(n for n in names if n.startswith("present."))]
+    """compare_outputs of the two runs, and the outputs of either side holding NaN or Inf where it matters: at
+    a real query's logits, or anywhere in a present (a later step weighs a padded key by zero, and 0 x NaN is
+    NaN)."""
+    names = ["logits", *(n for n in actual if n.startswith("present."))]
     queries = real_queries(mask, actual["logits"].shape[1])
-    logits = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
-                      valid=queries)]
-    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask)) for n in names[1:]]
     nonfinite = [n for n in names
                  if not all(np.isfinite(side[n][queries] if n == "logits" else side[n]).all()
                             for side in (actual, expected))]
-    return logits + ([aggregate(f"{label} present (all layers)", kv)] if kv else []), nonfinite
+    return compare_outputs(label, actual, expected, profile, mask), nonfinite
 
 
 def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
@@ -79,7 +78,7 @@ def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: in
                         "position_ids": position_ids_from_mask(mask, k), **presents_as_past(manifest, head)})
     tail = {"logits": whole["logits"][:, k:], **{n: whole[n] for n in rest if n != "logits"}}
     return _outcome("prefill(all) == prefill(first k) + decode(rest)",
-                    *_pair("split", rest, tail, profile, rest, mask), what=f"k={k} of {mask.shape[1]} tokens")
+                    *_pair("split", rest, tail, profile, mask), what=f"k={k} of {mask.shape[1]} tokens")
 
 
 def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
@@ -87,7 +86,7 @@ def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
     prefill = onnx.prefill(feeds)
     decode = onnx.decode({**{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
                           **onnx.empty_past(len(batch["input_ids"]))})
-    return _outcome("decode(past 0) == prefill", *_pair("past-0", decode, prefill, profile, decode,
+    return _outcome("decode(past 0) == prefill", *_pair("past-0", decode, prefill, profile,
                                                          batch["attention_mask"]), what="same prompt")
 
 
@@ -102,17 +101,17 @@ def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) ->
                           for name, value in feeds.items()})
     row = {"logits": padded["logits"][:1, real],
            **{n: padded[n][:1, :, real] for n in alone if n.startswith("present.")}}
-    return _outcome("padded row == same sequence alone", *_pair("padded", row, alone, profile, alone, alone_mask),
+    return _outcome("padded row == same sequence alone", *_pair("padded", row, alone, profile, alone_mask),
                     what=f"{int((~real).sum())} padding tokens")
 
 
-def _weight_digests(folder: Path, graph_file: str) -> set[tuple]:
+def _weight_digests(folder: Path, manifest: Manifest, contract: GraphContract) -> set[tuple]:
     """Content hashes (where stored, dtype, shape, bytes) of a graph's weights, read the way ONNX Runtime reads
     them: those in the weights file through the graph's own external-data references, not the manifest; and
     every floating initializer kept inline (a norm weight under 1 KiB, the rotary frequencies, scalar
     constants), which no hash of the weights file covers. Inline integer initializers are shapes and axes,
     which the two graphs need not share."""
-    model = onnx.load(str(folder / graph_file), load_external_data=False)
+    model = read_graph(folder, manifest, contract)
     digests = set()
     handles: dict[str, object] = {}
     try:
@@ -135,7 +134,7 @@ def _weight_digests(folder: Path, graph_file: str) -> set[tuple]:
 
 def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
     """Matched by content, not by name: the exporter names folded tensors differently in each graph."""
-    prefill, decode = (_weight_digests(Path(folder), g.file) for g in (manifest.prefill, manifest.decode))
+    prefill, decode = (_weight_digests(Path(folder), manifest, g) for g in (manifest.prefill, manifest.decode))
     only_prefill, only_decode = prefill - decode, decode - prefill
     if only_prefill or only_decode:
         shapes = sorted({f"{list(key[2])} {key[0]}" for key in only_prefill | only_decode})
@@ -151,7 +150,7 @@ def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
 def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
     problems = []
     for contract in (manifest.prefill, manifest.decode):
-        problems += lint_axes(onnx.load(str(Path(folder) / contract.file), load_external_data=False), contract)
+        problems += lint_axes(read_graph(folder, manifest, contract), contract)
     return Invariant("every dynamic axis is symbolic", not problems,
                      "; ".join(problems[:5]) if problems else "all contract axes symbolic, named as declared")
 
@@ -164,7 +163,7 @@ def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
     and back up as a no-op, so no comparison on the CPU can see the rounding that CUDA would then do."""
     found = []
     for contract in (manifest.prefill, manifest.decode):
-        model = onnx.load(str(Path(folder) / contract.file), load_external_data=False)
+        model = read_graph(folder, manifest, contract)
         nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
         found += [f"{contract.file}: {node.name or node.op_type}" for node in nodes if node.op_type == "Cast"
                   and any(a.name == "to" and a.i in _BELOW_FLOAT32 for a in node.attribute)]

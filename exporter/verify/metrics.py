@@ -107,7 +107,7 @@ def _cosine(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(a @ e / norm) if norm > 0 else float(np.array_equal(a, e))
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
+def log_softmax(x: np.ndarray) -> np.ndarray:
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
@@ -131,7 +131,7 @@ def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray |
     top_a = np.argpartition(-a, k - 1, axis=-1)[:, :k]
     top_e = np.argpartition(-e, k - 1, axis=-1)[:, :k]
     overlap = [len(set(x) & set(y)) / k for x, y in zip(top_a, top_e)]
-    log_p, log_q = _log_softmax(e), _log_softmax(a)
+    log_p, log_q = log_softmax(e), log_softmax(a)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
     return {"top1_agreement": float(np.mean(a.argmax(-1) == e.argmax(-1))), "topk_overlap": float(np.mean(overlap)),
             "kl_mean": float(np.mean(kl)), "kl_max": float(np.max(kl)), "positions": int(len(e))}
@@ -215,6 +215,16 @@ def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
                       float(np.mean([c.mean_abs for c in comparisons])), worst.tolerance,
                       all(c.passed for c in comparisons), worst.name, min(c.cosine for c in comparisons),
                       Needed.worst([c.needed for c in comparisons]), llm)
+
+
+def compare_outputs(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
+    """Logits and every present of two runs of one call, judged at the positions `mask` (B, total) marks
+    real: the logits row, then one row for the presents of all layers. `profile` is a tolerances.Profile."""
+    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
+                    valid=real_queries(mask, actual["logits"].shape[1]))]
+    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
+          for n in actual if n.startswith("present.")]
+    return rows + ([aggregate(f"{label} present (all layers)", kv)] if kv else [])
 
 
 def match_length(a: list[int], b: list[int]) -> int:

@@ -25,7 +25,7 @@ from exporter.errors import ArtifactError, InputError
 from exporter.manifest import Manifest, config_differences, read_manifest
 from exporter.runtime import OrtRunner
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds
-from exporter.verify.metrics import Comparison, aggregate, compare, real_keys, real_queries
+from exporter.verify.metrics import Comparison, aggregate, compare, compare_outputs
 from exporter.verify.results import Attribution, AttributionLeg, ProviderReport
 from exporter.verify.tolerances import CPU, CUDA, Overrides, profile_for
 
@@ -37,15 +37,6 @@ def _looser(dtype: str, a: str, b: str, overrides: Overrides):
     return max(profiles, key=lambda p: p.logits.peak + p.logits.atol)
 
 
-def _outputs_pair(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
-    """Logits and presents of one prefill batch, judged at the positions its `mask` marks real."""
-    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
-                    valid=real_queries(mask, actual["logits"].shape[1]))]
-    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
-          for n in actual if n.startswith("present.")]
-    return rows + [aggregate(f"{label} present (all layers)", kv)]
-
-
 def _pair(b: str, a: str) -> str:
     return f"{b} vs {a} prefill"
 
@@ -54,7 +45,7 @@ def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, pr
     """The prefill batch once more on the same session; any difference is nondeterminism."""
     again = onnx.prefill(prefill_feeds(manifest, batch))
     return aggregate(f"{onnx.provider} repeat run of {PREFILL_BATCH}",
-                     _outputs_pair("repeat", again, first, profile, batch["attention_mask"]))
+                     compare_outputs("repeat", again, first, profile, batch["attention_mask"]))
 
 
 def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, mask: np.ndarray
@@ -63,7 +54,7 @@ def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, 
     profiles."""
     rows = []
     for a, b in itertools.combinations(outputs, 2):
-        rows += _outputs_pair(_pair(b, a), outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
+        rows += compare_outputs(_pair(b, a), outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
     return rows
 
 

@@ -27,6 +27,8 @@ import onnxruntime as ort
 from exporter.contract import GraphContract
 from exporter.runtime import position_ids_from_mask, presents_as_past
 from exporter.sessions import plain_session_options, session_providers
+from exporter.verify.inputs import prefill_feeds
+from exporter.verify.metrics import log_softmax
 from exporter.verify.probe import SCOPES_KEY
 
 if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model
@@ -187,9 +189,7 @@ class CallRouting:
 def _loss_terms(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """(B, T): each position's term of MiniMind's shifted cross entropy, -log p(the next label) at t, 0 where
     that label is ignored (-100) and at the last position."""
-    x = logits[:, :-1].astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    log_p = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    log_p = log_softmax(logits[:, :-1].astype(np.float64))
     target = labels[:, 1:]
     picked = np.take_along_axis(log_p, np.where(target == -100, 0, target)[..., None], axis=-1)[..., 0]
     return np.pad(np.where(target == -100, 0.0, -picked), ((0, 0), (0, 1)))
@@ -268,7 +268,7 @@ def check_expert_choice(reference, folder: Path, manifest, provider: str, batch:
     without routers.
     """
     layers = manifest.cache.num_layers
-    feeds = {name: batch[name] for name in manifest.prefill.input_names}
+    feeds = prefill_feeds(manifest, batch)
     ref_out = reference.prefill(feeds)
     if not reference.last_routing():
         return None

@@ -315,7 +315,8 @@ def graph_state(path: Path, manifest: Manifest, contract: GraphContract) -> str:
     return _checked_graph(path, manifest, contract)[1] or "ok"
 
 
-def _checked_graph(path: Path, manifest: Manifest, contract: GraphContract) -> tuple[onnx.ModelProto | None, str | None]:
+def _checked_graph(path: Path, manifest: Manifest,
+                   contract: GraphContract) -> tuple[onnx.ModelProto | None, str | None]:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except DecodeError as exc:

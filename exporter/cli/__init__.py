@@ -322,7 +322,8 @@ def inspect(folder, as_json, quiet, verbose):
     """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
 
     A damaged folder (a file missing, or not the size or sha256 its manifest lists, or a graph without the
-    inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line error. FOLDER defaults to artifacts/minimind-3.
+    inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line
+    error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
     from exporter.manifest import UNREADABLE, file_status, load_manifest

@@ -69,36 +69,36 @@ def _pair(label: str, actual: dict, expected: dict, profile: Profile, mask: np.n
     return compare_outputs(label, actual, expected, profile, mask), nonfinite
 
 
-def split_prefill(onnx, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
+def split_prefill(runner, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
     feeds = prefill_feeds(manifest, batch)
-    whole = onnx.prefill(feeds)
-    head = onnx.prefill({name: value[:, :k] for name, value in feeds.items()})
+    whole = runner.prefill(feeds)
+    head = runner.prefill({name: value[:, :k] for name, value in feeds.items()})
     mask = batch["attention_mask"]
-    rest = onnx.decode({"input_ids": batch["input_ids"][:, k:], "attention_mask": mask,
+    rest = runner.decode({"input_ids": batch["input_ids"][:, k:], "attention_mask": mask,
                         "position_ids": position_ids_from_mask(mask, k), **presents_as_past(manifest, head)})
     tail = {"logits": whole["logits"][:, k:], **{n: whole[n] for n in rest if n != "logits"}}
     return _outcome("prefill(all) == prefill(first k) + decode(rest)",
                     *_pair("split", rest, tail, profile, mask), what=f"k={k} of {mask.shape[1]} tokens")
 
 
-def decode_past_zero(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+def decode_past_zero(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
     feeds = prefill_feeds(manifest, batch)
-    prefill = onnx.prefill(feeds)
-    decode = onnx.decode({**{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
-                          **onnx.empty_past(len(batch["input_ids"]))})
+    prefill = runner.prefill(feeds)
+    decode = runner.decode({**{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
+                            **runner.empty_past(len(batch["input_ids"]))})
     return _outcome("decode(past 0) == prefill", *_pair("past-0", decode, prefill, profile,
                                                          batch["attention_mask"]), what="same prompt")
 
 
-def padded_row_alone(onnx, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
     """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries."""
     mask = batch["attention_mask"]
     real = mask[0] == 1
     feeds = prefill_feeds(manifest, batch)
-    padded = onnx.prefill(feeds)
+    padded = runner.prefill(feeds)
     alone_mask = np.ones((1, int(real.sum())), dtype=np.int64)
-    alone = onnx.prefill({name: value[:1, real] if name != "position_ids" else position_ids_from_mask(alone_mask)
-                          for name, value in feeds.items()})
+    alone = runner.prefill({name: value[:1, real] if name != "position_ids" else position_ids_from_mask(alone_mask)
+                            for name, value in feeds.items()})
     row = {"logits": padded["logits"][:1, real],
            **{n: padded[n][:1, :, real] for n in alone if n.startswith("present.")}}
     return _outcome("padded row == same sequence alone", *_pair("padded", row, alone, profile, alone_mask),

@@ -446,6 +446,45 @@ def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
                            "folder (folder, --output)")
 
 
+def _build(model: torch.nn.Module, config, dtype: str, with_loss: bool, source: dict, tokenizer_source,
+           built: Path) -> Manifest:
+    """Both graphs, the weights file they share, the consumers' files and the manifest, written into the empty
+    folder `built` and checked there (onnx.checker, a smoke run in onnxruntime)."""
+    prefill = prefill_contract(config, dtype, with_loss)
+    decode = decode_contract(config, dtype)
+    with torch.no_grad():
+        args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
+        _check_forward(model, config, args, with_loss)
+        prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
+        args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
+        decode_model = _torch_export(DecodeGraph(model), args, names, decode)
+    shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
+    log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors,
+             shared.bytes / 1e6)
+    for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
+        onnx.save_model(proto, built / contract.file)
+        try:
+            onnx.checker.check_model(str(built / contract.file), full_check=True)
+        except Exception as exc:
+            raise ExportFailed(f"onnx.checker rejected {contract.file}: {first_line(exc)}") from exc
+    manifest = Manifest(
+        config=config, source=source, dtype=dtype, opset=OPSET,
+        prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
+        initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
+        versions={"torch": torch.__version__, "onnx": onnx.__version__,
+                  "onnxruntime": onnxruntime.__version__},
+        files={})
+    files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
+    manifest = dataclasses.replace(manifest, files=file_entries(built, files))
+    log.info("smoke-testing the graphs in onnxruntime")
+    try:
+        _smoke_run(built, manifest)
+    except GraphRunError as exc:  # e.g. an op this build lacks for a dtype
+        raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs ({exc.detail})") from exc
+    manifest.write(built)
+    return manifest
+
+
 def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32", with_loss: bool = True,
                     source: dict | None = None, tokenizer: Path | None = None) -> ExportResult:
     """Export `model` as an artifact folder.
@@ -470,8 +509,6 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     start = time.perf_counter()
     model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
-    prefill = prefill_contract(config, dtype, with_loss)
-    decode = decode_contract(config, dtype)
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -483,36 +520,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     os.umask(umask)
     try:
         built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
-        with torch.no_grad():
-            args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
-            _check_forward(model, config, args, with_loss)
-            prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
-            args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
-            decode_model = _torch_export(DecodeGraph(model), args, names, decode)
-        shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
-        log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors,
-                 shared.bytes / 1e6)
-        for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
-            onnx.save_model(proto, built / contract.file)
-            try:
-                onnx.checker.check_model(str(built / contract.file), full_check=True)
-            except Exception as exc:
-                raise ExportFailed(f"onnx.checker rejected {contract.file}: {first_line(exc)}") from exc
-        manifest = Manifest(
-            config=config, source=source, dtype=dtype, opset=OPSET,
-            prefill=prefill, decode=decode, cache=cache_layout(config, dtype), weights_file=WEIGHTS_FILE,
-            initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
-            versions={"torch": torch.__version__, "onnx": onnx.__version__,
-                      "onnxruntime": onnxruntime.__version__},
-            files={})
-        files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
-        manifest = dataclasses.replace(manifest, files=file_entries(built, files))
-        log.info("smoke-testing the graphs in onnxruntime")
-        try:
-            _smoke_run(built, manifest)
-        except GraphRunError as exc:  # e.g. an op this build lacks for a dtype
-            raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs ({exc.detail})") from exc
-        manifest.write(built)
+        manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
         _move_into_place(built, folder)
     except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
         raise _write_failed(folder, exc) from None

@@ -196,8 +196,8 @@ def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerS
                     "set them in the DecoderSpec if the model's differ", " or ".join(sizes.assumed),
                     sizes.num_attention_heads, sizes.hidden_size)
     documents = {}
-    if genai_unsupported(manifest):
-        log.warning("no %s: onnxruntime-genai cannot run this artifact (%s)", GENAI_CONFIG, genai_unsupported(manifest))
+    if reason := genai_unsupported(manifest):
+        log.warning("no %s: onnxruntime-genai cannot run this artifact (%s)", GENAI_CONFIG, reason)
     else:
         documents[GENAI_CONFIG] = genai_config(manifest, sizes)
     if optimum_unsupported(manifest):

@@ -63,6 +63,11 @@ class Manifest:
     def with_loss(self) -> bool:
         return "loss" in self.prefill.output_names
 
+    @property
+    def is_moe(self) -> bool:
+        """A mixture of experts: its graphs carry routers (families without MoE have no use_moe)."""
+        return getattr(self.config, "use_moe", False) is True
+
     def contract(self, graph: str) -> GraphContract:
         """The contract of the graph named "prefill" or "decode"."""
         return {"prefill": self.prefill, "decode": self.decode}[graph]

@@ -84,7 +84,7 @@ def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifes
                    settings: ParitySettings, profile: Profile) -> ExpertAgreement | None:
     """MoE routing agreement against the reference's routers, live or from a golden bundle (None for models
     without routers)."""
-    if getattr(manifest.config, "use_moe", False) is not True:
+    if not manifest.is_moe:
         return None
     log.info("%s: expert choice of the MoE routers", provider)
     rng = np.random.default_rng(settings.seed + 4)
@@ -135,8 +135,7 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: _DebugG
     values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
     health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes
                                      for o in n.outputs}, debug.prefill.mask_fed)
-    explainer = _RoutingExplainer(reference, onnx, manifest, profile) \
-        if getattr(manifest.config, "use_moe", False) is True else None
+    explainer = _RoutingExplainer(reference, onnx, manifest, profile) if manifest.is_moe else None
     explain_routing = explainer.call if explainer else None
     log.info("%s: prefill", onnx.provider)
     prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing)
@@ -164,8 +163,8 @@ def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: _DebugG
 def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
     if genai_version() is None:
         return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
-    if genai_unsupported(manifest):
-        return genai_unsupported(manifest)
+    if reason := genai_unsupported(manifest):
+        return reason
     if GENAI_CONFIG not in manifest.files:  # GenaiGenerator loads the listed file alone, whatever else is there
         return f"the folder's manifest lists no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
     genai_model_type(folder)  # a damaged one is refused here, before any work, rather than after every check

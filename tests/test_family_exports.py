@@ -276,7 +276,7 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     manifest = read_manifest(artifact, check_hashes=False)
     config, layers = manifest.config, manifest.cache.num_layers
     onnx, reference = OrtRunner(artifact, manifest=manifest), TorchRunner(model, manifest)
-    probe = RouterProbe(artifact, manifest.prefill, "CPUExecutionProvider", layers)
+    probe = RouterProbe(artifact, manifest, "prefill", "CPUExecutionProvider")
     example_ids = _example_inputs(config, torch.float32, with_loss=True, past=False)[0][0].numpy()
     example = _routing(model, config, example_ids, layers)
 

@@ -104,8 +104,7 @@ class _RoutingExplainer:
 
     def _probe(self, graph: str) -> RouterProbe:
         if graph not in self._probes:
-            self._probes[graph] = RouterProbe(self.onnx.folder, self.manifest.contract(graph), self.onnx.provider,
-                                              self.manifest.cache.num_layers)
+            self._probes[graph] = RouterProbe(self.onnx.folder, self.manifest, graph, self.onnx.provider)
         return self._probes[graph]
 
     def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:

@@ -24,9 +24,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from exporter.contract import GraphContract
+from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask, presents_as_past
-from exporter.sessions import plain_session_options, session_providers
+from exporter.sessions import plain_session_options, read_graph, session_providers
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import log_softmax
 from exporter.verify.probe import SCOPES_KEY
@@ -77,11 +77,11 @@ def router_layers(model: onnx.ModelProto) -> dict[int, str]:
 class RouterProbe:
     """One graph of an artifact, run with its routers' chosen expert ids as extra outputs."""
 
-    def __init__(self, folder: Path, contract: GraphContract, provider: str, num_layers: int):
+    def __init__(self, folder: Path, manifest: Manifest, graph: str, provider: str):
         folder = Path(folder)
-        proto = onnx.load(str(folder / contract.file), load_external_data=False)
+        proto = read_graph(folder, manifest, manifest.contract(graph))
         self.layers = router_layers(proto)
-        self.complete = sorted(self.layers) == list(range(num_layers))
+        self.complete = sorted(self.layers) == list(range(manifest.cache.num_layers))
         for name in self.layers.values():
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
         options = plain_session_options()
@@ -272,7 +272,7 @@ def check_expert_choice(reference, folder: Path, manifest, provider: str, batch:
     ref_out = reference.prefill(feeds)
     if not reference.last_routing():
         return None
-    probes = [RouterProbe(folder, contract, provider, layers) for contract in (manifest.prefill, manifest.decode)]
+    probes = [RouterProbe(folder, manifest, graph, provider) for graph in ("prefill", "decode")]
     if not all(probe.complete for probe in probes):
         found = sorted(probes[0].layers)
         return ExpertAgreement(False, 0, 0, 0, f"router TopK nodes not found in the graphs (found layers {found} "

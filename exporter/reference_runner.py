@@ -56,8 +56,7 @@ class TorchRunner:
         return self._outputs(out)
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> GreedyTrace:
-        ids, logits = reference_greedy(self.model, prompt_ids, max_new_tokens, eos_token_id, with_logits=True)
-        return GreedyTrace(ids, logits)
+        return reference_greedy(self.model, prompt_ids, max_new_tokens, eos_token_id)
 
     @torch.no_grad()
     def module_outputs(self, feeds: dict, graph: str = "prefill") -> dict:
@@ -90,19 +89,16 @@ class TorchRunner:
 
 @torch.no_grad()
 def reference_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
-                     eos_token_id: int | None, with_logits: bool = False):
-    """MiniMind-style greedy decoding with the model's own KV cache and default positions.
-
-    Returns the new ids, and with `with_logits` also the (new ids, vocab) float32 logits each was chosen from.
-    """
+                     eos_token_id: int | None) -> GreedyTrace:
+    """MiniMind-style greedy decoding with the model's own KV cache and default positions: the new ids, and the
+    float32 logits each was chosen from."""
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     new_ids: list[int] = []
     logits = []
     while True:
         token = int(out.logits[0, -1].argmax())
         new_ids.append(token)
-        if with_logits:
-            logits.append(out.logits[0, -1].float().numpy())
+        logits.append(out.logits[0, -1].float().numpy())
         if token == eos_token_id or len(new_ids) == max_new_tokens:
-            return (new_ids, np.stack(logits)) if with_logits else new_ids
+            return GreedyTrace(new_ids, np.stack(logits))
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)

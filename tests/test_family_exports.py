@@ -232,7 +232,7 @@ def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind
 
 def _reference_greedy(model, prompt, n):
     from exporter.reference_runner import reference_greedy
-    return reference_greedy(model, prompt, n, None)
+    return reference_greedy(model, prompt, n, None).ids
 
 
 def test_a_changed_checkpoint_is_refused_by_verify(minimind2_artifact, minimind2_checkpoint, tmp_path):

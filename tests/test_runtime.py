@@ -19,12 +19,12 @@ from exporter.sessions import CPU, CUDA, available_parity_providers, check_provi
 def test_greedy_generation_equals_the_reference(runner, tiny_model):
     prompt = [1, 17, 230, 4, 99]
     result = generate_greedy(runner, prompt, 40)
-    assert result.new_ids == reference_greedy(tiny_model, prompt, 40, None)
+    assert result.new_ids == reference_greedy(tiny_model, prompt, 40, None).ids
     assert len(set(result.new_ids)) > 5, "degenerate model output makes token equality meaningless"
 
 
 def test_one_token_prompt_generates(runner, tiny_model):
-    assert generate_greedy(runner, [7], 5).new_ids == reference_greedy(tiny_model, [7], 5, None)
+    assert generate_greedy(runner, [7], 5).new_ids == reference_greedy(tiny_model, [7], 5, None).ids
 
 
 def test_generation_stops_at_eos(runner):
@@ -214,7 +214,7 @@ def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, 
     out = subprocess.run([sys.executable, "-c", script, str(artifact_fp32)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     tokens, refusal = out.stdout.strip().splitlines()
-    assert tokens == str(reference_greedy(tiny_model, [3, 4], 6, None))
+    assert tokens == str(reference_greedy(tiny_model, [3, 4], 6, None).ids)
     assert "shared thread pool" in refusal
 
 

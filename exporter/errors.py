@@ -15,10 +15,11 @@ def error_document(kind: str, message: str, exit_code: int) -> dict:
 
 def torch_import_error() -> str | None:
     """Why PyTorch does not import here, or None when it does: the reference model and the export need it, a
-    deployment may hold only onnxruntime."""
+    deployment may hold only onnxruntime. A broken install counts too: torch raises OSError when one of its
+    shared libraries cannot be loaded (libtorch_cpu.so, a CUDA library of another version)."""
     try:
         importlib.import_module("torch")
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         return str(exc)
     return None
 

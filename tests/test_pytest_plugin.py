@@ -20,9 +20,9 @@ from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
 
 
-def _pytest(cwd, *args):
+def _pytest(cwd, *args, env=None):
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=900)
+                          cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_plugin_does_nothing_without_the_option(tmp_path):
@@ -194,6 +194,19 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
             "cannot rebuild); tolerance overrides: ") in out.stdout
     assert (f"{folder}::shape_sweep: no shape sweep ran: the golden bundle was recorded with --no-sweep" in
             out.stdout and "6 passed, 3 skipped" in out.stdout), out.stdout[-3000:]
+
+
+def test_a_broken_torch_install_is_refused_as_torch_missing_not_as_an_internal_error(artifact_fp32, tmp_path):
+    # torch raises OSError, not ImportError, when one of its shared libraries cannot be loaded: it was an
+    # INTERNALERROR traceback here (and an internal error, exit 3, in `export-onnx verify`).
+    fake = tmp_path / "broken" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise OSError('libtorch_cpu.so: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    out = _pytest(tmp_path, f"--artifacts={artifact_fp32}", env=env)
+    assert out.returncode == 4 and "INTERNALERROR" not in out.stdout + out.stderr, out.stderr[-2000:]
+    assert ("PyTorch, which rebuilding the reference needs, does not import here; install it (pip install "
+            "torch==2.13.0) or pass --golden-bundle=DIR") in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("module, error, said", [

@@ -423,7 +423,7 @@ def test_a_values_real_elements_follow_its_batch_and_position_axes():
 def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp32, tmp_path):
     manifest = read_manifest(artifact_fp32)
 
-    def damaged(edit_arrays=None, edit_meta=None, rehash=True):
+    def damaged(edit_arrays=None, edit_meta=None, rehash=True, edit_file=None):
         folder = tmp_path / f"bundle{len(list(tmp_path.iterdir()))}"
         shutil.copytree(full[1], folder)
         arrays = dict(np.load(folder / "arrays.npz"))
@@ -431,6 +431,8 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
             edit_arrays(arrays)
             with open(folder / "arrays.npz", "wb") as f:
                 np.savez(f, **arrays)
+        if edit_file:
+            edit_file(folder / "arrays.npz")
         meta = json.loads((folder / "golden.json").read_text())
         if rehash:
             meta["arrays_sha256"] = sha256_file(folder / "arrays.npz")
@@ -476,6 +478,13 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert "['lm_head'] hold no floating-point values" in damaged(lambda a: a.update({head: a[head].astype(int)}))
     assert "token feeds have shapes" in damaged(lambda a: a.update({positions: a[positions][:, :5]}))
     assert "KeyError: 'input_ids'" in damaged(lambda a: a.pop("modules/feed/input_ids"))
+
+    # arrays.npz that is no archive at all: refused on its hash, or (hash forged) as no archive, never with numpy's
+    # advice to load it unpickled
+    garbage = damaged(edit_meta=None, rehash=False, edit_file=lambda f: f.write_bytes(b"PK not an archive"))
+    assert "sha256 differs" in garbage and "pickle" not in garbage
+    forged = damaged(edit_file=lambda f: f.write_bytes(b"\x80\x04 pickled"))
+    assert "arrays.npz is no npz (zip) archive" in forged and "pickle" not in forged
 
     bundle = load_bundle(full[1], manifest)
     blocked = tmp_path / "blocked"

@@ -238,13 +238,16 @@ def load_bundle(folder: Path, manifest: Manifest) -> GoldenBundle:
     meta = check_bundle(folder, manifest)
     try:
         digest = sha256_file(folder / ARRAYS)
-        arrays = np.load(folder / ARRAYS, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except OSError as exc:
         raise _unreadable(folder, exc) from None
+    # before numpy reads it: numpy answers a file that is no archive with advice to load it unpickled
     if digest != meta.get("arrays_sha256"):
         raise _damaged(folder, ValueError(f"{ARRAYS} is not the file {BUNDLE} was written with (sha256 differs): "
                                           "an interrupted save, or values changed since"))
     try:
+        if not zipfile.is_zipfile(folder / ARRAYS):
+            raise ValueError(f"{ARRAYS} is no npz (zip) archive")
+        arrays = np.load(folder / ARRAYS, allow_pickle=False)
         if _recording_digest(meta) != meta.get("recording_sha256"):
             raise ValueError(f"the calls, greedy runs, settings or overrides in {BUNDLE} changed since the save "
                              "(sha256 differs)")

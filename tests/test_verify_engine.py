@@ -550,9 +550,17 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     assert probed.module_outputs({**step, "input_ids": ids[:, 1:2]}, "decode") is None
 
 
-def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):
-    with pytest.raises(GoldenMismatch, match="another model"):
+def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16, artifact_fp32, tmp_path):
+    with pytest.raises(GoldenMismatch, match="another model \\(differs in dtype: bundle float32, artifact float16\\)"):
         verify_artifact(artifact_fp16, None, ["cpu"], golden=full[1])
+    # another config of the same dtype: the dtype is not named (it read "bundle float32, artifact float32")
+    other = shutil.copytree(full[1], tmp_path / "other")
+    meta = json.loads((other / "golden.json").read_text())
+    meta["artifact"]["config"]["rms_norm_eps"] = 1e-5
+    (other / "golden.json").write_text(json.dumps(meta))
+    with pytest.raises(GoldenMismatch) as caught:
+        load_bundle(other, read_manifest(artifact_fp32))
+    assert "belongs to another model (differs in rms_norm_eps); " in str(caught.value)
 
 
 def test_junit_and_html_reports(full, tmp_path):

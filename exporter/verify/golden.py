@@ -306,8 +306,9 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
     ours, theirs = _identity(manifest), meta["artifact"]
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
-        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in "
-                             f"{', '.join(changed) or 'dtype'}: bundle dtype {theirs['dtype']}, artifact {ours['dtype']}); "
+        if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
+            changed.append(f"dtype: bundle {theirs['dtype']}, artifact {ours['dtype']}")
+        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in {', '.join(changed)}); "
                              "verify against a bundle recorded from this artifact")
     changed = [name for name, digest in ours["sha256"].items() if theirs["sha256"].get(name) != digest]
     if changed:

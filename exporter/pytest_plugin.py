@@ -47,6 +47,15 @@ def pytest_addoption(parser):
                     help="execution provider, cpu or cuda (repeatable); default: every available one")
 
 
+class BundleRefused(Exception):
+    """A golden bundle that cannot be a folder's reference (another artifact's, damaged, of another format);
+    `given`: it is --golden-bundle's, not the folder's own golden/."""
+
+    def __init__(self, message: str, given: bool):
+        super().__init__(message)
+        self.given = given
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a folder is verified against: 'golden' (bundle), 'rebuilt' or 'invariants' (no reference: why)."""
@@ -58,8 +67,9 @@ class Plan:
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
-    """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used,
-    CheckpointError when the checkpoint it was exported from is gone or changed and no bundle stands in.
+    """The folder's reference, from what it offers; ToolkitError when the folder cannot be used, BundleRefused
+    (naming the folder) when the bundle cannot, CheckpointError when the checkpoint it was exported from is gone
+    or changed and no bundle stands in.
 
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
@@ -78,7 +88,10 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
         return Plan("rebuilt")
     problem = reference.problem
     if reference.kind == "golden":
-        return _golden_plan(reference.bundle, manifest, reason=problem.reason if problem else "")
+        try:
+            return _golden_plan(reference.bundle, manifest, reason=problem.reason if problem else "")
+        except ToolkitError as exc:  # the bundle's message names the bundle alone: say which folder it was for
+            raise BundleRefused(f"{folder}: {exc}", given=golden is not None) from None
     if problem.cause == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
         raise CheckpointError(f"{folder}: {problem.reason}; restore it, pass --golden-bundle=DIR, or re-export")
     if problem.cause == "torch":  # the checks must not be skipped as if none could run
@@ -119,6 +132,8 @@ def pytest_configure(config):
     try:
         plans = {Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}
+    except BundleRefused as exc:
+        raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
     except (ToolkitError, ModelError) as exc:
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
         hint = f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else ""

@@ -312,7 +312,9 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
     other.mkdir()
     (other / "golden.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
-    usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", f"--golden-bundle={other}")
+    # named as --golden-bundle's problem, for the folder it was given with (one bundle, several folders)
+    usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {other} belongs to another model",
+                f"--golden-bundle={other}")
     usage_error(tmp_path / "none", "is not a folder", f"--golden-bundle={other}")  # the folder is checked first
     usage_error(artifact_fp32 / "manifest.json", f"({artifact_fp32 / 'manifest.json'}: pass the artifact folder, not "
                 "its manifest.json)")

@@ -240,7 +240,8 @@ SKIP = object()  # a check that does not apply to this artifact or run
 
 def _skip_reason(name: str, report) -> str:
     if name == "expert_choice":
-        return "a dense model: no expert routing to compare"
+        unmeasured = [f"{r.provider}: {r.experts.note}" for r in report.reports if r.experts is not None]
+        return "; ".join(unmeasured) if unmeasured else "a dense model: no expert routing to compare"
     if name == "shape_sweep":  # the plugin's own runs sweep: only a golden bundle's recorded settings leave it out
         return "no shape sweep ran: the golden bundle was recorded with --no-sweep"
     if name == "providers_agree":
@@ -282,7 +283,7 @@ def _shape_sweep(report):
 
 
 def _experts(report):
-    if all(r.experts is None for r in report.reports):
+    if all(r.experts is None or not r.experts.measured for r in report.reports):  # ExpertAgreement passes those
         return SKIP
     return _per_provider(lambda r: (r.experts.passed, r.experts.note))(report)
 

@@ -12,7 +12,7 @@ folder the reference is, in this order: a golden bundle given (--golden-bundle=D
 rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), a `golden/` bundle inside
 the artifact (only when the reference cannot be rebuilt), or none, in which case only the reference-free
 invariants run and the other checks are skipped with the reason. Everything that can be checked without
-running the graphs (the manifest, the file sizes, the providers, the bundle's identity) is checked at
+running the graphs (the manifest, the file sizes, the providers, the golden bundle) is checked at
 startup: a problem there is one line and pytest's usage-error exit code, 4.
 """
 
@@ -101,9 +101,11 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
 
 
 def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
-    from exporter.verify.golden import check_bundle, recorded_overrides
+    """Read whole, as the replay reads it: a damaged bundle is a usage error here, as `verify --golden` refuses it
+    (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
+    from exporter.verify.golden import load_bundle
     from exporter.verify.tolerances import AppliedOverrides
-    recorded = recorded_overrides(check_bundle(bundle, manifest))
+    recorded = load_bundle(bundle, manifest).overrides
     return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
 
 

@@ -309,7 +309,7 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     assert reference_plan(folder, None) == Plan("golden", folder / "golden", reason="its checkpoint /dev/null is gone")
 
 
-def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_path):
+def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny_model, tmp_path):
     def usage_error(folder, fragment, *options):
         out = _pytest(tmp_path, f"--artifacts={folder}", *options)
         assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
@@ -332,6 +332,18 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
     usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {other} belongs to another model",
                 f"--golden-bundle={other}")
     usage_error(tmp_path / "none", "is not a folder", f"--golden-bundle={other}")  # the folder is checked first
+    # a bundle of this artifact, damaged since: refused before anything runs, as `verify --golden` refuses it
+    # (it was nine items that "could not run", exit 1, as if the artifact had failed)
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    damaged_bundle = tmp_path / "damaged-bundle"
+    verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=1, sweep=False), genai=False,
+                    golden_save=damaged_bundle)
+    arrays = bytearray((damaged_bundle / "arrays.npz").read_bytes())
+    arrays[len(arrays) // 2] ^= 1
+    (damaged_bundle / "arrays.npz").write_bytes(bytes(arrays))
+    usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {damaged_bundle} is damaged",
+                f"--golden-bundle={damaged_bundle}")
     usage_error(artifact_fp32 / "manifest.json", f"({artifact_fp32 / 'manifest.json'}: pass the artifact folder, not "
                 "its manifest.json)")
     alone = _pytest(tmp_path, f"--golden-bundle={other}")  # an option of the plugin's without its folders

@@ -300,9 +300,13 @@ def check_golden_destination(folder: Path) -> None:
 
 
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
-                           f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with golden_save (--golden-save)")
+    version = meta.get("format_version")
+    if meta.get("format") != FORMAT or version != FORMAT_VERSION:
+        later = meta.get("format") == FORMAT and isinstance(version, int) and version > FORMAT_VERSION
+        raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{version}, expected {FORMAT!r} "
+                           f"v{FORMAT_VERSION}; " + ("a later version of this toolkit wrote it: upgrade the toolkit, "
+                                                     "or " if later else "") + "re-record it with golden_save "
+                           "(--golden-save)")
     ours, theirs = _identity(manifest), meta["artifact"]
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])

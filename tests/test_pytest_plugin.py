@@ -14,7 +14,7 @@ import pytest
 from helpers import claim_seed, edit_manifest, perturb_weight
 
 from exporter.errors import ToolkitError
-from exporter.pytest_plugin import CHECKS, SKIP, Plan, reference_plan
+from exporter.pytest_plugin import CHECKS, SKIP, BundleRefused, Plan, reference_plan
 from exporter.verify.checks import SweepCase
 from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
@@ -180,6 +180,10 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
         shutil.rmtree(folder / "golden")
         with pytest.raises(ToolkitError, match="does not import here; install it .* or pass --golden-bundle=DIR"):
             reference_plan(folder, None)
+        (folder / "golden").mkdir()  # a golden/ without its golden.json is refused, not passed over in silence
+        with pytest.raises(BundleRefused, match=f"{folder}: {folder / 'golden'} is not a readable golden bundle"):
+            reference_plan(folder, None)
+        (folder / "golden").rmdir()
         shutil.copytree(tmp_path / "loosened", folder / "golden")
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]

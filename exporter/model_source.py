@@ -70,7 +70,8 @@ class RebuildProblem:
                                 "(golden, --golden DIR)")
         if self.cause == "checkpoint":
             return ArtifactError(f"{folder} was exported from checkpoint {self.source['path']}, which {self.detail}; "
-                                 "restore it or re-export")
+                                 "restore it, replay a golden bundle recorded from the artifact (golden, --golden "
+                                 "DIR), or re-export")
         return ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({self.source}); verify "
                              "it against a golden bundle (golden, --golden DIR), from Python with "
                              "verify_artifact(folder, model), or with the invariants alone (pytest --artifacts)")

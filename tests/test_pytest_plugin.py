@@ -306,6 +306,9 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path="/dev/null"))
     with pytest.raises(CheckpointError, match="its checkpoint /dev/null is gone"):
         reference_plan(folder, None)
+    with pytest.raises(ToolkitError, match="which is gone; restore it, replay a golden bundle recorded from the "
+                                           "artifact \\(golden, --golden DIR\\), or re-export"):  # verify's way out too
+        rebuild_reference(folder, read_manifest(folder))
     out = _pytest(tmp_path, f"--artifacts={folder}")
     assert out.returncode == 4 and "its checkpoint /dev/null is gone" in out.stderr, out.stderr[-2000:]
     # A bundle inside the artifact stands in for a reference that cannot be rebuilt.

@@ -247,6 +247,12 @@ def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
     assert judged(failing, explained=True) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
     assert judged(passing, explained=False) == (False, "cpu: batch 2 x new 1 x past 3: past prefill: 1 of 8 "
                                                        "differ, not a near-tie")
+    # a broken graph fails every shape: the first three are named, the rest counted
+    many = [SweepCase(batch=1, new_tokens=n, past=0, logits=failing, kv=passing, routing=[]) for n in range(1, 6)]
+    passed, detail = CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": True},
+                                                           reports=[SimpleNamespace(provider="cpu", sweep=many)]))
+    assert not passed and detail.count("logits max abs") == 3, detail
+    assert detail.endswith("; and 2 more of the 5 shapes (export-onnx verify --json lists each)"), detail
     # a golden bundle recorded with --no-sweep replays no case: there is nothing to pass
     assert CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": False},
                                                  reports=[SimpleNamespace(provider="cpu", sweep=[])])) is SKIP

@@ -264,8 +264,8 @@ def _sweep(cases) -> tuple[bool, str]:
     bad = [c for c in cases if not c.passed]  # a MoE routing near-tie leaves out what it reached, as in verify
     shown = "; ".join(_sweep_failure(c) for c in bad[:SWEEP_FAILURES_SHOWN])
     more = len(bad) - SWEEP_FAILURES_SHOWN
-    return not bad, shown + (f"; and {more} more of the {len(cases)} shapes (export-onnx verify --json lists each)"
-                             if more > 0 else "")
+    return not bad, shown + (f"; {more} more fail ({len(bad)} of the {len(cases)} shapes; export-onnx verify --json "
+                             "lists each)" if more > 0 else "")
 
 
 def _sweep_failure(case) -> str:

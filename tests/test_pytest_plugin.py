@@ -252,7 +252,7 @@ def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
     passed, detail = CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": True},
                                                            reports=[SimpleNamespace(provider="cpu", sweep=many)]))
     assert not passed and detail.count("logits max abs") == 3, detail
-    assert detail.endswith("; and 2 more of the 5 shapes (export-onnx verify --json lists each)"), detail
+    assert detail.endswith("; 2 more fail (5 of the 5 shapes; export-onnx verify --json lists each)"), detail
     # a golden bundle recorded with --no-sweep replays no case: there is nothing to pass
     assert CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": False},
                                                  reports=[SimpleNamespace(provider="cpu", sweep=[])])) is SKIP

@@ -137,8 +137,12 @@ def pytest_configure(config):
     except BundleRefused as exc:
         raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
     except (ToolkitError, ModelError) as exc:
+        from exporter.verify.golden import BUNDLE
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
-        hint = f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else ""
+        bundles = [str(f) for f in folders if (Path(f) / BUNDLE).is_file() and not (Path(f) / "manifest.json").exists()]
+        hint = (f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else "") + (
+            f" ({', '.join(bundles)}: a golden bundle; pass it as --golden-bundle=DIR, with the artifact it was "
+            "recorded from as --artifacts=DIR)" if bundles else "")
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone

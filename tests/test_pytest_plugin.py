@@ -359,5 +359,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
                 f"--golden-bundle={damaged_bundle}")
     usage_error(artifact_fp32 / "manifest.json", f"({artifact_fp32 / 'manifest.json'}: pass the artifact folder, not "
                 "its manifest.json)")
+    usage_error(damaged_bundle, f"({damaged_bundle}: a golden bundle; pass it as --golden-bundle=DIR, with the "
+                "artifact it was recorded from as --artifacts=DIR)")
     alone = _pytest(tmp_path, f"--golden-bundle={other}")  # an option of the plugin's without its folders
     assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]

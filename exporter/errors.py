@@ -19,10 +19,11 @@ TORCH_INSTALL_HINT = "pip install torch==2.13.0"
 
 def torch_import_error() -> str | None:
     """Why PyTorch does not import here, or None when it does: the reference model and the export need it, a
-    deployment may hold only onnxruntime."""
+    deployment may hold only onnxruntime. A broken install counts too: torch raises OSError when one of its
+    shared libraries cannot be loaded (libtorch_cpu.so, a CUDA library of another version)."""
     try:
         importlib.import_module("torch")
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:
         return str(exc)
     return None
 

@@ -72,7 +72,8 @@ class RebuildProblem:
                                 "(golden, --golden DIR)")
         if self.cause == "checkpoint":
             return ArtifactError(f"{folder} was exported from checkpoint {self.source['path']}, which {self.detail}; "
-                                 "restore it or re-export")
+                                 "restore it, replay a golden bundle recorded from the artifact (golden, --golden "
+                                 "DIR), or re-export")
         return ArtifactError(f"{folder} was exported from weights the toolkit cannot rebuild ({self.source}); verify "
                              "it against a golden bundle (golden, --golden DIR), from Python with "
                              "verify_artifact(folder, model), or with the invariants alone (pytest --artifacts)")
@@ -125,14 +126,14 @@ class Reference:
 
 def reference_for(manifest: Manifest, golden: Path | None = None, stand_in: Path | None = None) -> Reference:
     """The artifact's reference: the golden bundle given; else the model rebuilt from the manifest's source; else
-    the `stand_in` bundle, when one is there; else none, with the problem. A bundle that travels with the artifact
+    the `stand_in` bundle, when its folder is there (one that lacks golden.json is then refused as no readable
+    bundle, not passed over in silence); else none, with the problem. A bundle that travels with the artifact
     is `stand_in`, not `golden`: whoever altered the graphs could have recorded it from them."""
     if golden is not None:
         return Reference("golden", Path(golden))
     problem = rebuild_problem(manifest)
     if problem is None:
         return Reference("rebuilt")
-    from exporter.verify.golden import BUNDLE
-    if stand_in is not None and (Path(stand_in) / BUNDLE).is_file():
+    if stand_in is not None and Path(stand_in).exists():
         return Reference("golden", Path(stand_in), problem)
     return Reference("none", problem=problem)

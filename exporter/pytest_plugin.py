@@ -12,7 +12,7 @@ folder the reference is, in this order: a golden bundle given (--golden-bundle=D
 rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), a `golden/` bundle inside
 the artifact (only when the reference cannot be rebuilt), or none, in which case only the reference-free
 invariants run and the other checks are skipped with the reason. Everything that can be checked without
-running the graphs (the manifest, the file sizes, the providers, the bundle's identity) is checked at
+running the graphs (the manifest, the file sizes, the providers, the golden bundle) is checked at
 startup: a problem there is one line and pytest's usage-error exit code, 4.
 """
 
@@ -47,6 +47,15 @@ def pytest_addoption(parser):
                     help="execution provider, cpu or cuda (repeatable); default: every available one")
 
 
+class BundleRefused(Exception):
+    """A golden bundle that cannot be a folder's reference (another artifact's, damaged, of another format);
+    `given`: it is --golden-bundle's, not the folder's own golden/."""
+
+    def __init__(self, message: str, given: bool):
+        super().__init__(message)
+        self.given = given
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a folder is verified against: 'golden' (bundle), 'rebuilt' or 'invariants' (no reference: why)."""
@@ -58,8 +67,9 @@ class Plan:
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
-    """The folder's reference, from what it offers; ToolkitError when the folder or the bundle cannot be used,
-    CheckpointError when the checkpoint it was exported from is gone or changed and no bundle stands in.
+    """The folder's reference, from what it offers; ToolkitError when the folder cannot be used, BundleRefused
+    (naming the folder) when the bundle cannot, CheckpointError when the checkpoint it was exported from is gone
+    or changed and no bundle stands in.
 
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
@@ -77,7 +87,10 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
         return Plan("rebuilt")
     problem = reference.problem
     if reference.kind == "golden":
-        return _golden_plan(reference.bundle, manifest, reason=problem.reason if problem else "")
+        try:
+            return _golden_plan(reference.bundle, manifest, reason=problem.reason if problem else "")
+        except ToolkitError as exc:  # the bundle's message names the bundle alone: say which folder it was for
+            raise BundleRefused(f"{folder}: {exc}", given=golden is not None) from None
     if problem.cause == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
         raise CheckpointError(f"{folder}: {problem.reason}; restore it, pass --golden-bundle=DIR, or re-export")
     if problem.cause == "torch":  # the checks must not be skipped as if none could run
@@ -87,9 +100,11 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
 
 
 def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
-    from exporter.verify.golden import check_bundle, recorded_overrides
+    """Read whole, as the replay reads it: a damaged bundle is a usage error here, as `verify --golden` refuses it
+    (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
+    from exporter.verify.golden import load_bundle
     from exporter.verify.tolerances import AppliedOverrides
-    recorded = recorded_overrides(check_bundle(bundle, manifest))
+    recorded = load_bundle(bundle, manifest).overrides
     return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
 
 
@@ -118,9 +133,15 @@ def pytest_configure(config):
     try:
         plans = {Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
                  for folder in folders}
+    except BundleRefused as exc:
+        raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
     except (ToolkitError, ModelError) as exc:
+        from exporter.verify.golden import BUNDLE
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
-        hint = f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else ""
+        bundles = [str(f) for f in folders if (Path(f) / BUNDLE).is_file() and not (Path(f) / "manifest.json").exists()]
+        hint = (f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else "") + (
+            f" ({', '.join(bundles)}: a golden bundle; pass it as --golden-bundle=DIR, with the artifact it was "
+            "recorded from as --artifacts=DIR)" if bundles else "")
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone
@@ -224,7 +245,8 @@ SKIP = object()  # a check that does not apply to this artifact or run
 
 def _skip_reason(name: str, report) -> str:
     if name == "expert_choice":
-        return "a dense model: no expert routing to compare"
+        unmeasured = [f"{r.provider}: {r.experts.note}" for r in report.reports if r.experts is not None]
+        return "; ".join(unmeasured) if unmeasured else "a dense model: no expert routing to compare"
     if name == "shape_sweep":  # the plugin's own runs sweep: only a golden bundle's recorded settings leave it out
         return "no shape sweep ran: the golden bundle was recorded with --no-sweep"
     if name == "providers_agree":
@@ -238,9 +260,15 @@ def _worst(comparisons) -> tuple[bool, str]:
     return not bad, ", ".join(f"{c.name} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol)" for c in bad)
 
 
+SWEEP_FAILURES_SHOWN = 3  # a broken graph fails every shape: 36 of them made one line of some 5,000 characters
+
+
 def _sweep(cases) -> tuple[bool, str]:
     bad = [c for c in cases if not c.passed]  # a MoE routing near-tie leaves out what it reached, as in verify
-    return not bad, "; ".join(_sweep_failure(c) for c in bad)
+    shown = "; ".join(_sweep_failure(c) for c in bad[:SWEEP_FAILURES_SHOWN])
+    more = len(bad) - SWEEP_FAILURES_SHOWN
+    return not bad, shown + (f"; {more} more fail ({len(bad)} of the {len(cases)} shapes; export-onnx verify --json "
+                             "lists each)" if more > 0 else "")
 
 
 def _sweep_failure(case) -> str:
@@ -266,7 +294,7 @@ def _shape_sweep(report):
 
 
 def _experts(report):
-    if all(r.experts is None for r in report.reports):
+    if all(r.experts is None or not r.experts.measured for r in report.reports):  # ExpertAgreement passes those
         return SKIP
     return _per_provider(lambda r: (r.experts.passed, r.experts.note))(report)
 

@@ -14,15 +14,15 @@ import pytest
 from helpers import claim_seed, edit_manifest, perturb_weight
 
 from exporter.errors import ToolkitError
-from exporter.pytest_plugin import CHECKS, SKIP, Plan, reference_plan
+from exporter.pytest_plugin import CHECKS, SKIP, BundleRefused, Plan, reference_plan
 from exporter.verify.checks import SweepCase
 from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
 
 
-def _pytest(cwd, *args):
+def _pytest(cwd, *args, env=None):
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=900)
+                          cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_plugin_does_nothing_without_the_option(tmp_path):
@@ -180,6 +180,10 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
         shutil.rmtree(folder / "golden")
         with pytest.raises(ToolkitError, match="does not import here; install it .* or pass --golden-bundle=DIR"):
             reference_plan(folder, None)
+        (folder / "golden").mkdir()  # a golden/ without its golden.json is refused, not passed over in silence
+        with pytest.raises(BundleRefused, match=f"{folder}: {folder / 'golden'} is not a readable golden bundle"):
+            reference_plan(folder, None)
+        (folder / "golden").rmdir()
         shutil.copytree(tmp_path / "loosened", folder / "golden")
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
@@ -194,6 +198,19 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
             "cannot rebuild); tolerance overrides: ") in out.stdout
     assert (f"{folder}::shape_sweep: no shape sweep ran: the golden bundle was recorded with --no-sweep" in
             out.stdout and "6 passed, 3 skipped" in out.stdout), out.stdout[-3000:]
+
+
+def test_a_broken_torch_install_is_refused_as_torch_missing_not_as_an_internal_error(artifact_fp32, tmp_path):
+    # torch raises OSError, not ImportError, when one of its shared libraries cannot be loaded: it was an
+    # INTERNALERROR traceback here (and an internal error, exit 3, in `export-onnx verify`).
+    fake = tmp_path / "broken" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise OSError('libtorch_cpu.so: cannot open shared object file')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    out = _pytest(tmp_path, f"--artifacts={artifact_fp32}", env=env)
+    assert out.returncode == 4 and "INTERNALERROR" not in out.stdout + out.stderr, out.stderr[-2000:]
+    assert ("PyTorch, which rebuilding the reference needs, does not import here; install it (pip install "
+            "torch==2.13.0) or pass --golden-bundle=DIR") in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("module, error, said", [
@@ -230,6 +247,12 @@ def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
     assert judged(failing, explained=True) == (False, "cpu: batch 2 x new 1 x past 3: logits max abs 0.5 (3x tol)")
     assert judged(passing, explained=False) == (False, "cpu: batch 2 x new 1 x past 3: past prefill: 1 of 8 "
                                                        "differ, not a near-tie")
+    # a broken graph fails every shape: the first three are named, the rest counted
+    many = [SweepCase(batch=1, new_tokens=n, past=0, logits=failing, kv=passing, routing=[]) for n in range(1, 6)]
+    passed, detail = CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": True},
+                                                           reports=[SimpleNamespace(provider="cpu", sweep=many)]))
+    assert not passed and detail.count("logits max abs") == 3, detail
+    assert detail.endswith("; 2 more fail (5 of the 5 shapes; export-onnx verify --json lists each)"), detail
     # a golden bundle recorded with --no-sweep replays no case: there is nothing to pass
     assert CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": False},
                                                  reports=[SimpleNamespace(provider="cpu", sweep=[])])) is SKIP
@@ -249,6 +272,22 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
                                           SimpleNamespace(provider="cpu", **provider)])
         passed, detail = CHECKS[item](report)
         assert not passed and detail.startswith("cpu: "), (item, detail)
+
+
+def test_expert_choice_is_skipped_not_passed_when_the_graphs_routers_were_not_found():
+    # ExpertAgreement passes what it could not measure (router TopK nodes renamed or fused): the item said PASSED
+    from exporter.pytest_plugin import _skip_reason
+    from exporter.verify.routing import ExpertAgreement
+    lost = ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found in the graphs (found layers [] of 2); "
+                                           "expert choice not measured")
+    report = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=lost)])
+    assert lost.passed and CHECKS["expert_choice"](report) is SKIP
+    assert _skip_reason("expert_choice", report) == f"CPUExecutionProvider: {lost.note}"
+    dense = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=None)])
+    assert _skip_reason("expert_choice", dense) == "a dense model: no expert routing to compare"
+    measured = ExpertAgreement(True, 8, 7, 0, "7/8 agree")
+    report.reports.append(SimpleNamespace(provider="CUDAExecutionProvider", experts=measured))
+    assert CHECKS["expert_choice"](report) == (False, "CUDAExecutionProvider: 7/8 agree")
 
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
@@ -273,6 +312,9 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     edit_manifest(folder, lambda manifest: manifest["model"]["source"].update(path="/dev/null"))
     with pytest.raises(CheckpointError, match="its checkpoint /dev/null is gone"):
         reference_plan(folder, None)
+    with pytest.raises(ToolkitError, match="which is gone; restore it, replay a golden bundle recorded from the "
+                                           "artifact \\(golden, --golden DIR\\), or re-export"):  # verify's way out too
+        rebuild_reference(folder, read_manifest(folder))
     out = _pytest(tmp_path, f"--artifacts={folder}")
     assert out.returncode == 4 and "its checkpoint /dev/null is gone" in out.stderr, out.stderr[-2000:]
     # A bundle inside the artifact stands in for a reference that cannot be rebuilt.
@@ -280,7 +322,7 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     assert reference_plan(folder, None) == Plan("golden", folder / "golden", reason="its checkpoint /dev/null is gone")
 
 
-def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_path):
+def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny_model, tmp_path):
     def usage_error(folder, fragment, *options):
         out = _pytest(tmp_path, f"--artifacts={folder}", *options)
         assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]  # pytest's usage error
@@ -299,9 +341,25 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tmp_
     other.mkdir()
     (other / "golden.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "artifact": {
         "config": {"hidden_size": 1}, "dtype": "float32", "sha256": {}}}))
-    usage_error(artifact_fp32, f"golden bundle {other} belongs to another model", f"--golden-bundle={other}")
+    # named as --golden-bundle's problem, for the folder it was given with (one bundle, several folders)
+    usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {other} belongs to another model",
+                f"--golden-bundle={other}")
     usage_error(tmp_path / "none", "is not a folder", f"--golden-bundle={other}")  # the folder is checked first
+    # a bundle of this artifact, damaged since: refused before anything runs, as `verify --golden` refuses it
+    # (it was nine items that "could not run", exit 1, as if the artifact had failed)
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    damaged_bundle = tmp_path / "damaged-bundle"
+    verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=1, sweep=False), genai=False,
+                    golden_save=damaged_bundle)
+    arrays = bytearray((damaged_bundle / "arrays.npz").read_bytes())
+    arrays[len(arrays) // 2] ^= 1
+    (damaged_bundle / "arrays.npz").write_bytes(bytes(arrays))
+    usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {damaged_bundle} is damaged",
+                f"--golden-bundle={damaged_bundle}")
     usage_error(artifact_fp32 / "manifest.json", f"({artifact_fp32 / 'manifest.json'}: pass the artifact folder, not "
                 "its manifest.json)")
+    usage_error(damaged_bundle, f"({damaged_bundle}: a golden bundle; pass it as --golden-bundle=DIR, with the "
+                "artifact it was recorded from as --artifacts=DIR)")
     alone = _pytest(tmp_path, f"--golden-bundle={other}")  # an option of the plugin's without its folders
     assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]

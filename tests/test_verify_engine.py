@@ -423,7 +423,7 @@ def test_a_values_real_elements_follow_its_batch_and_position_axes():
 def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp32, tmp_path):
     manifest = read_manifest(artifact_fp32)
 
-    def damaged(edit_arrays=None, edit_meta=None, rehash=True):
+    def damaged(edit_arrays=None, edit_meta=None, rehash=True, edit_file=None):
         folder = tmp_path / f"bundle{len(list(tmp_path.iterdir()))}"
         shutil.copytree(full[1], folder)
         arrays = dict(np.load(folder / "arrays.npz"))
@@ -431,6 +431,8 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
             edit_arrays(arrays)
             with open(folder / "arrays.npz", "wb") as f:
                 np.savez(f, **arrays)
+        if edit_file:
+            edit_file(folder / "arrays.npz")
         meta = json.loads((folder / "golden.json").read_text())
         if rehash:
             meta["arrays_sha256"] = sha256_file(folder / "arrays.npz")
@@ -477,6 +479,13 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert "token feeds have shapes" in damaged(lambda a: a.update({positions: a[positions][:, :5]}))
     assert "KeyError: 'input_ids'" in damaged(lambda a: a.pop("modules/feed/input_ids"))
 
+    # arrays.npz that is no archive at all: refused on its hash, or (hash forged) as no archive, never with numpy's
+    # advice to load it unpickled
+    garbage = damaged(edit_meta=None, rehash=False, edit_file=lambda f: f.write_bytes(b"PK not an archive"))
+    assert "sha256 differs" in garbage and "pickle" not in garbage
+    forged = damaged(edit_file=lambda f: f.write_bytes(b"\x80\x04 pickled"))
+    assert "arrays.npz is no npz (zip) archive" in forged and "pickle" not in forged
+
     bundle = load_bundle(full[1], manifest)
     blocked = tmp_path / "blocked"
     (blocked / "arrays.npz").mkdir(parents=True)  # the swap into place fails
@@ -504,11 +513,12 @@ def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_
     old = shutil.copytree(full[1], tmp_path / "v3")
     meta = json.loads((old / "golden.json").read_text())
     assert meta["format_version"] == 4 and meta["overrides"] == {}
-    for version in (3, 5):
+    for version, way_out in ((3, "re-record it"), (5, "a later version of this toolkit wrote it: upgrade the "
+                                                     "toolkit, or re-record it")):
         meta["format_version"] = version
         (old / "golden.json").write_text(json.dumps(meta))
         with pytest.raises(ToolkitError, match=f"is format 'minimind-onnx-golden' v{version}, expected "
-                                               "'minimind-onnx-golden' v4; re-record it"):
+                                               f"'minimind-onnx-golden' v4; {way_out} with golden_save"):
             load_bundle(old, manifest)
 
 
@@ -541,9 +551,17 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     assert probed.module_outputs({**step, "input_ids": ids[:, 1:2]}, "decode") is None
 
 
-def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16):
-    with pytest.raises(GoldenMismatch, match="another model"):
+def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16, artifact_fp32, tmp_path):
+    with pytest.raises(GoldenMismatch, match="another model \\(differs in dtype: bundle float32, artifact float16\\)"):
         verify_artifact(artifact_fp16, None, ["cpu"], golden=full[1])
+    # another config of the same dtype: the dtype is not named (it read "bundle float32, artifact float32")
+    other = shutil.copytree(full[1], tmp_path / "other")
+    meta = json.loads((other / "golden.json").read_text())
+    meta["artifact"]["config"]["rms_norm_eps"] = 1e-5
+    (other / "golden.json").write_text(json.dumps(meta))
+    with pytest.raises(GoldenMismatch) as caught:
+        load_bundle(other, read_manifest(artifact_fp32))
+    assert "belongs to another model (differs in rms_norm_eps); " in str(caught.value)
 
 
 def test_junit_and_html_reports(full, tmp_path):

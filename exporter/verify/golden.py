@@ -238,13 +238,16 @@ def load_bundle(folder: Path, manifest: Manifest) -> GoldenBundle:
     meta = check_bundle(folder, manifest)
     try:
         digest = sha256_file(folder / ARRAYS)
-        arrays = np.load(folder / ARRAYS, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except OSError as exc:
         raise _unreadable(folder, exc) from None
+    # before numpy reads it: numpy answers a file that is no archive with advice to load it unpickled
     if digest != meta.get("arrays_sha256"):
         raise _damaged(folder, ValueError(f"{ARRAYS} is not the file {BUNDLE} was written with (sha256 differs): "
                                           "an interrupted save, or values changed since"))
     try:
+        if not zipfile.is_zipfile(folder / ARRAYS):
+            raise ValueError(f"{ARRAYS} is no npz (zip) archive")
+        arrays = np.load(folder / ARRAYS, allow_pickle=False)
         if _recording_digest(meta) != meta.get("recording_sha256"):
             raise ValueError(f"the calls, greedy runs, settings or overrides in {BUNDLE} changed since the save "
                              "(sha256 differs)")
@@ -297,14 +300,19 @@ def check_golden_destination(folder: Path) -> None:
 
 
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{meta.get('format_version')}, "
-                           f"expected {FORMAT!r} v{FORMAT_VERSION}; re-record it with golden_save (--golden-save)")
+    version = meta.get("format_version")
+    if meta.get("format") != FORMAT or version != FORMAT_VERSION:
+        later = meta.get("format") == FORMAT and isinstance(version, int) and version > FORMAT_VERSION
+        raise ToolkitError(f"{folder / BUNDLE} is format {meta.get('format')!r} v{version}, expected {FORMAT!r} "
+                           f"v{FORMAT_VERSION}; " + ("a later version of this toolkit wrote it: upgrade the toolkit, "
+                                                     "or " if later else "") + "re-record it with golden_save "
+                           "(--golden-save)")
     ours, theirs = _identity(manifest), meta["artifact"]
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
-        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in "
-                             f"{', '.join(changed) or 'dtype'}: bundle dtype {theirs['dtype']}, artifact {ours['dtype']}); "
+        if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
+            changed.append(f"dtype: bundle {theirs['dtype']}, artifact {ours['dtype']}")
+        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in {', '.join(changed)}); "
                              "verify against a bundle recorded from this artifact")
     changed = [name for name, digest in ours["sha256"].items() if theirs["sha256"].get(name) != digest]
     if changed:

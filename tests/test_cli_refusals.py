@@ -4,6 +4,7 @@ and without losing anything on disk."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -234,6 +235,23 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
     for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
         result = run_cli("generate", artifact_fp32, "--prompt-ids", ids, "--json")
         assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage", ids
+
+
+def test_onnxruntime_missing_is_one_line_naming_it(tmp_path):
+    # A deployment set up with --no-deps without onnxruntime: every command ended in an import traceback.
+    command = Path(sys.executable).parent / "export-onnx"
+    (tmp_path / "onnxruntime").mkdir()
+    (tmp_path / "onnxruntime" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'onnxruntime'\", name='onnxruntime')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    for json_flag in ([], ["--json"]):
+        result = subprocess.run([str(command), "inspect", str(tmp_path), *json_flag], capture_output=True, text=True,
+                                env=env, timeout=120)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            "error: onnxruntime does not import here (No module named 'onnxruntime'); install it (pip install "
+            "onnxruntime), or reinstall this package with its dependencies"], result.stderr
+        if json_flag:
+            assert json.loads(result.stdout)["error"]["kind"] == "input"
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

@@ -19,9 +19,12 @@ from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artif
                                   finish_verification, genai_option, provider_option, run_verification,
                                   verification_plan, verify_options)
 from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
-                                  setup_logging)
+                                  missing_dependency, setup_logging)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
-from exporter.generation import MINIMIND_SAMPLING
+try:
+    from exporter.generation import MINIMIND_SAMPLING
+except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
+    missing_dependency(exc)
 from reference import DEFAULT_PRESET, get_preset
 
 DEFAULT_ROOT = Path("artifacts")

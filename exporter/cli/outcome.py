@@ -76,6 +76,14 @@ _WRITES_ARTIFACT = ("run", "export")  # the commands whose interruption leaves t
 _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: ", "interrupted": ""}
 
 
+def missing_dependency(exc: ImportError) -> None:
+    """The command cannot even be set up: one line naming the package (and a JSON error object under --json,
+    read off the command line, which click has not parsed yet), exit 2."""
+    package = (exc.name or "onnxruntime").split(".")[0]
+    _fail("input", f"{package} does not import here ({first_line(exc, 200)}); install it (pip install {package}), "
+          "or reinstall this package with its dependencies", EXIT_INPUT_ERROR, "--json" in sys.argv[1:])
+
+
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
     click.echo(_PREFIX[kind] + message, err=True)
     error = error_document(kind, message, code)

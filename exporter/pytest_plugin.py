@@ -252,7 +252,7 @@ def _skip_reason(name: str, report) -> str:
     if name == "providers_agree":
         skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
         return f"one provider ran ({report.reports[0].provider})" + (f"; skipped {skipped}" if skipped else "")
-    return f"onnxruntime-genai: {report.consumers_skipped.get('onnxruntime-genai', 'not run')}"
+    return report.consumers_skipped.get("onnxruntime-genai", "onnxruntime-genai did not run")  # names itself
 
 
 def _worst(comparisons) -> tuple[bool, str]:

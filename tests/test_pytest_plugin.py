@@ -14,7 +14,7 @@ import pytest
 from helpers import claim_seed, edit_manifest, perturb_weight
 
 from exporter.errors import ToolkitError
-from exporter.pytest_plugin import CHECKS, SKIP, BundleRefused, Plan, reference_plan
+from exporter.pytest_plugin import CHECKS, SKIP, BundleRefused, Plan, _skip_reason, reference_plan
 from exporter.verify.checks import SweepCase
 from exporter.verify.golden import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
@@ -363,3 +363,9 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
                 "artifact it was recorded from as --artifacts=DIR)")
     alone = _pytest(tmp_path, f"--golden-bundle={other}")  # an option of the plugin's without its folders
     assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]
+
+
+def test_the_onnxruntime_genai_skip_reason_is_the_verifications_own_words():
+    # It read "onnxruntime-genai: onnxruntime-genai is not installed (...)".
+    reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+    assert _skip_reason("onnxruntime_genai", SimpleNamespace(consumers_skipped={"onnxruntime-genai": reason})) == reason

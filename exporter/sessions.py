@@ -52,8 +52,8 @@ def check_provider(name: str) -> str:
     """
     full = provider_name(name)
     if full not in PARITY_PROVIDERS:
-        raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not {full}; "
-                            f"pass cpu or cuda ({PROVIDER_OPTION})")
+        raise ProviderError(f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not "
+                            f"{full or 'an empty name'}; pass cpu or cuda ({PROVIDER_OPTION})")
     if full == CUDA and (unusable := cuda_unusable()) is not None:  # every build has the CPU provider
         raise ProviderError(f"{CUDA} cannot run here: {unusable}")
     return full

@@ -50,6 +50,12 @@ def test_requesting_an_absent_cuda_provider_is_an_error(artifact_fp32, cpu_only)
         OrtRunner(artifact_fp32, "cuda")
 
 
+def test_an_empty_provider_name_is_named_as_empty():
+    # `--artifact-provider=` said "... not ; pass cpu or cuda"
+    with pytest.raises(ProviderError, match="not an empty name; pass cpu or cuda"):
+        check_provider("")
+
+
 def test_a_listed_cuda_provider_that_cannot_start_is_skipped_or_refused(monkeypatch):
     # onnxruntime-gpu without a working GPU, CUDA or cuDNN lists the provider, and its sessions fall back to
     # the CPU: the default providers must skip it with the reason, and asking for it must be refused.

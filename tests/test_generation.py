@@ -69,7 +69,7 @@ def test_batched_prompts_of_different_lengths_equal_each_prompt_alone(runner, ti
     batched = generate(runner, prompts, 24)
     for prompt, result in zip(prompts, batched):
         alone = generate(runner, [prompt], 24)[0]
-        assert result.new_ids == alone.new_ids == reference_greedy(tiny_model, prompt, 24, None)
+        assert result.new_ids == alone.new_ids == reference_greedy(tiny_model, prompt, 24, None).ids
 
 
 def test_sampling_is_seeded_and_reproducible(runner):

@@ -389,6 +389,37 @@ def test_generate_json_says_whether_a_row_stopped(cli_artifact):
     assert stopped["stopped"] is True
 
 
+def test_generate_samples_with_the_options_given(cli_artifact):
+    """Every sampling option reaches the sampler: the command's tokens are the Python API's with the same
+    settings (an option dropped on the way sampled with its default, silently)."""
+    from exporter.generation import SamplingConfig, generate
+    from exporter.runtime import OrtRunner
+    options = {"temperature": 0.5, "top_k": 8, "top_p": 0.9, "repetition_penalty": 3.0, "seed": 5}
+    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--max-new-tokens", "16", "--sample",
+                     "--json", "-q", *[arg for name, value in options.items()
+                                       for arg in (f"--{name.replace('_', '-')}", value)])
+    assert result.exit_code == 0, result.output
+    runner = OrtRunner(cli_artifact)
+    expected = generate(runner, [[1, 42, 7]], 16, SamplingConfig(do_sample=True, **options),
+                        runner.manifest.config.eos_token_id)[0].new_ids
+    assert json.loads(result.stdout)[0]["new_ids"] == expected
+
+
+def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact, tmp_path):
+    folder = shutil.copytree(cli_artifact, tmp_path / "tiny")
+
+    def row(*options):
+        result = run_cli("generate", folder, "--prompt-ids", "1,17,230", "--max-new-tokens", "10", "--json", "-q",
+                         *options)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)[0]
+    free = row("--ignore-eos")["new_ids"]
+    eos = free[3]  # a token the model emits, made its eos
+    edit_manifest(folder, lambda manifest: manifest["model"]["config"].update(eos_token_id=eos))
+    assert row() == {"prompt_ids": [1, 17, 230], "new_ids": free[:free.index(eos) + 1], "stopped": True}
+    assert row("--ignore-eos") == {"prompt_ids": [1, 17, 230], "new_ids": free, "stopped": False}
+
+
 def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):
     from exporter.report import describe_source
     result = run_cli("inspect", cli_artifact)

@@ -55,6 +55,15 @@ def test_logits_processing_matches_minimind(temperature, top_k, top_p, penalty):
     np.testing.assert_allclose(ours[~np.isinf(ours)], expected[~np.isinf(expected)], rtol=1e-6)
 
 
+def test_top_p_drops_only_what_follows_the_token_that_passes_it():
+    # Four equal probabilities, exact in float32: the cumulative sum reaches 0.5 at the second token and passes
+    # it at the third. MiniMind keeps the third (cumsum > top_p, shifted by one); >= would keep two.
+    config = SamplingConfig(do_sample=True, top_p=0.5)
+    ours = process_logits(np.zeros((1, 4), dtype=np.float32), np.zeros((1, 4), dtype=bool), config)
+    expected = minimind_processing(torch.zeros(1, 4), torch.zeros((1, 1), dtype=torch.long), 1.0, 0, 0.5, 1.0)
+    assert np.isfinite(ours).sum() == torch.isfinite(expected).sum().item() == 3
+
+
 def test_repetition_penalty_makes_a_seen_negative_logit_less_likely():
     # Dividing -1.0 by 2 gave -0.5, which beat the unseen -1.2: the penalty chose the repeated token.
     logits = np.array([[-1.0, -1.2, -3.0]], dtype=np.float32)
@@ -70,6 +79,14 @@ def test_batched_prompts_of_different_lengths_equal_each_prompt_alone(runner, ti
     for prompt, result in zip(prompts, batched):
         alone = generate(runner, [prompt], 24)[0]
         assert result.new_ids == alone.new_ids == reference_greedy(tiny_model, prompt, 24, None).ids
+
+
+def test_a_padded_row_counts_its_positions_from_its_first_real_token(gpt_artifact, gpt_model):
+    """The teaching GPT's learned absolute positions see a row's positions shifted by its padding; MiniMind's
+    RoPE is blind to a shift of all of them (relative), so the test above passes with the shift."""
+    prompts = [[5, 9, 100, 3, 77, 41, 2, 8, 300], [17], [250, 251, 252, 253]]
+    for prompt, result in zip(prompts, generate(OrtRunner(gpt_artifact), prompts, 12)):
+        assert result.new_ids == reference_greedy(gpt_model, prompt, 12, None)
 
 
 def test_sampling_is_seeded_and_reproducible(runner):
@@ -142,6 +159,44 @@ def test_stream_yields_each_token_as_it_is_produced(runner):
     next(steps)
     assert counting.calls == 2
     assert len(list(steps)) == 8
+
+
+def test_the_prompt_runs_once_and_each_step_feeds_one_token_per_row_on_the_cache(runner):
+    """Re-running the whole sequence each step gives the same tokens, slower and slower; no token test sees it.
+    The padded row's positions start at its first real token, and its pad slot stays masked in every step."""
+    calls = []
+
+    class Recording(CountingRunner):
+        def start(self, *args):
+            calls.append(("start", *(a.tolist() for a in args)))
+            return super().start(*args)
+
+        def step(self, *args):
+            calls.append(("step", *(a.tolist() for a in args)))
+            return super().step(*args)
+
+    tokens = list(stream(Recording(runner), [[1, 2, 3], [4, 5]], 4))
+    assert calls[0] == ("start", [[1, 2, 3], [0, 4, 5]], [[1, 1, 1], [0, 1, 1]], [[0, 1, 2], [1, 0, 1]])
+    assert len(calls) == 4 and all(call[0] == "step" for call in calls[1:])
+    for step, (_, ids, mask, positions) in enumerate(calls[1:]):
+        assert ids == [[tokens[step][0]], [tokens[step][1]]]
+        assert mask == [[1, 1, 1] + [1] * (step + 1), [0, 1, 1] + [1] * (step + 1)]
+        assert positions == [[3 + step], [2 + step]]
+
+
+def test_no_new_tokens_runs_no_model_call(runner):
+    counting = CountingRunner(runner)
+    assert list(stream(counting, [[1, 2, 3]], 0)) == []
+    assert generate(counting, [[1, 2, 3]], 0)[0].new_ids == [] and counting.calls == 0
+
+
+def test_a_prompt_may_fill_every_position_but_not_one_more(runner, tiny_model):
+    limit = runner.manifest.config.max_position_embeddings
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * ((limit - 4) // 8)
+    new_ids = generate(runner, [prompt], limit - len(prompt))[0].new_ids
+    assert new_ids == reference_greedy(tiny_model, prompt, limit - len(prompt), None)
+    with pytest.raises(InputError, match="exceeds max_position_embeddings"):
+        generate(runner, [prompt], limit - len(prompt) + 1)
 
 
 def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):

@@ -861,6 +861,32 @@ def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
     assert not scan.report().passed and scan.report().issues == ["prefill logits: 1 NaN, 0 Inf"]
 
 
+def test_layer_errors_judge_the_key_and_the_value_of_every_layer():
+    """A fault in one present alone (a layer's value, the last layer's key) fails that layer and that kind only;
+    a fault at a padded cache position fails nothing."""
+    from types import SimpleNamespace
+
+    from exporter.contract import CacheLayout
+    manifest = SimpleNamespace(cache=CacheLayout(num_layers=3, num_key_value_heads=2, head_dim=4, dtype="float32"))
+    rng = np.random.default_rng(0)
+    mask = np.array([[0, 1, 1], [1, 1, 1]])
+    clean = {f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3)
+             for kind in ("key", "value")}
+    profile = profile_for("float32", "cpu")
+    assert [e.layer for e in checks.layer_errors(manifest, clean, clean, profile, "x", mask)] == [0, 1, 2]
+    for layer, kind in ((0, "value"), (1, "value"), (2, "key"), (2, "value")):
+        name = f"present.{layer}.{kind}"
+        faulty = {**clean, name: clean[name].copy()}
+        faulty[name][1, 0, 0, 0] += 0.1
+        errors = checks.layer_errors(manifest, faulty, clean, profile, "x", mask)
+        assert [e.passed for e in errors] == [e.layer != layer for e in errors], name
+        assert [errors[layer].key.passed, errors[layer].value.passed] == [kind != "key", kind != "value"], name
+        assert getattr(errors[layer], kind).name == f"x {name}"
+        faulty[name][1, 0, 0, 0] -= 0.1
+        faulty[name][0, 1, 0, 2] = 7.0  # row 0's position 0 is padding
+        assert all(e.passed for e in checks.layer_errors(manifest, faulty, clean, profile, "x", mask)), name
+
+
 def test_every_check_of_a_report_can_fail_the_verdict():
     """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
     health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer

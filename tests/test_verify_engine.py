@@ -887,6 +887,43 @@ def test_layer_errors_judge_the_key_and_the_value_of_every_layer():
         assert all(e.passed for e in checks.layer_errors(manifest, faulty, clean, profile, "x", mask)), name
 
 
+def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
+    """check_prefill's rows and judge_call's verdict read every output: a fault in one present or in the loss
+    alone fails the call, as a decode step fails by its cache alone."""
+    from types import SimpleNamespace
+
+    from exporter.contract import CacheLayout
+    from exporter.verify.health import HealthScan
+    names = ["input_ids", "attention_mask", "position_ids", "labels"]
+    manifest = SimpleNamespace(cache=CacheLayout(num_layers=2, num_key_value_heads=2, head_dim=3, dtype="float32"),
+                               prefill=SimpleNamespace(input_names=names))
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    batch = {"input_ids": np.ones((2, 4), np.int64), "attention_mask": mask, "position_ids": np.zeros((2, 4), np.int64),
+             "labels": np.ones((2, 4), np.int64)}
+    rng = np.random.default_rng(0)
+    clean = {"logits": rng.standard_normal((2, 4, 5)).astype(np.float32), "loss": np.float32(2.5),
+             **{f"present.{layer}.{kind}": rng.standard_normal((2, 2, 4, 3)).astype(np.float32)
+                for layer in range(2) for kind in ("key", "value")}}
+    profile = profile_for("float32", "cpu")
+
+    def prefill(actual):
+        side = lambda outputs: SimpleNamespace(prefill=lambda feeds: outputs)  # noqa: E731
+        result, _ = checks.check_prefill(side(clean), side(actual), manifest, batch, profile, HealthScan("float32"))
+        return result, checks.judge_call(manifest, "c", "prefill", batch, actual, clean, profile, mask, mask)
+
+    result, call = prefill(clean)
+    assert [c.name for c in result.comparisons] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
+    assert all(result.comparisons) and call.passed
+    for name in clean:
+        faulty = {**clean, name: clean[name] + np.float32(0.1)}
+        result, call = prefill(faulty)
+        assert [c.passed for c in result.comparisons] == [name != "logits", not name.startswith("present."),
+                                                          name != "loss"], name
+        assert not call.passed, name
+    ok = compare("x", "kv", [1.0], [1.0], profile.kv)
+    assert not checks.StepError(0, 1, ok, compare("x", "kv", [2.0], [1.0], profile.kv), 1).passed
+
+
 def test_every_check_of_a_report_can_fail_the_verdict():
     """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
     health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer

@@ -64,6 +64,12 @@ def test_cosine_and_logits_metrics_by_hand():
     assert metrics["topk_overlap"] == 1.0  # the top-2 sets are {0, 1} and {1, 2} on both sides
     kl_row0 = 0.5 * np.log(0.5 / 0.25) + 0.25 * np.log(0.25 / 0.5)
     assert metrics["kl_max"] == pytest.approx(kl_row0) and metrics["kl_mean"] == pytest.approx(kl_row0 / 2)
+    # KL(reference || onnx), not the reverse (the rows above are symmetric: both directions give the same value)
+    p, q = np.array([0.9, 0.1]), np.array([0.5, 0.5])
+    kl = logits_metrics(np.log(q)[None], np.log(p)[None], k=1)["kl_max"]
+    assert kl == pytest.approx(0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5))
+    # a sign flip is the opposite direction, not a perfect match
+    assert compare("x", "kv", [-1.0, -2.0], [1.0, 2.0], Tolerance(9, 0)).cosine == pytest.approx(-1.0)
     # `valid` leaves positions out (left padding).
     assert logits_metrics(actual, expected, valid=np.array([False, True]), k=2)["top1_agreement"] == 1.0
 

@@ -1021,6 +1021,13 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     assert not clear.passed and "not a tie" in clear.note
     early = judge_greedy(trace, [0, 2], profile)
     assert not early.passed and early.note == "one side stopped early"
+    # the bound is the tolerance at the chosen logit: float16's relative term there (5), not at the row's
+    # largest magnitude (-100): 0.9 apart lies beyond 1e-3 + 4u x 5 + 16u x 100 = 0.79 (u = 2^-11)
+    row = np.zeros((2, 6), np.float32)
+    row[1, 0], row[1, 2], row[1, 4] = -100.0, 5.0, 4.1
+    assert not judge_greedy(GreedyTrace([0, 2], row), [0, 4], profile_for("float16", "cpu")).passed
+    row[1, 4] = 4.3  # 0.7 apart: a near-tie
+    assert judge_greedy(GreedyTrace([0, 2], row), [0, 4], profile_for("float16", "cpu")).passed
 
     # A consumer that leaves EOS (5) out: a list that ends first chose EOS there, judged by the same rule.
     logits[1, 5] = 5.0 - 1e-5

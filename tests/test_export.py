@@ -331,6 +331,26 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(ar
             export_module._smoke_run(folder, read_manifest(folder))
 
 
+@pytest.mark.parametrize("graph, match", [("prefill", r"prefill gave non-finite logits \(NaN or Inf\) for batch 1"),
+                                          ("decode", r"decode gave non-finite logits at position {last}, the last")])
+def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, graph, match):
+    """Weights holding NaN (or a float16 overflow) give NaN logits: the export fails rather than writing them.
+    The decode graph gives NaN only at the last position, which the other smoke calls do not reach."""
+    manifest = read_manifest(artifact_fp32)
+    last = manifest.config.max_position_embeddings - 1
+    run = getattr(OrtRunner, graph)
+
+    def broken(self, feeds):
+        out = run(self, feeds)
+        if graph == "prefill" or feeds["position_ids"].max() == last:
+            out["logits"] = np.full_like(out["logits"], np.nan)
+        return out
+
+    monkeypatch.setattr(OrtRunner, graph, broken)
+    with pytest.raises(ExportFailed, match=match.format(last=last)):
+        export_module._smoke_run(artifact_fp32, manifest)
+
+
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):
     # torch.export keeps references to what it traced, so weights copied for a float32 export
     # stayed resident beside the caller's (minimind-3-moe: `run` 6.75 GB peak RSS, now 5.97 GB).

@@ -75,6 +75,34 @@ def test_weights_are_stored_once_and_shared_by_both_graphs(artifact_fp32, tiny_m
     assert (artifact_fp32 / "weights.onnx.data").stat().st_size < stored + 4096 * len(distinct)
 
 
+def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path):
+    """write_shared_weights on two hand-made graphs: the same bytes under other names are stored once, other
+    bytes apart, each at a 4096-byte offset (ONNX Runtime maps them), and every reference reads back its own
+    tensor; a tensor under 1 KiB stays inline."""
+    from onnx import helper, numpy_helper
+
+    from exporter.weights import ALIGNMENT, write_shared_weights
+    rng = np.random.default_rng(0)
+    shared, other = rng.standard_normal((3, 100)).astype(np.float32), rng.standard_normal(700).astype(np.float32)
+    small = np.arange(8, dtype=np.float32)
+
+    def graph(tensors: dict) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(value, name) for name, value in tensors.items()]
+        return helper.make_model(helper.make_graph([], "g", [], [], initializer=inits))
+    models = [graph({"a.weight": shared, "norm": small}), graph({"folded_0": shared, "b.weight": other})]
+    result = write_shared_weights(models, tmp_path, "w.data")
+    assert result.tensors == 2 and [len(table) for table in result.initializers] == [1, 2]
+    offsets = {e["name"]: e["offset"] for table in result.initializers for e in table}
+    assert offsets["a.weight"] == offsets["folded_0"] != offsets["b.weight"]
+    assert all(offset % ALIGNMENT == 0 for offset in offsets.values())
+    assert result.bytes == (tmp_path / "w.data").stat().st_size < 2 * ALIGNMENT + other.nbytes
+    for model, expected in zip(models, [{"a.weight": shared, "norm": small}, {"folded_0": shared, "b.weight": other}]):
+        onnx.load_external_data_for_model(model, str(tmp_path))
+        for tensor in model.graph.initializer:
+            np.testing.assert_array_equal(numpy_helper.to_array(tensor), expected[tensor.name])
+    assert next(t for t in models[0].graph.initializer if t.name == "norm").data_location == onnx.TensorProto.DEFAULT
+
+
 @pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
 def test_every_declared_axis_stays_symbolic(artifact_fp32, graph):
     manifest = read_manifest(artifact_fp32)
@@ -301,6 +329,26 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(ar
     else:
         with pytest.raises(ExportFailed, match="decode with past length 0 disagrees with prefill"):
             export_module._smoke_run(folder, read_manifest(folder))
+
+
+@pytest.mark.parametrize("graph, match", [("prefill", r"prefill gave non-finite logits \(NaN or Inf\) for batch 1"),
+                                          ("decode", r"decode gave non-finite logits at position {last}, the last")])
+def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, graph, match):
+    """Weights holding NaN (or a float16 overflow) give NaN logits: the export fails rather than writing them.
+    The decode graph gives NaN only at the last position, which the other smoke calls do not reach."""
+    manifest = read_manifest(artifact_fp32)
+    last = manifest.config.max_position_embeddings - 1
+    run = getattr(OrtRunner, graph)
+
+    def broken(self, feeds):
+        out = run(self, feeds)
+        if graph == "prefill" or feeds["position_ids"].max() == last:
+            out["logits"] = np.full_like(out["logits"], np.nan)
+        return out
+
+    monkeypatch.setattr(OrtRunner, graph, broken)
+    with pytest.raises(ExportFailed, match=match.format(last=last)):
+        export_module._smoke_run(artifact_fp32, manifest)
 
 
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):

@@ -14,7 +14,7 @@ from helpers import (assert_cached_decoding_equals_full_forward, assert_close, p
 from reference import (PRESETS, ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling,
                        build_model, get_preset)
 from reference.families import FAMILIES, config_from_dict, family_of
-from reference.minimind import rope_inv_freq
+from reference.minimind import RMSNorm, rope_inv_freq
 
 PUBLISHED = {  # REFERENCE-MODELS.md section 3, tied embeddings counted once
     "minimind2-small": 25_829_888,
@@ -61,6 +61,18 @@ def test_minimind2_has_no_qk_norm_and_casts_before_the_weight():
     three.weight.data.copy_(half.weight.data)
     normed3 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert torch.equal(three(x), (three.weight.float() * normed3).half())  # minimind-3: scale in fp32, then cast
+    # every norm of each generation, the blocks' input and post-attention norms (and minimind-3's q/k norms)
+    # included, not only the final one
+    for preset, eps, cast_first in (("minimind2-tiny", 1e-5, True), ("minimind-3-tiny", 1e-6, False)):
+        norms = [(name, m) for name, m in build_model(get_preset(preset)).half().named_modules()
+                 if isinstance(m, RMSNorm)]
+        assert len(norms) > 2 * get_preset(preset).num_hidden_layers, preset
+        for name, norm in norms:
+            norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+            x = torch.randn(3, norm.weight.shape[0], generator=torch.Generator().manual_seed(1)).half()
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+            expected = norm.weight * normed.half() if cast_first else (norm.weight.float() * normed).half()
+            assert torch.equal(norm(x), expected), (preset, name)
 
 
 def test_moe_state_dict_keys_are_minimind_names():
@@ -201,7 +213,7 @@ def test_yarn_ramp_bounds_for_head_dim_96():
 
 
 @torch.no_grad()
-def test_yarn_model_equals_upstream_tables_beyond_the_original_window():
+def test_yarn_model_equals_upstream_tables_beyond_the_original_window(monkeypatch):
     config = dataclasses.replace(get_preset("minimind-3-yarn-tiny"),
                                  rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16,
                                                           attention_factor=1.25))
@@ -215,6 +227,13 @@ def test_yarn_model_equals_upstream_tables_beyond_the_original_window():
     plain = build_model(dataclasses.replace(config, inference_rope_scaling=False, rope_scaling=None))
     ids = random_ids(512, 1, 60)
     assert (model(ids).logits - plain(ids).logits).abs().max() > 1e-2, "YaRN must change the model"
+    # the model's own forward uses those tables, YaRN's attention factor included (not only rope_cos_sin given it)
+    from reference import minimind
+    rope, tables = minimind.rope_cos_sin, []
+    monkeypatch.setattr(minimind, "rope_cos_sin", lambda *args: tables.append(rope(*args)) or tables[-1])
+    model(ids)
+    assert torch.equal(tables[0][0][0], cos[:60]) and torch.equal(tables[0][1][0], sin[:60])
+    monkeypatch.undo()
     # Cached decoding far past the original window equals the full forward.
     out = model(ids[:, :50], use_cache=True)
     out = model(ids[:, 50:], past_key_values=out.past_key_values, use_cache=True)

@@ -56,6 +56,10 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
     assert [i.passed for i in report.invariants] == [True] * 6  # the sixth: a float32 export computes in float32
     assert cpu.health.passed and cpu.health.nan == cpu.health.zero_rows == 0
     assert cpu.repeat.max_abs == 0  # the CPU provider is deterministic
+    # judged with float32's own profile: float16's (16 units of its 11 bits) is ~60x looser
+    assert cpu.profile == profile_for("float32", "cpu")
+    assert {(c.kind, c.tolerance) for c in cpu.comparisons} == {
+        (kind, cpu.profile[kind]) for kind in ("logits", "kv", "loss")}
     logits = cpu.comparisons[0]
     assert logits.llm["top1_agreement"] == 1.0 and logits.llm["kl_mean"] < 1e-9 and logits.cosine > 0.999999
     assert 0 < logits.needed.scale < 1 and cpu.localisation.first_layer is None
@@ -218,15 +222,16 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
         golden = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"], golden={str(bundle)!r}, genai=False)
         alone = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"])
         print(json.dumps([golden.passed, golden.reference, len(golden.reports[0].curve), len(golden.reports[0].sweep),
-                          golden.reports[0].comparisons[0].max_abs, alone.passed, alone.reference,
-                          len(alone.invariants), len(alone.reports)]))
+                          [[c.name, c.max_abs] for c in golden.reports[0].comparisons], alone.passed,
+                          alone.reference, len(alone.invariants), len(alone.reports)]))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    passed, reference, steps, sweep, max_abs, alone_passed, alone_reference, invariants, providers = json.loads(
+    passed, reference, steps, sweep, rows, alone_passed, alone_reference, invariants, providers = json.loads(
         out.stdout.strip().splitlines()[-1])
     assert passed and reference.startswith("golden bundle") and steps == 65 and sweep == 36
-    assert max_abs == report.reports[0].comparisons[0].max_abs  # the same numbers as against the model
+    # the same rows (the loss and the presents included) with the same numbers as against the model
+    assert rows == [[c.name, c.max_abs] for c in report.reports[0].comparisons]
     assert alone_passed and alone_reference == "none" and invariants == 6 and providers == 0
     perturb_weight(artifact_copy, "model.layers.0.mlp.down_proj", 0.01)
     with pytest.raises(GoldenMismatch, match="weights.onnx.data"):
@@ -879,6 +884,69 @@ def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
     assert not scan.report().passed and scan.report().issues == ["prefill logits: 1 NaN, 0 Inf"]
 
 
+def test_layer_errors_judge_the_key_and_the_value_of_every_layer():
+    """A fault in one present alone (a layer's value, the last layer's key) fails that layer and that kind only;
+    a fault at a padded cache position fails nothing."""
+    from types import SimpleNamespace
+
+    from exporter.contract import CacheLayout
+    manifest = SimpleNamespace(cache=CacheLayout(num_layers=3, num_key_value_heads=2, head_dim=4, dtype="float32"))
+    rng = np.random.default_rng(0)
+    mask = np.array([[0, 1, 1], [1, 1, 1]])
+    clean = {f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3)
+             for kind in ("key", "value")}
+    profile = profile_for("float32", "cpu")
+    assert [e.layer for e in checks.layer_errors(manifest, clean, clean, profile, "x", mask)] == [0, 1, 2]
+    for layer, kind in ((0, "value"), (1, "value"), (2, "key"), (2, "value")):
+        name = f"present.{layer}.{kind}"
+        faulty = {**clean, name: clean[name].copy()}
+        faulty[name][1, 0, 0, 0] += 0.1
+        errors = checks.layer_errors(manifest, faulty, clean, profile, "x", mask)
+        assert [e.passed for e in errors] == [e.layer != layer for e in errors], name
+        assert [errors[layer].key.passed, errors[layer].value.passed] == [kind != "key", kind != "value"], name
+        assert getattr(errors[layer], kind).name == f"x {name}"
+        faulty[name][1, 0, 0, 0] -= 0.1
+        faulty[name][0, 1, 0, 2] = 7.0  # row 0's position 0 is padding
+        assert all(e.passed for e in checks.layer_errors(manifest, faulty, clean, profile, "x", mask)), name
+
+
+def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
+    """check_prefill's rows and judge_call's verdict read every output: a fault in one present or in the loss
+    alone fails the call, as a decode step fails by its cache alone."""
+    from types import SimpleNamespace
+
+    from exporter.contract import CacheLayout
+    from exporter.verify.health import HealthScan
+    names = ["input_ids", "attention_mask", "position_ids", "labels"]
+    manifest = SimpleNamespace(cache=CacheLayout(num_layers=2, num_key_value_heads=2, head_dim=3, dtype="float32"),
+                               prefill=SimpleNamespace(input_names=names))
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    batch = {"input_ids": np.ones((2, 4), np.int64), "attention_mask": mask, "position_ids": np.zeros((2, 4), np.int64),
+             "labels": np.ones((2, 4), np.int64)}
+    rng = np.random.default_rng(0)
+    clean = {"logits": rng.standard_normal((2, 4, 5)).astype(np.float32), "loss": np.float32(2.5),
+             **{f"present.{layer}.{kind}": rng.standard_normal((2, 2, 4, 3)).astype(np.float32)
+                for layer in range(2) for kind in ("key", "value")}}
+    profile = profile_for("float32", "cpu")
+
+    def prefill(actual):
+        side = lambda outputs: SimpleNamespace(prefill=lambda feeds: outputs)  # noqa: E731
+        result, _ = checks.check_prefill(side(clean), side(actual), manifest, batch, profile, HealthScan("float32"))
+        return result, checks.judge_call(manifest, "c", "prefill", batch, actual, clean, profile, mask, mask)
+
+    result, call = prefill(clean)
+    assert [c.name for c in result.comparisons] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
+    assert all(result.comparisons) and call.passed
+    for name in clean:
+        faulty = {**clean, name: clean[name] + np.float32(0.1)}
+        result, call = prefill(faulty)
+        assert [c.passed for c in result.comparisons] == [name != "logits", not name.startswith("present."),
+                                                          name != "loss"], name
+        assert not call.passed, name
+    ok = compare("x", "kv", [1.0], [1.0], profile.kv)
+    assert not checks.StepError(0, 1, ok, compare("x", "kv", [2.0], [1.0], profile.kv), 1).passed
+
+
 def test_every_check_of_a_report_can_fail_the_verdict():
     """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
     health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer
@@ -971,6 +1039,13 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     assert not clear.passed and "not a tie" in clear.note
     early = judge_greedy(trace, [0, 2], profile)
     assert not early.passed and early.note == "one side stopped early"
+    # the bound is the tolerance at the chosen logit: float16's relative term there (5), not at the row's
+    # largest magnitude (-100): 0.9 apart lies beyond 1e-3 + 4u x 5 + 16u x 100 = 0.79 (u = 2^-11)
+    row = np.zeros((2, 6), np.float32)
+    row[1, 0], row[1, 2], row[1, 4] = -100.0, 5.0, 4.1
+    assert not judge_greedy(GreedyTrace([0, 2], row), [0, 4], profile_for("float16", "cpu")).passed
+    row[1, 4] = 4.3  # 0.7 apart: a near-tie
+    assert judge_greedy(GreedyTrace([0, 2], row), [0, 4], profile_for("float16", "cpu")).passed
 
     # A consumer that leaves EOS (5) out: a list that ends first chose EOS there, judged by the same rule.
     logits[1, 5] = 5.0 - 1e-5

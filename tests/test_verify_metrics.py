@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from exporter.errors import InputError
-from exporter.verify.metrics import (Tolerance, aggregate, compare, difference_histogram, logits_metrics, match_length,
-                                     real_keys, real_queries)
+from exporter.verify.metrics import (Tolerance, aggregate, compare, compare_outputs, difference_histogram,
+                                     logits_metrics, match_length, real_keys, real_queries)
 from exporter.sessions import session_providers
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
@@ -34,6 +34,13 @@ def test_compare_applies_allclose_and_nan_rules():
     peak = Tolerance(atol=0.0, rtol=0.0, peak=0.01)
     assert compare("x", "kv", [0.9, 100.0], [0.0, 100.0], peak).passed
     assert not compare("x", "kv", [1.1, 100.0], [0.0, 100.0], peak).passed
+    # the bound is inclusive (<=, as numpy.allclose): an error exactly at it passes, and a zero tolerance (an
+    # override asking for bit-identical outputs) passes identical outputs
+    assert compare("x", "kv", [1.5, 2.0], [1.0, 2.0], Tolerance(atol=0.5, rtol=0.0)).passed
+    assert compare("x", "kv", [3.0, -2.0], [3.0, -2.0], Tolerance(0.0, 0.0)).passed
+    # NaN on one side is an infinite error, never a NaN figure that a max over comparisons would skip or misorder
+    one_sided = compare("x", "kv", [np.nan, 1.0], [1.0, 1.0], tol)
+    assert one_sided.max_abs == np.inf and one_sided.needed.scale == np.inf
 
 
 def test_smallest_passing_tolerance_is_reported_and_sufficient():
@@ -57,6 +64,12 @@ def test_cosine_and_logits_metrics_by_hand():
     assert metrics["topk_overlap"] == 1.0  # the top-2 sets are {0, 1} and {1, 2} on both sides
     kl_row0 = 0.5 * np.log(0.5 / 0.25) + 0.25 * np.log(0.25 / 0.5)
     assert metrics["kl_max"] == pytest.approx(kl_row0) and metrics["kl_mean"] == pytest.approx(kl_row0 / 2)
+    # KL(reference || onnx), not the reverse (the rows above are symmetric: both directions give the same value)
+    p, q = np.array([0.9, 0.1]), np.array([0.5, 0.5])
+    kl = logits_metrics(np.log(q)[None], np.log(p)[None], k=1)["kl_max"]
+    assert kl == pytest.approx(0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5))
+    # a sign flip is the opposite direction, not a perfect match
+    assert compare("x", "kv", [-1.0, -2.0], [1.0, 2.0], Tolerance(9, 0)).cosine == pytest.approx(-1.0)
     # `valid` leaves positions out (left padding).
     assert logits_metrics(actual, expected, valid=np.array([False, True]), k=2)["top1_agreement"] == 1.0
 
@@ -100,6 +113,24 @@ def test_presents_are_judged_at_real_keys_in_every_head():
     real_differs[1, 1, 0, 3] += 0.1  # row 1's position 0 is real
     failed = compare("present", "kv", real_differs, expected, tol, valid=real_keys(mask))
     assert not failed.passed and failed.max_abs == pytest.approx(0.1)
+
+
+def test_compare_outputs_judges_every_layers_present():
+    """A fault in one present of the last layer alone fails the presents row (the invariants' comparison)."""
+    rng = np.random.default_rng(0)
+    mask = np.array([[0, 1, 1], [1, 1, 1]])
+    clean = {"logits": rng.standard_normal((2, 3, 5)),
+             **{f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3)
+                for kind in ("key", "value")}}
+    profile = profile_for("float32", CPU)
+    rows = compare_outputs("x", clean, clean, profile, mask)
+    assert [r.name for r in rows] == ["x logits", "x present (all layers)"] and all(rows)
+    for name in clean:
+        faulty = {**clean, name: clean[name].copy()}
+        faulty[name][1, ..., 0, 0] += 0.1  # row 1, first position or query: real
+        rows = compare_outputs("x", faulty, clean, profile, mask)
+        assert [r.passed for r in rows] == ([False, True] if name == "logits" else [True, False]), name
+        assert name == "logits" or rows[1].worst == f"x {name}"
 
 
 def test_loss_metrics_and_aggregate():

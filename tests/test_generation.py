@@ -86,7 +86,7 @@ def test_a_padded_row_counts_its_positions_from_its_first_real_token(gpt_artifac
     RoPE is blind to a shift of all of them (relative), so the test above passes with the shift."""
     prompts = [[5, 9, 100, 3, 77, 41, 2, 8, 300], [17], [250, 251, 252, 253]]
     for prompt, result in zip(prompts, generate(OrtRunner(gpt_artifact), prompts, 12)):
-        assert result.new_ids == reference_greedy(gpt_model, prompt, 12, None)
+        assert result.new_ids == reference_greedy(gpt_model, prompt, 12, None).ids
 
 
 def test_sampling_is_seeded_and_reproducible(runner):
@@ -194,7 +194,7 @@ def test_a_prompt_may_fill_every_position_but_not_one_more(runner, tiny_model):
     limit = runner.manifest.config.max_position_embeddings
     prompt = [3, 1, 4, 1, 5, 9, 2, 6] * ((limit - 4) // 8)
     new_ids = generate(runner, [prompt], limit - len(prompt))[0].new_ids
-    assert new_ids == reference_greedy(tiny_model, prompt, limit - len(prompt), None)
+    assert new_ids == reference_greedy(tiny_model, prompt, limit - len(prompt), None).ids
     with pytest.raises(InputError, match="exceeds max_position_embeddings"):
         generate(runner, [prompt], limit - len(prompt) + 1)
 

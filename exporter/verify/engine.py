@@ -238,7 +238,7 @@ def _check_arguments(settings, genai, overrides) -> None:
     if not isinstance(overrides, Overrides):
         raise InputError(f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
                          "exporter.verify.tolerances.parse_overrides(atol=['logits=1e-3'])")
-    if genai not in (None, True, False) or not isinstance(genai, (bool, type(None))):
+    if not isinstance(genai, (bool, type(None))):
         raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
 
 

@@ -391,22 +391,20 @@ def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch)
     state = {k: v.clone() for k, v in build_model(get_preset("minimind-3-tiny")).state_dict().items()}
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
-    real_open, real_read_text = pathlib.Path.open, pathlib.Path.read_text
-    denied = PermissionError(13, "Permission denied")
 
-    def read_text(path, *args, **kwargs):
-        if path.name == "config.json":
-            raise denied
-        return real_read_text(path, *args, **kwargs)
-    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    def deny(method: str, name: str) -> None:
+        real = getattr(pathlib.Path, method)
+
+        def refusing(path, *args, **kwargs):
+            if path.name == name:
+                raise PermissionError(13, "Permission denied")
+            return real(path, *args, **kwargs)
+        monkeypatch.setattr(pathlib.Path, method, refusing)
+
+    deny("read_text", "config.json")
     with pytest.raises(CheckpointError, match=r"config.json cannot be read \(Permission denied\); let this user"):
         load_checkpoint(tmp_path)
-    monkeypatch.setattr(pathlib.Path, "read_text", real_read_text)
-
-    def open_(path, *args, **kwargs):
-        if path.name == "model.safetensors":
-            raise denied
-        return real_open(path, *args, **kwargs)
-    monkeypatch.setattr(pathlib.Path, "open", open_)
+    monkeypatch.undo()
+    deny("open", "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model.safetensors cannot be read \(Permission denied\); let this"):
         load_checkpoint(tmp_path)

@@ -301,12 +301,18 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
 
 
 def run_worker(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
-                         preexec_fn=_ignore_sigint)  # on an interrupt, subprocess.run kills it
-    if out.returncode != 0:
-        sys.stderr.write(out.stderr[-2000:])
+    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=_ignore_sigint)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:  # on an interrupt, stopped and waited for: subprocess.run killed it without a wait, leaving a zombie
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        sys.stderr.write(stderr[-2000:])
         raise WorkerFailed(f"benchmark worker {args[1]} failed (its error is above)")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------- the report
@@ -451,30 +457,44 @@ def _at_least(lowest: int, highest: int | None = None):
     return parse
 
 
+def json_asked(argv: list[str]) -> bool:
+    """Whether the command line asks for --json, spelled out or abbreviated as argparse accepts it (--js)."""
+    return any(len(arg) > 2 and "--json".startswith(arg) for arg in argv)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        # With --json an error is a JSON object on stdout too (README), a usage error included.
-        if "--json" in sys.argv[1:]:
+        # With --json an error is a JSON object on stdout too (README), a usage error included; on stderr it is
+        # one line, as the CLI's is.
+        if json_asked(sys.argv[1:]):
             from exporter.errors import error_document
             print(json.dumps(error_document("usage", message, 2), indent=2))
-        super().error(message)
+        self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
 def fail(kind: str, message: str, code: int, as_json: bool) -> None:
     """One line on stderr and, with --json, the CLI's error object on stdout (kind "worker" for a worker
     process that failed); then exit with `code`."""
     print(message if kind == "interrupted" else f"error: {message}", file=sys.stderr)
-    if as_json:
+    if as_json:  # exporter.errors only: an interrupt may have left a heavier import (onnx, numpy) half done
         from exporter.errors import error_document
-        from exporter.verify.reports import json_text
-        print(json_text(error_document(kind, message, code)))
+        print(json.dumps(error_document(kind, message, code), indent=2))
     sys.exit(code)
 
 
 def main() -> None:
+    # Ctrl-C at any point, the imports before a worker starts included, is the one line and exit 130 of an
+    # interrupt, not a traceback (the workers ignore SIGINT: run_in_turns and run_worker stop them).
+    try:
+        run()
+    except KeyboardInterrupt:
+        fail("interrupted", "interrupted (SIGINT)", 130, json_asked(sys.argv[1:]))
+
+
+def run() -> None:
     from exporter.sessions import MAX_THREADS  # more is refused here, not by a worker's traceback
 
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=__doc__.splitlines()[0], epilog=__doc__.splitlines()[-1])  # the exit codes
     parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
                         help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
                              "minimind-3 weights when missing; any other folder must be an artifact already)")
@@ -508,8 +528,6 @@ def main() -> None:
         check_provider(args.provider)  # before any worker starts
         ensure_artifact(args.artifact)
         report = measure(args)
-    except KeyboardInterrupt:  # the workers ignore SIGINT: run_in_turns and subprocess.run stop them
-        fail("interrupted", "interrupted (SIGINT)", 130, args.json)
     except (ToolkitError, WorkerFailed) as exc:
         kind, code = ("input", 2) if isinstance(exc, ToolkitError) else ("worker", 1)
         fail(kind, str(exc), code, args.json)

@@ -212,3 +212,56 @@ def test_every_ratio_is_taken_in_its_stated_direction(benchmark):
     assert ratios["decode_step_to_floor"] == pytest.approx((1000 / 60) / 15.0)
     assert ratios["prefill_128"] == 1.5 and ratios["decode"] == 2.0 and ratios["peak_rss"] == 1.5
     assert ratios["prefill_128_ours_to_genai"] == 1.2 and ratios["ours_to_genai"] == 1.2
+
+
+def test_a_usage_error_is_one_line_and_json_under_an_abbreviated_flag(tmp_path):
+    # argparse printed its usage too (three lines, where the CLI prints one), and took --js for --json on a
+    # success but printed no JSON object for a usage error under it.
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--js"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert out.stderr.startswith("error: argument --rounds: must be 1 or more, got 0 (see ")
+    assert json.loads(out.stdout)["error"] == {"kind": "usage", "message": "argument --rounds: must be 1 or more, got 0"}
+
+
+def test_an_interrupt_before_any_worker_starts_is_one_line_too(benchmark, monkeypatch, capsys):
+    # Ctrl-C during the imports main runs first gave a KeyboardInterrupt traceback, exit -2 and no JSON; and the
+    # JSON error then imported onnx again, half imported, for a RecursionError traceback.
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(benchmark, "run", interrupted)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--json"])
+    for name in ("onnx", "numpy", "exporter.verify.reports"):
+        monkeypatch.setitem(sys.modules, name, None)  # as unusable as an import an interrupt cut short
+    with pytest.raises(SystemExit) as stopped:
+        benchmark.main()
+    assert stopped.value.code == 130
+    out, err = capsys.readouterr()
+    assert err == "interrupted (SIGINT)\n"
+    assert json.loads(out) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"}, "exit_code": 130}
+
+
+def test_an_interrupt_during_a_one_shot_worker_stops_it_and_waits_for_it(benchmark, tmp_path, monkeypatch):
+    # subprocess.run killed the sessions worker on Ctrl-C without waiting for it: a zombie was left behind.
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(benchmark, "__file__", str(sleeper))  # the worker: a process still running
+    started = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self.pid)
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            benchmark.run_worker(["--worker", "sessions"])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(started) == 1 and not Path(f"/proc/{started[0]}").exists()

@@ -265,3 +265,41 @@ def test_an_interrupt_during_a_one_shot_worker_stops_it_and_waits_for_it(benchma
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert len(started) == 1 and not Path(f"/proc/{started[0]}").exists()
+
+
+def test_a_folder_that_is_no_artifact_or_a_damaged_one_is_refused_before_any_worker_starts(artifact_fp32, tmp_path):
+    (tmp_path / "notes").mkdir()
+    damaged = shutil.copytree(artifact_fp32, tmp_path / "damaged")
+    weights = damaged / "weights.onnx.data"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\1")
+    for folder, fragment in ((tmp_path / "notes", "has no manifest.json; it is not an artifact folder"),
+                             (damaged, "sha256 of weights.onnx.data does not match the manifest")):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(folder), "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr[-2000:]
+        error = json.loads(out.stdout)
+        assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and fragment in error["error"]["message"]
+
+
+def test_a_worker_that_fails_stops_the_others_and_exits_1(artifact_fp32, tmp_path):
+    # The PyTorch worker fails as it starts (a sitecustomize that only it runs into); README: exit 1, its error
+    # on stderr, the other workers stopped, and under --json the error object with kind "worker".
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nif sys.argv[1:3] == ['--worker', 'torch']:\n    raise SystemExit('torch worker broken')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "1", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1 and "torch worker broken" in out.stderr, out.stderr[-2000:]
+    assert out.stderr.endswith("error: benchmark worker pytorch failed to start (its error is above)\n")
+    assert json.loads(out.stdout) == {"error": {"kind": "worker", "message": "benchmark worker pytorch failed to "
+                                                "start (its error is above)"}, "exit_code": 1}
+    left = [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+            if str(artifact_fp32).encode() in _read(cmdline) and b"--worker" in _read(cmdline)]
+    assert not left
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""

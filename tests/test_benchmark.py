@@ -221,7 +221,8 @@ def test_a_usage_error_is_one_line_and_json_under_an_abbreviated_flag(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert out.stderr.startswith("error: argument --rounds: must be 1 or more, got 0 (see ")
-    assert json.loads(out.stdout)["error"] == {"kind": "usage", "message": "argument --rounds: must be 1 or more, got 0"}
+    error = json.loads(out.stdout)["error"]
+    assert error == {"kind": "usage", "message": "argument --rounds: must be 1 or more, got 0"}
 
 
 def test_an_interrupt_before_any_worker_starts_is_one_line_too(benchmark, monkeypatch, capsys):

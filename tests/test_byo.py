@@ -337,6 +337,12 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
         assert (config["num_attention_heads"], config["hidden_size"]) == (grouped.num_attention_heads,
                                                                           grouped.hidden_size)
         assert config["num_key_value_heads"] == spec.num_key_value_heads
+    # Heads x head_dim need not be the hidden size (Gemma's are not): genai's head_size is the cache's head_dim.
+    wide = dataclasses.replace(spec, num_attention_heads=2 * spec.num_key_value_heads,
+                               hidden_size=3 * 2 * spec.num_key_value_heads * spec.head_dim)
+    wide_manifest = dataclasses.replace(manifest, config=wide)
+    decoder = genai_config(wide_manifest, ModelSizes.of(wide_manifest))["model"]["decoder"]
+    assert (decoder["head_size"], decoder["hidden_size"]) == (spec.head_dim, wide.hidden_size)
     bare = dataclasses.replace(manifest, config=dataclasses.replace(spec, num_attention_heads=None, hidden_size=None))
     assert ("assumed, not given by the config (in config.json and genai_config.json): num_attention_heads as the "
             "kv heads, hidden_size as heads x head_dim" in format_inspect(bare, str(byo_artifact), {}))

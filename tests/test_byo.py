@@ -71,14 +71,16 @@ def test_a_forward_returning_a_tuple_is_named(byo_example, tmp_path):
         export_artifact(adapter, tmp_path / "out")
 
 
-def test_a_cache_in_the_models_own_heads_first_layout_is_named(byo_example):
+@pytest.mark.parametrize("transposed", ["kv", "k", "v"])
+def test_a_cache_in_the_models_own_heads_first_layout_is_named(byo_example, transposed):
     model, adapter = _adapter(byo_example)
     forward = adapter.forward
 
     def heads_first(*a, **kw):  # (B, Hkv, L, D): consistent with itself, so cached decoding alone agrees
         out = forward(*a, **kw)
-        return dataclasses.replace(out, past_key_values=[(k.transpose(1, 2), v.transpose(1, 2))
-                                                         for k, v in out.past_key_values])
+        return dataclasses.replace(out, past_key_values=[
+            (k.transpose(1, 2) if "k" in transposed else k, v.transpose(1, 2) if "v" in transposed else v)
+            for k, v in out.past_key_values])
     adapter.forward = heads_first
     with pytest.raises(ModelError, match=r"not \(batch, length, num_key_value_heads, head_dim\)"):
         check_adapter(adapter, lambda x: model(x)[0], IDS[:, :1])
@@ -246,6 +248,21 @@ def test_an_artifact_with_a_loss_is_judged_without_it_against_a_reference_giving
     assert len(names) == len(with_loss.reports[0].comparisons) - 1
 
 
+def test_check_adapter_fails_when_either_comparison_is_off(byo_example):
+    model, adapter = _adapter(byo_example)
+    assert check_adapter(adapter, lambda x: model(x)[0], IDS)
+    off = check_adapter(adapter, lambda x: model(x)[0] + 1e-3, IDS)  # the adapter differs from the original
+    assert not off and off.cached_decode_max_abs <= off.atol < off.full_forward_max_abs
+    forward = adapter.forward
+
+    def cached_drift(*a, **kw):  # the full forward is right; a step through the cache is not
+        out = forward(*a, **kw)
+        return dataclasses.replace(out, logits=out.logits + 1e-3) if kw.get("past_key_values") else out
+    adapter.forward = cached_drift
+    drift = check_adapter(adapter, lambda x: model(x)[0], IDS)
+    assert not drift and drift.full_forward_max_abs <= drift.atol < drift.cached_decode_max_abs
+
+
 def test_check_adapter_names_the_form_of_original_logits(byo_example):
     # Passing the model itself (it returns (logits, loss)) failed with "'tuple' object has no attribute 'double'".
     model, adapter = _adapter(byo_example)
@@ -320,6 +337,12 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
         assert (config["num_attention_heads"], config["hidden_size"]) == (grouped.num_attention_heads,
                                                                           grouped.hidden_size)
         assert config["num_key_value_heads"] == spec.num_key_value_heads
+    # Heads x head_dim need not be the hidden size (Gemma's are not): genai's head_size is the cache's head_dim.
+    wide = dataclasses.replace(spec, num_attention_heads=2 * spec.num_key_value_heads,
+                               hidden_size=3 * 2 * spec.num_key_value_heads * spec.head_dim)
+    wide_manifest = dataclasses.replace(manifest, config=wide)
+    decoder = genai_config(wide_manifest, ModelSizes.of(wide_manifest))["model"]["decoder"]
+    assert (decoder["head_size"], decoder["hidden_size"]) == (spec.head_dim, wide.hidden_size)
     bare = dataclasses.replace(manifest, config=dataclasses.replace(spec, num_attention_heads=None, hidden_size=None))
     assert ("assumed, not given by the config (in config.json and genai_config.json): num_attention_heads as the "
             "kv heads, hidden_size as heads x head_dim" in format_inspect(bare, str(byo_artifact), {}))

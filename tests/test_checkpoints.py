@@ -85,6 +85,17 @@ def _write(kind: str, model, folder):
                       str(path / "model.safetensors"))
         else:
             torch.save(state, path / "pytorch_model.bin")
+    elif kind == "hf-sharded":  # save_pretrained past max_shard_size: two shards and their index
+        path = folder / "hf"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(_upstream_config_json(model.config)))
+        names = [k for k in state if k != "lm_head.weight"]
+        weight_map = {}
+        for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+            shard = f"model-{i + 1:05d}-of-00002.safetensors"
+            save_file({k: state[k].contiguous() for k in part}, str(path / shard))
+            weight_map.update(dict.fromkeys(part, shard))
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
 
 
@@ -96,7 +107,7 @@ def _rounded(model):
 
 
 @pytest.mark.parametrize("preset", MINIMIND_PRESETS)
-@pytest.mark.parametrize("kind", ["pth", "safetensors", "hf-safetensors", "hf-bin"])
+@pytest.mark.parametrize("kind", ["pth", "safetensors", "hf-safetensors", "hf-bin", "hf-sharded"])
 def test_minimind_checkpoints_load_exactly_in_every_format(preset, kind, tmp_path):
     model = randomise_norms_(build_model(get_preset(preset), seed=3))  # norms at one: two swapped would look loaded
     path = _write(kind, model, tmp_path)
@@ -104,7 +115,8 @@ def test_minimind_checkpoints_load_exactly_in_every_format(preset, kind, tmp_pat
     loaded, report = load_checkpoint(path, config=given)
     assert loaded.config == model.config
     assert report.config_source == ("config.json" if kind.startswith("hf") else "given")
-    assert set(report.converted) == {"float16"} and next(loaded.parameters()).dtype == torch.float32
+    assert report.converted == {"float16": len(model.state_dict())}  # the tied lm_head counted as loaded
+    assert next(loaded.parameters()).dtype == torch.float32
     expected = _rounded(model).state_dict()
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, expected[name]), name
@@ -123,6 +135,8 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         assert getattr(inferred, field) == getattr(config, field), field
     assert inferred.max_position_embeddings == 32768  # not in the weights: the generation's default, and said
     assert report.assumed["max_position_embeddings"] == 32768
+    if config.use_moe:  # the top-k the report says was assumed is the one the model routes with
+        assert report.assumed["num_experts_per_tok"] == inferred.num_experts_per_tok == config.num_experts_per_tok
     if config.version == 3:  # head_dim is the q_norm width: heads and kv heads follow
         assert (inferred.num_attention_heads, inferred.num_key_value_heads) == (4, 2)
     else:  # MiniMind2 weights do not show the head count: assumed (8, as published), and said
@@ -194,6 +208,30 @@ def test_teaching_gpt_buffers_that_the_reference_cannot_reproduce_are_refused(tm
     torch.save(checkpoint, tmp_path / "bad.pt")
     with pytest.raises(CheckpointError, match=r"attn_blocks.1.attn.heads.2.tril is not a lower-triangular"):
         load_checkpoint(tmp_path / "bad.pt")
+    checkpoint = _gpt_checkpoint(model)
+    checkpoint["model_state_dict"]["pos_idxs"] = torch.arange(1, 65)  # positions shifted by one
+    torch.save(checkpoint, tmp_path / "shifted.pt")
+    with pytest.raises(CheckpointError, match=r"buffer pos_idxs is not 0..63"):
+        load_checkpoint(tmp_path / "shifted.pt")
+
+
+def test_teaching_gpt_series_config_fields_are_read_and_its_training_keys_dropped(tmp_path):
+    model = build_model(get_preset("teaching-gpt-tiny"))
+    torch.save(_gpt_checkpoint(model), tmp_path / "checkpoint.pt")
+    series = {"vocab_size": 512, "n_embed": 64, "n_head": 4, "N_BLOCKS": 2, "context_length": 64, "dropout": 0.1,
+              "lr": 3e-4, "batch_size": 32, "device": "cuda"}  # the series' config file, training keys included
+    loaded, report = load_checkpoint(tmp_path / "checkpoint.pt", config_data=series)
+    assert loaded.config == model.config and report.config_source == "given fields"
+    with pytest.raises(CheckpointError, match="does not fit"):  # its N_BLOCKS is read, not passed over
+        load_checkpoint(tmp_path / "checkpoint.pt", config_data={**series, "N_BLOCKS": 3})
+
+
+def test_a_bfloat16_checkpoint_is_converted_and_counted(tmp_path):
+    model = build_model(get_preset("minimind-3-tiny"))
+    state = {k: v.detach().bfloat16() for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "bf16.pth")
+    loaded, report = load_checkpoint(tmp_path / "bf16.pth", config=get_preset("minimind-3-tiny"))
+    assert report.converted == {"bfloat16": len(state)} and next(loaded.parameters()).dtype == torch.float32
 
 
 class _Payload:

@@ -8,11 +8,12 @@ import json
 import pytest
 
 from exporter import consumers
-from exporter.consumers import FamilyTypes, optimum_unsupported, write_consumer_files
+from exporter.consumers import FamilyTypes, ModelSizes, genai_config, hf_config, optimum_unsupported, write_consumer_files
 from exporter.errors import TokenizerError
 from exporter.export import export_artifact
 from exporter.manifest import read_manifest, sha256_file
 from exporter.tokenizer import copy_tokenizer, find_tokenizer, minimal_tokenizer_config
+from reference import get_preset
 
 
 def _json(folder, name):
@@ -271,3 +272,36 @@ def test_a_tokenizer_json_naming_no_model_type_is_read_by_its_kind(tiny_tokenize
     del data["model"]["type"]
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     assert find_tokenizer(tmp_path, 512).genai_unreadable == ""
+
+
+def test_hf_configs_carry_the_models_own_norm_eps_rope_theta_and_special_ids(artifact_fp32, artifact_fp16,
+                                                                             tiny_config):
+    config = _json(artifact_fp32, "config.json")
+    for name in ("intermediate_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "hidden_act",
+                 "max_position_embeddings"):
+        assert config[name] == getattr(tiny_config, name), name
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tiny_config.bos_token_id, tiny_config.eos_token_id)
+    generation = _json(artifact_fp32, "generation_config.json")
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["max_length"], generation["do_sample"]) \
+        == (tiny_config.bos_token_id, tiny_config.eos_token_id, tiny_config.max_position_embeddings, False)
+    # Exported without a tokenizer to name a pad token: the pad is the EOS, in every config.
+    assert (_json(artifact_fp16, "generation_config.json")["pad_token_id"], _json(artifact_fp16, "config.json")[
+        "pad_token_id"], _json(artifact_fp16, "genai_config.json")["model"]["pad_token_id"]) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("preset, genai_type, hf_type", [
+    ("minimind-3-tiny", "qwen3", "qwen3"), ("minimind2-tiny", "llama", "llama"),
+    ("minimind-3-moe-tiny", "decoder", "qwen3"), ("minimind2-moe-tiny", "decoder", "llama"),
+    ("teaching-gpt-tiny", "decoder", "llama")])
+def test_each_family_and_generation_is_typed_and_sized_by_its_own_config(artifact_fp32, preset, genai_type, hf_type):
+    config = get_preset(preset)
+    manifest = dataclasses.replace(read_manifest(artifact_fp32), config=config)
+    sizes = ModelSizes.of(manifest)
+    genai, hf = genai_config(manifest, sizes)["model"], hf_config(manifest, sizes)
+    assert (genai["type"], hf["model_type"]) == (genai_type, hf_type)
+    if preset.startswith("minimind"):  # the generations differ in rms_norm_eps (1e-6 / 1e-5)
+        assert (hf["rms_norm_eps"], hf["rope_theta"]) == (config.rms_norm_eps, config.rope_theta)
+        assert (genai["bos_token_id"], genai["eos_token_id"]) == (config.bos_token_id, config.eos_token_id)
+    else:  # no special tokens: genai stops at the last id, a padding row, and is told of no BOS
+        assert genai["eos_token_id"] == config.vocab_size - 1 and "bos_token_id" not in genai
+        assert hf["eos_token_id"] is None

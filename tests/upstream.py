@@ -105,14 +105,19 @@ def yarn_tables(dim, end, base, orig_max, factor, beta_fast, beta_slow, attn_fac
 
 @torch.no_grad()
 def teaching_gpt_forward(model, idx):
-    """The train-llm-from-scratch Transformer.forward (no cache): per-head attention with a tril mask."""
+    """The train-llm-from-scratch Transformer.forward (no cache): per-head attention with a tril mask. The
+    activation and the norms are written out, not the model's modules called, so that swapping one is seen."""
     cfg = model.config
     t = idx.shape[1]
     tril = torch.tril(torch.ones(cfg.context_length, cfg.context_length))
     pos_idxs = torch.arange(cfg.context_length)
     x = model.token_embed(idx) + model.position_embed(pos_idxs[:t])
+
+    def layer_norm(x, norm):  # the original's nn.LayerNorm(n_embed): eps 1e-5, weight and bias
+        return F.layer_norm(x, (cfg.n_embed,), norm.weight, norm.bias, 1e-5)
+
     for block in model.attn_blocks:
-        h = block.ln1(x)
+        h = layer_norm(x, block.ln1)
         outs = []
         for head in block.attn.heads:
             k, q = head.key(h), head.query(h)
@@ -120,8 +125,8 @@ def teaching_gpt_forward(model, idx):
             weights = F.softmax(weights.masked_fill(tril[:t, :t] == 0, float("-inf")), dim=-1)
             outs.append(weights @ head.value(h))
         x = x + block.attn.proj(torch.cat(outs, dim=-1))
-        x = x + block.mlp.proj(block.mlp.relu(block.mlp.hidden(block.ln2(x))))
-    return model.lm_head(model.layer_norm(x))
+        x = x + block.mlp.proj(torch.relu(block.mlp.hidden(layer_norm(x, block.ln2))))
+    return model.lm_head(layer_norm(x, model.layer_norm))
 
 
 

@@ -49,7 +49,7 @@ import torch
 
 from reference.errors import CheckpointError, ConfigError
 from reference.families import family_of, get_family
-from reference.minimind_config import MiniMindConfig
+from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class MiniMindCheckpoints:
             shared = state.get("model.layers.0.mlp.shared_experts.0.gate_proj.weight")
             fields["intermediate_size"] = shared.shape[0] if shared is not None else fields["moe_intermediate_size"]
             if "num_experts_per_tok" not in base:
-                assumed["num_experts_per_tok"] = {3: 1, 2: 2}[fields["version"]]
+                assumed["num_experts_per_tok"] = GENERATION_DEFAULTS["num_experts_per_tok"][fields["version"]]
         else:
             fields["intermediate_size"] = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
         if "max_position_embeddings" not in base:  # no tensor has the positions: RoPE is computed

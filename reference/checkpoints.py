@@ -277,6 +277,21 @@ def _count(state: dict, pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
+def _span(state: dict, pattern: str, prefix: str) -> tuple[int, str]:
+    """How many numbered modules the keys hold (`pattern` captures the index), and the keys that show it."""
+    count = _count(state, pattern)
+    return count, f"{prefix}0 to {prefix}{count - 1}" if count else f"no {prefix}* keys"
+
+
+def _table_sizes(state: dict, key: str, fields: tuple[str, str]) -> dict:
+    """The config fields a 2-D table's rows and columns give, with the shape that shows them."""
+    table = state.get(key)
+    if table is None or table.ndim != 2:
+        return {}
+    shown = f"{key} is {tuple(table.shape)}"
+    return {field: (size, shown) for field, size in zip(fields, table.shape) if field is not None}
+
+
 class MiniMindCheckpoints:
     """minimind-3 and MiniMind2, dense and MoE: `model.embed_tokens.weight`, `model.layers.{i}...`."""
 
@@ -354,6 +369,20 @@ class MiniMindCheckpoints:
         return fields, assumed
 
     @staticmethod
+    def visible_sizes(state: dict, config) -> dict:
+        """Config field -> (size, the keys that show it), for the sizes the tensors' names and shapes give without
+        building a model: the layers, the embedding table and, of an MoE config, the experts."""
+        sizes = {"num_hidden_layers": _span(state, r"model\.layers\.(\d+)\.", "model.layers.")}
+        table = "model.embed_tokens.weight" if "model.embed_tokens.weight" in state else "lm_head.weight"
+        sizes.update(_table_sizes(state, table, ("vocab_size", "hidden_size")))
+        experts = _span(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.", "model.layers.0.mlp.experts.")
+        if config.use_moe and experts[0]:  # a dense config for MoE tensors: the fit check lists the keys
+            sizes["num_experts"] = experts
+            sizes["n_shared_experts"] = _span(state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\.",
+                                              "model.layers.0.mlp.shared_experts.")
+        return sizes
+
+    @staticmethod
     def prepare(state: dict, model, report: LoadReport) -> dict:
         """Tied embeddings: either key provides both; both present must agree."""
         if getattr(model.config, "tie_word_embeddings", False):
@@ -389,6 +418,14 @@ class TeachingGPTCheckpoints:
         return {"vocab_size": vocab, "n_embed": n_embed, "context_length": state["position_embed.weight"].shape[0],
                 "n_blocks": _count(state, r"attn_blocks\.(\d+)\."),
                 "n_head": _count(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.")}, {}
+
+    @staticmethod
+    def visible_sizes(state: dict, config) -> dict:
+        """As MiniMindCheckpoints.visible_sizes: the blocks, the heads, the token and position tables."""
+        return {"n_blocks": _span(state, r"attn_blocks\.(\d+)\.", "attn_blocks."),
+                "n_head": _span(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.", "attn_blocks.0.attn.heads."),
+                **_table_sizes(state, "token_embed.weight", ("vocab_size", "n_embed")),
+                **_table_sizes(state, "position_embed.weight", ("context_length", None))}
 
     @staticmethod
     def prepare(state: dict, model, report: LoadReport) -> dict:
@@ -433,6 +470,30 @@ def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} does not fit the {family_of(config).name} config: {'; '.join(parts)}; "
                            "pass the preset or --config that matches the checkpoint, or neither to infer it; a "
                            "model of another design exports as your own decoder (reference/byo.py)")
+
+
+_SIZE_FIXES = {  # config source -> what to do about a size the tensors do not hold
+    "given": "pass the preset or config that matches the checkpoint, or none to infer it",
+    "inferred": "pass the preset or config that matches the checkpoint, or none to infer it",
+    "given fields": "set it to {held} in --config, or leave it out to infer it",
+    "config.json": "correct it in its config.json to {held}, or pass --config with the checkpoint's sizes",
+}
+
+
+def _check_sizes(path, loader, state: dict, config, source: str) -> None:
+    """Refuse a config whose layer count or table sizes the tensors' names and shapes contradict, before a model
+    of that config is built (20000 layers took half a minute to build, on the meta device, for the fit check to
+    refuse them)."""
+    try:
+        sizes = loader.visible_sizes(state, config)
+    except ValueError as exc:  # a gap in the numbered keys
+        raise CheckpointError(f"{path}: {exc}, so no config fits its tensors; remove the stray keys or restore the "
+                              "missing ones") from None
+    for name, (held, shown) in sizes.items():
+        value = getattr(config, name)
+        if value != held:
+            raise CheckpointError(f"{path}: config field {name} is {value} but the checkpoint holds {held} "
+                                  f"({shown}); {_SIZE_FIXES[source].format(held=held)}")
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -498,6 +559,7 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
             raise CheckpointError(f"{path}: no valid config from the checkpoint's shapes and the given fields "
                                   f"({exc})") from None
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
+    _check_sizes(path, loader, state, config, source)
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
     family = get_family(loader.family)
     # Shapes first, on the meta device: a config that does not fit the tensors (a stray key

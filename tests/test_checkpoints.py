@@ -6,7 +6,9 @@ import hashlib
 import json
 import os
 import pickle
+import time
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -222,7 +224,8 @@ def test_teaching_gpt_series_config_fields_are_read_and_its_training_keys_droppe
               "lr": 3e-4, "batch_size": 32, "device": "cuda"}  # the series' config file, training keys included
     loaded, report = load_checkpoint(tmp_path / "checkpoint.pt", config_data=series)
     assert loaded.config == model.config and report.config_source == "given fields"
-    with pytest.raises(CheckpointError, match="does not fit"):  # its N_BLOCKS is read, not passed over
+    # its N_BLOCKS is read, not passed over
+    with pytest.raises(CheckpointError, match="config field n_blocks is 3 but the checkpoint holds 2"):
         load_checkpoint(tmp_path / "checkpoint.pt", config_data={**series, "N_BLOCKS": 3})
 
 
@@ -319,16 +322,55 @@ def test_missing_unexpected_and_misshaped_keys_are_listed_with_counts(tmp_path):
 
 
 def test_sizes_that_do_not_fit_the_tensors_are_refused_before_a_model_is_allocated(tmp_path):
-    # One stray key would size 3000 layers (100000 take 40 GB); a --config vocab_size 10**12 a 256 TB table.
+    # One stray key would size 3000 layers (100000 take 40 GB); a --config intermediate_size 10**12 256 TB.
     state = _half_state(build_model(get_preset("minimind-3-tiny")))
     torch.save({**state, "model.layers.2999.mlp.gate_proj.weight": torch.zeros(256, 64)}, tmp_path / "stray.pth")
     with pytest.raises(CheckpointError, match="model.layers.2999.mlp.gate_proj.weight has index 2999 but no key "
                                               "has index 2"):
         load_checkpoint(tmp_path / "stray.pth")
     torch.save(state, tmp_path / "model.pth")
-    with pytest.raises(CheckpointError, match=r"2 mis-shaped \(model.embed_tokens.weight: checkpoint \(512, 64\) vs "
-                                              r"model \(1000000000000, 64\)"):
-        load_checkpoint(tmp_path / "model.pth", config_data={"vocab_size": 10 ** 12})
+    with pytest.raises(CheckpointError, match=r"6 mis-shaped \(model.layers.0.mlp.gate_proj.weight: checkpoint "
+                                              r"\(256, 64\) vs model \(1000000000000, 64\)"):
+        load_checkpoint(tmp_path / "model.pth", config_data={"intermediate_size": 10 ** 12})
+
+
+@pytest.mark.parametrize("preset,given,message", [
+    ("minimind-3-tiny", {"num_hidden_layers": 20000}, "config field num_hidden_layers is 20000 but the checkpoint "
+     r"holds 2 \(model.layers.0 to model.layers.1\); set it to 2 in --config, or leave it out to infer it"),
+    ("minimind-3-tiny", {"vocab_size": 10 ** 12}, "config field vocab_size is 1000000000000 but the checkpoint holds "
+     r"512 \(model.embed_tokens.weight is \(512, 64\)\)"),
+    ("minimind2-moe-tiny", {"num_experts": 5000}, "config field num_experts is 5000 but the checkpoint holds 4 "
+     r"\(model.layers.0.mlp.experts.0 to model.layers.0.mlp.experts.3\)"),
+    ("teaching-gpt-tiny", {"n_blocks": 20000}, "config field n_blocks is 20000 but the checkpoint holds 2 "
+     r"\(attn_blocks.0 to attn_blocks.1\)"),
+])
+def test_a_config_the_tensors_cannot_hold_is_refused_before_any_model_is_built(preset, given, message, tmp_path):
+    # 20000 layers took half a minute to build (on the meta device) before the fit check refused them
+    model = build_model(get_preset(preset))
+    torch.save(_gpt_checkpoint(model) if preset.startswith("teaching") else _half_state(model), tmp_path / "m.pth")
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_checkpoint(tmp_path / "m.pth", config_data=given)
+    assert time.perf_counter() - start < 5 and "\n" not in str(info.value)
+    with pytest.raises(CheckpointError, match="pass the preset or config that matches the checkpoint, or none"):
+        load_checkpoint(tmp_path / "m.pth", config=replace(get_preset(preset), **given))
+
+
+def test_the_cli_refuses_a_layer_count_the_checkpoint_does_not_hold_in_one_line(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in _half_state(build_model(get_preset("minimind-3-tiny"))).items()
+               if k != "lm_head.weight"}, str(folder / "model.safetensors"))
+    (tmp_path / "c.json").write_text(json.dumps({"num_hidden_layers": 20000}))
+    start = time.perf_counter()
+    result = CliRunner().invoke(main, ["export", "--checkpoint", str(folder), "--config", str(tmp_path / "c.json"),
+                                       "-o", str(tmp_path / "out"), "-q"])
+    assert time.perf_counter() - start < 5, "the model was built before the refusal"
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "num_hidden_layers is 20000 but the checkpoint holds 2" in result.stderr
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 7}))
+    with pytest.raises(CheckpointError, match="num_hidden_layers is 7 .* correct it in its config.json to 2"):
+        load_checkpoint(folder)
 
 
 def test_a_preset_that_does_not_fit_the_checkpoint_is_an_error_not_a_reshape(minimind2_checkpoint, tmp_path):

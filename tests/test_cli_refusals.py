@@ -287,9 +287,9 @@ def test_a_checkpoint_refused_for_its_config_is_one_line_without_the_fields_it_a
     state = build_model(get_preset("minimind-3-tiny")).state_dict()
     torch.save(state, tmp_path / "model.pth")
     config = tmp_path / "config.json"
-    for vocab_size, fragment in ((10 ** 30, "Overflow when unpacking long long"),
-                                 (2 ** 62, "Storage size calculation overflowed")):
-        config.write_text(json.dumps({"vocab_size": vocab_size}))
+    for size, fragment in ((10 ** 30, "Overflow when unpacking long long"),
+                           (2 ** 62, "Storage size calculation overflowed")):
+        config.write_text(json.dumps({"intermediate_size": size}))
         result = run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a",
                          "-q")
         refused(result, "model.pth: the config's sizes make tensors too large to build (")

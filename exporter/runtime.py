@@ -33,6 +33,15 @@ def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> 
     return positions[:, past_length:].astype(np.int64)
 
 
+def check_positions(config: DecoderConfig, needed: int, what: str, fix: str) -> None:
+    """Refuse a run that needs more than max_position_embeddings positions (`needed`: the largest position id
+    plus one) before it runs: the graphs would compute them, but the model was trained on, and its reference
+    refuses, no more. `what` names the run, `fix` says what to do."""
+    limit = config.max_position_embeddings
+    if needed > limit:
+        raise InputError(f"{what} needs {needed} positions, which exceeds max_position_embeddings ({limit}); {fix}")
+
+
 def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list[int]:
     """Validate one prompt before anything runs; return it as a list of ints."""
     if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or getattr(prompt_ids, "ndim", 1) != 1:
@@ -50,9 +59,8 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
         raise InputError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {config.vocab_size})")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if len(ids) + max_new_tokens > config.max_position_embeddings:
-        raise InputError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_position_embeddings ({config.max_position_embeddings}); shorten one of them")
+    check_positions(config, len(ids) + max_new_tokens, f"prompt ({len(ids)} tokens) + max_new_tokens "
+                    f"({max_new_tokens})", "shorten one of them")
     return ids
 
 
@@ -83,6 +91,13 @@ def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> 
     if attention_mask.shape != (batch, past_length + length):
         raise InputError(f"attention_mask has shape {attention_mask.shape}, expected ({batch}, "
                          f"{past_length + length}): the cached length {past_length} plus {length} new tokens")
+
+
+def _check_position_ids(config: DecoderConfig, position_ids: np.ndarray, what: str, fix: str) -> None:
+    """check_positions for the position ids start or step is given (a few microseconds a step)."""
+    if position_ids.size:
+        last = int(position_ids.max())
+        check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
 
 
 class OrtRunner:
@@ -233,6 +248,7 @@ class OrtRunner:
         if input_ids.min() < 0 or input_ids.max() >= vocab:  # onnxruntime's Gather would blame the graph
             bad = sorted({int(i) for i in input_ids.ravel() if not 0 <= i < vocab})
             raise InputError(f"input_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+        _check_position_ids(self.manifest.config, position_ids, "the prompt", "shorten the prompt")
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
         self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
@@ -256,6 +272,8 @@ class OrtRunner:
         if input_ids.shape[0] != cached[0]:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
         _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
+        _check_position_ids(self.manifest.config, position_ids, "this step",
+                            "the generation has used every position: start again with a shorter prompt")
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return self._run_decode(feeds)
 

@@ -86,6 +86,22 @@ def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner
     assert "\n" not in str(info.value)
 
 
+def test_start_and_step_refuse_positions_past_max_position_embeddings_before_running(runner):
+    """generate refused a prompt past the positions; start and step ran it, to logits the reference refuses."""
+    limit = runner.manifest.config.max_position_embeddings
+    full = np.ones((1, limit + 1), np.int64)
+    with pytest.raises(InputError, match=rf"the prompt \(position_ids up to {limit}\) needs {limit + 1} positions, "
+                                         rf"which exceeds max_position_embeddings \({limit}\); shorten") as info:
+        runner.start(full, full, np.arange(limit + 1)[None])
+    assert "\n" not in str(info.value)
+    runner.start(full[:, :limit], full[:, :limit], np.arange(limit)[None])  # every position: allowed
+    cache = runner.cache
+    with pytest.raises(InputError, match=rf"this step \(position_ids up to {limit}\) needs {limit + 1} positions, "
+                                         rf"which exceeds max_position_embeddings \({limit}\)"):
+        runner.step(np.array([[4]]), full, np.array([[limit]]))
+    assert runner.cache is cache
+
+
 def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(runner, artifact_fp32):
     """int32 ids, lists, 1-D arrays or ids outside the vocabulary failed inside onnxruntime (or with an
     AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder."""

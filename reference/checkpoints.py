@@ -517,6 +517,71 @@ def _check_fit(path, config, model, state: dict) -> None:
                               "floating-point checkpoint")
 
 
+def _check_arguments(config, config_data) -> None:
+    """load_checkpoint's config arguments: at most one of them, config_data a dict."""
+    if config_data is not None and not isinstance(config_data, dict):
+        raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
+                          f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+    if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
+        raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
+
+
+def _given_config(path, loader, config):
+    """The caller's config, refused when it is of another family than the tensors."""
+    if family_of(config).name != loader.family:
+        raise CheckpointError(f"checkpoint {path} holds a {loader.family} model but the given config is "
+                              f"{family_of(config).name}; pass a {loader.family} preset or config, or none")
+    return config
+
+
+def _built_config(path, loader, state: dict, config_json: dict | None, given_fields: bool) -> tuple:
+    """(config, assumed fields) from config.json's or the given fields, the rest inferred from the tensors."""
+    try:
+        base = loader.translate(config_json) if config_json is not None else {}
+    except ConfigError as exc:
+        where = "the given config fields" if given_fields else "its config.json"
+        raise CheckpointError(f"{path}: {where}: {exc}") from None
+    try:
+        inferred, assumed = loader.infer(state, base)
+    except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
+        missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
+                              f"({missing}); pass --preset or --config with its sizes, or, if the model is not "
+                              f"a {loader.family} one, export it as your own decoder (reference/byo.py)") from None
+    try:
+        config = get_family(loader.family).config_class.from_dict({**inferred, **base})
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: no valid config from the checkpoint's shapes and the given fields "
+                              f"({exc})") from None
+    return config, assumed
+
+
+def _fitted_state(path, loader, config, state: dict, report: LoadReport) -> dict:
+    """The tensors prepared for the family's model and checked against it, built on the meta device: a config
+    that does not fit them (a stray key model.layers.99999..., --config vocab_size 1e9) is refused before
+    gigabytes are allocated for it."""
+    try:
+        with torch.device("meta"):
+            shapes = get_family(loader.family).model_type()(config)
+    except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # a size beyond what a tensor can hold
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
+                              "the preset or --config that matches the checkpoint, or neither to infer it") from None
+    state = loader.prepare(state, shapes, report)
+    _check_fit(path, config, shapes, state)
+    return state
+
+
+def _loaded_model(family_name: str, config, state: dict, report: LoadReport):
+    """The model built for real with the tensors in float32 (the report counts the ones converted)."""
+    model = get_family(family_name).model_type()(config)
+    for value in state.values():
+        if value.dtype != torch.float32:
+            report.converted[_dtype_name(value)] = report.converted.get(_dtype_name(value), 0) + 1
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return model.eval()
+
+
 def load_checkpoint(path, config=None, config_data: dict | None = None):
     """(reference model in float32 and eval mode, LoadReport) for a checkpoint file or folder.
 
@@ -525,60 +590,19 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     take the place of a config.json; the remaining fields are inferred. With
     neither, config.json beside the weights is read when there is one.
     """
-    if config_data is not None and not isinstance(config_data, dict):
-        raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
-                          f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
-    if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
-        raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
+    _check_arguments(config, config_data)
     state, config_json, fmt = read_checkpoint(path)
-    if config_data is not None:
-        config_json = config_data
+    config_json = config_data if config_data is not None else config_json
     loader = _loader_for(state, path)
     if config is not None:
-        if family_of(config).name != loader.family:
-            raise CheckpointError(f"checkpoint {path} holds a {loader.family} model but the given config is "
-                                  f"{family_of(config).name}; pass a {loader.family} preset or config, or none")
-        source, assumed = "given", {}
+        config, source, assumed = _given_config(path, loader, config), "given", {}
     else:
-        try:
-            base = loader.translate(config_json) if config_json is not None else {}
-        except ConfigError as exc:
-            where = "the given config fields" if config_data is not None else "its config.json"
-            raise CheckpointError(f"{path}: {where}: {exc}") from None
-        try:
-            inferred, assumed = loader.infer(state, base)
-        except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
-            missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-            raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
-                                  f"({missing}); pass --preset or --config with its sizes, or, if the model is not "
-                                  f"a {loader.family} one, export it as your own decoder (reference/byo.py)") from None
-        fields = {**inferred, **base}
-        try:
-            config = get_family(loader.family).config_class.from_dict(fields)
-        except ConfigError as exc:
-            raise CheckpointError(f"{path}: no valid config from the checkpoint's shapes and the given fields "
-                                  f"({exc})") from None
+        config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
     _check_sizes(path, loader, state, config, source)
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    family = get_family(loader.family)
-    # Shapes first, on the meta device: a config that does not fit the tensors (a stray key
-    # model.layers.99999..., --config vocab_size 1e9) is refused before gigabytes are allocated for it.
-    try:
-        with torch.device("meta"):
-            shapes = family.model_type()(config)
-    except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # a size beyond what a tensor can hold
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
-                              "the preset or --config that matches the checkpoint, or neither to infer it") from None
-    state = loader.prepare(state, shapes, report)
-    _check_fit(path, config, shapes, state)
+    state = _fitted_state(path, loader, config, state, report)
     # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
     for name, value in assumed.items():
         log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)
-    model = family.model_type()(config)
-    for value in state.values():
-        if value.dtype != torch.float32:
-            report.converted[_dtype_name(value)] = report.converted.get(_dtype_name(value), 0) + 1
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    return model.eval(), report
+    return _loaded_model(loader.family, config, state, report), report

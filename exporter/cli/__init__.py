@@ -213,6 +213,56 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
     return ids
 
 
+def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized) -> None:
+    """generate's option combinations, refused before anything is read."""
+    if bool(prompt_ids) == bool(prompts):
+        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if tokenizer is not None and not prompts:
+        raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
+    context = click.get_current_context()
+    sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
+                      if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
+        one = len(sampling_flags) == 1
+        raise click.UsageError(f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
+                               f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}")
+    if save_optimized is not None:
+        from exporter.paths import check_output_path
+        check_output_path(save_optimized, "--save-optimized", folder=True)
+        check_outside_artifact(save_optimized, "--save-optimized", folder)
+
+
+def _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer) -> tuple:
+    """(the prompts as id lists, the tokenizer of --prompt text or None): text in, text out; ids in, ids out."""
+    from exporter.tokenizer import TOKENIZER, load_tokenizer
+    if not prompts:
+        return [_parse_ids(text) for text in prompt_ids], None
+    # the artifact's own: the one its manifest lists (and read_manifest has hashed), not any file there
+    if tokenizer is None and TOKENIZER not in manifest.files:
+        raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
+                               "--tokenizer PATH or re-export with --tokenizer")
+    text_tokenizer = load_tokenizer(tokenizer or folder, manifest.config.vocab_size)
+    return [_encode_prompt(text_tokenizer, text) for text in prompts], text_tokenizer
+
+
+def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
+    """Each row's Generation from the stream; a lone row's tokens (or text) printed as they come when `live`."""
+    from exporter.generation import Generation
+    from exporter.tokenizer import TextStream
+    results = [Generation(prompt) for prompt in batch]
+    text = TextStream(text_tokenizer) if text_tokenizer is not None else None
+    try:
+        for tokens in steps:
+            for result, token in zip(results, tokens):
+                result.add(token, stops)
+            if live and tokens[0] is not None:
+                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+    finally:
+        if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
+            click.echo(text.rest() if text else "")
+    return results
+
+
 @main.command()
 @click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
@@ -257,58 +307,25 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.generation import Generation, SamplingConfig, check_request, stream
+    from exporter.generation import SamplingConfig, check_request, stream
     from exporter.manifest import read_manifest
     from exporter.runtime import OrtRunner
     from exporter.sessions import SessionSettings, check_provider
-    from exporter.tokenizer import TOKENIZER, TextStream, load_tokenizer
-    if bool(prompt_ids) == bool(prompts):
-        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
-    if tokenizer is not None and not prompts:
-        raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
-    context = click.get_current_context()
-    sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
-                      if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-    if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
-        one = len(sampling_flags) == 1
-        raise click.UsageError(f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
-                               f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}")
-    if save_optimized is not None:
-        from exporter.paths import check_output_path
-        check_output_path(save_optimized, "--save-optimized", folder=True)
-        check_outside_artifact(save_optimized, "--save-optimized", folder)
+    _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized)
     provider = check_provider(provider)
     settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
                                **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
     manifest = read_manifest(folder)
     config = manifest.config
-    text_tokenizer = None
-    if prompts:  # text in, text out; ids in, ids out
-        # the artifact's own: the one its manifest lists (and read_manifest has hashed), not any file there
-        if tokenizer is None and TOKENIZER not in manifest.files:
-            raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
-                                   "--tokenizer PATH or re-export with --tokenizer")
-        text_tokenizer = load_tokenizer(tokenizer or folder, config.vocab_size)
-    batch = ([_encode_prompt(text_tokenizer, text) for text in prompts] if prompts
-             else [_parse_ids(text) for text in prompt_ids])
+    batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
     sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
     eos = None if ignore_eos else config.eos_token_id
     _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
     runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
-    steps = stream(runner, batch, max_new_tokens, sampling, eos, stop_ids)
-    results = [Generation(prompt) for prompt in batch]
     live = len(batch) == 1 and not as_json
-    text = TextStream(text_tokenizer) if text_tokenizer is not None else None
-    try:
-        for tokens in steps:
-            for result, token in zip(results, tokens):
-                result.add(token, stops)
-            if live and tokens[0] is not None:
-                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
-    finally:
-        if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
-            click.echo(text.rest() if text else "")
+    results = _collect(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), batch, stops, live,
+                       text_tokenizer)
     if live:
         return
     decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]

@@ -100,6 +100,18 @@ def _check_position_ids(config: DecoderConfig, position_ids: np.ndarray, what: s
         check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
 
 
+def _check_runner_arguments(folder, manifest, settings) -> None:
+    """OrtRunner's arguments of the types it takes, before any file is read."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
+    if not isinstance(settings, SessionSettings):
+        raise InputError(f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
+                         "SessionSettings(intra_op_threads=2)")
+    if manifest is not None and not isinstance(manifest, Manifest):
+        raise InputError(f"manifest must be the folder's Manifest (exporter.manifest.read_manifest) or None, "
+                         f"got {type(manifest).__name__}")
+
+
 class OrtRunner:
     """Both graphs of an artifact folder in ONNX Runtime.
 
@@ -130,14 +142,7 @@ class OrtRunner:
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,
                  manifest: Manifest | None = None, settings: SessionSettings = SessionSettings()):
-        if not isinstance(folder, (str, os.PathLike)):
-            raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
-        if not isinstance(settings, SessionSettings):
-            raise InputError(f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
-                             "SessionSettings(intra_op_threads=2)")
-        if manifest is not None and not isinstance(manifest, Manifest):
-            raise InputError(f"manifest must be the folder's Manifest (exporter.manifest.read_manifest) or None, "
-                             f"got {type(manifest).__name__}")
+        _check_runner_arguments(folder, manifest, settings)
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
         self.provider = check_provider(provider)

@@ -75,8 +75,7 @@ def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
     model = onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=9)
-    options = ort.SessionOptions()
-    options.log_severity_level = _log_severity()
+    options = plain_session_options()  # once the shared thread pool exists, a session with its own pool fails
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the build's own "not in available provider names"

@@ -69,6 +69,20 @@ def test_a_listed_cuda_provider_that_cannot_start_is_skipped_or_refused(monkeypa
         check_provider("cuda")
 
 
+def test_the_cuda_probe_fits_a_shared_thread_pool():
+    # The probe session asked for a pool of its own: once a runner had made the shared pool, onnxruntime refused
+    # it, and a working CUDA was reported as one that "could not start ... check the GPU, CUDA and cuDNN".
+    # A fresh process, since the shared pool is process-wide; CUDA listed, as onnxruntime-gpu lists it.
+    import subprocess
+    import sys
+    script = ("import onnxruntime as ort; from exporter import sessions; sessions._use_global_thread_pool(1); "
+              "listed = [sessions.CUDA, *ort.get_available_providers()]; "
+              "ort.get_available_providers = lambda: listed; print(sessions.cuda_unusable())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "thread" not in out.stdout, out.stdout  # None where CUDA starts; else a failure of CUDA's own
+
+
 def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
     # what a damaged graph that still loads gives (a Range of step 0, say); here inputs of the wrong type
     ids = np.ones((1, 3), np.float32)

@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/cuda_check.sh            # from the repository root; nothing is installed
 #
-# Runs with PYTHONPATH=<repo root> and $PYTHON (default: python), so it needs no `pip install -e .`.
+# Runs with PYTHONPATH=<repo root> and $PYTHON (default: python, else python3), so it needs no `pip install -e .`.
 # 1. environment: python, torch, onnxruntime, onnx versions, the providers, which imports fail;
 #    stops here when a core import fails or CUDAExecutionProvider is missing or cannot start
 #    (a missing pytest, tokenizers or click skips only the steps that need it);
@@ -22,7 +22,7 @@
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 1
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/cuda_check.XXXXXX")"
 REPORTS="${OUT:-$WORK}"

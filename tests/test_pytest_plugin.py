@@ -275,19 +275,21 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
 
 
 def test_expert_choice_is_skipped_not_passed_when_the_graphs_routers_were_not_found():
-    # ExpertAgreement passes what it could not measure (router TopK nodes renamed or fused): the item said PASSED
+    # What ExpertAgreement could not measure (router TopK nodes renamed or fused) neither passes nor fails
     from exporter.pytest_plugin import _skip_reason
     from exporter.verify.routing import ExpertAgreement
     lost = ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found in the graphs (found layers [] of 2); "
                                            "expert choice not measured")
     report = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=lost)])
-    assert lost.passed and CHECKS["expert_choice"](report) is SKIP
+    assert not lost.passed and not lost.failed and CHECKS["expert_choice"](report) is SKIP
     assert _skip_reason("expert_choice", report) == f"CPUExecutionProvider: {lost.note}"
     dense = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=None)])
     assert _skip_reason("expert_choice", dense) == "a dense model: no expert routing to compare"
     measured = ExpertAgreement(True, 8, 7, 0, "7/8 agree")
     report.reports.append(SimpleNamespace(provider="CUDAExecutionProvider", experts=measured))
     assert CHECKS["expert_choice"](report) == (False, "CUDAExecutionProvider: 7/8 agree")
+    report.reports[1] = SimpleNamespace(provider="CUDAExecutionProvider", experts=ExpertAgreement(True, 8, 8, 0, "8/8"))
+    assert CHECKS["expert_choice"](report) == (True, "")  # the provider that measured nothing does not fail it
 
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):

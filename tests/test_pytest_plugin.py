@@ -128,6 +128,25 @@ def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_refer
     assert "PASSED mine/manifest.json::invariants" in out.stdout
     assert (f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
             "cannot rebuild; pass --golden-bundle=DIR") in out.stdout  # the skip names its folder and check
+    # A CI job passing on the invariants alone compared nothing with the reference: the summary says so, once
+    [warning] = [line for line in out.stdout.splitlines() if "only the reference-free invariants ran" in line]
+    assert warning.startswith(f"WARNING: {folder}: ") and "--require-reference" in warning, warning
+
+
+def test_require_reference_makes_an_artifact_without_a_reference_a_usage_error(artifact_fp32, tmp_path):
+    folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
+    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "--require-reference")
+    assert out.returncode == 4, out.stdout[-3000:] + out.stderr[-2000:]
+    [line] = out.stderr.strip().splitlines()
+    assert (f"--require-reference: {folder} has no reference to compare with (the weights came from a in-memory "
+            "source this toolkit cannot rebuild); pass --golden-bundle=DIR recorded with `export-onnx verify "
+            "--golden-save`, or export the artifact from a checkpoint") in line, line
+    # an artifact whose reference can be rebuilt (its seed) is accepted
+    seeded = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", "--require-reference")
+    assert seeded.returncode == 0, seeded.stdout[-3000:] + seeded.stderr[-2000:]
+    alone = _pytest(tmp_path, "--require-reference")
+    assert alone.returncode == 4 and "--require-reference without --artifacts" in alone.stderr, alone.stderr[-2000:]
 
 
 def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tmp_path):

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # the plugin imports the toolkit only once --artifacts is given
+    from exporter.verify.golden import GoldenBundle
 
 GOLDEN_IN_ARTIFACT = "golden"
 PATH_OPTIONS = ("--artifacts", "--golden-bundle")  # written --option=DIR: see the module's docstring
@@ -70,6 +74,7 @@ class Plan:
     bundle: Path | None = None
     reason: str = ""  # why the reference could not be rebuilt, for 'invariants' and an in-folder bundle
     overrides: str = ""  # the tolerance overrides a golden bundle was recorded with, which its replay applies
+    loaded: GoldenBundle | None = field(default=None, compare=False, repr=False)  # the bundle, read at startup
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
@@ -110,8 +115,9 @@ def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
     from exporter.verify.golden import load_bundle
     from exporter.verify.tolerances import AppliedOverrides
-    recorded = load_bundle(bundle, manifest).overrides
-    return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
+    loaded = load_bundle(bundle, manifest)  # kept: the verification replays this one, not a second read
+    return Plan("golden", Path(bundle), reason=reason,
+                overrides=AppliedOverrides(recorded=loaded.overrides).describe(), loaded=loaded)
 
 
 def pytest_configure(config):
@@ -250,7 +256,8 @@ def _verify(folder: Path, plan: Plan, providers):
     from exporter.verify.engine import verify_artifact
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     model = rebuild_reference(folder, manifest) if plan.reference == "rebuilt" else None
-    return verify_artifact(folder, model, providers, golden=plan.bundle, manifest=manifest)
+    golden = plan.loaded if plan.loaded is not None else plan.bundle  # not read a second time
+    return verify_artifact(folder, model, providers, golden=golden, manifest=manifest)
 
 
 SKIP = object()  # a check that does not apply to this artifact or run

@@ -390,3 +390,32 @@ def test_the_onnxruntime_genai_skip_reason_is_the_verifications_own_words():
     # It read "onnxruntime-genai: onnxruntime-genai is not installed (...)".
     reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
     assert _skip_reason("onnxruntime_genai", SimpleNamespace(consumers_skipped={"onnxruntime-genai": reason})) == reason
+
+
+def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(artifact_fp32, artifact_copy,
+                                                                              tiny_model, tmp_path, monkeypatch):
+    # Read whole at startup, so that a damaged one is a usage error; the verification then replays that one
+    # rather than reading the folder again.
+    from exporter.manifest import read_manifest
+    from exporter.pytest_plugin import _verify
+    from exporter.verify import engine, golden
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.golden import GoldenMismatch, load_bundle
+    from exporter.verify.inputs import ParitySettings
+    bundle = tmp_path / "bundle"
+    verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False,
+                    golden_save=bundle)
+    reads = []
+
+    def counting(folder, manifest):
+        reads.append(folder)
+        return load_bundle(folder, manifest)
+    monkeypatch.setattr(golden, "load_bundle", counting)
+    monkeypatch.setattr(engine, "load_bundle", counting)
+    plan = reference_plan(artifact_fp32, bundle)
+    report = _verify(artifact_fp32, plan, ["cpu"])
+    assert reads == [bundle] and report.passed and report.reference == f"golden bundle {bundle}", reads
+    # A loaded bundle is held to the artifact as its folder would be
+    perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)
+    with pytest.raises(GoldenMismatch, match=f"golden bundle {bundle} was recorded from another export"):
+        verify_artifact(artifact_copy, None, ["cpu"], golden=load_bundle(bundle, read_manifest(artifact_fp32)))

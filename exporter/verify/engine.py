@@ -22,7 +22,8 @@ from exporter.runtime import OrtRunner
 from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
                                     judge_greedy, run_sweep)
-from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
+from exporter.verify.golden import (GoldenBundle, RecordedReference, check_golden_destination, check_loaded,
+                                    load_bundle)
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import (FINAL_CHUNK, PREFILL_BATCH, ParitySettings, greedy_prompt, prefill_feeds,
                                     prompt_batch)
@@ -198,14 +199,14 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type, greedy)
 
 
-def _reference(manifest: Manifest, model, golden: Path | None, settings: ParitySettings,
+def _reference(manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings,
                overrides: Overrides):
     """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
     if golden is not None:
-        bundle = load_bundle(golden, manifest)
-        log.info("reference: golden bundle %s (recorded with %s)", golden,
+        bundle = check_loaded(golden, manifest) if isinstance(golden, GoldenBundle) else load_bundle(golden, manifest)
+        log.info("reference: golden bundle %s (recorded with %s)", bundle.folder,
                  ", ".join(f"{k} {v}" for k, v in bundle.versions.items()))
-        return (bundle.reference, f"golden bundle {golden}",
+        return (bundle.reference, f"golden bundle {bundle.folder}",
                 ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
                 AppliedOverrides(overrides, bundle.overrides))
     if model is not None:
@@ -244,18 +245,20 @@ def _check_arguments(settings, genai, overrides) -> None:
 
 def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
                     settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
-                    golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
+                    golden: Path | GoldenBundle | None = None, golden_save: Path | None = None,
+                    overrides: Overrides = Overrides(),
                     fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
     """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
     when None.
 
     model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
-    golden: a golden bundle folder to compare with instead (no torch), judged with the tolerance overrides it
-    was recorded with, each term in `overrides` taking its recorded one's place; with neither, only the
-    reference-free invariants run. golden_save: record the
-    reference's inputs and outputs there, with `overrides`. genai: also check onnxruntime-genai's greedy
-    tokens; None runs the check when it can and reports why not otherwise, True makes each of those a
-    ConsumerError, False skips it.
+    golden: a golden bundle to compare with instead (no torch): its folder, or the GoldenBundle that
+    exporter.verify.golden.load_bundle read from it (not read again; held to the artifact all the same, and
+    replayed from its first call), judged with the tolerance overrides it was recorded with, each term in
+    `overrides` taking its recorded one's place; with neither, only the reference-free invariants run.
+    golden_save: record the reference's inputs and outputs there, with `overrides`. genai: also check
+    onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not otherwise, True makes
+    each of those a ConsumerError, False skips it.
     fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
     manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
     """

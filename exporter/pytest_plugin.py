@@ -11,7 +11,8 @@ ini file beside or above the artifact would configure the run; the two-argument 
 folder the reference is, in this order: a golden bundle given (--golden-bundle=DIR), the reference model
 rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), a `golden/` bundle inside
 the artifact (only when the reference cannot be rebuilt), or none, in which case only the reference-free
-invariants run and the other checks are skipped with the reason. Everything that can be checked without
+invariants run, the other checks are skipped with the reason and the terminal summary warns that nothing was
+compared with the reference (--require-reference makes it a usage error instead). Everything that can be checked without
 running the graphs (the manifest, the file sizes, the providers, the golden bundle) is checked at
 startup: a problem there is one line and pytest's usage-error exit code, 4.
 """
@@ -20,10 +21,14 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # the plugin imports the toolkit only once --artifacts is given
+    from exporter.verify.golden import GoldenBundle
 
 GOLDEN_IN_ARTIFACT = "golden"
 PATH_OPTIONS = ("--artifacts", "--golden-bundle")  # written --option=DIR: see the module's docstring
@@ -33,6 +38,8 @@ PYTEST_FILES = {"conftest.py": "run as code", **{name: "read as its configuratio
                                                  ("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
                                                   "pyproject.toml")}}
 _PLANS = pytest.StashKey[dict]()  # absolute folder (a pytest node's path) -> Plan
+NO_REFERENCE_FIX = ("pass --golden-bundle=DIR recorded with `export-onnx verify --golden-save`, or export the "
+                    "artifact from a checkpoint")
 
 
 def pytest_addoption(parser):
@@ -45,6 +52,9 @@ def pytest_addoption(parser):
                          "rebuilding the reference)")
     group.addoption("--artifact-provider", action="append", default=None, metavar="NAME",
                     help="execution provider, cpu or cuda (repeatable); default: every available one")
+    group.addoption("--require-reference", action="store_true", default=False,
+                    help="refuse an artifact with no reference to compare with (weights exported from memory, no "
+                         "golden bundle) instead of running its invariants alone")
 
 
 class BundleRefused(Exception):
@@ -64,6 +74,7 @@ class Plan:
     bundle: Path | None = None
     reason: str = ""  # why the reference could not be rebuilt, for 'invariants' and an in-folder bundle
     overrides: str = ""  # the tolerance overrides a golden bundle was recorded with, which its replay applies
+    loaded: GoldenBundle | None = field(default=None, compare=False, repr=False)  # the bundle, read at startup
 
 
 def reference_plan(folder: Path, golden: Path | None) -> Plan:
@@ -104,16 +115,18 @@ def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
     from exporter.verify.golden import load_bundle
     from exporter.verify.tolerances import AppliedOverrides
-    recorded = load_bundle(bundle, manifest).overrides
-    return Plan("golden", Path(bundle), reason=reason, overrides=AppliedOverrides(recorded=recorded).describe())
+    loaded = load_bundle(bundle, manifest)  # kept: the verification replays this one, not a second read
+    return Plan("golden", Path(bundle), reason=reason,
+                overrides=AppliedOverrides(recorded=loaded.overrides).describe(), loaded=loaded)
 
 
 def pytest_configure(config):
     folders = config.getoption("artifacts")
     if not folders:
         given = [flag for flag, name in (("--golden-bundle", "golden_bundle"), ("--artifact-provider",
-                                                                               "artifact_provider"))
-                 if config.getoption(name) is not None]
+                                                                               "artifact_provider"),
+                                         ("--require-reference", "require_reference"))
+                 if config.getoption(name) not in (None, False)]
         if given:
             raise pytest.UsageError(f"{', '.join(given)} without --artifacts: name the artifact folders to verify")
         return
@@ -143,6 +156,12 @@ def pytest_configure(config):
             f" ({', '.join(bundles)}: a golden bundle; pass it as --golden-bundle=DIR, with the artifact it was "
             "recorded from as --artifacts=DIR)" if bundles else "")
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
+    if config.getoption("require_reference"):
+        missing = next(((folder, plan) for folder, plan in plans.items() if plan.reference == "invariants"), None)
+        if missing:
+            folder, plan = missing
+            raise pytest.UsageError(f"--require-reference: {folder} has no reference to compare with ({plan.reason}); "
+                                    f"{NO_REFERENCE_FIX}")
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone
         config.args[:] = []
@@ -237,7 +256,8 @@ def _verify(folder: Path, plan: Plan, providers):
     from exporter.verify.engine import verify_artifact
     manifest = read_manifest(folder)  # once: it hashes every file, the weights included
     model = rebuild_reference(folder, manifest) if plan.reference == "rebuilt" else None
-    return verify_artifact(folder, model, providers, golden=plan.bundle, manifest=manifest)
+    golden = plan.loaded if plan.loaded is not None else plan.bundle  # not read a second time
+    return verify_artifact(folder, model, providers, golden=golden, manifest=manifest)
 
 
 SKIP = object()  # a check that does not apply to this artifact or run
@@ -294,9 +314,11 @@ def _shape_sweep(report):
 
 
 def _experts(report):
-    if all(r.experts is None or not r.experts.measured for r in report.reports):  # ExpertAgreement passes those
+    """Skipped where no provider measured expert choice (a dense model, routers not found), as verify reports it;
+    else judged on those that did: one that measured nothing has not failed."""
+    if all(r.experts is None or not r.experts.measured for r in report.reports):
         return SKIP
-    return _per_provider(lambda r: (r.experts.passed, r.experts.note))(report)
+    return _per_provider(lambda r: (not r.experts.failed, r.experts.note))(report)
 
 
 def _genai(report):
@@ -329,3 +351,14 @@ def pytest_report_header(config):
                  "rebuilt": lambda p: "the reference model rebuilt from the manifest (its seed or checkpoint)",
                  "invariants": lambda p: f"none ({p.reason}): reference-free invariants only"}
     return [f"artifact {folder}: reference = {described[plan.reference](plan)}" for folder, plan in plans.items()]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """One warning line per folder that had no reference: its run passes on the invariants alone, which compared
+    nothing with the reference (--require-reference makes it a usage error)."""
+    plans = config.stash.get(_PLANS, None) or {}
+    for folder, plan in plans.items():
+        if plan.reference == "invariants":
+            terminalreporter.write_line(f"WARNING: {folder}: only the reference-free invariants ran, nothing was "
+                                        f"compared with the reference ({plan.reason}); {NO_REFERENCE_FIX} "
+                                        "(--require-reference makes this an error)", yellow=True, bold=True)

@@ -128,6 +128,25 @@ def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_refer
     assert "PASSED mine/manifest.json::invariants" in out.stdout
     assert (f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
             "cannot rebuild; pass --golden-bundle=DIR") in out.stdout  # the skip names its folder and check
+    # A CI job passing on the invariants alone compared nothing with the reference: the summary says so, once
+    [warning] = [line for line in out.stdout.splitlines() if "only the reference-free invariants ran" in line]
+    assert warning.startswith(f"WARNING: {folder}: ") and "--require-reference" in warning, warning
+
+
+def test_require_reference_makes_an_artifact_without_a_reference_a_usage_error(artifact_fp32, tmp_path):
+    folder = shutil.copytree(artifact_fp32, tmp_path / "mine")
+    edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
+    out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "--require-reference")
+    assert out.returncode == 4, out.stdout[-3000:] + out.stderr[-2000:]
+    [line] = out.stderr.strip().splitlines()
+    assert (f"--require-reference: {folder} has no reference to compare with (the weights came from a in-memory "
+            "source this toolkit cannot rebuild); pass --golden-bundle=DIR recorded with `export-onnx verify "
+            "--golden-save`, or export the artifact from a checkpoint") in line, line
+    # an artifact whose reference can be rebuilt (its seed) is accepted
+    seeded = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", "--require-reference")
+    assert seeded.returncode == 0, seeded.stdout[-3000:] + seeded.stderr[-2000:]
+    alone = _pytest(tmp_path, "--require-reference")
+    assert alone.returncode == 4 and "--require-reference without --artifacts" in alone.stderr, alone.stderr[-2000:]
 
 
 def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tmp_path):
@@ -275,19 +294,21 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
 
 
 def test_expert_choice_is_skipped_not_passed_when_the_graphs_routers_were_not_found():
-    # ExpertAgreement passes what it could not measure (router TopK nodes renamed or fused): the item said PASSED
+    # What ExpertAgreement could not measure (router TopK nodes renamed or fused) neither passes nor fails
     from exporter.pytest_plugin import _skip_reason
     from exporter.verify.routing import ExpertAgreement
     lost = ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found in the graphs (found layers [] of 2); "
                                            "expert choice not measured")
     report = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=lost)])
-    assert lost.passed and CHECKS["expert_choice"](report) is SKIP
+    assert not lost.passed and not lost.failed and CHECKS["expert_choice"](report) is SKIP
     assert _skip_reason("expert_choice", report) == f"CPUExecutionProvider: {lost.note}"
     dense = SimpleNamespace(reports=[SimpleNamespace(provider="CPUExecutionProvider", experts=None)])
     assert _skip_reason("expert_choice", dense) == "a dense model: no expert routing to compare"
     measured = ExpertAgreement(True, 8, 7, 0, "7/8 agree")
     report.reports.append(SimpleNamespace(provider="CUDAExecutionProvider", experts=measured))
     assert CHECKS["expert_choice"](report) == (False, "CUDAExecutionProvider: 7/8 agree")
+    report.reports[1] = SimpleNamespace(provider="CUDAExecutionProvider", experts=ExpertAgreement(True, 8, 8, 0, "8/8"))
+    assert CHECKS["expert_choice"](report) == (True, "")  # the provider that measured nothing does not fail it
 
 
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
@@ -369,3 +390,32 @@ def test_the_onnxruntime_genai_skip_reason_is_the_verifications_own_words():
     # It read "onnxruntime-genai: onnxruntime-genai is not installed (...)".
     reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
     assert _skip_reason("onnxruntime_genai", SimpleNamespace(consumers_skipped={"onnxruntime-genai": reason})) == reason
+
+
+def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(artifact_fp32, artifact_copy,
+                                                                              tiny_model, tmp_path, monkeypatch):
+    # Read whole at startup, so that a damaged one is a usage error; the verification then replays that one
+    # rather than reading the folder again.
+    from exporter.manifest import read_manifest
+    from exporter.pytest_plugin import _verify
+    from exporter.verify import engine, golden
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.golden import GoldenMismatch, load_bundle
+    from exporter.verify.inputs import ParitySettings
+    bundle = tmp_path / "bundle"
+    verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False,
+                    golden_save=bundle)
+    reads = []
+
+    def counting(folder, manifest):
+        reads.append(folder)
+        return load_bundle(folder, manifest)
+    monkeypatch.setattr(golden, "load_bundle", counting)
+    monkeypatch.setattr(engine, "load_bundle", counting)
+    plan = reference_plan(artifact_fp32, bundle)
+    report = _verify(artifact_fp32, plan, ["cpu"])
+    assert reads == [bundle] and report.passed and report.reference == f"golden bundle {bundle}", reads
+    # A loaded bundle is held to the artifact as its folder would be
+    perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)
+    with pytest.raises(GoldenMismatch, match=f"golden bundle {bundle} was recorded from another export"):
+        verify_artifact(artifact_copy, None, ["cpu"], golden=load_bundle(bundle, read_manifest(artifact_fp32)))

@@ -22,7 +22,8 @@ from exporter.runtime import OrtRunner
 from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
                                     judge_greedy, run_sweep)
-from exporter.verify.golden import RecordedReference, check_golden_destination, load_bundle
+from exporter.verify.golden import (GoldenBundle, RecordedReference, check_golden_destination, check_loaded,
+                                    load_bundle)
 from exporter.verify.health import HealthScan
 from exporter.verify.inputs import (FINAL_CHUNK, PREFILL_BATCH, ParitySettings, greedy_prompt, prefill_feeds,
                                     prompt_batch)
@@ -198,14 +199,14 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type, greedy)
 
 
-def _reference(manifest: Manifest, model, golden: Path | None, settings: ParitySettings,
+def _reference(manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings,
                overrides: Overrides):
     """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
     if golden is not None:
-        bundle = load_bundle(golden, manifest)
-        log.info("reference: golden bundle %s (recorded with %s)", golden,
+        bundle = check_loaded(golden, manifest) if isinstance(golden, GoldenBundle) else load_bundle(golden, manifest)
+        log.info("reference: golden bundle %s (recorded with %s)", bundle.folder,
                  ", ".join(f"{k} {v}" for k, v in bundle.versions.items()))
-        return (bundle.reference, f"golden bundle {golden}",
+        return (bundle.reference, f"golden bundle {bundle.folder}",
                 ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
                 AppliedOverrides(overrides, bundle.overrides))
     if model is not None:
@@ -242,27 +243,26 @@ def _check_arguments(settings, genai, overrides) -> None:
         raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
 
 
-def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
-                    settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
-                    golden: Path | None = None, golden_save: Path | None = None, overrides: Overrides = Overrides(),
-                    fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
-    """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
-    when None.
+@dataclass(frozen=True)
+class _Plan:
+    """verify_artifact's arguments, checked before any work: the providers, the reference and what to run."""
+    manifest: Manifest
+    providers: list[str]  # the ones to verify on
+    skipped: dict[str, str]  # provider -> why it does not run
+    companion: tuple[Path, Manifest] | None  # the float16 export for the precision leg
+    reference: RecordedReference | None  # None: the invariants alone
+    described: str  # the reference, in words
+    settings: ParitySettings  # a golden replay's are its bundle's; fitted to the model's context
+    applied: AppliedOverrides
+    genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
 
-    model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
-    golden: a golden bundle folder to compare with instead (no torch), judged with the tolerance overrides it
-    was recorded with, each term in `overrides` taking its recorded one's place; with neither, only the
-    reference-free invariants run. golden_save: record the
-    reference's inputs and outputs there, with `overrides`. genai: also check onnxruntime-genai's greedy
-    tokens; None runs the check when it can and reports why not otherwise, True makes each of those a
-    ConsumerError, False skips it.
-    fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
-    manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
-    """
-    start = time.perf_counter()
+
+def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion,
+          manifest: Manifest | None) -> _Plan:
+    """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
+    reference chosen, before any check runs."""
     _check_arguments(settings, genai, overrides)
     manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
-    folder = Path(folder)
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] verified nothing, and the report failed
@@ -276,53 +276,91 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
-    overrides = applied.overrides  # a replay's: the bundle's, each given term in its place
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
     else:
-        genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
+        genai_skipped = "turned off" if genai is False else _genai_skip_reason(Path(folder), manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
-            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
-    settings = settings.fit(manifest.config.max_position_embeddings)
+            raise ConsumerError(f"cannot run the onnxruntime-genai check on {Path(folder)}: {genai_skipped}")
+    return _Plan(manifest, chosen, skipped, companion, reference, described,
+                 settings.fit(manifest.config.max_position_embeddings), applied, genai_skipped)
+
+
+def _probes_between(debug: _DebugGraphs, values: dict, manifest: Manifest, overrides: Overrides,
+                    batch: dict) -> list[ProbeResult]:
+    """The node-level probe of each provider's prefill values against the first provider's (none with one)."""
+    if len(values) < 2:
+        return []
+    first, *others = values
+    return [probe_between(debug.prefill, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
+                          f"{p} vs {first}", batch["attention_mask"], PREFILL_BATCH) for p in others]
+
+
+def _consumers(plan: _Plan, folder: Path, reports: list[ProviderReport]) -> tuple[list[ConsumerReport], dict]:
+    """onnxruntime-genai's check against the reference, or why it did not run ({consumer: reason})."""
+    if plan.genai_skipped:
+        return [], {"onnxruntime-genai": plan.genai_skipped}
+    plan.reference.rewind()
+    cpu = next((r.greedy for r in reports if r.provider == CPU), None)
+    profile = reports[0].profile if reports else profile_for(plan.manifest.dtype)
+    return [check_genai(plan.reference, folder, plan.manifest, plan.settings, profile, cpu)], {}
+
+
+def _save_golden(reference: RecordedReference, destination: Path, manifest: Manifest, settings: ParitySettings,
+                 overrides: Overrides, batch: dict, decode_call: DecodeCall) -> None:
+    import torch  # the reference side's version, recorded with the bundle
+    # recorded with or without --probe, so that any replay can probe both graphs
+    reference.module_outputs(batch)
+    reference.module_outputs(decode_call.feeds, "decode")
+    reference.save(destination, manifest, settings, overrides, {"torch": torch.__version__})
+
+
+def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
+                    settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
+                    golden: Path | GoldenBundle | None = None, golden_save: Path | None = None,
+                    overrides: Overrides = Overrides(),
+                    fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
+    """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
+    when None.
+
+    model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
+    golden: a golden bundle to compare with instead (no torch): its folder, or the GoldenBundle that
+    exporter.verify.golden.load_bundle read from it (not read again; held to the artifact all the same, and
+    replayed from its first call), judged with the tolerance overrides it was recorded with, each term in
+    `overrides` taking its recorded one's place; with neither, only the reference-free invariants run.
+    golden_save: record the reference's inputs and outputs there, with `overrides`. genai: also check
+    onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not otherwise, True makes
+    each of those a ConsumerError, False skips it.
+    fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
+    manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
+    """
+    start = time.perf_counter()
+    plan = _plan(folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, manifest)
+    folder, manifest, reference, settings = Path(folder), plan.manifest, plan.reference, plan.settings
+    overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     runs = []
     debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill),
                          DebugGraph(folder, manifest, manifest.decode) if settings.probe else None)
     first_runner = None  # kept for the invariants: loading the sessions again costs seconds
     if reference is not None:
-        for provider in chosen:
+        for provider in plan.providers:
             onnx = OrtRunner(folder, provider, manifest=manifest)
             first_runner = first_runner or onnx
             runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
     reports = [run.report for run in runs]
     outputs = {run.report.provider: run.outputs for run in runs}
     values = {run.report.provider: run.values for run in runs}
-    invariant_provider = chosen[0] if chosen else "cpu"
+    invariant_provider = plan.providers[0] if plan.providers else "cpu"
     log.info("reference-free invariants on %s", invariant_provider)
     invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
     invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),
                                   manifest, batch, invariant_profile)
     cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
-    probes = []
-    if settings.probe and len(values) > 1:
-        first, *others = values
-        probes = [probe_between(debug.prefill, values[p], values[first],
-                                overrides.apply(profile_for(manifest.dtype, p)).kv, f"{p} vs {first}",
-                                batch["attention_mask"], PREFILL_BATCH) for p in others]
-    attribution = attribute(reports, outputs, cross, manifest, batch, companion, overrides) if reports else None
-    consumers, consumers_skipped = [], {}
-    if genai_skipped:
-        consumers_skipped["onnxruntime-genai"] = genai_skipped
-    else:
-        reference.rewind()
-        cpu = next((r.greedy for r in reports if r.provider == CPU), None)
-        consumers.append(check_genai(reference, folder, manifest, settings, reports[0].profile if reports
-                                     else profile_for(manifest.dtype), cpu))
+    probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
+    attribution = attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
+    consumers, consumers_skipped = _consumers(plan, folder, reports)
     if golden_save is not None:
-        import torch  # the reference side's version, recorded with the bundle
-        # recorded with or without --probe, so that any replay can probe both graphs
-        reference.module_outputs(batch)
-        reference.module_outputs(runs[0].decode_call.feeds, "decode")
-        reference.save(golden_save, manifest, settings, overrides, {"torch": torch.__version__})
-    return VerifyReport(str(folder), reports, skipped, consumers, consumers_skipped, described, invariants, cross,
-                        probes, attribution, settings.to_dict(), applied, time.perf_counter() - start)
+        _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
+    return VerifyReport(str(folder), reports, plan.skipped, consumers, consumers_skipped, plan.described, invariants,
+                        cross, probes, attribution, settings.to_dict(), plan.applied, time.perf_counter() - start)

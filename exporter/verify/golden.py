@@ -229,6 +229,8 @@ class GoldenBundle:
     settings: ParitySettings
     overrides: Overrides  # the tolerance overrides the recording was judged with
     versions: dict  # of the recording side: torch, numpy, onnxruntime, python
+    folder: Path  # where it was read from
+    recorded_from: dict  # golden.json's "artifact": the config, dtype and file hashes of the artifact recorded
 
 
 def load_bundle(folder: Path, manifest: Manifest) -> GoldenBundle:
@@ -255,6 +257,13 @@ def load_bundle(folder: Path, manifest: Manifest) -> GoldenBundle:
     except (KeyError, TypeError, AttributeError, ValueError, IndexError, InputError, OSError,
             zipfile.BadZipFile) as exc:
         raise _damaged(folder, exc) from None
+
+
+def check_loaded(bundle: GoldenBundle, manifest: Manifest) -> GoldenBundle:
+    """A bundle load_bundle read earlier, held to `manifest` as load_bundle holds its folder: GoldenMismatch when
+    it was recorded from another artifact."""
+    _check_artifact(bundle.folder, manifest, bundle.recorded_from)
+    return bundle
 
 
 def check_bundle(folder: Path, manifest: Manifest) -> dict:
@@ -307,7 +316,12 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
                            f"v{FORMAT_VERSION}; " + ("a later version of this toolkit wrote it: upgrade the toolkit, "
                                                      "or " if later else "") + "re-record it with golden_save "
                            "(--golden-save)")
-    ours, theirs = _identity(manifest), meta["artifact"]
+    _check_artifact(folder, manifest, meta["artifact"])
+
+
+def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
+    """GoldenMismatch unless the artifact the bundle was recorded from (golden.json's "artifact") is `manifest`'s."""
+    ours = _identity(manifest)
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
         if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
@@ -355,7 +369,8 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
     if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
         raise ValueError(f"settings must be integers of at least 0, got {settings}")
     return GoldenBundle(RecordedReference(None, calls, greedy, f"golden bundle {folder}", routing, module_outputs),
-                        ParitySettings(**settings), recorded_overrides(meta), meta["versions"])
+                        ParitySettings(**settings), recorded_overrides(meta), meta["versions"], Path(folder),
+                        meta["artifact"])
 
 
 def _check_call(index: int, kind: str, feeds: dict, outputs: dict, manifest: Manifest) -> None:

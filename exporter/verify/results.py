@@ -43,7 +43,7 @@ class ProviderReport:
     @property
     def passed(self) -> bool:
         return (all(c.passed for c in self.comparisons) and self.greedy.passed and all(c.passed for c in self.sweep)
-                and self.health.passed and self.repeat.passed and (self.experts is None or self.experts.passed))
+                and self.health.passed and self.repeat.passed and (self.experts is None or not self.experts.failed))
 
     def to_dict(self) -> dict:
         return {"provider": self.provider, "dtype": self.dtype, "passed": self.passed,

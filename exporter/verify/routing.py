@@ -106,7 +106,8 @@ class ExpertAgreement:
     then within the precision of the computation), or when an earlier layer's
     disagreement reached the token (see _compare_choices). Parity passes when
     every disagreement is explained. `measured` is False when the graph's
-    routers could not be found.
+    routers could not be found: the check then neither passes nor fails (it is
+    skipped, `note` saying why), and `failed` is what a verdict reads.
     """
 
     measured: bool
@@ -121,7 +122,12 @@ class ExpertAgreement:
 
     @property
     def passed(self) -> bool:
-        return not self.measured or self.pairs - self.agreeing == self.explained
+        return self.measured and self.pairs - self.agreeing == self.explained
+
+    @property
+    def failed(self) -> bool:
+        """Measured, and some disagreement is not explained (one not measured has not failed: it is skipped)."""
+        return self.measured and not self.passed
 
     @property
     def explained_flip(self) -> bool:
@@ -131,7 +137,9 @@ class ExpertAgreement:
 
     def to_dict(self) -> dict:
         return {"measured": self.measured, "pairs": self.pairs, "agreeing": self.agreeing,
-                "fraction": self.fraction, "explained": self.explained, "passed": self.passed, "note": self.note}
+                "fraction": self.fraction, "explained": self.explained,
+                "passed": self.passed if self.measured else None,  # null: skipped, for the reason in "skipped"
+                "skipped": None if self.measured else self.note, "note": self.note}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from html import escape
 
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.reports.svg import bar_chart, line_chart
-from exporter.verify.reports.text import HEADER, comparison_row, probe_notes, routing_notes, summary_tables, verdict
+from exporter.verify.reports.text import (HEADER, comparison_row, experts_verdict, probe_notes, routing_notes,
+                                          summary_tables, verdict)
 from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
@@ -63,7 +64,7 @@ def _provider(p: ProviderReport) -> str:
         notes.append(f"localisation: {loc.describe()}")
     notes += probe_notes(p)
     if p.experts is not None:
-        notes.append(f"expert choice: {p.experts.note} ({verdict(p.experts.passed)})")
+        notes.append(f"expert choice: {p.experts.note} ({experts_verdict(p.experts)})")
     notes += routing_notes(p)
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
     return (f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '

@@ -20,17 +20,21 @@ def _xml_text(text: str) -> str:
     return _NOT_XML.sub("\ufffd", text)
 
 
-def _case(suite: ET.Element, name: str, passed: bool, detail: str) -> None:
+def _case(suite: ET.Element, name: str, passed: bool | None, detail: str) -> None:
+    """passed None: the check measured nothing; skipped, `detail` saying why."""
     case = ET.SubElement(suite, "testcase", classname=suite.get("name"), name=_xml_text(name), time="0")
-    if not passed:
+    if passed is None:
+        ET.SubElement(case, "skipped", message=_xml_text(detail))
+    elif not passed:
         ET.SubElement(case, "failure", message=_xml_text(detail[:200])).text = _xml_text(detail)
     else:
         ET.SubElement(case, "system-out").text = _xml_text(detail)
 
 
-def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool, str]]) -> None:
+def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]]) -> None:
     suite = ET.SubElement(root, "testsuite", name=_xml_text(name), tests=str(len(cases)),
-                          failures=str(sum(not passed for _, passed, _ in cases)), errors="0", skipped="0", time="0")
+                          failures=str(sum(passed is not None and not passed for _, passed, _ in cases)), errors="0",
+                          skipped=str(sum(passed is None for _, passed, _ in cases)), time="0")
     for case in cases:
         _case(suite, *case)
 
@@ -47,7 +51,7 @@ def render_junit(report: VerifyReport) -> str:
         cases = [_comparison(c) for c in p.comparisons]
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
         if p.experts is not None:
-            cases.append(("expert choice", p.experts.passed, p.experts.note))
+            cases.append(("expert choice", p.experts.passed if p.experts.measured else None, p.experts.note))
         if p.routing_flips:
             cases.append(("routing near-ties", all(flip.explained for flip in p.routing_flips),
                           "; ".join(flip.describe() for flip in p.routing_flips)))

@@ -19,6 +19,12 @@ def verdict(passed: bool) -> str:
     return "pass" if passed else "FAIL"
 
 
+def experts_verdict(experts) -> str:
+    """An ExpertAgreement's result: one that measured nothing (routers not found) is skipped, neither pass nor
+    FAIL; its note says why."""
+    return verdict(experts.passed) if experts.measured else "skipped"
+
+
 def _llm(c: Comparison) -> str:
     if "top1_agreement" in c.llm:
         return f"top1 {c.llm['top1_agreement']:.3f} top{5} {c.llm['topk_overlap']:.3f} KL {c.llm['kl_mean']:.2g}"
@@ -74,7 +80,7 @@ def _provider(p: ProviderReport) -> str:
                      "failing calls whose routers chose other experts", "", "", verdict(explained == len(flips))])
     if p.experts is not None:
         agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
-        rows.append(["expert choice", agreement, "", "", "", "", "", verdict(p.experts.passed)])
+        rows.append(["expert choice", agreement, "", "", "", "", "", experts_verdict(p.experts)])
     rows.append([f"repeat run of {PREFILL_BATCH} (nondeterminism)", f"{p.repeat.max_abs:.3g}", "", "", "", "", "",
                  verdict(p.repeat.passed)])
     h = p.health

@@ -117,6 +117,26 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
             "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
+def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact_fp32, tmp_path):
+    """A report path mistyped onto a source file (`--report-json verify.py`) overwrote it, unasked; an empty file
+    or an earlier report of that kind, whoever wrote it, is replaced."""
+    source = tmp_path / "verify.py"
+    source.write_text("print('mine')\n")
+    for flag, kind in (("--report-json", "JSON"), ("--junit", "JUnit XML"), ("--html", "HTML")):
+        refused(run_cli("verify", artifact_fp32, flag, source, "-q"),
+                f"{flag} {source} is a file that holds no {kind} report; refusing to overwrite it")
+    assert source.read_text() == "print('mine')\n"
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "pytest.xml").write_text('<?xml version="1.0" encoding="utf-8"?><testsuites></testsuites>')
+    (tmp_path / "page.html").write_text("\n<!doctype HTML><html></html>")
+    result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--no-sweep", "--decode-steps", "1",
+                     "--report-json", tmp_path / "empty.json", "--junit", tmp_path / "pytest.xml",
+                     "--html", tmp_path / "page.html", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "empty.json").read_text())["passed"] is True
+    assert "<testcase" in (tmp_path / "pytest.xml").read_text() and "svg" in (tmp_path / "page.html").read_text()
+
+
 def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
     manifest = (folder / "manifest.json").read_text()

@@ -160,6 +160,7 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     from exporter.paths import check_output_path
     from exporter.sessions import check_parity_providers
     from exporter.verify.golden import check_golden_destination
+    from exporter.verify.reports import check_report_destination
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.providers import companion_for, read_companion
     from exporter.verify.tolerances import parse_overrides
@@ -188,6 +189,7 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
             raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
                                "would change; write it elsewhere")
         check_output_path(path, flag, folder=False)
+        check_report_destination(path, flag)
     if options.fp16_companion is not None:
         if planned is None:
             read_companion(options.fp16_companion)

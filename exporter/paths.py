@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -27,19 +28,26 @@ def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if existing != path and not existing.is_dir():
         raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
     for target in ([path, path.parent] if existing == path else [existing]):
-        if not (_can_create_in(target) if target.is_dir() else os.access(target, os.W_OK)):
-            raise OutputPathError(f"{option}: cannot write to {target} (permission denied); choose another path")
+        problem = _create_problem(target) if target.is_dir() else (None if os.access(target, os.W_OK)
+                                                                     else "permission denied")
+        if problem:
+            raise OutputPathError(f"{option}: cannot write to {target} ({problem}); choose another path")
 
 
-def _can_create_in(folder: Path) -> bool:
-    """A file can be created in `folder`: tried, since permission bits say nothing to root (/proc, say)."""
+# Reasons worth naming as they are; any other refusal (EACCES, EPERM, /proc's ENOENT) is "permission denied".
+_NAMED_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
+def _create_problem(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None: tried, since permission bits say nothing to root (/proc,
+    say) nor of a read-only mount."""
     try:
         handle, name = tempfile.mkstemp(dir=folder, prefix=".write-check-")
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.strerror.lower() if exc.errno in _NAMED_ERRORS and exc.strerror else "permission denied"
     os.close(handle)
     os.unlink(name)
-    return True
+    return None
 
 
 def write_text_whole(path: Path, text: str) -> None:

@@ -391,3 +391,16 @@ def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line
     monkeypatch.setattr(pathlib.Path, "exists", exists)
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
             f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path")
+
+
+def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tmp_path, monkeypatch):
+    # A read-only bind mount (EROFS) read "permission denied", sending root to chmod. Simulated: mount needs root.
+    import errno
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "art", "-q"),
+            f"output folder: cannot write to {tmp_path} (read-only file system); choose another path")
+    assert list(tmp_path.iterdir()) == []

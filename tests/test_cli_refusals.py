@@ -97,6 +97,11 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
     refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
+    for flag in ("--report-json", "--golden-save"):
+        refused(run_cli("verify", artifact_fp32, flag, artifact_fp32, "-q"),
+                f"{flag} {artifact_fp32} is the artifact folder this command reads, which it would change")
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", artifact_fp32, "-q"),
+            f"--save-optimized {artifact_fp32} is the artifact folder this command reads, which it would change")
     refused(run_cli("verify", artifact_fp32, "--golden-save", tmp_path / "g", "--junit", tmp_path / "g" / "golden.json",
                     "-q"), "--junit " + str(tmp_path / "g" / "golden.json") + " lies inside the golden bundle folder "
                            "of --golden-save")

@@ -145,7 +145,10 @@ class VerifyOptions:
 def check_outside_artifact(path, flag: str, folder) -> None:
     """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
     artifact, resolved = Path(folder).resolve(), Path(path).resolve()
-    if resolved == artifact or artifact in resolved.parents:
+    if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
+        raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
+                           "write it elsewhere")
+    if artifact in resolved.parents:
         raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
                            "write it elsewhere")
 

@@ -37,7 +37,7 @@ from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
-from exporter.paths import check_output_path
+from exporter.paths import check_output_path, folder_lock
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
@@ -536,7 +536,8 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     try:
         built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
         manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
-        _move_into_place(built, folder)
+        with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
+            _move_into_place(built, folder)
     except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
         raise _write_failed(folder, exc) from None
     finally:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
 from pathlib import Path
 
 from exporter.errors import OutputPathError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no folder_lock
+    fcntl = None
 
 
 def check_output_path(path: Path, option: str, folder: bool) -> None:
@@ -66,3 +72,24 @@ def write_text_whole(path: Path, text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Held while this toolkit swaps what it wrote into `folder`: another process of it (a second export into the
+    same parent folder, a second --golden-save into one bundle) waits its turn, so that the later result replaces
+    the earlier whole instead of the two swaps interleaving. An advisory lock (flock) on the folder itself, gone
+    with the process; none where the platform has no flock, or the folder cannot be opened (what follows meets
+    that problem and names it)."""
+    handle = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            handle = os.open(folder, os.O_RDONLY)
+    try:
+        if handle is not None:
+            with contextlib.suppress(OSError):  # a file system without locks (some network mounts): as before
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -223,6 +224,32 @@ def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the
         export_module._move_into_place(built, folder)
     assert not folder.exists() or (folder / "manifest.json").read_text() == "theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x"] + (["art"] if folder.exists() else [])
+
+
+def test_a_second_export_to_the_same_folder_waits_for_the_first_ones_swap(tmp_path, tiny_model, monkeypatch):
+    """Two exports to one folder swapping at the same moment: the later now waits for the earlier's swap (a lock
+    on the parent folder) and replaces its artifact whole, rather than one of them failing half-way."""
+    folder = tmp_path / "art"
+    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import sys, time
+        from pathlib import Path
+        from exporter.paths import folder_lock
+        with folder_lock(Path({str(tmp_path)!r})):
+            print("swapping", flush=True)
+            time.sleep(1)  # the other export's swap, slowed down
+            Path({str(folder)!r}).mkdir()
+            Path({str(folder / "manifest.json")!r}).write_text("theirs")
+        """], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "swapping\n"
+
+    def build(*args):  # this export's graphs, built while the other swapped its in
+        (args[-1] / "manifest.json").write_text("mine")
+        return types.SimpleNamespace(files={})
+    monkeypatch.setattr(export_module, "_build", build)
+    export_artifact(tiny_model, folder)
+    assert other.wait() == 0
+    assert (folder / "manifest.json").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
 def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_model):

@@ -534,6 +534,26 @@ def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle
     load_bundle(folder, manifest)
 
 
+def test_a_second_golden_save_into_one_folder_waits_for_the_first(full, artifact_fp32, tmp_path):
+    """Two saves into one bundle folder: their swaps interleaved could pair one's index with the other's arrays."""
+    manifest = read_manifest(artifact_fp32)
+    folder = shutil.copytree(full[1], tmp_path / "golden")
+    bundle = load_bundle(folder, manifest)
+    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import time
+        from pathlib import Path
+        from exporter.paths import folder_lock
+        with folder_lock(Path({str(folder)!r})):
+            print("saving", flush=True)
+            time.sleep(1)  # the other save, slowed down: it swaps in its index last
+            Path({str(folder / "golden.json")!r}).write_text("theirs")
+        """], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "saving\n"
+    bundle.reference.save(folder, manifest, bundle.settings, bundle.overrides, bundle.versions)
+    assert other.wait() == 0
+    load_bundle(folder, manifest)  # this save's index and arrays, together
+
+
 def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_path):
     # Version 3 recorded no overrides and other prefill labels; a later version is a later toolkit's.
     manifest = read_manifest(artifact_fp32)

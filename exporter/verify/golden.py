@@ -44,7 +44,7 @@ import onnxruntime as ort
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.manifest import Manifest, config_differences, sha256_file
-from exporter.paths import check_output_path
+from exporter.paths import check_output_path, folder_lock
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.routing import record_reference_routing
@@ -197,10 +197,17 @@ class RecordedReference:
             feeds_prefix, outputs_prefix = MODULE_ENTRIES[graph]
             arrays.update({f"{feeds_prefix}{k}": v for k, v in tokens.items()})
             arrays.update({f"{outputs_prefix}{k}": v for k, v in outputs.items()})
-        # Over an older bundle: each file is written aside and swapped in, the index last, the older arrays kept
-        # (a hard link) until the index is swapped too. An interrupted or failed save leaves the older bundle
-        # whole; only a kill between the two swaps (no cleanup runs) leaves its index with the new arrays, whose
-        # hash it then refuses.
+        with folder_lock(folder):  # a second save into this folder writes its files before or after
+            self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
+        log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
+                 (folder / ARRAYS).stat().st_size / 1e6)
+        return folder
+
+    def _write(self, folder, arrays, manifest, settings, overrides, versions, calls, greedy) -> None:
+        """Over an older bundle: each file is written aside and swapped in, the index last, the older arrays kept
+        (a hard link) until the index is swapped too. An interrupted or failed save leaves the older bundle whole;
+        only a kill between the two swaps (no cleanup runs) leaves its index with the new arrays, whose hash it
+        then refuses."""
         partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
         previous = folder / f".{ARRAYS}.previous"
         try:
@@ -226,9 +233,6 @@ class RecordedReference:
             previous.unlink(missing_ok=True)
             partial_arrays.unlink(missing_ok=True)
             partial_index.unlink(missing_ok=True)
-        log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
-                 (folder / ARRAYS).stat().st_size / 1e6)
-        return folder
 
 
 @dataclass(frozen=True)

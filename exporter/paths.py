@@ -65,7 +65,7 @@ def write_text_whole(path: Path, text: str) -> None:
         path.write_text(text, encoding="utf-8")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a second process writing it keeps its own
     try:
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)

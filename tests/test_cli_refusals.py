@@ -409,3 +409,14 @@ def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tm
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "art", "-q"),
             f"output folder: cannot write to {tmp_path} (read-only file system); choose another path")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
+    # Two verifies writing one report path shared `.r.json.partial`: one renamed the other's half-written file
+    # into place, and the other's rename then failed, which removed the report.
+    from exporter.paths import write_text_whole
+    theirs = tmp_path / ".r.json.partial"
+    theirs.write_text('{"half')
+    write_text_whole(tmp_path / "r.json", '{"passed": true}\n')
+    assert (tmp_path / "r.json").read_text() == '{"passed": true}\n' and theirs.read_text() == '{"half'
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.partial", "r.json"]

@@ -420,3 +420,21 @@ def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
     write_text_whole(tmp_path / "r.json", '{"passed": true}\n')
     assert (tmp_path / "r.json").read_text() == '{"passed": true}\n' and theirs.read_text() == '{"half'
     assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.partial", "r.json"]
+
+
+def test_a_signal_this_process_was_started_ignoring_stays_ignored():
+    # `export-onnx export &` in a script (or nohup) starts it ignoring SIGINT; the command took SIGINT over a
+    # quarter second in, so a Ctrl-C meant for the script stopped the export it had shielded.
+    import signal
+
+    from exporter.cli.outcome import begin_command
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        begin_command()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # routed to the cleanup
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -438,3 +438,30 @@ def test_a_signal_this_process_was_started_ignoring_stays_ignored():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_path):
+    # A Ctrl-C in the quarter second the command's modules take to import printed Python's traceback of the
+    # import it stopped (`import ctypes ... KeyboardInterrupt`) and died of the signal.
+    script = """if True:
+        import builtins, os, signal, sys
+        real_import = builtins.__import__
+        def ctrl_c_during(name, *args, **kwargs):
+            if name == "exporter.generation":
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_import(name, *args, **kwargs)
+        builtins.__import__ = ctrl_c_during
+        sys.argv = ["export-onnx", "inspect", "--json"]
+        from exporter.cli import main
+        main()
+        """
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "interrupted (SIGINT)\n"
+    assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
+                                         "exit_code": 130}
+    import signal
+
+    from exporter import cli
+    assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own

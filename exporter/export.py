@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import glob
 import io
 import json
@@ -36,7 +37,7 @@ from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
-from exporter.paths import check_output_path
+from exporter.paths import check_output_path, folder_lock
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
@@ -423,10 +424,17 @@ def _move_into_place(built: Path, folder: Path) -> None:
         if old is not None:
             try:
                 os.rename(folder, old / folder.name)
+            except FileNotFoundError:  # gone since the line above: moved aside by another export's swap
+                raise _overtaken(folder) from None
             except OSError as exc:
                 raise OutputPathError(f"cannot replace {folder} ({exc.strerror}); the earlier artifact is "
                                       "untouched, the new one was not kept") from None
-        os.rename(built, folder)
+        try:
+            os.rename(built, folder)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):  # another export's folder landed there meanwhile
+                raise _overtaken(folder) from None
+            raise
     except BaseException:
         # One handler for both renames: a Ctrl-C can land just after the first, between the two.
         if old is not None:
@@ -436,6 +444,13 @@ def _move_into_place(built: Path, folder: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _overtaken(folder: Path) -> OutputPathError:
+    """Two exports to one folder, swapping their results in at the same moment: the other one's stays."""
+    return OutputPathError(f"another process replaced {folder} while this export was moving its result there (two "
+                           "exports to one folder?): the folder holds the other's artifact, and this one was not "
+                           "kept; export again once the other is done, or into another folder (folder, --output)")
 
 
 def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
@@ -521,7 +536,8 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     try:
         built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
         manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
-        _move_into_place(built, folder)
+        with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
+            _move_into_place(built, folder)
     except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
         raise _write_failed(folder, exc) from None
     finally:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 from exporter.errors import OutputPathError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no folder_lock
+    fcntl = None
 
 
 def check_output_path(path: Path, option: str, folder: bool) -> None:
@@ -27,19 +34,26 @@ def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if existing != path and not existing.is_dir():
         raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
     for target in ([path, path.parent] if existing == path else [existing]):
-        if not (_can_create_in(target) if target.is_dir() else os.access(target, os.W_OK)):
-            raise OutputPathError(f"{option}: cannot write to {target} (permission denied); choose another path")
+        problem = _create_problem(target) if target.is_dir() else (None if os.access(target, os.W_OK)
+                                                                     else "permission denied")
+        if problem:
+            raise OutputPathError(f"{option}: cannot write to {target} ({problem}); choose another path")
 
 
-def _can_create_in(folder: Path) -> bool:
-    """A file can be created in `folder`: tried, since permission bits say nothing to root (/proc, say)."""
+# Reasons worth naming as they are; any other refusal (EACCES, EPERM, /proc's ENOENT) is "permission denied".
+_NAMED_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
+def _create_problem(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None: tried, since permission bits say nothing to root (/proc,
+    say) nor of a read-only mount."""
     try:
         handle, name = tempfile.mkstemp(dir=folder, prefix=".write-check-")
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.strerror.lower() if exc.errno in _NAMED_ERRORS and exc.strerror else "permission denied"
     os.close(handle)
     os.unlink(name)
-    return True
+    return None
 
 
 def write_text_whole(path: Path, text: str) -> None:
@@ -51,10 +65,31 @@ def write_text_whole(path: Path, text: str) -> None:
         path.write_text(text, encoding="utf-8")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a second process writing it keeps its own
     try:
         partial.write_text(text, encoding="utf-8")
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Held while this toolkit swaps what it wrote into `folder`: another process of it (a second export into the
+    same parent folder, a second --golden-save into one bundle) waits its turn, so that the later result replaces
+    the earlier whole instead of the two swaps interleaving. An advisory lock (flock) on the folder itself, gone
+    with the process; none where the platform has no flock, or the folder cannot be opened (what follows meets
+    that problem and names it)."""
+    handle = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            handle = os.open(folder, os.O_RDONLY)
+    try:
+        if handle is not None:
+            with contextlib.suppress(OSError):  # a file system without locks (some network mounts): as before
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from google.protobuf.message import DecodeError
 
 from exporter.contract import GraphContract
-from exporter.errors import ArtifactError, InputError, ProviderError, first_line
+from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, first_line
 from exporter.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -267,8 +269,7 @@ def session_options(settings: SessionSettings, graph_file: str, weights: SharedW
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights is not None or not settings.prepack_weights:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    if settings.optimized_model_dir is not None:
-        settings.optimized_model_dir.mkdir(parents=True, exist_ok=True)
+    if settings.optimized_model_dir is not None:  # written aside first, see _new_session
         stem = Path(graph_file).stem
         options.optimized_model_filepath = str(settings.optimized_model_dir / f"{stem}.optimized.onnx")
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
@@ -283,8 +284,47 @@ def graph_session(model: bytes, folder: Path, graph_file: str, weights: SharedWe
     takes them, and read from the artifact's weights file where it does not."""
     options = session_options(settings, graph_file, weights)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    return ort.InferenceSession(model, options, providers=session_providers(check_provider(provider)),
-                                enable_fallback=0)
+    return _new_session(model, options, session_providers(check_provider(provider)))
+
+
+def _new_session(model, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:
+    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it (graph and
+    weights file) into a hidden folder beside its destination, and both are moved into place only once the session
+    exists: a full disk or an interrupt leaves the files an earlier save wrote, never a truncated graph, and a
+    save that fails is named as such, not as a damaged artifact."""
+    target = options.optimized_model_filepath and Path(options.optimized_model_filepath)
+    if not target:
+        return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as exc:
+        raise _save_failed(target, exc.strerror or str(exc)) from None
+    try:
+        options.optimized_model_filepath = str(staging / target.name)
+        try:
+            session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+        except _LOAD_ERRORS as exc:
+            options.optimized_model_filepath = ""
+            try:  # does it load without the save? Then the save failed, not the graph
+                ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+            except _LOAD_ERRORS:
+                raise exc from None
+            raise _save_failed(target, first_line(exc, 200)) from None
+        # the weights file before the graph that names it
+        for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
+            os.replace(staging / name, target.parent / name)
+    except OSError as exc:
+        raise _save_failed(target, exc.strerror or str(exc)) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return session
+
+
+def _save_failed(target: Path, reason: str) -> OutputPathError:
+    return OutputPathError(f"cannot save the optimised graph {target.name} in {target.parent} ({reason}); earlier "
+                           "files there are untouched: free space, or choose another folder (optimized_model_dir, "
+                           "--save-optimized)")
 
 
 # UnicodeDecodeError: onnxruntime's refusal of a graph whose damaged bytes are a name it quotes, which the binding
@@ -337,7 +377,7 @@ def load_session(folder: Path, manifest: Manifest, contract: GraphContract, opti
     """A session on one of the artifact's graphs, which must be the graph its manifest describes."""
     read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
     try:
-        return ort.InferenceSession(str(folder / contract.file), options, providers=providers, enable_fallback=0)
+        return _new_session(str(folder / contract.file), options, providers)
     except _LOAD_ERRORS as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
                             f"({first_line(exc, 200)}); re-export the folder") from None

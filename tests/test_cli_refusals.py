@@ -97,6 +97,11 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
     refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
+    for flag in ("--report-json", "--golden-save"):
+        refused(run_cli("verify", artifact_fp32, flag, artifact_fp32, "-q"),
+                f"{flag} {artifact_fp32} is the artifact folder this command reads, which it would change")
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", artifact_fp32, "-q"),
+            f"--save-optimized {artifact_fp32} is the artifact folder this command reads, which it would change")
     refused(run_cli("verify", artifact_fp32, "--golden-save", tmp_path / "g", "--junit", tmp_path / "g" / "golden.json",
                     "-q"), "--junit " + str(tmp_path / "g" / "golden.json") + " lies inside the golden bundle folder "
                            "of --golden-save")
@@ -115,6 +120,26 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
             "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
     refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--provider", "azure", "-q"),
             "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
+
+
+def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact_fp32, tmp_path):
+    """A report path mistyped onto a source file (`--report-json verify.py`) overwrote it, unasked; an empty file
+    or an earlier report of that kind, whoever wrote it, is replaced."""
+    source = tmp_path / "verify.py"
+    source.write_text("print('mine')\n")
+    for flag, kind in (("--report-json", "JSON"), ("--junit", "JUnit XML"), ("--html", "HTML")):
+        refused(run_cli("verify", artifact_fp32, flag, source, "-q"),
+                f"{flag} {source} is a file that holds no {kind} report; refusing to overwrite it")
+    assert source.read_text() == "print('mine')\n"
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "pytest.xml").write_text('<?xml version="1.0" encoding="utf-8"?><testsuites></testsuites>')
+    (tmp_path / "page.html").write_text("\n<!doctype HTML><html></html>")
+    result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--no-sweep", "--decode-steps", "1",
+                     "--report-json", tmp_path / "empty.json", "--junit", tmp_path / "pytest.xml",
+                     "--html", tmp_path / "page.html", "-q")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "empty.json").read_text())["passed"] is True
+    assert "<testcase" in (tmp_path / "pytest.xml").read_text() and "svg" in (tmp_path / "page.html").read_text()
 
 
 def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
@@ -371,3 +396,72 @@ def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line
     monkeypatch.setattr(pathlib.Path, "exists", exists)
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
             f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path")
+
+
+def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tmp_path, monkeypatch):
+    # A read-only bind mount (EROFS) read "permission denied", sending root to chmod. Simulated: mount needs root.
+    import errno
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "art", "-q"),
+            f"output folder: cannot write to {tmp_path} (read-only file system); choose another path")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
+    # Two verifies writing one report path shared `.r.json.partial`: one renamed the other's half-written file
+    # into place, and the other's rename then failed, which removed the report.
+    from exporter.paths import write_text_whole
+    theirs = tmp_path / ".r.json.partial"
+    theirs.write_text('{"half')
+    write_text_whole(tmp_path / "r.json", '{"passed": true}\n')
+    assert (tmp_path / "r.json").read_text() == '{"passed": true}\n' and theirs.read_text() == '{"half'
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".r.json.partial", "r.json"]
+
+
+def test_a_signal_this_process_was_started_ignoring_stays_ignored():
+    # `export-onnx export &` in a script (or nohup) starts it ignoring SIGINT; the command took SIGINT over a
+    # quarter second in, so a Ctrl-C meant for the script stopped the export it had shielded.
+    import signal
+
+    from exporter.cli.outcome import begin_command
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        begin_command()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # routed to the cleanup
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_path):
+    # A Ctrl-C in the quarter second the command's modules take to import printed Python's traceback of the
+    # import it stopped (`import ctypes ... KeyboardInterrupt`) and died of the signal.
+    script = """if True:
+        import builtins, os, signal, sys
+        real_import = builtins.__import__
+        def ctrl_c_during(name, *args, **kwargs):
+            if name == "exporter.generation":
+                os.kill(os.getpid(), signal.SIGINT)
+            return real_import(name, *args, **kwargs)
+        builtins.__import__ = ctrl_c_during
+        sys.argv = ["export-onnx", "inspect", "--json"]
+        from exporter.cli import main
+        main()
+        """
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "interrupted (SIGINT)\n"
+    assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
+                                         "exit_code": 130}
+    import signal
+
+    from exporter import cli
+    assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own

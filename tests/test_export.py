@@ -7,9 +7,11 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -192,6 +194,62 @@ def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artif
         signal.signal(signal.SIGINT, previous)
     assert (folder / "manifest.json").read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x", "art"]
+
+
+@pytest.mark.parametrize("moment", ["before the check", "after the check"])
+def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the_others(tmp_path, monkeypatch,
+                                                                                         moment):
+    """Two exports to one folder swapping in at the same moment: the one that lost the race said "Directory not
+    empty ... an earlier artifact there is untouched: free space", or "No such file or directory"."""
+    folder, built = tmp_path / "art", tmp_path / ".art.partial-x"
+    built.mkdir()
+    (built / "manifest.json").write_text("mine")
+    if moment == "after the check":  # this one saw the earlier artifact; the other moved it aside, then landed
+        folder.mkdir()
+        (folder / "manifest.json").write_text("earlier")
+    rename = os.rename
+
+    def the_other_lands_first(source, destination):
+        monkeypatch.setattr(export_module.os, "rename", rename)
+        if folder.exists():
+            shutil.rmtree(folder)  # moved aside by the other's swap, which has not landed yet
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(folder))
+        folder.mkdir()
+        (folder / "manifest.json").write_text("theirs")
+        rename(source, destination)
+
+    monkeypatch.setattr(export_module.os, "rename", the_other_lands_first)
+    with pytest.raises(OutputPathError, match="another process replaced .* while this export was moving its result "
+                                              "there .* this one was not kept"):
+        export_module._move_into_place(built, folder)
+    assert not folder.exists() or (folder / "manifest.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x"] + (["art"] if folder.exists() else [])
+
+
+def test_a_second_export_to_the_same_folder_waits_for_the_first_ones_swap(tmp_path, tiny_model, monkeypatch):
+    """Two exports to one folder swapping at the same moment: the later now waits for the earlier's swap (a lock
+    on the parent folder) and replaces its artifact whole, rather than one of them failing half-way."""
+    folder = tmp_path / "art"
+    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import sys, time
+        from pathlib import Path
+        from exporter.paths import folder_lock
+        with folder_lock(Path({str(tmp_path)!r})):
+            print("swapping", flush=True)
+            time.sleep(1)  # the other export's swap, slowed down
+            Path({str(folder)!r}).mkdir()
+            Path({str(folder / "manifest.json")!r}).write_text("theirs")
+        """], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "swapping\n"
+
+    def build(*args):  # this export's graphs, built while the other swapped its in
+        (args[-1] / "manifest.json").write_text("mine")
+        return types.SimpleNamespace(files={})
+    monkeypatch.setattr(export_module, "_build", build)
+    export_artifact(tiny_model, folder)
+    assert other.wait() == 0
+    assert (folder / "manifest.json").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
 def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_model):

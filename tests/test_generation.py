@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from exporter.cli import main
-from exporter.errors import InputError
+from exporter.errors import InputError, OutputPathError
 from exporter.generation import SamplingConfig, generate, process_logits, stream
 from exporter.reference_runner import reference_greedy
 from exporter.runtime import OrtRunner
@@ -320,6 +321,31 @@ def test_optimised_graphs_can_be_saved(artifact_fp32, tmp_path):
     OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=tmp_path / "optimized"))
     saved = sorted(p.name for p in (tmp_path / "optimized").iterdir())
     assert "decode.optimized.onnx" in saved and "prefill.optimized.onnx" in saved
+
+
+def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_fp32, tmp_path, monkeypatch):
+    """onnxruntime writes the optimised graph while it makes the session: a full disk left a truncated graph over
+    the earlier save, and was reported as a damaged artifact ("re-export the folder")."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    folder = tmp_path / "optimized"
+    OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = ort.InferenceSession
+
+    def full_disk(model, options, **kwargs):
+        if options.optimized_model_filepath:  # as onnxruntime leaves a write that ran out of space
+            Path(options.optimized_model_filepath).write_bytes(b"")
+            Path(options.optimized_model_filepath + ".data").write_bytes(b"\0" * 10)
+            raise Fail("Failed to write external initializers to file")
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", full_disk)
+    with pytest.raises(OutputPathError, match=r"cannot save the optimised graph decode.optimized.onnx in .*"
+                                              r"--save-optimized"):
+        OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
 
 
 @pytest.fixture(scope="module")

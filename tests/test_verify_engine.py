@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import numpy as np
@@ -510,6 +512,46 @@ def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(
         RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
     assert list(folder.iterdir()) == []
     check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
+
+
+def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(full, artifact_fp32,
+                                                                                        tmp_path, monkeypatch):
+    """The new arrays were swapped in, then a Ctrl-C before the index: the older bundle was lost, refused as
+    damaged ("sha256 differs")."""
+    manifest = read_manifest(artifact_fp32)
+    folder = shutil.copytree(full[1], tmp_path / "golden")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    replace = os.replace
+
+    def ctrl_c_before_the_index(source, destination):
+        if Path(destination).name == "golden.json":
+            raise KeyboardInterrupt
+        replace(source, destination)
+    monkeypatch.setattr("exporter.verify.golden.os.replace", ctrl_c_before_the_index)
+    with pytest.raises(KeyboardInterrupt):
+        RecordedReference().save(folder, manifest, ParitySettings(), Overrides(), {})
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden file left
+    load_bundle(folder, manifest)
+
+
+def test_a_second_golden_save_into_one_folder_waits_for_the_first(full, artifact_fp32, tmp_path):
+    """Two saves into one bundle folder: their swaps interleaved could pair one's index with the other's arrays."""
+    manifest = read_manifest(artifact_fp32)
+    folder = shutil.copytree(full[1], tmp_path / "golden")
+    bundle = load_bundle(folder, manifest)
+    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import time
+        from pathlib import Path
+        from exporter.paths import folder_lock
+        with folder_lock(Path({str(folder)!r})):
+            print("saving", flush=True)
+            time.sleep(1)  # the other save, slowed down: it swaps in its index last
+            Path({str(folder / "golden.json")!r}).write_text("theirs")
+        """], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "saving\n"
+    bundle.reference.save(folder, manifest, bundle.settings, bundle.overrides, bundle.versions)
+    assert other.wait() == 0
+    load_bundle(folder, manifest)  # this save's index and arrays, together
 
 
 def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_path):

@@ -10,10 +10,33 @@ command ends (exit codes, one-line errors, signals, progress lines) is in outcom
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
-import click
+
+def _interrupted_while_starting(signum, frame):
+    """A Ctrl-C while the command's modules import (a quarter second, onnxruntime's the most): one line and 130,
+    as later, not Python's traceback of the import it stopped. Under --json, stdout holds the error object."""
+    from exporter.errors import error_document
+    message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
+    print(message, file=sys.stderr)
+    if "--json" in sys.argv[1:]:
+        print(json.dumps(error_document("interrupted", message, code), indent=2))
+    raise SystemExit(code)
+
+
+# Until the imports below are done; then whatever was there before (a program importing this module keeps its own
+# handling), and begin_command routes the signals for the command. One started ignoring a signal keeps ignoring it.
+_BEFORE_IMPORTS = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+for _signum, _handler in _BEFORE_IMPORTS.items():
+    if _handler is not signal.SIG_IGN:
+        try:
+            signal.signal(_signum, _interrupted_while_starting)
+        except ValueError:  # imported from a thread other than the main one, which cannot set handlers
+            break
+
+import click  # noqa: E402 (after the handlers above, as every import below)
 
 from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
                                   finish_verification, genai_option, provider_option, run_verification,
@@ -25,7 +48,11 @@ try:
     from exporter.generation import MINIMIND_SAMPLING
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
     missing_dependency(exc)
-from reference import DEFAULT_PRESET, get_preset
+from reference import DEFAULT_PRESET, get_preset  # noqa: E402
+
+for _signum, _handler in _BEFORE_IMPORTS.items():
+    if signal.getsignal(_signum) is _interrupted_while_starting and _handler is not None:  # None: not Python's
+        signal.signal(_signum, _handler)
 
 DEFAULT_ROOT = Path("artifacts")
 

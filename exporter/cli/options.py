@@ -145,7 +145,10 @@ class VerifyOptions:
 def check_outside_artifact(path, flag: str, folder) -> None:
     """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
     artifact, resolved = Path(folder).resolve(), Path(path).resolve()
-    if resolved == artifact or artifact in resolved.parents:
+    if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
+        raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
+                           "write it elsewhere")
+    if artifact in resolved.parents:
         raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
                            "write it elsewhere")
 
@@ -160,6 +163,7 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     from exporter.paths import check_output_path
     from exporter.sessions import check_parity_providers
     from exporter.verify.golden import check_golden_destination
+    from exporter.verify.reports import check_report_destination
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.providers import companion_for, read_companion
     from exporter.verify.tolerances import parse_overrides
@@ -188,6 +192,7 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
             raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
                                "would change; write it elsewhere")
         check_output_path(path, flag, folder=False)
+        check_report_destination(path, flag)
     if options.fp16_companion is not None:
         if planned is None:
             read_companion(options.fp16_companion)

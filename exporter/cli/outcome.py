@@ -54,11 +54,15 @@ state = CommandState()
 
 
 def begin_command() -> None:
-    """A fresh state for the command about to run, and SIGINT and SIGTERM routed to _interrupt."""
+    """A fresh state for the command about to run, and SIGINT and SIGTERM routed to _interrupt, unless this
+    process was started ignoring them (nohup, `cmd &` in a script, `trap '' INT`), as Python itself leaves an
+    ignored SIGINT: taken over, a Ctrl-C meant for the script stopped the export it had shielded, but only once
+    this line had run, a quarter second in."""
     global state
     state = CommandState()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _interrupt)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _interrupt)
 
 
 def _interrupt(signum, frame):

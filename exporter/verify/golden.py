@@ -28,6 +28,7 @@ since, reads as a damaged bundle, never as a numeric failure of the artifact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ import onnxruntime as ort
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.manifest import Manifest, config_differences, sha256_file
-from exporter.paths import check_output_path
+from exporter.paths import check_output_path, folder_lock
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.routing import record_reference_routing
@@ -196,9 +197,19 @@ class RecordedReference:
             feeds_prefix, outputs_prefix = MODULE_ENTRIES[graph]
             arrays.update({f"{feeds_prefix}{k}": v for k, v in tokens.items()})
             arrays.update({f"{outputs_prefix}{k}": v for k, v in outputs.items()})
-        # Over an older bundle: each file is written aside and swapped in, the index last. An interrupted
-        # save leaves the older bundle whole, or its index with the new arrays, whose hash it then refuses.
+        with folder_lock(folder):  # a second save into this folder writes its files before or after
+            self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
+        log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
+                 (folder / ARRAYS).stat().st_size / 1e6)
+        return folder
+
+    def _write(self, folder, arrays, manifest, settings, overrides, versions, calls, greedy) -> None:
+        """Over an older bundle: each file is written aside and swapped in, the index last, the older arrays kept
+        (a hard link) until the index is swapped too. An interrupted or failed save leaves the older bundle whole;
+        only a kill between the two swaps (no cleanup runs) leaves its index with the new arrays, whose hash it
+        then refuses."""
         partial_arrays, partial_index = folder / f".{ARRAYS}.partial", folder / f".{BUNDLE}.partial"
+        previous = folder / f".{ARRAYS}.previous"
         try:
             with open(partial_arrays, "wb") as f:  # a file object: savez would append .npz to a name
                 np.savez(f, **arrays)
@@ -210,17 +221,18 @@ class RecordedReference:
                                                    "python": platform.python_version()}}
             meta["recording_sha256"] = _recording_digest(meta)
             partial_index.write_text(json.dumps(meta, indent=1) + "\n")
+            _keep_previous(folder / ARRAYS, previous)
             os.replace(partial_arrays, folder / ARRAYS)
             os.replace(partial_index, folder / BUNDLE)
         except OSError as exc:
             raise OutputPathError(f"cannot write the golden bundle {folder} ({exc.strerror or exc}); "
                                   "choose another golden_save folder (--golden-save)") from None
         finally:  # after an interrupt too: a partial file left would make the next save refuse the folder
+            if partial_index.exists() and previous.exists():  # the index was not swapped: the older arrays back
+                os.replace(previous, folder / ARRAYS)
+            previous.unlink(missing_ok=True)
             partial_arrays.unlink(missing_ok=True)
             partial_index.unlink(missing_ok=True)
-        log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
-                 (folder / ARRAYS).stat().st_size / 1e6)
-        return folder
 
 
 @dataclass(frozen=True)
@@ -297,6 +309,15 @@ def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
 def _damaged(folder: Path, exc: Exception) -> ToolkitError:
     return ToolkitError(f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
                         "golden_save (--golden-save)")
+
+
+def _keep_previous(arrays: Path, previous: Path) -> None:
+    """A second name for an older bundle's arrays, which the swap of the new ones would otherwise drop before the
+    index that lists them is swapped too. Without hard links (a FAT drive, say) there is none."""
+    previous.unlink(missing_ok=True)  # one a killed save left
+    if arrays.is_file():
+        with contextlib.suppress(OSError):
+            os.link(arrays, previous)
 
 
 def check_golden_destination(folder: Path) -> None:

@@ -17,8 +17,30 @@ from exporter.verify.reports.junit import render_junit, render_junit_error
 from exporter.verify.reports.text import format_verify
 from exporter.verify.results import VerifyReport
 
-__all__ = ["format_verify", "json_text", "render_html", "render_html_error", "render_junit", "render_junit_error",
+__all__ = ["check_report_destination", "format_verify", "json_text", "render_html", "render_html_error", "render_junit", "render_junit_error",
            "write_error_reports", "write_reports"]
+
+
+# How a file of each report kind begins, whoever wrote it (this toolkit, pytest's --junitxml, a browser's save).
+_REPORT_STARTS = {"--report-json": ("JSON", ("{",)), "--junit": ("JUnit XML", ("<?xml", "<testsuite")),
+                  "--html": ("HTML", ("<!doctype html", "<html"))}
+
+
+def check_report_destination(path: Path, flag: str) -> None:
+    """A file already at a report's path is replaced only when it is empty or a report of that kind: a path
+    mistyped onto a source file (`--report-json verify.py`) would otherwise lose it, unasked, to a report that
+    can be written again. Checked with the other options, before anything runs."""
+    kind, starts = _REPORT_STARTS[flag]
+    try:
+        if not Path(path).is_file():  # none yet, or /dev/stdout: written as it is
+            return
+        with open(path, "rb") as handle:
+            head = handle.read(64).decode("utf-8", "replace").lstrip("\ufeff \t\r\n").lower()
+    except OSError:  # unreadable: whether it can be written is check_output_path's question
+        return
+    if head and not head.startswith(starts):
+        raise OutputPathError(f"{flag} {path} is a file that holds no {kind} report; refusing to overwrite it: "
+                              "give the path of a new file or of an earlier report, or remove it first")
 
 
 def json_text(document) -> str:

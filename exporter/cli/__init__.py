@@ -36,7 +36,7 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
         except ValueError:  # imported from a thread other than the main one, which cannot set handlers
             break
 
-import click  # noqa: E402 (after the handlers above, as every import below)
+import click  # after the handlers above, as every import below
 
 from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
                                   finish_verification, genai_option, provider_option, run_verification,
@@ -48,7 +48,7 @@ try:
     from exporter.generation import MINIMIND_SAMPLING
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
     missing_dependency(exc)
-from reference import DEFAULT_PRESET, get_preset  # noqa: E402
+from reference import DEFAULT_PRESET, get_preset
 
 for _signum, _handler in _BEFORE_IMPORTS.items():
     if signal.getsignal(_signum) is _interrupted_while_starting and _handler is not None:  # None: not Python's

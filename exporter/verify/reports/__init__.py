@@ -17,8 +17,8 @@ from exporter.verify.reports.junit import render_junit, render_junit_error
 from exporter.verify.reports.text import format_verify
 from exporter.verify.results import VerifyReport
 
-__all__ = ["check_report_destination", "format_verify", "json_text", "render_html", "render_html_error", "render_junit", "render_junit_error",
-           "write_error_reports", "write_reports"]
+__all__ = ["check_report_destination", "format_verify", "json_text", "render_html", "render_html_error",
+           "render_junit", "render_junit_error", "write_error_reports", "write_reports"]
 
 
 # How a file of each report kind begins, whoever wrote it (this toolkit, pytest's --junitxml, a browser's save).

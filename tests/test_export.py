@@ -208,6 +208,15 @@ def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_mode
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
+def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_model, monkeypatch):
+    """mkdir would fail only after the export ran (FileExistsError or NotADirectoryError, deep in the swap)."""
+    (tmp_path / "taken").write_text("keep me")
+    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
+    with pytest.raises(OutputPathError, match=r"lies under .*taken, which is a file; choose another path"):
+        export_artifact(tiny_model, tmp_path / "taken" / "sub" / "art")
+    assert (tmp_path / "taken").read_text() == "keep me"
+
+
 def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, monkeypatch):
     # An empty tmpfs at the destination was exported to in full, then "cannot replace ... (Device or resource
     # busy); the earlier artifact is untouched", though there was none.

@@ -129,6 +129,44 @@ def test_axis_lint_catches_a_baked_dimension(artifact_fp32):
     assert problems == ["decode.onnx: past_key_values.0.key axis 2 (past_sequence_length) was baked to 4"]
 
 
+def test_axis_lint_names_every_way_a_graph_departs_from_its_contract(artifact_fp32):
+    """Each damage a torch.export change could leave, found and named; name_axes renames exporter-chosen
+    symbols to the contract's, after which the graph passes."""
+    from exporter.axes import name_axes
+    manifest = read_manifest(artifact_fp32)
+    original = _load(artifact_fp32, "decode.onnx")
+
+    def problems(damage) -> list[str]:
+        model = copy.deepcopy(original)
+        values = {v.name: v for v in [*model.graph.input, *model.graph.output]}
+        damage(model, {name: v.type.tensor_type.shape.dim for name, v in values.items()}, values)
+        return lint_axes(model, manifest.decode)
+
+    def merge(model, dims, values):  # attention_mask's total length and the past length as one symbol
+        dims["attention_mask"][1].dim_param = dims["past_key_values.0.key"][2].dim_param
+    cases = {
+        "rank": (lambda m, dims, v: dims["past_key_values.0.key"].pop(),
+                 "decode.onnx: past_key_values.0.key has rank 3, expected 4"),
+        "fixed": (lambda m, dims, v: dims["past_key_values.0.key"][1].__setattr__("dim_value", 3),
+                  "decode.onnx: past_key_values.0.key axis 1 is 3, expected 2"),
+        "missing": (lambda m, dims, v: m.graph.input.remove(v["past_key_values.0.key"]),
+                    "decode.onnx: missing past_key_values.0.key"),
+        "extra": (lambda m, dims, v: m.graph.output.append(onnx.helper.make_tensor_value_info(
+            "extra", onnx.TensorProto.FLOAT, [1])), "decode.onnx: unexpected input/output extra"),
+        "merged": (merge, f"decode.onnx: past_key_values.0.key axis 2: symbol {PAST!r} stands for both {TOTAL} "
+                          f"and {PAST}"),
+    }
+    for case, (damage, expected) in cases.items():
+        assert expected in problems(damage), case
+    renamed = copy.deepcopy(original)
+    for value in [*renamed.graph.input, *renamed.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == PAST:
+                dim.dim_param = "s53"  # a symbol torch.export chose
+    assert lint_axes(renamed, manifest.decode) == [f"decode.onnx: axis named 's53', expected {PAST!r}"]
+    assert name_axes(renamed, manifest.decode) == [] and lint_axes(renamed, manifest.decode) == []
+
+
 def test_float16_artifact_has_float16_logits_and_cache(artifact_fp16, artifact_fp32):
     manifest = read_manifest(artifact_fp16)
     model = _load(artifact_fp16, "decode.onnx")

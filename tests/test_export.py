@@ -484,3 +484,35 @@ def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, 
     (left / "prefill.onnx").write_bytes(b"half")
     export_artifact(tiny_model, artifact_copy)
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+
+
+def test_present_key_and_value_are_the_reference_layers_key_and_value(runner, tiny_model):
+    """By name, not by position: present.L.key must hold layer L's keys and .value its values, read straight
+    from the reference model. A consumer (onnxruntime-genai, Optimum) reads them by these names; the toolkit's
+    own loop feeds present.L.x back as past_key_values.L.x, so names swapped consistently would pass it."""
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    mask, positions = np.ones_like(ids), np.arange(4)[None]
+    onnx_out = runner.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": ids})
+    with torch.no_grad():
+        reference = tiny_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               position_ids=torch.from_numpy(positions), use_cache=True).past_key_values
+    for layer, pair in enumerate(reference):
+        for kind, tensor in zip(("key", "value"), pair):
+            expected = tensor.transpose(1, 2).numpy()  # (B, L, Hkv, D) -> the contract's (B, Hkv, L, D)
+            np.testing.assert_allclose(onnx_out[f"present.{layer}.{kind}"], expected, atol=1e-4,
+                                       err_msg=f"present.{layer}.{kind}")
+
+
+@pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
+def test_the_tied_lm_head_reads_the_embedding_table_as_stored(artifact_fp32, graph):
+    """lm_head as Gemm(transB=1) on the embedding's own table: exported as MatMul(Transpose(table)), the
+    outputs are the same but onnxruntime folds the Transpose into a second, session-private copy of the table
+    (20 MB for minimind-3)."""
+    model = _load(artifact_fp32, graph)
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    [table] = {node.input[0] for node in model.graph.node if node.op_type == "Gather"
+               and node.input[0] in initializers}
+    users = [node for node in model.graph.node if table in node.input]
+    assert sorted(node.op_type for node in users) == ["Gather", "Gemm"], [n.op_type for n in users]
+    [gemm] = [node for node in users if node.op_type == "Gemm"]
+    assert gemm.input[1] == table and {(a.name, a.i) for a in gemm.attribute} >= {("transB", 1)}

@@ -167,6 +167,19 @@ def test_axis_lint_names_every_way_a_graph_departs_from_its_contract(artifact_fp
     assert name_axes(renamed, manifest.decode) == [] and lint_axes(renamed, manifest.decode) == []
 
 
+@pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
+def test_every_graph_value_has_the_dtype_its_manifest_lists(artifact, request):
+    """The axis lint checks names and axes, not dtypes: a contract (hence a manifest) listing float32 logits for
+    a float16 graph would be read by every consumer that allocates from it."""
+    folder = request.getfixturevalue(artifact)
+    manifest = read_manifest(folder)
+    for contract in (manifest.prefill, manifest.decode):
+        model = _load(folder, contract.file)
+        found = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                 for v in [*model.graph.input, *model.graph.output]}
+        assert found == {spec.name: spec.dtype for spec in (*contract.inputs, *contract.outputs)}, contract.file
+
+
 def test_float16_artifact_has_float16_logits_and_cache(artifact_fp16, artifact_fp32):
     manifest = read_manifest(artifact_fp16)
     model = _load(artifact_fp16, "decode.onnx")

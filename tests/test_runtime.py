@@ -292,7 +292,7 @@ def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
         runner.start(empty, empty, empty)
 
 
-def test_a_manifest_of_a_later_format_version_is_refused(artifact_copy):
+def test_a_manifest_of_another_format_or_a_later_version_is_refused(artifact_copy):
     """A reader of v1 cannot know what a later format changed: it refuses it by name, not reads it as v1."""
     from helpers import edit_manifest
     for version in (2, 0):
@@ -300,6 +300,20 @@ def test_a_manifest_of_a_later_format_version_is_refused(artifact_copy):
         with pytest.raises(ArtifactError, match=rf"'minimind-onnx-artifact' v{version}, expected "
                                                 r"'minimind-onnx-artifact' v1; re-export"):
             OrtRunner(artifact_copy)
+    edit_manifest(artifact_copy, lambda manifest: manifest.update(format_version=1, format="other-artifact"))
+    with pytest.raises(ArtifactError, match=r"format is 'other-artifact' v1, expected 'minimind-onnx-artifact'"):
+        OrtRunner(artifact_copy)  # another tool's manifest of the same version number, otherwise complete
+
+
+@pytest.mark.parametrize("source, message", [({"preset": "minimind-3-tiny", "seed": 0}, "model.source.kind is None"),
+                                             ({"kind": 5}, "model.source.kind is 5")])
+def test_a_model_source_without_a_kind_is_refused(artifact_copy, source, message):
+    """verify reads model.source.kind first, to know whether it can rebuild the model."""
+    from exporter.manifest import load_manifest
+    from helpers import edit_manifest
+    edit_manifest(artifact_copy, lambda manifest: manifest["model"].update(source=source))
+    with pytest.raises(ArtifactError, match=rf"inconsistent: {message}, expected str"):
+        load_manifest(artifact_copy)
 
 
 def test_a_weights_table_entry_running_past_the_end_of_the_weights_file_is_refused(artifact_copy):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -329,6 +330,26 @@ def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_text_whole(report, "later")
     assert report.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_report_is_written_through_a_link_and_into_a_pipe_as_it_is(tmp_path):
+    """Renamed over, a link would become a file of its own (the target keeping the earlier report) and a named
+    pipe (or /dev/stdout) a regular file nobody reads."""
+    from exporter.paths import write_text_whole
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("earlier")
+    link.symlink_to(target)
+    write_text_whole(link, "later")
+    assert link.is_symlink() and target.read_text() == "later"
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a reader is there, so opening for writing does not block
+    try:
+        write_text_whole(pipe, "report")
+        assert os.read(reader, 100) == b"report"
+    finally:
+        os.close(reader)
+    assert pipe.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "target.json"]
 
 
 def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_artifact, tmp_path):

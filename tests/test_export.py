@@ -131,6 +131,57 @@ def test_axis_lint_catches_a_baked_dimension(artifact_fp32):
     assert problems == ["decode.onnx: past_key_values.0.key axis 2 (past_sequence_length) was baked to 4"]
 
 
+def test_axis_lint_names_every_way_a_graph_departs_from_its_contract(artifact_fp32):
+    """Each damage a torch.export change could leave, found and named; name_axes renames exporter-chosen
+    symbols to the contract's, after which the graph passes."""
+    from exporter.axes import name_axes
+    manifest = read_manifest(artifact_fp32)
+    original = _load(artifact_fp32, "decode.onnx")
+
+    def problems(damage) -> list[str]:
+        model = copy.deepcopy(original)
+        values = {v.name: v for v in [*model.graph.input, *model.graph.output]}
+        damage(model, {name: v.type.tensor_type.shape.dim for name, v in values.items()}, values)
+        return lint_axes(model, manifest.decode)
+
+    def merge(model, dims, values):  # attention_mask's total length and the past length as one symbol
+        dims["attention_mask"][1].dim_param = dims["past_key_values.0.key"][2].dim_param
+    cases = {
+        "rank": (lambda m, dims, v: dims["past_key_values.0.key"].pop(),
+                 "decode.onnx: past_key_values.0.key has rank 3, expected 4"),
+        "fixed": (lambda m, dims, v: dims["past_key_values.0.key"][1].__setattr__("dim_value", 3),
+                  "decode.onnx: past_key_values.0.key axis 1 is 3, expected 2"),
+        "missing": (lambda m, dims, v: m.graph.input.remove(v["past_key_values.0.key"]),
+                    "decode.onnx: missing past_key_values.0.key"),
+        "extra": (lambda m, dims, v: m.graph.output.append(onnx.helper.make_tensor_value_info(
+            "extra", onnx.TensorProto.FLOAT, [1])), "decode.onnx: unexpected input/output extra"),
+        "merged": (merge, f"decode.onnx: past_key_values.0.key axis 2: symbol {PAST!r} stands for both {TOTAL} "
+                          f"and {PAST}"),
+    }
+    for case, (damage, expected) in cases.items():
+        assert expected in problems(damage), case
+    renamed = copy.deepcopy(original)
+    for value in [*renamed.graph.input, *renamed.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == PAST:
+                dim.dim_param = "s53"  # a symbol torch.export chose
+    assert lint_axes(renamed, manifest.decode) == [f"decode.onnx: axis named 's53', expected {PAST!r}"]
+    assert name_axes(renamed, manifest.decode) == [] and lint_axes(renamed, manifest.decode) == []
+
+
+@pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
+def test_every_graph_value_has_the_dtype_its_manifest_lists(artifact, request):
+    """The axis lint checks names and axes, not dtypes: a contract (hence a manifest) listing float32 logits for
+    a float16 graph would be read by every consumer that allocates from it."""
+    folder = request.getfixturevalue(artifact)
+    manifest = read_manifest(folder)
+    for contract in (manifest.prefill, manifest.decode):
+        model = _load(folder, contract.file)
+        found = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+                 for v in [*model.graph.input, *model.graph.output]}
+        assert found == {spec.name: spec.dtype for spec in (*contract.inputs, *contract.outputs)}, contract.file
+
+
 def test_float16_artifact_has_float16_logits_and_cache(artifact_fp16, artifact_fp32):
     manifest = read_manifest(artifact_fp16)
     model = _load(artifact_fp16, "decode.onnx")
@@ -264,6 +315,15 @@ def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_mode
     with pytest.raises(OutputPathError, match="holds no manifest.json"):
         export_artifact(tiny_model, foreign)
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_model, monkeypatch):
+    """mkdir would fail only after the export ran (FileExistsError or NotADirectoryError, deep in the swap)."""
+    (tmp_path / "taken").write_text("keep me")
+    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
+    with pytest.raises(OutputPathError, match=r"lies under .*taken, which is a file; choose another path"):
+        export_artifact(tiny_model, tmp_path / "taken" / "sub" / "art")
+    assert (tmp_path / "taken").read_text() == "keep me"
 
 
 def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, monkeypatch):
@@ -495,3 +555,35 @@ def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, 
     (left / "prefill.onnx").write_bytes(b"half")
     export_artifact(tiny_model, artifact_copy)
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
+
+
+def test_present_key_and_value_are_the_reference_layers_key_and_value(runner, tiny_model):
+    """By name, not by position: present.L.key must hold layer L's keys and .value its values, read straight
+    from the reference model. A consumer (onnxruntime-genai, Optimum) reads them by these names; the toolkit's
+    own loop feeds present.L.x back as past_key_values.L.x, so names swapped consistently would pass it."""
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    mask, positions = np.ones_like(ids), np.arange(4)[None]
+    onnx_out = runner.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": ids})
+    with torch.no_grad():
+        reference = tiny_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                               position_ids=torch.from_numpy(positions), use_cache=True).past_key_values
+    for layer, pair in enumerate(reference):
+        for kind, tensor in zip(("key", "value"), pair):
+            expected = tensor.transpose(1, 2).numpy()  # (B, L, Hkv, D) -> the contract's (B, Hkv, L, D)
+            np.testing.assert_allclose(onnx_out[f"present.{layer}.{kind}"], expected, atol=1e-4,
+                                       err_msg=f"present.{layer}.{kind}")
+
+
+@pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
+def test_the_tied_lm_head_reads_the_embedding_table_as_stored(artifact_fp32, graph):
+    """lm_head as Gemm(transB=1) on the embedding's own table: exported as MatMul(Transpose(table)), the
+    outputs are the same but onnxruntime folds the Transpose into a second, session-private copy of the table
+    (20 MB for minimind-3)."""
+    model = _load(artifact_fp32, graph)
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    [table] = {node.input[0] for node in model.graph.node if node.op_type == "Gather"
+               and node.input[0] in initializers}
+    users = [node for node in model.graph.node if table in node.input]
+    assert sorted(node.op_type for node in users) == ["Gather", "Gemm"], [n.op_type for n in users]
+    [gemm] = [node for node in users if node.op_type == "Gemm"]
+    assert gemm.input[1] == table and {(a.name, a.i) for a in gemm.attribute} >= {("transB", 1)}

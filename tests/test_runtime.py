@@ -290,3 +290,124 @@ def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
     empty = np.zeros((1, 0), dtype=np.int64)
     with pytest.raises(InputError, match=r"at least one prompt of at least one token, got input_ids of shape \(1, 0\)"):
         runner.start(empty, empty, empty)
+
+
+def test_a_manifest_of_another_format_or_a_later_version_is_refused(artifact_copy):
+    """A reader of v1 cannot know what a later format changed: it refuses it by name, not reads it as v1."""
+    from helpers import edit_manifest
+    for version in (2, 0):
+        edit_manifest(artifact_copy, lambda manifest: manifest.update(format_version=version))
+        with pytest.raises(ArtifactError, match=rf"'minimind-onnx-artifact' v{version}, expected "
+                                                r"'minimind-onnx-artifact' v1; re-export"):
+            OrtRunner(artifact_copy)
+    edit_manifest(artifact_copy, lambda manifest: manifest.update(format_version=1, format="other-artifact"))
+    with pytest.raises(ArtifactError, match=r"format is 'other-artifact' v1, expected 'minimind-onnx-artifact'"):
+        OrtRunner(artifact_copy)  # another tool's manifest of the same version number, otherwise complete
+
+
+@pytest.mark.parametrize("source, message", [({"preset": "minimind-3-tiny", "seed": 0}, "model.source.kind is None"),
+                                             ({"kind": 5}, "model.source.kind is 5")])
+def test_a_model_source_without_a_kind_is_refused(artifact_copy, source, message):
+    """verify reads model.source.kind first, to know whether it can rebuild the model."""
+    from exporter.manifest import load_manifest
+    from helpers import edit_manifest
+    edit_manifest(artifact_copy, lambda manifest: manifest["model"].update(source=source))
+    with pytest.raises(ArtifactError, match=rf"inconsistent: {message}, expected str"):
+        load_manifest(artifact_copy)
+
+
+def test_a_weights_table_entry_running_past_the_end_of_the_weights_file_is_refused(artifact_copy):
+    """Each entry must end within the file (offset + length <= bytes), not merely start within it: the runner
+    maps the entries itself, and one past the end would read beyond the mapping."""
+    from exporter.manifest import load_manifest
+    from helpers import edit_manifest
+    manifest = json.loads((artifact_copy / "manifest.json").read_text())
+    end = max(e["offset"] + e["length"] for e in manifest["weights"]["initializers"]["prefill.onnx"])
+    edit_manifest(artifact_copy, lambda m: m["files"]["weights.onnx.data"].update(bytes=end - 1))
+    with pytest.raises(ArtifactError, match="weights.initializers of .* does not lie within weights.onnx.data"):
+        load_manifest(artifact_copy)
+
+
+@pytest.mark.parametrize("name", ["decode.onnx", "prefill.onnx", "weights.onnx.data"])
+def test_a_manifest_whose_files_leave_out_a_graph_or_the_weights_is_refused(artifact_copy, name):
+    """Unlisted, the file would be read unchecked by any hash (or, the weights, fail with a KeyError)."""
+    from exporter.manifest import load_manifest
+    from helpers import edit_manifest
+    edit_manifest(artifact_copy, lambda manifest: manifest["files"].pop(name))
+    with pytest.raises(ArtifactError, match=rf"inconsistent: {re.escape(name)} not listed in files"):
+        load_manifest(artifact_copy)
+
+
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_a_graph_with_a_renamed_input_or_output_is_not_the_graph_its_manifest_describes(artifact_fp32, tmp_path,
+                                                                                        kind):
+    """Same number of inputs and outputs, one name changed: feeding by name would fail later, or a consumer would
+    read the wrong tensor."""
+    import onnx
+
+    from exporter.manifest import read_manifest
+    from exporter.sessions import graph_state
+    manifest = read_manifest(artifact_fp32)
+    model = onnx.load(str(artifact_fp32 / "decode.onnx"), load_external_data=False)
+    value = (model.graph.input if kind == "input" else model.graph.output)[0]
+    for node in model.graph.node:  # keep the graph well formed: its users follow the new name
+        for names in (node.input, node.output):
+            for i, used in enumerate(names):
+                if used == value.name:
+                    names[i] = "renamed"
+    value.name = "renamed"
+    onnx.save(model, str(tmp_path / "decode.onnx"))
+    state = graph_state(tmp_path / "decode.onnx", manifest, manifest.decode)
+    assert state.startswith(f"has the {kind}s [") and "renamed" in state, state
+    assert graph_state(artifact_fp32 / "decode.onnx", manifest, manifest.decode) == "ok"
+
+
+def _config_entry(session, key: str) -> str | None:
+    try:
+        return session.get_session_options().get_session_config_entry(key)
+    except RuntimeError:  # onnxruntime: "SessionOptions does not have configuration with key"
+        return None
+
+
+def test_session_settings_reach_both_sessions(artifact_fp32):
+    """Threads, optimisation level and prepacking as asked; the prefill session's threads do not spin (they
+    took the cores from the decode step after it), decode's do; defaults: decode prepacks, prefill never does
+    (it reads the shared mapping in place)."""
+    from exporter.sessions import SessionSettings
+    spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
+    default = OrtRunner(artifact_fp32)
+    assert _config_entry(default.decode_session, prepack) is None
+    assert _config_entry(default.prefill_session, prepack) == "1"
+    runner = OrtRunner(artifact_fp32, settings=SessionSettings(intra_op_threads=1, optimization="basic",
+                                                                prepack_weights=False))
+    for session in (runner.decode_session, runner.prefill_session):
+        options = session.get_session_options()
+        assert options.intra_op_num_threads == 1
+        assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        assert not options.enable_mem_pattern  # never reused as the cache grows; it cost 69 MB of peak RSS
+        assert _config_entry(session, prepack) == "1"
+    assert _config_entry(runner.prefill_session, spin) == "0"
+    assert _config_entry(runner.decode_session, spin) is None
+
+
+def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifact_fp32, tmp_path):
+    """Given a SharedWeightMap, the session takes its weights from it (one mapping for the process), not from
+    the graph's own external data: a map of zeroed weights gives zero logits where the file gives others."""
+    import shutil
+
+    from exporter.manifest import read_manifest
+    from exporter.sessions import SessionSettings, SharedWeightMap, load_session, session_options
+    manifest = read_manifest(artifact_fp32)
+    zeroed = shutil.copytree(artifact_fp32, tmp_path / "zeroed")
+    (zeroed / "weights.onnx.data").write_bytes(bytes((zeroed / "weights.onnx.data").stat().st_size))
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None],
+            "labels": ids}
+    logits = {}
+    for name, folder in (("file", artifact_fp32), ("zeroed", zeroed)):
+        weights = SharedWeightMap(folder, manifest)
+        session = load_session(artifact_fp32, manifest, manifest.prefill,
+                               session_options(SessionSettings(), "prefill.onnx", weights, spin=False), [CPU])
+        logits[name] = session.run(["logits"], feed)[0]
+    assert np.abs(logits["file"]).max() > 0.01
+    np.testing.assert_array_equal(logits["zeroed"], 0)

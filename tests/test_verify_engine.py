@@ -699,12 +699,14 @@ def test_every_report_carries_a_verdict_that_no_provider_row_shows(full):
     # Every provider passes; one invariant fails and a provider did not run. The whole report's verdict (JSON
     # "passed", the HTML heading and title, the text's last line) is the report's, not its providers'; the
     # provider that did not run is listed in each format; a repeat run within tolerance but not bit-identical
-    # passes and is not called deterministic.
+    # passes and is not called deterministic; an expert choice that measured nothing is skipped, not failed.
     report, _ = full
     [cpu] = report.reports
     first, *others = report.invariants
     reason = "not available in this onnxruntime build"
-    varied = dataclasses.replace(cpu, repeat=dataclasses.replace(cpu.repeat, max_abs=1e-7))
+    from exporter.verify.routing import ExpertAgreement  # one that measured nothing: skipped, not failed
+    varied = dataclasses.replace(cpu, repeat=dataclasses.replace(cpu.repeat, max_abs=1e-7),
+                                 experts=ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found"))
     failing = dataclasses.replace(report, reports=[varied], skipped={"CUDAExecutionProvider": reason},
                                   invariants=[dataclasses.replace(first, passed=False, detail="graph broken"), *others])
     assert varied.passed and not failing.passed
@@ -726,7 +728,9 @@ def test_every_report_carries_a_verdict_that_no_provider_row_shows(full):
     [skipped] = [s for s in suites.findall("testsuite") if s.get("name") == "skipped"]
     [case] = [c for c in skipped.findall("testcase") if c.get("name") == "CUDAExecutionProvider"]
     assert case.find("skipped").get("message") == reason
-    assert (suites.get("failures"), suites.get("skipped")) == ("1", str(1 + len(report.consumers_skipped)))
+    [provider] = [s for s in suites.findall("testsuite") if s.get("name") == f"{cpu.provider} float32"]
+    assert (provider.get("failures"), provider.get("skipped")) == ("0", "1"), provider.attrib
+    assert (suites.get("failures"), suites.get("skipped")) == ("1", str(2 + len(report.consumers_skipped)))
     [failure] = suites.findall(".//failure")
     assert failure.text == "graph broken"
 

@@ -692,6 +692,15 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     assert not re.search(r'="[^"]*\b(nan|inf)\b', page)  # no SVG attribute holds a non-finite number
     assert ': FAIL</title>' in page and "<span class='FAIL'>FAIL</span></h1>" in page
     assert f'{cpu.provider} (float32): <span class="FAIL">FAIL</span></h2>' in page
+
+    # MoE routing: one failing call's flip explained by a near-tie, another's not: the row fails
+    from types import SimpleNamespace
+    flip = lambda explained: SimpleNamespace(explained=explained, describe=lambda: f"flip explained {explained}")  # noqa: E731
+    routed = dataclasses.replace(cpu, prefill_routing=flip(False),
+                                 curve=[dataclasses.replace(cpu.curve[0], routing=flip(True)), *cpu.curve[1:]])
+    [row] = [line for line in format_verify(dataclasses.replace(report, reports=[routed])).splitlines()
+             if line.startswith("routing near-ties")]
+    assert "1/2 explained" in row and row.split()[-1] == "FAIL", row
     assert "health: 0 NaN, 0 Inf, 0 saturated, 0 zero rows" in page and ": pass</li>" in page
 
 

@@ -477,7 +477,8 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
     vocab = manifest.config.vocab_size  # one past the last id; a greedy run of no new tokens
-    assert f"outside the vocabulary [0, {vocab})" in damaged(edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(0, vocab))
+    assert f"outside the vocabulary [0, {vocab})" in damaged(
+        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(0, vocab))
     assert "or 0 new tokens" in damaged(edit_meta=lambda m: m["greedy"][0].update(max_new_tokens=0))
     # the module outputs a replay's probe reads: a value edited, a present cut or lost, a value of integers, the
     # token feeds cut or lost
@@ -695,7 +696,8 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
 
     # MoE routing: one failing call's flip explained by a near-tie, another's not: the row fails
     from types import SimpleNamespace
-    flip = lambda explained: SimpleNamespace(explained=explained, describe=lambda: f"flip explained {explained}")  # noqa: E731
+    def flip(explained):
+        return SimpleNamespace(explained=explained, describe=lambda: f"flip explained {explained}")
     routed = dataclasses.replace(cpu, prefill_routing=flip(False),
                                  curve=[dataclasses.replace(cpu.curve[0], routing=flip(True)), *cpu.curve[1:]])
     [row] = [line for line in format_verify(dataclasses.replace(report, reports=[routed])).splitlines()

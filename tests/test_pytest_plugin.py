@@ -145,6 +145,9 @@ def test_require_reference_makes_an_artifact_without_a_reference_a_usage_error(a
     # an artifact whose reference can be rebuilt (its seed) is accepted
     seeded = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", "--require-reference")
     assert seeded.returncode == 0, seeded.stdout[-3000:] + seeded.stderr[-2000:]
+    both = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", f"--artifacts={folder}",
+                   "--require-reference")
+    assert both.returncode == 4 and f"--require-reference: {folder} has no reference" in both.stderr, both.stderr
     alone = _pytest(tmp_path, "--require-reference")
     assert alone.returncode == 4 and "--require-reference without --artifacts" in alone.stderr, alone.stderr[-2000:]
 
@@ -200,8 +203,10 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
         with pytest.raises(ToolkitError, match="does not import here; install it .* or pass --golden-bundle=DIR"):
             reference_plan(folder, None)
         (folder / "golden").mkdir()  # a golden/ without its golden.json is refused, not passed over in silence
-        with pytest.raises(BundleRefused, match=f"{folder}: {folder / 'golden'} is not a readable golden bundle"):
+        with pytest.raises(BundleRefused, match=f"{folder}: {folder / 'golden'} is not a readable golden bundle") \
+                as refused:
             reference_plan(folder, None)
+        assert not refused.value.given  # the usage error names --artifacts: no --golden-bundle was given
         (folder / "golden").rmdir()
         shutil.copytree(tmp_path / "loosened", folder / "golden")
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
@@ -240,14 +245,15 @@ def test_a_verification_that_cannot_run_fails_each_item_in_one_line_and_runs_onc
     (tmp_path / "conftest.py").write_text(
         "import exporter.verify.engine as engine\n"
         f"from {module} import {error}\n"
-        "def cannot_run(*args, **kwargs):\n"
-        "    print('verification started')\n"
+        "def cannot_run(folder, model, providers, **kwargs):\n"
+        "    print('verification started on', providers)\n"
         f"    raise {error}('onnxruntime cannot load decode.onnx; re-export the folder')\n"
         "engine.verify_artifact = cannot_run\n")
     folder = shutil.copytree(artifact_fp32, tmp_path / "model")
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-s")
     assert out.returncode == 1 and f"{len(CHECKS)} failed" in out.stdout, out.stdout[-3000:]
     assert out.stdout.count("verification started") == 1 and "Traceback" not in out.stdout
+    assert "verification started on ['cpu']" in out.stdout  # --artifact-provider's, not every available one
     assert f"greedy could not run on {folder}: {said}onnxruntime cannot load decode.onnx; re-export the folder" in \
         out.stdout
 
@@ -268,10 +274,11 @@ def test_the_shape_sweep_item_judges_a_routing_near_tie_as_verify_does():
                                                        "differ, not a near-tie")
     # a broken graph fails every shape: the first three are named, the rest counted
     many = [SweepCase(batch=1, new_tokens=n, past=0, logits=failing, kv=passing, routing=[]) for n in range(1, 6)]
+    many.append(SweepCase(batch=3, new_tokens=1, past=0, logits=passing, kv=passing, routing=[]))
     passed, detail = CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": True},
                                                            reports=[SimpleNamespace(provider="cpu", sweep=many)]))
     assert not passed and detail.count("logits max abs") == 3, detail
-    assert detail.endswith("; 2 more fail (5 of the 5 shapes; export-onnx verify --json lists each)"), detail
+    assert detail.endswith("; 2 more fail (5 of the 6 shapes; export-onnx verify --json lists each)"), detail
     # a golden bundle recorded with --no-sweep replays no case: there is nothing to pass
     assert CHECKS["shape_sweep"](SimpleNamespace(settings={"sweep": False},
                                                  reports=[SimpleNamespace(provider="cpu", sweep=[])])) is SKIP
@@ -292,6 +299,20 @@ def test_each_per_provider_item_fails_when_its_own_check_failed():
         passed, detail = CHECKS[item](report)
         assert not passed and detail.startswith("cpu: "), (item, detail)
 
+
+def test_the_invariants_and_prefill_and_decode_items_fail_on_any_one_of_their_rows():
+    # The broken artifact above fails on its prefill logits and passes every invariant: here the failing row is
+    # the last one, a decode row or one invariant of several.
+    def row(name, passed):
+        return SimpleNamespace(name=name, passed=passed, max_abs=0.0 if passed else 0.5,
+                               needed=SimpleNamespace(scale=0.5 if passed else 4.0))
+    rows = [row("prefill logits", True), row("prefill present", True), row("decode logits (65 steps)", False)]
+    report = SimpleNamespace(reports=[SimpleNamespace(provider="cpu", comparisons=rows)])
+    assert CHECKS["prefill_and_decode"](report) == (False, "cpu: decode logits (65 steps) max abs 0.5 (4x tol)")
+    invariants = [SimpleNamespace(name="batch independence", passed=True, detail="identical"),
+                  SimpleNamespace(name="mask respected", passed=False, detail="padding changed row 1")]
+    assert CHECKS["invariants"](SimpleNamespace(invariants=invariants)) == (False, "mask respected: padding changed "
+                                                                                   "row 1")
 
 def test_expert_choice_is_skipped_not_passed_when_the_graphs_routers_were_not_found():
     # What ExpertAgreement could not measure (router TopK nodes renamed or fused) neither passes nor fails

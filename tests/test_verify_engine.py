@@ -31,7 +31,7 @@ from exporter.verify.inputs import PREFILL_BATCH, ParitySettings, prefill_feeds,
 from exporter.verify.localise import probe_between, probe_reference
 from exporter.verify.metrics import Needed, compare
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
-from exporter.verify.reports import format_verify, render_html, render_junit
+from exporter.verify.reports import format_verify, json_text, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
 from helpers import (assert_one_line_error, claim_seed, edit_manifest, perturb_weight, run_cli,
                      scale_inline_weight)
@@ -476,6 +476,10 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
                                           lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
+    vocab = manifest.config.vocab_size  # one past the last id; a greedy run of no new tokens
+    assert f"outside the vocabulary [0, {vocab})" in damaged(
+        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(0, vocab))
+    assert "or 0 new tokens" in damaged(edit_meta=lambda m: m["greedy"][0].update(max_new_tokens=0))
     # the module outputs a replay's probe reads: a value edited, a present cut or lost, a value of integers, the
     # token feeds cut or lost
     present, head, positions = "modules/out/present.1.key", "modules/out/lm_head", "modules/feed/position_ids"
@@ -569,6 +573,18 @@ def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_
             load_bundle(old, manifest)
 
 
+def test_a_golden_replay_runs_with_the_settings_it_was_recorded_with(artifact_fp32, tiny_model, tmp_path):
+    # Recorded with another seed and without the sweep; replayed with the default settings given, which the
+    # bundle's replace (the default seed draws other prompts, which the recording does not hold).
+    recorded = ParitySettings(seed=7, decode_steps=1, greedy_tokens=3, sweep=False)
+    bundle = tmp_path / "bundle"
+    assert verify_artifact(artifact_fp32, tiny_model, ["cpu"], recorded, genai=False, golden_save=bundle).passed
+    replay = verify_artifact(artifact_fp32, None, ["cpu"], golden=bundle, genai=False)
+    assert replay.passed, format_verify(replay)
+    assert {k: replay.settings[k] for k in ("seed", "decode_steps", "greedy_tokens", "sweep")} == {
+        "seed": 7, "decode_steps": 1, "greedy_tokens": 3, "sweep": False}
+    assert replay.reports[0].sweep == [] and len(replay.reports[0].curve) == 2
+
 def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     """The module's promise: replayed outputs are only handed out for the token inputs they were recorded with;
     other inputs (a toolkit that draws its prompts differently, say) must not read as a parity failure."""
@@ -581,6 +597,9 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
         recorded.rewind()
         with pytest.raises(GoldenMismatch, match="call 0 \\(prefill\\) does not match the recording"):
             recorded.prefill({**feeds, **changed})
+    labelled = RecordedReference(None, [("prefill", {**feeds, "labels": ids}, {"logits": np.zeros((1, 3, 4))})])
+    with pytest.raises(GoldenMismatch, match="call 0 \\(prefill\\) does not match the recording"):
+        labelled.prefill(feeds)  # recorded with labels (the loss), replayed without: other inputs
     recorded.rewind()
     with pytest.raises(GoldenMismatch, match="call 0 \\(decode\\) does not match"):
         recorded.decode(feeds)
@@ -609,6 +628,13 @@ def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifa
     with pytest.raises(GoldenMismatch) as caught:
         load_bundle(other, read_manifest(artifact_fp32))
     assert "belongs to another model (differs in rms_norm_eps); " in str(caught.value)
+    manifest = read_manifest(artifact_fp32)  # a graph re-exported alone (its weights unchanged) is another export
+    for graph in (manifest.prefill.file, manifest.decode.file):
+        meta = json.loads((full[1] / "golden.json").read_text())
+        meta["artifact"]["sha256"][graph] = "0" * 64
+        (other / "golden.json").write_text(json.dumps(meta))
+        with pytest.raises(GoldenMismatch, match=f"was recorded from another export: {graph} differ"):
+            load_bundle(other, manifest)
 
 
 def test_junit_and_html_reports(full, tmp_path):
@@ -644,15 +670,80 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     assert int(suites.get("failures")) == len(suites.findall(".//failure")) == 1
     [failure] = suites.findall(".//failure")
     assert "present max abs 0.5 (3e+03x tol, FAIL)" in failure.text and "logits max abs" in failure.text
+    assert failure.get("message") == failure.text[:200]  # what a CI system lists without opening the case
 
     text = format_verify(broken)
     assert f"3e+03x (present) at {case.name}" in text  # the summary row: the worse of the two outputs
     assert f"sweep FAIL: {case.name}: logits max abs" in text
+    [row] = [line for line in text.splitlines() if line.startswith("shape sweep (36 shapes)")]
+    [header] = [line for line in text.splitlines() if line.startswith(f"{cpu.provider} (")]
+    assert row.split()[-1] == "FAIL" and header.endswith(": FAIL") and text.split("\n")[-1].startswith("overall: FAIL")
+
+    document = broken.to_dict()  # the provider fails on its sweep alone: every comparison row passes
+    assert all(c["passed"] for c in document["providers"][0]["comparisons"])
+    assert document["providers"][0]["passed"] is False and document["passed"] is False
+
+    def not_json(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    steps = json.loads(json_text(document), parse_constant=not_json)["providers"][0]["decode_curve"]
+    assert [s["logits_max_abs"] for s in steps[:3]] == [None, None, curve[2].logits.max_abs]
 
     page = render_html(broken)
     assert "art\x01&lt;&amp;&gt;" in page and "2 not finite, not drawn" in page
-    assert not re.search(r'="-?(nan|inf)"', page)  # no SVG attribute holds a non-finite number
+    assert not re.search(r'="[^"]*\b(nan|inf)\b', page)  # no SVG attribute holds a non-finite number
+    assert ': FAIL</title>' in page and "<span class='FAIL'>FAIL</span></h1>" in page
+    assert f'{cpu.provider} (float32): <span class="FAIL">FAIL</span></h2>' in page
+
+    # MoE routing: one failing call's flip explained by a near-tie, another's not: the row fails
+    from types import SimpleNamespace
+    def flip(explained):
+        return SimpleNamespace(explained=explained, describe=lambda: f"flip explained {explained}")
+    routed = dataclasses.replace(cpu, prefill_routing=flip(False),
+                                 curve=[dataclasses.replace(cpu.curve[0], routing=flip(True)), *cpu.curve[1:]])
+    [row] = [line for line in format_verify(dataclasses.replace(report, reports=[routed])).splitlines()
+             if line.startswith("routing near-ties")]
+    assert "1/2 explained" in row and row.split()[-1] == "FAIL", row
     assert "health: 0 NaN, 0 Inf, 0 saturated, 0 zero rows" in page and ": pass</li>" in page
+
+
+def test_every_report_carries_a_verdict_that_no_provider_row_shows(full):
+    # Every provider passes; one invariant fails and a provider did not run. The whole report's verdict (JSON
+    # "passed", the HTML heading and title, the text's last line) is the report's, not its providers'; the
+    # provider that did not run is listed in each format; a repeat run within tolerance but not bit-identical
+    # passes and is not called deterministic; an expert choice that measured nothing is skipped, not failed.
+    report, _ = full
+    [cpu] = report.reports
+    first, *others = report.invariants
+    reason = "not available in this onnxruntime build"
+    from exporter.verify.routing import ExpertAgreement  # one that measured nothing: skipped, not failed
+    varied = dataclasses.replace(cpu, repeat=dataclasses.replace(cpu.repeat, max_abs=1e-7),
+                                 experts=ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found"))
+    failing = dataclasses.replace(report, reports=[varied], skipped={"CUDAExecutionProvider": reason},
+                                  invariants=[dataclasses.replace(first, passed=False, detail="graph broken"), *others])
+    assert varied.passed and not failing.passed
+
+    document = failing.to_dict()
+    assert document["passed"] is False and document["providers"][0]["passed"] is True
+    assert document["skipped"] == {"CUDAExecutionProvider": reason}
+    assert document["providers"][0]["repeat"]["deterministic"] is False and document["providers"][0]["repeat"]["passed"]
+    assert report.to_dict()["providers"][0]["repeat"]["deterministic"] is True
+
+    text = format_verify(failing)
+    assert f"CUDAExecutionProvider: skipped ({reason})" in text and text.split("\n")[-1].startswith("overall: FAIL")
+
+    page = render_html(failing)
+    assert ": FAIL</title>" in page and "<span class='FAIL'>FAIL</span></h1>" in page
+    assert f"<p>CUDAExecutionProvider: skipped ({reason})</p>" in page
+
+    suites = ET.fromstring(render_junit(failing))
+    [skipped] = [s for s in suites.findall("testsuite") if s.get("name") == "skipped"]
+    [case] = [c for c in skipped.findall("testcase") if c.get("name") == "CUDAExecutionProvider"]
+    assert case.find("skipped").get("message") == reason
+    [provider] = [s for s in suites.findall("testsuite") if s.get("name") == f"{cpu.provider} float32"]
+    assert (provider.get("failures"), provider.get("skipped")) == ("0", "1"), provider.attrib
+    assert (suites.get("failures"), suites.get("skipped")) == ("1", str(2 + len(report.consumers_skipped)))
+    [failure] = suites.findall(".//failure")
+    assert failure.text == "graph broken"
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -1014,6 +1105,11 @@ def test_every_check_of_a_report_can_fail_the_verdict():
     whole = dict(folder="x", reports=[provider()], reference="pytorch model", invariants=[ok], cross=[ok],
                  consumers=[ConsumerReport("onnxruntime-genai", "qwen3", ok)])
     assert VerifyReport(**whole).passed
+    # nothing compared with the reference passes only where there is no reference and the invariants ran
+    nothing = {**whole, "reports": [], "cross": [], "consumers": []}
+    assert not VerifyReport(**nothing).passed  # every provider skipped
+    assert VerifyReport(**{**nothing, "reference": "none"}).passed
+    assert not VerifyReport(**{**nothing, "reference": "none", "invariants": []}).passed
     for name, value in (("reports", [provider(), provider(health=bad)]), ("invariants", [ok, bad]),
                         ("cross", [ok, bad]), ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)])):
         assert not VerifyReport(**{**whole, name: value}).passed, name

@@ -465,3 +465,18 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
 
     from exporter import cli
     assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own
+
+
+def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artifact_fp32, tmp_path):
+    """Intact bytes are not the right graph: decode.onnx replaced by prefill.onnx, its size and sha256 listed
+    again in the manifest, passes the file check; inspect still says what it is and exits 2."""
+    from exporter.manifest import sha256_file
+    folder = shutil.copytree(artifact_fp32, tmp_path / "swapped")
+    shutil.copyfile(folder / "prefill.onnx", folder / "decode.onnx")
+    edit_manifest(folder, lambda m: m["files"]["decode.onnx"].update(
+        sha256=sha256_file(folder / "decode.onnx"), bytes=(folder / "decode.onnx").stat().st_size))
+    result = run_cli("inspect", folder, "--json")
+    assert result.exit_code == 2, result.output
+    state = json.loads(result.stdout)["file_status"]["decode.onnx"]
+    assert state.startswith("has the inputs [") and "its manifest lists" in state, state
+    assert f"{folder} is damaged: decode.onnx: {state}; re-export the folder" in result.stderr

@@ -445,6 +445,7 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
     # import it stopped (`import ctypes ... KeyboardInterrupt`) and died of the signal.
     script = """if True:
         import builtins, os, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, were pytest started with `&`
         real_import = builtins.__import__
         def ctrl_c_during(name, *args, **kwargs):
             if name == "exporter.generation":

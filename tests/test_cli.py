@@ -562,3 +562,13 @@ def test_inspect_shows_the_models_sizes_and_each_files_size(cli_artifact):
     assert set(rows) == set(files)
     for name, entry in files.items():
         assert rows[name] == [f"{entry['bytes'] / 1e6:.2f}", "MB"], (name, rows[name], entry["bytes"])
+
+
+def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
+    # A Ctrl-C while click parses or before the command's own handling starts: click's Abort, one word and 130
+    # as for an interrupted command, not click's exit 1.
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.cli.begin_command", interrupted)
+    result = run_cli("inspect", tmp_path)
+    assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output

@@ -339,6 +339,17 @@ def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp3
     assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")
 
 
+def test_a_long_first_line_keeps_its_start_and_its_end():
+    """onnxruntime puts the reason last, after the source file and the kernel's C++ signature: a cut message
+    keeps both ends and leaves out the middle."""
+    from exporter.errors import first_line
+    error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : " + "signature " * 60 + "the reason\nsecond line")
+    line = first_line(error, 100)
+    assert line.startswith("[ONNXRuntimeError] : 1 : FAIL") and line.endswith("signature the reason"), line
+    assert " ... " in line and len(line) <= 100
+    assert first_line(ValueError("short\nsecond"), 100) == "short" and first_line(ValueError()) == "ValueError"
+
+
 def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(artifact_fp32, monkeypatch):
     # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
     # verify. Simulated, since the tests may run as root, whom permission bits do not stop.

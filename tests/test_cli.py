@@ -572,3 +572,10 @@ def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr("exporter.cli.begin_command", interrupted)
     result = run_cli("inspect", tmp_path)
     assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output
+
+
+def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integer(cli_artifact):
+    # "-1" is an integer: the refusal says where it lies, as for 99999 (input error), not that it is no number.
+    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,-1", "--json")
+    assert_one_line_error(result, 2, "prompt token ids [-1] lie outside the vocabulary [0, 512)")
+    assert json.loads(result.stdout)["error"]["kind"] == "input"

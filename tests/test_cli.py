@@ -579,3 +579,20 @@ def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integ
     result = run_cli("generate", cli_artifact, "--prompt-ids", "1,-1", "--json")
     assert_one_line_error(result, 2, "prompt token ids [-1] lie outside the vocabulary [0, 512)")
     assert json.loads(result.stdout)["error"]["kind"] == "input"
+
+
+def test_export_says_what_it_wrote_in_one_line_above_the_files(artifact_fp16, tmp_path, monkeypatch):
+    from exporter.export import ExportResult
+    from exporter.manifest import read_manifest
+
+    def exported(model, folder, dtype, with_loss, source, tokenizer):
+        shutil.copytree(artifact_fp16, folder)
+        return ExportResult(folder, read_manifest(folder), 2.54, 1_234_567)
+    monkeypatch.setattr("exporter.export.export_artifact", exported)
+    folder = tmp_path / "half"
+    result = run_cli("export", "--preset", "minimind-3-tiny", "--dtype", "float16", "-o", folder, "-q")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"exported {folder} (float16) in 2.5 s, 1.2 MB", lines[0]
+    assert lines[1].split() == ["file", "size", "sha256"]
+    assert {line.split()[0] for line in lines[3:]} == set(read_manifest(folder).files)

@@ -524,7 +524,8 @@ def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypat
     monkeypatch.setattr("exporter.export.export_artifact", stopped)
     command = ("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "--json")
     loud = run_cli(*command)
-    assert loud.exit_code == 2 and json.loads(loud.stdout)["error"]["message"] == "stopped after the first progress line"
+    assert loud.exit_code == 2
+    assert json.loads(loud.stdout)["error"]["message"] == "stopped after the first progress line"
     assert re.fullmatch(r"\[ *\d+\.\ds\] exporting prefill\.onnx with torch\.onnx \(dynamo\)\n"
                         r"error: stopped after the first progress line\n", loud.stderr), loud.stderr
     quiet = run_cli(*command, "-q")

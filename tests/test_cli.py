@@ -510,3 +510,90 @@ def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monke
     with pytest.raises(ToolkitError, match=r"--checkpoint / has no name to call the artifact folder after; pass "
                                            r"--output DIR"):
         _output_folder(None, None, Path("/"), "float32")
+
+
+def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypatch):
+    """stdout holds the result (or under --json the error object) alone: a progress line there broke every
+    script reading it; -q leaves only the error line."""
+    import logging
+    from exporter.errors import ToolkitError
+
+    def stopped(model, folder, dtype, with_loss, source, tokenizer):
+        logging.getLogger("exporter.export").info("exporting prefill.onnx with torch.onnx (dynamo)")
+        raise ToolkitError("stopped after the first progress line")
+    monkeypatch.setattr("exporter.export.export_artifact", stopped)
+    command = ("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "--json")
+    loud = run_cli(*command)
+    assert loud.exit_code == 2
+    assert json.loads(loud.stdout)["error"]["message"] == "stopped after the first progress line"
+    assert re.fullmatch(r"\[ *\d+\.\ds\] exporting prefill\.onnx with torch\.onnx \(dynamo\)\n"
+                        r"error: stopped after the first progress line\n", loud.stderr), loud.stderr
+    quiet = run_cli(*command, "-q")
+    assert quiet.exit_code == 2 and quiet.stderr == "error: stopped after the first progress line\n"
+    assert json.loads(quiet.stdout) == json.loads(loud.stdout)
+
+
+def test_stdout_closed_by_its_reader_exits_141_without_a_word(tmp_path, monkeypatch):
+    # `export-onnx ... | head`: the reader went away, so there is no one to tell; the exit code says it.
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr("exporter.export.export_artifact", closed)
+    result = run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "-q")
+    assert result.exit_code == 141 and result.stderr == "", result.output
+
+
+def test_every_option_of_every_command_is_explained_in_its_help():
+    import click
+    from exporter.cli import main
+    for name, command in main.commands.items():
+        text = " ".join(run_cli(name, "--help").output.split())
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name != "help":
+                assert param.help and param.help.strip(), f"{name} {param.opts[0]} has no help text"
+                assert " ".join(param.help.split()[:4]) in text, (name, param.opts[0])
+
+
+def test_inspect_shows_the_models_sizes_and_each_files_size(cli_artifact):
+    result = run_cli("inspect", cli_artifact)
+    assert result.exit_code == 0, result.output
+    # minimind-3-tiny: 4 query heads over 2 kv heads, in that order
+    assert "  model: minimind, 2 layers, hidden 64, heads 4/2, vocab 512, max positions 256\n" in result.stdout
+    files = json.loads((cli_artifact / "manifest.json").read_text())["files"]
+    rows = {line.split()[0]: line.split()[1:3] for line in result.stdout.splitlines() if line.endswith(" ok")}
+    assert set(rows) == set(files)
+    for name, entry in files.items():
+        assert rows[name] == [f"{entry['bytes'] / 1e6:.2f}", "MB"], (name, rows[name], entry["bytes"])
+
+
+def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
+    # A Ctrl-C while click parses or before the command's own handling starts: click's Abort, one word and 130
+    # as for an interrupted command, not click's exit 1.
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.cli.begin_command", interrupted)
+    result = run_cli("inspect", tmp_path)
+    assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output
+
+
+def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integer(cli_artifact):
+    # "-1" is an integer: the refusal says where it lies, as for 99999 (input error), not that it is no number.
+    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,-1", "--json")
+    assert_one_line_error(result, 2, "prompt token ids [-1] lie outside the vocabulary [0, 512)")
+    assert json.loads(result.stdout)["error"]["kind"] == "input"
+
+
+def test_export_says_what_it_wrote_in_one_line_above_the_files(artifact_fp16, tmp_path, monkeypatch):
+    from exporter.export import ExportResult
+    from exporter.manifest import read_manifest
+
+    def exported(model, folder, dtype, with_loss, source, tokenizer):
+        shutil.copytree(artifact_fp16, folder)
+        return ExportResult(folder, read_manifest(folder), 2.54, 1_234_567)
+    monkeypatch.setattr("exporter.export.export_artifact", exported)
+    folder = tmp_path / "half"
+    result = run_cli("export", "--preset", "minimind-3-tiny", "--dtype", "float16", "-o", folder, "-q")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"exported {folder} (float16) in 2.5 s, 1.2 MB", lines[0]
+    assert lines[1].split() == ["file", "size", "sha256"]
+    assert {line.split()[0] for line in lines[3:]} == set(read_manifest(folder).files)

@@ -339,6 +339,17 @@ def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp3
     assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")
 
 
+def test_a_long_first_line_keeps_its_start_and_its_end():
+    """onnxruntime puts the reason last, after the source file and the kernel's C++ signature: a cut message
+    keeps both ends and leaves out the middle."""
+    from exporter.errors import first_line
+    error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : " + "signature " * 60 + "the reason\nsecond line")
+    line = first_line(error, 100)
+    assert line.startswith("[ONNXRuntimeError] : 1 : FAIL") and line.endswith("signature the reason"), line
+    assert " ... " in line and len(line) <= 100
+    assert first_line(ValueError("short\nsecond"), 100) == "short" and first_line(ValueError()) == "ValueError"
+
+
 def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(artifact_fp32, monkeypatch):
     # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
     # verify. Simulated, since the tests may run as root, whom permission bits do not stop.
@@ -445,6 +456,7 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
     # import it stopped (`import ctypes ... KeyboardInterrupt`) and died of the signal.
     script = """if True:
         import builtins, os, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, were pytest started with `&`
         real_import = builtins.__import__
         def ctrl_c_during(name, *args, **kwargs):
             if name == "exporter.generation":
@@ -465,3 +477,18 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
 
     from exporter import cli
     assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own
+
+
+def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artifact_fp32, tmp_path):
+    """Intact bytes are not the right graph: decode.onnx replaced by prefill.onnx, its size and sha256 listed
+    again in the manifest, passes the file check; inspect still says what it is and exits 2."""
+    from exporter.manifest import sha256_file
+    folder = shutil.copytree(artifact_fp32, tmp_path / "swapped")
+    shutil.copyfile(folder / "prefill.onnx", folder / "decode.onnx")
+    edit_manifest(folder, lambda m: m["files"]["decode.onnx"].update(
+        sha256=sha256_file(folder / "decode.onnx"), bytes=(folder / "decode.onnx").stat().st_size))
+    result = run_cli("inspect", folder, "--json")
+    assert result.exit_code == 2, result.output
+    state = json.loads(result.stdout)["file_status"]["decode.onnx"]
+    assert state.startswith("has the inputs [") and "its manifest lists" in state, state
+    assert f"{folder} is damaged: decode.onnx: {state}; re-export the folder" in result.stderr

@@ -305,3 +305,30 @@ def test_each_family_and_generation_is_typed_and_sized_by_its_own_config(artifac
     else:  # no special tokens: genai stops at the last id, a padding row, and is told of no BOS
         assert genai["eos_token_id"] == config.vocab_size - 1 and "bos_token_id" not in genai
         assert hf["eos_token_id"] is None
+
+
+def test_a_users_model_input_names_are_kept_and_the_config_beside_a_tokenizer_file_is_read(tiny_tokenizer, tmp_path):
+    """--tokenizer may name the tokenizer.json itself: the tokenizer_config.json beside it is the user's all the
+    same, and the model_input_names it gives stay as given (the minimal config's fill only a gap)."""
+    source = tmp_path / "tok"
+    source.mkdir()
+    (source / "tokenizer.json").write_bytes((tiny_tokenizer / "tokenizer.json").read_bytes())
+    (source / "tokenizer_config.json").write_text(json.dumps({"model_input_names": ["input_ids"]}))
+    found = find_tokenizer(source / "tokenizer.json", 512)
+    assert found.config == source / "tokenizer_config.json"
+    out = tmp_path / "out"
+    out.mkdir()
+    copy_tokenizer(found, out, minimal_tokenizer_config(found, 64, 1, 2, 2))
+    assert _json(out, "tokenizer_config.json") == {"model_input_names": ["input_ids"]}
+
+
+def test_a_post_processor_adding_ids_past_the_vocabulary_to_pairs_only_is_refused(tiny_tokenizer, tmp_path):
+    """A pair template's own tokens are ids a consumer encoding two texts gets: they must fit too."""
+    from tokenizers import Tokenizer, processors
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A <sep> $B:1",
+                                                             special_tokens=[("<sep>", 900)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert 900 not in tokenizer.encode("kalo").ids and 900 in tokenizer.encode("kalo", "lomi").ids
+    with pytest.raises(TokenizerError, match=r"ids in \[0, 900\] \(513 tokens\).*vocab_size is 512"):
+        find_tokenizer(tmp_path, 512)

@@ -481,6 +481,20 @@ def test_a_character_cut_by_the_end_of_the_stream_is_still_printed():
     assert text.push(e_first) == "" and text.rest() == "\ufffd"
 
 
+def test_decoded_text_keeps_the_spaces_at_its_ends(tiny_tokenizer):
+    """Generated text continues the prompt: a byte-level token's leading space (and a trailing one) is part of
+    it, in the streamed text and in --json's "text" alike; a join of prompt and text must not run words
+    together."""
+    from tokenizers import Tokenizer
+    from exporter.tokenizer import TextStream, TextTokenizer
+    loaded = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
+    ids = loaded.encode(" kalo lomi ").ids
+    assert loaded.id_to_token(ids[0]).startswith("\u0120")  # the byte-level space, inside the first token
+    assert TextTokenizer(loaded).decode(ids) == " kalo lomi "
+    stream = TextStream(TextTokenizer(loaded))
+    assert "".join(stream.push(i) for i in ids) + stream.rest() == " kalo lomi "
+
+
 def test_step_refuses_a_mask_that_does_not_cover_cache_and_new_tokens(runner):
     ids = np.array([[1, 2, 3]], dtype=np.int64)
     runner.start(ids, np.ones_like(ids), np.arange(3)[None])

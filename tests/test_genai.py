@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import onnxruntime_genai as og
 import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
+import exporter.genai as exporter_genai
 from exporter import consumers
 from exporter.cli import main
 from exporter.consumers import FamilyTypes
@@ -91,6 +93,9 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     free_run = reference_greedy(tiny_model, prompt, 40, None).ids
     eos = free_run[10]
     stop = free_run.index(eos)
+    trace = reference_greedy(tiny_model, prompt, 40, eos)  # the reference keeps the EOS, and stops there
+    assert trace.ids == free_run[:stop + 1] and trace.logits.shape == (stop + 1, tiny_model.config.vocab_size)
+    assert trace.ids == trace.logits.argmax(-1).tolist()  # each row is the logits its token was chosen from
     path = artifact_copy / "genai_config.json"
     config = json.loads(path.read_text())
     config["model"]["eos_token_id"] = eos
@@ -273,3 +278,46 @@ def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, ti
     assert "undo the edit or re-export the folder" in result.stderr
     with pytest.raises(ArtifactError, match="JSONDecodeError"):
         GenaiGenerator(artifact_copy)
+
+
+@pytest.mark.parametrize("text, error", [('{"model": {}}', "KeyError"), ('["model"]', "TypeError"),
+                                         ('{"model": "qwen3"}', "TypeError")])
+def test_a_genai_config_that_names_no_model_type_is_one_artifact_error(tmp_path, text, error):
+    # JSON, but without model.type: a KeyError or TypeError escaped as an internal error, where malformed JSON
+    # was already refused
+    (tmp_path / "genai_config.json").write_text(text)
+    with pytest.raises(ArtifactError, match=rf"genai_config.json is not onnxruntime-genai's config \({error}") as info:
+        exporter_genai.genai_model_type(tmp_path)
+    assert "\n" not in str(info.value) and "undo the edit or re-export the folder" in str(info.value)
+
+
+def test_a_thread_count_reaches_genai_as_an_overlay_and_the_cpu_is_the_only_provider(artifact_fp32, monkeypatch):
+    # The count only changes speed, so the tokens cannot show it: record what the generator asks of genai's Config.
+    calls = []
+
+    class Config:
+        def __init__(self, path):
+            self.real = og.Config(path)
+
+        def clear_providers(self):
+            calls.append("clear_providers")
+            self.real.clear_providers()
+
+        def overlay(self, text):
+            calls.append(json.loads(text))
+            self.real.overlay(text)
+
+    recording = SimpleNamespace(Config=Config, Model=lambda config: og.Model(config.real),
+                                GeneratorParams=og.GeneratorParams, Generator=og.Generator)
+    monkeypatch.setattr(exporter_genai, "_import_genai", lambda: recording)
+    threaded = GenaiGenerator(artifact_fp32, threads=1)
+    assert calls == ["clear_providers", {"model": {"decoder": {"session_options": {"intra_op_num_threads": 1}}}}]
+    calls.clear()
+    default = GenaiGenerator(artifact_fp32)  # 0: genai_config.json's own count, no overlay
+    assert calls == ["clear_providers"]
+    assert threaded.greedy([5, 6, 7], 4) == default.greedy([5, 6, 7], 4) and len(default.greedy([5, 6, 7], 4)) == 4
+
+
+def test_no_new_tokens_asked_is_no_tokens(generator):
+    assert generator.greedy([5, 6, 7], 0) == []
+    assert len(generator.greedy([5, 6, 7], 1)) == 1

@@ -587,3 +587,31 @@ def test_the_tied_lm_head_reads_the_embedding_table_as_stored(artifact_fp32, gra
     assert sorted(node.op_type for node in users) == ["Gather", "Gemm"], [n.op_type for n in users]
     [gemm] = [node for node in users if node.op_type == "Gemm"]
     assert gemm.input[1] == table and {(a.name, a.i) for a in gemm.attribute} >= {("transB", 1)}
+
+
+def test_the_reference_runs_in_the_artifacts_dtype_on_a_copy(tiny_model, artifact_fp16, artifact_fp32):
+    # A float16 artifact judged against the float32 model would pass its float16 tolerances on the precision
+    # alone: the reference must compute in float16 too, and leave the caller's float32 model as it was.
+    ids = np.array([[5, 9, 42]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None],
+             "labels": ids}
+    half = TorchRunner(tiny_model, read_manifest(artifact_fp16, check_hashes=False))
+    assert half.model is not tiny_model and next(half.model.parameters()).dtype == torch.float16
+    assert next(tiny_model.parameters()).dtype == torch.float32
+    out = half.prefill(feeds)
+    assert out["logits"].dtype == np.float16 and out["present.0.key"].dtype == np.float16
+    same = TorchRunner(tiny_model, read_manifest(artifact_fp32, check_hashes=False))
+    assert same.model is tiny_model  # already float32: no copy
+    full = same.prefill(feeds)
+    assert full["logits"].dtype == np.float32 and not np.array_equal(out["logits"].astype(np.float32), full["logits"])
+
+
+def test_the_parity_tolerances_are_the_cpu_profiles_per_kind():
+    # exporter.parity.TOLERANCES, which the tests judge with: each kind its own bound (the loss's is 100x tighter
+    # than the logits' in float32), from the CPU profile of its dtype
+    from exporter.sessions import CPU
+    from exporter.verify.tolerances import profile_for
+    assert set(TOLERANCES) == {"float32", "float16"}
+    for dtype, tolerances in TOLERANCES.items():
+        profile = profile_for(dtype, CPU)
+        assert tolerances == {"logits": profile.logits, "kv": profile.kv, "loss": profile.loss}, dtype

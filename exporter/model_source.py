@@ -62,7 +62,8 @@ class RebuildProblem:
             return "PyTorch, which rebuilding the reference needs, does not import here"
         if self.cause == "checkpoint":
             return f"its checkpoint {self.source.get('path', '')} {self.detail}"
-        return f"the weights came from a {self.source.get('kind', 'unnamed')} source this toolkit cannot rebuild"
+        kind = self.source.get("kind")
+        return f"the weights came from {f'a {kind}' if kind else 'an unnamed'} source this toolkit cannot rebuild"
 
     def error(self, folder) -> ToolkitError:
         """The refusal of `export-onnx verify` and `verify_artifact`, which name a golden bundle as the way out."""

@@ -23,13 +23,13 @@ from exporter.errors import ArtifactError, OutputPathError, ToolkitError
 from exporter.manifest import read_manifest, sha256_file
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
-from exporter.verify import checks
+from exporter.verify import checks, invariants
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import (GoldenMismatch, RecordedReference, _recording_digest, check_golden_destination,
                                     load_bundle)
 from exporter.verify.inputs import PREFILL_BATCH, ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_between, probe_reference
-from exporter.verify.metrics import Needed, compare
+from exporter.verify.metrics import Needed, compare, real_queries
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, json_text, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
@@ -401,6 +401,22 @@ def test_the_probe_judges_real_positions_only(probed):
     result = probe_between(debug, values, values, tolerance, "run vs run", mask, PREFILL_BATCH)
     assert result.first is None and result.checked == 158
     assert result.note.startswith("10 values left out: their shape folds the sequence")
+
+
+def test_the_values_fed_by_a_mask_fill_are_those_computed_from_it_before_the_softmax():
+    # an initializer is a fill only when it holds nothing but the fills (-inf, -1e9): a constant holding one
+    # among other values is not, nor an empty one
+    from exporter.verify.probe import mask_fed_values
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["fill", "x"], ["scores"]), helper.make_node("Softmax", ["scores"], ["weights"]),
+         helper.make_node("Mul", ["weights", "x"], ["mixed_out"]), helper.make_node("Add", ["mixed", "x"], ["other"]),
+         helper.make_node("Concat", ["empty", "x"], ["joined"], axis=0)],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
+        [onnx.numpy_helper.from_array(np.array([-np.inf, -1e9], np.float32), "fill"),
+         onnx.numpy_helper.from_array(np.array([-1e9, 1.0], np.float32), "mixed"),
+         onnx.numpy_helper.from_array(np.zeros(0, np.float32), "empty")])
+    assert mask_fed_values(graph) == {"fill", "scores"}
 
 
 def test_a_values_real_elements_follow_its_batch_and_position_axes():
@@ -975,6 +991,76 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     rounding = invariants.computes_in_float32(artifact_copy, manifest)
     assert not rounding.passed and "1 Cast(s) to float16 or bfloat16: decode.onnx: rounding" in rounding.detail
+
+
+class _PrefillPresentNaN(_PresentsNaN):
+    """An OrtRunner whose prefill.onnx alone gives NaN in the first present: decode(past 0) is finite."""
+
+    def decode(self, feeds):
+        return self.inner.decode(feeds)
+
+
+class _PaddedQueriesNaN(_DecodeLogitsShifted):
+    """An OrtRunner whose logits are NaN at padded queries, which nothing reads, and right elsewhere."""
+
+    def _padded_nan(self, feeds, outputs):
+        logits = outputs["logits"].copy()
+        logits[~real_queries(feeds["attention_mask"], logits.shape[1])] = np.nan
+        return {**outputs, "logits": logits}
+
+    def prefill(self, feeds):
+        return self._padded_nan(feeds, self.inner.prefill(feeds))
+
+    def decode(self, feeds):
+        return self._padded_nan(feeds, self.inner.decode(feeds))
+
+
+def test_an_invariant_names_nan_on_either_side_and_judges_logits_at_real_queries_only(runner):
+    # NaN on the expected side alone (prefill, against decode with an empty past) is named as such, not left to
+    # read as a plain difference; NaN at a padded query's logits, which no token reads, fails nothing.
+    manifest = runner.manifest
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    profile = profile_for("float32", "cpu")
+    assert not batch["attention_mask"].all()  # row 0 is left-padded
+    past0 = invariants.decode_past_zero(_PrefillPresentNaN(runner), manifest, batch, profile)
+    assert not past0.passed and "NaN or Inf in present.0.key" in past0.detail, past0.detail
+    padded = _PaddedQueriesNaN(runner)
+    k = batch["input_ids"].shape[1] // 2 + 1
+    for invariant in (invariants.split_prefill(padded, manifest, batch, profile, k),
+                      invariants.decode_past_zero(padded, manifest, batch, profile),
+                      invariants.padded_row_alone(padded, manifest, batch, profile)):
+        assert invariant.passed, (invariant.name, invariant.detail)
+    # the split falls past row 0's padding, so every row carries a real token in the past decode reads
+    split = invariants.check_invariants(runner.folder, runner, manifest, batch, profile)[0]
+    assert split.passed and split.detail.startswith(f"k={k} of {batch['input_ids'].shape[1]} tokens")
+    assert batch["attention_mask"][:, :k].any(axis=1).all()
+
+
+def test_a_weight_in_one_graph_alone_fails_the_identical_weights_check(artifact_copy):
+    # decode.onnx holds a floating constant that prefill.onnx lacks, prefill.onnx none that decode.onnx lacks
+    manifest = read_manifest(artifact_copy)
+    model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.full(3, 0.125, np.float32), "stray"))
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    weights = invariants.identical_weights(artifact_copy, manifest)
+    assert not weights.passed and weights.detail == "0 tensor(s) only in prefill, 1 only in decode (shapes [3] inline)"
+
+
+def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):
+    # computes_in_float32 reads the nodes of the graph's local functions too, and bfloat16 is as much a rounding
+    # the CPU provider drops unseen as float16 is
+    manifest = read_manifest(artifact_copy)
+    model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
+    cast = onnx.helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.BFLOAT16, name="hidden_rounding")
+    model.functions.append(onnx.helper.make_function("local", "round", ["x"], ["y"], [cast],
+                                                     [onnx.helper.make_opsetid("", 18)]))
+    model.opset_import.append(onnx.helper.make_opsetid("local", 1))
+    model.graph.node.append(onnx.helper.make_node("round", [model.graph.output[0].name], ["logits_bfloat16"],
+                                                  domain="local", name="call_round"))
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    rounding = invariants.computes_in_float32(artifact_copy, manifest)
+    assert not rounding.passed and rounding.detail == ("1 Cast(s) to float16 or bfloat16: decode.onnx: "
+                                                       "hidden_rounding"), rounding.detail
 
 
 def test_health_counts_nan_and_inf_at_real_positions():

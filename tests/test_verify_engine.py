@@ -300,6 +300,9 @@ def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
     assert not cpu.curve[0].logits.passed and cpu.curve[0].logits.needed.scale > 100
     loc = cpu.localisation
     assert (loc.probe.graph, loc.probe.call, loc.probe.first) == ("prefill.onnx", PREFILL_BATCH, None)
+    # the export keeps one tensor for the equal norm weights (every q_norm and k_norm of the seeded model), so
+    # layer 0's keys are scaled too: its present diverges first, at the first decode step, prefill's passing
+    assert (loc.first_layer, loc.where) == (0, "decode step 0 present"), loc
     first = loc.decode_probe.first
     assert (loc.decode_probe.graph, loc.decode_probe.call) == ("decode.onnx", "decode step 0, fed the reference's past")
     assert first.module == "model.layers.0.self_attn.q_norm" and first.op_type == "Mul" and first.needed_scale > 100
@@ -378,6 +381,21 @@ def test_a_module_named_like_an_intermediate_value_is_matched_by_its_scope(probe
     assert result.first is None and result.note.startswith(f"36 of {len(named_like)} reference module outputs"), result
 
 
+def test_a_module_is_matched_inside_its_own_scope_not_one_its_path_prefixes():
+    # the module layers.1 holds layers.1.mlp, not layers.10 (a model of 11 or more layers)
+    from types import SimpleNamespace
+    from exporter.verify.probe import NodeInfo
+    nodes = [NodeInfo(0, "mlp", "MatMul", ("in_1",), "model.layers.1.mlp"),
+             NodeInfo(1, "norm", "Mul", ("in_10",), "model.layers.10.input_layernorm")]
+    graph = SimpleNamespace(has_scopes=True, nodes=nodes, graph_outputs=frozenset(), graph_file="prefill.onnx",
+                            dims={"in_1": ("batch_size", 4), "in_10": ("batch_size", 4)},
+                            axes=PositionAxes("batch_size", frozenset({"sequence_length"})))
+    values = {"in_1": np.ones((1, 4), np.float32), "in_10": np.zeros((1, 4), np.float32)}
+    result = probe_reference(graph, values, {"model.layers.1": values["in_1"]}, profile_for("float32").kv,
+                             np.ones((1, 3), np.int64), PREFILL_BATCH)
+    assert result.first is None and result.checked == 1, result
+
+
 def test_the_probe_judges_real_positions_only(probed):
     # A model may leave a padded position arbitrary (nothing real reads it): a difference there is no
     # divergence, against the reference or between two runs; one at a single real token is named.
@@ -401,6 +419,11 @@ def test_the_probe_judges_real_positions_only(probed):
     result = probe_between(debug, values, values, tolerance, "run vs run", mask, PREFILL_BATCH)
     assert result.first is None and result.checked == 158
     assert result.note.startswith("10 values left out: their shape folds the sequence")
+    # a left-out value is not judged at all, not judged whole: its padded elements are not told apart
+    folded = next(o for n in debug.nodes for o in n.outputs if "2*sequence_length" in debug.dims[o])
+    changed = {**values, folded: values[folded] + 1.0}
+    result = probe_between(debug, changed, values, tolerance, "changed vs run", mask, PREFILL_BATCH)
+    assert result.first is None and result.checked == 158, result
 
 
 def test_the_values_fed_by_a_mask_fill_are_those_computed_from_it_before_the_softmax():
@@ -1063,6 +1086,52 @@ def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):
                                                        "hidden_rounding"), rounding.detail
 
 
+def test_health_counts_a_zero_present_row_in_any_head_at_real_positions_only():
+    # a norm that fails in one key/value head zeroes that head's row alone; a padded position may hold zeros
+    from exporter.verify.health import HealthScan
+    mask = np.array([[0, 1, 1]])
+    present = np.ones((1, 2, 3, 4), np.float32)
+    present[0, 1, 0] = 0  # the padded position, in one head
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"present.0.key": present}, mask)
+    assert scan.report().passed and scan.report().zero_rows == 0
+    present[0, 1, 2] = 0  # a real position, in one head
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"present.0.key": present}, mask)
+    report = scan.report()
+    assert not report.passed and report.zero_rows == 1
+    assert report.issues == ["prefill present.0.key: 1 all-zero rows at real token positions"]
+
+
+def test_health_counts_nan_in_a_float32_activation():
+    # only float16 values can overflow, but NaN fails in any
+    from exporter.verify.health import HealthScan
+    scan = HealthScan("float32")
+    scan.scan_activations({"attn": np.array([1.0, np.nan], np.float32)}, {"attn": "Softmax in model.layers.0"})
+    report = scan.report()
+    assert not report.passed and report.nan == 1 and report.activation_max_abs is None
+    assert report.issues == ["activation attn (Softmax in model.layers.0): 1 NaN"]
+
+
+def test_the_repeat_run_compares_the_second_run_with_the_first(runner):
+    from exporter.verify.providers import repeat_run
+
+    class Drifting(_DecodeLogitsShifted):  # the second prefill on the session differs, as a nondeterministic one
+        provider = "cpu"
+
+        def prefill(self, feeds):
+            outputs = self.inner.prefill(feeds)
+            return {**outputs, "logits": outputs["logits"] + np.float32(1e-2)}
+
+    manifest = runner.manifest
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    first = runner.prefill(prefill_feeds(manifest, batch))
+    profile = profile_for("float32", "cpu")
+    assert repeat_run(runner, manifest, batch, first, profile).passed
+    again = repeat_run(Drifting(runner), manifest, batch, first, profile)
+    assert not again.passed and again.max_abs == pytest.approx(1e-2, rel=1e-3), again
+
+
 def test_health_counts_nan_and_inf_at_real_positions():
     from exporter.verify.health import HealthScan
     scan = HealthScan("float32")
@@ -1250,6 +1319,23 @@ def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_
     edit_manifest(other, claim_seed(7))  # the precision leg would charge other weights to float16
     with pytest.raises(InputError, match="holds other weights .*seed 7 against .*seed 0"):
         check_companion(other, manifest)
+
+
+def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_refused(artifact_fp32, artifact_fp16,
+                                                                                       tmp_path):
+    # a checkpoint is told by its content hash, not its path: the same bytes elsewhere are the same weights
+    from exporter.errors import InputError
+    from exporter.verify.providers import companion_for
+    other = shutil.copytree(artifact_fp16, tmp_path / "other")
+    edit_manifest(other, lambda m: m["model"].update(source={"kind": "checkpoint", "path": "/b.pth", "sha256": "b"}))
+    ours = {"kind": "checkpoint", "path": "/a.pth", "sha256": "a"}
+    with pytest.raises(InputError, match="holds other weights .checkpoint, sha256 b against checkpoint, sha256 a."):
+        companion_for(other, "float32", None, ours)
+    assert companion_for(other, "float32", None, {**ours, "sha256": "b"})[1].dtype == "float16"
+    with pytest.raises(InputError, match="is not a float16 export .float32."):
+        companion_for(artifact_fp32, "float32", None, None)
+    with pytest.raises(InputError, match="needs a float32 artifact to verify; this one is float16"):
+        companion_for(artifact_fp16, "float16", None, None)
 
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():

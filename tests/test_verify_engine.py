@@ -1310,6 +1310,44 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert not half.legs and "starts from a float32 artifact" in half.skipped
 
 
+def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(artifact_fp32, artifact_fp16,
+                                                                              monkeypatch):
+    # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
+    # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
+    # every profile, the provider pairs' included.
+    from exporter.verify import providers
+    from exporter.verify.tolerances import CPU, CUDA
+    asked = []
+
+    def on_the_cpu(folder, provider, manifest):
+        asked.append(provider)
+        return OrtRunner(folder, CPU, manifest=manifest)
+
+    monkeypatch.setattr(providers, "OrtRunner", on_the_cpu)
+    manifest, fp16_manifest = read_manifest(artifact_fp32), read_manifest(artifact_fp16)
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    fp32 = OrtRunner(artifact_fp32, manifest=manifest).prefill(prefill_feeds(manifest, batch))
+    cuda = {**fp32, "logits": fp32["logits"].copy()}
+    cuda["logits"][~real_queries(batch["attention_mask"], cuda["logits"].shape[1])] = 1e3  # read by no token
+    cpu = {**fp32, "logits": fp32["logits"] + np.float32(1.0)}
+    result = providers.attribute([], {CPU: cpu, CUDA: cuda}, [], manifest, batch, (artifact_fp16, fp16_manifest),
+                                 Overrides())
+    [leg] = result.legs
+    assert asked == [CUDA] and (leg.cause, leg.covers) == ("precision", "prefill.onnx, the prefill batch")
+    assert leg.comparison.passed and leg.comparison.tolerance == profile_for("float16", CUDA).logits, leg.comparison
+    loosened = Overrides((("logits", "atol", 1.0),))
+    rows = providers.cross_providers({CPU: fp32, CUDA: {**fp32, "logits": fp32["logits"] + np.float32(0.5)}},
+                                     "float32", loosened, batch["attention_mask"])
+    assert all(c.passed for c in rows) and rows[0].tolerance.atol == 1.0, rows
+
+
+def test_a_decode_graphs_positions_are_its_query_and_its_total_length(artifact_fp32):
+    # decode.onnx names the query length and the attention mask's (past and query) apart: both are positions
+    manifest = read_manifest(artifact_fp32)
+    axes = DebugGraph(artifact_fp32, manifest, manifest.decode).axes
+    assert axes == PositionAxes("batch_size", frozenset({"sequence_length", "total_sequence_length"}))
+
+
 def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_fp16, tmp_path):
     from exporter.errors import InputError
     from exporter.verify.providers import check_companion

@@ -23,13 +23,13 @@ from exporter.errors import ArtifactError, OutputPathError, ToolkitError
 from exporter.manifest import read_manifest, sha256_file
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner
-from exporter.verify import checks
+from exporter.verify import checks, invariants
 from exporter.verify.engine import verify_artifact
 from exporter.verify.golden import (GoldenMismatch, RecordedReference, _recording_digest, check_golden_destination,
                                     load_bundle)
 from exporter.verify.inputs import PREFILL_BATCH, ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.localise import probe_between, probe_reference
-from exporter.verify.metrics import Needed, compare
+from exporter.verify.metrics import Needed, compare, real_queries
 from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.reports import format_verify, json_text, render_html, render_junit
 from exporter.verify.tolerances import Overrides, profile_for
@@ -300,6 +300,9 @@ def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
     assert not cpu.curve[0].logits.passed and cpu.curve[0].logits.needed.scale > 100
     loc = cpu.localisation
     assert (loc.probe.graph, loc.probe.call, loc.probe.first) == ("prefill.onnx", PREFILL_BATCH, None)
+    # the export keeps one tensor for the equal norm weights (every q_norm and k_norm of the seeded model), so
+    # layer 0's keys are scaled too: its present diverges first, at the first decode step, prefill's passing
+    assert (loc.first_layer, loc.where) == (0, "decode step 0 present"), loc
     first = loc.decode_probe.first
     assert (loc.decode_probe.graph, loc.decode_probe.call) == ("decode.onnx", "decode step 0, fed the reference's past")
     assert first.module == "model.layers.0.self_attn.q_norm" and first.op_type == "Mul" and first.needed_scale > 100
@@ -378,6 +381,21 @@ def test_a_module_named_like_an_intermediate_value_is_matched_by_its_scope(probe
     assert result.first is None and result.note.startswith(f"36 of {len(named_like)} reference module outputs"), result
 
 
+def test_a_module_is_matched_inside_its_own_scope_not_one_its_path_prefixes():
+    # the module layers.1 holds layers.1.mlp, not layers.10 (a model of 11 or more layers)
+    from types import SimpleNamespace
+    from exporter.verify.probe import NodeInfo
+    nodes = [NodeInfo(0, "mlp", "MatMul", ("in_1",), "model.layers.1.mlp"),
+             NodeInfo(1, "norm", "Mul", ("in_10",), "model.layers.10.input_layernorm")]
+    graph = SimpleNamespace(has_scopes=True, nodes=nodes, graph_outputs=frozenset(), graph_file="prefill.onnx",
+                            dims={"in_1": ("batch_size", 4), "in_10": ("batch_size", 4)},
+                            axes=PositionAxes("batch_size", frozenset({"sequence_length"})))
+    values = {"in_1": np.ones((1, 4), np.float32), "in_10": np.zeros((1, 4), np.float32)}
+    result = probe_reference(graph, values, {"model.layers.1": values["in_1"]}, profile_for("float32").kv,
+                             np.ones((1, 3), np.int64), PREFILL_BATCH)
+    assert result.first is None and result.checked == 1, result
+
+
 def test_the_probe_judges_real_positions_only(probed):
     # A model may leave a padded position arbitrary (nothing real reads it): a difference there is no
     # divergence, against the reference or between two runs; one at a single real token is named.
@@ -401,6 +419,27 @@ def test_the_probe_judges_real_positions_only(probed):
     result = probe_between(debug, values, values, tolerance, "run vs run", mask, PREFILL_BATCH)
     assert result.first is None and result.checked == 158
     assert result.note.startswith("10 values left out: their shape folds the sequence")
+    # a left-out value is not judged at all, not judged whole: its padded elements are not told apart
+    folded = next(o for n in debug.nodes for o in n.outputs if "2*sequence_length" in debug.dims[o])
+    changed = {**values, folded: values[folded] + 1.0}
+    result = probe_between(debug, changed, values, tolerance, "changed vs run", mask, PREFILL_BATCH)
+    assert result.first is None and result.checked == 158, result
+
+
+def test_the_values_fed_by_a_mask_fill_are_those_computed_from_it_before_the_softmax():
+    # an initializer is a fill only when it holds nothing but the fills (-inf, -1e9): a constant holding one
+    # among other values is not, nor an empty one
+    from exporter.verify.probe import mask_fed_values
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["fill", "x"], ["scores"]), helper.make_node("Softmax", ["scores"], ["weights"]),
+         helper.make_node("Mul", ["weights", "x"], ["mixed_out"]), helper.make_node("Add", ["mixed", "x"], ["other"]),
+         helper.make_node("Concat", ["empty", "x"], ["joined"], axis=0)],
+        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
+        [onnx.numpy_helper.from_array(np.array([-np.inf, -1e9], np.float32), "fill"),
+         onnx.numpy_helper.from_array(np.array([-1e9, 1.0], np.float32), "mixed"),
+         onnx.numpy_helper.from_array(np.zeros(0, np.float32), "empty")])
+    assert mask_fed_values(graph) == {"fill", "scores"}
 
 
 def test_a_values_real_elements_follow_its_batch_and_position_axes():
@@ -977,6 +1016,122 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     assert not rounding.passed and "1 Cast(s) to float16 or bfloat16: decode.onnx: rounding" in rounding.detail
 
 
+class _PrefillPresentNaN(_PresentsNaN):
+    """An OrtRunner whose prefill.onnx alone gives NaN in the first present: decode(past 0) is finite."""
+
+    def decode(self, feeds):
+        return self.inner.decode(feeds)
+
+
+class _PaddedQueriesNaN(_DecodeLogitsShifted):
+    """An OrtRunner whose logits are NaN at padded queries, which nothing reads, and right elsewhere."""
+
+    def _padded_nan(self, feeds, outputs):
+        logits = outputs["logits"].copy()
+        logits[~real_queries(feeds["attention_mask"], logits.shape[1])] = np.nan
+        return {**outputs, "logits": logits}
+
+    def prefill(self, feeds):
+        return self._padded_nan(feeds, self.inner.prefill(feeds))
+
+    def decode(self, feeds):
+        return self._padded_nan(feeds, self.inner.decode(feeds))
+
+
+def test_an_invariant_names_nan_on_either_side_and_judges_logits_at_real_queries_only(runner):
+    # NaN on the expected side alone (prefill, against decode with an empty past) is named as such, not left to
+    # read as a plain difference; NaN at a padded query's logits, which no token reads, fails nothing.
+    manifest = runner.manifest
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    profile = profile_for("float32", "cpu")
+    assert not batch["attention_mask"].all()  # row 0 is left-padded
+    past0 = invariants.decode_past_zero(_PrefillPresentNaN(runner), manifest, batch, profile)
+    assert not past0.passed and "NaN or Inf in present.0.key" in past0.detail, past0.detail
+    padded = _PaddedQueriesNaN(runner)
+    k = batch["input_ids"].shape[1] // 2 + 1
+    for invariant in (invariants.split_prefill(padded, manifest, batch, profile, k),
+                      invariants.decode_past_zero(padded, manifest, batch, profile),
+                      invariants.padded_row_alone(padded, manifest, batch, profile)):
+        assert invariant.passed, (invariant.name, invariant.detail)
+    # the split falls past row 0's padding, so every row carries a real token in the past decode reads
+    split = invariants.check_invariants(runner.folder, runner, manifest, batch, profile)[0]
+    assert split.passed and split.detail.startswith(f"k={k} of {batch['input_ids'].shape[1]} tokens")
+    assert batch["attention_mask"][:, :k].any(axis=1).all()
+
+
+def test_a_weight_in_one_graph_alone_fails_the_identical_weights_check(artifact_copy):
+    # decode.onnx holds a floating constant that prefill.onnx lacks, prefill.onnx none that decode.onnx lacks
+    manifest = read_manifest(artifact_copy)
+    model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.full(3, 0.125, np.float32), "stray"))
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    weights = invariants.identical_weights(artifact_copy, manifest)
+    assert not weights.passed and weights.detail == "0 tensor(s) only in prefill, 1 only in decode (shapes [3] inline)"
+
+
+def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):
+    # computes_in_float32 reads the nodes of the graph's local functions too, and bfloat16 is as much a rounding
+    # the CPU provider drops unseen as float16 is
+    manifest = read_manifest(artifact_copy)
+    model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
+    cast = onnx.helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.BFLOAT16, name="hidden_rounding")
+    model.functions.append(onnx.helper.make_function("local", "round", ["x"], ["y"], [cast],
+                                                     [onnx.helper.make_opsetid("", 18)]))
+    model.opset_import.append(onnx.helper.make_opsetid("local", 1))
+    model.graph.node.append(onnx.helper.make_node("round", [model.graph.output[0].name], ["logits_bfloat16"],
+                                                  domain="local", name="call_round"))
+    onnx.save(model, str(artifact_copy / "decode.onnx"))
+    rounding = invariants.computes_in_float32(artifact_copy, manifest)
+    assert not rounding.passed and rounding.detail == ("1 Cast(s) to float16 or bfloat16: decode.onnx: "
+                                                       "hidden_rounding"), rounding.detail
+
+
+def test_health_counts_a_zero_present_row_in_any_head_at_real_positions_only():
+    # a norm that fails in one key/value head zeroes that head's row alone; a padded position may hold zeros
+    from exporter.verify.health import HealthScan
+    mask = np.array([[0, 1, 1]])
+    present = np.ones((1, 2, 3, 4), np.float32)
+    present[0, 1, 0] = 0  # the padded position, in one head
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"present.0.key": present}, mask)
+    assert scan.report().passed and scan.report().zero_rows == 0
+    present[0, 1, 2] = 0  # a real position, in one head
+    scan = HealthScan("float32")
+    scan.scan_outputs("prefill", {"present.0.key": present}, mask)
+    report = scan.report()
+    assert not report.passed and report.zero_rows == 1
+    assert report.issues == ["prefill present.0.key: 1 all-zero rows at real token positions"]
+
+
+def test_health_counts_nan_in_a_float32_activation():
+    # only float16 values can overflow, but NaN fails in any
+    from exporter.verify.health import HealthScan
+    scan = HealthScan("float32")
+    scan.scan_activations({"attn": np.array([1.0, np.nan], np.float32)}, {"attn": "Softmax in model.layers.0"})
+    report = scan.report()
+    assert not report.passed and report.nan == 1 and report.activation_max_abs is None
+    assert report.issues == ["activation attn (Softmax in model.layers.0): 1 NaN"]
+
+
+def test_the_repeat_run_compares_the_second_run_with_the_first(runner):
+    from exporter.verify.providers import repeat_run
+
+    class Drifting(_DecodeLogitsShifted):  # the second prefill on the session differs, as a nondeterministic one
+        provider = "cpu"
+
+        def prefill(self, feeds):
+            outputs = self.inner.prefill(feeds)
+            return {**outputs, "logits": outputs["logits"] + np.float32(1e-2)}
+
+    manifest = runner.manifest
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    first = runner.prefill(prefill_feeds(manifest, batch))
+    profile = profile_for("float32", "cpu")
+    assert repeat_run(runner, manifest, batch, first, profile).passed
+    again = repeat_run(Drifting(runner), manifest, batch, first, profile)
+    assert not again.passed and again.max_abs == pytest.approx(1e-2, rel=1e-3), again
+
+
 def test_health_counts_nan_and_inf_at_real_positions():
     from exporter.verify.health import HealthScan
     scan = HealthScan("float32")
@@ -1155,6 +1310,44 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert not half.legs and "starts from a float32 artifact" in half.skipped
 
 
+def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(artifact_fp32, artifact_fp16,
+                                                                              monkeypatch):
+    # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
+    # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
+    # every profile, the provider pairs' included.
+    from exporter.verify import providers
+    from exporter.verify.tolerances import CPU, CUDA
+    asked = []
+
+    def on_the_cpu(folder, provider, manifest):
+        asked.append(provider)
+        return OrtRunner(folder, CPU, manifest=manifest)
+
+    monkeypatch.setattr(providers, "OrtRunner", on_the_cpu)
+    manifest, fp16_manifest = read_manifest(artifact_fp32), read_manifest(artifact_fp16)
+    batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
+    fp32 = OrtRunner(artifact_fp32, manifest=manifest).prefill(prefill_feeds(manifest, batch))
+    cuda = {**fp32, "logits": fp32["logits"].copy()}
+    cuda["logits"][~real_queries(batch["attention_mask"], cuda["logits"].shape[1])] = 1e3  # read by no token
+    cpu = {**fp32, "logits": fp32["logits"] + np.float32(1.0)}
+    result = providers.attribute([], {CPU: cpu, CUDA: cuda}, [], manifest, batch, (artifact_fp16, fp16_manifest),
+                                 Overrides())
+    [leg] = result.legs
+    assert asked == [CUDA] and (leg.cause, leg.covers) == ("precision", "prefill.onnx, the prefill batch")
+    assert leg.comparison.passed and leg.comparison.tolerance == profile_for("float16", CUDA).logits, leg.comparison
+    loosened = Overrides((("logits", "atol", 1.0),))
+    rows = providers.cross_providers({CPU: fp32, CUDA: {**fp32, "logits": fp32["logits"] + np.float32(0.5)}},
+                                     "float32", loosened, batch["attention_mask"])
+    assert all(c.passed for c in rows) and rows[0].tolerance.atol == 1.0, rows
+
+
+def test_a_decode_graphs_positions_are_its_query_and_its_total_length(artifact_fp32):
+    # decode.onnx names the query length and the attention mask's (past and query) apart: both are positions
+    manifest = read_manifest(artifact_fp32)
+    axes = DebugGraph(artifact_fp32, manifest, manifest.decode).axes
+    assert axes == PositionAxes("batch_size", frozenset({"sequence_length", "total_sequence_length"}))
+
+
 def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_fp16, tmp_path):
     from exporter.errors import InputError
     from exporter.verify.providers import check_companion
@@ -1164,6 +1357,23 @@ def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_
     edit_manifest(other, claim_seed(7))  # the precision leg would charge other weights to float16
     with pytest.raises(InputError, match="holds other weights .*seed 7 against .*seed 0"):
         check_companion(other, manifest)
+
+
+def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_refused(artifact_fp32, artifact_fp16,
+                                                                                       tmp_path):
+    # a checkpoint is told by its content hash, not its path: the same bytes elsewhere are the same weights
+    from exporter.errors import InputError
+    from exporter.verify.providers import companion_for
+    other = shutil.copytree(artifact_fp16, tmp_path / "other")
+    edit_manifest(other, lambda m: m["model"].update(source={"kind": "checkpoint", "path": "/b.pth", "sha256": "b"}))
+    ours = {"kind": "checkpoint", "path": "/a.pth", "sha256": "a"}
+    with pytest.raises(InputError, match="holds other weights .checkpoint, sha256 b against checkpoint, sha256 a."):
+        companion_for(other, "float32", None, ours)
+    assert companion_for(other, "float32", None, {**ours, "sha256": "b"})[1].dtype == "float16"
+    with pytest.raises(InputError, match="is not a float16 export .float32."):
+        companion_for(artifact_fp32, "float32", None, None)
+    with pytest.raises(InputError, match="needs a float32 artifact to verify; this one is float16"):
+        companion_for(artifact_fp16, "float16", None, None)
 
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():

@@ -283,7 +283,8 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
 @pytest.fixture(scope="module")
 def decode_fault(artifact_fp32, tiny_model, tmp_path_factory):
     """A copy of the tiny artifact whose decode.onnx alone holds layer 0's q_norm weight x1.05 (each graph carries
-    its norm weights itself), verified with the probe while a golden bundle is recorded."""
+    its norm weights itself; the export keeps one tensor for equal norm weights, so every q_norm and k_norm that
+    reads it, layer 0's keys included, is scaled too), verified with the probe while a golden bundle is recorded."""
     folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("decode-fault") / "artifact")
     scale_inline_weight(folder, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
     bundle = folder.parent / "golden"

@@ -472,9 +472,10 @@ def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
                            "model of another design exports as your own decoder (reference/byo.py)")
 
 
+_MATCHING_CONFIG = "pass the preset or config that matches the checkpoint, or none to infer it"
 _SIZE_FIXES = {  # config source -> what to do about a size the tensors do not hold
-    "given": "pass the preset or config that matches the checkpoint, or none to infer it",
-    "inferred": "pass the preset or config that matches the checkpoint, or none to infer it",
+    "given": _MATCHING_CONFIG,
+    "inferred": _MATCHING_CONFIG,
     "given fields": "set it to {held} in --config, or leave it out to infer it",
     "config.json": "correct it in its config.json to {held}, or pass --config with the checkpoint's sizes",
 }

@@ -107,7 +107,7 @@ class ExpertAgreement:
     disagreement reached the token (see _compare_choices). Parity passes when
     every disagreement is explained. `measured` is False when the graph's
     routers could not be found: the check then neither passes nor fails (it is
-    skipped, `note` saying why), and `failed` is what a verdict reads.
+    skipped, `note` saying why; `result` is None), and `failed` is what a verdict reads.
     """
 
     measured: bool
@@ -125,9 +125,14 @@ class ExpertAgreement:
         return self.measured and self.pairs - self.agreeing == self.explained
 
     @property
+    def result(self) -> bool | None:
+        """passed, or None where nothing was measured (skipped): what every report shows."""
+        return self.passed if self.measured else None
+
+    @property
     def failed(self) -> bool:
         """Measured, and some disagreement is not explained (one not measured has not failed: it is skipped)."""
-        return self.measured and not self.passed
+        return self.result is False
 
     @property
     def explained_flip(self) -> bool:
@@ -138,7 +143,7 @@ class ExpertAgreement:
     def to_dict(self) -> dict:
         return {"measured": self.measured, "pairs": self.pairs, "agreeing": self.agreeing,
                 "fraction": self.fraction, "explained": self.explained,
-                "passed": self.passed if self.measured else None,  # null: skipped, for the reason in "skipped"
+                "passed": self.result,  # null: skipped, for the reason in "skipped"
                 "skipped": None if self.measured else self.note, "note": self.note}
 
 

@@ -51,7 +51,7 @@ def render_junit(report: VerifyReport) -> str:
         cases = [_comparison(c) for c in p.comparisons]
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))
         if p.experts is not None:
-            cases.append(("expert choice", p.experts.passed if p.experts.measured else None, p.experts.note))
+            cases.append(("expert choice", p.experts.result, p.experts.note))
         if p.routing_flips:
             cases.append(("routing near-ties", all(flip.explained for flip in p.routing_flips),
                           "; ".join(flip.describe() for flip in p.routing_flips)))

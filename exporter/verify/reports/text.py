@@ -22,7 +22,7 @@ def verdict(passed: bool) -> str:
 def experts_verdict(experts) -> str:
     """An ExpertAgreement's result: one that measured nothing (routers not found) is skipped, neither pass nor
     FAIL; its note says why."""
-    return verdict(experts.passed) if experts.measured else "skipped"
+    return "skipped" if experts.result is None else verdict(experts.result)
 
 
 def _llm(c: Comparison) -> str:

@@ -11,10 +11,10 @@ ini file beside or above the artifact would configure the run; the two-argument 
 folder the reference is, in this order: a golden bundle given (--golden-bundle=DIR), the reference model
 rebuilt from the manifest's `source` (its seed, or its unchanged checkpoint), a `golden/` bundle inside
 the artifact (only when the reference cannot be rebuilt), or none, in which case only the reference-free
-invariants run, the other checks are skipped with the reason and the terminal summary warns that nothing was
-compared with the reference (--require-reference makes it a usage error instead). Everything that can be checked without
-running the graphs (the manifest, the file sizes, the providers, the golden bundle) is checked at
-startup: a problem there is one line and pytest's usage-error exit code, 4.
+invariants run, the other checks are skipped with the reason and the terminal summary warns that nothing
+was compared with the reference (--require-reference makes it a usage error instead). Everything that can
+be checked without running the graphs (the manifest, the file sizes, the providers, the golden bundle) is
+checked at startup: a problem there is one line and pytest's usage-error exit code, 4.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from pathlib import Path
 def _interrupted_while_starting(signum, frame):
     """A Ctrl-C while the command's modules import (a quarter second, onnxruntime's the most): one line and 130,
     as later, not Python's traceback of the import it stopped. Under --json, stdout holds the error object."""
-    from exporter.errors import error_document
+    from exporter.errors import error_document, json_requested
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
     print(message, file=sys.stderr)
-    if "--json" in sys.argv[1:]:
+    if json_requested():
         print(json.dumps(error_document("interrupted", message, code), indent=2))
     raise SystemExit(code)
 

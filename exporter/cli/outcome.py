@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from exporter import LIBRARY_LOGGERS
-from exporter.errors import ToolkitError, error_document, first_line
+from exporter.errors import ToolkitError, error_document, first_line, json_requested
 from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
@@ -85,7 +85,7 @@ def missing_dependency(exc: ImportError) -> None:
     read off the command line, which click has not parsed yet), exit 2."""
     package = (exc.name or "onnxruntime").split(".")[0]
     _fail("input", f"{package} does not import here ({first_line(exc, 200)}); install it (pip install {package}), "
-          "or reinstall this package with its dependencies", EXIT_INPUT_ERROR, "--json" in sys.argv[1:])
+          "or reinstall this package with its dependencies", EXIT_INPUT_ERROR, json_requested())
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
@@ -147,7 +147,7 @@ class OneLineErrorGroup(click.Group):
     """Usage errors as one line ('error: ... (see --help)') instead of click's usage block."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        as_json = "--json" in (sys.argv[1:] if args is None else args)
+        as_json = json_requested(args)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:

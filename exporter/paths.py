@@ -1,14 +1,17 @@
-"""Output paths checked before any work is spent on what would be written there."""
+"""Output paths checked before any work is spent on what would be written there; files written whole, and the
+JSON object files a user or an artifact gives read with one message for each way they can be wrong."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
+import tomllib
 from pathlib import Path
 
-from exporter.errors import OutputPathError
+from exporter.errors import OutputPathError, ToolkitError, first_line
 
 try:
     import fcntl
@@ -93,3 +96,32 @@ def folder_lock(folder: Path):
     finally:
         if handle is not None:
             os.close(handle)
+
+
+def json_type(value) -> str:
+    """The JSON type of a value read by json.loads."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), "null")
+
+
+def read_json_object(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False) -> dict:
+    """The JSON object the file at `path` holds (a .toml file's table, when `toml`), else `error` naming `what`
+    (the option or the file's role) and saying `fix`."""
+    return read_json_file(path, error, what, fix, toml)[1]
+
+
+def read_json_file(path: Path, error: type[ToolkitError], what: str, fix: str,
+                   toml: bool = False) -> tuple[bytes, dict]:
+    """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them."""
+    path = Path(path)
+    kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
+    try:
+        content = path.read_bytes()
+        text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+    except (OSError, ValueError, RecursionError) as exc:  # not UTF-8, invalid JSON or TOML, or nested too deep
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
+        raise error(f"{what} {path} is not a readable {kind} file ({reason}); {fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} holds a JSON {json_type(data)}, not a JSON object; {fix}")
+    return content, data

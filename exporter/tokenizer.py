@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.errors import TokenizerError, first_line
+from exporter.paths import json_type, read_json_file, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +69,6 @@ class TokenizerSource:
                              f"consumers' configs and our runtime use {model_id}, code reading the tokenizer's "
                              f"{name}_id gets {token_id}; name the model's token there if they should agree")
         return found
-
-
-def _read_json(path: Path) -> tuple[bytes, dict]:
-    """A JSON object file: its bytes and what they hold."""
-    try:
-        content = path.read_bytes()
-        data = json.loads(content.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TokenizerError(f"cannot read {path} ({type(exc).__name__}: {exc}); pass a valid JSON file") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path} holds a {type(data).__name__}, expected a JSON object")
-    return content, data
 
 
 def _tokens(path: Path, data: dict) -> dict[int, str]:
@@ -139,7 +128,8 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
-    content, data = _read_json(tokenizer)
+    content, data = read_json_file(tokenizer, TokenizerError, "tokenizer",
+                                   "pass a tokenizer.json written by the tokenizers library")
     tokens = _tokens(tokenizer, data)
     loaded = _load(tokenizer, content)
     tokens = {**_post_processor_tokens(loaded), **tokens}
@@ -160,7 +150,8 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     source = _read_tokenizer(path, vocab_size)
     if source.config is None:
         return source
-    source = dataclasses.replace(source, config_data=_read_json(source.config)[1])
+    source = dataclasses.replace(source, config_data=read_json_object(
+        source.config, TokenizerError, "tokenizer config", "correct it or leave the tokenizer_config.json out"))
     _check_config(source, source.config_data, vocab_size)
     return source
 
@@ -179,8 +170,8 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
     other one as a new token, with an id past the model's vocabulary. The fields onnxruntime-genai reads must
     have the type it reads."""
     for key, expected in GENAI_CONFIG_TYPES.items():
-        if key in config and _json_type(config[key]) != expected:
-            raise TokenizerError(f"{source.config}: {key} is a JSON {_json_type(config[key])}, but onnxruntime-genai "
+        if key in config and json_type(config[key]) != expected:
+            raise TokenizerError(f"{source.config}: {key} is a JSON {json_type(config[key])}, but onnxruntime-genai "
                                  f"reads only a JSON {expected} there (its tokenizer would fail to load); correct it "
                                  "or leave the tokenizer_config.json out")
     named = [(key, config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key) is not None]
@@ -202,12 +193,6 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
         if key.startswith("added_tokens_decoder") and key[len("added_tokens_decoder["):-1] != str(token_id):
             raise TokenizerError(f"{source.config}: {key} says {content!r}, which {source.tokenizer.name} holds at id "
                                  f"{token_id}; correct the id or leave the tokenizer_config.json out")
-
-
-def _json_type(value) -> str:
-    """The JSON type of a value read by json.loads."""
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
-        type(value), "null")
 
 
 def minimal_tokenizer_config(source: TokenizerSource, context_length: int, bos_token_id: int,

@@ -135,9 +135,9 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_export(tiny_mo
 
 @pytest.mark.parametrize("content, fragment", [
     (None, "no tokenizer at"),
-    ("{not json", "cannot read"),
+    ("{not json", "is not a readable JSON file"),
     ('{"model": {"type": "BPE"}}', "has no model.vocab"),
-    ("[1, 2]", "expected a JSON object"),
+    ("[1, 2]", "holds a JSON array, not a JSON object"),
 ])
 def test_bad_tokenizers_are_one_line_errors(tmp_path, content, fragment):
     if content is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -189,6 +190,15 @@ def test_overrides_from_options_and_files(tmp_path):
                 dict(file=tmp_path / "missing.json")):
         with pytest.raises(InputError):
             parse_overrides(**bad)
+    # the shared JSON-object reader's three refusals, each naming the file, the format and the fix
+    (tmp_path / "bad.toml").write_text("[kv\n")
+    (tmp_path / "list.json").write_text("[1]")
+    for name, said in (("missing.json", "is not a readable JSON file (No such file or directory)"),
+                       ("bad.toml", "is not a readable TOML file ("),
+                       ("list.json", "holds a JSON array, not a JSON object")):
+        with pytest.raises(InputError, match=re.escape(f"tolerance file {tmp_path / name} {said}")) as info:
+            parse_overrides(file=tmp_path / name)
+        assert str(info.value).endswith('; give a JSON or .toml file like {"logits": {"atol": 1e-3}}'), info.value
     # a str was iterated, one term per character ("'l': expected KIND=VALUE"); a kind given twice, the last won
     assert parse_overrides(atol="logits=1e-3") == parse_overrides(atol=["logits=1e-3"])
     with pytest.raises(InputError, match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "

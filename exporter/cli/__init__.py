@@ -44,6 +44,7 @@ from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artif
 from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
                                   missing_dependency, setup_logging)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
+from exporter.paths import read_json_object
 try:
     from exporter.generation import MINIMIND_SAMPLING
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
@@ -55,16 +56,6 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
         signal.signal(_signum, _handler)
 
 DEFAULT_ROOT = Path("artifacts")
-
-
-def _read_config_file(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
-        raise ToolkitError(f"--config {path} is not a readable JSON file ({exc}); pass a JSON object of config fields")
-    if not isinstance(data, dict):
-        raise ToolkitError(f"--config {path} holds a {type(data).__name__}, not a JSON object of config fields")
-    return data
 
 
 def _model_and_source(preset, seed, checkpoint, config_path):
@@ -79,7 +70,8 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         raise ToolkitError("--seed seeds generated weights; a --checkpoint brings its own: drop --seed")
     if preset is not None and config_path is not None:
         raise ToolkitError("give --preset or --config for a checkpoint, not both")
-    data = _read_config_file(config_path) if config_path is not None else None
+    data = None if config_path is None else read_json_object(config_path, ToolkitError, "--config",
+                                                             "pass a JSON object of config fields")
     return checkpoint_model(checkpoint, preset, config_data=data)
 
 

@@ -8,13 +8,12 @@ kinds from a JSON/TOML file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.errors import InputError
+from exporter.paths import read_json_object
 from exporter.sessions import CPU, CUDA
 from exporter.verify.metrics import Tolerance
 
@@ -196,15 +195,8 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
     {kind: {term: value}}; the command-line terms win over the file's."""
     terms: list[tuple[str, str, float]] = []
     if file is not None:
-        file = Path(file)
-        try:
-            text = file.read_text()
-            data = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
-        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise InputError(f"cannot read tolerance file {file} ({exc}); give a JSON or .toml file like "
-                             '{"logits": {"atol": 1e-3}}') from None
-        if not isinstance(data, dict):
-            raise InputError(f"{file}: expected a table of kinds, like {{\"logits\": {{\"atol\": 1e-3}}}}")
+        data = read_json_object(file, InputError, "tolerance file",
+                                'give a JSON or .toml file like {"logits": {"atol": 1e-3}}', toml=True)
         for kind, entry in data.items():
             _kind(kind, str(file))
             if not isinstance(entry, dict) or set(entry) - set(TERMS):

@@ -415,6 +415,24 @@ def _clear_interrupted(folder: Path) -> None:
             log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
 
 
+@contextlib.contextmanager
+def _parents_removed_unless_done(folder: Path):
+    """The parent folders of `folder` missing now (`-o a/b/c` with no a/b), which the block makes, are removed
+    again when it fails or is interrupted: each that is still empty, deepest first."""
+    missing = []
+    for parent in folder.parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    try:
+        yield
+    except BaseException:
+        for parent in missing:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                parent.rmdir()
+        raise
+
+
 def _move_into_place(built: Path, folder: Path) -> None:
     """Swap the finished folder in; an earlier artifact is removed only after the new one is in place."""
     old = None
@@ -525,22 +543,23 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
 
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        _clear_interrupted(folder)
-        built = _hidden_sibling(folder, "partial")
-    except OSError as exc:
-        raise _write_failed(folder, exc) from None
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
-        manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
-        with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
-            _move_into_place(built, folder)
-    except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
-        raise _write_failed(folder, exc) from None
-    finally:
-        shutil.rmtree(built, ignore_errors=True)
+    with _parents_removed_unless_done(folder):
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            _clear_interrupted(folder)
+            built = _hidden_sibling(folder, "partial")
+        except OSError as exc:
+            raise _write_failed(folder, exc) from None
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
+            manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
+            with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
+                _move_into_place(built, folder)
+        except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
+            raise _write_failed(folder, exc) from None
+        finally:
+            shutil.rmtree(built, ignore_errors=True)
     total = sum(entry["bytes"] for entry in manifest.files.values())
     return ExportResult(shown, manifest, time.perf_counter() - start, total)

@@ -157,10 +157,16 @@ def pytest_configure(config):
             "recorded from as --artifacts=DIR)" if bundles else "")
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     if config.getoption("require_reference"):
-        missing = next(((folder, plan) for folder, plan in plans.items() if plan.reference == "invariants"), None)
+        missing = {folder: plan.reason for folder, plan in plans.items() if plan.reference == "invariants"}
+        if len(missing) == 1:
+            [(folder, reason)] = missing.items()
+            raise pytest.UsageError(f"--require-reference: {folder} has no reference to compare with ({reason}); "
+                                    f"{NO_REFERENCE_FIX}")
         if missing:
-            folder, plan = missing
-            raise pytest.UsageError(f"--require-reference: {folder} has no reference to compare with ({plan.reason}); "
+            named = ", ".join(str(folder) for folder in list(missing)[:3])
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise pytest.UsageError(f"--require-reference: {len(missing)} artifact folders have no reference to "
+                                    f"compare with: {named}{more} ({'; '.join(dict.fromkeys(missing.values()))}); "
                                     f"{NO_REFERENCE_FIX}")
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone

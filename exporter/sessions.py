@@ -5,11 +5,14 @@ checked against its manifest before onnxruntime loads it. `exporter.runtime` run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,14 +314,40 @@ def _new_session(model, options: ort.SessionOptions, providers: list) -> ort.Inf
             except _LOAD_ERRORS:
                 raise exc from None
             raise _save_failed(target, first_line(exc, 200)) from None
-        # the weights file before the graph that names it
-        for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
-            os.replace(staging / name, target.parent / name)
+        with _signals_deferred():  # a Ctrl-C between the two moves left the new weights beside the earlier graph
+            # the weights file before the graph that names it
+            for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
+                os.replace(staging / name, target.parent / name)
     except OSError as exc:
         raise _save_failed(target, exc.strerror or str(exc)) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return session
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM held back while the block runs, and delivered (with the handlers found) right after it.
+    Their handlers are swapped, not the signals blocked: a signal blocked in this thread is delivered to another
+    (onnxruntime's pool threads), and Python runs its handler in the main thread all the same. Outside the main
+    thread no handler can be set, and none is needed: Python raises a signal's exception only in the main thread.
+    A signal that this process ignores, or whose handler is not Python's, is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signum: handler for signum, handler in handlers.items()
+                if handler is not None and handler is not signal.SIG_IGN}
+    try:
+        for signum in handlers:
+            signal.signal(signum, lambda received, frame: pending.append(received))
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def _save_failed(target: Path, reason: str) -> OutputPathError:

@@ -223,6 +223,22 @@ def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy,
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
 
 
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))],
+                         ids=["interrupt", "full disk"])
+def test_a_failed_export_removes_the_parent_folders_it_made(tmp_path, tiny_model, monkeypatch, failure):
+    """`-o a/b/c` makes the missing a/b; an export that did not land left them behind, empty. Only the folders this
+    export made go, and only while empty: one that something else wrote into meanwhile stays."""
+    def fail(*args, **kwargs):
+        (tmp_path / "kept" / "b" / "other.txt").write_text("written by another program meanwhile")
+        raise failure
+
+    monkeypatch.setattr(export_module, "_torch_export", fail)
+    (tmp_path / "kept").mkdir()
+    with pytest.raises((KeyboardInterrupt, OutputPathError)):
+        export_artifact(tiny_model, tmp_path / "kept" / "b" / "c" / "d" / "art")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["kept", "kept/b", "kept/b/other.txt"]
+
+
 def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artifact_back(tmp_path, monkeypatch):
     folder, built = tmp_path / "art", tmp_path / ".art.partial-x"
     folder.mkdir()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +349,55 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
                                               r"--save-optimized"):
         OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_between_the_moves_of_the_optimised_graph_keeps_a_matched_pair(artifact_fp32, tmp_path,
+                                                                                monkeypatch, signum):
+    """The saved graph and its weights file are moved in one after the other: a Ctrl-C landing between the two
+    left the new weights file beside the earlier graph. The signal now takes effect after both moves."""
+    folder = tmp_path / "optimized"
+    folder.mkdir()
+    graph, weights = folder / "decode.optimized.onnx", folder / "decode.optimized.onnx.data"
+    graph.write_bytes(b"old graph")
+    weights.write_bytes(b"old weights")
+    real, moves = os.replace, []
+
+    def replace_then_signal(source, destination):
+        real(source, destination)
+        moves.append(Path(destination).name)
+        if len(moves) == 1:  # as a Ctrl-C in the terminal: to the process, not to a thread
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(os, "replace", replace_then_signal)
+    handler = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as the CLI routes it: KeyboardInterrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert moves[0] == weights.name  # the signal came after the first move, the weights file
+    pair = (graph.read_bytes() == b"old graph", weights.read_bytes() == b"old weights")
+    assert pair in ((True, True), (False, False)), f"mismatched pair on disk: graph old, weights old = {pair}"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_the_optimised_graphs_can_be_saved_from_a_thread(artifact_fp32, tmp_path):
+    """Signal handlers can be set only in the main thread: the save's guard against interrupts must not fail
+    (ValueError) in a session made from another thread (a server's worker)."""
+    folder, errors = tmp_path / "optimized", []
+
+    def load():
+        try:
+            OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    assert not errors
+    assert {"decode.optimized.onnx", "prefill.optimized.onnx"} <= {p.name for p in folder.iterdir()}
 
 
 @pytest.fixture(scope="module")

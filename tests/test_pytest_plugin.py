@@ -148,6 +148,15 @@ def test_require_reference_makes_an_artifact_without_a_reference_a_usage_error(a
     both = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", f"--artifacts={folder}",
                    "--require-reference")
     assert both.returncode == 4 and f"--require-reference: {folder} has no reference" in both.stderr, both.stderr
+    # several without one: all are counted and the first few named, in one line (only the first was named)
+    others = [shutil.copytree(folder, tmp_path / f"mine{index}") for index in range(2, 6)]
+    several = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}",
+                      *(f"--artifacts={f}" for f in (folder, *others)), "--require-reference")
+    assert several.returncode == 4, several.stdout[-3000:] + several.stderr[-2000:]
+    [line] = several.stderr.strip().splitlines()
+    assert (f"--require-reference: 5 artifact folders have no reference to compare with: {folder}, {others[0]}, "
+            f"{others[1]} and 2 more (the weights came from a in-memory source this toolkit cannot rebuild); pass "
+            "--golden-bundle=DIR") in line, line
     alone = _pytest(tmp_path, "--require-reference")
     assert alone.returncode == 4 and "--require-reference without --artifacts" in alone.stderr, alone.stderr[-2000:]
 

@@ -575,6 +575,16 @@ def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
     assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output
 
 
+def test_an_interrupt_outside_a_command_still_prints_the_json_error(tmp_path, monkeypatch):
+    # Under --json, stdout always parses: click's Abort left it empty.
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.cli.begin_command", interrupted)
+    result = run_cli("inspect", tmp_path, "--json")
+    assert result.exit_code == 130 and result.stderr.strip() == "aborted", result.output
+    assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "aborted"}, "exit_code": 130}
+
+
 def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integer(cli_artifact):
     # "-1" is an integer: the refusal says where it lies, as for 99999 (input error), not that it is no number.
     result = run_cli("generate", cli_artifact, "--prompt-ids", "1,-1", "--json")

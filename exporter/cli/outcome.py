@@ -155,9 +155,8 @@ class OneLineErrorGroup(click.Group):
             _fail("usage", f"{exc.format_message()}{where}", EXIT_INPUT_ERROR, as_json)
         except click.ClickException as exc:
             _fail("usage", exc.format_message(), exc.exit_code, as_json)
-        except click.Abort:
-            click.echo("aborted", err=True)
-            sys.exit(130)
+        except click.Abort:  # a Ctrl-C before the command's own handling: under --json stdout still parses
+            _fail("interrupted", "aborted", 130, as_json)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)

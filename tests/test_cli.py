@@ -577,9 +577,12 @@ def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
 
 def test_an_interrupt_outside_a_command_still_prints_the_json_error(tmp_path, monkeypatch):
     # Under --json, stdout always parses: click's Abort left it empty.
+    from exporter.cli.outcome import CommandState
+
     def interrupted():
         raise KeyboardInterrupt
     monkeypatch.setattr("exporter.cli.begin_command", interrupted)
+    monkeypatch.setattr("exporter.cli.outcome.state", CommandState())  # a fresh process's: no command has begun
     result = run_cli("inspect", tmp_path, "--json")
     assert result.exit_code == 130 and result.stderr.strip() == "aborted", result.output
     assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "aborted"}, "exit_code": 130}

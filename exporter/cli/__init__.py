@@ -25,14 +25,16 @@ def _interrupted_while_starting(signum, frame):
     traceback), in onnxruntime's (pybind11) it became `ImportError: initialization failed` (a second error line
     saying onnxruntime is not installed, exit 2), and an interpreter left with a half-initialised one could crash
     at exit (-11)."""
-    from exporter.errors import error_document, json_requested
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
-    print(message, file=sys.stderr)
-    if json_requested():
-        print(json.dumps(error_document("interrupted", message, code), indent=2))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    try:  # whatever fails here (a closed stdout), the exit stays this one
+        from exporter.errors import error_document, json_requested
+        print(message, file=sys.stderr)
+        if json_requested():
+            print(json.dumps(error_document("interrupted", message, code), indent=2))
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 # Until this module is done (its imports, then its commands' definitions); then whatever was there before (a program

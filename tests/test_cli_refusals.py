@@ -289,6 +289,21 @@ def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_pat
         f"error: {tmp_path / 'none'} is not a folder; pass an artifact folder written by 'export-onnx export'"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["generate", "--prompt-ids", "1,2"],
+                                     ["generate", "--prompt-ids", "1", "--prompt-ids", "2"],
+                                     ["generate", "--prompt-ids", "1,2", "--json"]])
+def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(artifact_fp32, command):
+    # The result printed to a full disk was `internal error: OSError: [Errno 28] No space left on device (rerun
+    # with --verbose for the traceback)`, exit 3: the user's disk, not a fault of the toolkit.
+    script = Path(sys.executable).parent / "export-onnx"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([str(script), command[0], str(artifact_fp32), *command[1:]], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: cannot write the result to stdout (No space left on device)"], result.stderr
+
+
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     out = tmp_path / "art"
     command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it

@@ -53,8 +53,8 @@ import click  # after the handlers above, as every import below
 from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
                                   finish_verification, genai_option, provider_option, run_verification,
                                   verification_plan, verify_options)
-from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
-                                  missing_dependency, setup_logging)
+from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, echo_result, emit,
+                                  handle_errors, missing_dependency, setup_logging)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
 from exporter.paths import read_json_object
 try:
@@ -283,10 +283,10 @@ def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
             for result, token in zip(results, tokens):
                 result.add(token, stops)
             if live and tokens[0] is not None:
-                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+                echo_result(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
     finally:
         if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
-            click.echo(text.rest() if text else "")
+            echo_result(text.rest() if text else "")
     return results
 
 

@@ -460,6 +460,20 @@ def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
                           "Invalid value for '--max-new-tokens': -3 is not in the range x>=0")
 
 
+@pytest.mark.parametrize("option,value,named", [
+    ("--temperature", "0", "temperature (--temperature) must lie in"),
+    ("--top-k", "-1", "top_k (--top-k) must be an integer >= 0"),
+    ("--top-p", "0", "top_p (--top-p) must lie in (0, 1]"),
+    ("--repetition-penalty", "0", "repetition_penalty (--repetition-penalty) must lie in"),
+    ("--stop-id", "600", "stop ids (stop_ids, --stop-id) [600] are not token ids"),
+])
+def test_generate_names_the_flag_of_a_sampling_value_out_of_range(cli_artifact, option, value, named):
+    # The library's check, which said `top_k must be an integer >= 0` to a user who typed --top-k: both names now,
+    # as the other refusals that the API and the CLI share.
+    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--sample", option, value, "-q"), 2,
+                          named)
+
+
 def test_sampling_options_without_sample_are_refused(cli_artifact):
     # They were ignored in silence: --temperature 5 --top-p 0.1 --seed 9 printed the greedy tokens, exit 0.
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--temperature", "5", "--top-p",
@@ -573,6 +587,19 @@ def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
     monkeypatch.setattr("exporter.cli.begin_command", interrupted)
     result = run_cli("inspect", tmp_path)
     assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output
+
+
+def test_an_interrupt_outside_a_command_still_prints_the_json_error(tmp_path, monkeypatch):
+    # Under --json, stdout always parses: click's Abort left it empty.
+    from exporter.cli.outcome import CommandState
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr("exporter.cli.begin_command", interrupted)
+    monkeypatch.setattr("exporter.cli.outcome.state", CommandState())  # a fresh process's: no command has begun
+    result = run_cli("inspect", tmp_path, "--json")
+    assert result.exit_code == 130 and result.stderr.strip() == "aborted", result.output
+    assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "aborted"}, "exit_code": 130}
 
 
 def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integer(cli_artifact):

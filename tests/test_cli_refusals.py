@@ -289,6 +289,21 @@ def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_pat
         f"error: {tmp_path / 'none'} is not a folder; pass an artifact folder written by 'export-onnx export'"]
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["generate", "--prompt-ids", "1,2"],
+                                     ["generate", "--prompt-ids", "1", "--prompt-ids", "2"],
+                                     ["generate", "--prompt-ids", "1,2", "--json"]])
+def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(artifact_fp32, command):
+    # The result printed to a full disk was `internal error: OSError: [Errno 28] No space left on device (rerun
+    # with --verbose for the traceback)`, exit 3: the user's disk, not a fault of the toolkit.
+    script = Path(sys.executable).parent / "export-onnx"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([str(script), command[0], str(artifact_fp32), *command[1:]], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: cannot write the result to stdout (No space left on device)"], result.stderr
+
+
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     out = tmp_path / "art"
     command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it
@@ -477,6 +492,55 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
 
     from exporter import cli
     assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own
+
+
+def _interrupted_start(hook: str) -> subprocess.CompletedProcess:
+    """`export-onnx generate --json` in a fresh interpreter, a SIGINT sent where `hook` (the script's code, with
+    os, signal and builtins imported and real_import the real __import__) sends it."""
+    script = f"""if True:
+        import builtins, os, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, were pytest started with `&`
+        real_import = builtins.__import__
+        {hook}
+        sys.argv = ["export-onnx", "generate", "--prompt-ids", "1", "--json"]
+        from exporter.cli import main
+        main()
+        """
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_an_interrupt_inside_onnxruntimes_import_is_an_interruption_not_a_missing_onnxruntime():
+    # onnxruntime's extension module is built with pybind11, which turns an exception raised during its init (the
+    # SystemExit of the startup's signal handler) into `ImportError: initialization failed`: a Ctrl-C a fifth of a
+    # second in added "error: onnxruntime does not import here (initialization failed); install it ..." and a
+    # second JSON document, and exited 2.
+    result = _interrupted_start("""def ctrl_c_during(name, *args, **kwargs):
+            if name == "exporter.generation":
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                except SystemExit as exc:  # as pybind11 reports it
+                    raise ImportError("initialization failed", name="onnxruntime") from exc
+            return real_import(name, *args, **kwargs)
+        builtins.__import__ = ctrl_c_during""")
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "interrupted (SIGINT)\n"
+    assert json.loads(result.stdout)["exit_code"] == 130
+
+
+def test_an_interrupt_while_the_commands_are_defined_is_one_line_not_a_traceback():
+    # The startup's handler was taken down right after the imports, while the module still had its commands to
+    # define (click's types translate their names through gettext, which reads the disk): a Ctrl-C there printed
+    # Python's traceback and died of the signal.
+    result = _interrupted_start("""import click
+        real_init = click.Path.__init__
+        def ctrl_c_in(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            real_init(self, *args, **kwargs)
+        click.Path.__init__ = ctrl_c_in""")
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "interrupted (SIGINT)\n"
+    assert json.loads(result.stdout)["exit_code"] == 130
 
 
 def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artifact_fp32, tmp_path):

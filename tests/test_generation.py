@@ -295,25 +295,26 @@ def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwarg
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"do_sample": True, "temperature": 0.0}, r"temperature must lie in \[1e-06, 3.403e\+38\]"),
-    ({"do_sample": True, "temperature": -1.0}, "temperature must lie in"),
-    ({"do_sample": True, "temperature": 1e-40}, "temperature must lie in"),
-    ({"do_sample": True, "temperature": 1e39}, r"temperature must lie in .*finite in float32"),
-    ({"do_sample": True, "temperature": "x"}, "temperature must be a number"),
-    ({"top_p": "0.5"}, "top_p must be a number"),
-    ({"repetition_penalty": None}, "repetition_penalty must be a number"),
-    ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must lie in \(0, 1\]"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
-    ({"repetition_penalty": 0.0}, r"repetition_penalty must lie in \[1e-06, 3.403e\+38\]"),
-    ({"repetition_penalty": 1e300}, "repetition_penalty must lie in .*finite in float32"),
-    ({"do_sample": True, "temperature": float("inf")}, "temperature must lie in"),
-    ({"repetition_penalty": float("nan")}, "repetition_penalty must lie in"),
-    ({"top_k": 2.5}, "top_k must be an integer"),
-    ({"seed": -1}, "seed must be an integer >= 0"),
-    ({"seed": (1, "2")}, "seed must be an integer >= 0"),
-    ({"do_sample": "no"}, r"do_sample must be True or False, got 'no' \(str\)"),  # it sampled: "no" is truthy
-    ({"do_sample": None}, "do_sample must be True or False"),
+    ({"do_sample": True, "temperature": 0.0}, r"temperature \(--temperature\) must lie in \[1e-06, 3.403e\+38\]"),
+    ({"do_sample": True, "temperature": -1.0}, r"temperature \(--temperature\) must lie in"),
+    ({"do_sample": True, "temperature": 1e-40}, r"temperature \(--temperature\) must lie in"),
+    ({"do_sample": True, "temperature": 1e39}, r"temperature \(--temperature\) must lie in .*finite in float32"),
+    ({"do_sample": True, "temperature": "x"}, r"temperature \(--temperature\) must be a number"),
+    ({"top_p": "0.5"}, r"top_p \(--top-p\) must be a number"),
+    ({"repetition_penalty": None}, r"repetition_penalty \(--repetition-penalty\) must be a number"),
+    ({"top_p": 0.0}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
+    ({"top_k": -1}, r"top_k \(--top-k\) must be an integer >= 0"),
+    ({"repetition_penalty": 0.0}, r"repetition_penalty \(--repetition-penalty\) must lie in \[1e-06, 3.403e\+38\]"),
+    ({"repetition_penalty": 1e300}, r"repetition_penalty \(--repetition-penalty\) must lie in .*finite in float32"),
+    ({"do_sample": True, "temperature": float("inf")}, r"temperature \(--temperature\) must lie in"),
+    ({"repetition_penalty": float("nan")}, r"repetition_penalty \(--repetition-penalty\) must lie in"),
+    ({"top_k": 2.5}, r"top_k \(--top-k\) must be an integer"),
+    ({"seed": -1}, r"seed \(--seed\) must be an integer >= 0"),
+    ({"seed": (1, "2")}, r"seed \(--seed\) must be an integer >= 0"),
+    # it sampled: "no" is truthy
+    ({"do_sample": "no"}, r"do_sample \(--sample\) must be True or False, got 'no' \(str\)"),
+    ({"do_sample": None}, r"do_sample \(--sample\) must be True or False"),
 ])
 def test_bad_sampling_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):

@@ -10,6 +10,7 @@ command ends (exit codes, one-line errors, signals, progress lines) is in outcom
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -17,17 +18,28 @@ from pathlib import Path
 
 def _interrupted_while_starting(signum, frame):
     """A Ctrl-C while the command's modules import (a quarter second, onnxruntime's the most): one line and 130,
-    as later, not Python's traceback of the import it stopped. Under --json, stdout holds the error object."""
-    from exporter.errors import error_document, json_requested
+    as later, not Python's traceback of the import it stopped. Under --json, stdout holds the error object.
+
+    It leaves with os._exit: nothing started yet needs cleaning up, and an exception raised inside an extension's
+    initialisation is not the caller's to handle. In onnx's (nanobind) it aborted the process (exit -6 and a
+    traceback), in onnxruntime's (pybind11) it became `ImportError: initialization failed` (a second error line
+    saying onnxruntime is not installed, exit 2), and an interpreter left with a half-initialised one could crash
+    at exit (-11)."""
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
-    print(message, file=sys.stderr)
-    if json_requested():
-        print(json.dumps(error_document("interrupted", message, code), indent=2))
-    raise SystemExit(code)
+    try:  # whatever fails here (a closed stdout), the exit stays this one
+        from exporter.errors import error_document, json_requested
+        print(message, file=sys.stderr)
+        if json_requested():
+            print(json.dumps(error_document("interrupted", message, code), indent=2))
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
-# Until the imports below are done; then whatever was there before (a program importing this module keeps its own
-# handling), and begin_command routes the signals for the command. One started ignoring a signal keeps ignoring it.
+# Until this module is done (its imports, then its commands' definitions); then whatever was there before (a program
+# importing this module keeps its own handling), and begin_command routes the signals for the command. One started
+# ignoring a signal keeps ignoring it.
 _BEFORE_IMPORTS = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
 for _signum, _handler in _BEFORE_IMPORTS.items():
     if _handler is not signal.SIG_IGN:
@@ -41,8 +53,8 @@ import click  # after the handlers above, as every import below
 from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
                                   finish_verification, genai_option, provider_option, run_verification,
                                   verification_plan, verify_options)
-from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, emit, handle_errors,
-                                  missing_dependency, setup_logging)
+from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, echo_result, emit,
+                                  handle_errors, missing_dependency, setup_logging)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
 from exporter.paths import read_json_object
 try:
@@ -50,10 +62,6 @@ try:
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
     missing_dependency(exc)
 from reference import DEFAULT_PRESET, get_preset
-
-for _signum, _handler in _BEFORE_IMPORTS.items():
-    if signal.getsignal(_signum) is _interrupted_while_starting and _handler is not None:  # None: not Python's
-        signal.signal(_signum, _handler)
 
 DEFAULT_ROOT = Path("artifacts")
 
@@ -275,10 +283,10 @@ def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
             for result, token in zip(results, tokens):
                 result.add(token, stops)
             if live and tokens[0] is not None:
-                click.echo(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
+                echo_result(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
     finally:
         if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
-            click.echo(text.rest() if text else "")
+            echo_result(text.rest() if text else "")
     return results
 
 
@@ -385,3 +393,9 @@ def inspect(folder, as_json, quiet, verbose):
     emit(result, as_json, format_inspect(manifest, str(folder), status))
     if damaged:
         sys.exit(EXIT_INPUT_ERROR)
+
+
+# At the end: the definitions above run for a tenth of a second too (click's types call gettext, which reads the disk).
+for _signum, _handler in _BEFORE_IMPORTS.items():
+    if signal.getsignal(_signum) is _interrupted_while_starting and _handler is not None:  # None: not Python's
+        signal.signal(_signum, _handler)

@@ -155,9 +155,8 @@ class OneLineErrorGroup(click.Group):
             _fail("usage", f"{exc.format_message()}{where}", EXIT_INPUT_ERROR, as_json)
         except click.ClickException as exc:
             _fail("usage", exc.format_message(), exc.exit_code, as_json)
-        except click.Abort:
-            click.echo("aborted", err=True)
-            sys.exit(130)
+        except click.Abort:  # a Ctrl-C before the command's own handling: under --json stdout still parses
+            _fail("interrupted", "aborted", 130, as_json)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
@@ -171,8 +170,20 @@ def setup_logging(verbose: bool, quiet: bool) -> None:
         logging.getLogger(library).setLevel(logging.WARNING)
 
 
+def echo_result(text: str, nl: bool = True) -> None:
+    """Print (part of) the result on stdout. A stdout that cannot take it (a full disk) is the user's to fix, not an
+    internal error: an input error, exit 2. A closed pipe (BrokenPipeError) stays the quiet 141."""
+    try:
+        click.echo(text, nl=nl)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        sys.stdout = open(os.devnull, "w")  # nor may the error object, or the flush at exit, write there again
+        raise ToolkitError(f"cannot write the result to stdout ({exc.strerror or exc})") from None
+
+
 def emit(result, as_json: bool, text: str) -> None:
     """Print the command's result (JSON with --json), which an error after it must not follow with another."""
     from exporter.verify.reports import json_text
-    click.echo(json_text(result) if as_json else text)
+    echo_result(json_text(result) if as_json else text)
     state.result_printed = True

@@ -492,3 +492,13 @@ def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artif
     state = json.loads(result.stdout)["file_status"]["decode.onnx"]
     assert state.startswith("has the inputs [") and "its manifest lists" in state, state
     assert f"{folder} is damaged: decode.onnx: {state}; re-export the folder" in result.stderr
+
+
+def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tmp_path):
+    # any JSON file counts as a JSON report that may be replaced, so --report-json tol.json --tolerances tol.json
+    # replaced the overrides with the report, and the next run with that file was refused ("unknown kind 'folder'")
+    tolerances = tmp_path / "tol.json"
+    tolerances.write_text('{"logits": {"atol": 1e-3}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "--report-json", tolerances, "-q"),
+            f"--report-json {tolerances} is also the path of --tolerances; give each report its own file")
+    assert tolerances.read_text() == '{"logits": {"atol": 1e-3}}'

@@ -175,6 +175,8 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     bundles = {Path(path).resolve(): flag for path, flag in ((options.golden_save, "--golden-save"),
                                                              (golden, "--golden")) if path is not None}
     written: dict[Path, str] = {}  # each report path -> its flag
+    if options.tolerance_file is not None:  # read, never written: a JSON report would replace it unasked
+        written[Path(options.tolerance_file).resolve()] = "--tolerances"
     for option in ("report_json", "junit", "html", "golden_save"):
         path, flag = getattr(options, option), "--" + option.replace("_", "-")
         if path is None:

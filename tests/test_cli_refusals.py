@@ -502,3 +502,15 @@ def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tm
     refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "--report-json", tolerances, "-q"),
             f"--report-json {tolerances} is also the path of --tolerances; give each report its own file")
     assert tolerances.read_text() == '{"logits": {"atol": 1e-3}}'
+
+
+def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_fp32, tmp_path):
+    # --golden g/golden.json read "[Errno 20] Not a directory: 'g/golden.json/golden.json'", and --golden ARTIFACT
+    # "No such file or directory: 'ARTIFACT/golden.json'", each with advice to record a bundle the user already had
+    bundle = tmp_path / "g"
+    bundle.mkdir()
+    (bundle / "golden.json").write_text("{}")
+    refused(run_cli("verify", artifact_fp32, "--golden", bundle / "golden.json", "-q"),
+            f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
+    refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
+            f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")

@@ -43,7 +43,7 @@ import onnxruntime as ort
 
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
-from exporter.manifest import Manifest, config_differences, sha256_file
+from exporter.manifest import MANIFEST, Manifest, config_differences, sha256_file
 from exporter.paths import check_output_path, folder_lock
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
@@ -302,6 +302,12 @@ def _recording_digest(meta: dict) -> str:
 
 
 def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
+    if folder.is_file():  # golden.json itself, say: errno 20 named "golden.json/golden.json"
+        parent = f": {folder.parent}" if folder.name in (BUNDLE, ARRAYS) else ""
+        return ToolkitError(f"{folder} is a file, not a golden bundle; pass the folder that holds {BUNDLE}{parent}")
+    if (folder / MANIFEST).is_file() and not (folder / BUNDLE).exists():
+        return ToolkitError(f"{folder} is an artifact folder, not a golden bundle; pass the folder that golden_save "
+                            f"(--golden-save) wrote ({BUNDLE} and {ARRAYS})")
     return ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
                         "verify_artifact's golden_save (export-onnx verify --golden-save DIR)")
 

@@ -514,3 +514,11 @@ def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_
             f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
     refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
             f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")
+
+
+def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):
+    # --atol logits=1 --atol logits=2 is refused; --tolerances a.json --tolerances b.json used b.json alone, silently
+    (tmp_path / "a.json").write_text('{"logits": {"atol": 1e-3}}')
+    (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json",
+                    "-q"), "Invalid value for '--tolerances': given 2 times; give one file (it may hold every kind)")

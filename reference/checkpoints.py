@@ -523,6 +523,9 @@ def _check_arguments(config, config_data) -> None:
     if config_data is not None and not isinstance(config_data, dict):
         raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
                           f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+    if isinstance(config, (str, os.PathLike, dict)):  # a --config file, or its fields: family_of's refusal misled
+        raise ConfigError(f"config must be a preset's config, got {type(config).__name__} {str(config)[:40]!r}; "
+                          "pass the fields of a --config file as config_data (json.loads of its text)")
     if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
         raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
 

@@ -450,6 +450,11 @@ def test_config_data_that_is_no_dict_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"^config_data must be a dict of config fields, got (str|list) .*; "
                                               r"pass json.loads of the file's text"):
             load_checkpoint(tmp_path / "model.pth", config_data=data)
+    # a --config file's path given as config read "str is not the config of a known family ...; describe your own
+    # decoder with reference.byo.DecoderSpec", advice for another mistake
+    with pytest.raises(ConfigError, match=r"^config must be a preset's config, got str 'config.json'; pass the "
+                                          r"fields of a --config file as config_data"):
+        load_checkpoint(tmp_path / "model.pth", config="config.json")
 
 
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):

@@ -556,3 +556,33 @@ def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artif
     state = json.loads(result.stdout)["file_status"]["decode.onnx"]
     assert state.startswith("has the inputs [") and "its manifest lists" in state, state
     assert f"{folder} is damaged: decode.onnx: {state}; re-export the folder" in result.stderr
+
+
+def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tmp_path):
+    # any JSON file counts as a JSON report that may be replaced, so --report-json tol.json --tolerances tol.json
+    # replaced the overrides with the report, and the next run with that file was refused ("unknown kind 'folder'")
+    tolerances = tmp_path / "tol.json"
+    tolerances.write_text('{"logits": {"atol": 1e-3}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "--report-json", tolerances, "-q"),
+            f"--report-json {tolerances} is also the path of --tolerances; give each report its own file")
+    assert tolerances.read_text() == '{"logits": {"atol": 1e-3}}'
+
+
+def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_fp32, tmp_path):
+    # --golden g/golden.json read "[Errno 20] Not a directory: 'g/golden.json/golden.json'", and --golden ARTIFACT
+    # "No such file or directory: 'ARTIFACT/golden.json'", each with advice to record a bundle the user already had
+    bundle = tmp_path / "g"
+    bundle.mkdir()
+    (bundle / "golden.json").write_text("{}")
+    refused(run_cli("verify", artifact_fp32, "--golden", bundle / "golden.json", "-q"),
+            f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
+    refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
+            f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")
+
+
+def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):
+    # --atol logits=1 --atol logits=2 is refused; --tolerances a.json --tolerances b.json used b.json alone, silently
+    (tmp_path / "a.json").write_text('{"logits": {"atol": 1e-3}}')
+    (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json",
+                    "-q"), "Invalid value for '--tolerances': given 2 times; give one file (it may hold every kind)")

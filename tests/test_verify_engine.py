@@ -668,6 +668,13 @@ def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifa
     with pytest.raises(GoldenMismatch) as caught:
         load_bundle(other, read_manifest(artifact_fp32))
     assert "belongs to another model (differs in rms_norm_eps); " in str(caught.value)
+    # a bundle of another family differed in some 25 fields, every one listed; the first five and a count now
+    meta["artifact"]["config"] = {f"field_{i:02d}": i for i in range(8)}
+    (other / "golden.json").write_text(json.dumps(meta))
+    with pytest.raises(GoldenMismatch) as caught:
+        load_bundle(other, read_manifest(artifact_fp32))
+    assert re.search(r"\(differs in [34]\d config fields, among them attn_implementation, bos_token_id, dropout, "
+                     r"eos_token_id, field_00\); verify against", str(caught.value)), caught.value
     manifest = read_manifest(artifact_fp32)  # a graph re-exported alone (its weights unchanged) is another export
     for graph in (manifest.prefill.file, manifest.decode.file):
         meta = json.loads((full[1] / "golden.json").read_text())

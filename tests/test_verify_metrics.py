@@ -204,6 +204,11 @@ def test_overrides_from_options_and_files(tmp_path):
     with pytest.raises(InputError, match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "
                                          "give it once$"):
         parse_overrides(atol=["logits=1", "logits=2"])
+    # a misspelt term in a file was refused without naming it ("logits must map some of atol, rtol, peak")
+    (tmp_path / "typo.json").write_text(json.dumps({"logits": {"atol": 1e-3, "atl": 1e-3}}))
+    with pytest.raises(InputError, match=re.escape(f"{tmp_path / 'typo.json'}: logits holds an unknown term 'atl'; "
+                                                   "choose among atol, rtol, peak")):
+        parse_overrides(file=tmp_path / "typo.json")
 
 
 def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch(tiny_model):

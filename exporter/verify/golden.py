@@ -43,7 +43,7 @@ import onnxruntime as ort
 
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
-from exporter.manifest import Manifest, config_differences, sha256_file
+from exporter.manifest import MANIFEST, Manifest, config_differences, sha256_file
 from exporter.paths import check_output_path, folder_lock
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
@@ -302,6 +302,12 @@ def _recording_digest(meta: dict) -> str:
 
 
 def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
+    if folder.is_file():  # golden.json itself, say: errno 20 named "golden.json/golden.json"
+        parent = f": {folder.parent}" if folder.name in (BUNDLE, ARRAYS) else ""
+        return ToolkitError(f"{folder} is a file, not a golden bundle; pass the folder that holds {BUNDLE}{parent}")
+    if (folder / MANIFEST).is_file() and not (folder / BUNDLE).exists():
+        return ToolkitError(f"{folder} is an artifact folder, not a golden bundle; pass the folder that golden_save "
+                            f"(--golden-save) wrote ({BUNDLE} and {ARRAYS})")
     return ToolkitError(f"{folder} is not a readable golden bundle ({exc}); write one with "
                         "verify_artifact's golden_save (export-onnx verify --golden-save DIR)")
 
@@ -345,6 +351,8 @@ def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
     ours = _identity(manifest)
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
+        if len(changed) > 5:  # another family's config differs in every field: 25 names hid the message's end
+            changed = [f"{len(changed)} config fields, among them {', '.join(changed[:5])}"]
         if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
             changed.append(f"dtype: bundle {theirs['dtype']}, artifact {ours['dtype']}")
         raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in {', '.join(changed)}); "

@@ -199,7 +199,10 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
                                 'give a JSON or .toml file like {"logits": {"atol": 1e-3}}', toml=True)
         for kind, entry in data.items():
             _kind(kind, str(file))
-            if not isinstance(entry, dict) or set(entry) - set(TERMS):
+            unknown = sorted(set(entry) - set(TERMS)) if isinstance(entry, dict) else []
+            if unknown:
+                raise InputError(f"{file}: {kind} holds an unknown term {unknown[0]!r}; choose among {', '.join(TERMS)}")
+            if not isinstance(entry, dict):
                 raise InputError(f"{file}: {kind} must map some of {', '.join(TERMS)} to numbers")
             terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]
     given: dict[tuple[str, str], float] = {}  # (kind, term) -> value, of the command-line terms

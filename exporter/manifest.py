@@ -177,7 +177,8 @@ def load_manifest(folder: Path) -> Manifest:
         raise ArtifactError(f"an artifact folder is a path (str or Path), got {folder!r:.80}")
     folder = Path(folder)
     if not folder.is_dir():
-        raise ArtifactError(f"{folder} is not a folder; pass an artifact folder written by 'export-onnx export'")
+        found = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ArtifactError(f"{folder} {found}; pass an artifact folder written by 'export-onnx export'")
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder} has no {MANIFEST}; it is not an artifact folder "

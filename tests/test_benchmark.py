@@ -56,7 +56,7 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
     out = run("--artifact", tmp_path / "typo", "--json")  # a typo is not exported to: only the default folder is
     assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
     assert json.loads(out.stdout) == {"error": {"kind": "input",
-                                                "message": f"{tmp_path / 'typo'} is not a folder; pass an artifact "
+                                                "message": f"{tmp_path / 'typo'} does not exist; pass an artifact "
                                                            "folder written by 'export-onnx export'"}, "exit_code": 2}
     if cuda_unusable() is not None:  # a CUDA the benchmark cannot use is refused in one line, not by a worker
         out = run("--artifact", tmp_path / "typo", "--provider", "cuda")

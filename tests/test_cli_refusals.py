@@ -93,7 +93,7 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     (foreign / "data.txt").write_text("x")
     refused(run_cli("verify", artifact_fp32, "--golden-save", foreign, "-q"), "holds no golden bundle")
     assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
-    refused(run_cli("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "is not a folder")
+    refused(run_cli("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "does not exist")
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
     refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
             "lies inside the artifact folder")
@@ -256,7 +256,9 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
     result = run_cli("inspect", tmp_path / "none", "--json")
     assert result.exit_code == 2
     error = json.loads(result.stdout)
-    assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "is not a folder" in error["error"]["message"]
+    assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "none does not exist" in error["error"]["message"]
+    (tmp_path / "notes.txt").write_text("")
+    refused(run_cli("inspect", tmp_path / "notes.txt"), "notes.txt is a file, not a folder; pass an artifact folder")
     for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
         result = run_cli("generate", artifact_fp32, "--prompt-ids", ids, "--json")
         assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "usage", ids
@@ -286,7 +288,7 @@ def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_pat
         result = subprocess.run([str(command), "inspect", str(tmp_path / "none"), "--json"], stdout=full,
                                 stderr=subprocess.PIPE, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'none'} is not a folder; pass an artifact folder written by 'export-onnx export'"]
+        f"error: {tmp_path / 'none'} does not exist; pass an artifact folder written by 'export-onnx export'"]
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

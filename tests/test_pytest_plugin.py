@@ -395,7 +395,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
     # named as --golden-bundle's problem, for the folder it was given with (one bundle, several folders)
     usage_error(artifact_fp32, f"--golden-bundle: {artifact_fp32}: golden bundle {other} belongs to another model",
                 f"--golden-bundle={other}")
-    usage_error(tmp_path / "none", "is not a folder", f"--golden-bundle={other}")  # the folder is checked first
+    usage_error(tmp_path / "none", "does not exist", f"--golden-bundle={other}")  # the folder is checked first
     # a bundle of this artifact, damaged since: refused before anything runs, as `verify --golden` refuses it
     # (it was nine items that "could not run", exit 1, as if the artifact had failed)
     from exporter.verify.engine import verify_artifact

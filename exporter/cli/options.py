@@ -27,13 +27,6 @@ class PathOption(click.Path):
         return super().convert(value, param, ctx)
 
 
-def _one_file(ctx, param, value):
-    """--tolerances given once (or not): a second one replaced the first, silently, as click keeps the last."""
-    if len(value) > 1:
-        raise click.BadParameter(f"given {len(value)} times; give one file (it may hold every kind)", ctx, param)
-    return value[0] if value else None
-
-
 def common_options(func):
     func = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")(func)
     func = click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")(func)
@@ -108,8 +101,8 @@ def verify_options(func):
         click.option("--peak", multiple=True, metavar="KIND=V",
                      help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
                           "e.g. --peak logits=0."),
-        click.option("--tolerances", "tolerance_file", type=PathOption(), multiple=True, callback=_one_file,
-                     metavar="FILE",
+        # multiple, to refuse a second file: click would keep the last one, silently
+        click.option("--tolerances", "tolerance_files", type=PathOption(), multiple=True, metavar="FILE",
                      help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
         click.option("--report-json", type=PathOption(), default=None, metavar="PATH",
                      help="Write the full JSON report here."),
@@ -138,7 +131,7 @@ class VerifyOptions:
     atol: tuple[str, ...]
     rtol: tuple[str, ...]
     peak: tuple[str, ...]
-    tolerance_file: Path | None
+    tolerance_files: tuple[Path, ...]
     report_json: Path | None
     junit: Path | None
     html: Path | None
@@ -175,7 +168,11 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.providers import companion_for, read_companion
     from exporter.verify.tolerances import parse_overrides
-    overrides = parse_overrides(options.atol, options.rtol, options.peak, options.tolerance_file)
+    if len(options.tolerance_files) > 1:
+        raise ToolkitError(f"--tolerances given {len(options.tolerance_files)} times; give one file (it may hold "
+                           "every kind)")
+    tolerance_file = options.tolerance_files[0] if options.tolerance_files else None
+    overrides = parse_overrides(options.atol, options.rtol, options.peak, tolerance_file)
     settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)
     check_parity_providers(providers)
     if genai and genai_version() is None:
@@ -183,8 +180,8 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     bundles = {Path(path).resolve(): flag for path, flag in ((options.golden_save, "--golden-save"),
                                                              (golden, "--golden")) if path is not None}
     written: dict[Path, str] = {}  # each report path -> its flag
-    if options.tolerance_file is not None:  # read, never written: a JSON report would replace it unasked
-        written[Path(options.tolerance_file).resolve()] = "--tolerances"
+    if tolerance_file is not None:  # read, never written: a JSON report would replace it unasked
+        written[Path(tolerance_file).resolve()] = "--tolerances"
     for option in ("report_json", "junit", "html", "golden_save"):
         path, flag = getattr(options, option), "--" + option.replace("_", "-")
         if path is None:

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from reference.errors import CheckpointError, ConfigError
+from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
 
@@ -341,13 +341,24 @@ class MiniMindCheckpoints:
                               f"{q_width} rows{f', q_norm {q_norm.shape[0]}' if q_norm is not None else ''}); "
                               "correct or drop it")
         if q_norm is not None:
+            if q_width % q_norm.shape[0]:
+                raise CheckpointError(f"model.layers.0.self_attn.q_proj.weight has {q_width} rows, not a whole "
+                                      f"number of heads of q_norm's width {q_norm.shape[0]}; the checkpoint is "
+                                      "damaged or of another design")
             fields["num_attention_heads"] = q_width // q_norm.shape[0]
         elif "num_attention_heads" not in base:
             if head_dim_given is not None:
                 fields["num_attention_heads"] = q_width // head_dim_given
             else:
                 assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
-        heads = base.get("num_attention_heads") or fields["num_attention_heads"]
+        heads = base.get("num_attention_heads", fields.get("num_attention_heads"))
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ConfigError(f"config field num_attention_heads must be a positive integer, got {heads!r}")
+        if q_width % heads:
+            shown = ", assumed: MiniMind2's weights do not show it" if "num_attention_heads" in assumed else ""
+            raise CheckpointError(f"{heads} heads (num_attention_heads{shown}) do not divide the {q_width} rows of "
+                                  "model.layers.0.self_attn.q_proj.weight; pass --config with the model's "
+                                  "num_attention_heads, or check the checkpoint")
         head_dim = q_width // heads
         fields["num_key_value_heads"] = state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
         experts = _count(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.")
@@ -544,6 +555,8 @@ def _built_config(path, loader, state: dict, config_json: dict | None, given_fie
         raise CheckpointError(f"{path}: {where}: {exc}") from None
     try:
         inferred, assumed = loader.infer(state, base)
+    except ModelError as exc:  # a field or a shape infer names itself
+        raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
         missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
         raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "

@@ -157,6 +157,30 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         load_checkpoint(path, config_data={"head_dim": config.head_dim, "num_attention_heads": 2})
 
 
+@pytest.mark.parametrize("preset", ["minimind-3-tiny", "minimind2-tiny"])
+def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error(preset, tmp_path):
+    # --config num_attention_heads "4", 0 or 1000, or a q_proj cut to 10 rows, read "cannot infer the minimind
+    # config from the checkpoint's tensors (TypeError: unsupported operand type(s) for //: 'int' and 'str')",
+    # "(no tensor 'num_attention_heads')" or "(ZeroDivisionError: integer division or modulo by zero)".
+    model = build_model(get_preset(preset))
+    path = _write("pth", model, tmp_path)
+    for heads, fragment in (("4", "must be a positive integer, got '4'"), (0, "must be a positive integer, got 0"),
+                            (True, "must be a positive integer, got True"),
+                            (1000, r"1000 heads \(num_attention_heads\) do not divide the 64 rows of "
+                                   r"model\.layers\.0\.self_attn\.q_proj\.weight")):
+        with pytest.raises(CheckpointError, match=fragment) as caught:
+            load_checkpoint(path, config_data={"num_attention_heads": heads})
+        assert "Error:" not in str(caught.value) and "no tensor" not in str(caught.value), caught.value
+    state = torch.load(path)
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(10, 64)
+    torch.save(state, path)
+    shown = (r"q_proj\.weight has 10 rows, not a whole number of heads of q_norm's width 16"
+             if model.config.version == 3 else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight")
+    with pytest.raises(CheckpointError, match=shown) as caught:
+        load_checkpoint(path)
+    assert "Error:" not in str(caught.value), caught.value
+
+
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
 def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path):
     # MiniMind's trainers wrap the compiled model in DDP and save {"model": ..., "optimizer": ..., "epoch": ...}

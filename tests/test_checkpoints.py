@@ -175,7 +175,8 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
     state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(10, 64)
     torch.save(state, path)
     shown = (r"q_proj\.weight has 10 rows, not a whole number of heads of q_norm's width 16"
-             if model.config.version == 3 else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight")
+             if model.config.version == 3
+             else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight")
     with pytest.raises(CheckpointError, match=shown) as caught:
         load_checkpoint(path)
     assert "Error:" not in str(caught.value), caught.value

@@ -156,8 +156,12 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(run_cli("inspect", folder), fragment)
+    # A JSON list read "(AttributeError: 'list' object has no attribute 'get')", a missing field "(KeyError: 'files')".
     (folder / "manifest.json").write_text("[1, 2]")
-    refused(run_cli("inspect", folder), "manifest.json is unreadable")
+    refused(run_cli("inspect", folder), "manifest.json is unreadable (a JSON array, not an object)")
+    (folder / "manifest.json").write_text(manifest)
+    edit_manifest(folder, lambda m: m.pop("files"))
+    refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")

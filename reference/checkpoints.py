@@ -534,6 +534,9 @@ def _check_arguments(config, config_data) -> None:
     if config_data is not None and not isinstance(config_data, dict):
         raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
                           f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+    if isinstance(config, str):  # a preset's name, as --preset takes it
+        raise ConfigError(f"config must be a model config, got the str {config!r}; pass "
+                          f"reference.get_preset({config!r}) for a preset, or config_data for config fields")
     if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
         raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
 

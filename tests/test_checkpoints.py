@@ -477,6 +477,16 @@ def test_config_data_that_is_no_dict_is_refused(tmp_path):
             load_checkpoint(tmp_path / "model.pth", config_data=data)
 
 
+def test_a_preset_name_given_as_config_points_to_get_preset(tmp_path):
+    """config="minimind-3-tiny" read "str is not the config of a known family (...); describe your own decoder
+    with reference.byo.DecoderSpec": a preset's name is what a user passes there first."""
+    from reference import ConfigError
+    torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
+    with pytest.raises(ConfigError, match=r"^config must be a model config, got the str 'minimind-3-tiny'; pass "
+                                          r"reference\.get_preset\('minimind-3-tiny'\)"):
+        load_checkpoint(tmp_path / "model.pth", config="minimind-3-tiny")
+
+
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
     """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
     from exporter.model_source import checkpoint_model

@@ -148,8 +148,15 @@ def _torch_load(path: Path):
             "from a pickle: re-save it as a plain state dict of tensors (torch.save(model.state_dict(), ...)) "
             "or as safetensors") from None
     except Exception as exc:  # a truncated zip, not a torch file at all, ...
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.save's zip, cut short: its directory is at the end
+        if zipped:  # miniz's text goes on for a sentence about itself
+            raise CheckpointError(f"{path} is a truncated or damaged torch.save file, a zip archive that cannot be "
+                                  f"read ({type(exc).__name__}: {detail.split('. ')[0][:160]}); copy or save it "
+                                  "again") from None
         raise CheckpointError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
+                              f"{detail[:160]}); check the file") from None
 
 
 def _safetensors_load(path: Path) -> dict:

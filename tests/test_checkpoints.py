@@ -424,6 +424,14 @@ def test_tied_and_untied_embeddings(tmp_path):
     (lambda d: d / "nope.pth", "does not exist"),
     (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
     (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
+    # A torch.save file cut short read "(OSError: [Errno 22] Invalid argument)", or miniz's "This is an internal
+    # miniz error. If you are seeing this error, there is a high likelihood tha" cut at 160 characters.
+    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 10000)
+     or d / "cut.pth", r"cut\.pth is a truncated or damaged torch\.save file, .*\(OSError: \[Errno 22\] "
+                       r"Invalid argument\)"),
+    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 2000)
+     or d / "cut.pth", r"truncated or damaged torch\.save file, .*\(RuntimeError: PytorchStreamReader failed "
+                       r"reading zip archive: failed finding central directory\); copy"),
     (lambda d: (d / "t.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}") and d / "t.safetensors",
      "not a readable safetensors file"),
     (lambda d: d, "holds no model.safetensors"),

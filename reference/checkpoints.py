@@ -320,7 +320,9 @@ class MiniMindCheckpoints:
         if data.get("scoring_func", "softmax") != "softmax":
             raise ConfigError(f"config field scoring_func must be 'softmax', got {data['scoring_func']!r}")
         hidden, heads, head_dim = data.get("hidden_size"), data.get("num_attention_heads"), data.get("head_dim")
-        if None not in (hidden, heads, head_dim) and head_dim != hidden // heads:
+        # A size of another type or below 1 is refused where it is read (infer, the config), not divided by here.
+        sizes = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads, head_dim))
+        if sizes and head_dim != hidden // heads:
             raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
                               f"({hidden // heads}); the reference supports only that head size")
         # Keys with a leading underscore are Transformers' private records (`_attn_implementation_autoset`).
@@ -333,6 +335,9 @@ class MiniMindCheckpoints:
         """Config fields read from tensor shapes (base: fields already known from config.json, whose head_dim,
         a size the config derives, is taken out here), and assumptions."""
         head_dim_given = base.pop("head_dim", None)
+        heads = base.get("num_attention_heads", 1)
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ConfigError(f"config field num_attention_heads must be a positive integer, got {heads!r}")
         embed = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
         fields = {"vocab_size": embed.shape[0], "hidden_size": embed.shape[1],
                   "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\.")}
@@ -359,8 +364,6 @@ class MiniMindCheckpoints:
             else:
                 assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
         heads = base.get("num_attention_heads", fields.get("num_attention_heads"))
-        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-            raise ConfigError(f"config field num_attention_heads must be a positive integer, got {heads!r}")
         if q_width % heads:
             shown = ", assumed: MiniMind2's weights do not show it" if "num_attention_heads" in assumed else ""
             raise CheckpointError(f"{heads} heads (num_attention_heads{shown}) do not divide the {q_width} rows of "

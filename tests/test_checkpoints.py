@@ -171,6 +171,11 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
         with pytest.raises(CheckpointError, match=fragment) as caught:
             load_checkpoint(path, config_data={"num_attention_heads": heads})
         assert "Error:" not in str(caught.value) and "no tensor" not in str(caught.value), caught.value
+    # Beside a head_dim (a config.json's, as Transformers writes it) the head count was divided by before it was
+    # checked: TypeError or ZeroDivisionError, exit 3.
+    for heads in ("4", 0):
+        with pytest.raises(CheckpointError, match=f"num_attention_heads must be a positive integer, got {heads!r}"):
+            load_checkpoint(path, config_data={"hidden_size": 64, "num_attention_heads": heads, "head_dim": 16})
     state = torch.load(path)
     state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(10, 64)
     torch.save(state, path)

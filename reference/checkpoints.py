@@ -82,11 +82,17 @@ _STRING_OPCODES = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "
 _MEMO_GETS, _MEMO_PUTS = {"GET", "BINGET", "LONG_BINGET"}, {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
+def _starts_as_zip(path: Path) -> bool:
+    """Whether the file begins as a zip archive does: torch.save's format, whose directory is at its end."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def _plain_pickle_error(path: Path) -> CheckpointError | None:
     """The refusal of a file written by pickle.dump, read from its opcodes (pickletools parses them and runs
     nothing); None for a torch.save file (a zip, or the legacy format, whose first pickle is torch's magic
-    number) and for a file that is no pickle at all, which torch.load then reports."""
-    if zipfile.is_zipfile(path):
+    number), which torch.load then reads; a file that is neither a zip nor a pickle is refused too."""
+    if zipfile.is_zipfile(path) or _starts_as_zip(path):
         return None
     protocol, memo, first = "0 or 1", {}, True
     imports = {}  # module.name -> None: the objects it imports, in first-use order, once each
@@ -115,8 +121,9 @@ def _plain_pickle_error(path: Path) -> CheckpointError | None:
                     imports[".".join(recent)] = None
                 value = arg if name in _STRING_OPCODES else memo.get(arg) if name in _MEMO_GETS else None
                 recent = (recent[1], value)
-    except ValueError:  # an unknown opcode or a truncated stream: not a pickle
-        return None
+    except ValueError:  # an unknown opcode or a truncated stream: not a pickle (torch's loader said "KeyError: 101")
+        return CheckpointError(f"{path} is not a readable torch checkpoint: neither a zip archive, as torch.save "
+                               "writes, nor a pickle (damaged, or of another format); check the file")
     # What any pickle of tensors imports goes last: the rest is what the file would run besides.
     named = sorted(imports, key=lambda n: n.split(".")[0] in ("torch", "collections", "_codecs"))
     needs = (f", and needs arbitrary Python objects to load (it references {', '.join(named[:SHOWN])}"
@@ -149,9 +156,7 @@ def _torch_load(path: Path):
             "or as safetensors") from None
     except Exception as exc:  # a truncated zip, not a torch file at all, ...
         detail = str(exc).splitlines()[0] if str(exc) else ""
-        with open(path, "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"  # torch.save's zip, cut short: its directory is at the end
-        if zipped:  # miniz's text goes on for a sentence about itself
+        if _starts_as_zip(path):  # miniz's text goes on for a sentence about itself
             raise CheckpointError(f"{path} is a truncated or damaged torch.save file, a zip archive that cannot be "
                                   f"read ({type(exc).__name__}: {detail.split('. ')[0][:160]}); copy or save it "
                                   "again") from None

@@ -429,6 +429,9 @@ def test_tied_and_untied_embeddings(tmp_path):
     (lambda d: d / "nope.pth", "does not exist"),
     (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
     (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
+    # A text file read "(KeyError: 101)": torch's legacy loader took its "h" for a pickle opcode.
+    (lambda d: (d / "t.pth").write_bytes(b"hello\n") and d / "t.pth", r"t\.pth is not a readable torch checkpoint: "
+     r"neither a zip archive, as torch\.save writes, nor a pickle \(damaged, or of another format\); check the file$"),
     # A torch.save file cut short read "(OSError: [Errno 22] Invalid argument)", or miniz's "This is an internal
     # miniz error. If you are seeing this error, there is a high likelihood tha" cut at 160 characters.
     (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 10000)

@@ -377,9 +377,11 @@ def _prepare_destination(folder: Path) -> None:
                               "(folder, --output) or empty it")
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
     if foreign:
-        raise OutputPathError(f"output folder {folder} holds {', '.join(foreign[:5])}, which its artifact does not "
-                              "list and replacing it would delete; move them out or choose another output "
-                              "folder (folder, --output)")
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        them = "them" if len(foreign) > 1 else "it"
+        raise OutputPathError(f"output folder {folder} holds {', '.join(foreign[:5])}{more}, which its artifact does "
+                              f"not list and replacing it would delete {them}; move {them} out or choose another "
+                              "output folder (folder, --output)")
 
 
 def _hidden_sibling(folder: Path, kind: str) -> Path:

@@ -14,6 +14,7 @@ import numpy as np
 from exporter.contract import (DTYPES, CacheLayout, GraphContract, cache_layout, decode_contract,
                                prefill_contract)
 from exporter.errors import ArtifactError
+from exporter.paths import json_type
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict, family_of
 
@@ -189,9 +190,13 @@ def load_manifest(folder: Path) -> Manifest:
         raise ArtifactError(f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
                             "files, or re-export the folder") from None
     try:
-        manifest = Manifest.from_dict(json.loads(text))
+        data = json.loads(text)
+        manifest = Manifest.from_dict(data) if isinstance(data, dict) else None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
-        raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
+        detail = f"no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ArtifactError(f"{path} is unreadable ({detail}); re-export the folder") from None
+    if manifest is None:
+        raise ArtifactError(f"{path} is unreadable (a JSON {json_type(data)}, not an object); re-export the folder")
     problem = _inconsistency(manifest)
     if problem:
         raise ArtifactError(f"{path} is inconsistent: {problem}; re-export the folder")

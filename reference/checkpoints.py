@@ -47,9 +47,10 @@ from pathlib import Path
 
 import torch
 
-from reference.errors import CheckpointError, ConfigError
+from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
+from reference.presets import PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,17 @@ _STRING_OPCODES = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "
 _MEMO_GETS, _MEMO_PUTS = {"GET", "BINGET", "LONG_BINGET"}, {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
+def _starts_as_zip(path: Path) -> bool:
+    """Whether the file begins as a zip archive does: torch.save's format, whose directory is at its end."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def _plain_pickle_error(path: Path) -> CheckpointError | None:
     """The refusal of a file written by pickle.dump, read from its opcodes (pickletools parses them and runs
     nothing); None for a torch.save file (a zip, or the legacy format, whose first pickle is torch's magic
-    number) and for a file that is no pickle at all, which torch.load then reports."""
-    if zipfile.is_zipfile(path):
+    number), which torch.load then reads; a file that is neither a zip nor a pickle is refused too."""
+    if zipfile.is_zipfile(path) or _starts_as_zip(path):
         return None
     protocol, memo, first = "0 or 1", {}, True
     imports = {}  # module.name -> None: the objects it imports, in first-use order, once each
@@ -115,8 +122,9 @@ def _plain_pickle_error(path: Path) -> CheckpointError | None:
                     imports[".".join(recent)] = None
                 value = arg if name in _STRING_OPCODES else memo.get(arg) if name in _MEMO_GETS else None
                 recent = (recent[1], value)
-    except ValueError:  # an unknown opcode or a truncated stream: not a pickle
-        return None
+    except ValueError:  # an unknown opcode or a truncated stream: not a pickle (torch's loader said "KeyError: 101")
+        return CheckpointError(f"{path} is not a readable torch checkpoint: neither a zip archive, as torch.save "
+                               "writes, nor a pickle (damaged, or of another format); check the file")
     # What any pickle of tensors imports goes last: the rest is what the file would run besides.
     named = sorted(imports, key=lambda n: n.split(".")[0] in ("torch", "collections", "_codecs"))
     needs = (f", and needs arbitrary Python objects to load (it references {', '.join(named[:SHOWN])}"
@@ -148,8 +156,13 @@ def _torch_load(path: Path):
             "from a pickle: re-save it as a plain state dict of tensors (torch.save(model.state_dict(), ...)) "
             "or as safetensors") from None
     except Exception as exc:  # a truncated zip, not a torch file at all, ...
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        if _starts_as_zip(path):  # miniz's text goes on for a sentence about itself
+            raise CheckpointError(f"{path} is a truncated or damaged torch.save file, a zip archive that cannot be "
+                                  f"read ({type(exc).__name__}: {detail.split('. ')[0][:160]}); copy or save it "
+                                  "again") from None
         raise CheckpointError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
+                              f"{detail[:160]}); check the file") from None
 
 
 def _safetensors_load(path: Path) -> dict:
@@ -313,7 +326,9 @@ class MiniMindCheckpoints:
         if data.get("scoring_func", "softmax") != "softmax":
             raise ConfigError(f"config field scoring_func must be 'softmax', got {data['scoring_func']!r}")
         hidden, heads, head_dim = data.get("hidden_size"), data.get("num_attention_heads"), data.get("head_dim")
-        if None not in (hidden, heads, head_dim) and head_dim != hidden // heads:
+        # A size of another type or below 1 is refused where it is read (infer, the config), not divided by here.
+        sizes = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads, head_dim))
+        if sizes and head_dim != hidden // heads:
             raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
                               f"({hidden // heads}); the reference supports only that head size")
         # Keys with a leading underscore are Transformers' private records (`_attn_implementation_autoset`).
@@ -326,6 +341,9 @@ class MiniMindCheckpoints:
         """Config fields read from tensor shapes (base: fields already known from config.json, whose head_dim,
         a size the config derives, is taken out here), and assumptions."""
         head_dim_given = base.pop("head_dim", None)
+        heads = base.get("num_attention_heads", 1)
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise ConfigError(f"config field num_attention_heads must be a positive integer, got {heads!r}")
         embed = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
         fields = {"vocab_size": embed.shape[0], "hidden_size": embed.shape[1],
                   "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\.")}
@@ -341,13 +359,22 @@ class MiniMindCheckpoints:
                               f"{q_width} rows{f', q_norm {q_norm.shape[0]}' if q_norm is not None else ''}); "
                               "correct or drop it")
         if q_norm is not None:
+            if q_width % q_norm.shape[0]:
+                raise CheckpointError(f"model.layers.0.self_attn.q_proj.weight has {q_width} rows, not a whole "
+                                      f"number of heads of q_norm's width {q_norm.shape[0]}; the checkpoint is "
+                                      "damaged or of another design")
             fields["num_attention_heads"] = q_width // q_norm.shape[0]
         elif "num_attention_heads" not in base:
             if head_dim_given is not None:
                 fields["num_attention_heads"] = q_width // head_dim_given
             else:
                 assumed["num_attention_heads"] = fields["num_attention_heads"] = 8  # not visible in MiniMind2 weights
-        heads = base.get("num_attention_heads") or fields["num_attention_heads"]
+        heads = base.get("num_attention_heads", fields.get("num_attention_heads"))
+        if q_width % heads:
+            shown = ", assumed: MiniMind2's weights do not show it" if "num_attention_heads" in assumed else ""
+            raise CheckpointError(f"{heads} heads (num_attention_heads{shown}) do not divide the {q_width} rows of "
+                                  "model.layers.0.self_attn.q_proj.weight; pass --config with the model's "
+                                  "num_attention_heads, or check the checkpoint")
         head_dim = q_width // heads
         fields["num_key_value_heads"] = state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
         experts = _count(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.")
@@ -523,9 +550,10 @@ def _check_arguments(config, config_data) -> None:
     if config_data is not None and not isinstance(config_data, dict):
         raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
                           f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
-    if isinstance(config, (str, os.PathLike, dict)):  # a --config file, or its fields: family_of's refusal misled
-        raise ConfigError(f"config must be a preset's config, got {type(config).__name__} {str(config)[:40]!r}; "
-                          "pass the fields of a --config file as config_data (json.loads of its text)")
+    if isinstance(config, (str, os.PathLike, dict)):  # a preset's name, a --config file or its fields
+        fix = (f"pass reference.get_preset({config!r}) for a preset" if isinstance(config, str) and config in PRESETS
+               else "pass the fields of a --config file as config_data (json.loads of its text)")
+        raise ConfigError(f"config must be a preset's config, got {type(config).__name__} {str(config)[:40]!r}; {fix}")
     if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
         raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
 
@@ -547,6 +575,8 @@ def _built_config(path, loader, state: dict, config_json: dict | None, given_fie
         raise CheckpointError(f"{path}: {where}: {exc}") from None
     try:
         inferred, assumed = loader.infer(state, base)
+    except ModelError as exc:  # a field or a shape infer names itself
+        raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
         missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
         raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "

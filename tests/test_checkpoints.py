@@ -157,6 +157,36 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         load_checkpoint(path, config_data={"head_dim": config.head_dim, "num_attention_heads": 2})
 
 
+@pytest.mark.parametrize("preset", ["minimind-3-tiny", "minimind2-tiny"])
+def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error(preset, tmp_path):
+    # --config num_attention_heads "4", 0 or 1000, or a q_proj cut to 10 rows, read "cannot infer the minimind
+    # config from the checkpoint's tensors (TypeError: unsupported operand type(s) for //: 'int' and 'str')",
+    # "(no tensor 'num_attention_heads')" or "(ZeroDivisionError: integer division or modulo by zero)".
+    model = build_model(get_preset(preset))
+    path = _write("pth", model, tmp_path)
+    for heads, fragment in (("4", "must be a positive integer, got '4'"), (0, "must be a positive integer, got 0"),
+                            (True, "must be a positive integer, got True"),
+                            (1000, r"1000 heads \(num_attention_heads\) do not divide the 64 rows of "
+                                   r"model\.layers\.0\.self_attn\.q_proj\.weight")):
+        with pytest.raises(CheckpointError, match=fragment) as caught:
+            load_checkpoint(path, config_data={"num_attention_heads": heads})
+        assert "Error:" not in str(caught.value) and "no tensor" not in str(caught.value), caught.value
+    # Beside a head_dim (a config.json's, as Transformers writes it) the head count was divided by before it was
+    # checked: TypeError or ZeroDivisionError, exit 3.
+    for heads in ("4", 0):
+        with pytest.raises(CheckpointError, match=f"num_attention_heads must be a positive integer, got {heads!r}"):
+            load_checkpoint(path, config_data={"hidden_size": 64, "num_attention_heads": heads, "head_dim": 16})
+    state = torch.load(path)
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(10, 64)
+    torch.save(state, path)
+    shown = (r"q_proj\.weight has 10 rows, not a whole number of heads of q_norm's width 16"
+             if model.config.version == 3
+             else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight")
+    with pytest.raises(CheckpointError, match=shown) as caught:
+        load_checkpoint(path)
+    assert "Error:" not in str(caught.value), caught.value
+
+
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
 def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path):
     # MiniMind's trainers wrap the compiled model in DDP and save {"model": ..., "optimizer": ..., "epoch": ...}
@@ -399,6 +429,17 @@ def test_tied_and_untied_embeddings(tmp_path):
     (lambda d: d / "nope.pth", "does not exist"),
     (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
     (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
+    # A text file read "(KeyError: 101)": torch's legacy loader took its "h" for a pickle opcode.
+    (lambda d: (d / "t.pth").write_bytes(b"hello\n") and d / "t.pth", r"t\.pth is not a readable torch checkpoint: "
+     r"neither a zip archive, as torch\.save writes, nor a pickle \(damaged, or of another format\); check the file$"),
+    # A torch.save file cut short read "(OSError: [Errno 22] Invalid argument)", or miniz's "This is an internal
+    # miniz error. If you are seeing this error, there is a high likelihood tha" cut at 160 characters.
+    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 10000)
+     or d / "cut.pth", r"cut\.pth is a truncated or damaged torch\.save file, .*\(OSError: \[Errno 22\] "
+                       r"Invalid argument\)"),
+    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 2000)
+     or d / "cut.pth", r"truncated or damaged torch\.save file, .*\(RuntimeError: PytorchStreamReader failed "
+                       r"reading zip archive: failed finding central directory\); copy"),
     (lambda d: (d / "t.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}") and d / "t.safetensors",
      "not a readable safetensors file"),
     (lambda d: d, "holds no model.safetensors"),
@@ -455,6 +496,16 @@ def test_config_data_that_is_no_dict_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^config must be a preset's config, got str 'config.json'; pass the "
                                           r"fields of a --config file as config_data"):
         load_checkpoint(tmp_path / "model.pth", config="config.json")
+
+
+def test_a_preset_name_given_as_config_points_to_get_preset(tmp_path):
+    """config="minimind-3-tiny" read "str is not the config of a known family (...); describe your own decoder
+    with reference.byo.DecoderSpec": a preset's name is what a user passes there first."""
+    from reference import ConfigError
+    torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
+    with pytest.raises(ConfigError, match=r"^config must be a preset's config, got str 'minimind-3-tiny'; pass "
+                                          r"reference\.get_preset\('minimind-3-tiny'\) for a preset$"):
+        load_checkpoint(tmp_path / "model.pth", config="minimind-3-tiny")
 
 
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):

@@ -32,10 +32,21 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     artifact = shutil.copytree(artifact_fp32, tmp_path / "artifact")
     (artifact / "NOTES.md").write_text("mine")
     (artifact / "golden").mkdir()
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"), "holds NOTES.md, golden/")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+            "holds NOTES.md, golden/, which its artifact does not list and replacing it would delete them; move them "
+            "out")
     assert (artifact / "NOTES.md").read_text() == "mine"
-    (artifact / "NOTES.md").unlink()
     (artifact / "golden").rmdir()
+    # One file read "...would delete; move them out"; past five the rest went unsaid.
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+            "holds NOTES.md, which its artifact does not list and replacing it would delete it; move it out")
+    for i in range(6):
+        (artifact / f"note{i}.txt").write_text("mine")
+    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+            "holds NOTES.md, note0.txt, note1.txt, note2.txt, note3.txt and 2 more, which")
+    for i in range(6):
+        (artifact / f"note{i}.txt").unlink()
+    (artifact / "NOTES.md").unlink()
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact / "sub", "-q"),
             f"lies inside the artifact folder {artifact}")
     assert not (artifact / "sub").exists()
@@ -156,8 +167,12 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(run_cli("inspect", folder), fragment)
+    # A JSON list read "(AttributeError: 'list' object has no attribute 'get')", a missing field "(KeyError: 'files')".
     (folder / "manifest.json").write_text("[1, 2]")
-    refused(run_cli("inspect", folder), "manifest.json is unreadable")
+    refused(run_cli("inspect", folder), "manifest.json is unreadable (a JSON array, not an object)")
+    (folder / "manifest.json").write_text(manifest)
+    edit_manifest(folder, lambda m: m.pop("files"))
+    refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
-from exporter.contract import KV_KINDS, CacheLayout
+from exporter.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.errors import GraphRunError, InputError, ProviderError, first_line
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
@@ -67,6 +67,18 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
 # The binding's C method (OrtRunner._run_decode) raises a plain RuntimeError where session.run raises the above.
 _BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
+
+
+def _check_feeds(contract: GraphContract, feeds: dict) -> None:
+    """The feeds' names against the graph's inputs: onnxruntime's refusal of a missing one is a bare ValueError."""
+    missing = [name for name in contract.input_names if name not in feeds]
+    unknown = [str(name) for name in feeds if name not in contract.input_names]
+    if missing or unknown:
+        found = "; ".join(f"{what} {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                          for what, names in (("missing", missing), ("not an input", unknown)) if names)
+        hint = " (labels: this artifact has the loss; -100 masks a position)" if "labels" in missing else ""
+        raise InputError(f"{contract.file} takes the inputs {', '.join(contract.input_names[:4])}"
+                         f"{' ...' if len(contract.input_names) > 4 else ''}, got feeds with {found}{hint}")
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
@@ -192,6 +204,7 @@ class OrtRunner:
         return f"onnxruntime {self.provider}"
 
     def prefill(self, feeds: dict) -> dict:
+        _check_feeds(self.manifest.prefill, feeds)
         names = self.manifest.prefill.output_names
         try:
             return dict(zip(names, self.prefill_session.run(names, feeds)))
@@ -199,6 +212,7 @@ class OrtRunner:
             raise _run_failure(self.manifest.prefill.file, exc) from None
 
     def decode(self, feeds: dict) -> dict:
+        _check_feeds(self.manifest.decode, feeds)
         names = self.manifest.decode.output_names
         try:
             return dict(zip(names, self.decode_session.run(names, feeds)))

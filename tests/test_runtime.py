@@ -91,6 +91,20 @@ def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
     assert "\n" not in str(info.value) and isinstance(info.value, ArtifactError)
 
 
+def test_feeds_that_miss_an_input_or_name_another_are_refused_in_one_line(runner):
+    """prefill() without labels on an artifact with the loss raised onnxruntime's bare ValueError."""
+    ids = np.ones((1, 3), np.int64)
+    feeds = {"input_ids": ids, "attention_mask": ids, "position_ids": np.arange(3)[None]}
+    with pytest.raises(InputError, match=r"^prefill.onnx takes the inputs input_ids, attention_mask, position_ids, "
+                                         r"labels, got feeds with missing labels \(labels: this artifact has the "
+                                         r"loss; -100 masks a position\)$"):
+        runner.prefill(feeds)
+    with pytest.raises(InputError, match=r"^decode.onnx takes the inputs .*, got feeds with missing "
+                                         r"past_key_values\.0\.key, .*; not an input labels$"):
+        runner.decode({**feeds, "labels": ids})
+    assert runner.prefill({**feeds, "labels": ids})["logits"].shape[:2] == (1, 3)
+
+
 def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
     # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is an
     # id outside the vocabulary in a step (start refuses inputs of the wrong type or ids outside it, see below)

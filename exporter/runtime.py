@@ -59,8 +59,9 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
         raise InputError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {config.vocab_size})")
     if not is_integer(max_new_tokens) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_positions(config, len(ids) + max_new_tokens, f"prompt ({len(ids)} tokens) + max_new_tokens "
-                    f"({max_new_tokens})", "shorten one of them")
+    tokens = f"{len(ids)} token{'s' * (len(ids) != 1)}"
+    check_positions(config, len(ids) + max_new_tokens, f"prompt ({tokens}) + max_new_tokens ({max_new_tokens})",
+                    "shorten one of them")
     return ids
 
 

@@ -38,7 +38,9 @@ def test_generation_stops_at_eos(runner):
     ([], 4, "prompt is empty"),
     ([3, 512], 4, r"outside the vocabulary \[0, 512\)"),
     ([3, -1], 4, "outside the vocabulary"),
-    ([3] * 250, 7, r"exceeds max_position_embeddings \(256\)"),
+    ([3] * 250, 7, r"^prompt \(250 tokens\) \+ max_new_tokens \(7\) needs 257 positions, which exceeds "
+                   r"max_position_embeddings \(256\)"),
+    ([3], 256, r"^prompt \(1 token\) \+ max_new_tokens \(256\) needs 257 positions"),  # read "(1 tokens)"
 ])
 def test_bad_prompts_are_refused_before_running(runner, prompt, max_new, message):
     with pytest.raises(InputError, match=message):

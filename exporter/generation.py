@@ -15,6 +15,7 @@ generator, so its rows depend on each other.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -255,8 +256,11 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
     mask[:, :length] = prompt_mask
     positions = position_ids_from_mask(prompt_mask)
     finished = [False] * batch
-    logits = runner.start(ids, prompt_mask, positions)
-    cache = runner.cache
+    # an OrtRunner's lock: threads generating on one runner take turns, each step on its own cache
+    lock = getattr(runner, "lock", None) or contextlib.nullcontext()
+    with lock:
+        logits = runner.start(ids, prompt_mask, positions)
+        cache = runner.cache
     positions = positions[:, -1:]
     rows = np.arange(batch)
     for step in range(max_new_tokens):
@@ -270,9 +274,10 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
         if all(finished) or step == max_new_tokens - 1:
             return
         positions = positions + 1
-        runner.cache = cache  # another stream on this runner may have run since this one's last step
-        logits = runner.step(np.array(chosen, dtype=np.int64)[:, None], mask[:, :length + step + 1], positions)
-        cache = runner.cache
+        with lock:
+            runner.cache = cache  # another stream on this runner may have run since this one's last step
+            logits = runner.step(np.array(chosen, dtype=np.int64)[:, None], mask[:, :length + step + 1], positions)
+            cache = runner.cache
 
 
 def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),

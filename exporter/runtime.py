@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,9 @@ class OrtRunner:
         # The KV cache that start/step left: onnxruntime's C OrtValues, in the order of self._past_names.
         # A generation interleaved with another on this runner puts its own back before each step.
         self.cache: list = []
+        # Held by each start/step and by a generation across its cache swap and step: threads sharing this runner
+        # take turns, each on its own cache (unheld, one thread's step ran on another's cache: wrong tokens).
+        self.lock = threading.RLock()
         # Per step: one binding reused rather than rebuilt, each output's role looked up rather
         # than its cache names formatted again (60 us a step), and the binding's C object driven
         # directly: onnxruntime's Python wrappers check every value and build a device object
@@ -259,6 +263,10 @@ class OrtRunner:
         logits: each row of a MatMul and each query's attention is computed as it would be
         in one call.
         """
+        with self.lock:
+            return self._start(input_ids, attention_mask, position_ids)
+
+    def _start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         _check_arrays(input_ids, attention_mask, position_ids)
         _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
         if 0 in input_ids.shape:
@@ -285,6 +293,10 @@ class OrtRunner:
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Decode new tokens on top of the cache that start/step left; return next-token logits."""
+        with self.lock:
+            return self._step(input_ids, attention_mask, position_ids)
+
+    def _step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         if not self.cache:
             raise InputError("step() needs a cache: call start() with the prompt first")
         cached = self.cache[0].shape()

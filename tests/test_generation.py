@@ -215,6 +215,24 @@ def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):
     assert produced == expected
 
 
+def test_generations_from_several_threads_on_one_runner_each_keep_their_own_cache(runner):
+    # Each step swapped its cache in and ran while another thread's step swapped its own: wrong tokens, no error.
+    import threading
+    prompts = [[1, 42, 7], [5, 6], [9, 9, 9, 9], [3]] * 2
+    expected = [generate(runner, [prompt], 30)[0].new_ids for prompt in prompts]
+    produced = [None] * len(prompts)
+
+    def run(row):
+        produced[row] = generate(runner, [prompts[row]], 30)[0].new_ids
+
+    threads = [threading.Thread(target=run, args=(row,)) for row in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert produced == expected
+
+
 def test_a_sampled_row_draws_the_same_tokens_in_any_batch(runner):
     prompts = [[5, 9, 100, 3], [17], [250, 251, 252, 253, 7, 7], [40, 41]]
     sampling = SamplingConfig(do_sample=True, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=11)

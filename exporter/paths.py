@@ -29,6 +29,17 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
                               "path") from None
 
 
+def check_outside_artifact(path, flag: str, folder) -> None:
+    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
+    artifact, resolved = Path(folder).resolve(), Path(path).resolve()
+    if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
+        raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
+                           "write it elsewhere")
+    if artifact in resolved.parents:
+        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                           "write it elsewhere")
+
+
 def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if path.exists() and path.is_dir() != folder:
         found, wanted = ("a folder", "a file") if path.is_dir() else ("a file", "a folder")

@@ -1463,6 +1463,14 @@ def test_a_float16_companion_of_another_config_names_the_fields(artifact_fp16):
         companion_for(artifact_fp16, "float32", get_preset("minimind2-tiny"))
 
 
+def test_golden_save_inside_the_artifact_is_refused_by_the_api_as_by_the_cli(artifact_copy, tiny_model):
+    # The CLI refused it; verify_artifact wrote the bundle into the artifact, where the pytest plugin then found it.
+    before = sorted(p.name for p in artifact_copy.iterdir())
+    with pytest.raises(ToolkitError, match=r"^golden_save \(--golden-save\) .*golden lies inside the artifact folder "):
+        verify_artifact(artifact_copy, tiny_model, "cpu", genai=False, golden_save=artifact_copy / "golden")
+    assert sorted(p.name for p in artifact_copy.iterdir()) == before
+
+
 def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_fp32, tiny_model, tmp_path):
     """A Python caller never typed --output or --golden-save: each refusal names the argument it passed first."""
     from exporter.errors import InputError, ProviderError

@@ -11,6 +11,7 @@ import click
 
 from exporter.cli import outcome
 from exporter.errors import ToolkitError
+from exporter.paths import check_outside_artifact
 from reference import DEFAULT_PRESET, PRESETS
 
 
@@ -141,17 +142,6 @@ class VerifyOptions:
     def report_paths(self) -> dict:
         """The reports to write, by write_reports's (and write_error_reports's) keywords."""
         return {"json_path": self.report_json, "junit_path": self.junit, "html_path": self.html}
-
-
-def check_outside_artifact(path, flag: str, folder) -> None:
-    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
-    artifact, resolved = Path(folder).resolve(), Path(path).resolve()
-    if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
-        raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
-                           "write it elsewhere")
-    if artifact in resolved.parents:
-        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
-                           "write it elsewhere")
 
 
 def verification_plan(folder: Path, providers, genai: bool | None, options: VerifyOptions, golden: Path | None = None,

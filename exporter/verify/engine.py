@@ -18,6 +18,7 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
+from exporter.paths import check_outside_artifact
 from exporter.runtime import OrtRunner
 from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
 from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
@@ -273,6 +274,7 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
         if model is None or golden is not None:
             raise InputError("golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
                              "golden bundle (golden, --golden)")
+        check_outside_artifact(golden_save, "golden_save (--golden-save)", folder)
         check_golden_destination(golden_save)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)

@@ -105,3 +105,15 @@ def test_decode_with_past_zero_equals_prefill(artifact_fp32):
     decode = onnx.decode({**base, **onnx.empty_past(1)})
     for name, value in decode.items():
         np.testing.assert_array_equal(value, prefill[name], err_msg=name)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"decode_steps": "2"}, r"^ParitySettings.decode_steps must be an integer, got '2' \(str\)"),  # was: '<' not supported
+    ({"batch": 2.0}, r"^ParitySettings.batch must be an integer, got 2.0 \(float\)"),
+    ({"seed": -1}, r"^ParitySettings.seed must be an integer >= 0, got -1"),  # was numpy's ValueError, mid-run
+    ({"sweep": "no"}, r"^ParitySettings.sweep must be True or False, got 'no' \(str\)"),  # "no" read as true
+])
+def test_parity_settings_of_the_wrong_type_are_refused_naming_the_field(kwargs, message):
+    from exporter.errors import InputError
+    with pytest.raises(InputError, match=message):
+        ParitySettings(**kwargs)

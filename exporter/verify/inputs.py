@@ -12,6 +12,7 @@ import numpy as np
 from exporter.errors import InputError
 from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask
+from exporter.sessions import is_integer
 
 SWEEP_BATCHES = (1, 2, 3)
 SWEEP_NEW_TOKENS = (1, 2, 7, 64)
@@ -33,6 +34,16 @@ class ParitySettings:
     probe: bool = False  # node-level localisation with debug copies of prefill.onnx and decode.onnx
 
     def __post_init__(self):
+        # of the wrong type, a field failed deep in the run (a str's '<', numpy's refusal of a negative seed)
+        for name in ("batch", "prompt_length", "left_padding", "decode_steps", "greedy_tokens", "seed"):
+            value = getattr(self, name)
+            if not is_integer(value) or (name == "seed" and value < 0):
+                raise InputError(f"ParitySettings.{name} must be an integer{' >= 0' * (name == 'seed')}, got "
+                                 f"{value!r} ({type(value).__name__})")
+        for name in ("sweep", "probe"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "no" would read as true
+                raise InputError(f"ParitySettings.{name} must be True or False, got {getattr(self, name)!r} "
+                                 f"({type(getattr(self, name)).__name__})")
         if self.decode_steps < 1 or self.greedy_tokens < 1:
             raise InputError(f"decode_steps and greedy_tokens must be >= 1, got {self.decode_steps} and "
                              f"{self.greedy_tokens}")

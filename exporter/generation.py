@@ -24,6 +24,7 @@ import numpy as np
 from exporter.errors import InputError, ToolkitError
 from exporter.runtime import check_prompt, position_ids_from_mask
 from exporter.sessions import is_integer
+from reference.families import DecoderConfig
 
 PAD_ID = 0  # any valid id; padded slots are masked out
 # The smallest temperature and repetition penalty: logits divided by both stay finite in float32 (1e-40
@@ -193,6 +194,15 @@ def check_prompts(config, prompts, max_new_tokens: int) -> list[list[int]]:
     return checked
 
 
+def runner_config(runner) -> DecoderConfig:
+    """The model config of a runner given to generate, stream or generate_greedy, which must be a runner: a folder
+    in its place failed as AttributeError ('PosixPath' object has no attribute 'manifest')."""
+    if not all(hasattr(runner, name) for name in ("manifest", "start", "step")):
+        raise InputError(f"runner must be an OrtRunner, got {runner!r:.80}; make one with OrtRunner(folder) "
+                         "(exporter.runtime)")
+    return runner.manifest.config
+
+
 def check_request(config, prompts, max_new_tokens: int, sampling: SamplingConfig,
                   eos_token_id: int | None, stop_ids) -> tuple[list[list[int]], set[int]]:
     """Everything a generation is given, checked before anything runs: the prompts and the stop set."""
@@ -224,7 +234,7 @@ def stream(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = Samp
     is checked here, before anything runs. Streams may interleave on one runner: each keeps its
     own cache.
     """
-    prompts, stops = check_request(runner.manifest.config, prompts, max_new_tokens, sampling, eos_token_id,
+    prompts, stops = check_request(runner_config(runner), prompts, max_new_tokens, sampling, eos_token_id,
                                    stop_ids)
     return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops)
 
@@ -283,7 +293,7 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
 def generate(runner, prompts, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
              eos_token_id: int | None = None, stop_ids=()) -> list[Generation]:
     """Generate to the end (as `stream` does) and collect each row's tokens."""
-    prompts, stops = check_request(runner.manifest.config, prompts, max_new_tokens, sampling, eos_token_id,
+    prompts, stops = check_request(runner_config(runner), prompts, max_new_tokens, sampling, eos_token_id,
                                    stop_ids)
     results = [Generation(prompt) for prompt in prompts]
     for tokens in _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops):

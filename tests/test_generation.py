@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from exporter.cli import main
 from exporter.errors import InputError, OutputPathError
-from exporter.generation import SamplingConfig, generate, process_logits, stream
+from exporter.generation import SamplingConfig, generate, generate_greedy, process_logits, stream
 from exporter.reference_runner import reference_greedy
 from exporter.runtime import OrtRunner
 from exporter.sessions import SessionSettings
@@ -213,6 +213,14 @@ def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):
             for row, token in zip(rows, next(steps)):
                 row.append(token)
     assert produced == expected
+
+
+@pytest.mark.parametrize("call", [generate, stream, lambda runner, prompts, n: generate_greedy(runner, prompts[0], n)])
+def test_a_folder_in_place_of_the_runner_is_refused_with_the_fix(artifact_fp32, call):
+    # was AttributeError: 'PosixPath' object has no attribute 'manifest'
+    with pytest.raises(InputError, match=r"^runner must be an OrtRunner, got PosixPath\(.*\); make one with "
+                                         r"OrtRunner\(folder\)"):
+        call(artifact_fp32, [[1, 2]], 3)
 
 
 def test_generations_from_several_threads_on_one_runner_each_keep_their_own_cache(runner):

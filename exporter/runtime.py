@@ -72,7 +72,8 @@ _BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
 def _check_feeds(contract: GraphContract, feeds: dict) -> None:
-    """The feeds' names against the graph's inputs: onnxruntime's refusal of a missing one is a bare ValueError."""
+    """The feeds' names and dtypes against the graph's inputs: onnxruntime's refusal of a missing one is a bare
+    ValueError."""
     missing = [name for name in contract.input_names if name not in feeds]
     unknown = [str(name) for name in feeds if name not in contract.input_names]
     if missing or unknown:
@@ -81,6 +82,12 @@ def _check_feeds(contract: GraphContract, feeds: dict) -> None:
         hint = " (labels: this artifact has the loss; -100 masks a position)" if "labels" in missing else ""
         raise InputError(f"{contract.file} takes the inputs {', '.join(contract.input_names[:4])}"
                          f"{' ...' if len(contract.input_names) > 4 else ''}, got feeds with {found}{hint}")
+    # onnxruntime's refusal of another dtype (a float16 artifact's cache, int32 ids) read as a damaged graph
+    for spec in contract.inputs:
+        value = feeds[spec.name]
+        if isinstance(value, np.ndarray) and value.dtype != spec.dtype:
+            raise InputError(f"{contract.file} takes {spec.name} as {spec.dtype}, got {value.dtype}; convert it "
+                             f"with .astype(np.{spec.dtype})")
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:

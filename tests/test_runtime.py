@@ -86,10 +86,11 @@ def test_the_cuda_probe_fits_a_shared_thread_pool():
 
 
 def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
-    # what a damaged graph that still loads gives (a Range of step 0, say); here inputs of the wrong type
-    ids = np.ones((1, 3), np.float32)
+    # what a damaged graph that still loads gives (a Range of step 0, say); here an id outside the vocabulary
+    ids = np.ones((1, 3), np.int64)
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running prefill.onnx \(.*\); .*re-export") as info:
-        runner.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": ids, "labels": ids})
+        runner.prefill({"input_ids": ids * 9999, "attention_mask": ids, "position_ids": np.arange(3)[None],
+                        "labels": ids})
     assert "\n" not in str(info.value) and isinstance(info.value, ArtifactError)
 
 
@@ -105,6 +106,18 @@ def test_feeds_that_miss_an_input_or_name_another_are_refused_in_one_line(runner
                                          r"past_key_values\.0\.key, .*; not an input labels$"):
         runner.decode({**feeds, "labels": ids})
     assert runner.prefill({**feeds, "labels": ids})["logits"].shape[:2] == (1, 3)
+
+
+def test_feeds_of_another_dtype_are_refused_as_inputs_not_blamed_on_the_graph(runner):
+    """A float16 cache (another artifact's empty_past) or int32 ids: onnxruntime's refusal read "the graph is
+    damaged: re-export the folder"."""
+    ids = np.ones((1, 3), np.int64)
+    feeds = {"input_ids": ids, "attention_mask": ids, "position_ids": np.arange(3)[None]}
+    past = {name: value.astype(np.float16) for name, value in runner.empty_past(1).items()}
+    with pytest.raises(InputError, match=r"^decode.onnx takes past_key_values\.0\.key as float32, got float16; "):
+        runner.decode({**feeds, **past})
+    with pytest.raises(InputError, match=r"^prefill.onnx takes input_ids as int64, got int32; "):
+        runner.prefill({**feeds, "input_ids": ids.astype(np.int32), "labels": ids})
 
 
 def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):

@@ -1430,6 +1430,9 @@ def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
             logits[:, 7] = np.nan
             return logits
 
+        def step(self, input_ids, attention_mask, position_ids):
+            raise AssertionError("a NaN in the prompt's logits ends the loop before any step")
+
     class Reference:
         def greedy(self, prompt, new_tokens, eos):
             return GreedyTrace([3] * new_tokens, np.zeros((new_tokens, 8), np.float32))

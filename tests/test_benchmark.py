@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -304,3 +305,42 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # a process that ended meanwhile
         return b""
+
+
+def _made_up_report(benchmark, rounds: int) -> dict:
+    """A report as measure() builds it, from one round of made-up figures (no worker runs)."""
+    figures = {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+               "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}}
+    report = benchmark.summarise(figures, {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}, 600_000)
+    sessions = {"loaded_peak_rss_mb": 77.0, "huge_page_mb": 0.0, "decode_step_after_prefill_ms": 0.2,
+                "decode_step_in_a_row_ms": 0.2, "decode_step_after_pause_ms": 0.2,
+                "peak_rss_with_prefill_graph_run_mb": 82.0}
+    report.update(artifact="a", provider="cpu", threads=0, rounds=rounds, sessions=sessions,
+                  sessions_shared_pool=sessions)
+    return report
+
+
+def test_the_table_keeps_its_columns_apart_and_counts_one_round_as_one(benchmark):
+    # A tiny model's decode ratio of 400x ran into its quartiles ("400.00x400.00-400.00"), and --rounds 1
+    # printed "(1 rounds, in turns)".
+    table = benchmark.format_table(_made_up_report(benchmark, rounds=1))
+    decode = next(line for line in table.splitlines() if line.startswith("decode tokens/s"))
+    assert decode.split()[-2:] == ["400.00x", "400.00-400.00"], decode
+    assert "(1 round, in turns)" in table
+    assert "(3 rounds, in turns)" in benchmark.format_table(_made_up_report(benchmark, rounds=3))
+
+
+def test_a_prefill_length_the_model_has_no_room_for_is_said_to_be_skipped(benchmark, artifact_fp32, monkeypatch):
+    # The tiny model (256 positions) has no 512-token row: the table and the JSON left it out without a word,
+    # where the README and --help promise prefill at 128 and 512 tokens.
+    monkeypatch.setattr(benchmark, "run_in_turns", lambda workers, rounds: (
+        {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+         "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}},
+        {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}))
+    sessions = _made_up_report(benchmark, 1)["sessions"]
+    monkeypatch.setattr(benchmark, "run_worker", lambda args: sessions)
+    monkeypatch.setattr(benchmark.importlib.util, "find_spec", lambda name: None)  # no genai worker
+    args = SimpleNamespace(artifact=artifact_fp32, threads=0, provider="cpu", rounds=1)
+    report = benchmark.measure(args)
+    assert report["prefill_skipped"] == "512 tokens: the model has 256 positions"
+    assert "prefill skipped: 512 tokens: the model has 256 positions" in benchmark.format_table(report)

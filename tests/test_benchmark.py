@@ -344,3 +344,20 @@ def test_a_prefill_length_the_model_has_no_room_for_is_said_to_be_skipped(benchm
     report = benchmark.measure(args)
     assert report["prefill_skipped"] == "512 tokens: the model has 256 positions"
     assert "prefill skipped: 512 tokens: the model has 256 positions" in benchmark.format_table(report)
+
+
+def test_cuda_check_stops_with_exit_4_where_a_core_import_fails(tmp_path):
+    # With a Python whose onnxruntime does not import, `import exporter.cli` exits (SystemExit 2, its one-line
+    # error): that escaped the import loop, and the script stopped with exit 2, which it does not define, instead
+    # of 4. Without nvidia-smi, bash printed "nvidia-smi: command not found" with the script's line number.
+    fake = tmp_path / "fake" / "onnxruntime"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated: onnxruntime is broken here')\n")
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+               PYTHONPATH=os.pathsep.join([str(fake.parent), *sys.path]))
+    out = subprocess.run(["bash", str(SCRIPT.parent / "cuda_check.sh")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "CUDA_CHECK: core imports failed: onnxruntime," in out.stdout
+    assert "import exporter.cli: FAILED" in out.stdout
+    assert "command not found" not in out.stdout + out.stderr

@@ -62,7 +62,7 @@ summary() {
 
 # ---------------------------------------------------------------------------------------------- 1. environment
 echo "=== environment"
-nvidia-smi -L 2>&1 | head -4
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L 2>&1 | head -4; else echo "nvidia-smi: not found"; fi
 "$PY" - <<'EOF' 2>&1 | tee "$REPORTS/environment.log"
 import importlib, sys, warnings
 warnings.simplefilter("ignore")  # e.g. click's deprecated __version__
@@ -75,7 +75,8 @@ for name in CORE + STEPS:
     try:
         module = importlib.import_module(name)
         print(f"import {name}: ok {getattr(module, '__version__', '')}")
-    except Exception as exc:  # noqa: BLE001 -- a broken install (OSError) counts as much as a missing one
+    # a broken install (OSError) counts as much as a missing one; exporter.cli exits (2) when a dependency fails
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         print(f"import {name}: FAILED ({failed[name]})")
 if "torch" not in failed:

@@ -417,21 +417,22 @@ def format_table(report: dict) -> str:
             ("peak RSS (MB)", "peak_rss_mb", "peak_rss")]
     lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}{'q1-q3':>12}", "-" * 80]
     for label, key, ratio in [row for row in rows if row[1] in ort]:
-        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x{spread(ratio):>12}")
+        lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x {spread(ratio):>11}")
     genai = report["onnxruntime_genai"]
     if genai:
         lines += ["", f"{'':32}{'genai':>14}{'':12}{'ours/genai':>10}{'q1-q3':>12}  (speed: >1 means ours is faster)"]
         for n in [n for n in PREFILL_LENGTHS if f"prefill_{n}_ms" in genai]:
             name = f"prefill_{n}_ours_to_genai"
             lines.append(f"{f'prefill {n} tokens (ms)':32}{genai[f'prefill_{n}_ms']:>14.1f}"
-                         f"{'':12}{ratios[name]:>9.2f}x{spread(name):>12}")
+                         f"{'':12}{ratios[name]:>9.2f}x {spread(name):>11}")
         lines.append(f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
-                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x{spread('ours_to_genai'):>12}")
+                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x {spread('ours_to_genai'):>11}")
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]
     lines += ["",
-              f"ratios: medians of the per-round ratios ({report['rounds']} rounds, in turns), q1-q3 their "
+              f"ratios: medians of the per-round ratios ({report['rounds']} round{'s' * (report['rounds'] != 1)}, "
+              f"in turns), q1-q3 their "
               f"quartiles; figures: medians of the rounds",
               f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
               f"weight-read floor {floor['floor_step_ms']:.1f} ms/token",
@@ -446,6 +447,8 @@ def format_table(report: dict) -> str:
               "as that call / right after a decode step:",
               f"  per-session pools, prefill threads not spinning (default): {session_steps(sessions)}",
               f"  one shared thread pool (opt-in): {session_steps(shared)}"]
+    if "prefill_skipped" in report:
+        lines.append(f"prefill skipped: {report['prefill_skipped']}")
     if "floor_note" in report:
         lines.append(f"mixture of experts: {report['floor_note']}")
     if "host_memory_figures" in report:
@@ -563,6 +566,9 @@ def measure(args) -> dict:
     note = floor_note(manifest.config)
     if note:
         report["floor_note"] = note
+    positions = manifest.config.max_position_embeddings
+    if skipped := [str(n) for n in PREFILL_LENGTHS if n not in prompt_lengths(positions)]:
+        report["prefill_skipped"] = f"{' and '.join(skipped)} tokens: the model has {positions} positions"
     if args.provider == "cuda":
         report["host_memory_figures"] = ("the bandwidth, the weight-read floor and peak RSS measure the host's "
                                          "memory, not the GPU's: they do not bound a decode on the GPU")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -304,3 +305,59 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:  # a process that ended meanwhile
         return b""
+
+
+def _made_up_report(benchmark, rounds: int) -> dict:
+    """A report as measure() builds it, from one round of made-up figures (no worker runs)."""
+    figures = {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+               "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}}
+    report = benchmark.summarise(figures, {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}, 600_000)
+    sessions = {"loaded_peak_rss_mb": 77.0, "huge_page_mb": 0.0, "decode_step_after_prefill_ms": 0.2,
+                "decode_step_in_a_row_ms": 0.2, "decode_step_after_pause_ms": 0.2,
+                "peak_rss_with_prefill_graph_run_mb": 82.0}
+    report.update(artifact="a", provider="cpu", threads=0, rounds=rounds, sessions=sessions,
+                  sessions_shared_pool=sessions)
+    return report
+
+
+def test_the_table_keeps_its_columns_apart_and_counts_one_round_as_one(benchmark):
+    # A tiny model's decode ratio of 400x ran into its quartiles ("400.00x400.00-400.00"), and --rounds 1
+    # printed "(1 rounds, in turns)".
+    table = benchmark.format_table(_made_up_report(benchmark, rounds=1))
+    decode = next(line for line in table.splitlines() if line.startswith("decode tokens/s"))
+    assert decode.split()[-2:] == ["400.00x", "400.00-400.00"], decode
+    assert "(1 round, in turns)" in table
+    assert "(3 rounds, in turns)" in benchmark.format_table(_made_up_report(benchmark, rounds=3))
+
+
+def test_a_prefill_length_the_model_has_no_room_for_is_said_to_be_skipped(benchmark, artifact_fp32, monkeypatch):
+    # The tiny model (256 positions) has no 512-token row: the table and the JSON left it out without a word,
+    # where the README and --help promise prefill at 128 and 512 tokens.
+    monkeypatch.setattr(benchmark, "run_in_turns", lambda workers, rounds: (
+        {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+         "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}},
+        {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}))
+    sessions = _made_up_report(benchmark, 1)["sessions"]
+    monkeypatch.setattr(benchmark, "run_worker", lambda args: sessions)
+    monkeypatch.setattr(benchmark.importlib.util, "find_spec", lambda name: None)  # no genai worker
+    args = SimpleNamespace(artifact=artifact_fp32, threads=0, provider="cpu", rounds=1)
+    report = benchmark.measure(args)
+    assert report["prefill_skipped"] == "512 tokens: the model has 256 positions"
+    assert "prefill skipped: 512 tokens: the model has 256 positions" in benchmark.format_table(report)
+
+
+def test_cuda_check_stops_with_exit_4_where_a_core_import_fails(tmp_path):
+    # With a Python whose onnxruntime does not import, `import exporter.cli` exits (SystemExit 2, its one-line
+    # error): that escaped the import loop, and the script stopped with exit 2, which it does not define, instead
+    # of 4. Without nvidia-smi, bash printed "nvidia-smi: command not found" with the script's line number.
+    fake = tmp_path / "fake" / "onnxruntime"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated: onnxruntime is broken here')\n")
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+               PYTHONPATH=os.pathsep.join([str(fake.parent), *sys.path]))
+    out = subprocess.run(["bash", str(SCRIPT.parent / "cuda_check.sh")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "CUDA_CHECK: core imports failed: onnxruntime," in out.stdout
+    assert "import exporter.cli: FAILED" in out.stdout
+    assert "command not found" not in out.stdout + out.stderr

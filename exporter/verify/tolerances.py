@@ -201,7 +201,8 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
             _kind(kind, str(file))
             unknown = sorted(set(entry) - set(TERMS)) if isinstance(entry, dict) else []
             if unknown:
-                raise InputError(f"{file}: {kind} holds an unknown term {unknown[0]!r}; choose among {', '.join(TERMS)}")
+                raise InputError(f"{file}: {kind} holds an unknown term {unknown[0]!r}; choose among "
+                                 f"{', '.join(TERMS)}")
             if not isinstance(entry, dict):
                 raise InputError(f"{file}: {kind} must map some of {', '.join(TERMS)} to numbers")
             terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]

@@ -532,7 +532,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     copied into the artifact, for text generation in every consumer.
     """
     if dtype not in DTYPES:
-        raise ExportFailed(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise InputError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     _check_arguments(model, folder, with_loss)
     # Before any export work: the manifest needs both, and both failed only after the graphs were built.
     config = family_of(model.config).own_config(model.config)

@@ -52,6 +52,7 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
     report, _ = full
     assert report.passed, format_verify(report)
     [cpu] = report.reports
+    assert report and cpu  # truthy as they pass
     assert len(cpu.curve) == 65 and [s.tokens for s in cpu.curve[-2:]] == [1, 3]
     assert {(c.batch, c.new_tokens, c.past) for c in cpu.sweep} == {
         (b, n, p) for b in (1, 2, 3) for n in (1, 2, 7, 64) for p in (0, 1, 17)}
@@ -168,6 +169,7 @@ def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny
     report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
     [cpu] = report.reports
     assert not report.passed and not cpu.comparisons[0].passed
+    assert not report and not cpu  # `if verify_artifact(...)` read true for a failed report, as any dataclass
     assert cpu.localisation.first_layer == 1  # layer 0's present is untouched
     assert cpu.layers[0].passed and not cpu.layers[1].key.passed and cpu.layers[1].value.passed
     first = cpu.localisation.probe.first

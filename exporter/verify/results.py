@@ -45,6 +45,9 @@ class ProviderReport:
         return (all(c.passed for c in self.comparisons) and self.greedy.passed and all(c.passed for c in self.sweep)
                 and self.health.passed and self.repeat.passed and (self.experts is None or not self.experts.failed))
 
+    def __bool__(self) -> bool:
+        return self.passed
+
     def to_dict(self) -> dict:
         return {"provider": self.provider, "dtype": self.dtype, "passed": self.passed,
                 "tolerances": self.profile.to_dict(), "comparisons": [c.to_dict() for c in self.comparisons],
@@ -120,6 +123,9 @@ class VerifyReport:
         checked = bool(self.reports) or (self.reference == "none" and bool(self.invariants))
         return (checked and all(r.passed for r in self.reports) and all(c.passed for c in self.consumers)
                 and all(i.passed for i in self.invariants) and all(c.passed for c in self.cross))
+
+    def __bool__(self) -> bool:  # `if verify_artifact(...)` read true for a failed report, as any dataclass does
+        return self.passed
 
     def to_dict(self) -> dict:
         return {"folder": self.folder, "passed": self.passed, "reference": self.reference,

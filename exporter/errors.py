@@ -14,6 +14,12 @@ def error_document(kind: str, message: str, exit_code: int) -> dict:
     return {"error": {"kind": kind, "message": message}, "exit_code": exit_code}
 
 
+def first_of(names, shown: int) -> str:
+    """The first `shown` of `names`, and how many more there are: a list in a message that stays one line."""
+    names = [str(name) for name in names]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def json_requested(args: list[str] | None = None) -> bool:
     """Whether the command line (`args`, else sys.argv's) asks for --json: read off it before click has parsed it,
     by what reports an error that can come first (an interrupt while the modules import, a missing dependency,

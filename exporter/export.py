@@ -34,7 +34,7 @@ from exporter import LIBRARY_LOGGERS
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
-from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line
+from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
 from exporter.paths import check_output_path, folder_lock
@@ -377,9 +377,8 @@ def _prepare_destination(folder: Path) -> None:
                               "(folder, --output) or empty it")
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
     if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         them = "them" if len(foreign) > 1 else "it"
-        raise OutputPathError(f"output folder {folder} holds {', '.join(foreign[:5])}{more}, which its artifact does "
+        raise OutputPathError(f"output folder {folder} holds {first_of(foreign, 5)}, which its artifact does "
                               f"not list and replacing it would delete {them}; move {them} out or choose another "
                               "output folder (folder, --output)")
 

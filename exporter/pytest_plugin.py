@@ -135,7 +135,7 @@ def pytest_configure(config):
         raise pytest.UsageError(f"write {split[0]}=DIR as one argument: in `{split[0]} DIR` pytest takes DIR for a "
                                 "test path when it picks its rootdir and ini file, so a pytest.ini beside or above "
                                 "it would configure the run")
-    from exporter.errors import ProviderError, ToolkitError
+    from exporter.errors import ProviderError, ToolkitError, first_of
     from exporter.sessions import PROVIDER_OPTION, check_parity_providers
     from reference.errors import ModelError
     try:
@@ -163,10 +163,9 @@ def pytest_configure(config):
             raise pytest.UsageError(f"--require-reference: {folder} has no reference to compare with ({reason}); "
                                     f"{NO_REFERENCE_FIX}")
         if missing:
-            named = ", ".join(str(folder) for folder in list(missing)[:3])
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise pytest.UsageError(f"--require-reference: {len(missing)} artifact folders have no reference to "
-                                    f"compare with: {named}{more} ({'; '.join(dict.fromkeys(missing.values()))}); "
+                                    f"compare with: {first_of(missing, 3)} "
+                                    f"({'; '.join(dict.fromkeys(missing.values()))}); "
                                     f"{NO_REFERENCE_FIX}")
     config.stash[_PLANS] = plans
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # no test paths given: the folders alone

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import GraphRunError, InputError, ProviderError, first_line
+from exporter.errors import GraphRunError, InputError, ProviderError, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, read_manifest
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
@@ -75,13 +75,13 @@ def _check_feeds(contract: GraphContract, feeds: dict) -> None:
     """The feeds' names and dtypes against the graph's inputs: onnxruntime's refusal of a missing one is a bare
     ValueError."""
     missing = [name for name in contract.input_names if name not in feeds]
-    unknown = [str(name) for name in feeds if name not in contract.input_names]
+    unknown = [name for name in feeds if name not in contract.input_names]
     if missing or unknown:
-        found = "; ".join(f"{what} {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        found = "; ".join(f"{what} {first_of(names, 5)}"
                           for what, names in (("missing", missing), ("not an input", unknown)) if names)
         hint = " (labels: this artifact has the loss; -100 masks a position)" if "labels" in missing else ""
-        raise InputError(f"{contract.file} takes the inputs {', '.join(contract.input_names[:4])}"
-                         f"{' ...' if len(contract.input_names) > 4 else ''}, got feeds with {found}{hint}")
+        raise InputError(f"{contract.file} takes the inputs {first_of(contract.input_names, 4)}, got feeds with "
+                         f"{found}{hint}")
     # onnxruntime's refusal of another dtype (a float16 artifact's cache, int32 ids) read as a damaged graph
     for spec in contract.inputs:
         value = feeds[spec.name]

@@ -264,6 +264,7 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
     reference chosen, before any check runs."""
     _check_arguments(settings, genai, overrides)
     manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
+    folder = Path(folder)
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] verified nothing, and the report failed
@@ -281,9 +282,9 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
     else:
-        genai_skipped = "turned off" if genai is False else _genai_skip_reason(Path(folder), manifest)
+        genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
-            raise ConsumerError(f"cannot run the onnxruntime-genai check on {Path(folder)}: {genai_skipped}")
+            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     return _Plan(manifest, chosen, skipped, companion, reference, described,
                  settings.fit(manifest.config.max_position_embeddings), applied, genai_skipped)
 

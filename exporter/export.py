@@ -510,12 +510,12 @@ def _build(model: torch.nn.Module, config, dtype: str, with_loss: bool, source: 
         files={})
     files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
     manifest = dataclasses.replace(manifest, files=file_entries(built, files))
+    manifest.write(built)  # before the smoke run: OrtRunner checks a manifest it is given against the folder's
     log.info("smoke-testing the graphs in onnxruntime")
     try:
         _smoke_run(built, manifest)
     except GraphRunError as exc:  # e.g. an op this build lacks for a dtype
         raise ExportFailed(f"smoke run: onnxruntime could not run the exported graphs ({exc.detail})") from exc
-    manifest.write(built)
     return manifest
 
 

@@ -19,7 +19,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.errors import GraphRunError, InputError, ProviderError, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
-from exporter.manifest import Manifest, read_manifest
+from exporter.manifest import Manifest, load_manifest, read_manifest
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
                                session_options, session_providers)
 from reference.families import DecoderConfig
@@ -114,23 +114,51 @@ def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> 
                          f"{past_length + length}): the cached length {past_length} plus {length} new tokens")
 
 
-def _check_position_ids(config: DecoderConfig, position_ids: np.ndarray, what: str, fix: str) -> None:
-    """check_positions for the position ids start or step is given (a few microseconds a step)."""
-    if position_ids.size:
-        last = int(position_ids.max())
-        check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
+def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids, what: str, fix: str) -> None:
+    """The values start or step is given: ids in the vocabulary (onnxruntime's Gather would blame the graph), a mask
+    of 0 and 1 and positions from 0 (others ran, to logits no reference computes), and check_positions.
+
+    Per step, so one max per array (5 us a step): read as uint64, a negative int64 lies above every bound."""
+    if attention_mask.view(np.uint64).max() > 1:  # never empty: start refuses an empty prompt
+        bad = [int(v) for v in np.unique(attention_mask) if v not in (0, 1)]
+        raise InputError(f"attention_mask holds {bad[:5]}; it takes 1 for a token and 0 for left padding, nothing "
+                         "else")
+    if not input_ids.size:
+        return
+    vocab = config.vocab_size
+    if input_ids.view(np.uint64).max() >= vocab:
+        bad = sorted({int(i) for i in input_ids.ravel() if not 0 <= i < vocab})
+        raise InputError(f"input_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+    last = int(position_ids.view(np.uint64).max())
+    if last > np.iinfo(np.int64).max:
+        raise InputError(f"position_ids must be >= 0 (the k-th token of a row is at position k), got "
+                         f"{int(position_ids.min())}")
+    check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
 
 
-def _check_runner_arguments(folder, manifest, settings) -> None:
+def _check_runner_arguments(folder, check_hashes, manifest, settings) -> None:
     """OrtRunner's arguments of the types it takes, before any file is read."""
     if not isinstance(folder, (str, os.PathLike)):
         raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
+    if not isinstance(check_hashes, bool):  # a string such as "no" would read as true
+        raise InputError(f"check_hashes must be True or False, got {check_hashes!r} ({type(check_hashes).__name__})")
     if not isinstance(settings, SessionSettings):
         raise InputError(f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
                          "SessionSettings(intra_op_threads=2)")
     if manifest is not None and not isinstance(manifest, Manifest):
         raise InputError(f"manifest must be the folder's Manifest (exporter.manifest.read_manifest) or None, "
                          f"got {type(manifest).__name__}")
+
+
+def _check_manifest_of(folder: Path, manifest: Manifest) -> None:
+    """A manifest given to OrtRunner against the folder's manifest.json, read but not hashed (whoever read the
+    manifest checked the files): one read from another artifact ran its contract on these files, which failed as
+    a damaged graph, or ran and named the other artifact's weights as the source."""
+    own, given = load_manifest(folder).files, manifest.files
+    if given != own:
+        differ = sorted(name for name in own.keys() | given.keys() if own.get(name) != given.get(name))
+        raise InputError(f"the manifest given is not {folder}'s: it lists other files ({first_of(differ, 3)} "
+                         "differ); pass read_manifest(folder) of this folder, or no manifest")
 
 
 class OrtRunner:
@@ -163,8 +191,10 @@ class OrtRunner:
 
     def __init__(self, folder: Path, provider: str = "cpu", check_hashes: bool = True,
                  manifest: Manifest | None = None, settings: SessionSettings = SessionSettings()):
-        _check_runner_arguments(folder, manifest, settings)
+        _check_runner_arguments(folder, check_hashes, manifest, settings)
         self.folder = Path(folder)
+        if manifest is not None:
+            _check_manifest_of(self.folder, manifest)
         self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
         self.provider = check_provider(provider)
         providers = session_providers(self.provider)
@@ -232,6 +262,8 @@ class OrtRunner:
             raise _run_failure(self.manifest.decode.file, exc) from None
 
     def empty_past(self, batch: int) -> dict:
+        if not is_integer(batch) or batch < 1:  # numpy's errors, or an empty batch the graphs cannot run
+            raise InputError(f"batch must be an integer >= 1, got {batch!r}")
         cache = self.manifest.cache
         shape = (batch, cache.num_key_value_heads, 0, cache.head_dim)
         return {cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
@@ -279,11 +311,7 @@ class OrtRunner:
         if 0 in input_ids.shape:
             raise InputError(f"start() needs at least one prompt of at least one token, got input_ids of shape "
                              f"{input_ids.shape}")
-        vocab = self.manifest.config.vocab_size
-        if input_ids.min() < 0 or input_ids.max() >= vocab:  # onnxruntime's Gather would blame the graph
-            bad = sorted({int(i) for i in input_ids.ravel() if not 0 <= i < vocab})
-            raise InputError(f"input_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
-        _check_position_ids(self.manifest.config, position_ids, "the prompt", "shorten the prompt")
+        _check_values(self.manifest.config, input_ids, attention_mask, position_ids, "the prompt", "shorten the prompt")
         # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
         empty = self.empty_past(len(input_ids))
         self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
@@ -311,8 +339,8 @@ class OrtRunner:
         if input_ids.shape[0] != cached[0]:
             raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
         _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
-        _check_position_ids(self.manifest.config, position_ids, "this step",
-                            "the generation has used every position: start again with a shorter prompt")
+        _check_values(self.manifest.config, input_ids, attention_mask, position_ids, "this step",
+                      "the generation has used every position: start again with a shorter prompt")
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return self._run_decode(feeds)
 

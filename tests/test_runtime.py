@@ -121,11 +121,14 @@ def test_feeds_of_another_dtype_are_refused_as_inputs_not_blamed_on_the_graph(ru
 
 
 def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
-    # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is an
-    # id outside the vocabulary in a step (start refuses inputs of the wrong type or ids outside it, see below)
+    # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is a
+    # cache of another head size (start and step refuse bad ids, masks and positions, see below)
     runner.start(np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None])
+    cache = runner.manifest.cache
+    wrong = np.zeros((1, cache.num_key_value_heads, 3, cache.head_dim + 1), np.float32)
+    runner.cache = [ort.OrtValue.ortvalue_from_numpy(wrong)._ortvalue for _ in runner.cache]
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running decode.onnx \(.*\); .*re-export") as info:
-        runner.step(np.array([[-1]]), np.ones((1, 4), np.int64), np.array([[3]]))
+        runner.step(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]))
     assert "\n" not in str(info.value)
 
 
@@ -147,7 +150,8 @@ def test_start_and_step_refuse_positions_past_max_position_embeddings_before_run
 
 def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(runner, artifact_fp32):
     """int32 ids, lists, 1-D arrays or ids outside the vocabulary failed inside onnxruntime (or with an
-    AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder."""
+    AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder.
+    check_hashes="no" read as True."""
     ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
     for bad, got in ((ids.astype(np.int32), "an array of int32 with shape (1, 3)"), ([[1, 1, 1]], "list"),
                      (ids[0], "an array of int64 with shape (3,)"), (None, "NoneType")):
@@ -172,6 +176,60 @@ def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(ru
         OrtRunner(artifact_fp32, manifest=str(artifact_fp32))
     with pytest.raises(InputError, match="folder must be an artifact folder's path"):
         OrtRunner(None)
+    for flag in ("no", 0, None):
+        with pytest.raises(InputError, match=rf"^check_hashes must be True or False, got {flag!r} "):
+            OrtRunner(artifact_fp32, check_hashes=flag)
+
+
+def test_start_and_step_refuse_ids_masks_and_positions_out_of_range_before_running(runner):
+    """step ran an id outside the vocabulary into onnxruntime's Gather (reported as a damaged graph); start and
+    step ran negative positions and mask values other than 0 and 1, to logits no reference computes."""
+    ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
+    with pytest.raises(InputError, match=r"^position_ids must be >= 0 \(the k-th token of a row is at position k\), "
+                                         r"got -1$"):
+        runner.start(ids, mask, positions - 1)
+    with pytest.raises(InputError, match=r"^attention_mask holds \[2\]; it takes 1 for a token and 0 for left "
+                                         r"padding, nothing else$"):
+        runner.start(ids, mask * 2, positions)
+    runner.start(ids, mask, positions)
+    cache = runner.cache
+    new_mask = np.ones((1, 4), np.int64)
+    for token in (512, -1):
+        with pytest.raises(InputError, match=rf"^input_ids \[{token}\] lie outside the vocabulary \[0, 512\)$"):
+            runner.step(np.array([[token]]), new_mask, np.array([[3]]))
+    with pytest.raises(InputError, match=r"^attention_mask holds \[-1\]; "):
+        runner.step(np.array([[4]]), np.array([[1, -1, 1, 1]]), np.array([[3]]))
+    with pytest.raises(InputError, match=r"^position_ids must be >= 0 .*, got -5$"):
+        runner.step(np.array([[4]]), new_mask, np.array([[-5]]))
+    assert runner.cache is cache
+    assert runner.step(np.array([[4]]), new_mask, np.array([[3]])).shape == (1, 512)
+
+
+def test_empty_past_refuses_a_batch_that_is_no_positive_integer(runner):
+    """numpy's errors before (negative dimensions, 'str' object cannot be interpreted as an integer)."""
+    for batch in (0, -1, "2", 2.5, True, None):
+        with pytest.raises(InputError, match=rf"^batch must be an integer >= 1, got {re.escape(repr(batch))}$"):
+            runner.empty_past(batch)
+    assert runner.empty_past(np.int64(2))["past_key_values.0.key"].shape[0] == 2
+
+
+def test_a_manifest_of_another_artifact_folder_is_refused(artifact_fp32, artifact_copy):
+    """A manifest read from another folder ran its contract on this folder's files: a damaged graph or a bare
+    ValueError, or, for another export of the same model, a run whose manifest named the other weights."""
+    from exporter.manifest import read_manifest, sha256_file
+    from helpers import edit_manifest
+    weights = artifact_copy / "weights.onnx.data"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # other weights of the same model: a folder of its own
+    weights.write_bytes(bytes(data))
+    edit_manifest(artifact_copy, lambda manifest: manifest["files"]["weights.onnx.data"].update(
+        sha256=sha256_file(weights)))
+    other, own = read_manifest(artifact_copy), read_manifest(artifact_fp32)
+    for folder, manifest in ((artifact_fp32, other), (artifact_copy, own)):
+        with pytest.raises(InputError, match=rf"^the manifest given is not {re.escape(str(folder))}'s: it lists "
+                                             r"other files \(weights.onnx.data differ\); pass read_manifest"):
+            OrtRunner(folder, manifest=manifest)
+    assert OrtRunner(artifact_copy, manifest=other).manifest is other
 
 
 def test_folder_without_manifest_is_refused(tmp_path):

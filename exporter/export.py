@@ -37,6 +37,7 @@ from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
+from exporter.model_source import SourcedModel
 from exporter.paths import check_output_path, folder_lock
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
@@ -311,10 +312,13 @@ def _check_source(source) -> None:
 def _check_arguments(model, folder, with_loss) -> None:
     """export_artifact's own arguments, which failed as AttributeError or pathlib's TypeError, or read "no" as
     True."""
+    if isinstance(model, SourcedModel):
+        raise InputError("model is a SourcedModel (what seeded_model and checkpoint_model return); pass its model and "
+                         "its source: export_artifact(sourced.model, folder, source=sourced.source)")
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise InputError(f"model must be a reference model or a reference.byo adapter (a torch.nn.Module with a "
-                         f".config), got {type(model).__name__}; build one with exporter.model_source.seeded_model "
-                         "or checkpoint_model")
+                         f".config), got {type(model).__name__}; build one with exporter.model_source.seeded_model"
+                         "(preset).model or checkpoint_model(path).model")
     if not isinstance(folder, (str, os.PathLike)):
         raise InputError(f"folder must be a path (str or Path), got {folder!r:.80} (folder, --output)")
     if not isinstance(with_loss, bool):  # a string such as "no" would read as true

@@ -30,9 +30,11 @@ def seeded_source(preset: str, seed: int) -> dict:
 
 def seeded_model(preset: str, seed: int = 0) -> SourcedModel:
     """A preset's model with deterministically seeded weights; `export-onnx verify` seeds it again."""
+    from exporter.sessions import is_integer  # here: it imports onnxruntime, which choosing a reference does not need
     from reference import build_model, get_preset
-    if not isinstance(seed, int) or isinstance(seed, bool):  # "x" seeded fine, and the manifest refused it after
+    if not is_integer(seed):  # "x" seeded fine, and the manifest refused it after
         raise InputError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+    seed = int(seed)  # a numpy integer is no JSON value for the manifest
     return SourcedModel(build_model(get_preset(preset), seed), seeded_source(preset, seed))
 
 

@@ -394,7 +394,8 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
 
 def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model):
     """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
-    TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest."""
+    TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,
+    a numpy integer refused as none; seeded_model's result, not a model, was told to build one with seeded_model."""
     from exporter.model_source import seeded_model
     for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
         with pytest.raises(InputError, match=f"model must be a reference model or a reference.byo adapter .*, got "
@@ -406,9 +407,15 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
         export_artifact(tiny_model, tmp_path / "x", with_loss="no")
     with pytest.raises(TokenizerError, match="a tokenizer is the path .* got 5"):
         export_artifact(tiny_model, tmp_path / "x", tokenizer=5)
-    for seed in ("x", 1.5, None, True):
+    for seed in ("x", 1.5, None, True, np.float64(3), np.bool_(True)):
         with pytest.raises(InputError, match="seed must be an integer, got"):
             seeded_model("minimind-3-tiny", seed)
+    sourced = seeded_model("minimind-3-tiny", np.int64(3))
+    assert type(sourced.source["seed"]) is int and sourced.source["seed"] == 3  # JSON for the manifest
+    with pytest.raises(InputError, match=re.escape("model is a SourcedModel (what seeded_model and checkpoint_model "
+                                                   "return); pass its model and its source: export_artifact("
+                                                   "sourced.model, folder, source=sourced.source)")):
+        export_artifact(sourced, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1447,6 +1447,7 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
     """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
     (top1 0.000), blaming the export."""
     from exporter.errors import InputError
+    from exporter.model_source import seeded_model
     from reference import build_model, get_preset
     other = build_model(get_preset("minimind2-tiny"), seed=0)
     with pytest.raises(InputError, match=r"^the model does not match the artifact: its config differs in "
@@ -1457,6 +1458,10 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
     with pytest.raises(InputError, match=r"the model \(TeachingGPT with config TeachingGPTConfig\) is not of the "
                                          r"artifact's family minimind"):
         verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False)
+    sourced = seeded_model("minimind-3-tiny")  # was "not of the artifact's family" (SourcedModel with config None)
+    with pytest.raises(InputError, match=r"^model is a SourcedModel \(what seeded_model and checkpoint_model "
+                                         r"return\); pass its model: verify_artifact\(folder, sourced.model\)$"):
+        verify_artifact(artifact_fp32, sourced, ["cpu"], QUICK, genai=False)
 
 
 def test_a_float16_companion_of_another_config_names_the_fields(artifact_fp16):

@@ -18,6 +18,7 @@ from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupport
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.manifest import Manifest, config_differences, read_manifest
+from exporter.model_source import SourcedModel
 from exporter.paths import check_outside_artifact
 from exporter.runtime import OrtRunner
 from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
@@ -219,6 +220,9 @@ def _reference(manifest: Manifest, model, golden: Path | GoldenBundle | None, se
 def _check_model(model, manifest: Manifest) -> None:
     """InputError unless `model` is of the artifact's family and config: another model's logits would fail every
     check and blame the export for it."""
+    if isinstance(model, SourcedModel):
+        raise InputError("model is a SourcedModel (what seeded_model and checkpoint_model return); pass its model: "
+                         "verify_artifact(folder, sourced.model)")
     config = getattr(model, "config", None)
     if type(config) is not type(manifest.config):
         raise InputError(f"the model ({type(model).__name__} with config {type(config).__name__}) is not of the "

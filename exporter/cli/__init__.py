@@ -314,7 +314,8 @@ def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
                    "samples as it would alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
-@click.option("--provider", default="cpu", show_default=True, help="Execution provider (cpu or cuda).")
+@click.option("--provider", default="cpu", show_default=True, metavar="NAME",
+              help="Execution provider to generate on (cpu, cuda, or a full name such as CUDAExecutionProvider).")
 @click.option("--threads", type=int, default=0, show_default=True,
               help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.")
 @click.option("--prompt-chunk", type=click.IntRange(min=0), default=None,

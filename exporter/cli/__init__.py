@@ -121,9 +121,10 @@ def _require_torch(purpose: str) -> None:
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     _require_torch("exporting")
-    from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
-    sourced = _model_and_source(preset, seed, checkpoint, config_path)
+    from exporter.export import check_destination, export_artifact  # torch.onnx is slow to import; keep --help fast
     folder = _output_folder(output, preset, checkpoint, dtype)
+    check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
+    sourced = _model_and_source(preset, seed, checkpoint, config_path)
     return sourced.model, export_artifact(sourced.model, folder, dtype=dtype, with_loss=not no_loss,
                                           source=sourced.source, tokenizer=tokenizer)
 

@@ -12,6 +12,7 @@ Run it:  python examples/byo_seed001.py [OUTPUT_FOLDER]
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -19,7 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from exporter.errors import ToolkitError
 from reference import CausalLMOutput, DecoderAdapter, DecoderSpec, check_adapter, seeded_init_
+from reference.errors import ModelError
 from reference.layers import attend, shifted_cross_entropy
 
 
@@ -155,7 +158,7 @@ def demo_model(seed: int = 0) -> SimpleForCausalLM:
                                           intermediate_size=128), seed).eval()
 
 
-def main(folder: str = "artifacts/seed001-demo") -> int:
+def main(folder: str) -> int:
     from exporter.export import export_artifact
     from exporter.parity import verify_artifact
     from exporter.verify.reports import format_verify
@@ -172,5 +175,18 @@ def main(folder: str = "artifacts/seed001-demo") -> int:
     return 0 if report.passed else 1
 
 
+def output_folder() -> str:
+    """OUTPUT_FOLDER from the command line; a wrong command line is one line and exit 2, as in export-onnx."""
+    parser = argparse.ArgumentParser(description="Check the adapter, export the demo model and verify the export.")
+    parser.add_argument("folder", nargs="?", default="artifacts/seed001-demo", metavar="OUTPUT_FOLDER")
+    parser.error = lambda message: parser.exit(2, f"error: {message} (see '{parser.prog} --help')\n")
+    return parser.parse_args().folder
+
+
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:]))
+    folder = output_folder()
+    try:
+        sys.exit(main(folder))
+    except (ToolkitError, ModelError) as exc:  # the toolkit's errors name the problem and the fix: show them alone
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

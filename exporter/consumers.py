@@ -226,6 +226,11 @@ def _warn_of_genai_tokenizer_limits(tokenizer: TokenizerSource, sizes: ModelSize
         log.warning("%s is %s: onnxruntime-genai's og.Tokenizer cannot read it (it fails to load or encodes other "
                     "ids); generate with token ids there, or text with export-onnx generate --prompt",
                     tokenizer.tokenizer.name, tokenizer.genai_unreadable)
+    if tokenizer.missing_byte_symbols:
+        log.warning("%s lacks %d of the 256 byte symbols of a byte-level BPE: onnxruntime-genai's og.Tokenizer "
+                    "encodes a character needing one as -1, which the graphs refuse; train it with "
+                    "initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), or generate there with token ids",
+                    tokenizer.tokenizer.name, tokenizer.missing_byte_symbols)
     stop_id = genai_eos_token_id(sizes.eos_token_id, sizes.vocab_size)
     if sizes.eos_token_id is None and stop_id in tokenizer.tokens:
         log.warning("the model has no eos_token_id, so %s makes onnxruntime-genai stop at the last id, %d, but the "

@@ -387,6 +387,12 @@ def _prepare_destination(folder: Path) -> None:
                               "output folder (folder, --output)")
 
 
+def check_destination(folder) -> None:
+    """The refusals of an output folder that export_artifact makes first, for a caller to make before building
+    the model: reading a checkpoint can take minutes."""
+    _prepare_destination(Path(os.path.abspath(folder)))
+
+
 def _hidden_sibling(folder: Path, kind: str) -> Path:
     """A new hidden folder beside `folder`, named for this process, so that a later export can tell whether the
     export that made it is still running."""

@@ -39,6 +39,7 @@ class TokenizerSource:
     loaded: object = field(compare=False, repr=False)  # the `tokenizers.Tokenizer` read from `tokenizer`
     special: frozenset[int] = frozenset()  # ids of the added tokens marked special
     genai_unreadable: str = ""  # why onnxruntime-genai's tokenizer cannot read it like `tokenizers`, or ""
+    missing_byte_symbols: int = 0  # of the 256 a byte-level BPE needs to encode any text
     # Each file is read once: what was checked is what the artifact gets, even if the file changes meanwhile.
     content: bytes = field(default=b"", compare=False, repr=False)  # tokenizer.json as read
     config_data: dict | None = field(default=None, compare=False, repr=False)  # tokenizer_config.json as read
@@ -119,6 +120,16 @@ def _genai_unreadable(data: dict, loaded) -> str:
     return ""
 
 
+def _missing_byte_symbols(loaded) -> int:
+    """How many of the 256 byte symbols (ByteLevel's alphabet) a byte-level BPE's vocabulary lacks: one trained
+    without `initial_alphabet=pre_tokenizers.ByteLevel.alphabet()` holds only its corpus's bytes. A character
+    needing a missing one is left out by `tokenizers` and encoded as -1 by onnxruntime-genai (measured with
+    0.18.0), which the graphs refuse."""
+    from tokenizers import pre_tokenizers  # importable: `loaded` was read with it
+    vocabulary = loaded.get_vocab(with_added_tokens=False)
+    return sum(symbol not in vocabulary for symbol in pre_tokenizers.ByteLevel.alphabet())
+
+
 def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     """A tokenizer.json (or a folder holding one), read and checked to fit the model's vocabulary."""
     if not isinstance(path, (str, os.PathLike)):  # Path(5) raised pathlib's TypeError
@@ -135,8 +146,9 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokens = {**_post_processor_tokens(loaded), **tokens}
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
     config = tokenizer.parent / TOKENIZER_CONFIG
-    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special,
-                             _genai_unreadable(data, loaded), content)
+    unreadable = _genai_unreadable(data, loaded)
+    source = TokenizerSource(tokenizer, config if config.is_file() else None, tokens, loaded, special, unreadable,
+                             0 if unreadable else _missing_byte_symbols(loaded), content)
     if min(tokens) < 0 or source.max_id >= vocab_size:
         raise TokenizerError(f"tokenizer {tokenizer} has token ids in [{min(tokens)}, {source.max_id}] "
                              f"({len(tokens)} tokens) but the model's vocab_size is {vocab_size}: its ids must lie "

@@ -350,3 +350,24 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
     assert format_inspect(hidden_only, str(byo_artifact), {}).count("assumed") == 1
     assert "): hidden_size as heads x head_dim\n" in format_inspect(hidden_only, str(byo_artifact), {})
     assert "assumed" not in format_inspect(manifest, str(byo_artifact), {})  # the example's spec gives both
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
+    (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
+    (["FILE"], "error: output folder FILE is a file; give the path of a folder"),
+], ids=["an unknown option", "two folders", "a file as the folder"])
+def test_the_bring_your_own_example_given_a_wrong_command_line_says_why_in_one_line(argv, message, tmp_path,
+                                                                                    monkeypatch, capsys):
+    # A traceback each: an option read as the folder to export into ("--bogus/"), a TypeError, an OutputPathError.
+    import runpy
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    script = Path(__file__).resolve().parent.parent / "examples" / "byo_seed001.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["byo_seed001.py", *[str(a_file) if a == "FILE" else a for a in argv]])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == message.replace("FILE", str(a_file)) + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and a_file.read_text() == "mine"

@@ -63,6 +63,20 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_checkpoint_inside_the_output_folder_is_not_read_before_the_folder_is_refused(tmp_path, monkeypatch):
+    # The checkpoint (gigabytes for a real model) was loaded first, and only then the folder refused.
+    import exporter.model_source
+    monkeypatch.setattr(exporter.model_source, "checkpoint_model",
+                        lambda *args, **kwargs: pytest.fail("the checkpoint was read before the folder was refused"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.pth").write_bytes(b"weights")
+    for command in ("export", "run"):
+        refused(run_cli(command, "--checkpoint", out / "model.pth", "-o", out, "-q"),
+                "holds no manifest.json of this toolkit")
+    assert [p.name for p in out.iterdir()] == ["model.pth"]
+
+
 def test_run_checks_its_verification_options_before_exporting(tmp_path, monkeypatch):
     out = tmp_path / "never"
     report = tmp_path / "report.out"

@@ -257,6 +257,21 @@ def test_the_tokenizer_kinds_the_export_warns_of_are_those_genai_misreads(artifa
     assert read_alike == (warned == ""), (kind, warned)
 
 
+def test_the_missing_byte_symbols_the_export_warns_of_are_encoded_as_minus_one_by_genai(artifact_copy):
+    """The export's warning (tokenizer.missing_byte_symbols) is measured: genai encodes "H", which the tests'
+    tokenizer lacks, as -1; with all 256 byte symbols it encodes the text as `tokenizers` does."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    assert find_tokenizer(artifact_copy, 512).missing_byte_symbols > 0
+    assert -1 in list(og.Tokenizer(og.Model(str(artifact_copy))).encode("Hkalo"))
+    whole = _trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(),
+                     trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                         show_progress=False))
+    whole.save(str(artifact_copy / "tokenizer.json"))
+    (artifact_copy / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    assert find_tokenizer(artifact_copy, 512).missing_byte_symbols == 0
+    assert [int(i) for i in og.Tokenizer(og.Model(str(artifact_copy))).encode("Hkalo")] == whole.encode("Hkalo").ids
+
+
 def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, tiny_model, monkeypatch):
     # Both ran every check first, then ended in GenaiGenerator: the unlisted file (left on disk) with exit 2 and
     # the verdict lost, the malformed one with an internal JSONDecodeError, exit 3.

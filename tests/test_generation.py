@@ -525,6 +525,30 @@ def test_text_that_encodes_to_no_tokens_is_refused_as_text(artifact_fp32, monkey
         assert f"Invalid value for --prompt: {text!r} encodes to no tokens with this tokenizer" in line
 
 
+def test_prompt_dash_reads_the_prompt_text_from_stdin(artifact_fp32):
+    command = ["generate", str(artifact_fp32), "--max-new-tokens", "2", "--json", "-q"]
+    given = CliRunner().invoke(main, [*command, "--prompt", "kalo mine"])
+    piped = CliRunner().invoke(main, [*command, "--prompt", "-", "--prompt", "ruto"], input="kalo mine\n")
+    assert given.exit_code == 0 and piped.exit_code == 0, piped.output
+    assert [row["prompt_ids"] for row in json.loads(piped.stdout)] == [
+        json.loads(given.stdout)[0]["prompt_ids"], json.loads(CliRunner().invoke(
+            main, [*command, "--prompt", "ruto"]).stdout)[0]["prompt_ids"]]  # its line end left out
+
+
+@pytest.mark.parametrize("options, stdin, message", [
+    (["--prompt", "-"], "", "Invalid value for --prompt - (stdin): '' encodes to no tokens with this tokenizer"),
+    (["--prompt", "-"], b"kalo \xff", "Invalid value for --prompt -: stdin is not UTF-8 text (invalid start byte at "
+                                      "byte 5); pipe in UTF-8 text"),
+    (["--prompt", "-", "--prompt", "-"], "kalo", "--prompt - reads one prompt, all of stdin; give it once"),
+], ids=["empty", "not UTF-8", "twice"])
+def test_prompt_dash_refuses_what_stdin_cannot_give_in_one_line(artifact_fp32, monkeypatch, options, stdin, message):
+    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded"))
+    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), *options, "-q"], input=stdin)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert message in line, line
+
+
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_path):
     from tokenizers import Tokenizer, models
 

@@ -121,9 +121,10 @@ def _require_torch(purpose: str) -> None:
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     _require_torch("exporting")
-    from exporter.export import export_artifact  # torch.onnx is slow to import; keep --help fast
-    sourced = _model_and_source(preset, seed, checkpoint, config_path)
+    from exporter.export import check_destination, export_artifact  # torch.onnx is slow to import; keep --help fast
     folder = _output_folder(output, preset, checkpoint, dtype)
+    check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
+    sourced = _model_and_source(preset, seed, checkpoint, config_path)
     return sourced.model, export_artifact(sourced.model, folder, dtype=dtype, with_loss=not no_loss,
                                           source=sourced.source, tokenizer=tokenizer)
 
@@ -232,11 +233,27 @@ def _parse_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a list of integers; write e.g. --prompt-ids 1,42,7") from None
 
 
+STDIN = "-"  # --prompt -: the text piped in, as many CLIs read a file argument of "-"
+
+
+def _stdin_text() -> str:
+    """The prompt piped in, less the one line end that `echo` and text files put after it."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pipe in UTF-8 text",
+                                 param_hint="--prompt -") from None
+
+
 def _encode_prompt(tokenizer, text: str) -> list[int]:
+    where = "--prompt"
+    if text == STDIN:
+        text, where = _stdin_text(), "--prompt - (stdin)"
     ids = tokenizer.encode(text).ids
     if not ids:  # said here: the runtime's "the prompt is empty" would deny the text the user gave
         raise click.BadParameter(f"{text!r} encodes to no tokens with this tokenizer; give text that it covers",
-                                 param_hint="--prompt")
+                                 param_hint=where)
     return ids
 
 
@@ -246,6 +263,8 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
         raise click.UsageError("give exactly one of --prompt-ids and --prompt")
     if tokenizer is not None and not prompts:
         raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
+    if prompts.count(STDIN) > 1:
+        raise click.UsageError("--prompt - reads one prompt, all of stdin; give it once")
     context = click.get_current_context()
     sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
                       if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
@@ -295,7 +314,7 @@ def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
 @click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
               help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).")
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
-              help="Prompt text (needs a tokenizer). Repeat for a batch.")
+              help="Prompt text (needs a tokenizer); - reads it from stdin. Repeat for a batch.")
 @click.option("--tokenizer", type=PathOption(), default=None,
               help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
@@ -330,8 +349,8 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
              as_json, quiet, verbose):
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
-    Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json). Without
-    --sample the decoding is greedy. Every prompt and option is checked before the model loads.
+    Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json; --prompt - reads it from
+    stdin). Without --sample the decoding is greedy. Every prompt and option is checked before the model loads.
     FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)

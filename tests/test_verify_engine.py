@@ -547,6 +547,19 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
+def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_re_records(full, artifact_fp32,
+                                                                                          artifact_fp16):
+    # --golden-save DIR replaced a bundle recorded from another artifact, silently.
+    _, bundle = full
+    before = (bundle / "golden.json").read_bytes()
+    assert_one_line_error(run_cli("verify", artifact_fp16, "--golden-save", bundle, "-q"), 2,
+                          f"golden_save (--golden-save) {bundle} holds a golden bundle recorded from another model "
+                          "(differs in dtype: bundle float32, artifact float16), which this save would replace; "
+                          "remove it or choose another folder")
+    assert (bundle / "golden.json").read_bytes() == before
+    check_golden_destination(bundle, read_manifest(artifact_fp32))  # the bundle's own artifact: re-recorded
+
+
 def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path,
                                                                                   monkeypatch):
     folder = tmp_path / "golden"

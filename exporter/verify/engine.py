@@ -276,7 +276,7 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
             raise InputError("golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
                              "golden bundle (golden, --golden)")
         check_outside_artifact(golden_save, "golden_save (--golden-save)", folder)
-        check_golden_destination(golden_save)
+        check_golden_destination(golden_save, manifest)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
     if reference is None:

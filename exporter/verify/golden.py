@@ -326,13 +326,24 @@ def _keep_previous(arrays: Path, previous: Path) -> None:
             os.link(arrays, previous)
 
 
-def check_golden_destination(folder: Path) -> None:
-    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle."""
+def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> None:
+    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle; with
+    `manifest`, only over one recorded from that artifact (re-recording it), not another's, which it would lose."""
     check_output_path(folder, "golden_save (--golden-save)", folder=True)
     folder = Path(folder)
     if folder.is_dir() and any(folder.iterdir()) and not (folder / BUNDLE).is_file():
         raise OutputPathError(f"golden_save (--golden-save) {folder} is not empty and holds no golden bundle; "
                               "choose a new or empty folder")
+    if manifest is None or not (folder / BUNDLE).is_file():
+        return
+    try:
+        difference = _artifact_difference(manifest, json.loads((folder / BUNDLE).read_text())["artifact"])
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return  # unreadable or damaged: what re-recording it is for
+    if difference is not None:
+        other, detail = difference
+        raise OutputPathError(f"golden_save (--golden-save) {folder} holds a golden bundle recorded from another "
+                              f"{other} ({detail}), which this save would replace; remove it or choose another folder")
 
 
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
@@ -348,6 +359,20 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
 
 def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
     """GoldenMismatch unless the artifact the bundle was recorded from (golden.json's "artifact") is `manifest`'s."""
+    difference = _artifact_difference(manifest, theirs)
+    if difference is None:
+        return
+    other, detail = difference
+    if other == "model":
+        raise GoldenMismatch(f"golden bundle {folder} belongs to another model ({detail}); verify against a bundle "
+                             "recorded from this artifact")
+    raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {detail}; re-record the bundle "
+                         "from this artifact")
+
+
+def _artifact_difference(manifest: Manifest, theirs: dict) -> tuple[str, str] | None:
+    """How the artifact a bundle was recorded from (golden.json's "artifact") differs from `manifest`'s: ("model",
+    its config or dtype) or ("export", the files whose hashes differ); None when it is the same."""
     ours = _identity(manifest)
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
@@ -355,12 +380,9 @@ def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
             changed = [f"{len(changed)} config fields, among them {', '.join(changed[:5])}"]
         if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
             changed.append(f"dtype: bundle {theirs['dtype']}, artifact {ours['dtype']}")
-        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in {', '.join(changed)}); "
-                             "verify against a bundle recorded from this artifact")
+        return "model", f"differs in {', '.join(changed)}"
     changed = [name for name, digest in ours["sha256"].items() if theirs["sha256"].get(name) != digest]
-    if changed:
-        raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {', '.join(changed)} "
-                             "differ(s) in sha256; re-record the bundle from this artifact")
+    return ("export", f"{', '.join(changed)} differ(s) in sha256") if changed else None
 
 
 def recorded_overrides(meta: dict) -> Overrides:

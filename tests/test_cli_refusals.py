@@ -595,6 +595,10 @@ def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_
             f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
     refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
             f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")
+    # and the other way round: the pytest plugin's hint, which verify lacked
+    refused(run_cli("verify", bundle, "-q"), f"{bundle} has no manifest.json; it is not an artifact folder (export one "
+            f"with 'export-onnx export') ({bundle}: a golden bundle; pass it as --golden DIR, with the artifact it was "
+            "recorded from as FOLDER)")
 
 
 def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):

@@ -346,6 +346,14 @@ def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> 
                               f"{other} ({detail}), which this save would replace; remove it or choose another folder")
 
 
+def misplaced_bundle_hint(folders, golden_flag: str, folder_flag: str) -> str:
+    """For the golden bundles among `folders` (golden.json and no manifest.json), given where an artifact folder goes:
+    a hint to append to the error that refused them, naming the option a bundle goes to ("" when none is one)."""
+    bundles = [str(f) for f in folders if (Path(f) / BUNDLE).is_file() and not (Path(f) / MANIFEST).exists()]
+    return (f" ({', '.join(bundles)}: a golden bundle; pass it as {golden_flag}, with the artifact it was recorded "
+            f"from as {folder_flag})" if bundles else "")
+
+
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
     version = meta.get("format_version")
     if meta.get("format") != FORMAT or version != FORMAT_VERSION:

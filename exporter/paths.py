@@ -115,21 +115,39 @@ def json_type(value) -> str:
         type(value), "null")
 
 
-def read_json_object(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False) -> dict:
+class _RepeatedKey(ValueError):
+    """A JSON object giving one key twice, which json.loads reads as its last value, silently."""
+
+
+def _refuse_repeated_keys(pairs: list) -> dict:
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise _RepeatedKey(key)
+        data[key] = value
+    return data
+
+
+def read_json_object(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False,
+                     repeated_keys: bool = False) -> dict:
     """The JSON object the file at `path` holds (a .toml file's table, when `toml`), else `error` naming `what`
-    (the option or the file's role) and saying `fix`."""
-    return read_json_file(path, error, what, fix, toml)[1]
+    (the option or the file's role) and saying `fix`. A key given twice in one object is refused (TOML refuses it
+    itself) unless `repeated_keys`: for files that other readers take the last value of."""
+    return read_json_file(path, error, what, fix, toml, repeated_keys)[1]
 
 
-def read_json_file(path: Path, error: type[ToolkitError], what: str, fix: str,
-                   toml: bool = False) -> tuple[bytes, dict]:
+def read_json_file(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False,
+                   repeated_keys: bool = False) -> tuple[bytes, dict]:
     """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them."""
     path = Path(path)
     kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
     try:
         content = path.read_bytes()
         text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
-        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(
+            text, object_pairs_hook=None if repeated_keys else _refuse_repeated_keys)
+    except _RepeatedKey as exc:
+        raise error(f"{what} {path} gives the key {exc.args[0]!r} twice; keep one") from None
     except (OSError, ValueError, RecursionError) as exc:  # not UTF-8, invalid JSON or TOML, or nested too deep
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
         raise error(f"{what} {path} is not a readable {kind} file ({reason}); {fix}") from None

@@ -607,3 +607,21 @@ def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(a
     (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
     refused(run_cli("verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json",
                     "-q"), "--tolerances given 2 times; give one file (it may hold every kind)")
+
+
+def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(artifact_fp32, tiny_tokenizer, tiny_config,
+                                                                     tmp_path):
+    # json.loads kept the last value, silently: this file loosened logits' atol to 5
+    tolerances = tmp_path / "tol.json"
+    tolerances.write_text('{"logits": {"atol": 1e-3, "atol": 5}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "-q"),
+            f"tolerance file {tolerances} gives the key 'atol' twice; keep one")
+    config = tmp_path / "config.json"
+    config.write_text('{"rms_norm_eps": 1e-6, "rms_norm_eps": 1e-5}')
+    refused(run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a", "-q"),
+            f"--config {config} gives the key 'rms_norm_eps' twice; keep one")
+    # a tokenizer.json that gives a key twice is read, as the tokenizers library reads it (the last value holds)
+    from exporter.tokenizer import find_tokenizer
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", ' + (tiny_tokenizer / "tokenizer.json").read_text()[1:])
+    assert find_tokenizer(tokenizer, tiny_config.vocab_size).max_id == tiny_config.vocab_size - 1

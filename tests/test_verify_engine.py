@@ -1510,6 +1510,14 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
     assert (foreign / "notes.txt").read_text() == "keep me" and not (tmp_path / "bundle").exists()
 
 
+def test_a_model_and_a_golden_bundle_together_are_refused_naming_which_to_drop(artifact_fp32, tiny_model, tmp_path):
+    # The bundle was replayed and the model ignored, silently.
+    from exporter.errors import InputError
+    with pytest.raises(InputError, match=r"^give model or golden, not both: .*; drop golden to verify against the "
+                                         r"model, or model to replay the bundle$"):
+        verify_artifact(artifact_fp32, tiny_model, "cpu", golden=tmp_path / "bundle")  # refused before it is read
+
+
 def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifact_fp32, tiny_model):
     """Each failed deep in the engine (AttributeError, pathlib's or iteration's TypeError), genai="no" ran the
     check, and providers=[] verified nothing and failed."""

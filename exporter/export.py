@@ -36,7 +36,7 @@ from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
+from exporter.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.paths import check_output_path, folder_lock
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
@@ -336,17 +336,6 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return copy.deepcopy(model).to(dtype).eval()
 
 
-def _listed_files(folder: Path) -> set[str] | None:
-    """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
-    try:
-        data = json.loads((folder / MANIFEST).read_text())
-        if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
-            return {MANIFEST, *data["files"]}
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
-        pass
-    return None
-
-
 def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
@@ -358,7 +347,7 @@ def _prepare_destination(folder: Path) -> None:
         raise OutputPathError(f"output folder {folder} is a mount point, and the export is built beside its "
                               "destination and then swapped in, which a mount point cannot be; export into a "
                               f"folder inside it (e.g. {folder / 'artifact'})")
-    artifact = next((parent for parent in folder.parents if _listed_files(parent) is not None), None)
+    artifact = next((parent for parent in folder.parents if listed_files(parent) is not None), None)
     if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
         raise OutputPathError(f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
                               "change; choose another output folder (folder, --output)")
@@ -370,7 +359,7 @@ def _prepare_destination(folder: Path) -> None:
                               "delete; run from elsewhere or choose another output folder (folder, --output)")
     if not any(folder.iterdir()):
         return
-    listed = _listed_files(folder)
+    listed = listed_files(folder)
     if listed is None:
         raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST} of this toolkit; "
                               "refusing to overwrite files it did not write: choose another output folder "

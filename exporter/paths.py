@@ -30,13 +30,21 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
 
 
 def check_outside_artifact(path, flag: str, folder) -> None:
-    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
+    """A path this command writes must not lie in the artifact folder it reads (it would change it), nor in another
+    one, whose integrity check would then fail on a file its manifest does not list."""
+    from exporter.manifest import listed_files  # here: exporter.manifest imports this module
     artifact, resolved = Path(folder).resolve(), Path(path).resolve()
     if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
         raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
                            "write it elsewhere")
     if artifact in resolved.parents:
         raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                           "write it elsewhere")
+    other = next((p for p in (resolved, *resolved.parents) if listed_files(p) is not None), None)
+    if other == resolved:
+        raise ToolkitError(f"{flag} {path} is an artifact folder, which it would change; write it elsewhere")
+    if other is not None:
+        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {other}, which it would change; "
                            "write it elsewhere")
 
 

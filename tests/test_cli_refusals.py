@@ -133,6 +133,25 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
             "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
+def test_reports_and_bundles_are_never_written_into_another_artifact_folder(artifact_fp32, artifact_copy, tmp_path):
+    # They were, as files its manifest does not list: a re-export into that folder then refused to delete them.
+    from exporter.paths import check_outside_artifact
+    other, before = artifact_copy, sorted(p.name for p in artifact_copy.iterdir())
+    for flag, path in (("--report-json", other / "report.json"), ("--junit", other / "reports" / "junit.xml"),
+                       ("--html", other / "report.html"), ("--golden-save", other / "golden")):
+        refused(run_cli("verify", artifact_fp32, flag, path, "-q"),
+                f"{flag} {path} lies inside the artifact folder {other}, which it would change; write it elsewhere")
+    refused(run_cli("verify", artifact_fp32, "--golden-save", other, "-q"),
+            f"--golden-save {other} is an artifact folder, which it would change; write it elsewhere")
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", other / "optimized", "-q"),
+            f"--save-optimized {other / 'optimized'} lies inside the artifact folder {other}")
+    assert sorted(p.name for p in other.iterdir()) == before
+    webapp = tmp_path / "webapp"  # a manifest.json that is not this toolkit's makes no artifact
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "app"}')
+    check_outside_artifact(webapp / "report.json", "--report-json", artifact_fp32)
+
+
 def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact_fp32, tmp_path):
     """A report path mistyped onto a source file (`--report-json verify.py`) overwrote it, unasked; an empty file
     or an earlier report of that kind, whoever wrote it, is replaced."""

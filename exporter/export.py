@@ -37,7 +37,7 @@ from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
-from exporter.paths import check_output_path, folder_lock
+from exporter.paths import check_output_path, folder_lock, parents_removed_unless_done
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
@@ -405,24 +405,6 @@ def _clear_interrupted(folder: Path) -> None:
             log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
 
 
-@contextlib.contextmanager
-def _parents_removed_unless_done(folder: Path):
-    """The parent folders of `folder` missing now (`-o a/b/c` with no a/b), which the block makes, are removed
-    again when it fails or is interrupted: each that is still empty, deepest first."""
-    missing = []
-    for parent in folder.parents:
-        if os.path.lexists(parent):
-            break
-        missing.append(parent)
-    try:
-        yield
-    except BaseException:
-        for parent in missing:
-            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
-                parent.rmdir()
-        raise
-
-
 def _move_into_place(built: Path, folder: Path) -> None:
     """Swap the finished folder in; an earlier artifact is removed only after the new one is in place."""
     old = None
@@ -533,7 +515,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
 
-    with _parents_removed_unless_done(folder):
+    with parents_removed_unless_done(folder):
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             _clear_interrupted(folder)

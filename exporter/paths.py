@@ -80,19 +80,39 @@ def _create_problem(folder: Path) -> str | None:
 
 def write_text_whole(path: Path, text: str) -> None:
     """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it, so an interrupt
-    or a full disk leaves the earlier file (or none), never a truncated one. A path that exists and is no
-    regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace the device."""
+    or a full disk leaves the earlier file (or none), never a truncated one, nor the folders made for it. A path
+    that exists and is no regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace
+    the device."""
     path = Path(os.path.realpath(path))  # through a link to its file, which a rename would otherwise replace
     if path.exists() and not path.is_file():
         path.write_text(text, encoding="utf-8")
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a second process writing it keeps its own
+    with parents_removed_unless_done(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            partial.write_text(text, encoding="utf-8")
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def parents_removed_unless_done(path: Path):
+    """The parent folders of `path` missing now (`-o a/b/c` with no a/b), which the block makes to write `path`,
+    are removed again when it fails or is interrupted: each that is still empty, deepest first."""
+    missing = []
+    for parent in Path(path).parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
     try:
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
+        yield
     except BaseException:
-        partial.unlink(missing_ok=True)
+        for parent in missing:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                parent.rmdir()
         raise
 
 

@@ -563,6 +563,7 @@ def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_r
 def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path,
                                                                                   monkeypatch):
     folder = tmp_path / "golden"
+    folder.mkdir()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -571,6 +572,11 @@ def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(
         RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
     assert list(folder.iterdir()) == []
     check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
+    # the folders it made for the bundle are removed again: they stayed behind, empty
+    with pytest.raises(KeyboardInterrupt):
+        RecordedReference().save(tmp_path / "new" / "golden", read_manifest(artifact_fp32), ParitySettings(),
+                                 Overrides(), {})
+    assert list(tmp_path.iterdir()) == [folder]
 
 
 def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(full, artifact_fp32,

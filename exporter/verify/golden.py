@@ -44,7 +44,7 @@ import onnxruntime as ort
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.manifest import MANIFEST, Manifest, config_differences, sha256_file
-from exporter.paths import check_output_path, folder_lock
+from exporter.paths import check_output_path, folder_lock, parents_removed_unless_done
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.routing import record_reference_routing
@@ -176,7 +176,6 @@ class RecordedReference:
         """Write the recording as a bundle, with the settings and tolerance overrides it was judged with;
         `versions` are those of the reference side (e.g. torch)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         arrays, calls = {}, []
         for index, ((kind, tokens, outputs), routing) in enumerate(zip(self.calls, self.routing)):
             calls.append({"kind": kind, "feeds": list(tokens), "outputs": list(outputs), "routed_layers": list(routing)})
@@ -197,8 +196,10 @@ class RecordedReference:
             feeds_prefix, outputs_prefix = MODULE_ENTRIES[graph]
             arrays.update({f"{feeds_prefix}{k}": v for k, v in tokens.items()})
             arrays.update({f"{outputs_prefix}{k}": v for k, v in outputs.items()})
-        with folder_lock(folder):  # a second save into this folder writes its files before or after
-            self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
+        with parents_removed_unless_done(folder / BUNDLE):  # the bundle's folder too, when this save made it
+            folder.mkdir(parents=True, exist_ok=True)
+            with folder_lock(folder):  # a second save into this folder writes its files before or after
+                self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
         log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
                  (folder / ARRAYS).stat().st_size / 1e6)
         return folder

@@ -340,6 +340,17 @@ def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(
         "error: cannot write the result to stdout (No space left on device)"], result.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["--help"], ["verify", "--help"]])
+def test_help_that_stdout_cannot_take_is_one_line_not_a_traceback(command):
+    # click printed it and the OSError came out as a traceback, exit 1
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), *command], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: cannot write the help to stdout (No space left on device)"], result.stderr
+
+
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     out = tmp_path / "art"
     command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it

@@ -36,9 +36,9 @@ from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.manifest import FORMAT, MANIFEST, Manifest, file_entries, source_problem
+from exporter.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.model_source import SourcedModel
-from exporter.paths import check_output_path, folder_lock
+from exporter.paths import check_output_path, folder_lock, parents_removed_unless_done
 from exporter.runtime import OrtRunner, position_ids_from_mask
 from exporter.tokenizer import find_tokenizer
 from exporter.verify.tolerances import profile_for
@@ -340,17 +340,6 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return copy.deepcopy(model).to(dtype).eval()
 
 
-def _listed_files(folder: Path) -> set[str] | None:
-    """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
-    try:
-        data = json.loads((folder / MANIFEST).read_text())
-        if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
-            return {MANIFEST, *data["files"]}
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
-        pass
-    return None
-
-
 def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
@@ -362,7 +351,7 @@ def _prepare_destination(folder: Path) -> None:
         raise OutputPathError(f"output folder {folder} is a mount point, and the export is built beside its "
                               "destination and then swapped in, which a mount point cannot be; export into a "
                               f"folder inside it (e.g. {folder / 'artifact'})")
-    artifact = next((parent for parent in folder.parents if _listed_files(parent) is not None), None)
+    artifact = next((parent for parent in folder.parents if listed_files(parent) is not None), None)
     if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
         raise OutputPathError(f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
                               "change; choose another output folder (folder, --output)")
@@ -374,7 +363,7 @@ def _prepare_destination(folder: Path) -> None:
                               "delete; run from elsewhere or choose another output folder (folder, --output)")
     if not any(folder.iterdir()):
         return
-    listed = _listed_files(folder)
+    listed = listed_files(folder)
     if listed is None:
         raise OutputPathError(f"output folder {folder} is not empty and holds no {MANIFEST} of this toolkit; "
                               "refusing to overwrite files it did not write: choose another output folder "
@@ -424,24 +413,6 @@ def _clear_interrupted(folder: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
         if not leftover.exists():
             log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
-
-
-@contextlib.contextmanager
-def _parents_removed_unless_done(folder: Path):
-    """The parent folders of `folder` missing now (`-o a/b/c` with no a/b), which the block makes, are removed
-    again when it fails or is interrupted: each that is still empty, deepest first."""
-    missing = []
-    for parent in folder.parents:
-        if os.path.lexists(parent):
-            break
-        missing.append(parent)
-    try:
-        yield
-    except BaseException:
-        for parent in missing:
-            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
-                parent.rmdir()
-        raise
 
 
 def _move_into_place(built: Path, folder: Path) -> None:
@@ -554,7 +525,7 @@ def export_artifact(model: torch.nn.Module, folder: Path, dtype: str = "float32"
     model = _copy_for_export(model, TORCH_DTYPES[dtype])
     share_tied_table(model)
 
-    with _parents_removed_unless_done(folder):
+    with parents_removed_unless_done(folder):
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             _clear_interrupted(folder)

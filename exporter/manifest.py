@@ -172,6 +172,17 @@ def _initializer_problem(manifest: Manifest) -> str | None:
     return None
 
 
+def listed_files(folder: Path) -> set[str] | None:
+    """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+        if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
+            return {MANIFEST, *data["files"]}
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
+        pass
+    return None
+
+
 def load_manifest(folder: Path) -> Manifest:
     """Load folder/manifest.json and check that it is consistent, not yet the files it lists."""
     if not isinstance(folder, (str, os.PathLike)):  # Path(None) raised pathlib's TypeError

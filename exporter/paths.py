@@ -30,13 +30,21 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
 
 
 def check_outside_artifact(path, flag: str, folder) -> None:
-    """A path this command writes must not lie in the artifact folder it reads (it would change it)."""
+    """A path this command writes must not lie in the artifact folder it reads (it would change it), nor in another
+    one, whose integrity check would then fail on a file its manifest does not list."""
+    from exporter.manifest import listed_files  # here: exporter.manifest imports this module
     artifact, resolved = Path(folder).resolve(), Path(path).resolve()
     if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
         raise ToolkitError(f"{flag} {path} is the artifact folder this command reads, which it would change; "
                            "write it elsewhere")
     if artifact in resolved.parents:
         raise ToolkitError(f"{flag} {path} lies inside the artifact folder {folder}, which it would change; "
+                           "write it elsewhere")
+    other = next((p for p in (resolved, *resolved.parents) if listed_files(p) is not None), None)
+    if other == resolved:
+        raise ToolkitError(f"{flag} {path} is an artifact folder, which it would change; write it elsewhere")
+    if other is not None:
+        raise ToolkitError(f"{flag} {path} lies inside the artifact folder {other}, which it would change; "
                            "write it elsewhere")
 
 
@@ -72,19 +80,39 @@ def _create_problem(folder: Path) -> str | None:
 
 def write_text_whole(path: Path, text: str) -> None:
     """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it, so an interrupt
-    or a full disk leaves the earlier file (or none), never a truncated one. A path that exists and is no
-    regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace the device."""
+    or a full disk leaves the earlier file (or none), never a truncated one, nor the folders made for it. A path
+    that exists and is no regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace
+    the device."""
     path = Path(os.path.realpath(path))  # through a link to its file, which a rename would otherwise replace
     if path.exists() and not path.is_file():
         path.write_text(text, encoding="utf-8")
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a second process writing it keeps its own
+    with parents_removed_unless_done(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            partial.write_text(text, encoding="utf-8")
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def parents_removed_unless_done(path: Path):
+    """The parent folders of `path` missing now (`-o a/b/c` with no a/b), which the block makes to write `path`,
+    are removed again when it fails or is interrupted: each that is still empty, deepest first."""
+    missing = []
+    for parent in Path(path).parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
     try:
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)
+        yield
     except BaseException:
-        partial.unlink(missing_ok=True)
+        for parent in missing:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                parent.rmdir()
         raise
 
 
@@ -115,21 +143,39 @@ def json_type(value) -> str:
         type(value), "null")
 
 
-def read_json_object(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False) -> dict:
+class _RepeatedKey(ValueError):
+    """A JSON object giving one key twice, which json.loads reads as its last value, silently."""
+
+
+def _refuse_repeated_keys(pairs: list) -> dict:
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise _RepeatedKey(key)
+        data[key] = value
+    return data
+
+
+def read_json_object(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False,
+                     repeated_keys: bool = False) -> dict:
     """The JSON object the file at `path` holds (a .toml file's table, when `toml`), else `error` naming `what`
-    (the option or the file's role) and saying `fix`."""
-    return read_json_file(path, error, what, fix, toml)[1]
+    (the option or the file's role) and saying `fix`. A key given twice in one object is refused (TOML refuses it
+    itself) unless `repeated_keys`: for files that other readers take the last value of."""
+    return read_json_file(path, error, what, fix, toml, repeated_keys)[1]
 
 
-def read_json_file(path: Path, error: type[ToolkitError], what: str, fix: str,
-                   toml: bool = False) -> tuple[bytes, dict]:
+def read_json_file(path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False,
+                   repeated_keys: bool = False) -> tuple[bytes, dict]:
     """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them."""
     path = Path(path)
     kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
     try:
         content = path.read_bytes()
         text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
-        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(
+            text, object_pairs_hook=None if repeated_keys else _refuse_repeated_keys)
+    except _RepeatedKey as exc:
+        raise error(f"{what} {path} gives the key {exc.args[0]!r} twice; keep one") from None
     except (OSError, ValueError, RecursionError) as exc:  # not UTF-8, invalid JSON or TOML, or nested too deep
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
         raise error(f"{what} {path} is not a readable {kind} file ({reason}); {fix}") from None

@@ -149,12 +149,10 @@ def pytest_configure(config):
     except BundleRefused as exc:
         raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
     except (ToolkitError, ModelError) as exc:
-        from exporter.verify.golden import BUNDLE
+        from exporter.verify.golden import misplaced_bundle_hint
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
-        bundles = [str(f) for f in folders if (Path(f) / BUNDLE).is_file() and not (Path(f) / "manifest.json").exists()]
         hint = (f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else "") + (
-            f" ({', '.join(bundles)}: a golden bundle; pass it as --golden-bundle=DIR, with the artifact it was "
-            "recorded from as --artifacts=DIR)" if bundles else "")
+            misplaced_bundle_hint(folders, "--golden-bundle=DIR", "--artifacts=DIR"))
         raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
     if config.getoption("require_reference"):
         missing = {folder: plan.reason for folder, plan in plans.items() if plan.reference == "invariants"}

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from exporter.contract import GraphContract
 from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, first_line
 from exporter.manifest import Manifest
+from exporter.paths import parents_removed_unless_done
 
 log = logging.getLogger(__name__)
 
@@ -298,31 +299,32 @@ def _new_session(model, options: ort.SessionOptions, providers: list) -> ort.Inf
     target = options.optimized_model_filepath and Path(options.optimized_model_filepath)
     if not target:
         return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    except OSError as exc:
-        raise _save_failed(target, exc.strerror or str(exc)) from None
-    try:
-        options.optimized_model_filepath = str(staging / target.name)
+    with parents_removed_unless_done(target):  # the folders made for the save, when it fails
         try:
-            session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-        except _LOAD_ERRORS as exc:
-            options.optimized_model_filepath = ""
-            try:  # does it load without the save? Then the save failed, not the graph
-                ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-            except _LOAD_ERRORS:
-                raise exc from None
-            raise _save_failed(target, first_line(exc, 200)) from None
-        with _signals_deferred():  # a Ctrl-C between the two moves left the new weights beside the earlier graph
-            # the weights file before the graph that names it
-            for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
-                os.replace(staging / name, target.parent / name)
-    except OSError as exc:
-        raise _save_failed(target, exc.strerror or str(exc)) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return session
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        except OSError as exc:
+            raise _save_failed(target, exc.strerror or str(exc)) from None
+        try:
+            options.optimized_model_filepath = str(staging / target.name)
+            try:
+                session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+            except _LOAD_ERRORS as exc:
+                options.optimized_model_filepath = ""
+                try:  # does it load without the save? Then the save failed, not the graph
+                    ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+                except _LOAD_ERRORS:
+                    raise exc from None
+                raise _save_failed(target, first_line(exc, 200)) from None
+            with _signals_deferred():  # a Ctrl-C between the two moves left the new weights beside the earlier graph
+                # the weights file before the graph that names it
+                for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
+                    os.replace(staging / name, target.parent / name)
+        except OSError as exc:
+            raise _save_failed(target, exc.strerror or str(exc)) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return session
 
 
 @contextlib.contextmanager

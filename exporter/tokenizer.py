@@ -139,8 +139,9 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     tokenizer = path / TOKENIZER if path.is_dir() else path
     if not tokenizer.is_file():
         raise TokenizerError(f"no tokenizer at {tokenizer}; pass a {TOKENIZER} file or a folder that holds one")
+    # a key given twice is read as the tokenizers library and transformers read it (the last value), not refused
     content, data = read_json_file(tokenizer, TokenizerError, "tokenizer",
-                                   "pass a tokenizer.json written by the tokenizers library")
+                                   "pass a tokenizer.json written by the tokenizers library", repeated_keys=True)
     tokens = _tokens(tokenizer, data)
     loaded = _load(tokenizer, content)
     tokens = {**_post_processor_tokens(loaded), **tokens}
@@ -163,7 +164,8 @@ def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     if source.config is None:
         return source
     source = dataclasses.replace(source, config_data=read_json_object(
-        source.config, TokenizerError, "tokenizer config", "correct it or leave the tokenizer_config.json out"))
+        source.config, TokenizerError, "tokenizer config", "correct it or leave the tokenizer_config.json out",
+        repeated_keys=True))
     _check_config(source, source.config_data, vocab_size)
     return source
 

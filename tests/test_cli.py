@@ -332,6 +332,18 @@ def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert report.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_a_report_that_cannot_be_written_leaves_no_folder_made_for_it(tmp_path, monkeypatch):
+    # --report-json reports/ci/r.json on a full disk left reports/ci/ behind, empty.
+    from exporter.paths import write_text_whole
+
+    def full_disk(source, destination):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("exporter.paths.os.replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_text_whole(tmp_path / "reports" / "ci" / "r.json", "report")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_report_is_written_through_a_link_and_into_a_pipe_as_it_is(tmp_path):
     """Renamed over, a link would become a file of its own (the target keeping the earlier report) and a named
     pipe (or /dev/stdout) a regular file nobody reads."""

@@ -147,6 +147,25 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
             "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
 
 
+def test_reports_and_bundles_are_never_written_into_another_artifact_folder(artifact_fp32, artifact_copy, tmp_path):
+    # They were, as files its manifest does not list: a re-export into that folder then refused to delete them.
+    from exporter.paths import check_outside_artifact
+    other, before = artifact_copy, sorted(p.name for p in artifact_copy.iterdir())
+    for flag, path in (("--report-json", other / "report.json"), ("--junit", other / "reports" / "junit.xml"),
+                       ("--html", other / "report.html"), ("--golden-save", other / "golden")):
+        refused(run_cli("verify", artifact_fp32, flag, path, "-q"),
+                f"{flag} {path} lies inside the artifact folder {other}, which it would change; write it elsewhere")
+    refused(run_cli("verify", artifact_fp32, "--golden-save", other, "-q"),
+            f"--golden-save {other} is an artifact folder, which it would change; write it elsewhere")
+    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", other / "optimized", "-q"),
+            f"--save-optimized {other / 'optimized'} lies inside the artifact folder {other}")
+    assert sorted(p.name for p in other.iterdir()) == before
+    webapp = tmp_path / "webapp"  # a manifest.json that is not this toolkit's makes no artifact
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "app"}')
+    check_outside_artifact(webapp / "report.json", "--report-json", artifact_fp32)
+
+
 def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact_fp32, tmp_path):
     """A report path mistyped onto a source file (`--report-json verify.py`) overwrote it, unasked; an empty file
     or an earlier report of that kind, whoever wrote it, is replaced."""
@@ -333,6 +352,17 @@ def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(
                                 stderr=subprocess.PIPE, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: cannot write the result to stdout (No space left on device)"], result.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("command", [["--help"], ["verify", "--help"]])
+def test_help_that_stdout_cannot_take_is_one_line_not_a_traceback(command):
+    # click printed it and the OSError came out as a traceback, exit 1
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), *command], stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: cannot write the help to stdout (No space left on device)"], result.stderr
 
 
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
@@ -609,6 +639,10 @@ def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_
             f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
     refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
             f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")
+    # and the other way round: the pytest plugin's hint, which verify lacked
+    refused(run_cli("verify", bundle, "-q"), f"{bundle} has no manifest.json; it is not an artifact folder (export one "
+            f"with 'export-onnx export') ({bundle}: a golden bundle; pass it as --golden DIR, with the artifact it was "
+            "recorded from as FOLDER)")
 
 
 def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):
@@ -617,3 +651,21 @@ def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(a
     (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
     refused(run_cli("verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json",
                     "-q"), "--tolerances given 2 times; give one file (it may hold every kind)")
+
+
+def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(artifact_fp32, tiny_tokenizer, tiny_config,
+                                                                     tmp_path):
+    # json.loads kept the last value, silently: this file loosened logits' atol to 5
+    tolerances = tmp_path / "tol.json"
+    tolerances.write_text('{"logits": {"atol": 1e-3, "atol": 5}}')
+    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "-q"),
+            f"tolerance file {tolerances} gives the key 'atol' twice; keep one")
+    config = tmp_path / "config.json"
+    config.write_text('{"rms_norm_eps": 1e-6, "rms_norm_eps": 1e-5}')
+    refused(run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a", "-q"),
+            f"--config {config} gives the key 'rms_norm_eps' twice; keep one")
+    # a tokenizer.json that gives a key twice is read, as the tokenizers library reads it (the last value holds)
+    from exporter.tokenizer import find_tokenizer
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", ' + (tiny_tokenizer / "tokenizer.json").read_text()[1:])
+    assert find_tokenizer(tokenizer, tiny_config.vocab_size).max_id == tiny_config.vocab_size - 1

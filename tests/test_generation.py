@@ -378,6 +378,24 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
 
 
+def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path,
+                                                                                 monkeypatch):
+    # --save-optimized new/optimized on a full disk left new/optimized/ behind, empty.
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    real = ort.InferenceSession
+
+    def full_disk(model, options, **kwargs):
+        if options.optimized_model_filepath:
+            raise Fail("Failed to write external initializers to file")
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", full_disk)
+    with pytest.raises(OutputPathError, match=r"^cannot save the optimised graph "):
+        OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=tmp_path / "new" / "optimized"))
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_between_the_moves_of_the_optimised_graph_keeps_a_matched_pair(artifact_fp32, tmp_path,
                                                                                 monkeypatch, signum):

@@ -547,9 +547,23 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
+def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_re_records(full, artifact_fp32,
+                                                                                          artifact_fp16):
+    # --golden-save DIR replaced a bundle recorded from another artifact, silently.
+    _, bundle = full
+    before = (bundle / "golden.json").read_bytes()
+    assert_one_line_error(run_cli("verify", artifact_fp16, "--golden-save", bundle, "-q"), 2,
+                          f"golden_save (--golden-save) {bundle} holds a golden bundle recorded from another model "
+                          "(differs in dtype: bundle float32, artifact float16), which this save would replace; "
+                          "remove it or choose another folder")
+    assert (bundle / "golden.json").read_bytes() == before
+    check_golden_destination(bundle, read_manifest(artifact_fp32))  # the bundle's own artifact: re-recorded
+
+
 def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path,
                                                                                   monkeypatch):
     folder = tmp_path / "golden"
+    folder.mkdir()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -558,6 +572,11 @@ def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(
         RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
     assert list(folder.iterdir()) == []
     check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
+    # the folders it made for the bundle are removed again: they stayed behind, empty
+    with pytest.raises(KeyboardInterrupt):
+        RecordedReference().save(tmp_path / "new" / "golden", read_manifest(artifact_fp32), ParitySettings(),
+                                 Overrides(), {})
+    assert list(tmp_path.iterdir()) == [folder]
 
 
 def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(full, artifact_fp32,
@@ -1500,6 +1519,14 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
     with pytest.raises(ProviderError, match=r"; pass cpu or cuda \(provider or providers, --provider\)$"):
         verify_artifact(artifact_fp32, None, "bogus")
     assert (foreign / "notes.txt").read_text() == "keep me" and not (tmp_path / "bundle").exists()
+
+
+def test_a_model_and_a_golden_bundle_together_are_refused_naming_which_to_drop(artifact_fp32, tiny_model, tmp_path):
+    # The bundle was replayed and the model ignored, silently.
+    from exporter.errors import InputError
+    with pytest.raises(InputError, match=r"^give model or golden, not both: .*; drop golden to verify against the "
+                                         r"model, or model to replay the bundle$"):
+        verify_artifact(artifact_fp32, tiny_model, "cpu", golden=tmp_path / "bundle")  # refused before it is read
 
 
 def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifact_fp32, tiny_model):

@@ -157,6 +157,10 @@ class OneLineErrorGroup(click.Group):
             _fail("usage", exc.format_message(), exc.exit_code, as_json)
         except click.Abort:  # a Ctrl-C before the command's own handling: under --json stdout still parses
             _fail("interrupted", "aborted", 130, as_json)
+        except OSError as exc:  # click's --help on a stdout that cannot take it (a full disk; click itself quiets a
+            # closed pipe), as echo_result says of a command's result
+            sys.stdout = open(os.devnull, "w")  # nor may the flush at exit write there again
+            _fail("input", f"cannot write the help to stdout ({exc.strerror or exc})", EXIT_INPUT_ERROR, as_json)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)

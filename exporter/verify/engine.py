@@ -267,6 +267,9 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
     """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
     reference chosen, before any check runs."""
     _check_arguments(settings, genai, overrides)
+    if model is not None and golden is not None:  # the bundle was replayed and the model ignored, silently
+        raise InputError("give model or golden, not both: a golden bundle replays the reference in the model's "
+                         "place; drop golden to verify against the model, or model to replay the bundle")
     manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
     folder = Path(folder)
     if model is not None:
@@ -276,11 +279,11 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
                             f"({PROVIDER_OPTION})")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
-        if model is None or golden is not None:
+        if model is None:  # a golden bundle comes without one (see above)
             raise InputError("golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
                              "golden bundle (golden, --golden)")
         check_outside_artifact(golden_save, "golden_save (--golden-save)", folder)
-        check_golden_destination(golden_save)
+        check_golden_destination(golden_save, manifest)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
     if reference is None:
@@ -331,7 +334,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     when None.
 
     model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
-    golden: a golden bundle to compare with instead (no torch): its folder, or the GoldenBundle that
+    golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle that
     exporter.verify.golden.load_bundle read from it (not read again; held to the artifact all the same, and
     replayed from its first call), judged with the tolerance overrides it was recorded with, each term in
     `overrides` taking its recorded one's place; with neither, only the reference-free invariants run.

@@ -44,7 +44,7 @@ import onnxruntime as ort
 from exporter.contract import BATCH, SEQUENCE, TOTAL
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.manifest import MANIFEST, Manifest, config_differences, sha256_file
-from exporter.paths import check_output_path, folder_lock
+from exporter.paths import check_output_path, folder_lock, parents_removed_unless_done
 from exporter.verify.checks import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.routing import record_reference_routing
@@ -176,7 +176,6 @@ class RecordedReference:
         """Write the recording as a bundle, with the settings and tolerance overrides it was judged with;
         `versions` are those of the reference side (e.g. torch)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         arrays, calls = {}, []
         for index, ((kind, tokens, outputs), routing) in enumerate(zip(self.calls, self.routing)):
             calls.append({"kind": kind, "feeds": list(tokens), "outputs": list(outputs), "routed_layers": list(routing)})
@@ -197,8 +196,10 @@ class RecordedReference:
             feeds_prefix, outputs_prefix = MODULE_ENTRIES[graph]
             arrays.update({f"{feeds_prefix}{k}": v for k, v in tokens.items()})
             arrays.update({f"{outputs_prefix}{k}": v for k, v in outputs.items()})
-        with folder_lock(folder):  # a second save into this folder writes its files before or after
-            self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
+        with parents_removed_unless_done(folder / BUNDLE):  # the bundle's folder too, when this save made it
+            folder.mkdir(parents=True, exist_ok=True)
+            with folder_lock(folder):  # a second save into this folder writes its files before or after
+                self._write(folder, arrays, manifest, settings, overrides, versions, calls, greedy)
         log.info("golden bundle written to %s (%d calls, %.1f MB)", folder, len(calls),
                  (folder / ARRAYS).stat().st_size / 1e6)
         return folder
@@ -326,13 +327,32 @@ def _keep_previous(arrays: Path, previous: Path) -> None:
             os.link(arrays, previous)
 
 
-def check_golden_destination(folder: Path) -> None:
-    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle."""
+def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> None:
+    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle; with
+    `manifest`, only over one recorded from that artifact (re-recording it), not another's, which it would lose."""
     check_output_path(folder, "golden_save (--golden-save)", folder=True)
     folder = Path(folder)
     if folder.is_dir() and any(folder.iterdir()) and not (folder / BUNDLE).is_file():
         raise OutputPathError(f"golden_save (--golden-save) {folder} is not empty and holds no golden bundle; "
                               "choose a new or empty folder")
+    if manifest is None or not (folder / BUNDLE).is_file():
+        return
+    try:
+        difference = _artifact_difference(manifest, json.loads((folder / BUNDLE).read_text())["artifact"])
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return  # unreadable or damaged: what re-recording it is for
+    if difference is not None:
+        other, detail = difference
+        raise OutputPathError(f"golden_save (--golden-save) {folder} holds a golden bundle recorded from another "
+                              f"{other} ({detail}), which this save would replace; remove it or choose another folder")
+
+
+def misplaced_bundle_hint(folders, golden_flag: str, folder_flag: str) -> str:
+    """For the golden bundles among `folders` (golden.json and no manifest.json), given where an artifact folder goes:
+    a hint to append to the error that refused them, naming the option a bundle goes to ("" when none is one)."""
+    bundles = [str(f) for f in folders if (Path(f) / BUNDLE).is_file() and not (Path(f) / MANIFEST).exists()]
+    return (f" ({', '.join(bundles)}: a golden bundle; pass it as {golden_flag}, with the artifact it was recorded "
+            f"from as {folder_flag})" if bundles else "")
 
 
 def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
@@ -348,6 +368,20 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
 
 def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
     """GoldenMismatch unless the artifact the bundle was recorded from (golden.json's "artifact") is `manifest`'s."""
+    difference = _artifact_difference(manifest, theirs)
+    if difference is None:
+        return
+    other, detail = difference
+    if other == "model":
+        raise GoldenMismatch(f"golden bundle {folder} belongs to another model ({detail}); verify against a bundle "
+                             "recorded from this artifact")
+    raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {detail}; re-record the bundle "
+                         "from this artifact")
+
+
+def _artifact_difference(manifest: Manifest, theirs: dict) -> tuple[str, str] | None:
+    """How the artifact a bundle was recorded from (golden.json's "artifact") differs from `manifest`'s: ("model",
+    its config or dtype) or ("export", the files whose hashes differ); None when it is the same."""
     ours = _identity(manifest)
     if theirs["config"] != ours["config"] or theirs["dtype"] != ours["dtype"]:
         changed = config_differences(ours["config"], theirs["config"])
@@ -355,12 +389,9 @@ def _check_artifact(folder: Path, manifest: Manifest, theirs: dict) -> None:
             changed = [f"{len(changed)} config fields, among them {', '.join(changed[:5])}"]
         if theirs["dtype"] != ours["dtype"]:  # named only when it differs: "bundle float32, artifact float32" misled
             changed.append(f"dtype: bundle {theirs['dtype']}, artifact {ours['dtype']}")
-        raise GoldenMismatch(f"golden bundle {folder} belongs to another model (differs in {', '.join(changed)}); "
-                             "verify against a bundle recorded from this artifact")
+        return "model", f"differs in {', '.join(changed)}"
     changed = [name for name, digest in ours["sha256"].items() if theirs["sha256"].get(name) != digest]
-    if changed:
-        raise GoldenMismatch(f"golden bundle {folder} was recorded from another export: {', '.join(changed)} "
-                             "differ(s) in sha256; re-record the bundle from this artifact")
+    return ("export", f"{', '.join(changed)} differ(s) in sha256") if changed else None
 
 
 def recorded_overrides(meta: dict) -> Overrides:

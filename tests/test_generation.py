@@ -378,6 +378,32 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
 
 
+def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monkeypatch):
+    """decode.onnx's graph was saved, then prefill.onnx's save failed: the folder held a new decode graph beside
+    the earlier prefill graph, or a new folder the decode graph alone."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    real = ort.InferenceSession
+
+    def prefill_on_a_full_disk(model, options, **kwargs):
+        if options.optimized_model_filepath.endswith("prefill.optimized.onnx"):
+            raise Fail("Failed to write external initializers to file")
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", prefill_on_a_full_disk)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    saved = {name: name.encode() for name in ("decode.optimized.onnx", "decode.optimized.onnx.data",
+                                              "prefill.optimized.onnx")}
+    for name, data in saved.items():
+        (earlier / name).write_bytes(data)
+    for folder in (earlier, tmp_path / "new"):
+        with pytest.raises(OutputPathError, match=r"^cannot save the optimised graph prefill.optimized.onnx in "):
+            OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == saved  # and no hidden folder left
+    assert [p.name for p in tmp_path.iterdir()] == ["earlier"]
+
+
 def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path,
                                                                                  monkeypatch):
     # --save-optimized new/optimized on a full disk left new/optimized/ behind, empty.

@@ -21,7 +21,7 @@ from exporter.errors import GraphRunError, InputError, ProviderError, first_line
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, load_manifest, read_manifest
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
-                               session_options, session_providers)
+                               optimized_graphs_saved, session_options, session_providers)
 from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
@@ -202,13 +202,14 @@ class OrtRunner:
         prefill, decode = self.manifest.prefill, self.manifest.decode
         on_cpu = self.provider == CPU
         before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
-        self.decode_session = load_session(self.folder, self.manifest, decode,
-                                            session_options(settings, decode.file, None), providers)
-        self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
-        log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
-        self.prefill_session = load_session(self.folder, self.manifest, prefill,
-                                             session_options(settings, prefill.file, self._weights, spin=False),
-                                             providers)
+        with optimized_graphs_saved(settings.optimized_model_dir) as staging:  # both graphs land, or neither
+            self.decode_session = load_session(self.folder, self.manifest, decode,
+                                                session_options(settings, decode.file, None), providers, staging)
+            self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
+            log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
+            self.prefill_session = load_session(self.folder, self.manifest, prefill,
+                                                 session_options(settings, prefill.file, self._weights, spin=False),
+                                                 providers, staging)
         if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(f"{self.provider} could not be initialised (onnxruntime fell back to "

@@ -273,7 +273,7 @@ def session_options(settings: SessionSettings, graph_file: str, weights: SharedW
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights is not None or not settings.prepack_weights:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    if settings.optimized_model_dir is not None:  # written aside first, see _new_session
+    if settings.optimized_model_dir is not None:  # written aside first, see optimized_graphs_saved
         stem = Path(graph_file).stem
         options.optimized_model_filepath = str(settings.optimized_model_dir / f"{stem}.optimized.onnx")
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
@@ -291,40 +291,56 @@ def graph_session(model: bytes, folder: Path, graph_file: str, weights: SharedWe
     return _new_session(model, options, session_providers(check_provider(provider)))
 
 
-def _new_session(model, options: ort.SessionOptions, providers: list) -> ort.InferenceSession:
-    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it (graph and
-    weights file) into a hidden folder beside its destination, and both are moved into place only once the session
-    exists: a full disk or an interrupt leaves the files an earlier save wrote, never a truncated graph, and a
-    save that fails is named as such, not as a damaged artifact."""
+@contextlib.contextmanager
+def optimized_graphs_saved(folder: Path | None):
+    """Yields the hidden folder in `folder` where the sessions made in the block save their optimised graphs (pass
+    it to load_session), or None without `folder`. Its files (graphs and weights files) are moved into `folder`
+    only once the block has made every session: a full disk, an interrupt, or a second graph that cannot be saved
+    after the first was, leaves the files an earlier save wrote, never a truncated graph nor one graph of a new
+    pair beside the other of an earlier one."""
+    if folder is None:
+        yield None
+        return
+    with parents_removed_unless_done(folder / "graph"):  # the folders made for the save (`folder` too), when it fails
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".optimized.partial-", dir=folder))
+        except OSError as exc:
+            raise _save_failed("graphs", folder, exc.strerror or str(exc)) from None
+        try:
+            yield staging
+            try:
+                with _signals_deferred():  # a Ctrl-C between moves left new weights beside an earlier graph
+                    # the weights files before the graphs that name them
+                    for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".onnx"), name)):
+                        os.replace(staging / name, folder / name)
+            except OSError as exc:
+                raise _save_failed("graphs", folder, exc.strerror or str(exc)) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _new_session(model, options: ort.SessionOptions, providers: list,
+                 staging: Path | None = None) -> ort.InferenceSession:
+    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it into `staging`,
+    which optimized_graphs_saved moves into place (into one of its own for a session made alone), and a save that
+    fails is named as such, not as a damaged artifact."""
     target = options.optimized_model_filepath and Path(options.optimized_model_filepath)
     if not target:
         return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-    with parents_removed_unless_done(target):  # the folders made for the save, when it fails
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-        except OSError as exc:
-            raise _save_failed(target, exc.strerror or str(exc)) from None
-        try:
-            options.optimized_model_filepath = str(staging / target.name)
-            try:
-                session = ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-            except _LOAD_ERRORS as exc:
-                options.optimized_model_filepath = ""
-                try:  # does it load without the save? Then the save failed, not the graph
-                    ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-                except _LOAD_ERRORS:
-                    raise exc from None
-                raise _save_failed(target, first_line(exc, 200)) from None
-            with _signals_deferred():  # a Ctrl-C between the two moves left the new weights beside the earlier graph
-                # the weights file before the graph that names it
-                for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
-                    os.replace(staging / name, target.parent / name)
-        except OSError as exc:
-            raise _save_failed(target, exc.strerror or str(exc)) from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return session
+    if staging is None:
+        with optimized_graphs_saved(target.parent) as staging:
+            return _new_session(model, options, providers, staging)
+    options.optimized_model_filepath = str(staging / target.name)
+    try:
+        return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+    except _LOAD_ERRORS as exc:
+        options.optimized_model_filepath = ""
+        try:  # does it load without the save? Then the save failed, not the graph
+            ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+        except _LOAD_ERRORS:
+            raise exc from None
+        raise _save_failed(f"graph {target.name}", target.parent, first_line(exc, 200)) from None
 
 
 @contextlib.contextmanager
@@ -352,8 +368,8 @@ def _signals_deferred():
             signal.raise_signal(signum)
 
 
-def _save_failed(target: Path, reason: str) -> OutputPathError:
-    return OutputPathError(f"cannot save the optimised graph {target.name} in {target.parent} ({reason}); earlier "
+def _save_failed(what: str, folder: Path, reason: str) -> OutputPathError:
+    return OutputPathError(f"cannot save the optimised {what} in {folder} ({reason}); earlier "
                            "files there are untouched: free space, or choose another folder (optimized_model_dir, "
                            "--save-optimized)")
 
@@ -404,11 +420,12 @@ def _checked_graph(path: Path, manifest: Manifest,
 
 
 def load_session(folder: Path, manifest: Manifest, contract: GraphContract, options: ort.SessionOptions,
-                  providers: list[str]) -> ort.InferenceSession:
-    """A session on one of the artifact's graphs, which must be the graph its manifest describes."""
+                  providers: list[str], staging: Path | None = None) -> ort.InferenceSession:
+    """A session on one of the artifact's graphs, which must be the graph its manifest describes; `staging`: where
+    the optimised graph that `options` asks for is saved first (optimized_graphs_saved)."""
     read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
     try:
-        return _new_session(str(folder / contract.file), options, providers)
+        return _new_session(str(folder / contract.file), options, providers, staging)
     except _LOAD_ERRORS as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
                             f"({first_line(exc, 200)}); re-export the folder") from None

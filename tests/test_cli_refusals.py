@@ -365,6 +365,19 @@ def test_help_that_stdout_cannot_take_is_one_line_not_a_traceback(command):
         "error: cannot write the help to stdout (No space left on device)"], result.stderr
 
 
+@pytest.mark.parametrize("command", [["--help"], ["verify", "--help"]])
+def test_help_into_a_closed_pipe_exits_141_without_a_word(command):
+    # `export-onnx --help | true`: click turned the closed pipe into exit 1, where a command's output exits 141
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader gone before the help is written: every write fails with EPIPE
+    try:
+        result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), *command], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141 and result.stderr == "", result.stderr
+
+
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     out = tmp_path / "art"
     command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it

@@ -378,6 +378,32 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
 
 
+def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monkeypatch):
+    """decode.onnx's graph was saved, then prefill.onnx's save failed: the folder held a new decode graph beside
+    the earlier prefill graph, or a new folder the decode graph alone."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+    real = ort.InferenceSession
+
+    def prefill_on_a_full_disk(model, options, **kwargs):
+        if options.optimized_model_filepath.endswith("prefill.optimized.onnx"):
+            raise Fail("Failed to write external initializers to file")
+        return real(model, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", prefill_on_a_full_disk)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    saved = {name: name.encode() for name in ("decode.optimized.onnx", "decode.optimized.onnx.data",
+                                              "prefill.optimized.onnx")}
+    for name, data in saved.items():
+        (earlier / name).write_bytes(data)
+    for folder in (earlier, tmp_path / "new"):
+        with pytest.raises(OutputPathError, match=r"^cannot save the optimised graph prefill.optimized.onnx in "):
+            OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == saved  # and no hidden folder left
+    assert [p.name for p in tmp_path.iterdir()] == ["earlier"]
+
+
 def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path,
                                                                                  monkeypatch):
     # --save-optimized new/optimized on a full disk left new/optimized/ behind, empty.
@@ -551,6 +577,29 @@ def test_prompt_dash_reads_the_prompt_text_from_stdin(artifact_fp32):
     assert [row["prompt_ids"] for row in json.loads(piped.stdout)] == [
         json.loads(given.stdout)[0]["prompt_ids"], json.loads(CliRunner().invoke(
             main, [*command, "--prompt", "ruto"]).stdout)[0]["prompt_ids"]]  # its line end left out
+
+
+def test_prompt_dash_drops_a_final_windows_line_end(artifact_fp32, tmp_path):
+    # the artifact's tokenizer leaves "\r" out of every text; one without a pre-tokenizer reads "kalo\r" as unknown
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"[unk]": 0, "kalo": 1}, unk_token="[unk]")).save(str(tmp_path / "tokenizer.json"))
+    command = ["generate", str(artifact_fp32), "--tokenizer", str(tmp_path), "--prompt", "-", "--max-new-tokens", "0",
+               "--json", "-q"]
+    for stdin, ids in (("kalo\r\n", [1]), ("kalo\r\n\r\n", [0])):  # one line end dropped, not every one
+        result = CliRunner().invoke(main, command, input=stdin)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)[0]["prompt_ids"] == ids, repr(stdin)
+
+
+def test_prompt_dash_with_stdin_closed_is_a_usage_error(artifact_fp32):
+    # `export-onnx generate --prompt - <&-`: Python starts with sys.stdin None, which was an internal error, exit 3
+    import subprocess
+    result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), "generate", str(artifact_fp32),
+                             "--prompt", "-"], capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: os.close(0))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: Invalid value for --prompt -: stdin is closed; pipe the prompt in (see 'export-onnx generate "
+        "--help')"], result.stderr
 
 
 @pytest.mark.parametrize("options, stdin, message", [

@@ -237,13 +237,17 @@ STDIN = "-"  # --prompt -: the text piped in, as many CLIs read a file argument 
 
 
 def _stdin_text() -> str:
-    """The prompt piped in, less the one line end that `echo` and text files put after it."""
+    """The prompt piped in, less the one line end (LF, or CRLF from Windows tools) that `echo` and text files put
+    after it."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise click.BadParameter("stdin is closed; pipe the prompt in", param_hint="--prompt -")
     data = sys.stdin.buffer.read()
     try:
-        return data.decode("utf-8").removesuffix("\n")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise click.BadParameter(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pipe in UTF-8 text",
                                  param_hint="--prompt -") from None
+    return text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
 
 
 def _encode_prompt(tokenizer, text: str) -> list[int]:

@@ -109,6 +109,12 @@ def _write_error_reports(error: dict) -> None:
         click.echo(f"error: {exc}", err=True)
 
 
+def _closed_pipe_exit() -> None:
+    """stdout closed by its reader (`| head`): no one is left to tell, so stop quietly; exit code 141 says it."""
+    sys.stdout = open(os.devnull, "w")  # nor may the flush at exit raise again
+    sys.exit(141)
+
+
 def handle_errors(func):
     """Toolkit errors become a one-line message and exit code 2; anything unexpected exit code 3."""
 
@@ -120,9 +126,8 @@ def handle_errors(func):
         except BaseException as exc:
             if isinstance(exc, (SystemExit, click.ClickException)):
                 raise
-            if isinstance(exc, BrokenPipeError):  # stdout closed by the reader (`| head`): stop quietly
-                sys.stdout = open(os.devnull, "w")
-                sys.exit(141)
+            if isinstance(exc, BrokenPipeError):
+                _closed_pipe_exit()
             log = logging.getLogger(__name__)
             interrupted_by = state.interrupted_by
             if isinstance(exc, KeyboardInterrupt) or interrupted_by is not None:
@@ -157,13 +162,27 @@ class OneLineErrorGroup(click.Group):
             _fail("usage", exc.format_message(), exc.exit_code, as_json)
         except click.Abort:  # a Ctrl-C before the command's own handling: under --json stdout still parses
             _fail("interrupted", "aborted", 130, as_json)
-        except OSError as exc:  # click's --help on a stdout that cannot take it (a full disk; click itself quiets a
-            # closed pipe), as echo_result says of a command's result
+        except OSError as exc:  # click's --help on a stdout that cannot take it (a full disk; a closed pipe is
+            # make_context's or invoke's), as echo_result says of a command's result
             sys.stdout = open(os.devnull, "w")  # nor may the flush at exit write there again
             _fail("input", f"cannot write the help to stdout ({exc.strerror or exc})", EXIT_INPUT_ERROR, as_json)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+    # click prints --help in these two (the group's own in make_context, a command's in invoke) and turns a closed
+    # pipe there into exit 1; the commands' own output stops with 141 (handle_errors), and so does the help's.
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            _closed_pipe_exit()
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _closed_pipe_exit()
 
 
 def setup_logging(verbose: bool, quiet: bool) -> None:

@@ -101,6 +101,18 @@ def artifact_copy(artifact_fp32, tmp_path):
     return shutil.copytree(artifact_fp32, tmp_path / TINY)
 
 
+@pytest.fixture(scope="session")
+def full(artifact_fp32, tiny_model, tmp_path_factory):
+    """One default verification (64 steps, sweep on) with the probe, recording a golden bundle, shared by the engine,
+    golden bundle and report tests: none may change it (the report tests alter copies made by dataclasses.replace)."""
+    from exporter.verify.engine import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+    bundle = tmp_path_factory.mktemp("golden")
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(probe=True), genai=False,
+                             golden_save=bundle)
+    return report, bundle
+
+
 # ---------------------------------------------------------------- one export per family / variant
 # Each costs one dynamo export (~30-45 s on 2 cores); every test of that family shares it.
 

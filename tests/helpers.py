@@ -14,12 +14,16 @@ from exporter.manifest import read_manifest, sha256_file
 from exporter.parity import TOLERANCES, compare
 from exporter.reference_runner import TorchRunner
 from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter.verify.inputs import ParitySettings
 from exporter.verify.probe import module_of
 from reference.minimind import RMSNorm
 
 
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
 CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
+
+# Verification settings that keep a verify_artifact test short: 2 decode steps, no sweep, the probe on.
+QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 
 
 def run_cli(*args):

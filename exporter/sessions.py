@@ -322,15 +322,12 @@ def optimized_graphs_saved(folder: Path | None):
 
 def _new_session(model, options: ort.SessionOptions, providers: list,
                  staging: Path | None = None) -> ort.InferenceSession:
-    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it into `staging`,
-    which optimized_graphs_saved moves into place (into one of its own for a session made alone), and a save that
-    fails is named as such, not as a damaged artifact."""
+    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it into `staging`
+    (made by optimized_graphs_saved, which moves it into place), and a save that fails is named as such, not as a
+    damaged artifact."""
     target = options.optimized_model_filepath and Path(options.optimized_model_filepath)
     if not target:
         return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
-    if staging is None:
-        with optimized_graphs_saved(target.parent) as staging:
-            return _new_session(model, options, providers, staging)
     options.optimized_model_filepath = str(staging / target.name)
     try:
         return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)

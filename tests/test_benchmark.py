@@ -166,7 +166,9 @@ def test_an_interrupt_stops_the_workers_quietly_and_says_so_in_one_line(artifact
     # stdout under --json, and exit -2.
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "50",
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # as at a terminal, were pytest started with `&`: Python keeps an ignored SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 120
     while len(workers := children.read_text().split()) < 3 and time.monotonic() < deadline:

@@ -50,13 +50,12 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 
 import click  # after the handlers above, as every import below
 
-from exporter.cli.options import (PathOption, VerifyOptions, check_outside_artifact, common_options, export_options,
-                                  finish_verification, genai_option, provider_option, run_verification,
-                                  verification_plan, verify_options)
+from exporter.cli.options import (PathOption, VerifyOptions, common_options, export_options, finish_verification,
+                                  genai_option, provider_option, run_verification, verification_plan, verify_options)
 from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, echo_result, emit,
                                   handle_errors, missing_dependency, setup_logging)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
-from exporter.paths import read_json_object
+from exporter.paths import check_output_path, check_outside_artifact, read_json_object
 try:
     from exporter.generation import MINIMIND_SAMPLING
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
@@ -277,7 +276,6 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
         raise click.UsageError(f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
                                f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}")
     if save_optimized is not None:
-        from exporter.paths import check_output_path
         check_output_path(save_optimized, "--save-optimized", folder=True)
         check_outside_artifact(save_optimized, "--save-optimized", folder)
 

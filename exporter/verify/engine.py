@@ -312,8 +312,8 @@ def _consumers(plan: _Plan, folder: Path, reports: list[ProviderReport]) -> tupl
         return [], {"onnxruntime-genai": plan.genai_skipped}
     plan.reference.rewind()
     cpu = next((r.greedy for r in reports if r.provider == CPU), None)
-    profile = reports[0].profile if reports else profile_for(plan.manifest.dtype)
-    return [check_genai(plan.reference, folder, plan.manifest, plan.settings, profile, cpu)], {}
+    # not skipped: there is a reference, so each provider ran (_plan refuses none) and has its report
+    return [check_genai(plan.reference, folder, plan.manifest, plan.settings, reports[0].profile, cpu)], {}
 
 
 def _save_golden(reference: RecordedReference, destination: Path, manifest: Manifest, settings: ParitySettings,
@@ -361,7 +361,7 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     reports = [run.report for run in runs]
     outputs = {run.report.provider: run.outputs for run in runs}
     values = {run.report.provider: run.values for run in runs}
-    invariant_provider = plan.providers[0] if plan.providers else "cpu"
+    invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
     log.info("reference-free invariants on %s", invariant_provider)
     invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
     invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),

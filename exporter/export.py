@@ -343,7 +343,10 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
 def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
-    check_output_path(folder, "output folder", folder=True)
+    try:
+        check_output_path(folder, "output folder", folder=True)
+    except OutputPathError as exc:  # named as this function's other refusals name it
+        raise OutputPathError(f"{exc} (folder, --output)") from None
     if folder.is_symlink():  # the swap into place would replace the link, not what it points to
         raise OutputPathError(f"output folder {folder} is a symbolic link; pass the folder it points to "
                               f"({folder.resolve()}) or another output folder (folder, --output)")

@@ -355,7 +355,7 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
     (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
-    (["FILE"], "error: output folder FILE is a file; give the path of a folder"),
+    (["FILE"], "error: output folder FILE is a file; give the path of a folder (folder, --output)"),
 ], ids=["an unknown option", "two folders", "a file as the folder"])
 def test_the_bring_your_own_example_given_a_wrong_command_line_says_why_in_one_line(argv, message, tmp_path,
                                                                                     monkeypatch, capsys):

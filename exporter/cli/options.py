@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from exporter.cli import outcome
-from exporter.errors import ToolkitError
-from exporter.paths import check_outside_artifact
+from exporter.errors import ArtifactError, ConsumerError, ToolkitError
+from exporter.paths import check_output_path, check_outside_artifact
 from reference import DEFAULT_PRESET, PRESETS
 
 
@@ -149,9 +149,7 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
     """The verification's options, each checked before anything runs (for `run`, before the export, with
     --fp16-companion held to the `planned` artifact, see _planned_artifact in exporter/cli/__init__.py; the engine
     checks it again after)."""
-    from exporter.errors import ConsumerError
     from exporter.genai import INSTALL_HINT, genai_version
-    from exporter.paths import check_output_path
     from exporter.sessions import check_parity_providers
     from exporter.verify.golden import check_golden_destination
     from exporter.verify.reports import check_report_destination
@@ -218,7 +216,6 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
 def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
-    from exporter.errors import ArtifactError
     from exporter.manifest import read_manifest
     from exporter.model_source import reference_for
     from exporter.verify.engine import verify_artifact

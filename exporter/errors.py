@@ -97,3 +97,9 @@ class TokenizerError(ToolkitError):
 
 class ConsumerError(ToolkitError):
     """A consumer runtime (onnxruntime-genai) is missing or cannot load an artifact."""
+
+
+def check_flag(name: str, value) -> None:
+    """InputError unless `value` is True or False: a string such as "no" or "false" would read as true."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")

@@ -34,7 +34,8 @@ from exporter import LIBRARY_LOGGERS
 from exporter.axes import name_axes
 from exporter.consumers import write_consumer_files
 from exporter.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
-from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, first_line, first_of
+from exporter.errors import (ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line,
+                             first_of)
 from exporter.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.model_source import SourcedModel
@@ -321,8 +322,7 @@ def _check_arguments(model, folder, with_loss) -> None:
                          "(preset).model or checkpoint_model(path).model")
     if not isinstance(folder, (str, os.PathLike)):
         raise InputError(f"folder must be a path (str or Path), got {folder!r:.80} (folder, --output)")
-    if not isinstance(with_loss, bool):  # a string such as "no" would read as true
-        raise InputError(f"with_loss must be True or False, got {with_loss!r} ({type(with_loss).__name__})")
+    check_flag("with_loss", with_loss)
 
 
 def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import GraphRunError, InputError, ProviderError, first_line, first_of
+from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, load_manifest, read_manifest
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
@@ -140,8 +140,7 @@ def _check_runner_arguments(folder, check_hashes, manifest, settings) -> None:
     """OrtRunner's arguments of the types it takes, before any file is read."""
     if not isinstance(folder, (str, os.PathLike)):
         raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
-    if not isinstance(check_hashes, bool):  # a string such as "no" would read as true
-        raise InputError(f"check_hashes must be True or False, got {check_hashes!r} ({type(check_hashes).__name__})")
+    check_flag("check_hashes", check_hashes)
     if not isinstance(settings, SessionSettings):
         raise InputError(f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
                          "SessionSettings(intra_op_threads=2)")

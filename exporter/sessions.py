@@ -24,7 +24,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from google.protobuf.message import DecodeError
 
 from exporter.contract import GraphContract
-from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, first_line
+from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
 from exporter.manifest import Manifest
 from exporter.paths import parents_removed_unless_done
 
@@ -160,9 +160,7 @@ class SessionSettings:
             raise InputError(f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), "
                              f"got {self.prompt_chunk!r}")
         for name in ("prepack_weights", "shared_thread_pool", "huge_pages"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):  # a string such as "no" or "false" would read as true
-                raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+            check_flag(name, getattr(self, name))
         if self.optimized_model_dir is not None:
             if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
                 raise InputError(f"optimized_model_dir must be a folder path (str or Path), "

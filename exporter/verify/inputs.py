@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from exporter.errors import InputError
+from exporter.errors import InputError, check_flag
 from exporter.manifest import Manifest
 from exporter.runtime import position_ids_from_mask
 from exporter.sessions import is_integer
@@ -41,9 +41,7 @@ class ParitySettings:
                 raise InputError(f"ParitySettings.{name} must be an integer{' >= 0' * (name == 'seed')}, got "
                                  f"{value!r} ({type(value).__name__})")
         for name in ("sweep", "probe"):
-            if not isinstance(getattr(self, name), bool):  # a string such as "no" would read as true
-                raise InputError(f"ParitySettings.{name} must be True or False, got {getattr(self, name)!r} "
-                                 f"({type(getattr(self, name)).__name__})")
+            check_flag(f"ParitySettings.{name}", getattr(self, name))
         if self.decode_steps < 1 or self.greedy_tokens < 1:
             raise InputError(f"decode_steps and greedy_tokens must be >= 1, got {self.decode_steps} and "
                              f"{self.greedy_tokens}")

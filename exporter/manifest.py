@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -239,6 +240,39 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
             raise ArtifactError(f"{folder}: sha256 of {', '.join(changed)} does not match the manifest "
                                 "(file modified or corrupted); re-export the folder")
     return manifest
+
+
+@contextlib.contextmanager
+def unchanged_while_read(folder):
+    """The block reads the artifact folder `folder` file by file. An export into it meanwhile swaps a new folder in
+    whole (export.py builds it aside and renames it into place), so the block may have read some files of each,
+    which read as a damaged artifact or as one that fails verification. ArtifactError saying so when `folder` is no
+    longer the folder it was when the block began: on leaving the block, or when the block failed (a file missing
+    between the swap's two renames is then the swap's doing, not damage)."""
+    before = _folder_identity(folder)
+    try:
+        yield
+    except Exception as exc:
+        if _folder_identity(folder) != before:
+            raise _replaced(folder) from exc
+        raise
+    if _folder_identity(folder) != before:
+        raise _replaced(folder)
+
+
+def _folder_identity(folder) -> tuple | None:
+    """The folder at `folder` now: a swapped-in folder is another inode, and one that reuses a removed folder's inode
+    has another ctime (a rename sets it too). None when there is none (or no path)."""
+    try:
+        stat = os.stat(folder)
+    except (OSError, TypeError, ValueError):
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_ctime_ns
+
+
+def _replaced(folder) -> ArtifactError:
+    return ArtifactError(f"{folder} was replaced while it was read (an export into it meanwhile?), so what was read "
+                         "may mix the files of two artifacts; run again once the export is done")
 
 
 UNREADABLE = "unreadable"

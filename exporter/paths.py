@@ -119,10 +119,10 @@ def parents_removed_unless_done(path: Path):
 @contextlib.contextmanager
 def folder_lock(folder: Path):
     """Held while this toolkit swaps what it wrote into `folder`: another process of it (a second export into the
-    same parent folder, a second --golden-save into one bundle) waits its turn, so that the later result replaces
-    the earlier whole instead of the two swaps interleaving. An advisory lock (flock) on the folder itself, gone
-    with the process; none where the platform has no flock, or the folder cannot be opened (what follows meets
-    that problem and names it)."""
+    same parent folder, a second --golden-save into one bundle, a second --save-optimized into one folder) waits
+    its turn, so that the later result replaces the earlier whole instead of the two swaps interleaving. An
+    advisory lock (flock) on the folder itself, gone with the process; none where the platform has no flock, or
+    the folder cannot be opened (what follows meets that problem and names it)."""
     handle = None
     if fcntl is not None:
         with contextlib.suppress(OSError):

@@ -19,7 +19,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
-from exporter.manifest import Manifest, load_manifest, read_manifest
+from exporter.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
                                optimized_graphs_saved, session_options, session_providers)
 from reference.families import DecoderConfig
@@ -192,16 +192,17 @@ class OrtRunner:
                  manifest: Manifest | None = None, settings: SessionSettings = SessionSettings()):
         _check_runner_arguments(folder, check_hashes, manifest, settings)
         self.folder = Path(folder)
-        if manifest is not None:
-            _check_manifest_of(self.folder, manifest)
-        self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
-        self.provider = check_provider(provider)
-        providers = session_providers(self.provider)
-        self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
-        prefill, decode = self.manifest.prefill, self.manifest.decode
-        on_cpu = self.provider == CPU
-        before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
-        with optimized_graphs_saved(settings.optimized_model_dir) as staging:  # both graphs land, or neither
+        # both graphs land, or neither; neither when an export swapped the folder while its files were read
+        with optimized_graphs_saved(settings.optimized_model_dir) as staging, unchanged_while_read(self.folder):
+            if manifest is not None:
+                _check_manifest_of(self.folder, manifest)
+            self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
+            self.provider = check_provider(provider)
+            providers = session_providers(self.provider)
+            self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
+            prefill, decode = self.manifest.prefill, self.manifest.decode
+            on_cpu = self.provider == CPU
+            before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
             self.decode_session = load_session(self.folder, self.manifest, decode,
                                                 session_options(settings, decode.file, None), providers, staging)
             self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0

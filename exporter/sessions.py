@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from exporter.contract import GraphContract
 from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
 from exporter.manifest import Manifest
-from exporter.paths import parents_removed_unless_done
+from exporter.paths import folder_lock, parents_removed_unless_done
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,9 @@ def optimized_graphs_saved(folder: Path | None):
         try:
             yield staging
             try:
-                with _signals_deferred():  # a Ctrl-C between moves left new weights beside an earlier graph
+                # a Ctrl-C between moves left new weights beside an earlier graph; a second save into `folder`
+                # moving its files meanwhile, one graph of each (its turn is waited for with Ctrl-C live)
+                with folder_lock(folder), _signals_deferred():
                     # the weights files before the graphs that name them
                     for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".onnx"), name)):
                         os.replace(staging / name, folder / name)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,21 @@ def assert_one_line_error(result, code: int, fragment: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], result.stderr
     assert "Traceback" not in result.output
+
+
+def swapped_in_first(function, folder: Path):
+    """`function`, before whose first call an export lands in `folder` as export._move_into_place lands one: a new
+    folder (here a copy of the artifact, the same files) renamed into its place, the earlier one moved aside."""
+    calls = []
+
+    def swap_then_call(*args, **kwargs):
+        if not calls:
+            calls.append(folder)
+            new = shutil.copytree(folder, folder.with_name(folder.name + ".new"))
+            os.rename(folder, folder.with_name(folder.name + ".old"))
+            os.rename(new, folder)
+        return function(*args, **kwargs)
+    return swap_then_call
 
 
 def edit_manifest(folder: Path, change) -> None:

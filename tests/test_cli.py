@@ -453,6 +453,25 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
     assert row("--ignore-eos") == {"prompt_ids": [1, 17, 230], "new_ids": free, "stopped": False}
 
 
+@pytest.mark.parametrize("command, step", [
+    (["inspect"], "exporter.manifest.file_status"),  # said "is damaged: sha256 differs" of a sound new export
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"], "exporter.runtime.OrtRunner"),
+    (["verify", "-q", "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep"],
+     "exporter.verify.engine.verify_artifact"),  # gave a parity FAIL (exit 1) on a mix of two exports' files
+], ids=["inspect", "generate", "verify"])
+def test_a_folder_an_export_swaps_while_a_command_reads_it_is_a_one_line_error(artifact_copy, monkeypatch, command,
+                                                                                step):
+    """An export into the folder landing after the command read the manifest (and hashed the files) and before it
+    read the rest: what it read mixed two artifacts, named as damage or a parity failure, or used without a word."""
+    from helpers import swapped_in_first
+    module, name = step.rsplit(".", 1)
+    monkeypatch.setattr(module + "." + name, swapped_in_first(getattr(__import__(module, fromlist=[name]), name),
+                                                               artifact_copy))
+    result = run_cli(command[0], artifact_copy, *command[1:])
+    assert_one_line_error(result, 2, f"error: {artifact_copy} was replaced while it was read (an export into it "
+                                     "meanwhile?)")
+
+
 def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):
     from exporter.report import describe_source
     result = run_cli("inspect", cli_artifact)

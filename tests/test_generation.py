@@ -404,6 +404,31 @@ def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["earlier"]
 
 
+def test_a_second_save_of_the_optimised_graphs_into_one_folder_waits_for_the_first_ones_moves(artifact_fp32,
+                                                                                                tmp_path):
+    """Two `generate --save-optimized D` at once: their moves into D interleaved, leaving one's graph beside the
+    other's weights file. The later now waits for the earlier's moves (a lock on D) and replaces its files whole."""
+    import subprocess
+    folder = tmp_path / "optimized"
+    folder.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+        import time
+        from pathlib import Path
+        from exporter.paths import folder_lock
+        folder = Path({str(folder)!r})
+        with folder_lock(folder):  # the other save's moves, slowed down: its weights file first, then its graph
+            (folder / "decode.optimized.onnx.data").write_text("theirs")
+            print("moving", flush=True)
+            time.sleep(1)
+            (folder / "decode.optimized.onnx").write_text("theirs")
+        """], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == "moving\n"
+    OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
+    assert other.wait() == 0
+    assert (folder / "decode.optimized.onnx").read_bytes() != b"theirs"
+    assert (folder / "decode.optimized.onnx.data").read_bytes() != b"theirs"
+
+
 def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path,
                                                                                  monkeypatch):
     # --save-optimized new/optimized on a full disk left new/optimized/ behind, empty.

@@ -232,6 +232,20 @@ def test_a_manifest_of_another_artifact_folder_is_refused(artifact_fp32, artifac
     assert OrtRunner(artifact_copy, manifest=other).manifest is other
 
 
+def test_a_folder_an_export_swaps_while_the_runner_loads_it_is_an_error_saying_so(artifact_copy, monkeypatch):
+    """An export landing between the manifest's read and the sessions' (a server loading while an admin re-exports):
+    the runner loaded the prefill weights of one artifact and the decode graph of the other, and generated from
+    the mix without a word (verify reported the mix as a parity failure)."""
+    import exporter.runtime
+    from helpers import swapped_in_first
+    monkeypatch.setattr(exporter.runtime, "load_session", swapped_in_first(exporter.runtime.load_session,
+                                                                           artifact_copy))
+    with pytest.raises(ArtifactError, match=rf"^{re.escape(str(artifact_copy))} was replaced while it was read "
+                                            r"\(an export into it meanwhile\?\).*run again once the export is done$"):
+        OrtRunner(artifact_copy)
+    OrtRunner(artifact_copy)  # the folder as it is now, read whole
+
+
 def test_folder_without_manifest_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="has no manifest.json"):
         OrtRunner(tmp_path)

@@ -206,3 +206,13 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
     [suite] = [s for s in suites.findall("testsuite") if s.find("testcase[@name='expert choice']") is not None]
     others = len({**report.skipped, **report.consumers_skipped})  # the providers and consumers that did not run
     assert suite.get("skipped") == "1" and suites.get("skipped") == str(1 + others)
+
+
+def test_a_folder_an_export_swaps_during_the_verification_is_an_error_not_a_report(artifact_copy, monkeypatch):
+    """The checks after the sessions loaded (the invariants, the debug copies, onnxruntime-genai) read the folder
+    again: after an export landed there, they read the other artifact's files, and a report judged the mix."""
+    import exporter.verify.engine as engine
+    from helpers import swapped_in_first
+    monkeypatch.setattr(engine, "check_invariants", swapped_in_first(engine.check_invariants, artifact_copy))
+    with pytest.raises(ArtifactError, match=r"was replaced while it was read \(an export into it meanwhile\?\)"):
+        verify_artifact(artifact_copy, settings=QUICK, genai=False)

@@ -357,21 +357,22 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     """
     setup_logging(verbose, quiet)
     from exporter.generation import SamplingConfig, check_request, stream
-    from exporter.manifest import read_manifest
+    from exporter.manifest import read_manifest, unchanged_while_read
     from exporter.runtime import OrtRunner
     from exporter.sessions import SessionSettings, check_provider
     _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized)
     provider = check_provider(provider)
     settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
                                **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
-    manifest = read_manifest(folder)
-    config = manifest.config
-    batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
-    sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                              repetition_penalty=repetition_penalty, seed=seed)
-    eos = None if ignore_eos else config.eos_token_id
-    _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
-    runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
+    with unchanged_while_read(folder):  # until the sessions hold what they need: an export may swap it after
+        manifest = read_manifest(folder)
+        config = manifest.config
+        batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
+        sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  repetition_penalty=repetition_penalty, seed=seed)
+        eos = None if ignore_eos else config.eos_token_id
+        _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
+        runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
     live = len(batch) == 1 and not as_json
     results = _collect(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), batch, stops, live,
                        text_tokenizer)
@@ -395,14 +396,15 @@ def inspect(folder, as_json, quiet, verbose):
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.manifest import UNREADABLE, file_status, load_manifest
+    from exporter.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
     from exporter.report import format_inspect
     from exporter.sessions import graph_state
-    manifest = load_manifest(folder)
-    status = file_status(folder, manifest)
-    for contract in (manifest.prefill, manifest.decode):
-        if status.get(contract.file) == "ok":  # intact bytes, which a re-listed hash does not make the right graph
-            status[contract.file] = graph_state(folder / contract.file, manifest, contract)
+    with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
+        manifest = load_manifest(folder)
+        status = file_status(folder, manifest)
+        for contract in (manifest.prefill, manifest.decode):
+            if status.get(contract.file) == "ok":  # intact bytes, which a re-listed hash does not make the right graph
+                status[contract.file] = graph_state(folder / contract.file, manifest, contract)
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong

@@ -216,17 +216,18 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
 def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
-    from exporter.manifest import read_manifest
+    from exporter.manifest import read_manifest, unchanged_while_read
     from exporter.model_source import reference_for
     from exporter.verify.engine import verify_artifact
     from exporter.verify.golden import misplaced_bundle_hint
     overrides, settings = plan
-    try:
-        manifest = read_manifest(folder)  # once: it hashes every file, the weights included
-    except ArtifactError as exc:
-        raise ArtifactError(f"{exc}{misplaced_bundle_hint([folder], '--golden DIR', 'FOLDER')}") from None
-    if model is None:
-        model = reference_for(manifest, golden).model(folder, manifest)
-    return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
-                           golden_save=options.golden_save, overrides=overrides,
-                           fp16_companion=options.fp16_companion, manifest=manifest)
+    with unchanged_while_read(folder):  # from the manifest on, as verify_artifact is from its own start
+        try:
+            manifest = read_manifest(folder)  # once: it hashes every file, the weights included
+        except ArtifactError as exc:
+            raise ArtifactError(f"{exc}{misplaced_bundle_hint([folder], '--golden DIR', 'FOLDER')}") from None
+        if model is None:
+            model = reference_for(manifest, golden).model(folder, manifest)
+        return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
+                               golden_save=options.golden_save, overrides=overrides,
+                               fp16_companion=options.fp16_companion, manifest=manifest)

@@ -17,7 +17,7 @@ import numpy as np
 from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
-from exporter.manifest import Manifest, config_differences, read_manifest
+from exporter.manifest import Manifest, config_differences, read_manifest, unchanged_while_read
 from exporter.model_source import SourcedModel
 from exporter.paths import check_outside_artifact
 from exporter.runtime import OrtRunner
@@ -345,31 +345,35 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
     """
     start = time.perf_counter()
-    plan = _plan(folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, manifest)
-    folder, manifest, reference, settings = Path(folder), plan.manifest, plan.reference, plan.settings
-    overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
-    batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
-    runs = []
-    debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill),
-                         DebugGraph(folder, manifest, manifest.decode) if settings.probe else None)
-    first_runner = None  # kept for the invariants: loading the sessions again costs seconds
-    if reference is not None:
-        for provider in plan.providers:
-            onnx = OrtRunner(folder, provider, manifest=manifest)
-            first_runner = first_runner or onnx
-            runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
-    reports = [run.report for run in runs]
-    outputs = {run.report.provider: run.outputs for run in runs}
-    values = {run.report.provider: run.values for run in runs}
-    invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
-    log.info("reference-free invariants on %s", invariant_provider)
-    invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
-    invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),
-                                  manifest, batch, invariant_profile)
-    cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
-    probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
-    attribution = attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
-    consumers, consumers_skipped = _consumers(plan, folder, reports)
+    with unchanged_while_read(folder):  # an export into it meanwhile: no report on a mix of two artifacts
+        plan = _plan(folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion,
+                     manifest)
+        folder, manifest, reference, settings = Path(folder), plan.manifest, plan.reference, plan.settings
+        overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
+        batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
+        runs = []
+        debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill),
+                             DebugGraph(folder, manifest, manifest.decode) if settings.probe else None)
+        first_runner = None  # kept for the invariants: loading the sessions again costs seconds
+        if reference is not None:
+            for provider in plan.providers:
+                onnx = OrtRunner(folder, provider, manifest=manifest)
+                first_runner = first_runner or onnx
+                runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
+        reports = [run.report for run in runs]
+        outputs = {run.report.provider: run.outputs for run in runs}
+        values = {run.report.provider: run.values for run in runs}
+        invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
+        log.info("reference-free invariants on %s", invariant_provider)
+        invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
+        invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider,
+                                                                        manifest=manifest),
+                                      manifest, batch, invariant_profile)
+        cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
+        probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
+        attribution = (attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports
+                       else None)
+        consumers, consumers_skipped = _consumers(plan, folder, reports)
     if golden_save is not None:
         _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
     return VerifyReport(str(folder), reports, plan.skipped, consumers, consumers_skipped, plan.described, invariants,

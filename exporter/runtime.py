@@ -71,9 +71,9 @@ _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.Inval
 _BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
-def _check_feeds(contract: GraphContract, config: DecoderConfig, feeds: dict) -> None:
-    """The feeds' names and dtypes against the graph's inputs (onnxruntime's refusal of a missing one is a bare
-    ValueError), then their ids, mask and positions as start and step check theirs."""
+def _check_feeds(contract: GraphContract, feeds: dict) -> None:
+    """The feeds' names and dtypes against the graph's inputs: onnxruntime's refusal of a missing one is a bare
+    ValueError."""
     missing = [name for name in contract.input_names if name not in feeds]
     unknown = [name for name in feeds if name not in contract.input_names]
     if missing or unknown:
@@ -88,10 +88,6 @@ def _check_feeds(contract: GraphContract, config: DecoderConfig, feeds: dict) ->
         if isinstance(value, np.ndarray) and value.dtype != spec.dtype:
             raise InputError(f"{contract.file} takes {spec.name} as {spec.dtype}, got {value.dtype}; convert it "
                              f"with .astype(np.{spec.dtype})")
-    # a mask of 2s or negative positions ran, to logits no reference computes
-    arrays = [feeds[name] for name in ("input_ids", "attention_mask", "position_ids")]
-    if all(isinstance(value, np.ndarray) for value in arrays) and arrays[1].size:  # else onnxruntime refuses them
-        _check_values(config, *arrays, f"{contract.file}'s feeds", "shorten them")
 
 
 def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
@@ -251,7 +247,7 @@ class OrtRunner:
         return f"onnxruntime {self.provider}"
 
     def prefill(self, feeds: dict) -> dict:
-        _check_feeds(self.manifest.prefill, self.manifest.config, feeds)
+        _check_feeds(self.manifest.prefill, feeds)
         names = self.manifest.prefill.output_names
         try:
             return dict(zip(names, self.prefill_session.run(names, feeds)))
@@ -259,7 +255,7 @@ class OrtRunner:
             raise _run_failure(self.manifest.prefill.file, exc) from None
 
     def decode(self, feeds: dict) -> dict:
-        _check_feeds(self.manifest.decode, self.manifest.config, feeds)
+        _check_feeds(self.manifest.decode, feeds)
         names = self.manifest.decode.output_names
         try:
             return dict(zip(names, self.decode_session.run(names, feeds)))

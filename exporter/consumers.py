@@ -223,9 +223,9 @@ def _warn_of_genai_tokenizer_limits(tokenizer: TokenizerSource, sizes: ModelSize
     """What onnxruntime-genai will do wrong with this tokenizer in this artifact, said at export: it writes the
     artifact all the same, as our runtime and Optimum read the tokenizer as the `tokenizers` library does."""
     if tokenizer.genai_unreadable:
-        log.warning("%s is %s: onnxruntime-genai's og.Tokenizer cannot read it (it fails to load or encodes other "
-                    "ids); generate with token ids there, or text with export-onnx generate --prompt",
-                    tokenizer.tokenizer.name, tokenizer.genai_unreadable)
+        log.warning("%s is %s: onnxruntime-genai's og.Tokenizer cannot read it (it fails to load, "
+                    "encodes other ids or, for WordPiece and WordLevel, may crash); generate with token ids there, or "
+                    "text with export-onnx generate --prompt", tokenizer.tokenizer.name, tokenizer.genai_unreadable)
     if tokenizer.missing_byte_symbols:
         log.warning("%s lacks %d of the 256 byte symbols of a byte-level BPE: onnxruntime-genai's og.Tokenizer "
                     "encodes a character needing one as -1, which the graphs refuse; train it with "

@@ -108,8 +108,9 @@ def _genai_unreadable(data: dict, loaded) -> str:
 
     Measured with onnxruntime-genai 0.18.0 on tokenizers trained in `tokenizers`: only a byte-level BPE
     (MiniMind's, GPT-2's, Qwen's kind: a ByteLevel pre-tokenizer, alone or in a Sequence) encoded and decoded
-    alike. WordPiece and Unigram failed to load; WordLevel, and BPE over a Whitespace pre-tokenizer, loaded but
-    encoded unknown ids (-1) and decoded without spaces; BPE over Metaspace failed to load."""
+    alike. Unigram, and BPE over Metaspace, failed to load; BPE over a Whitespace pre-tokenizer loaded but encoded
+    unknown ids (-1) and decoded without spaces; WordPiece and WordLevel failed to load on some tries and misread
+    on others (genai's loader reads memory it never wrote; once it crashed the process)."""
     kind = type(loaded.model).__name__  # older files name no model "type"; `tokenizers` knows it all the same
     if kind != "BPE":
         return f"a {kind} model"

@@ -228,7 +228,8 @@ def test_a_tokenizer_genai_cannot_read_is_copied_with_a_warning(artifact_fp32, t
     assert "tokenizer.json" in names  # our runtime and Optimum read it as the tokenizers library does
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert ("tokenizer.json is a WordLevel model: onnxruntime-genai's og.Tokenizer cannot read it (it fails to "
-            "load or encodes other ids); generate with token ids there, or text with export-onnx generate --prompt"
+            "load, encodes other ids or, for WordPiece and WordLevel, may crash); generate with token ids there, or "
+            "text with export-onnx generate --prompt"
             in warnings)
 
 

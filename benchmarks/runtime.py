@@ -78,7 +78,23 @@ def ort_start(runner, ids):
 
 
 def ort_decode_run(runner) -> float:
-    """Greedy decode of DECODE_STEPS tokens after a short prompt; tokens/s of the steps."""
+    """Greedy decode of DECODE_STEPS tokens after a short prompt, as generate() runs one greedy row: the steps in C,
+    GREEDY_CHUNK at a time (OrtRunner.greedy_steps); tokens/s of the steps."""
+    import numpy as np
+
+    from exporter.generation import GREEDY_CHUNK
+    logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
+    mask = np.ones((1, PROMPT_FOR_DECODE + DECODE_STEPS), dtype=np.int64)
+    token, left = int(logits.argmax()), DECODE_STEPS
+    begin = time.perf_counter()
+    while left:
+        tokens, _ = runner.greedy_steps(token, mask, min(left, GREEDY_CHUNK))
+        token, left = tokens[-1], left - len(tokens)
+    return DECODE_STEPS / (time.perf_counter() - begin)
+
+
+def ort_stepwise_run(runner) -> float:
+    """The same decode one step() at a time from Python, as stream() runs it; tokens/s of the steps."""
     import numpy as np
     logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
     mask = np.ones((1, PROMPT_FOR_DECODE), dtype=np.int64)
@@ -102,7 +118,11 @@ def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
     vocab = runner.manifest.config.vocab_size
     tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
              for n in prompt_lengths(runner.manifest.config.max_position_embeddings)}
-    tasks["decode"] = lambda: ort_decode_run(runner)
+    if runner.greedy_in_c:
+        tasks["decode"] = lambda: ort_decode_run(runner)
+        tasks["decode stepwise"] = lambda: ort_stepwise_run(runner)
+    else:  # no C loop (CUDA, no compiler at install, a float16 artifact): generate() steps from Python too
+        tasks["decode"] = lambda: ort_stepwise_run(runner)
     return tasks
 
 
@@ -367,6 +387,8 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
                for n in PREFILL_LENGTHS if f"prefill {n}" in figures[name]}
         out["decode_tokens_per_s"] = statistics.median(figures[name]["decode"])
         out["decode_step_ms"] = 1000 / out["decode_tokens_per_s"]
+        if "decode stepwise" in figures[name]:
+            out["decode_stepwise_tokens_per_s"] = statistics.median(figures[name]["decode stepwise"])
         out["peak_rss_mb"] = peaks[name]
         return out
 
@@ -395,6 +417,8 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
         for n in [n for n in PREFILL_LENGTHS if f"prefill {n}" in genai]:  # speed: genai's ms over ours
             ratio(f"prefill_{n}_ours_to_genai", genai[f"prefill {n}"], ours[f"prefill {n}"])
         ratio("ours_to_genai", ours["decode"], genai["decode"])
+        if "decode stepwise" in ours:
+            ratio("ours_stepwise_to_genai", ours["decode stepwise"], genai["decode"])
     return report
 
 
@@ -427,6 +451,9 @@ def format_table(report: dict) -> str:
                          f"{'':12}{ratios[name]:>9.2f}x {spread(name):>11}")
         lines.append(f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
                      f"{'':12}{ratios['ours_to_genai']:>9.2f}x {spread('ours_to_genai'):>11}")
+        if "decode_stepwise_tokens_per_s" in ort:
+            lines.append(f"{'  ours, one step() at a time':32}{ort['decode_stepwise_tokens_per_s']:>14.1f}"
+                         f"{'':12}{ratios['ours_stepwise_to_genai']:>9.2f}x {spread('ours_stepwise_to_genai'):>11}")
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]

@@ -16,12 +16,13 @@ import numpy as np
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
+from exporter import capi
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
+from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
-                               optimized_graphs_saved, session_options, session_providers)
+                               log_severity, optimized_graphs_saved, read_graph, session_options, session_providers)
 from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,9 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
 
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
-# The binding's C method (OrtRunner._run_decode) raises a plain RuntimeError where session.run raises the above.
-_BINDING_RUN_ERRORS = (*_RUN_ERRORS, RuntimeError)
+# What a decode.onnx run can raise: the binding's C method (_BindingDecode.step) raises a plain RuntimeError where
+# session.run raises the above, the C library's calls a CApiError.
+_STEP_ERRORS = (*_RUN_ERRORS, RuntimeError, capi.CApiError)
 
 
 def _check_feeds(contract: GraphContract, feeds: dict) -> None:
@@ -167,14 +169,97 @@ def _check_manifest_of(folder: Path, manifest: Manifest) -> None:
                          "differ); pass read_manifest(folder) of this folder, or no manifest")
 
 
+def binding_reason(settings: SessionSettings, provider: str) -> str | None:
+    """Why decode.onnx must run through onnxruntime's Python binding rather than its C library (exporter.capi),
+    or None when it need not: the C path runs prepacked CPU sessions on their own thread pools, and saves no
+    optimised graph."""
+    for reason, applies in (
+            ("native_decode=False", not settings.native_decode),
+            ("the CUDA provider", provider != CPU),
+            ("prepack_weights=False", not settings.prepack_weights),
+            ("shared_thread_pool=True", settings.shared_thread_pool),
+            ("optimized_model_dir", settings.optimized_model_dir is not None),
+            ("no libonnxruntime.so in the onnxruntime package", capi.library_path() is None)):
+        if applies:
+            return reason
+    return None
+
+
+class _BindingDecode:
+    """decode.onnx through onnxruntime's Python binding: the cache as its OrtValues, bound with IO binding (on CUDA
+    never leaving the device)."""
+
+    def __init__(self, session: ort.InferenceSession, past_names: list[str], output_names: list[str],
+                 cache: CacheLayout, cache_device: str):
+        self.session = session
+        self._past_names, self._cache_device = past_names, cache_device
+        self._empty_shape = (cache.num_key_value_heads, 0, cache.head_dim)
+        self._dtype = np.dtype(cache.dtype)
+        # Per step: one binding reused rather than rebuilt, each output's role looked up rather
+        # than its cache names formatted again (60 us a step), and the binding's C object driven
+        # directly: onnxruntime's Python wrappers check every value and build a device object
+        # per call, 0.14 ms a step (tiny model: 0.59 ms a step through them, 0.45 ms this way).
+        self._binding = session.io_binding()._iobinding
+        self._run_binding = session._sess.run_with_iobinding
+        self._logits_index = output_names.index("logits")
+        self._present_indices = [i for i, name in enumerate(output_names) if name != "logits"]
+        # Every output is bound afresh each step: the previous presents are the cache bound as
+        # inputs, and onnxruntime must allocate new ones rather than write into them.
+        self._output_devices = [(name, ort.OrtDevice.make("cpu" if name == "logits" else cache_device, 0)
+                                 ._get_c_device()) for name in output_names]
+
+    def run(self, output_names: list[str], feeds: dict) -> list:
+        return self.session.run(output_names, feeds)
+
+    @staticmethod
+    def cache_shape(cache: list) -> tuple[int, int]:
+        shape = cache[0].shape()
+        return shape[0], shape[2]
+
+    @staticmethod
+    def cache_arrays(cache: list) -> list[np.ndarray]:
+        return [value.numpy() for value in cache]
+
+    def empty_cache(self, batch: int) -> list:
+        # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
+        shape = (batch, *self._empty_shape)
+        return [ort.OrtValue.ortvalue_from_shape_and_type(shape, self._dtype, self._cache_device)._ortvalue
+                for _ in self._past_names]
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             cache: list) -> tuple[np.ndarray, list]:
+        """Run new tokens on `cache`; return the last position's logits (float32) and the new cache. The arrays
+        must stay alive until the run returns: the binding reads them in place."""
+        binding = self._binding
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                            ("position_ids", position_ids)):
+            binding.bind_input(name, value)
+        for name, value in zip(self._past_names, cache):
+            binding.bind_ortvalue_input(name, value)
+        for name, device in self._output_devices:
+            binding.bind_output(name, device)
+        self._run_binding(binding, None)
+        outputs = binding.get_outputs()
+        new = [outputs[i] for i in self._present_indices]
+        logits = outputs[self._logits_index].numpy()
+        # A decode step's logits are returned as they are; of a prompt chunk's, the last position is
+        # copied so that the others are freed rather than kept alive by a view (3.3 MB at 128 tokens).
+        return logits[:, -1].astype(np.float32, copy=logits.shape[1] > 1), new
+
+
 class OrtRunner:
     """Both graphs of an artifact folder in ONNX Runtime.
 
     `prefill`/`decode` take and return named numpy arrays (parity checks, the loss).
     `start`/`step` serve generation. Both run decode.onnx, the prompt with an empty
     past (equal to prefill.onnx within float32 rounding, tested), and keep the KV
-    cache as OrtValues bound with IO binding: never converted to numpy, on CUDA
-    never leaving the device.
+    cache between steps as onnxruntime's values, never converted to numpy.
+    `greedy_steps` runs many greedy steps of one row in one call into C.
+
+    decode.onnx runs through onnxruntime's C library itself on the CPU (exporter.capi:
+    a step costs no Python object per value, and greedy steps loop in C), and through its
+    Python binding on CUDA, where the cache is bound with IO binding and never leaves the
+    device, and for the settings `binding_reason` names. `native_decode` says which.
 
     Memory: decode.onnx gets MLAS's prepacked weights (decode ran 1.8x faster with
     them on 2 cores), which is the one resident copy while generating.
@@ -210,44 +295,40 @@ class OrtRunner:
             prefill, decode = self.manifest.prefill, self.manifest.decode
             on_cpu = self.provider == CPU
             before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
-            self.decode_session = load_session(self.folder, self.manifest, decode,
-                                                session_options(settings, decode.file, None), providers, staging)
+            self.cache_device = "cuda" if self.provider == CUDA else "cpu"
+            past_of = _past_name_of_present(self.manifest.cache)
+            presents = [name for name in decode.output_names if name in past_of]
+            self._past_names = [past_of[name] for name in presents]
+            self.native_decode = binding_reason(settings, self.provider) is None
+            if self.native_decode:
+                self._decode = _native_session(self.folder, self.manifest, self._past_names, presents, settings)
+            else:
+                log.debug("%s through onnxruntime's Python binding: %s", decode.file,
+                          binding_reason(settings, self.provider))
+                self._decode = _BindingDecode(load_session(self.folder, self.manifest, decode,
+                                                           session_options(settings, decode.file, None), providers,
+                                                           staging),
+                                              self._past_names, decode.output_names, self.manifest.cache,
+                                              self.cache_device)
+            # exporter.capi's DecodeSession, or the binding's InferenceSession
+            self.decode_session = self._decode if self.native_decode else self._decode.session
             self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
             log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
             self.prefill_session = load_session(self.folder, self.manifest, prefill,
                                                  session_options(settings, prefill.file, self._weights, spin=False),
                                                  providers, staging)
-        if self.provider not in self.decode_session.get_providers():
+        if not self.native_decode and self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(f"{self.provider} could not be initialised (onnxruntime fell back to "
                                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation")
-        self.cache_device = "cuda" if self.provider == CUDA else "cpu"
         self._prompt_chunk = settings.prompt_chunk
-        # The KV cache that start/step left: onnxruntime's C OrtValues, in the order of self._past_names.
-        # A generation interleaved with another on this runner puts its own back before each step.
-        self.cache: list = []
+        # The KV cache that start/step left, in the order of self._past_names: onnxruntime's values (exporter.capi's
+        # Cache, or a list of the binding's OrtValues). A generation interleaved with another on this runner puts
+        # its own back before each step.
+        self.cache = None
         # Held by each start/step and by a generation across its cache swap and step: threads sharing this runner
         # take turns, each on its own cache (unheld, one thread's step ran on another's cache: wrong tokens).
         self.lock = threading.RLock()
-        # Per step: one binding reused rather than rebuilt, each output's role looked up rather
-        # than its cache names formatted again (60 us a step), and the binding's C object driven
-        # directly: onnxruntime's Python wrappers check every value and build a device object
-        # per call, 0.14 ms a step (tiny model: 0.59 ms a step through them, 0.45 ms this way).
-        # The step's Python runs on caches that streaming the weights has just emptied, so each
-        # call costs several times what it costs warm: minimind-3 spends about 0.45 ms a step
-        # outside onnxruntime's run against 0.06 ms for the tiny model's, and the cache kept as a
-        # list rather than a dict saved 0.05 ms of it.
-        self._binding = self.decode_session.io_binding()._iobinding
-        self._run_binding = self.decode_session._sess.run_with_iobinding
-        outputs = self.manifest.decode.output_names
-        past_of = _past_name_of_present(self.manifest.cache)
-        self._logits_index = outputs.index("logits")
-        self._present_indices = [i for i, name in enumerate(outputs) if name in past_of]
-        self._past_names = [past_of[outputs[i]] for i in self._present_indices]
-        # Every output is bound afresh each step: the previous presents are the cache bound as
-        # inputs, and onnxruntime must allocate new ones rather than write into them.
-        self._output_devices = [(name, ort.OrtDevice.make("cpu" if name == "logits" else self.cache_device, 0)
-                                 ._get_c_device()) for name in outputs]
 
     @property
     def name(self) -> str:
@@ -265,8 +346,8 @@ class OrtRunner:
         _check_feeds(self.manifest.decode, feeds)
         names = self.manifest.decode.output_names
         try:
-            return dict(zip(names, self.decode_session.run(names, feeds)))
-        except _RUN_ERRORS as exc:
+            return dict(zip(names, self._decode.run(names, feeds)))
+        except _STEP_ERRORS as exc:
             raise _run_failure(self.manifest.decode.file, exc) from None
 
     def empty_past(self, batch: int) -> dict:
@@ -277,28 +358,19 @@ class OrtRunner:
         return {cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
                 for layer in range(cache.num_layers) for kind in KV_KINDS}
 
-    def _run_decode(self, feeds: dict) -> np.ndarray:
-        """Run decode.onnx with IO binding; keep present as the next past; return the last position's logits.
+    def cache_arrays(self) -> dict[str, np.ndarray]:
+        """Numpy copies of the cache that start/step left, by past input name (inspection, tests)."""
+        if self.cache is None:
+            raise InputError("there is no cache yet: call start() with the prompt first")
+        return dict(zip(self._past_names, self._decode.cache_arrays(self.cache)))
 
-        `feeds` (numpy) must stay alive until the run returns: the binding reads them in place.
-        """
-        binding = self._binding
-        for name, value in feeds.items():
-            binding.bind_input(name, value)
-        for name, value in zip(self._past_names, self.cache):
-            binding.bind_ortvalue_input(name, value)
-        for name, device in self._output_devices:
-            binding.bind_output(name, device)
+    def _run_decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Run decode.onnx on the cache; keep present as the next past; return the last position's logits."""
         try:
-            self._run_binding(binding, None)
-        except _BINDING_RUN_ERRORS as exc:
+            logits, self.cache = self._decode.step(input_ids, attention_mask, position_ids, self.cache)
+        except _STEP_ERRORS as exc:
             raise _run_failure(self.manifest.decode.file, exc) from None
-        outputs = binding.get_outputs()
-        self.cache = [outputs[i] for i in self._present_indices]
-        logits = outputs[self._logits_index].numpy()
-        # A decode step's logits are returned as they are; of a prompt chunk's, the last position is
-        # copied so that the others are freed rather than kept alive by a view (3.3 MB at 128 tokens).
-        return logits[:, -1].astype(np.float32, copy=logits.shape[1] > 1)
+        return logits
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run a (left-padded) prompt batch with an empty past; return next-token logits (B, V) float32.
@@ -320,18 +392,12 @@ class OrtRunner:
             raise InputError(f"start() needs at least one prompt of at least one token, got input_ids of shape "
                              f"{input_ids.shape}")
         _check_values(self.manifest.config, input_ids, attention_mask, position_ids, "the prompt", "shorten the prompt")
-        # Allocated by onnxruntime on the cache's device, so that each C value owns its (empty) memory.
-        empty = self.empty_past(len(input_ids))
-        self.cache = [ort.OrtValue.ortvalue_from_shape_and_type(empty[name].shape, empty[name].dtype,
-                                                                 self.cache_device)._ortvalue
-                       for name in self._past_names]
+        self.cache = self._decode.empty_cache(len(input_ids))
         length = input_ids.shape[1]
         chunk = self._prompt_chunk or length
         for begin in range(0, length, chunk):
             end = min(begin + chunk, length)
-            logits = self._run_decode({"input_ids": input_ids[:, begin:end],
-                                       "attention_mask": attention_mask[:, :end],
-                                       "position_ids": position_ids[:, begin:end]})
+            logits = self._run_decode(input_ids[:, begin:end], attention_mask[:, :end], position_ids[:, begin:end])
         return logits
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
@@ -340,17 +406,75 @@ class OrtRunner:
             return self._step(input_ids, attention_mask, position_ids)
 
     def _step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        if not self.cache:
+        if self.cache is None:
             raise InputError("step() needs a cache: call start() with the prompt first")
-        cached = self.cache[0].shape()
+        batch, cached = self._decode.cache_shape(self.cache)
         _check_arrays(input_ids, attention_mask, position_ids)
-        if input_ids.shape[0] != cached[0]:
-            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {cached[0]}")
-        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached[2])
+        if input_ids.shape[0] != batch:
+            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {batch}")
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached)
         _check_values(self.manifest.config, input_ids, attention_mask, position_ids, "this step",
                       "the generation has used every position: start again with a shorter prompt")
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self._run_decode(feeds)
+        return self._run_decode(input_ids, attention_mask, position_ids)
+
+    @property
+    def greedy_in_c(self) -> bool:
+        """Whether greedy_steps can run: the C session with the C loop built (exporter.capi), float32 logits."""
+        return self.native_decode and self.manifest.cache.dtype == "float32" and capi.native_loop_available()
+
+    def greedy_steps(self, token: int, attention_mask: np.ndarray, steps: int, stop_ids=()) -> tuple[list[int], bool]:
+        """Up to `steps` greedy decode steps of one row in C, on the cache that start/step left: run `token` (the
+        one chosen last), choose the argmax, run that, and so on, ending after a stop id or at logits holding a
+        NaN (no token chosen after them). `attention_mask`: (1, n) int64 of 0 and 1, n at least the cached length
+        plus `steps`; each step reads its prefix. Returns the tokens chosen and whether a NaN ended the loop.
+        Needs greedy_in_c."""
+        with self.lock:
+            if not self.greedy_in_c:
+                raise InputError("greedy_steps needs the C decode loop: a CPU runner of a float32 artifact, with "
+                                 "exporter._native_loop built at install (see greedy_in_c)")
+            if self.cache is None:
+                raise InputError("greedy_steps() needs a cache: call start() with the prompt first")
+            batch, cached = self._decode.cache_shape(self.cache)
+            config = self.manifest.config
+            if batch != 1:
+                raise InputError(f"greedy_steps() runs one row, the cache holds {batch}; use step() for a batch")
+            if not is_integer(steps) or steps < 0:
+                raise InputError(f"steps must be an integer >= 0, got {steps!r}")
+            if not is_integer(token) or not 0 <= token < config.vocab_size:
+                raise InputError(f"token {token!r} lies outside the vocabulary [0, {config.vocab_size})")
+            if not steps:
+                return [], False
+            mask = attention_mask
+            if not (isinstance(mask, np.ndarray) and mask.dtype == np.int64 and mask.ndim == 2 and mask.shape[0] == 1
+                    and mask.shape[1] >= cached + steps):
+                got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
+                raise InputError(f"attention_mask must be a (1, n) int64 array with n >= {cached + steps} (the cached "
+                                 f"length {cached} plus {steps} steps), got {got}")
+            mask = np.ascontiguousarray(mask[:, :cached + steps])
+            if mask.view(np.uint64).max() > 1 or not (mask[:, cached:] == 1).all():
+                raise InputError("attention_mask must hold 0 or 1 for the cached positions and 1 for each step")
+            position = int(mask[0, :cached].sum())  # the k-th real token is at position k
+            check_positions(config, position + steps, f"these steps (position_ids up to {position + steps - 1})",
+                            "the generation has used every position: start again with a shorter prompt")
+            tokens, non_finite, error, self.cache = self._decode.greedy(self.cache, mask, position, int(token), steps,
+                                                                        np.array(list(stop_ids), np.int64))
+            if error:
+                raise GraphRunError(self.manifest.decode.file, first_line(error, 400))
+            return tokens, non_finite
+
+
+def _native_session(folder: Path, manifest: Manifest, past_names: list[str], present_names: list[str],
+                    settings: SessionSettings) -> capi.DecodeSession:
+    """decode.onnx's session in onnxruntime's C library, with the options session_options gives it."""
+    contract = manifest.decode
+    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
+    try:
+        return capi.DecodeSession(folder / contract.file, past_names, present_names, manifest.cache,
+                                  manifest.config.vocab_size, intra_op_threads=settings.intra_op_threads,
+                                  optimization=settings.optimization, log_severity=log_severity())
+    except capi.CApiError as exc:
+        raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} ({first_line(exc, 200)}); "
+                            "re-export the folder") from None
 
 
 def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:

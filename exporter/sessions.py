@@ -147,6 +147,8 @@ class SessionSettings:
     optimized_model_dir: Path | None = None
     prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
     huge_pages: bool = True  # decode.onnx's prepacked weights in transparent huge pages (Linux); see OrtRunner
+    # decode.onnx through onnxruntime's C library on the CPU (exporter.capi); False: through its Python binding
+    native_decode: bool = True
 
     def __post_init__(self):
         if self.optimization not in GRAPH_OPTIMIZATION:
@@ -159,7 +161,7 @@ class SessionSettings:
         if not is_integer(self.prompt_chunk) or self.prompt_chunk < 0:
             raise InputError(f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), "
                              f"got {self.prompt_chunk!r}")
-        for name in ("prepack_weights", "shared_thread_pool", "huge_pages"):
+        for name in ("prepack_weights", "shared_thread_pool", "huge_pages", "native_decode"):
             check_flag(name, getattr(self, name))
         if self.optimized_model_dir is not None:
             if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
@@ -200,7 +202,7 @@ def _use_global_thread_pool(threads: int) -> None:
                     _global_pool_threads, threads)
 
 
-def _log_severity() -> int:
+def log_severity() -> int:
     """onnxruntime's own log: errors under debug logging (-v); otherwise nothing, since every failure it logs
     is raised too, and reported in one line (it printed a red multi-line copy of each before)."""
     return 3 if log.isEnabledFor(logging.DEBUG) else 4
@@ -212,7 +214,7 @@ def plain_session_options() -> ort.SessionOptions:
     Once the global thread pool exists, ONNX Runtime refuses a session that asks for a pool of its own.
     """
     options = ort.SessionOptions()
-    options.log_severity_level = _log_severity()
+    options.log_severity_level = log_severity()
     if _global_pool_threads is not None:
         options.use_per_session_threads = False
     return options
@@ -258,7 +260,7 @@ def session_options(settings: SessionSettings, graph_file: str, weights: SharedW
     # does. Recording them cost the peak RSS 69 MB (477 -> 408 MB, minimind-3, 512-token
     # prompts) and ~0.7% of the instructions of a decode step.
     options.enable_mem_pattern = False
-    options.log_severity_level = _log_severity()
+    options.log_severity_level = log_severity()
     if settings.shared_thread_pool:
         _use_global_thread_pool(settings.intra_op_threads)
         options.use_per_session_threads = False

@@ -120,16 +120,28 @@ def test_feeds_of_another_dtype_are_refused_as_inputs_not_blamed_on_the_graph(ru
         runner.prefill({**feeds, "input_ids": ids.astype(np.int32), "labels": ids})
 
 
-def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
-    # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is a
-    # cache of another head size (start and step refuse bad ids, masks and positions, see below)
+def wrong_cache(runner, wrong: np.ndarray):
+    """A cache of `wrong` in every slot, in the runner's kind (`wrong` must outlive it: the C values read it)."""
+    from exporter import capi
+    if runner.native_decode:
+        return capi.Cache([capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))],
+                          wrong.shape[0], wrong.shape[2])
+    return [ort.OrtValue.ortvalue_from_numpy(wrong)._ortvalue for _ in runner.cache]
+
+
+@pytest.mark.parametrize("kind", ["runner", "binding_runner"])
+def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(kind, request):
+    # generation's paths (the C library, IO binding) raise other exceptions than session.run; the stand-in for the
+    # damage is a cache of another head size (start and step refuse bad ids, masks and positions, see below)
+    runner = request.getfixturevalue(kind)
     runner.start(np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None])
     cache = runner.manifest.cache
     wrong = np.zeros((1, cache.num_key_value_heads, 3, cache.head_dim + 1), np.float32)
-    runner.cache = [ort.OrtValue.ortvalue_from_numpy(wrong)._ortvalue for _ in runner.cache]
+    runner.cache = wrong_cache(runner, wrong)
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running decode.onnx \(.*\); .*re-export") as info:
         runner.step(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]))
     assert "\n" not in str(info.value)
+    runner.cache = None  # its values read `wrong`
 
 
 def test_start_and_step_refuse_positions_past_max_position_embeddings_before_running(runner):
@@ -327,8 +339,9 @@ def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact
     positions = position_ids_from_mask(mask)
     np.testing.assert_array_equal(chunked.start(ids, mask, positions), whole.start(ids, mask, positions))
     assert len(whole.cache) == 2 * whole.manifest.cache.num_layers
-    for name, chunked_value, value in zip(whole._past_names, chunked.cache, whole.cache):
-        np.testing.assert_array_equal(chunked_value.numpy(), value.numpy(), err_msg=name)
+    chunked_arrays = chunked.cache_arrays()
+    for name, value in whole.cache_arrays().items():
+        np.testing.assert_array_equal(chunked_arrays[name], value, err_msg=name)
     step = (np.array([[4], [6]], dtype=np.int64), np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
             positions[:, -1:] + 1)
     np.testing.assert_array_equal(chunked.step(*step), whole.step(*step))
@@ -476,7 +489,7 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
     (it reads the shared mapping in place)."""
     from exporter.sessions import SessionSettings
     spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
-    default = OrtRunner(artifact_fp32)
+    default = OrtRunner(artifact_fp32, settings=SessionSettings(native_decode=False))
     assert _config_entry(default.decode_session, prepack) is None
     assert _config_entry(default.prefill_session, prepack) == "1"
     runner = OrtRunner(artifact_fp32, settings=SessionSettings(intra_op_threads=1, optimization="basic",

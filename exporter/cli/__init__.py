@@ -293,22 +293,15 @@ def _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer) -> tuple:
     return [_encode_prompt(text_tokenizer, text) for text in prompts], text_tokenizer
 
 
-def _collect(steps, batch, stops, live: bool, text_tokenizer) -> list:
-    """Each row's Generation from the stream; a lone row's tokens (or text) printed as they come when `live`."""
-    from exporter.generation import Generation
+def _print_stream(steps, text_tokenizer) -> None:
+    """A lone row's tokens (or text) printed as the stream gives them (it ends after a stop id)."""
     from exporter.tokenizer import TextStream
-    results = [Generation(prompt) for prompt in batch]
     text = TextStream(text_tokenizer) if text_tokenizer is not None else None
     try:
-        for tokens in steps:
-            for result, token in zip(results, tokens):
-                result.add(token, stops)
-            if live and tokens[0] is not None:
-                echo_result(text.push(tokens[0]) if text else f"{tokens[0]} ", nl=False)
-    finally:
-        if live:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
-            echo_result(text.rest() if text else "")
-    return results
+        for (token,) in steps:
+            echo_result(text.push(token) if text else f"{token} ", nl=False)
+    finally:  # the streamed line ends here, an interrupted one too: an error message gets a line of its own
+        echo_result(text.rest() if text else "")
 
 
 @main.command()
@@ -356,7 +349,7 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.generation import SamplingConfig, check_request, stream
+    from exporter.generation import SamplingConfig, check_request, generate, stream
     from exporter.manifest import read_manifest, unchanged_while_read
     from exporter.runtime import OrtRunner
     from exporter.sessions import SessionSettings, check_provider
@@ -371,13 +364,12 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
         sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                   repetition_penalty=repetition_penalty, seed=seed)
         eos = None if ignore_eos else config.eos_token_id
-        _, stops = check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
+        check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
         runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
-    live = len(batch) == 1 and not as_json
-    results = _collect(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), batch, stops, live,
-                       text_tokenizer)
-    if live:
+    if len(batch) == 1 and not as_json:  # printed as it comes, one step at a time
+        _print_stream(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), text_tokenizer)
         return
+    results = generate(runner, batch, max_new_tokens, sampling, eos, stop_ids)  # a lone greedy row: steps in C
     decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]
     rows = [{**result.to_dict(), **({"text": t} if t is not None else {})} for result, t in zip(results, decoded)]
     emit(rows, as_json, "\n".join(t if t is not None else " ".join(map(str, result.new_ids))

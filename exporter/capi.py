@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime
 
 from exporter.contract import CacheLayout
+from exporter.errors import first_line
 from exporter.sessions import log_severity
 
 P = ctypes.c_void_p
@@ -130,6 +131,18 @@ def api() -> _Api:
     return _Api(library)
 
 
+def unavailable() -> str | None:
+    """Why onnxruntime's C library cannot be driven here, or None when it can."""
+    library = library_path()
+    if library is None:
+        return "no libonnxruntime.so in the onnxruntime package"
+    try:
+        api()
+    except (OSError, AttributeError, CApiError) as exc:  # no such file or symbol, or the table refused
+        return f"{library.name} does not load ({first_line(exc, 200)})"
+    return None
+
+
 def shape_of(array: np.ndarray):
     return (ctypes.c_int64 * array.ndim)(*array.shape)
 
@@ -160,13 +173,13 @@ class Session:
     """A CPU session on one graph, with the options of exporter.sessions.session_options for decode.onnx:
     prepacked weights, spinning threads, no memory patterns."""
 
-    def __init__(self, path: Path, intra_op_threads: int, optimization: str, log_severity: int):
+    def __init__(self, path: Path, intra_op_threads: int, optimization: str, log_level: int):
         self.api = lib = api()
         options = P()
         lib.check(lib.CreateSessionOptions(ctypes.byref(options)))
         try:
             lib.check(lib.DisableMemPattern(options))  # see session_options
-            lib.check(lib.SetSessionLogSeverityLevel(options, log_severity))
+            lib.check(lib.SetSessionLogSeverityLevel(options, log_level))
             lib.check(lib.SetSessionGraphOptimizationLevel(options, _OPTIMIZATION_LEVELS[optimization]))
             lib.check(lib.SetIntraOpNumThreads(options, intra_op_threads))
             self.handle = P()

@@ -178,11 +178,10 @@ def binding_reason(settings: SessionSettings, provider: str) -> str | None:
             ("the CUDA provider", provider != CPU),
             ("prepack_weights=False", not settings.prepack_weights),
             ("shared_thread_pool=True", settings.shared_thread_pool),
-            ("optimized_model_dir", settings.optimized_model_dir is not None),
-            ("no libonnxruntime.so in the onnxruntime package", capi.library_path() is None)):
+            ("optimized_model_dir", settings.optimized_model_dir is not None)):
         if applies:
             return reason
-    return None
+    return capi.unavailable()
 
 
 class _BindingDecode:
@@ -471,7 +470,7 @@ def _native_session(folder: Path, manifest: Manifest, past_names: list[str], pre
     try:
         return capi.DecodeSession(folder / contract.file, past_names, present_names, manifest.cache,
                                   manifest.config.vocab_size, intra_op_threads=settings.intra_op_threads,
-                                  optimization=settings.optimization, log_severity=log_severity())
+                                  optimization=settings.optimization, log_level=log_severity())
     except capi.CApiError as exc:
         raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} ({first_line(exc, 200)}); "
                             "re-export the folder") from None

@@ -192,6 +192,16 @@ def test_a_runner_without_the_c_library_goes_through_the_binding(artifact_fp32, 
     assert generate_greedy(runner, [1, 17, 230], 5).new_ids == reference_greedy(tiny_model, [1, 17, 230], 5, None).ids
 
 
+def test_a_c_library_that_does_not_load_sends_the_runner_through_the_binding(monkeypatch):
+    def fails():
+        raise OSError("libonnxruntime.so.1.32.0: cannot open shared object file")
+
+    monkeypatch.setattr(capi, "api", fails)
+    reason = binding_reason(SessionSettings(), CPU)
+    assert reason.startswith("libonnxruntime.so.") and reason.endswith(" does not load (libonnxruntime.so.1.32.0: "
+                                                                       "cannot open shared object file)")
+
+
 def test_the_c_session_gets_the_threads_and_optimisation_asked(artifact_fp32, monkeypatch):
     """The C API has no getters for session options: what the runner asks for is what the session is made with."""
     made = []

@@ -15,6 +15,10 @@ from exporter.reference_runner import reference_greedy
 from exporter.runtime import OrtRunner, binding_reason, position_ids_from_mask
 from exporter.sessions import CPU, CUDA, SessionSettings
 
+# The tests of the C loop itself; an install without a C compiler has none (the test below says whether one should)
+needs_c_loop = pytest.mark.skipif(not capi.native_loop_available(),
+                                  reason="exporter._native_loop was not built at install (no C compiler, or its build failed)")
+
 PROMPTS = np.array([[0, 0, 5, 9, 100, 3], [7, 8, 9, 10, 11, 12]], dtype=np.int64)
 
 
@@ -51,6 +55,7 @@ def test_start_step_and_decode_equal_the_bindings(runner, binding_runner):
         np.testing.assert_array_equal(ours[name], binding[name], err_msg=name)
 
 
+@needs_c_loop
 def test_the_c_loop_chooses_the_tokens_step_chooses_and_continues_its_cache(runner):
     prompt = np.array([[1, 17, 230, 4, 99]], np.int64)
     mask = np.ones((1, 5 + 40), np.int64)
@@ -73,6 +78,7 @@ def test_the_c_loop_chooses_the_tokens_step_chooses_and_continues_its_cache(runn
     assert runner.greedy_steps(first, mask, 0) == ([], False)
 
 
+@needs_c_loop
 def test_generate_runs_one_greedy_row_in_c_with_streams_tokens(runner, tiny_model, monkeypatch):
     """Past several chunks of the C loop (GREEDY_CHUNK), with an eos inside the third, equal to the reference
     and to stream's steps from Python; the step() path is not taken."""
@@ -111,6 +117,7 @@ def test_a_float16_artifact_decodes_in_the_c_library_and_steps_from_python(artif
     assert generate_greedy(ours, [1, 17, 230], 12).new_ids == generate_greedy(binding, [1, 17, 230], 12).new_ids
 
 
+@needs_c_loop
 def test_greedy_steps_refuses_what_it_cannot_run(runner, binding_runner):
     config = runner.manifest.config
     with pytest.raises(InputError, match="greedy_steps needs the C decode loop"):
@@ -137,6 +144,7 @@ def test_greedy_steps_refuses_what_it_cannot_run(runner, binding_runner):
         assert runner.cache is cache
 
 
+@needs_c_loop
 def test_a_c_loop_that_fails_to_run_is_a_graph_run_error_in_one_line(runner):
     runner.start(PROMPTS[:1], np.ones((1, 6), np.int64), np.arange(6)[None])
     layout = runner.manifest.cache
@@ -150,6 +158,7 @@ def test_a_c_loop_that_fails_to_run_is_a_graph_run_error_in_one_line(runner):
     runner.cache = None  # its values read `wrong`
 
 
+@needs_c_loop
 def test_logits_holding_a_nan_end_the_c_loop_and_generate_raises(runner, monkeypatch):
     """As choose_tokens refuses a NaN (numpy's argmax would choose it): a cache of NaNs gives NaN logits."""
     layout = runner.manifest.cache

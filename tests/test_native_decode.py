@@ -16,8 +16,9 @@ from exporter.runtime import OrtRunner, binding_reason, position_ids_from_mask
 from exporter.sessions import CPU, CUDA, SessionSettings
 
 # The tests of the C loop itself; an install without a C compiler has none (the test below says whether one should)
-needs_c_loop = pytest.mark.skipif(not capi.native_loop_available(),
-                                  reason="exporter._native_loop was not built at install (no C compiler, or its build failed)")
+needs_c_loop = pytest.mark.skipif(
+    not capi.native_loop_available(),
+    reason="exporter._native_loop was not built at install (no C compiler, or its build failed)")
 
 PROMPTS = np.array([[0, 0, 5, 9, 100, 3], [7, 8, 9, 10, 11, 12]], dtype=np.int64)
 
@@ -38,7 +39,8 @@ def test_start_step_and_decode_equal_the_bindings(runner, binding_runner):
     batch, a chunked prompt and two steps, and decode() on numpy feeds."""
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int64)
     positions = position_ids_from_mask(mask)
-    np.testing.assert_array_equal(runner.start(PROMPTS, mask, positions), binding_runner.start(PROMPTS, mask, positions))
+    np.testing.assert_array_equal(runner.start(PROMPTS, mask, positions),
+                                  binding_runner.start(PROMPTS, mask, positions))
     for step in range(2):
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
         feeds = (np.array([[4 + step], [6]], np.int64), mask, positions[:, -1:] + 1 + step)

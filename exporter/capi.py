@@ -299,6 +299,7 @@ class DecodeSession(Session):
         return tokens[:chosen].tolist(), bool(non_finite), error, Cache(list(values), cache.batch, cache.length + run)
 
 
+@functools.cache  # a failed import is otherwise searched for again on every call
 def native_loop_available() -> bool:
     """Whether the C greedy loop was built at install (it needs a C compiler; without it, steps run from Python)."""
     try:

@@ -18,11 +18,12 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter import capi
 from exporter.binding import BindingDecode
 from exporter.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
+from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
 from exporter.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
 from exporter.sessions import (CPU, CUDA, SessionSettings, SharedWeightMap, check_provider, is_integer, load_session,
-                               log_severity, optimized_graphs_saved, read_graph, session_options, session_providers)
+                               load_failure, log_severity, optimized_graphs_saved, read_graph, session_options,
+                               session_providers)
 from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)
@@ -238,12 +239,12 @@ class OrtRunner:
             past_of = _past_name_of_present(self.manifest.cache)
             presents = [name for name in decode.output_names if name in past_of]
             self._past_names = [past_of[name] for name in presents]
-            self.native_decode = binding_reason(settings, self.provider) is None
+            reason = binding_reason(settings, self.provider)
+            self.native_decode = reason is None
             if self.native_decode:
                 self._decode = _native_session(self.folder, self.manifest, self._past_names, presents, settings)
             else:
-                log.debug("%s through onnxruntime's Python binding: %s", decode.file,
-                          binding_reason(settings, self.provider))
+                log.debug("%s through onnxruntime's Python binding: %s", decode.file, reason)
                 self._decode = BindingDecode(load_session(self.folder, self.manifest, decode,
                                                            session_options(settings, decode.file, None), providers,
                                                            staging),
@@ -412,8 +413,7 @@ def _native_session(folder: Path, manifest: Manifest, past_names: list[str], pre
                                   manifest.config.vocab_size, intra_op_threads=settings.intra_op_threads,
                                   optimization=settings.optimization, log_level=log_severity())
     except capi.CApiError as exc:
-        raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} ({first_line(exc, 200)}); "
-                            "re-export the folder") from None
+        raise load_failure(folder / contract.file, exc) from None
 
 
 def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:

@@ -426,5 +426,9 @@ def load_session(folder: Path, manifest: Manifest, contract: GraphContract, opti
     try:
         return _new_session(str(folder / contract.file), options, providers, staging)
     except _LOAD_ERRORS as exc:
-        raise ArtifactError(f"onnxruntime cannot load {folder / contract.file} "
-                            f"({first_line(exc, 200)}); re-export the folder") from None
+        raise load_failure(folder / contract.file, exc) from None
+
+
+def load_failure(path: Path, exc: Exception) -> ArtifactError:
+    """onnxruntime's refusal to load one of the artifact's graphs (through its binding or its C library)."""
+    return ArtifactError(f"onnxruntime cannot load {path} ({first_line(exc, 200)}); re-export the folder")

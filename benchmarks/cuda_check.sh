@@ -67,7 +67,7 @@ if command -v nvidia-smi >/dev/null; then nvidia-smi -L 2>&1 | head -4; else ech
 import importlib, sys, warnings
 warnings.simplefilter("ignore")  # e.g. click's deprecated __version__
 print("python", sys.version.split()[0])
-CORE = ["numpy", "torch", "onnx", "onnxruntime", "onnxscript", "exporter.runtime", "exporter.export",
+CORE = ["numpy", "torch", "onnx", "onnxruntime", "onnxscript", "exporter.runtime.runner", "exporter.export.pipeline",
         "exporter.verify.engine", "reference"]
 STEPS = ["pytest", "tokenizers", "click", "exporter.cli", "onnxruntime_genai"]  # some steps, or optional
 failed = {}
@@ -89,8 +89,8 @@ if "onnxruntime" not in failed:
     print("onnxruntime", ort.__version__, ort.get_device(), "providers:", ort.get_available_providers())
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         cuda = "CUDAExecutionProvider not available in this onnxruntime build"
-    elif "exporter.runtime" not in failed:
-        from exporter.sessions import cuda_unusable
+    elif "exporter.runtime.runner" not in failed:
+        from exporter.runtime.sessions import cuda_unusable
         if (why := cuda_unusable()) is not None:
             cuda = f"CUDAExecutionProvider cannot start: {why}"
 code = 0
@@ -143,8 +143,8 @@ else
 fi
 if [ -n "$FP32" ] && ! missing pytest; then
     # the plugin is registered by the package's entry point only when installed; else load it by name
-    PLUGIN=(-p exporter.pytest_plugin)
-    "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "minimind_onnx" for e in
+    PLUGIN=(-p exporter.cli.pytest_plugin)
+    "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not any(e.name == "export-onnx" for e in
               m.entry_points(group="pytest11")))' 2>/dev/null && PLUGIN=()
     step plugin-cuda 60 "$PY" -m pytest -q -p no:cacheprovider "${PLUGIN[@]}" "$(JUNIT plugin-cuda)" \
         "--artifacts=$FP32" --artifact-provider cuda

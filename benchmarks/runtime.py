@@ -55,6 +55,7 @@ def elapsed_ms(fn) -> float:
 
 def prompt(length: int, vocab: int):
     import numpy as np
+
     return np.random.default_rng(length).integers(3, vocab, (1, length), dtype=np.int64)
 
 
@@ -62,17 +63,21 @@ def prompt(length: int, vocab: int):
 # Each worker offers named tasks ("prefill 128", "prefill 512", "decode", "bandwidth"), each
 # returning one figure: milliseconds for a prefill, tokens/s for a decode run, GB/s for bandwidth.
 
+
 def ort_runner(artifact: Path, provider: str, threads: int, shared_pool: bool = False):
-    from exporter.runtime import OrtRunner
-    from exporter.sessions import SessionSettings
-    return OrtRunner(artifact, provider,
-                     settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool))
+    from exporter.runtime.runner import OrtRunner
+    from exporter.runtime.sessions import SessionSettings
+
+    return OrtRunner(
+        artifact, provider, settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool)
+    )
 
 
 def ort_start(runner, ids):
     import numpy as np
 
-    from exporter.runtime import position_ids_from_mask
+    from exporter.runtime.runner import position_ids_from_mask
+
     mask = np.ones_like(ids)
     return runner.start(ids, mask, position_ids_from_mask(mask))
 
@@ -82,7 +87,8 @@ def ort_decode_run(runner) -> float:
     GREEDY_CHUNK at a time (OrtRunner.greedy_steps); tokens/s of the steps."""
     import numpy as np
 
-    from exporter.generation import GREEDY_CHUNK
+    from exporter.runtime.generation import GREEDY_CHUNK
+
     logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
     mask = np.ones((1, PROMPT_FOR_DECODE + DECODE_STEPS), dtype=np.int64)
     token, left = int(logits.argmax()), DECODE_STEPS
@@ -96,6 +102,7 @@ def ort_decode_run(runner) -> float:
 def ort_stepwise_run(runner) -> float:
     """The same decode one step() at a time from Python, as stream() runs it; tokens/s of the steps."""
     import numpy as np
+
     logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
     mask = np.ones((1, PROMPT_FOR_DECODE), dtype=np.int64)
     begin = time.perf_counter()
@@ -116,8 +123,10 @@ def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
     """Generation as users run it: prompts through OrtRunner.start, then decode steps."""
     runner = ort_runner(artifact, provider, threads)
     vocab = runner.manifest.config.vocab_size
-    tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
-             for n in prompt_lengths(runner.manifest.config.max_position_embeddings)}
+    tasks = {
+        f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
+        for n in prompt_lengths(runner.manifest.config.max_position_embeddings)
+    }
     if runner.greedy_in_c:
         tasks["decode"] = lambda: ort_decode_run(runner)
         tasks["decode stepwise"] = lambda: ort_stepwise_run(runner)
@@ -129,8 +138,8 @@ def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
 def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     import torch
 
-    from exporter.manifest import read_manifest
-    from exporter.model_source import rebuild_reference
+    from exporter.artifact.manifest import read_manifest
+    from exporter.export.model_source import rebuild_reference
 
     if threads:
         torch.set_num_threads(threads)
@@ -157,9 +166,10 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
             out = forward(token, past_key_values=out.past_key_values)
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    tasks = {f"prefill {n}": (lambda ids=torch.from_numpy(prompt(n, vocab)).to(device):
-                              elapsed_ms(lambda: forward(ids)))
-             for n in prompt_lengths(manifest.config.max_position_embeddings)}
+    tasks = {
+        f"prefill {n}": (lambda ids=torch.from_numpy(prompt(n, vocab)).to(device): elapsed_ms(lambda: forward(ids)))
+        for n in prompt_lengths(manifest.config.max_position_embeddings)
+    }
     tasks["decode"] = decode_run
     return tasks
 
@@ -168,7 +178,7 @@ def genai_tasks(artifact: Path, threads: int) -> dict:
     """onnxruntime-genai's own generator on the same folder (its genai_config.json session options, the
     thread count of --threads when given), running the same prompts and greedy decode as the ONNX Runtime
     worker."""
-    from exporter.genai import GenaiGenerator
+    from exporter.runtime.genai import GenaiGenerator
 
     generator = GenaiGenerator(artifact, threads=threads)
     vocab = generator.manifest.config.vocab_size
@@ -189,8 +199,10 @@ def genai_tasks(artifact: Path, threads: int) -> dict:
             run.generate_next_token()
         return DECODE_STEPS / (time.perf_counter() - begin)
 
-    tasks = {f"prefill {n}": (lambda ids=prompt(n, vocab)[0].tolist(): prefill_ms(ids))
-             for n in prompt_lengths(generator.manifest.config.max_position_embeddings)}
+    tasks = {
+        f"prefill {n}": (lambda ids=prompt(n, vocab)[0].tolist(): prefill_ms(ids))
+        for n in prompt_lengths(generator.manifest.config.max_position_embeddings)
+    }
     tasks["decode"] = decode_run
     return tasks
 
@@ -240,9 +252,16 @@ def run_in_turns(workers: dict[str, list[str]], rounds: int) -> tuple[dict, dict
     """Every task of every worker, `rounds` times, in turns: within a round each task runs on each
     worker offering it, in an order reversed every other round. Returns each worker's figures per
     task (one per round) and each worker's peak RSS at the end."""
-    procs = {name: subprocess.Popen([sys.executable, __file__, *args], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_sigint)
-             for name, args in workers.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=_ignore_sigint,
+        )
+        for name, args in workers.items()
+    }
     try:
         return _turns(procs, rounds)
     finally:  # a failed worker stops the others too, rather than leaving them behind
@@ -273,7 +292,7 @@ def _turns(procs: dict, rounds: int) -> tuple[dict, dict]:
     for turn in range(rounds):
         for task in tasks:
             order = [name for name in procs if task in offered[name]]
-            for name in (order if turn % 2 == 0 else order[::-1]):
+            for name in order if turn % 2 == 0 else order[::-1]:
                 time.sleep(SETTLE_S)
                 figures[name][task].append(ask(name, task))
     peaks = {name: ask(name, "rss") for name in procs}
@@ -285,12 +304,13 @@ def _turns(procs: dict, rounds: int) -> tuple[dict, dict]:
 
 # ----------------------------------------------------------------------------- two sessions in one process
 
+
 def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bool) -> dict:
     """RSS with both sessions loaded; a decode step right after a call to the other session (prefill.onnx)
     against one right after a decode step; RSS once prefill.onnx has run too."""
     import numpy as np
 
-    from exporter.runtime import position_ids_from_mask
+    from exporter.runtime.runner import position_ids_from_mask
 
     runner = ort_runner(artifact, provider, threads, shared_pool)
     result = {"loaded_peak_rss_mb": peak_rss_mb(), "huge_page_mb": runner.huge_page_bytes / 1e6}
@@ -325,8 +345,13 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
 
 
 def run_worker(args: list[str]) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_ignore_sigint)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    )
     try:
         stdout, stderr = proc.communicate()
     finally:  # on an interrupt, stopped and waited for: subprocess.run killed it without a wait, leaving a zombie
@@ -350,24 +375,32 @@ def ensure_artifact(folder: Path) -> None:
     PyTorch side the toolkit can rebuild."""
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
-        from exporter.export import export_artifact
-        from exporter.model_source import seeded_model
+        from exporter.export.model_source import seeded_model
+        from exporter.export.pipeline import export_artifact
+
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)
+    from exporter.artifact.manifest import read_manifest
     from exporter.errors import TORCH_INSTALL_HINT, InputError
-    from exporter.manifest import read_manifest
-    from exporter.model_source import rebuild_problem
+    from exporter.export.model_source import rebuild_problem
+
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
     problem = rebuild_problem(manifest)
     if problem is not None:  # else the PyTorch worker fails in its warm-up, the others started
-        fix = {"torch": f"install it ({TORCH_INSTALL_HINT})", "checkpoint": "restore it or re-export",
-               "source": "benchmark an artifact export-onnx exported from a preset or a checkpoint"}[problem.cause]
-        raise InputError(f"{folder}: the benchmark times the PyTorch reference beside onnxruntime, and "
-                         f"{problem.reason}; {fix}")
+        fix = {
+            "torch": f"install it ({TORCH_INSTALL_HINT})",
+            "checkpoint": "restore it or re-export",
+            "source": "benchmark an artifact export-onnx exported from a preset or a checkpoint",
+        }[problem.cause]
+        raise InputError(
+            f"{folder}: the benchmark times the PyTorch reference beside onnxruntime, and {problem.reason}; {fix}"
+        )
     needed = PROMPT_FOR_DECODE + DECODE_STEPS + 1
     if manifest.config.max_position_embeddings < needed:  # else every worker fails in its warm-up
-        raise InputError(f"{folder}: the decode run needs {needed} positions ({PROMPT_FOR_DECODE}-token prompt, "
-                         f"{DECODE_STEPS} steps); the model has {manifest.config.max_position_embeddings}")
+        raise InputError(
+            f"{folder}: the decode run needs {needed} positions ({PROMPT_FOR_DECODE}-token prompt, "
+            f"{DECODE_STEPS} steps); the model has {manifest.config.max_position_embeddings}"
+        )
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[float, list[float]]:
@@ -382,9 +415,13 @@ def ratio_summary(numerators: list[float], denominators: list[float]) -> tuple[f
 
 def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
     """Medians per side and task, and the same-round ratios (ours against each other side)."""
+
     def side(name):
-        out = {f"prefill_{n}_ms": statistics.median(figures[name][f"prefill {n}"])
-               for n in PREFILL_LENGTHS if f"prefill {n}" in figures[name]}
+        out = {
+            f"prefill_{n}_ms": statistics.median(figures[name][f"prefill {n}"])
+            for n in PREFILL_LENGTHS
+            if f"prefill {n}" in figures[name]
+        }
         out["decode_tokens_per_s"] = statistics.median(figures[name]["decode"])
         out["decode_step_ms"] = 1000 / out["decode_tokens_per_s"]
         if "decode stepwise" in figures[name]:
@@ -406,11 +443,18 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
     # decode step / floor step = floor tokens/s / our tokens/s
     ratio("decode_step_to_floor", [1000 / ms for ms in floor_steps_ms], ours["decode"])
     ratios["peak_rss"] = peaks["pytorch"] / peaks["onnxruntime"]
-    report = {"onnxruntime": side("onnxruntime"), "pytorch": side("pytorch"), "ratios": ratios,
-              "ratio_quartiles": quartiles,
-              "floor": {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": statistics.median(bandwidth),
-                        "floor_step_ms": statistics.median(floor_steps_ms)},
-              "onnxruntime_genai": None}
+    report = {
+        "onnxruntime": side("onnxruntime"),
+        "pytorch": side("pytorch"),
+        "ratios": ratios,
+        "ratio_quartiles": quartiles,
+        "floor": {
+            "weight_mb": weight_bytes / 1e6,
+            "read_gb_per_s": statistics.median(bandwidth),
+            "floor_step_ms": statistics.median(floor_steps_ms),
+        },
+        "onnxruntime_genai": None,
+    }
     if "genai" in figures:
         report["onnxruntime_genai"] = side("genai")
         genai = figures["genai"]
@@ -423,8 +467,9 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
 
 
 def session_steps(sessions: dict) -> str:
-    return " / ".join(f"{sessions[f'decode_step_{when}_ms']:.1f} ms" for when in ("after_prefill", "after_pause",
-                                                                                  "in_a_row"))
+    return " / ".join(
+        f"{sessions[f'decode_step_{when}_ms']:.1f} ms" for when in ("after_prefill", "after_pause", "in_a_row")
+    )
 
 
 def format_table(report: dict) -> str:
@@ -434,11 +479,13 @@ def format_table(report: dict) -> str:
     def spread(name):
         return f"{quartiles[name][0]:.2f}-{quartiles[name][1]:.2f}" if name in quartiles else ""
 
-    rows = [("prefill 128 tokens (ms)", "prefill_128_ms", "prefill_128"),
-            ("prefill 512 tokens (ms)", "prefill_512_ms", "prefill_512"),
-            ("decode tokens/s (128 steps)", "decode_tokens_per_s", "decode"),
-            ("decode step (ms)", "decode_step_ms", "decode"),
-            ("peak RSS (MB)", "peak_rss_mb", "peak_rss")]
+    rows = [
+        ("prefill 128 tokens (ms)", "prefill_128_ms", "prefill_128"),
+        ("prefill 512 tokens (ms)", "prefill_512_ms", "prefill_512"),
+        ("decode tokens/s (128 steps)", "decode_tokens_per_s", "decode"),
+        ("decode step (ms)", "decode_step_ms", "decode"),
+        ("peak RSS (MB)", "peak_rss_mb", "peak_rss"),
+    ]
     lines = [f"{'':32}{'onnxruntime':>14}{'pytorch':>12}{'ratio':>10}{'q1-q3':>12}", "-" * 80]
     for label, key, ratio in [row for row in rows if row[1] in ort]:
         lines.append(f"{label:32}{ort[key]:>14.1f}{torch_[key]:>12.1f}{ratios[ratio]:>9.2f}x {spread(ratio):>11}")
@@ -447,33 +494,41 @@ def format_table(report: dict) -> str:
         lines += ["", f"{'':32}{'genai':>14}{'':12}{'ours/genai':>10}{'q1-q3':>12}  (speed: >1 means ours is faster)"]
         for n in [n for n in PREFILL_LENGTHS if f"prefill_{n}_ms" in genai]:
             name = f"prefill_{n}_ours_to_genai"
-            lines.append(f"{f'prefill {n} tokens (ms)':32}{genai[f'prefill_{n}_ms']:>14.1f}"
-                         f"{'':12}{ratios[name]:>9.2f}x {spread(name):>11}")
-        lines.append(f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
-                     f"{'':12}{ratios['ours_to_genai']:>9.2f}x {spread('ours_to_genai'):>11}")
+            lines.append(
+                f"{f'prefill {n} tokens (ms)':32}{genai[f'prefill_{n}_ms']:>14.1f}"
+                f"{'':12}{ratios[name]:>9.2f}x {spread(name):>11}"
+            )
+        lines.append(
+            f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
+            f"{'':12}{ratios['ours_to_genai']:>9.2f}x {spread('ours_to_genai'):>11}"
+        )
         if "decode_stepwise_tokens_per_s" in ort:
-            lines.append(f"{'  ours, one step() at a time':32}{ort['decode_stepwise_tokens_per_s']:>14.1f}"
-                         f"{'':12}{ratios['ours_stepwise_to_genai']:>9.2f}x {spread('ours_stepwise_to_genai'):>11}")
+            lines.append(
+                f"{'  ours, one step() at a time':32}{ort['decode_stepwise_tokens_per_s']:>14.1f}"
+                f"{'':12}{ratios['ours_stepwise_to_genai']:>9.2f}x {spread('ours_stepwise_to_genai'):>11}"
+            )
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]
-    lines += ["",
-              f"ratios: medians of the per-round ratios ({report['rounds']} round{'s' * (report['rounds'] != 1)}, "
-              f"in turns), q1-q3 their "
-              f"quartiles; figures: medians of the rounds",
-              f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
-              f"weight-read floor {floor['floor_step_ms']:.1f} ms/token",
-              f"onnxruntime decode step / floor: {ratios['decode_step_to_floor']:.2f}x "
-              f"(q1-q3 {spread('decode_step_to_floor')})",
-              f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x generating; "
-              f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
-              f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "
-              f"once prefill.onnx has run too",
-              f"decode.onnx's session memory in transparent huge pages: {sessions['huge_page_mb']:.1f} MB",
-              "decode step right after a prefill.onnx call (alternating sessions) / after an idle pause as long "
-              "as that call / right after a decode step:",
-              f"  per-session pools, prefill threads not spinning (default): {session_steps(sessions)}",
-              f"  one shared thread pool (opt-in): {session_steps(shared)}"]
+    lines += [
+        "",
+        f"ratios: medians of the per-round ratios ({report['rounds']} round{'s' * (report['rounds'] != 1)}, "
+        f"in turns), q1-q3 their "
+        f"quartiles; figures: medians of the rounds",
+        f"weights {floor['weight_mb']:.1f} MB; memory read bandwidth {floor['read_gb_per_s']:.1f} GB/s; "
+        f"weight-read floor {floor['floor_step_ms']:.1f} ms/token",
+        f"onnxruntime decode step / floor: {ratios['decode_step_to_floor']:.2f}x "
+        f"(q1-q3 {spread('decode_step_to_floor')})",
+        f"peak RSS / weights: {ort['peak_rss_mb'] / floor['weight_mb']:.2f}x generating; "
+        f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
+        f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "
+        f"once prefill.onnx has run too",
+        f"decode.onnx's session memory in transparent huge pages: {sessions['huge_page_mb']:.1f} MB",
+        "decode step right after a prefill.onnx call (alternating sessions) / after an idle pause as long "
+        "as that call / right after a decode step:",
+        f"  per-session pools, prefill threads not spinning (default): {session_steps(sessions)}",
+        f"  one shared thread pool (opt-in): {session_steps(shared)}",
+    ]
     if "prefill_skipped" in report:
         lines.append(f"prefill skipped: {report['prefill_skipped']}")
     if "floor_note" in report:
@@ -491,6 +546,7 @@ def _at_least(lowest: int, highest: int | None = None):
         if highest is not None and value > highest:
             raise argparse.ArgumentTypeError(f"must be {highest} or less, got {value}")
         return value
+
     parse.__name__ = "integer"  # argparse names the type in its error
     return parse
 
@@ -506,6 +562,7 @@ class _Parser(argparse.ArgumentParser):
         # one line, as the CLI's is.
         if json_asked(sys.argv[1:]):
             from exporter.errors import error_document
+
             print(json.dumps(error_document("usage", message, 2), indent=2))
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
@@ -516,6 +573,7 @@ def fail(kind: str, message: str, code: int, as_json: bool) -> None:
     print(message if kind == "interrupted" else f"error: {message}", file=sys.stderr)
     if as_json:  # exporter.errors only: an interrupt may have left a heavier import (onnx, numpy) half done
         from exporter.errors import error_document
+
         print(json.dumps(error_document(kind, message, code), indent=2))
     sys.exit(code)
 
@@ -530,38 +588,62 @@ def main() -> None:
 
 
 def run() -> None:
-    from exporter.sessions import MAX_THREADS  # more is refused here, not by a worker's traceback
+    from exporter.runtime.sessions import MAX_THREADS  # more is refused here, not by a worker's traceback
 
     parser = _Parser(description=__doc__.splitlines()[0], epilog=__doc__.splitlines()[-1])  # the exit codes
-    parser.add_argument("--artifact", type=Path, default=DEFAULT_ARTIFACT,
-                        help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
-                             "minimind-3 weights when missing; any other folder must be an artifact already)")
-    parser.add_argument("--threads", type=_at_least(0, MAX_THREADS), default=0,
-                        help="threads for every side; 0 (default): each library's own default, as users get it: "
-                             "ONNX Runtime one pinned thread per physical core (our runtime's default and what "
-                             "genai_config.json asks for), PyTorch torch's default, the bandwidth probe one per CPU")
-    parser.add_argument("--rounds", type=_at_least(1), default=7,
-                        help="rounds in turns (default 7); each figure is the median of its rounds")
-    parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"],
-                        help="onnxruntime provider; with cuda, PyTorch also runs on the GPU")
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        default=DEFAULT_ARTIFACT,
+        help=f"artifact folder to measure (default {DEFAULT_ARTIFACT}, exported with seeded "
+        "minimind-3 weights when missing; any other folder must be an artifact already)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_at_least(0, MAX_THREADS),
+        default=0,
+        help="threads for every side; 0 (default): each library's own default, as users get it: "
+        "ONNX Runtime one pinned thread per physical core (our runtime's default and what "
+        "genai_config.json asks for), PyTorch torch's default, the bandwidth probe one per CPU",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_at_least(1),
+        default=7,
+        help="rounds in turns (default 7); each figure is the median of its rounds",
+    )
+    parser.add_argument(
+        "--provider",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="onnxruntime provider; with cuda, PyTorch also runs on the GPU",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of a table")
-    parser.add_argument("--worker", choices=["ort", "torch", "genai", "bandwidth", "sessions",
-                                             "sessions-shared-pool"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker",
+        choices=["ort", "torch", "genai", "bandwidth", "sessions", "sessions-shared-pool"],
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args()
     if args.worker in ("sessions", "sessions-shared-pool"):
         shared = args.worker == "sessions-shared-pool"
         print(json.dumps(worker_sessions(args.artifact, args.provider, args.threads, shared)))
         return
     if args.worker:
-        serve({"ort": lambda: ort_tasks(args.artifact, args.provider, args.threads),
-               "torch": lambda: torch_tasks(args.artifact, args.threads, "cuda" if args.provider == "cuda" else "cpu"),
-               "genai": lambda: genai_tasks(args.artifact, args.threads),
-               "bandwidth": lambda: bandwidth_tasks(args.threads)}[args.worker]())
+        serve(
+            {
+                "ort": lambda: ort_tasks(args.artifact, args.provider, args.threads),
+                "torch": lambda: torch_tasks(args.artifact, args.threads, "cuda" if args.provider == "cuda" else "cpu"),
+                "genai": lambda: genai_tasks(args.artifact, args.threads),
+                "bandwidth": lambda: bandwidth_tasks(args.threads),
+            }[args.worker]()
+        )
         return
 
     from exporter.errors import ToolkitError
-    from exporter.sessions import check_provider
+    from exporter.runtime.sessions import check_provider
     from exporter.verify.reports import json_text
+
     try:
         check_provider(args.provider)  # before any worker starts
         ensure_artifact(args.artifact)
@@ -575,19 +657,25 @@ def run() -> None:
 def floor_note(config) -> str | None:
     """Why the weight-read floor does not bound this model's decode step, if it does not."""
     if getattr(config, "use_moe", False):
-        return ("the floor counts every expert's weights, but a step reads only the experts its tokens are routed "
-                "to: for this model it is not a lower bound, and decode / floor can fall below 1")
+        return (
+            "the floor counts every expert's weights, but a step reads only the experts its tokens are routed "
+            "to: for this model it is not a lower bound, and decode / floor can fall below 1"
+        )
     return None
 
 
 def measure(args) -> dict:
     common = ["--artifact", str(args.artifact), "--threads", str(args.threads), "--provider", args.provider]
-    workers = {"onnxruntime": ["--worker", "ort", *common], "pytorch": ["--worker", "torch", *common],
-               "bandwidth": ["--worker", "bandwidth", *common]}
+    workers = {
+        "onnxruntime": ["--worker", "ort", *common],
+        "pytorch": ["--worker", "torch", *common],
+        "bandwidth": ["--worker", "bandwidth", *common],
+    }
     if importlib.util.find_spec("onnxruntime_genai") and args.provider == "cpu":  # its config selects the CPU
         workers["genai"] = ["--worker", "genai", *common]
     figures, peaks = run_in_turns(workers, args.rounds)
-    from exporter.manifest import read_manifest
+    from exporter.artifact.manifest import read_manifest
+
     manifest = read_manifest(args.artifact, check_hashes=False)
     report = summarise(figures, peaks, (args.artifact / manifest.weights_file).stat().st_size)
     note = floor_note(manifest.config)
@@ -597,11 +685,18 @@ def measure(args) -> dict:
     if skipped := [str(n) for n in PREFILL_LENGTHS if n not in prompt_lengths(positions)]:
         report["prefill_skipped"] = f"{' and '.join(skipped)} tokens: the model has {positions} positions"
     if args.provider == "cuda":
-        report["host_memory_figures"] = ("the bandwidth, the weight-read floor and peak RSS measure the host's "
-                                         "memory, not the GPU's: they do not bound a decode on the GPU")
-    report.update(artifact=str(args.artifact), provider=args.provider, threads=args.threads, rounds=args.rounds,
-                  sessions=run_worker(["--worker", "sessions", *common]),
-                  sessions_shared_pool=run_worker(["--worker", "sessions-shared-pool", *common]))
+        report["host_memory_figures"] = (
+            "the bandwidth, the weight-read floor and peak RSS measure the host's "
+            "memory, not the GPU's: they do not bound a decode on the GPU"
+        )
+    report.update(
+        artifact=str(args.artifact),
+        provider=args.provider,
+        threads=args.threads,
+        rounds=args.rounds,
+        sessions=run_worker(["--worker", "sessions", *common]),
+        sessions_shared_pool=run_worker(["--worker", "sessions-shared-pool", *common]),
+    )
     return report
 
 

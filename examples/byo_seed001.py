@@ -115,8 +115,9 @@ class SimpleForCausalLM(nn.Module):
         if labels is not None:
             shift_logits = logits[..., :-1, :].contiguous()
             shift_labels = labels[..., 1:].contiguous()
-            loss = F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1), ignore_index=-100
+            )
         return logits, loss
 
 
@@ -126,15 +127,28 @@ class SeedDemoAdapter(DecoderAdapter):
 
     def __init__(self, model: SimpleForCausalLM, max_position_embeddings: int = 2048):
         attn = model.model.layers[0].self_attn
-        spec = DecoderSpec(name="seed001-demo", num_hidden_layers=len(model.model.layers),
-                           num_key_value_heads=attn.n_heads, head_dim=attn.head_dim,
-                           num_attention_heads=attn.n_heads, hidden_size=model.model.embed_tokens.embedding_dim,
-                           vocab_size=model.model.embed_tokens.num_embeddings,
-                           max_position_embeddings=max_position_embeddings)  # no positions: any cap works
+        spec = DecoderSpec(
+            name="seed001-demo",
+            num_hidden_layers=len(model.model.layers),
+            num_key_value_heads=attn.n_heads,
+            head_dim=attn.head_dim,
+            num_attention_heads=attn.n_heads,
+            hidden_size=model.model.embed_tokens.embedding_dim,
+            vocab_size=model.model.embed_tokens.num_embeddings,
+            max_position_embeddings=max_position_embeddings,
+        )  # no positions: any cap works
         super().__init__(model, spec)
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, labels=None, position_ids=None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=0,
+        labels=None,
+        position_ids=None,
+    ):
         # position_ids are accepted and unused: the demo model has no positional encoding.
         h = self.model.model.embed_tokens(input_ids)
         presents = []
@@ -154,14 +168,16 @@ class SeedDemoAdapter(DecoderAdapter):
 
 def demo_model(seed: int = 0) -> SimpleForCausalLM:
     """The seed's small configuration, scaled up a little so tokens vary (seeded weights)."""
-    return seeded_init_(SimpleForCausalLM(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4,
-                                          intermediate_size=128), seed).eval()
+    return seeded_init_(
+        SimpleForCausalLM(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, intermediate_size=128), seed
+    ).eval()
 
 
 def main(folder: str) -> int:
-    from exporter.export import export_artifact
-    from exporter.parity import verify_artifact
+    from exporter import verify_artifact
+    from exporter.export.pipeline import export_artifact
     from exporter.verify.reports import format_verify
+
     user_model = demo_model()
     adapter = SeedDemoAdapter(user_model)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -69,9 +69,11 @@ class GraphRunError(ArtifactError):
 
     def __init__(self, graph_file: str, detail: str):
         # The graphs refuse an id or label outside the vocabulary, as the reference does: the inputs come first.
-        super().__init__(f"onnxruntime failed running {graph_file} ({detail}); check the inputs (an id or label "
-                         "outside the vocabulary fails here as in the reference), else the graph is damaged: "
-                         "re-export the folder")
+        super().__init__(
+            f"onnxruntime failed running {graph_file} ({detail}); check the inputs (an id or label "
+            "outside the vocabulary fails here as in the reference), else the graph is damaged: "
+            "re-export the folder"
+        )
         self.graph_file, self.detail = graph_file, detail
 
 

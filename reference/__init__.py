@@ -24,11 +24,31 @@ _TORCH_EXPORTS = {
 def __getattr__(name):
     if name in _TORCH_EXPORTS:
         import importlib
+
         return getattr(importlib.import_module(_TORCH_EXPORTS[name]), name)
     raise AttributeError(f"module 'reference' has no attribute {name!r}")
 
 
-__all__ = ["CausalLMOutput", "CheckpointError", "ConfigError", "ContextLengthError", "DEFAULT_PRESET",
-           "DecoderAdapter", "DecoderSpec", "FAMILIES", "MiniMindConfig", "MiniMindForCausalLM", "PRESETS",
-           "ModelError", "TeachingGPT", "TeachingGPTConfig", "YarnScaling", "build_model", "check_adapter",
-           "family_of", "get_family", "get_preset", "seeded_init_"]
+__all__ = [
+    "CausalLMOutput",
+    "CheckpointError",
+    "ConfigError",
+    "ContextLengthError",
+    "DEFAULT_PRESET",
+    "DecoderAdapter",
+    "DecoderSpec",
+    "FAMILIES",
+    "MiniMindConfig",
+    "MiniMindForCausalLM",
+    "PRESETS",
+    "ModelError",
+    "TeachingGPT",
+    "TeachingGPTConfig",
+    "YarnScaling",
+    "build_model",
+    "check_adapter",
+    "family_of",
+    "get_family",
+    "get_preset",
+    "seeded_init_",
+]

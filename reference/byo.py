@@ -38,8 +38,16 @@ class DecoderAdapter(nn.Module):
         self.model = model
         self.config = spec
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, labels=None, position_ids=None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=0,
+        labels=None,
+        position_ids=None,
+    ):
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
 
 
@@ -49,38 +57,54 @@ def output_problems(out, config, batch: int, length: int, with_loss: bool = Fals
     field to fix."""
     logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
     if not isinstance(logits, torch.Tensor):
-        return [f"forward returned a {type(out).__name__}, not a CausalLMOutput (logits, past_key_values, loss, "
-                "aux_loss)"]
+        return [
+            f"forward returned a {type(out).__name__}, not a CausalLMOutput (logits, past_key_values, loss, aux_loss)"
+        ]
     problems = []
     if with_loss:  # verification compares the graph's loss with this one
         loss = getattr(out, "loss", None)
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
-            found = "None" if loss is None else f"a {type(loss).__name__}" + (
-                f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-            problems.append(f"loss is {found} with labels given, not a scalar tensor: return the shifted cross "
-                            "entropy (reference.layers.shifted_cross_entropy), or export without the loss "
-                            "(with_loss=False, --no-loss)")
+            found = (
+                "None"
+                if loss is None
+                else f"a {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+            )
+            problems.append(
+                f"loss is {found} with labels given, not a scalar tensor: return the shifted cross "
+                "entropy (reference.layers.shifted_cross_entropy), or export without the loss "
+                "(with_loss=False, --no-loss)"
+            )
     if tuple(logits.shape) != (batch, length, config.vocab_size):
-        problems.append(f"logits have shape {tuple(logits.shape)}, not (batch, length, vocab_size) = "
-                        f"{(batch, length, config.vocab_size)}: set vocab_size to the model's")
+        problems.append(
+            f"logits have shape {tuple(logits.shape)}, not (batch, length, vocab_size) = "
+            f"{(batch, length, config.vocab_size)}: set vocab_size to the model's"
+        )
     if not isinstance(past, (list, tuple)):
-        return problems + [f"past_key_values is {type(past).__name__} with use_cache=True; return the present "
-                           "(k, v) of every layer"]
+        return problems + [
+            f"past_key_values is {type(past).__name__} with use_cache=True; return the present (k, v) of every layer"
+        ]
     if len(past) != config.num_hidden_layers:
-        problems.append(f"past_key_values holds {len(past)} layers, but num_hidden_layers is "
-                        f"{config.num_hidden_layers}: set it to the model's")
+        problems.append(
+            f"past_key_values holds {len(past)} layers, but num_hidden_layers is "
+            f"{config.num_hidden_layers}: set it to the model's"
+        )
     want = (batch, past_length + length, config.num_key_value_heads, config.head_dim)
     new_only = (batch, length, *want[2:])
     for layer, pair in enumerate(past):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in pair]
         if past_length and len(shapes) == 2 and all(shape == new_only for shape in shapes):
-            problems.append(f"layer {layer}'s present (k, v) hold the {length} new positions only, not the "
-                            f"{past_length} past ones before them: return the past concatenated with the new keys "
-                            "and values along the length axis (reference.layers.attend does)")
+            problems.append(
+                f"layer {layer}'s present (k, v) hold the {length} new positions only, not the "
+                f"{past_length} past ones before them: return the past concatenated with the new keys "
+                "and values along the length axis (reference.layers.attend does)"
+            )
             break
         if len(shapes) != 2 or any(shape != want for shape in shapes):
-            problems.append(f"layer {layer}'s (k, v) have shapes {shapes}, not (batch, length, num_key_value_heads, "
-                            f"head_dim) = {want} each: return them in that layout, or fix the config's sizes")
+            problems.append(
+                f"layer {layer}'s (k, v) have shapes {shapes}, not (batch, length, num_key_value_heads, "
+                f"head_dim) = {want} each: return them in that layout, or fix the config's sizes"
+            )
             break  # one layer says it; the others are alike
     return problems
 
@@ -102,8 +126,9 @@ class AdapterCheck:
 
 
 @torch.no_grad()
-def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5,
-                  with_loss: bool = True) -> AdapterCheck:
+def check_adapter(
+    adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5, with_loss: bool = True
+) -> AdapterCheck:
     """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward.
     `with_loss`: the adapter must return a scalar loss for labels, as an export with the loss (the default)
     needs; pass False for an adapter exported with with_loss=False (--no-loss)."""
@@ -118,14 +143,19 @@ def check_adapter(adapter: nn.Module, original_logits, input_ids: torch.Tensor, 
             raise ModelError(f"{type(adapter).__name__} breaks the contract (reference/byo.py): {'; '.join(problems)}")
         original = original_logits(input_ids)
         if not isinstance(original, torch.Tensor) or original.shape != full.logits.shape:
-            found = (f"a tensor of shape {tuple(original.shape)}" if isinstance(original, torch.Tensor)
-                     else f"a {type(original).__name__}")
-            raise ModelError(f"original_logits returned {found}, not the logits {tuple(full.logits.shape)} "
-                             "(batch, length, vocab_size): pass a function of input_ids returning your model's "
-                             "logits, e.g. lambda ids: model(ids)[0]")
+            found = (
+                f"a tensor of shape {tuple(original.shape)}"
+                if isinstance(original, torch.Tensor)
+                else f"a {type(original).__name__}"
+            )
+            raise ModelError(
+                f"original_logits returned {found}, not the logits {tuple(full.logits.shape)} "
+                "(batch, length, vocab_size): pass a function of input_ids returning your model's "
+                "logits, e.g. lambda ids: model(ids)[0]"
+            )
         past, steps = None, []
         for t in range(input_ids.shape[1]):
-            out = adapter(input_ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            out = adapter(input_ids[:, t : t + 1], past_key_values=past, use_cache=True)
             past = out.past_key_values
             steps.append(out.logits)
     finally:

@@ -70,16 +70,22 @@ class LoadReport:
     assumed: dict = field(default_factory=dict)  # config fields the weights cannot show -> default used
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "format": self.format, "family": self.family, "config_source": self.config_source,
-                "converted": self.converted, "dropped": self.dropped, "assumed": self.assumed}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "family": self.family,
+            "config_source": self.config_source,
+            "converted": self.converted,
+            "dropped": self.dropped,
+            "assumed": self.assumed,
+        }
 
 
 # ---------------------------------------------------------------- reading files
 
 
 # Opcodes that push a string, that fetch from or store to the memo: what names an import in protocol 4 and on.
-_STRING_OPCODES = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING",
-                   "SHORT_BINSTRING"}
+_STRING_OPCODES = {"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 _MEMO_GETS, _MEMO_PUTS = {"GET", "BINGET", "LONG_BINGET"}, {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
@@ -123,15 +129,25 @@ def _plain_pickle_error(path: Path) -> CheckpointError | None:
                 value = arg if name in _STRING_OPCODES else memo.get(arg) if name in _MEMO_GETS else None
                 recent = (recent[1], value)
     except ValueError:  # an unknown opcode or a truncated stream: not a pickle (torch's loader said "KeyError: 101")
-        return CheckpointError(f"{path} is not a readable torch checkpoint: neither a zip archive, as torch.save "
-                               "writes, nor a pickle (damaged, or of another format); check the file")
+        return CheckpointError(
+            f"{path} is not a readable torch checkpoint: neither a zip archive, as torch.save "
+            "writes, nor a pickle (damaged, or of another format); check the file"
+        )
     # What any pickle of tensors imports goes last: the rest is what the file would run besides.
     named = sorted(imports, key=lambda n: n.split(".")[0] in ("torch", "collections", "_codecs"))
-    needs = (f", and needs arbitrary Python objects to load (it references {', '.join(named[:SHOWN])}"
-             f"{', ...' if len(named) > SHOWN else ''}); refusing to run code from a pickle") if named else ""
-    return CheckpointError(f"{path} is a plain Python pickle (pickle.dump, protocol {protocol}), not a torch.save "
-                           f"checkpoint{needs}; nothing in it was run: re-save it as a plain state dict of tensors "
-                           "(torch.save(model.state_dict(), ...)) or as safetensors")
+    needs = (
+        (
+            f", and needs arbitrary Python objects to load (it references {', '.join(named[:SHOWN])}"
+            f"{', ...' if len(named) > SHOWN else ''}); refusing to run code from a pickle"
+        )
+        if named
+        else ""
+    )
+    return CheckpointError(
+        f"{path} is a plain Python pickle (pickle.dump, protocol {protocol}), not a torch.save "
+        f"checkpoint{needs}; nothing in it was run: re-save it as a plain state dict of tensors "
+        "(torch.save(model.state_dict(), ...)) or as safetensors"
+    )
 
 
 def _torch_load(path: Path):
@@ -147,26 +163,33 @@ def _torch_load(path: Path):
         found = re.search(r"GLOBAL (\S+)", str(exc))
         if found is None:  # not an object it refused: a broken or unusual pickle ("Unsupported operand 110")
             detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(exc))
-            raise CheckpointError(f"{path} is not a readable torch checkpoint (unpickler: "
-                                  f"{detail.group(1) if detail else str(exc)[:120]}); the file is damaged, not a "
-                                  "torch.save file, or saved with a pickle_protocol above 3, which torch's "
-                                  "weights-only loader cannot read; nothing in it was run") from None
+            raise CheckpointError(
+                f"{path} is not a readable torch checkpoint (unpickler: "
+                f"{detail.group(1) if detail else str(exc)[:120]}); the file is damaged, not a "
+                "torch.save file, or saved with a pickle_protocol above 3, which torch's "
+                "weights-only loader cannot read; nothing in it was run"
+            ) from None
         raise CheckpointError(
             f"{path} needs arbitrary Python objects to load (it references {found.group(1)}); refusing to run code "
             "from a pickle: re-save it as a plain state dict of tensors (torch.save(model.state_dict(), ...)) "
-            "or as safetensors") from None
+            "or as safetensors"
+        ) from None
     except Exception as exc:  # a truncated zip, not a torch file at all, ...
         detail = str(exc).splitlines()[0] if str(exc) else ""
         if _starts_as_zip(path):  # miniz's text goes on for a sentence about itself
-            raise CheckpointError(f"{path} is a truncated or damaged torch.save file, a zip archive that cannot be "
-                                  f"read ({type(exc).__name__}: {detail.split('. ')[0][:160]}); copy or save it "
-                                  "again") from None
-        raise CheckpointError(f"{path} is not a readable torch checkpoint ({type(exc).__name__}: "
-                              f"{detail[:160]}); check the file") from None
+            raise CheckpointError(
+                f"{path} is a truncated or damaged torch.save file, a zip archive that cannot be "
+                f"read ({type(exc).__name__}: {detail.split('. ')[0][:160]}); copy or save it "
+                "again"
+            ) from None
+        raise CheckpointError(
+            f"{path} is not a readable torch checkpoint ({type(exc).__name__}: {detail[:160]}); check the file"
+        ) from None
 
 
 def _safetensors_load(path: Path) -> dict:
     from safetensors.torch import load_file
+
     try:
         path.open("rb").close()  # safetensors reports a file it may not read as "No such file or directory"
     except OSError as exc:
@@ -174,8 +197,10 @@ def _safetensors_load(path: Path) -> dict:
     try:
         return load_file(str(path), device="cpu")
     except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file") from None
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else ''}); check the file"
+        ) from None
 
 
 def _json_object(path: Path) -> dict:
@@ -202,8 +227,10 @@ def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
         shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
         outside = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
         if not shards or outside:
-            raise CheckpointError(f"{index}: weight_map must map tensor names to shard files in {folder}; "
-                                  f"got {outside[:3] or 'no shards'}")
+            raise CheckpointError(
+                f"{index}: weight_map must map tensor names to shard files in {folder}; "
+                f"got {outside[:3] or 'no shards'}"
+            )
         state = {}
         for shard in shards:
             state.update(_safetensors_load(folder / shard))
@@ -211,8 +238,10 @@ def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
     if (folder / "pytorch_model.bin").is_file():
         return _torch_load(folder / "pytorch_model.bin"), config, "transformers-folder (pytorch_model.bin)"
     present = sorted(p.name for p in folder.iterdir())[:10]
-    raise CheckpointError(f"{folder} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin "
-                          f"(found: {', '.join(present) or 'nothing'}); pass a checkpoint file or a Transformers folder")
+    raise CheckpointError(
+        f"{folder} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin "
+        f"(found: {', '.join(present) or 'nothing'}); pass a checkpoint file or a Transformers folder"
+    )
 
 
 def read_checkpoint(path) -> tuple[dict, dict | None, str]:
@@ -229,8 +258,10 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     elif path.suffix in PICKLE_SUFFIXES:
         state, config, fmt = _torch_load(path), None, "pth"
     else:
-        raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
-                              f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}")
+        raise CheckpointError(
+            f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
+            f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}"
+        )
     # The teaching GPT saves {"model_state_dict": ..., optimizer}; MiniMind's trainers save their *_resume.pth
     # as {"model": ..., "optimizer": ..., "epoch": ..., "step": ...}.
     for wrapper in ("model_state_dict", "model"):
@@ -238,13 +269,17 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
             state, fmt = state[wrapper], f"{fmt} ({wrapper})"
             break
     if not isinstance(state, dict) or not state:
-        raise CheckpointError(f"{path} does not hold a state dict (got {'an empty dict' if state == {} else type(state).__name__}); "
-                              "save one with torch.save(model.state_dict(), path)")
+        raise CheckpointError(
+            f"{path} does not hold a state dict (got {'an empty dict' if state == {} else type(state).__name__}); "
+            "save one with torch.save(model.state_dict(), path)"
+        )
     not_tensors = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
         shown = ", ".join(map(str, not_tensors[:SHOWN])) + (", ..." if len(not_tensors) > SHOWN else "")
-        raise CheckpointError(f"{path} is not a flat state dict: {len(not_tensors)} entries are not tensors "
-                              f"({shown}); save model.state_dict() itself")
+        raise CheckpointError(
+            f"{path} is not a flat state dict: {len(not_tensors)} entries are not tensors "
+            f"({shown}); save model.state_dict() itself"
+        )
     return _strip_wrappers(state), config, fmt
 
 
@@ -252,7 +287,7 @@ def _strip_wrappers(state: dict) -> dict:
     """The keys without the prefixes wrappers add, in whichever order they were nested: MiniMind's trainers
     wrap the compiled model in DDP (module._orig_mod.)."""
     while prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None):
-        state = {k[len(prefix):]: v for k, v in state.items()}
+        state = {k[len(prefix) :]: v for k, v in state.items()}
     return state
 
 
@@ -268,8 +303,11 @@ def checkpoint_change(path, sha256: str | None) -> str:
 def fingerprint(path) -> str:
     """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents)."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json")))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.is_file() and (p.suffix in (".safetensors", ".bin", ".json")))
+    )
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
@@ -311,14 +349,30 @@ class MiniMindCheckpoints:
     family = "minimind"
     # Transformers config.json keys: upstream name -> toolkit field, and bookkeeping keys without effect here.
     aliases = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
-    ignored = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-               "_name_or_path", "flash_attn", "use_cache", "pad_token_id", "scoring_func",
-               "return_dict", "output_hidden_states", "output_attentions"}
+    ignored = {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "flash_attn",
+        "use_cache",
+        "pad_token_id",
+        "scoring_func",
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+    }
 
     @staticmethod
     def claims(state: dict) -> bool:
-        return "model.embed_tokens.weight" in state or "lm_head.weight" in state and any(
-            k.startswith("model.layers.") for k in state)
+        return (
+            "model.embed_tokens.weight" in state
+            or "lm_head.weight" in state
+            and any(k.startswith("model.layers.") for k in state)
+        )
 
     @classmethod
     def translate(cls, data: dict) -> dict:
@@ -329,12 +383,17 @@ class MiniMindCheckpoints:
         # A size of another type or below 1 is refused where it is read (infer, the config), not divided by here.
         sizes = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads, head_dim))
         if sizes and head_dim != hidden // heads:
-            raise ConfigError(f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
-                              f"({hidden // heads}); the reference supports only that head size")
+            raise ConfigError(
+                f"config field head_dim ({head_dim}) differs from hidden_size / num_attention_heads "
+                f"({hidden // heads}); the reference supports only that head size"
+            )
         # Keys with a leading underscore are Transformers' private records (`_attn_implementation_autoset`).
         # head_dim stays, for infer to count the heads by (MiniMind2's weights do not show them), and goes there.
-        return {cls.aliases.get(k, k): v for k, v in data.items()
-                if k not in cls.ignored and not k.startswith("_") and v is not None}
+        return {
+            cls.aliases.get(k, k): v
+            for k, v in data.items()
+            if k not in cls.ignored and not k.startswith("_") and v is not None
+        }
 
     @staticmethod
     def infer(state: dict, base: dict) -> tuple[dict, dict]:
@@ -345,24 +404,36 @@ class MiniMindCheckpoints:
         if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
             raise ConfigError(f"config field num_attention_heads must be a positive integer, got {heads!r}")
         embed = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
-        fields = {"vocab_size": embed.shape[0], "hidden_size": embed.shape[1],
-                  "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\.")}
+        fields = {
+            "vocab_size": embed.shape[0],
+            "hidden_size": embed.shape[1],
+            "num_hidden_layers": _count(state, r"model\.layers\.(\d+)\."),
+        }
         q_norm = state.get("model.layers.0.self_attn.q_norm.weight")
         fields["version"] = 3 if q_norm is not None else 2
         assumed = {}
         q_width = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
-        if head_dim_given is not None and (not isinstance(head_dim_given, int) or isinstance(head_dim_given, bool)
-                                           or head_dim_given < 1 or q_width % head_dim_given
-                                           or q_norm is not None and head_dim_given != q_norm.shape[0]
-                                           or head_dim_given * base.get("num_attention_heads", 0) not in (0, q_width)):
-            raise ConfigError(f"config field head_dim ({head_dim_given!r}) does not fit the checkpoint (q_proj has "
-                              f"{q_width} rows{f', q_norm {q_norm.shape[0]}' if q_norm is not None else ''}); "
-                              "correct or drop it")
+        if head_dim_given is not None and (
+            not isinstance(head_dim_given, int)
+            or isinstance(head_dim_given, bool)
+            or head_dim_given < 1
+            or q_width % head_dim_given
+            or q_norm is not None
+            and head_dim_given != q_norm.shape[0]
+            or head_dim_given * base.get("num_attention_heads", 0) not in (0, q_width)
+        ):
+            raise ConfigError(
+                f"config field head_dim ({head_dim_given!r}) does not fit the checkpoint (q_proj has "
+                f"{q_width} rows{f', q_norm {q_norm.shape[0]}' if q_norm is not None else ''}); "
+                "correct or drop it"
+            )
         if q_norm is not None:
             if q_width % q_norm.shape[0]:
-                raise CheckpointError(f"model.layers.0.self_attn.q_proj.weight has {q_width} rows, not a whole "
-                                      f"number of heads of q_norm's width {q_norm.shape[0]}; the checkpoint is "
-                                      "damaged or of another design")
+                raise CheckpointError(
+                    f"model.layers.0.self_attn.q_proj.weight has {q_width} rows, not a whole "
+                    f"number of heads of q_norm's width {q_norm.shape[0]}; the checkpoint is "
+                    "damaged or of another design"
+                )
             fields["num_attention_heads"] = q_width // q_norm.shape[0]
         elif "num_attention_heads" not in base:
             if head_dim_given is not None:
@@ -372,16 +443,21 @@ class MiniMindCheckpoints:
         heads = base.get("num_attention_heads", fields.get("num_attention_heads"))
         if q_width % heads:
             shown = ", assumed: MiniMind2's weights do not show it" if "num_attention_heads" in assumed else ""
-            raise CheckpointError(f"{heads} heads (num_attention_heads{shown}) do not divide the {q_width} rows of "
-                                  "model.layers.0.self_attn.q_proj.weight; pass --config with the model's "
-                                  "num_attention_heads, or check the checkpoint")
+            raise CheckpointError(
+                f"{heads} heads (num_attention_heads{shown}) do not divide the {q_width} rows of "
+                "model.layers.0.self_attn.q_proj.weight; pass --config with the model's "
+                "num_attention_heads, or check the checkpoint"
+            )
         head_dim = q_width // heads
         fields["num_key_value_heads"] = state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim
         experts = _count(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.")
         if experts:
-            fields.update(use_moe=True, num_experts=experts,
-                          n_shared_experts=_count(state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\."),
-                          moe_intermediate_size=state["model.layers.0.mlp.experts.0.gate_proj.weight"].shape[0])
+            fields.update(
+                use_moe=True,
+                num_experts=experts,
+                n_shared_experts=_count(state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\."),
+                moe_intermediate_size=state["model.layers.0.mlp.experts.0.gate_proj.weight"].shape[0],
+            )
             shared = state.get("model.layers.0.mlp.shared_experts.0.gate_proj.weight")
             fields["intermediate_size"] = shared.shape[0] if shared is not None else fields["moe_intermediate_size"]
             if "num_experts_per_tok" not in base:
@@ -405,8 +481,9 @@ class MiniMindCheckpoints:
         experts = _span(state, r"model\.layers\.0\.mlp\.experts\.(\d+)\.", "model.layers.0.mlp.experts.")
         if config.use_moe and experts[0]:  # a dense config for MoE tensors: the fit check lists the keys
             sizes["num_experts"] = experts
-            sizes["n_shared_experts"] = _span(state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\.",
-                                              "model.layers.0.mlp.shared_experts.")
+            sizes["n_shared_experts"] = _span(
+                state, r"model\.layers\.0\.mlp\.shared_experts\.(\d+)\.", "model.layers.0.mlp.shared_experts."
+            )
         return sizes
 
     @staticmethod
@@ -415,8 +492,10 @@ class MiniMindCheckpoints:
         if getattr(model.config, "tie_word_embeddings", False):
             lm_head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
             if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
-                raise CheckpointError("lm_head.weight and model.embed_tokens.weight differ but the config ties them "
-                                      "(tie_word_embeddings=True); pass a config with tie_word_embeddings false")
+                raise CheckpointError(
+                    "lm_head.weight and model.embed_tokens.weight differ but the config ties them "
+                    "(tie_word_embeddings=True); pass a config with tie_word_embeddings false"
+                )
             shared = lm_head if lm_head is not None else embed
             if shared is not None:
                 state = {**state, "lm_head.weight": shared, "model.embed_tokens.weight": shared}
@@ -427,8 +506,23 @@ class TeachingGPTCheckpoints:
     """The teaching GPT: `token_embed.weight`, `attn_blocks.{i}...`, buffers `pos_idxs` and `...tril`."""
 
     family = "teaching-gpt"
-    ignored = {"device", "amp_dtype", "seed", "compile", "ckpt_dir", "log_dir", "use_wandb", "wandb_project",
-               "dropout", "batch_size", "lr", "learning_rate", "max_iters", "eval_interval", "eval_iters"}
+    ignored = {
+        "device",
+        "amp_dtype",
+        "seed",
+        "compile",
+        "ckpt_dir",
+        "log_dir",
+        "use_wandb",
+        "wandb_project",
+        "dropout",
+        "batch_size",
+        "lr",
+        "learning_rate",
+        "max_iters",
+        "eval_interval",
+        "eval_iters",
+    }
 
     @staticmethod
     def claims(state: dict) -> bool:
@@ -442,17 +536,23 @@ class TeachingGPTCheckpoints:
     @staticmethod
     def infer(state: dict, base: dict) -> tuple[dict, dict]:
         vocab, n_embed = state["token_embed.weight"].shape
-        return {"vocab_size": vocab, "n_embed": n_embed, "context_length": state["position_embed.weight"].shape[0],
-                "n_blocks": _count(state, r"attn_blocks\.(\d+)\."),
-                "n_head": _count(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.")}, {}
+        return {
+            "vocab_size": vocab,
+            "n_embed": n_embed,
+            "context_length": state["position_embed.weight"].shape[0],
+            "n_blocks": _count(state, r"attn_blocks\.(\d+)\."),
+            "n_head": _count(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\."),
+        }, {}
 
     @staticmethod
     def visible_sizes(state: dict, config) -> dict:
         """As MiniMindCheckpoints.visible_sizes: the blocks, the heads, the token and position tables."""
-        return {"n_blocks": _span(state, r"attn_blocks\.(\d+)\.", "attn_blocks."),
-                "n_head": _span(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.", "attn_blocks.0.attn.heads."),
-                **_table_sizes(state, "token_embed.weight", ("vocab_size", "n_embed")),
-                **_table_sizes(state, "position_embed.weight", ("context_length", None))}
+        return {
+            "n_blocks": _span(state, r"attn_blocks\.(\d+)\.", "attn_blocks."),
+            "n_head": _span(state, r"attn_blocks\.0\.attn\.heads\.(\d+)\.", "attn_blocks.0.attn.heads."),
+            **_table_sizes(state, "token_embed.weight", ("vocab_size", "n_embed")),
+            **_table_sizes(state, "position_embed.weight", ("context_length", None)),
+        }
 
     @staticmethod
     def prepare(state: dict, model, report: LoadReport) -> dict:
@@ -462,12 +562,16 @@ class TeachingGPTCheckpoints:
         for key, value in state.items():
             if key == "pos_idxs":
                 if not torch.equal(value.long(), torch.arange(ctx)):
-                    raise CheckpointError(f"buffer pos_idxs is not 0..{ctx - 1} (shape {tuple(value.shape)}); "
-                                          "the checkpoint does not match context_length")
+                    raise CheckpointError(
+                        f"buffer pos_idxs is not 0..{ctx - 1} (shape {tuple(value.shape)}); "
+                        "the checkpoint does not match context_length"
+                    )
             elif key.endswith(".tril"):
                 if tuple(value.shape) != (ctx, ctx) or not torch.equal(value.float(), torch.ones(ctx, ctx).tril()):
-                    raise CheckpointError(f"buffer {key} is not a lower-triangular mask of ones of shape ({ctx}, {ctx}) "
-                                          f"(got {tuple(value.shape)}); the reference cannot reproduce this model")
+                    raise CheckpointError(
+                        f"buffer {key} is not a lower-triangular mask of ones of shape ({ctx}, {ctx}) "
+                        f"(got {tuple(value.shape)}); the reference cannot reproduce this model"
+                    )
             else:
                 kept[key] = value
                 continue
@@ -482,8 +586,10 @@ def _loader_for(state: dict, path):
     for loader in LOADERS:
         if loader.claims(state):
             return loader
-    raise CheckpointError(f"{path}: no known model family has these keys (first: {', '.join(list(state)[:SHOWN])}); "
-                          "export your own decoder with reference.byo instead")
+    raise CheckpointError(
+        f"{path}: no known model family has these keys (first: {', '.join(list(state)[:SHOWN])}); "
+        "export your own decoder with reference.byo instead"
+    )
 
 
 # ---------------------------------------------------------------- fitting tensors to a model
@@ -494,9 +600,11 @@ def _fit_error(path, config, missing, unexpected, misshaped) -> CheckpointError:
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
         if keys:
             parts.append(f"{len(keys)} {label} ({', '.join(keys[:SHOWN])}{', ...' if len(keys) > SHOWN else ''})")
-    return CheckpointError(f"checkpoint {path} does not fit the {family_of(config).name} config: {'; '.join(parts)}; "
-                           "pass the preset or --config that matches the checkpoint, or neither to infer it; a "
-                           "model of another design exports as your own decoder (reference/byo.py)")
+    return CheckpointError(
+        f"checkpoint {path} does not fit the {family_of(config).name} config: {'; '.join(parts)}; "
+        "pass the preset or --config that matches the checkpoint, or neither to infer it; a "
+        "model of another design exports as your own decoder (reference/byo.py)"
+    )
 
 
 _MATCHING_CONFIG = "pass the preset or config that matches the checkpoint, or none to infer it"
@@ -515,13 +623,16 @@ def _check_sizes(path, loader, state: dict, config, source: str) -> None:
     try:
         sizes = loader.visible_sizes(state, config)
     except ValueError as exc:  # a gap in the numbered keys
-        raise CheckpointError(f"{path}: {exc}, so no config fits its tensors; remove the stray keys or restore the "
-                              "missing ones") from None
+        raise CheckpointError(
+            f"{path}: {exc}, so no config fits its tensors; remove the stray keys or restore the missing ones"
+        ) from None
     for name, (held, shown) in sizes.items():
         value = getattr(config, name)
         if value != held:
-            raise CheckpointError(f"{path}: config field {name} is {value} but the checkpoint holds {held} "
-                                  f"({shown}); {_SIZE_FIXES[source].format(held=held)}")
+            raise CheckpointError(
+                f"{path}: config field {name} is {value} but the checkpoint holds {held} "
+                f"({shown}); {_SIZE_FIXES[source].format(held=held)}"
+            )
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -533,26 +644,39 @@ def _check_fit(path, config, model, state: dict) -> None:
     expected = {k: tuple(v.shape) for k, v in model_tensors.items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
-    misshaped = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
-                 for k in expected if k in state and tuple(state[k].shape) != expected[k]]
+    misshaped = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
+        for k in expected
+        if k in state and tuple(state[k].shape) != expected[k]
+    ]
     if missing or unexpected or misshaped:
         raise _fit_error(path, config, missing, unexpected, misshaped)
-    not_float = [f"{k} ({_dtype_name(v)})" for k, v in state.items()
-                 if model_tensors[k].is_floating_point() and not v.is_floating_point()]
+    not_float = [
+        f"{k} ({_dtype_name(v)})"
+        for k, v in state.items()
+        if model_tensors[k].is_floating_point() and not v.is_floating_point()
+    ]
     if not_float:
-        raise CheckpointError(f"{path}: weights stored as integers, which no model of this toolkit holds: "
-                              f"{', '.join(not_float[:SHOWN])}; the file is damaged or quantised — pass the "
-                              "floating-point checkpoint")
+        raise CheckpointError(
+            f"{path}: weights stored as integers, which no model of this toolkit holds: "
+            f"{', '.join(not_float[:SHOWN])}; the file is damaged or quantised — pass the "
+            "floating-point checkpoint"
+        )
 
 
 def _check_arguments(config, config_data) -> None:
     """load_checkpoint's config arguments: at most one of them, config_data a dict."""
     if config_data is not None and not isinstance(config_data, dict):
-        raise ConfigError(f"config_data must be a dict of config fields, got {type(config_data).__name__} "
-                          f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config")
+        raise ConfigError(
+            f"config_data must be a dict of config fields, got {type(config_data).__name__} "
+            f"{str(config_data)[:40]!r}; pass json.loads of the file's text, or a config"
+        )
     if isinstance(config, (str, os.PathLike, dict)):  # a preset's name, a --config file or its fields
-        fix = (f"pass reference.get_preset({config!r}) for a preset" if isinstance(config, str) and config in PRESETS
-               else "pass the fields of a --config file as config_data (json.loads of its text)")
+        fix = (
+            f"pass reference.get_preset({config!r}) for a preset"
+            if isinstance(config, str) and config in PRESETS
+            else "pass the fields of a --config file as config_data (json.loads of its text)"
+        )
         raise ConfigError(f"config must be a preset's config, got {type(config).__name__} {str(config)[:40]!r}; {fix}")
     if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
         raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
@@ -561,8 +685,10 @@ def _check_arguments(config, config_data) -> None:
 def _given_config(path, loader, config):
     """The caller's config, refused when it is of another family than the tensors."""
     if family_of(config).name != loader.family:
-        raise CheckpointError(f"checkpoint {path} holds a {loader.family} model but the given config is "
-                              f"{family_of(config).name}; pass a {loader.family} preset or config, or none")
+        raise CheckpointError(
+            f"checkpoint {path} holds a {loader.family} model but the given config is "
+            f"{family_of(config).name}; pass a {loader.family} preset or config, or none"
+        )
     return config
 
 
@@ -579,14 +705,17 @@ def _built_config(path, loader, state: dict, config_json: dict | None, given_fie
         raise CheckpointError(f"{path}: {exc}") from None
     except (KeyError, IndexError, ValueError, TypeError, ZeroDivisionError) as exc:
         missing = f"no tensor {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
-                              f"({missing}); pass --preset or --config with its sizes, or, if the model is not "
-                              f"a {loader.family} one, export it as your own decoder (reference/byo.py)") from None
+        raise CheckpointError(
+            f"{path}: cannot infer the {loader.family} config from the checkpoint's tensors "
+            f"({missing}); pass --preset or --config with its sizes, or, if the model is not "
+            f"a {loader.family} one, export it as your own decoder (reference/byo.py)"
+        ) from None
     try:
         config = get_family(loader.family).config_class.from_dict({**inferred, **base})
     except ConfigError as exc:
-        raise CheckpointError(f"{path}: no valid config from the checkpoint's shapes and the given fields "
-                              f"({exc})") from None
+        raise CheckpointError(
+            f"{path}: no valid config from the checkpoint's shapes and the given fields ({exc})"
+        ) from None
     return config, assumed
 
 
@@ -599,8 +728,10 @@ def _fitted_state(path, loader, config, state: dict, report: LoadReport) -> dict
             shapes = get_family(loader.family).model_type()(config)
     except (RuntimeError, TypeError, OverflowError, ValueError) as exc:  # a size beyond what a tensor can hold
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
-                              "the preset or --config that matches the checkpoint, or neither to infer it") from None
+        raise CheckpointError(
+            f"{path}: the config's sizes make tensors too large to build ({detail[:200]}); pass "
+            "the preset or --config that matches the checkpoint, or neither to infer it"
+        ) from None
     state = loader.prepare(state, shapes, report)
     _check_fit(path, config, shapes, state)
     return state

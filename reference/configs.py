@@ -28,8 +28,14 @@ class JsonConfig:
 
 
 # What a JSON value may be for each annotation a config field uses; a nested config is read from an object.
-_JSON_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),),
-               "YarnScaling": (dict,)}
+_JSON_TYPES = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "None": (type(None),),
+    "YarnScaling": (dict,),
+}
 
 
 def check_field_types(cls, data: dict, prefix: str = "") -> None:
@@ -59,8 +65,9 @@ def check_token_ids(config, names=("bos_token_id", "eos_token_id"), optional: bo
         if value is None and optional:
             continue
         if not isinstance(value, int) or not 0 <= value < config.vocab_size:
-            raise ConfigError(f"config field {name} ({value!r}) must {'be None or ' if optional else ''}"
-                              f"lie in [0, vocab_size)")
+            raise ConfigError(
+                f"config field {name} ({value!r}) must {'be None or ' if optional else ''}lie in [0, vocab_size)"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,11 +90,15 @@ class DecoderSpec(JsonConfig):
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"config field name must be a non-empty string, got {self.name!r}")
-        check_positive_ints(self, ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size",
-                                   "max_position_embeddings"))
-        check_positive_ints(self, [name for name in ("num_attention_heads", "hidden_size")
-                                   if getattr(self, name) is not None])
+        check_positive_ints(
+            self, ("num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+        )
+        check_positive_ints(
+            self, [name for name in ("num_attention_heads", "hidden_size") if getattr(self, name) is not None]
+        )
         if self.num_attention_heads is not None and self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config field num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                              f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"config field num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
         check_token_ids(self)

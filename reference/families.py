@@ -47,8 +47,9 @@ class Family:
     def model_type(self) -> type:
         """The family's nn.Module class (imports torch)."""
         if self.model_class is None:
-            raise ConfigError(f"family {self.name!r} has no model the toolkit can build; "
-                              "pass your own model (see reference/byo.py)")
+            raise ConfigError(
+                f"family {self.name!r} has no model the toolkit can build; pass your own model (see reference/byo.py)"
+            )
         module, name = self.model_class.split(":")
         return getattr(importlib.import_module(module), name)
 
@@ -57,8 +58,9 @@ class Family:
         (a subclass's extra fields would be refused as unknown when the artifact is read)."""
         if type(config) is self.config_class:
             return config
-        return self.config_class(**{field.name: getattr(config, field.name)
-                                    for field in dataclasses.fields(self.config_class)})
+        return self.config_class(
+            **{field.name: getattr(config, field.name) for field in dataclasses.fields(self.config_class)}
+        )
 
     def build(self, config, seed: int = 0):
         """A model with seeded weights, in eval mode."""
@@ -67,11 +69,14 @@ class Family:
         return seeded_init_(self.model_type()(config), seed).eval()
 
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (
-    Family("minimind", MiniMindConfig, "reference.minimind:MiniMindForCausalLM"),
-    Family("teaching-gpt", TeachingGPTConfig, "reference.teaching_gpt:TeachingGPT"),
-    Family("custom", DecoderSpec, None),
-)}
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family("minimind", MiniMindConfig, "reference.minimind:MiniMindForCausalLM"),
+        Family("teaching-gpt", TeachingGPTConfig, "reference.teaching_gpt:TeachingGPT"),
+        Family("custom", DecoderSpec, None),
+    )
+}
 
 
 def get_family(name: str) -> Family:
@@ -85,8 +90,10 @@ def family_of(config) -> Family:
     for family in FAMILIES.values():
         if isinstance(config, family.config_class):  # a subclass too: a user's DecoderSpec with methods
             return family
-    raise ConfigError(f"{type(config).__name__} is not the config of a known family ({', '.join(FAMILIES)}); "
-                      "describe your own decoder with reference.byo.DecoderSpec")
+    raise ConfigError(
+        f"{type(config).__name__} is not the config of a known family ({', '.join(FAMILIES)}); "
+        "describe your own decoder with reference.byo.DecoderSpec"
+    )
 
 
 def config_from_dict(family: str, data: dict):

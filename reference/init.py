@@ -30,8 +30,11 @@ def seeded_init_(model: nn.Module, seed: int = 0, std: float = DEFAULT_STD) -> n
     """Norm weights (1-D weights named *norm*, or of a LayerNorm) are ones; every other tensor
     (LayerNorm and Linear biases included) is uniform with the given std."""
     half_width = std * math.sqrt(3.0)
-    layer_norms = {f"{name}.weight" if name else "weight" for name, module in model.named_modules()
-                   if isinstance(module, nn.LayerNorm)}
+    layer_norms = {
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.LayerNorm)
+    }
     for name, param in model.named_parameters():  # tied parameters are yielded once
         if param.ndim == 1 and name.endswith("weight") and ("norm" in name or name in layer_norms):
             param.fill_(1.0)

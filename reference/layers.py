@@ -48,8 +48,10 @@ def check_length(input_ids, past_key_values, limit: int, field: str) -> None:
     # A shape check, not a tensor-value branch; skipped while exporting, where the
     # runtime checks lengths before running.
     if not torch.compiler.is_exporting() and total > limit:
-        raise ContextLengthError(f"sequence of {total} tokens (past {past_len} + new {input_ids.shape[1]}) "
-                                 f"exceeds {field} {limit}; shorten the prompt or the generation")
+        raise ContextLengthError(
+            f"sequence of {total} tokens (past {past_len} + new {input_ids.shape[1]}) "
+            f"exceeds {field} {limit}; shorten the prompt or the generation"
+        )
 
 
 def negative_past_the_table(indices, table_size: int):

@@ -38,6 +38,7 @@ from torch import nn
 from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
 from reference.minimind_config import MiniMindConfig
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, cast_before_weight: bool = False):
         super().__init__()
@@ -112,8 +113,9 @@ class Attention(nn.Module):
         if cfg.version == 3:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, present = attend(q, k, v, past_key_value, attention_mask, cfg.attn_implementation,
-                              cfg.dropout if self.training else 0.0)
+        out, present = attend(
+            q, k, v, past_key_value, attention_mask, cfg.attn_implementation, cfg.dropout if self.training else 0.0
+        )
         return self.dropout(self.o_proj(out)), present
 
 
@@ -159,7 +161,7 @@ def dense_dispatch(x, experts, weight, idx):
     for e, expert in enumerate(experts):
         # An expert a token did not choose contributes an exact zero, even where its output overflowed
         # (float16): multiplied by the zero weight, inf would become NaN.
-        y = y + torch.where(dense[:, e:e + 1] != 0, expert(x) * dense[:, e:e + 1], 0)
+        y = y + torch.where(dense[:, e : e + 1] != 0, expert(x) * dense[:, e : e + 1], 0)
     return y
 
 
@@ -187,8 +189,9 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.config = config
         self.gate = Router(config)
-        self.experts = nn.ModuleList([FeedForward(config, config.moe_intermediate_size)
-                                      for _ in range(config.num_experts)])
+        self.experts = nn.ModuleList(
+            [FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts)]
+        )
         if config.n_shared_experts:
             self.shared_experts = nn.ModuleList([FeedForward(config) for _ in range(config.n_shared_experts)])
 
@@ -213,8 +216,11 @@ class MoEFeedForward(nn.Module):
             load = hits.mean(0) if cfg.version == 3 else hits.reshape(-1, e).mean(0)
             return (load * scores.float().mean(0)).sum() * e * coef
         per_seq = idx.view(batch, -1)  # (B, T*k)
-        load = torch.zeros(batch, e, device=scores.device).scatter_add_(
-            1, per_seq, torch.ones(per_seq.shape, device=scores.device)).div_(per_seq.shape[1] / e)
+        load = (
+            torch.zeros(batch, e, device=scores.device)
+            .scatter_add_(1, per_seq, torch.ones(per_seq.shape, device=scores.device))
+            .div_(per_seq.shape[1] / e)
+        )
         return (load * scores.float().view(batch, -1, e).mean(1)).sum(1).mean() * coef
 
 
@@ -273,8 +279,16 @@ class MiniMindForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.weight = self.lm_head.weight
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, labels=None, position_ids=None) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=0,
+        labels=None,
+        position_ids=None,
+    ) -> CausalLMOutput:
         hidden, presents, aux_loss = self.model(input_ids, attention_mask, past_key_values, position_ids)
         logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # -0 keeps every position
         loss = shifted_cross_entropy(logits, labels) if labels is not None else None

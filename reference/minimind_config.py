@@ -85,35 +85,59 @@ class MiniMindConfig(JsonConfig):
         self._validate()
 
     def _validate(self):
-        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "intermediate_size", "max_position_embeddings",
-                                   "num_experts", "num_experts_per_tok", "moe_intermediate_size"))
+        check_positive_ints(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+            ),
+        )
         if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
             raise ConfigError(f"config field n_shared_experts must be an integer >= 0, got {self.n_shared_experts!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"config field hidden_size ({self.hidden_size}) must be divisible by "
-                              f"num_attention_heads ({self.num_attention_heads})")
+            raise ConfigError(
+                f"config field hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config field num_attention_heads ({self.num_attention_heads}) must be divisible "
-                              f"by num_key_value_heads ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"config field num_attention_heads ({self.num_attention_heads}) must be divisible "
+                f"by num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim (hidden_size / num_attention_heads = {self.head_dim}) must be even for RoPE")
         if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
-                              f"num_experts ({self.num_experts})")
+            raise ConfigError(
+                f"config field num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
+                f"num_experts ({self.num_experts})"
+            )
         for name in ("rms_norm_eps", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"config field {name} must be positive and finite, got {getattr(self, name)!r}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"config field dropout must lie in [0, 1), got {self.dropout!r}")
         if not 0 <= self.router_aux_loss_coef < math.inf:
-            raise ConfigError(f"config field router_aux_loss_coef must be finite and >= 0, "
-                              f"got {self.router_aux_loss_coef!r}")
+            raise ConfigError(
+                f"config field router_aux_loss_coef must be finite and >= 0, got {self.router_aux_loss_coef!r}"
+            )
         if self.rope_scaling is not None and not self.inference_rope_scaling:
-            raise ConfigError("config field rope_scaling is set but inference_rope_scaling is False; "
-                              "set inference_rope_scaling=True to apply it, or drop rope_scaling")
-        choices = {"hidden_act": ("silu",), "attn_implementation": ATTENTION_IMPLEMENTATIONS,
-                   "moe_implementation": MOE_IMPLEMENTATIONS}
+            raise ConfigError(
+                "config field rope_scaling is set but inference_rope_scaling is False; "
+                "set inference_rope_scaling=True to apply it, or drop rope_scaling"
+            )
+        choices = {
+            "hidden_act": ("silu",),
+            "attn_implementation": ATTENTION_IMPLEMENTATIONS,
+            "moe_implementation": MOE_IMPLEMENTATIONS,
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"config field {name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -129,12 +153,15 @@ def _yarn_from_dict(data: dict) -> YarnScaling:
     kind = data.get("type", data.get("rope_type", "yarn"))
     unknown = sorted(set(data) - fields - {"type", "rope_type"})
     if kind != "yarn" or unknown:
-        raise ConfigError(f"config field rope_scaling must describe YaRN with fields {sorted(fields)}; "
-                          f"got type {kind!r} and unknown fields {unknown}")
+        raise ConfigError(
+            f"config field rope_scaling must describe YaRN with fields {sorted(fields)}; "
+            f"got type {kind!r} and unknown fields {unknown}"
+        )
     check_field_types(YarnScaling, data, prefix="rope_scaling.")
     scaling = YarnScaling(**{k: v for k, v in data.items() if k in fields})
     for name in fields:
         if not 0 < getattr(scaling, name) < math.inf:
-            raise ConfigError(f"config field rope_scaling.{name} must be positive and finite, "
-                              f"got {getattr(scaling, name)!r}")
+            raise ConfigError(
+                f"config field rope_scaling.{name} must be positive and finite, got {getattr(scaling, name)!r}"
+            )
     return scaling

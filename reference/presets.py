@@ -18,7 +18,9 @@ PRESETS: dict = {
     "minimind-3-moe": MiniMindConfig(use_moe=True),  # 198,416,640: 4 experts, top-1
     "minimind2-small": MiniMindConfig(version=2, hidden_size=512),  # 25,829,888
     "minimind2": MiniMindConfig(version=2, hidden_size=768, num_hidden_layers=16),  # 104,030,976
-    "minimind2-moe": MiniMindConfig(version=2, hidden_size=640, use_moe=True),  # 145,029,760: 4 routed + 1 shared, top-2
+    "minimind2-moe": MiniMindConfig(
+        version=2, hidden_size=640, use_moe=True
+    ),  # 145,029,760: 4 routed + 1 shared, top-2
     # The teaching GPT of seed 003: its smoke config (13,356,928) and its default (configs/base.json).
     "teaching-gpt-smoke": TeachingGPTConfig(n_embed=128, n_head=4, n_blocks=2, context_length=256),
     "teaching-gpt": TeachingGPTConfig(),
@@ -27,9 +29,12 @@ PRESETS: dict = {
     "minimind-3-moe-tiny": MiniMindConfig(num_key_value_heads=2, use_moe=True, **_TINY),
     "minimind2-tiny": MiniMindConfig(version=2, **_TINY),
     "minimind2-moe-tiny": MiniMindConfig(version=2, use_moe=True, **_TINY),
-    "minimind-3-yarn-tiny": MiniMindConfig(num_key_value_heads=2, inference_rope_scaling=True,
-                                           rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16),
-                                           **_TINY),
+    "minimind-3-yarn-tiny": MiniMindConfig(
+        num_key_value_heads=2,
+        inference_rope_scaling=True,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16),
+        **_TINY,
+    ),
     "teaching-gpt-tiny": TeachingGPTConfig(vocab_size=512, n_embed=64, n_head=4, n_blocks=2, context_length=64),
 }
 

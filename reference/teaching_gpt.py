@@ -26,8 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from reference.layers import (CausalLMOutput, attend, check_length, default_position_ids, negative_past_the_table,
-                              shifted_cross_entropy)
+from reference.layers import (
+    CausalLMOutput,
+    attend,
+    check_length,
+    default_position_ids,
+    negative_past_the_table,
+    shifted_cross_entropy,
+)
 from reference.teaching_gpt_config import TeachingGPTConfig
 
 
@@ -94,8 +100,16 @@ class TeachingGPT(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.n_embed)
         self.lm_head = nn.Linear(cfg.n_embed, cfg.vocab_size)
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                logits_to_keep=0, labels=None, position_ids=None) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        past_key_values=None,
+        use_cache=False,
+        logits_to_keep=0,
+        labels=None,
+        position_ids=None,
+    ) -> CausalLMOutput:
         # Past the position table; in an export ONNX Gather refuses such an index instead.
         check_length(input_ids, past_key_values, self.config.context_length, "context_length")
         if position_ids is None:
@@ -109,4 +123,3 @@ class TeachingGPT(nn.Module):
         logits = self.lm_head(self.layer_norm(x)[:, -logits_to_keep:, :])
         loss = shifted_cross_entropy(logits, labels) if labels is not None else None
         return CausalLMOutput(logits, presents if use_cache else None, loss, logits.new_zeros((), dtype=torch.float32))
-

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from exporter.export import export_artifact
+from exporter.export.pipeline import export_artifact
 from reference import build_model, get_preset
 
 TINY = "minimind-3-tiny"
@@ -52,12 +52,13 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     syllables = ["ka", "lo", "mi", "ne", "ru", "to", "sa", "vi", "de", "po", "gu", "fe"]
     words = ["".join(p) for p in itertools.product(syllables, repeat=2)]
     words += ["".join(p) for p in itertools.product(syllables[:8], repeat=3)]
-    corpus = [" ".join(words[i:i + 12]) for i in range(0, len(words), 12)] * 3
+    corpus = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)] * 3
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                                              show_progress=False))
+    tokenizer.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    )
     return tokenizer
 
 
@@ -73,8 +74,9 @@ def tiny_tokenizer(tmp_path_factory, tiny_config):
 
 def _export(tmp_path_factory, model, dtype, tokenizer=None):
     folder = tmp_path_factory.mktemp(f"artifact-{dtype}") / TINY
-    export_artifact(model, folder, dtype=dtype, source={"kind": "seeded", "preset": TINY, "seed": 0},
-                    tokenizer=tokenizer)
+    export_artifact(
+        model, folder, dtype=dtype, source={"kind": "seeded", "preset": TINY, "seed": 0}, tokenizer=tokenizer
+    )
     return folder
 
 
@@ -91,15 +93,17 @@ def artifact_fp16(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="module")
 def runner(artifact_fp32):
     """The fp32 artifact in ONNX Runtime, shared by a module's tests: decode.onnx through the C library."""
-    from exporter.runtime import OrtRunner
+    from exporter.runtime.runner import OrtRunner
+
     return OrtRunner(artifact_fp32)
 
 
 @pytest.fixture(scope="module")
 def binding_runner(artifact_fp32):
     """The same, with decode.onnx through onnxruntime's Python binding (the CUDA path, run on the CPU)."""
-    from exporter.runtime import OrtRunner
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.runner import OrtRunner
+    from exporter.runtime.sessions import SessionSettings
+
     return OrtRunner(artifact_fp32, settings=SessionSettings(native_decode=False))
 
 
@@ -115,19 +119,23 @@ def full(artifact_fp32, tiny_model, tmp_path_factory):
     golden bundle and report tests: none may change it (the report tests alter copies made by dataclasses.replace)."""
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
+
     bundle = tmp_path_factory.mktemp("golden")
-    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], ParitySettings(probe=True), genai=False,
-                             golden_save=bundle)
+    report = verify_artifact(
+        artifact_fp32, tiny_model, ["cpu"], ParitySettings(probe=True), genai=False, golden_save=bundle
+    )
     return report, bundle
 
 
 # ---------------------------------------------------------------- one export per family / variant
 # Each costs one dynamo export (~30-45 s on 2 cores); every test of that family shares it.
 
+
 def _load_example(name: str):
     """A module from examples/ (not an installed package)."""
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -144,10 +152,15 @@ def _moe3_yarn_model(dispatch: str):
     """minimind-3 MoE (4 experts, top-1) with YaRN on (original max 16 positions), so that one export proves
     both the MoE graph and rope scaling beyond the original window."""
     import dataclasses
+
     from reference import YarnScaling
-    config = dataclasses.replace(get_preset("minimind-3-moe-tiny"), moe_implementation=dispatch,
-                                 inference_rope_scaling=True,
-                                 rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16))
+
+    config = dataclasses.replace(
+        get_preset("minimind-3-moe-tiny"),
+        moe_implementation=dispatch,
+        inference_rope_scaling=True,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16),
+    )
     return build_model(config, seed=0)
 
 
@@ -155,6 +168,7 @@ def _moe3_yarn_model(dispatch: str):
 # with the dense one in float32 and the sparse one in float16. The sparse float16 graph is the one that once
 # needed a kernel ONNX Runtime's CPU provider lacks (moe3_artifact_fp16), and the float16 tests' router
 # near-ties were measured on it.
+
 
 @pytest.fixture(scope="session")
 def moe3_model():
@@ -228,6 +242,7 @@ def byo_artifact(tmp_path_factory, byo_adapter):
 def minimind2_checkpoint(tmp_path_factory):
     """A MiniMind2 (dense) checkpoint as users hold them: a float16 .pth state dict without a config."""
     import torch
+
     model = build_model(get_preset("minimind2-tiny"), seed=0)
     path = tmp_path_factory.mktemp("ckpt") / "full_sft_64.pth"
     torch.save({k: v.half() for k, v in model.state_dict().items()}, path)
@@ -238,12 +253,27 @@ def minimind2_checkpoint(tmp_path_factory):
 def minimind2_artifact(tmp_path_factory, minimind2_checkpoint):
     """MiniMind2 dense, exported through the CLI from the float16 .pth with --config for what shapes cannot show."""
     import json
+
     from click.testing import CliRunner
+
     from exporter.cli import main
+
     folder = tmp_path_factory.mktemp("minimind2") / "minimind2-tiny"
     config = folder.parent / "config.json"
     config.write_text(json.dumps({"num_attention_heads": 4, "max_position_embeddings": 256}))
-    result = CliRunner().invoke(main, ["export", "--checkpoint", str(minimind2_checkpoint), "--config", str(config),
-                                       "-o", str(folder), "-q", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--checkpoint",
+            str(minimind2_checkpoint),
+            "--config",
+            str(config),
+            "-o",
+            str(folder),
+            "-q",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return folder

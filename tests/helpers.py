@@ -12,14 +12,13 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from exporter.manifest import read_manifest, sha256_file
-from exporter.parity import TOLERANCES, compare
-from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter import TOLERANCES, compare
+from exporter.artifact.manifest import read_manifest, sha256_file
+from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import ParitySettings
-from exporter.verify.probe import module_of
+from exporter.verify.references.torch_runner import TorchRunner
 from reference.minimind import RMSNorm
-
 
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
 CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
@@ -31,7 +30,9 @@ QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
 def run_cli(*args):
     """export-onnx in this process (click's test runner), every argument as a string."""
     from click.testing import CliRunner
+
     from exporter.cli import main
+
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
@@ -55,6 +56,7 @@ def swapped_in_first(function, folder: Path):
             os.rename(folder, folder.with_name(folder.name + ".old"))
             os.rename(new, folder)
         return function(*args, **kwargs)
+
     return swap_then_call
 
 
@@ -79,8 +81,13 @@ def perturb_weight(folder: Path, module: str, delta: float) -> str:
     node = next(n for n in graph.node if n.op_type in ("MatMul", "Gemm") and module_of(n) == module)
     name = node.input[1]
     entry = next(e for e in manifest.initializers["prefill.onnx"] if e["name"] == name)
-    weights = np.memmap(folder / manifest.weights_file, dtype=entry["dtype"], mode="r+", offset=entry["offset"],
-                        shape=tuple(entry["shape"]))
+    weights = np.memmap(
+        folder / manifest.weights_file,
+        dtype=entry["dtype"],
+        mode="r+",
+        offset=entry["offset"],
+        shape=tuple(entry["shape"]),
+    )
     weights += delta
     weights.flush()
     digest = sha256_file(folder / manifest.weights_file)
@@ -132,14 +139,19 @@ def padded_batch_logits(model, vocab: int, pad: int):
     mask = torch.ones_like(batch)
     mask[0, :pad] = 0
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    return (model(batch, attention_mask=mask, position_ids=positions).logits,
-            model(batch, attention_mask=mask).logits, model(short).logits[0], model(full).logits[0])
+    return (
+        model(batch, attention_mask=mask, position_ids=positions).logits,
+        model(batch, attention_mask=mask).logits,
+        model(short).logits[0],
+        model(full).logits[0],
+    )
 
 
 def assert_close(actual, expected, atol, rtol=0.0):
     diff = (actual.double() - expected.double()).abs()
     assert torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol), (
-        f"max abs diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}")
+        f"max abs diff {diff.max().item():.3g}, mean {diff.mean().item():.3g}"
+    )
 
 
 @torch.no_grad()
@@ -150,7 +162,7 @@ def assert_cached_decoding_equals_full_forward(model, ids, kv_shape, chunkings=N
     for chunks in chunkings or ([1] * length, [5, 1, 3, length - 9]):
         past, logits, start = None, [], 0
         for size in chunks:
-            out = model(ids[:, start:start + size], past_key_values=past, use_cache=True)
+            out = model(ids[:, start : start + size], past_key_values=past, use_cache=True)
             past, start = out.past_key_values, start + size
             logits.append(out.logits)
         assert_close(torch.cat(logits, 1), full.logits, atol=1e-5)
@@ -171,11 +183,21 @@ def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: 
     feeds = onnx.empty_past(batch)
     if past:
         prompt = rng.integers(0, vocab, (batch, past), dtype=np.int64)
-        feeds = presents_as_past(manifest, reference.prefill({
-            "input_ids": prompt, "attention_mask": mask[:, :past],
-            "position_ids": position_ids_from_mask(mask[:, :past])}))
-    feeds.update(input_ids=rng.integers(0, vocab, (batch, length), dtype=np.int64), attention_mask=mask,
-                 position_ids=position_ids_from_mask(mask, past))
+        feeds = presents_as_past(
+            manifest,
+            reference.prefill(
+                {
+                    "input_ids": prompt,
+                    "attention_mask": mask[:, :past],
+                    "position_ids": position_ids_from_mask(mask[:, :past]),
+                }
+            ),
+        )
+    feeds.update(
+        input_ids=rng.integers(0, vocab, (batch, length), dtype=np.int64),
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask, past),
+    )
     expected, actual = reference.decode(feeds), onnx.decode(feeds)
     for name, value in expected.items():
         assert actual[name].shape == value.shape, name

@@ -18,9 +18,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from exporter.sessions import cuda_unusable
 from helpers import edit_manifest
+
+from exporter.runtime.sessions import cuda_unusable
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
 
@@ -43,12 +43,16 @@ def test_ratios_are_medians_of_same_round_ratios_with_their_quartiles(benchmark)
 
 def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
-    for args, fragment in ((["--rounds", "0"], "--rounds: must be 1 or more, got 0"),
-                           (["--threads", "-1"], "--threads: must be 0 or more, got -1"),
-                           # onnxruntime's bound: refused here, not by a worker's traceback and exit 1
-                           (["--threads", "1025"], "--threads: must be 1024 or less, got 1025")):
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+
+    for args, fragment in (
+        (["--rounds", "0"], "--rounds: must be 1 or more, got 0"),
+        (["--threads", "-1"], "--threads: must be 0 or more, got -1"),
+        # onnxruntime's bound: refused here, not by a worker's traceback and exit 1
+        (["--threads", "1025"], "--threads: must be 1024 or less, got 1025"),
+    ):
         out = run(*args)
         assert out.returncode == 2 and fragment in out.stderr, out.stderr[-2000:]
         out = run(*args, "--json")  # a usage error is a JSON object too
@@ -56,9 +60,13 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
         assert out.returncode == 2 and error["kind"] == "usage" and fragment.split(": ", 1)[1] in error["message"]
     out = run("--artifact", tmp_path / "typo", "--json")  # a typo is not exported to: only the default folder is
     assert out.returncode == 2 and not (tmp_path / "typo").exists(), out.stderr[-2000:]
-    assert json.loads(out.stdout) == {"error": {"kind": "input",
-                                                "message": f"{tmp_path / 'typo'} does not exist; pass an artifact "
-                                                           "folder written by 'export-onnx export'"}, "exit_code": 2}
+    assert json.loads(out.stdout) == {
+        "error": {
+            "kind": "input",
+            "message": f"{tmp_path / 'typo'} does not exist; pass an artifact folder written by 'export-onnx export'",
+        },
+        "exit_code": 2,
+    }
     if cuda_unusable() is not None:  # a CUDA the benchmark cannot use is refused in one line, not by a worker
         out = run("--artifact", tmp_path / "typo", "--provider", "cuda")
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
@@ -66,8 +74,12 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
 
 
 def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     for side in ("onnxruntime", "pytorch"):
@@ -97,15 +109,18 @@ def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
 
 def test_the_floor_is_flagged_where_a_step_reads_only_some_weights(benchmark):
     from reference import get_preset
+
     assert "not a lower bound" in benchmark.floor_note(get_preset("minimind-3-moe-tiny"))
     assert benchmark.floor_note(get_preset("minimind-3-tiny")) is None
     assert benchmark.floor_note(get_preset("teaching-gpt-tiny")) is None
 
 
-def test_a_model_without_room_for_the_decode_run_is_refused_before_any_worker_starts(benchmark, artifact_fp32,
-                                                                                     monkeypatch):
+def test_a_model_without_room_for_the_decode_run_is_refused_before_any_worker_starts(
+    benchmark, artifact_fp32, monkeypatch
+):
     # teaching-gpt-tiny (64 positions) failed in every worker's warm-up, with tracebacks and exit 1.
     from exporter.errors import InputError
+
     monkeypatch.setattr(benchmark, "DECODE_STEPS", 300)  # the tiny model has 256 positions
     with pytest.raises(InputError, match="the decode run needs 317 positions .* the model has 256"):
         benchmark.ensure_artifact(artifact_fp32)
@@ -115,44 +130,59 @@ def test_pytorch_runs_in_the_artifacts_precision(benchmark, artifact_fp16, monke
     import torch
 
     import reference
+
     original, built = reference.build_model, []
 
     def build_model(*args):
         built.append(original(*args))
         return built[-1]
+
     monkeypatch.setattr(reference, "build_model", build_model)
     benchmark.torch_tasks(artifact_fp16, 0, "cpu")  # 0: torch's threads untouched for later tests
     assert next(built[0].parameters()).dtype == torch.float16
 
 
 def test_an_artifact_whose_reference_cannot_be_rebuilt_is_refused_before_any_worker_starts(
-        byo_artifact, minimind2_artifact, tmp_path):
+    byo_artifact, minimind2_artifact, tmp_path
+):
     # A bring-your-own artifact started every worker, then printed the PyTorch worker's traceback and exited 1.
     gone = shutil.copytree(minimind2_artifact, tmp_path / "gone")
     edit_manifest(gone, lambda m: m["model"]["source"].update(path=str(tmp_path / "moved.pth")))
     # It named verify's --golden DIR as the way out, an option the benchmark does not have.
-    for folder, fragment in ((byo_artifact, "the weights came from a custom source this toolkit cannot rebuild; "
-                                            "benchmark an artifact export-onnx exported"),
-                             (gone, f"its checkpoint {tmp_path / 'moved.pth'} is gone; restore it or re-export")):
-        out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(folder), "--rounds", "1", "--json"],
-                             capture_output=True, text=True, timeout=300)
+    for folder, fragment in (
+        (
+            byo_artifact,
+            "the weights came from a custom source this toolkit cannot rebuild; "
+            "benchmark an artifact export-onnx exported",
+        ),
+        (gone, f"its checkpoint {tmp_path / 'moved.pth'} is gone; restore it or re-export"),
+    ):
+        out = subprocess.run(
+            [sys.executable, str(SCRIPT), "--artifact", str(folder), "--rounds", "1", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr[-2000:]
         assert "--golden" not in out.stderr
         error = json.loads(out.stdout)
         assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and fragment in error["error"]["message"]
 
 
-def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(benchmark, minimind2_artifact,
-                                                                  minimind2_checkpoint, monkeypatch):
+def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(
+    benchmark, minimind2_artifact, minimind2_checkpoint, monkeypatch
+):
     # It timed seeded random weights instead, whatever the artifact's source.
     import torch
 
     import reference.checkpoints
+
     original, loaded = reference.checkpoints.load_checkpoint, []
 
     def load_checkpoint(*args, **kwargs):
         loaded.append(original(*args, **kwargs))
         return loaded[-1]
+
     monkeypatch.setattr(reference.checkpoints, "load_checkpoint", load_checkpoint)
     benchmark.torch_tasks(minimind2_artifact, 0, "cpu")
     assert len(loaded) == 1
@@ -164,11 +194,15 @@ def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(benchmark, mi
 def test_an_interrupt_stops_the_workers_quietly_and_says_so_in_one_line(artifact_fp32):
     # Ctrl-C reaches the whole process group: it gave one KeyboardInterrupt traceback per worker, nothing on
     # stdout under --json, and exit -2.
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "50",
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            # as at a terminal, were pytest started with `&`: Python keeps an ignored SIGINT ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "50", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # as at a terminal, were pytest started with `&`: Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     deadline = time.monotonic() + 120
     while len(workers := children.read_text().split()) < 3 and time.monotonic() < deadline:
@@ -178,38 +212,43 @@ def test_an_interrupt_stops_the_workers_quietly_and_says_so_in_one_line(artifact
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130 and stderr.splitlines() == ["interrupted (SIGINT)"], stderr[-2000:]
-    assert json.loads(stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
-                                  "exit_code": 130}
+    assert json.loads(stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"}, "exit_code": 130}
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # stopped, not left behind
 
 
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
 def test_genai_gets_the_thread_count_of_every_side(benchmark, artifact_fp32, monkeypatch):
-    import exporter.genai
-    from exporter.genai import GenaiGenerator
+    import exporter.runtime.genai
+    from exporter.runtime.genai import GenaiGenerator
+
     asked = []
 
     class Recording(GenaiGenerator):
         def __init__(self, folder, manifest=None, threads=0):
             asked.append(threads)
             super().__init__(folder, manifest, threads)
-    monkeypatch.setattr(exporter.genai, "GenaiGenerator", Recording)
+
+    monkeypatch.setattr(exporter.runtime.genai, "GenaiGenerator", Recording)
     benchmark.genai_tasks(artifact_fp32, 1)
     assert asked == [1]
     # The overlay is one onnxruntime-genai accepts, and the model generates as with the file's own count.
     assert GenaiGenerator(artifact_fp32, threads=1).greedy([5, 6, 7], 4) == GenaiGenerator(artifact_fp32).greedy(
-        [5, 6, 7], 4)
+        [5, 6, 7], 4
+    )
 
 
 def test_every_ratio_is_taken_in_its_stated_direction(benchmark):
     # One round of made-up figures: each ratio > 1 means ours is better (faster, smaller); the floor
     # ratio is our decode step over the floor's step.
-    figures = {"onnxruntime": {"prefill 128": [100.0], "decode": [60.0]},
-               "pytorch": {"prefill 128": [150.0], "decode": [30.0]},
-               "genai": {"prefill 128": [120.0], "decode": [50.0]},
-               "bandwidth": {"bandwidth": [10.0]}}
-    report = benchmark.summarise(figures, {"onnxruntime": 200.0, "pytorch": 300.0, "genai": 400.0, "bandwidth": 1.0},
-                                 150_000_000)
+    figures = {
+        "onnxruntime": {"prefill 128": [100.0], "decode": [60.0]},
+        "pytorch": {"prefill 128": [150.0], "decode": [30.0]},
+        "genai": {"prefill 128": [120.0], "decode": [50.0]},
+        "bandwidth": {"bandwidth": [10.0]},
+    }
+    report = benchmark.summarise(
+        figures, {"onnxruntime": 200.0, "pytorch": 300.0, "genai": 400.0, "bandwidth": 1.0}, 150_000_000
+    )
     ratios = report["ratios"]
     assert report["floor"]["floor_step_ms"] == pytest.approx(15.0)  # 150 MB at 10 GB/s
     assert ratios["decode_step_to_floor"] == pytest.approx((1000 / 60) / 15.0)
@@ -220,8 +259,13 @@ def test_every_ratio_is_taken_in_its_stated_direction(benchmark):
 def test_a_usage_error_is_one_line_and_json_under_an_abbreviated_flag(tmp_path):
     # argparse printed its usage too (three lines, where the CLI prints one), and took --js for --json on a
     # success but printed no JSON object for a usage error under it.
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--js"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rounds", "0", "--js"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert out.stderr.startswith("error: argument --rounds: must be 1 or more, got 0 (see ")
     error = json.loads(out.stdout)["error"]
@@ -233,6 +277,7 @@ def test_an_interrupt_before_any_worker_starts_is_one_line_too(benchmark, monkey
     # JSON error then imported onnx again, half imported, for a RecursionError traceback.
     def interrupted():
         raise KeyboardInterrupt
+
     monkeypatch.setattr(benchmark, "run", interrupted)
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--json"])
     for name in ("onnx", "numpy", "exporter.verify.reports"):
@@ -256,10 +301,12 @@ def test_an_interrupt_during_a_one_shot_worker_stops_it_and_waits_for_it(benchma
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self.pid)
+
     monkeypatch.setattr(subprocess, "Popen", Recording)
 
     def interrupt(*_):
         raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 1.0)
     try:
@@ -276,10 +323,16 @@ def test_a_folder_that_is_no_artifact_or_a_damaged_one_is_refused_before_any_wor
     damaged = shutil.copytree(artifact_fp32, tmp_path / "damaged")
     weights = damaged / "weights.onnx.data"
     weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\1")
-    for folder, fragment in ((tmp_path / "notes", "has no manifest.json; it is not an artifact folder"),
-                             (damaged, "sha256 of weights.onnx.data does not match the manifest")):
-        out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(folder), "--json"],
-                             capture_output=True, text=True, timeout=120)
+    for folder, fragment in (
+        (tmp_path / "notes", "has no manifest.json; it is not an artifact folder"),
+        (damaged, "sha256 of weights.onnx.data does not match the manifest"),
+    ):
+        out = subprocess.run(
+            [sys.executable, str(SCRIPT), "--artifact", str(folder), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr[-2000:]
         error = json.loads(out.stdout)
         assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and fragment in error["error"]["message"]
@@ -289,16 +342,27 @@ def test_a_worker_that_fails_stops_the_others_and_exits_1(artifact_fp32, tmp_pat
     # The PyTorch worker fails as it starts (a sitecustomize that only it runs into); README: exit 1, its error
     # on stderr, the other workers stopped, and under --json the error object with kind "worker".
     (tmp_path / "sitecustomize.py").write_text(
-        "import sys\nif sys.argv[1:3] == ['--worker', 'torch']:\n    raise SystemExit('torch worker broken')\n")
+        "import sys\nif sys.argv[1:3] == ['--worker', 'torch']:\n    raise SystemExit('torch worker broken')\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    out = subprocess.run([sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "1", "--json"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 1 and "torch worker broken" in out.stderr, out.stderr[-2000:]
     assert out.stderr.endswith("error: benchmark worker pytorch failed to start (its error is above)\n")
-    assert json.loads(out.stdout) == {"error": {"kind": "worker", "message": "benchmark worker pytorch failed to "
-                                                "start (its error is above)"}, "exit_code": 1}
-    left = [cmdline for cmdline in Path("/proc").glob("[0-9]*/cmdline")
-            if str(artifact_fp32).encode() in _read(cmdline) and b"--worker" in _read(cmdline)]
+    assert json.loads(out.stdout) == {
+        "error": {"kind": "worker", "message": "benchmark worker pytorch failed to start (its error is above)"},
+        "exit_code": 1,
+    }
+    left = [
+        cmdline
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline")
+        if str(artifact_fp32).encode() in _read(cmdline) and b"--worker" in _read(cmdline)
+    ]
     assert not left
 
 
@@ -311,14 +375,23 @@ def _read(path: Path) -> bytes:
 
 def _made_up_report(benchmark, rounds: int) -> dict:
     """A report as measure() builds it, from one round of made-up figures (no worker runs)."""
-    figures = {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
-               "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}}
+    figures = {
+        "onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+        "pytorch": {"prefill 128": [3.0], "decode": [15.0]},
+        "bandwidth": {"bandwidth": [10.0]},
+    }
     report = benchmark.summarise(figures, {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}, 600_000)
-    sessions = {"loaded_peak_rss_mb": 77.0, "huge_page_mb": 0.0, "decode_step_after_prefill_ms": 0.2,
-                "decode_step_in_a_row_ms": 0.2, "decode_step_after_pause_ms": 0.2,
-                "peak_rss_with_prefill_graph_run_mb": 82.0}
-    report.update(artifact="a", provider="cpu", threads=0, rounds=rounds, sessions=sessions,
-                  sessions_shared_pool=sessions)
+    sessions = {
+        "loaded_peak_rss_mb": 77.0,
+        "huge_page_mb": 0.0,
+        "decode_step_after_prefill_ms": 0.2,
+        "decode_step_in_a_row_ms": 0.2,
+        "decode_step_after_pause_ms": 0.2,
+        "peak_rss_with_prefill_graph_run_mb": 82.0,
+    }
+    report.update(
+        artifact="a", provider="cpu", threads=0, rounds=rounds, sessions=sessions, sessions_shared_pool=sessions
+    )
     return report
 
 
@@ -335,10 +408,18 @@ def test_the_table_keeps_its_columns_apart_and_counts_one_round_as_one(benchmark
 def test_a_prefill_length_the_model_has_no_room_for_is_said_to_be_skipped(benchmark, artifact_fp32, monkeypatch):
     # The tiny model (256 positions) has no 512-token row: the table and the JSON left it out without a word,
     # where the README and --help promise prefill at 128 and 512 tokens.
-    monkeypatch.setattr(benchmark, "run_in_turns", lambda workers, rounds: (
-        {"onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
-         "pytorch": {"prefill 128": [3.0], "decode": [15.0]}, "bandwidth": {"bandwidth": [10.0]}},
-        {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}))
+    monkeypatch.setattr(
+        benchmark,
+        "run_in_turns",
+        lambda workers, rounds: (
+            {
+                "onnxruntime": {"prefill 128": [2.0], "decode": [6000.0]},
+                "pytorch": {"prefill 128": [3.0], "decode": [15.0]},
+                "bandwidth": {"bandwidth": [10.0]},
+            },
+            {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0},
+        ),
+    )
     sessions = _made_up_report(benchmark, 1)["sessions"]
     monkeypatch.setattr(benchmark, "run_worker", lambda args: sessions)
     monkeypatch.setattr(benchmark.importlib.util, "find_spec", lambda name: None)  # no genai worker
@@ -355,10 +436,15 @@ def test_cuda_check_stops_with_exit_4_where_a_core_import_fails(tmp_path):
     fake = tmp_path / "fake" / "onnxruntime"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('simulated: onnxruntime is broken here')\n")
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
-               PYTHONPATH=os.pathsep.join([str(fake.parent), *sys.path]))
-    out = subprocess.run(["bash", str(SCRIPT.parent / "cuda_check.sh")], capture_output=True, text=True,
-                         timeout=120, env=env)
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "out"),
+        PYTHONPATH=os.pathsep.join([str(fake.parent), *sys.path]),
+    )
+    out = subprocess.run(
+        ["bash", str(SCRIPT.parent / "cuda_check.sh")], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 4, out.stdout[-2000:] + out.stderr[-2000:]
     assert "CUDA_CHECK: core imports failed: onnxruntime," in out.stdout
     assert "import exporter.cli: FAILED" in out.stdout

@@ -14,20 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exporter import export as export_module
+from exporter.artifact.consumers import ModelSizes, genai_config, hf_config
+from exporter.artifact.manifest import read_manifest
+from exporter.cli.export_report import format_inspect
 from exporter.errors import ExportFailed, InputError
-from exporter.export import export_artifact
-from exporter.consumers import ModelSizes, genai_config, hf_config
-from exporter.manifest import read_manifest
-from exporter.report import format_inspect
-from exporter.runtime import OrtRunner
+from exporter.export import pipeline as export_module
+from exporter.export.pipeline import export_artifact
+from exporter.runtime.runner import OrtRunner
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.reports import format_verify
 from reference import CausalLMOutput, DecoderSpec, check_adapter
-from reference.layers import shifted_cross_entropy
 from reference.checkpoints import load_checkpoint
 from reference.errors import CheckpointError, ConfigError, ModelError
+from reference.layers import shifted_cross_entropy
 
 IDS = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
 
@@ -45,14 +45,19 @@ def _tuple_forward(adapter):
     return adapter
 
 
-@pytest.mark.parametrize("spec_fields, message", [
-    ({"num_hidden_layers": 3}, r"past_key_values holds 2 layers, but num_hidden_layers is 3"),
-    ({"num_hidden_layers": 1}, r"past_key_values holds 2 layers, but num_hidden_layers is 1"),
-    ({"num_key_value_heads": 2}, r"layer 0's \(k, v\) have shapes .*\(2, \d, 4, 16\).* = \(2, \d, 2, 16\)"),
-    ({"vocab_size": 200}, r"logits have shape \(2, \d, 256\), not .* \(2, \d, 200\)"),
-], ids=["too many layers", "too few layers", "wrong kv heads", "wrong vocab"])
+@pytest.mark.parametrize(
+    "spec_fields, message",
+    [
+        ({"num_hidden_layers": 3}, r"past_key_values holds 2 layers, but num_hidden_layers is 3"),
+        ({"num_hidden_layers": 1}, r"past_key_values holds 2 layers, but num_hidden_layers is 1"),
+        ({"num_key_value_heads": 2}, r"layer 0's \(k, v\) have shapes .*\(2, \d, 4, 16\).* = \(2, \d, 2, 16\)"),
+        ({"vocab_size": 200}, r"logits have shape \(2, \d, 256\), not .* \(2, \d, 200\)"),
+    ],
+    ids=["too many layers", "too few layers", "wrong kv heads", "wrong vocab"],
+)
 def test_a_config_the_model_does_not_have_is_named_by_check_adapter_and_by_the_export(
-        byo_example, tmp_path, spec_fields, message):
+    byo_example, tmp_path, spec_fields, message
+):
     # The export's graph lint saw a missing layer only as outputs out of place ("loss has rank 4").
     model, adapter = _adapter(byo_example, **spec_fields)
     with pytest.raises(ModelError, match=message):
@@ -78,9 +83,14 @@ def test_a_cache_in_the_models_own_heads_first_layout_is_named(byo_example, tran
 
     def heads_first(*a, **kw):  # (B, Hkv, L, D): consistent with itself, so cached decoding alone agrees
         out = forward(*a, **kw)
-        return dataclasses.replace(out, past_key_values=[
-            (k.transpose(1, 2) if "k" in transposed else k, v.transpose(1, 2) if "v" in transposed else v)
-            for k, v in out.past_key_values])
+        return dataclasses.replace(
+            out,
+            past_key_values=[
+                (k.transpose(1, 2) if "k" in transposed else k, v.transpose(1, 2) if "v" in transposed else v)
+                for k, v in out.past_key_values
+            ],
+        )
+
     adapter.forward = heads_first
     with pytest.raises(ModelError, match=r"not \(batch, length, num_key_value_heads, head_dim\)"):
         check_adapter(adapter, lambda x: model(x)[0], IDS[:, :1])
@@ -98,10 +108,14 @@ def test_a_present_without_the_past_is_named_before_tracing(byo_example, tmp_pat
             return out
         new = input_ids.shape[1]
         return dataclasses.replace(out, past_key_values=[(k[:, -new:], v[:, -new:]) for k, v in out.past_key_values])
+
     adapter.forward = new_positions_only
     monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("traced before the check"))
-    with pytest.raises(ExportFailed, match=r"layer 0's present \(k, v\) hold the 1 new positions only, not the 3 "
-                                           r"past ones before them: return the past concatenated"):
+    with pytest.raises(
+        ExportFailed,
+        match=r"layer 0's present \(k, v\) hold the 1 new positions only, not the 3 "
+        r"past ones before them: return the past concatenated",
+    ):
         export_artifact(adapter, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -126,6 +140,7 @@ def test_an_unexportable_forward_is_reported_by_its_cause(byo_example, tmp_path)
         if attention_mask is not None and bool((attention_mask == 1).all()):  # a branch on tensor values
             attention_mask = None
         return forward(input_ids, attention_mask=attention_mask, **kw)
+
     adapter.forward = skips_an_unpadded_mask
     with pytest.raises(ExportFailed) as caught:
         export_artifact(adapter, tmp_path / "out")
@@ -133,8 +148,11 @@ def test_an_unexportable_forward_is_reported_by_its_cause(byo_example, tmp_path)
     assert message.startswith("torch.onnx could not export prefill.onnx: GuardOnDataDependentSymNode: ")
     assert "data-dependent" in message and "\x1b" not in message and "Next steps" not in message
     # torch names the user's line only far down its message; the one line ends with it.
-    assert re.search(r", raised by \S*test_byo\.py:\d+ in skips_an_unpadded_mask: `if attention_mask is not None "
-                     r"and bool\(\(attention_mask == 1\)\.all\(\)\):  # a branch on tensor values`$", message), message
+    assert re.search(
+        r", raised by \S*test_byo\.py:\d+ in skips_an_unpadded_mask: `if attention_mask is not None "
+        r"and bool\(\(attention_mask == 1\)\.all\(\)\):  # a branch on tensor values`$",
+        message,
+    ), message
 
 
 def test_a_checkpoint_of_another_design_points_to_bring_your_own(byo_example, tmp_path):
@@ -148,9 +166,18 @@ def _boolean_mask_adapter(byo_example):
     """The seed demo model attending through F.scaled_dot_product_attention with a boolean mask: a
     left-padded query has no real key at or before it, so its row of the mask is all False and its output
     is whatever each runtime makes of an empty softmax."""
+
     class BooleanMaskAdapter(byo_example.SeedDemoAdapter):
-        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False,
-                    logits_to_keep=0, labels=None, position_ids=None):
+        def forward(
+            self,
+            input_ids,
+            attention_mask=None,
+            past_key_values=None,
+            use_cache=False,
+            logits_to_keep=0,
+            labels=None,
+            position_ids=None,
+        ):
             h = self.model.model.embed_tokens(input_ids)
             b, t = input_ids.shape
             presents = []
@@ -163,8 +190,9 @@ def _boolean_mask_adapter(byo_example):
                 total = k.shape[1]
                 keep = torch.ones(b, total, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
                 causal = torch.ones(t, total, dtype=torch.bool).tril(total - t)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     attn_mask=causal & keep[:, None, None, :])
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=causal & keep[:, None, None, :]
+                )
                 h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             logits = self.model.lm_head(self.model.model.norm(h)[:, -logits_to_keep:, :])
@@ -209,6 +237,7 @@ def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo
 def _no_export_work(monkeypatch):
     def exported(*args, **kwargs):
         raise AssertionError("the export began before the refusal")
+
     monkeypatch.setattr(export_module, "_copy_for_export", exported)
 
 
@@ -218,12 +247,17 @@ def _without_loss(adapter, loss=lambda out: None):
     return adapter
 
 
-@pytest.mark.parametrize("loss, found", [
-    (lambda out: None, "None"),
-    (lambda out: out.logits.new_zeros(out.logits.shape[:2]), r"a Tensor of shape \(2, \d\)"),
-], ids=["no loss", "per-token loss"])
+@pytest.mark.parametrize(
+    "loss, found",
+    [
+        (lambda out: None, "None"),
+        (lambda out: out.logits.new_zeros(out.logits.shape[:2]), r"a Tensor of shape \(2, \d\)"),
+    ],
+    ids=["no loss", "per-token loss"],
+)
 def test_a_forward_without_a_scalar_loss_is_refused_unless_exported_without_the_loss(
-        byo_example, tmp_path, loss, found):
+    byo_example, tmp_path, loss, found
+):
     # It exported (the graph computes its own loss) and verify_artifact then crashed with KeyError: 'loss'.
     model, adapter = _adapter(byo_example)
     _without_loss(adapter, loss)
@@ -258,6 +292,7 @@ def test_check_adapter_fails_when_either_comparison_is_off(byo_example):
     def cached_drift(*a, **kw):  # the full forward is right; a step through the cache is not
         out = forward(*a, **kw)
         return dataclasses.replace(out, logits=out.logits + 1e-3) if kw.get("past_key_values") else out
+
     adapter.forward = cached_drift
     drift = check_adapter(adapter, lambda x: model(x)[0], IDS)
     assert not drift and drift.full_forward_max_abs <= drift.atol < drift.cached_decode_max_abs
@@ -266,8 +301,11 @@ def test_check_adapter_fails_when_either_comparison_is_off(byo_example):
 def test_check_adapter_names_the_form_of_original_logits(byo_example):
     # Passing the model itself (it returns (logits, loss)) failed with "'tuple' object has no attribute 'double'".
     model, adapter = _adapter(byo_example)
-    with pytest.raises(ModelError, match=r"original_logits returned a tuple, not the logits \(2, 6, 256\) .*"
-                                         r"lambda ids: model\(ids\)\[0\]"):
+    with pytest.raises(
+        ModelError,
+        match=r"original_logits returned a tuple, not the logits \(2, 6, 256\) .*"
+        r"lambda ids: model\(ids\)\[0\]",
+    ):
         check_adapter(adapter, model, IDS)
     with pytest.raises(ModelError, match=r"original_logits returned a tensor of shape \(2, 5, 256\)"):
         check_adapter(adapter, lambda x: model(x)[0][:, 1:], IDS)
@@ -286,13 +324,17 @@ def test_a_decoder_spec_subclass_exports_as_a_custom_decoder(byo_example, byo_ar
     _, adapter = _adapter(byo_example)
     adapter.config = MySpec(**dataclasses.asdict(adapter.config))
     protos = {name: onnx.load(str(byo_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
-                        lambda module, args, names, contract: protos[contract.file])
+    monkeypatch.setattr(
+        export_module,
+        "_torch_export",  # skip the slow torch export: reuse the graphs
+        lambda module, args, names, contract: protos[contract.file],
+    )
     result = export_artifact(adapter, tmp_path / "out")
     manifest = read_manifest(tmp_path / "out")
     assert manifest.family == result.manifest.family == "custom"
-    assert manifest.config == DecoderSpec(**{f.name: getattr(adapter.config, f.name)
-                                             for f in dataclasses.fields(DecoderSpec)})
+    assert manifest.config == DecoderSpec(
+        **{f.name: getattr(adapter.config, f.name) for f in dataclasses.fields(DecoderSpec)}
+    )
 
 
 def test_a_config_of_no_known_family_is_refused_before_any_export_work(byo_example, tmp_path, monkeypatch):
@@ -305,14 +347,19 @@ def test_a_config_of_no_known_family_is_refused_before_any_export_work(byo_examp
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("source, problem", [
-    ({"kind": "seeded"}, "model.source.preset is None, expected str"),
-    ("my model", "model.source is a str, not an object"),
-    ({"kind": "custom", "path": Path("model.pt")}, "model.source cannot be written as JSON .*PosixPath"),
-    ({"model": "my-decoder"}, "model.source.kind is None, expected str"),
-], ids=["seeded without preset", "a string", "a path", "no kind"])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        ({"kind": "seeded"}, "model.source.preset is None, expected str"),
+        ("my model", "model.source is a str, not an object"),
+        ({"kind": "custom", "path": Path("model.pt")}, "model.source cannot be written as JSON .*PosixPath"),
+        ({"model": "my-decoder"}, "model.source.kind is None, expected str"),
+    ],
+    ids=["seeded without preset", "a string", "a path", "no kind"],
+)
 def test_a_source_the_manifest_cannot_record_is_refused_before_any_export_work(
-        byo_example, tmp_path, monkeypatch, source, problem):
+    byo_example, tmp_path, monkeypatch, source, problem
+):
     # The first two exported, and inspect then called the folder inconsistent; the path failed after the export.
     _, adapter = _adapter(byo_example)
     _no_export_work(monkeypatch)
@@ -321,46 +368,59 @@ def test_a_source_the_manifest_cannot_record_is_refused_before_any_export_work(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_inspect_marks_assumed_ones(
-        byo_artifact):
+def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_inspect_marks_assumed_ones(byo_artifact):
     # A DecoderSpec had no query-head count or hidden size: config.json, genai_config.json and inspect showed
     # kv heads and kv heads x head_dim as the model's own, right or not.
     manifest = read_manifest(byo_artifact)
     spec = manifest.config
-    grouped = dataclasses.replace(spec, num_attention_heads=4 * spec.num_key_value_heads,
-                                  hidden_size=4 * spec.num_key_value_heads * spec.head_dim)
+    grouped = dataclasses.replace(
+        spec, num_attention_heads=4 * spec.num_key_value_heads, hidden_size=4 * spec.num_key_value_heads * spec.head_dim
+    )
     sizes = ModelSizes.of(dataclasses.replace(manifest, config=grouped))
     assert sizes.assumed == ()
     decoder = genai_config(manifest, sizes)["model"]["decoder"]
     hf = hf_config(manifest, sizes)
     for config in (decoder, hf):
-        assert (config["num_attention_heads"], config["hidden_size"]) == (grouped.num_attention_heads,
-                                                                          grouped.hidden_size)
+        assert (config["num_attention_heads"], config["hidden_size"]) == (
+            grouped.num_attention_heads,
+            grouped.hidden_size,
+        )
         assert config["num_key_value_heads"] == spec.num_key_value_heads
     # Heads x head_dim need not be the hidden size (Gemma's are not): genai's head_size is the cache's head_dim.
-    wide = dataclasses.replace(spec, num_attention_heads=2 * spec.num_key_value_heads,
-                               hidden_size=3 * 2 * spec.num_key_value_heads * spec.head_dim)
+    wide = dataclasses.replace(
+        spec,
+        num_attention_heads=2 * spec.num_key_value_heads,
+        hidden_size=3 * 2 * spec.num_key_value_heads * spec.head_dim,
+    )
     wide_manifest = dataclasses.replace(manifest, config=wide)
     decoder = genai_config(wide_manifest, ModelSizes.of(wide_manifest))["model"]["decoder"]
     assert (decoder["head_size"], decoder["hidden_size"]) == (spec.head_dim, wide.hidden_size)
     bare = dataclasses.replace(manifest, config=dataclasses.replace(spec, num_attention_heads=None, hidden_size=None))
-    assert ("assumed, not given by the config (in config.json and genai_config.json): num_attention_heads as the "
-            "kv heads, hidden_size as heads x head_dim" in format_inspect(bare, str(byo_artifact), {}))
+    assert (
+        "assumed, not given by the config (in config.json and genai_config.json): num_attention_heads as the "
+        "kv heads, hidden_size as heads x head_dim" in format_inspect(bare, str(byo_artifact), {})
+    )
     hidden_only = dataclasses.replace(manifest, config=dataclasses.replace(grouped, hidden_size=None))
     assert format_inspect(hidden_only, str(byo_artifact), {}).count("assumed") == 1
     assert "): hidden_size as heads x head_dim\n" in format_inspect(hidden_only, str(byo_artifact), {})
     assert "assumed" not in format_inspect(manifest, str(byo_artifact), {})  # the example's spec gives both
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
-    (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
-    (["FILE"], "error: output folder FILE is a file; give the path of a folder (folder, --output)"),
-], ids=["an unknown option", "two folders", "a file as the folder"])
-def test_the_bring_your_own_example_given_a_wrong_command_line_says_why_in_one_line(argv, message, tmp_path,
-                                                                                    monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
+        (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
+        (["FILE"], "error: output folder FILE is a file; give the path of a folder (folder, --output)"),
+    ],
+    ids=["an unknown option", "two folders", "a file as the folder"],
+)
+def test_the_bring_your_own_example_given_a_wrong_command_line_says_why_in_one_line(
+    argv, message, tmp_path, monkeypatch, capsys
+):
     # A traceback each: an option read as the folder to export into ("--bogus/"), a TypeError, an OutputPathError.
     import runpy
+
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
     script = Path(__file__).resolve().parent.parent / "examples" / "byo_seed001.py"

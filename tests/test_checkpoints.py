@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import randomise_norms_
 from safetensors.torch import save_file
 
 from exporter.cli import main
-from helpers import randomise_norms_
 from reference import CheckpointError, build_model, get_preset
 from reference.checkpoints import load_checkpoint
 
@@ -35,24 +35,67 @@ def _gpt_checkpoint(model) -> dict:
     state["pos_idxs"] = torch.arange(cfg.context_length)
     for block in range(cfg.n_blocks):
         for head in range(cfg.n_head):
-            state[f"attn_blocks.{block}.attn.heads.{head}.tril"] = torch.ones(cfg.context_length,
-                                                                               cfg.context_length).tril()
+            state[f"attn_blocks.{block}.attn.heads.{head}.tril"] = torch.ones(
+                cfg.context_length, cfg.context_length
+            ).tril()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3).state_dict()
     return {"model_state_dict": state, "optimizer_state_dict": optimizer, "epoch": 2, "loss": 3.25}
 
 
 # The keys each generation's MiniMindConfig writes (upstream source), under upstream's names.
 UPSTREAM_CONFIG_KEYS = {
-    3: ("hidden_size", "num_hidden_layers", "use_moe", "dropout", "vocab_size", "bos_token_id", "eos_token_id",
-        "flash_attn", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "intermediate_size",
-        "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "inference_rope_scaling",
-        "rope_scaling", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-        "router_aux_loss_coef"),
-    2: ("dropout", "bos_token_id", "eos_token_id", "hidden_act", "hidden_size", "intermediate_size",
-        "max_position_embeddings", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "vocab_size",
-        "rms_norm_eps", "rope_theta", "inference_rope_scaling", "rope_scaling", "flash_attn", "use_moe",
-        "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func", "aux_loss_alpha", "seq_aux",
-        "norm_topk_prob"),
+    3: (
+        "hidden_size",
+        "num_hidden_layers",
+        "use_moe",
+        "dropout",
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+        "flash_attn",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "intermediate_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "inference_rope_scaling",
+        "rope_scaling",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "router_aux_loss_coef",
+    ),
+    2: (
+        "dropout",
+        "bos_token_id",
+        "eos_token_id",
+        "hidden_act",
+        "hidden_size",
+        "intermediate_size",
+        "max_position_embeddings",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "num_key_value_heads",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "inference_rope_scaling",
+        "rope_scaling",
+        "flash_attn",
+        "use_moe",
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "n_shared_experts",
+        "scoring_func",
+        "aux_loss_alpha",
+        "seq_aux",
+        "norm_topk_prob",
+    ),
 }
 UPSTREAM_NAMES = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
 
@@ -62,9 +105,14 @@ def _upstream_config_json(config) -> dict:
     included (a private `_attn_implementation_autoset` as some releases write it)."""
     ours = {**config.to_dict(), "flash_attn": True, "head_dim": config.head_dim, "scoring_func": "softmax"}
     data = {key: ours[UPSTREAM_NAMES.get(key, key)] for key in UPSTREAM_CONFIG_KEYS[config.version]}
-    data.update(architectures=["MiniMindForCausalLM"], auto_map={"AutoConfig": "model_minimind.MiniMindConfig"},
-                model_type="minimind", torch_dtype="float16", transformers_version="4.57.1",
-                _attn_implementation_autoset=True)
+    data.update(
+        architectures=["MiniMindForCausalLM"],
+        auto_map={"AutoConfig": "model_minimind.MiniMindConfig"},
+        model_type="minimind",
+        torch_dtype="float16",
+        transformers_version="4.57.1",
+        _attn_implementation_autoset=True,
+    )
     return data
 
 
@@ -83,8 +131,9 @@ def _write(kind: str, model, folder):
         (path / "config.json").write_text(json.dumps(_upstream_config_json(model.config)))
         (path / "tokenizer.json").write_text("{}")
         if kind == "hf-safetensors":  # save_pretrained drops the tied duplicate
-            save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"},
-                      str(path / "model.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(path / "model.safetensors")
+            )
         else:
             torch.save(state, path / "pytorch_model.bin")
     elif kind == "hf-sharded":  # save_pretrained past max_shard_size: two shards and their index
@@ -93,7 +142,7 @@ def _write(kind: str, model, folder):
         (path / "config.json").write_text(json.dumps(_upstream_config_json(model.config)))
         names = [k for k in state if k != "lm_head.weight"]
         weight_map = {}
-        for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
             shard = f"model-{i + 1:05d}-of-00002.safetensors"
             save_file({k: state[k].contiguous() for k in part}, str(path / shard))
             weight_map.update(dict.fromkeys(part, shard))
@@ -132,8 +181,19 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
     loaded, report = load_checkpoint(path)
     inferred = loaded.config
     assert report.config_source == "inferred" and report.family == "minimind"
-    for field in ("version", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "use_moe",
-                  "num_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "rms_norm_eps"):
+    for field in (
+        "version",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "use_moe",
+        "num_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+        "rms_norm_eps",
+    ):
         assert getattr(inferred, field) == getattr(config, field), field
     assert inferred.max_position_embeddings == 32768  # not in the weights: the generation's default, and said
     assert report.assumed["max_position_embeddings"] == 32768
@@ -145,8 +205,11 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         assert report.assumed["num_attention_heads"] == 8 and inferred.num_key_value_heads == 4
     # Supplying what the weights cannot show gives the config exactly.
     exact, report = load_checkpoint(path, config_data={"num_attention_heads": 4, "max_position_embeddings": 256})
-    assert exact.config == config and report.config_source == "given fields" and "num_attention_heads" not in \
-        report.assumed
+    assert (
+        exact.config == config
+        and report.config_source == "given fields"
+        and "num_attention_heads" not in report.assumed
+    )
     # ... and so does the head size alone, from which the heads follow (it was dropped: 8 heads assumed)
     by_size, report = load_checkpoint(path, config_data={"head_dim": config.head_dim, "max_position_embeddings": 256})
     assert by_size.config == config and "num_attention_heads" not in report.assumed
@@ -164,10 +227,16 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
     # "(no tensor 'num_attention_heads')" or "(ZeroDivisionError: integer division or modulo by zero)".
     model = build_model(get_preset(preset))
     path = _write("pth", model, tmp_path)
-    for heads, fragment in (("4", "must be a positive integer, got '4'"), (0, "must be a positive integer, got 0"),
-                            (True, "must be a positive integer, got True"),
-                            (1000, r"1000 heads \(num_attention_heads\) do not divide the 64 rows of "
-                                   r"model\.layers\.0\.self_attn\.q_proj\.weight")):
+    for heads, fragment in (
+        ("4", "must be a positive integer, got '4'"),
+        (0, "must be a positive integer, got 0"),
+        (True, "must be a positive integer, got True"),
+        (
+            1000,
+            r"1000 heads \(num_attention_heads\) do not divide the 64 rows of "
+            r"model\.layers\.0\.self_attn\.q_proj\.weight",
+        ),
+    ):
         with pytest.raises(CheckpointError, match=fragment) as caught:
             load_checkpoint(path, config_data={"num_attention_heads": heads})
         assert "Error:" not in str(caught.value) and "no tensor" not in str(caught.value), caught.value
@@ -179,9 +248,11 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
     state = torch.load(path)
     state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(10, 64)
     torch.save(state, path)
-    shown = (r"q_proj\.weight has 10 rows, not a whole number of heads of q_norm's width 16"
-             if model.config.version == 3
-             else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight")
+    shown = (
+        r"q_proj\.weight has 10 rows, not a whole number of heads of q_norm's width 16"
+        if model.config.version == 3
+        else r"8 heads \(num_attention_heads, assumed.*\) do not divide the 10 rows of .*q_proj\.weight"
+    )
     with pytest.raises(CheckpointError, match=shown) as caught:
         load_checkpoint(path)
     assert "Error:" not in str(caught.value), caught.value
@@ -195,8 +266,17 @@ def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path)
     model = randomise_norms_(build_model(get_preset("minimind-3-tiny"), seed=4))
     path = tmp_path / "full_sft_64_resume.pth"
     weights = {prefix + k: v for k, v in _half_state(model).items()}
-    torch.save({"model": weights, "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}, "epoch": 1,
-                "step": 200, "world_size": 2, "wandb_id": None}, path)
+    torch.save(
+        {
+            "model": weights,
+            "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]},
+            "epoch": 1,
+            "step": 200,
+            "world_size": 2,
+            "wandb_id": None,
+        },
+        path,
+    )
     loaded, report = load_checkpoint(path, config=get_preset("minimind-3-tiny"))
     assert report.format == "pth (model)"
     expected = _rounded(model).state_dict()
@@ -207,8 +287,11 @@ def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path)
 def test_a_dict_of_more_than_a_few_non_tensors_says_there_are_more(tmp_path):
     path = tmp_path / "mixed.pth"
     torch.save({f"entry{i}": i for i in range(7)} | {"w": torch.zeros(1)}, path)
-    with pytest.raises(CheckpointError, match=r"7 entries are not tensors \(entry0, entry1, entry2, entry3, "
-                                              r"entry4, \.\.\.\); save model.state_dict\(\) itself"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"7 entries are not tensors \(entry0, entry1, entry2, entry3, "
+        r"entry4, \.\.\.\); save model.state_dict\(\) itself",
+    ):
         load_checkpoint(path)
 
 
@@ -250,8 +333,17 @@ def test_teaching_gpt_buffers_that_the_reference_cannot_reproduce_are_refused(tm
 def test_teaching_gpt_series_config_fields_are_read_and_its_training_keys_dropped(tmp_path):
     model = build_model(get_preset("teaching-gpt-tiny"))
     torch.save(_gpt_checkpoint(model), tmp_path / "checkpoint.pt")
-    series = {"vocab_size": 512, "n_embed": 64, "n_head": 4, "N_BLOCKS": 2, "context_length": 64, "dropout": 0.1,
-              "lr": 3e-4, "batch_size": 32, "device": "cuda"}  # the series' config file, training keys included
+    series = {
+        "vocab_size": 512,
+        "n_embed": 64,
+        "n_head": 4,
+        "N_BLOCKS": 2,
+        "context_length": 64,
+        "dropout": 0.1,
+        "lr": 3e-4,
+        "batch_size": 32,
+        "device": "cuda",
+    }  # the series' config file, training keys included
     loaded, report = load_checkpoint(tmp_path / "checkpoint.pt", config_data=series)
     assert loaded.config == model.config and report.config_source == "given fields"
     # its N_BLOCKS is read, not passed over
@@ -277,9 +369,14 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("wrap", [lambda p: {"model.embed_tokens.weight": torch.zeros(2, 2), "x": p},
-                                  lambda p: {"model_state_dict": {"a": torch.zeros(1)}, "optimizer": p},
-                                  lambda p: p])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda p: {"model.embed_tokens.weight": torch.zeros(2, 2), "x": p},
+        lambda p: {"model_state_dict": {"a": torch.zeros(1)}, "optimizer": p},
+        lambda p: p,
+    ],
+)
 def test_a_malicious_pickle_is_refused_and_never_runs(wrap, tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "full_sft_512.pth"
@@ -305,10 +402,13 @@ def test_a_plain_pickle_is_refused_for_what_it_is_and_never_runs(protocol, tmp_p
         pickle.dump({"model.embed_tokens.weight": torch.zeros(2, 2), "x": _Payload(marker)}, file, protocol=protocol)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(CheckpointError, match=rf"is a plain Python pickle \(pickle.dump, protocol {protocol}\), "
-                                                  r"not a torch.save checkpoint, and needs arbitrary Python objects "
-                                                  r"to load \(it references posix.system, torch._utils.*nothing in "
-                                                  r"it was run"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"is a plain Python pickle \(pickle.dump, protocol {protocol}\), "
+            r"not a torch.save checkpoint, and needs arbitrary Python objects "
+            r"to load \(it references posix.system, torch._utils.*nothing in "
+            r"it was run",
+        ):
             load_checkpoint(path)
         result = CliRunner().invoke(main, ["export", "--checkpoint", str(path), "-o", str(tmp_path / "out"), "-q"])
     assert not caught, [str(w.message) for w in caught]
@@ -325,8 +425,11 @@ def test_torch_files_of_other_pickle_protocols_load_or_are_refused_without_a_war
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded, _ = load_checkpoint(tmp_path / "p3.pth")
-        with pytest.raises(CheckpointError, match="saved with a pickle_protocol above 3, which torch's weights-only "
-                                                  "loader cannot read; nothing in it was run"):
+        with pytest.raises(
+            CheckpointError,
+            match="saved with a pickle_protocol above 3, which torch's weights-only "
+            "loader cannot read; nothing in it was run",
+        ):
             load_checkpoint(tmp_path / "p4.pth")
     assert not caught, [str(w.message) for w in caught]
     assert torch.equal(loaded.model.embed_tokens.weight, state["model.embed_tokens.weight"].float())
@@ -355,25 +458,48 @@ def test_sizes_that_do_not_fit_the_tensors_are_refused_before_a_model_is_allocat
     # One stray key would size 3000 layers (100000 take 40 GB); a --config intermediate_size 10**12 256 TB.
     state = _half_state(build_model(get_preset("minimind-3-tiny")))
     torch.save({**state, "model.layers.2999.mlp.gate_proj.weight": torch.zeros(256, 64)}, tmp_path / "stray.pth")
-    with pytest.raises(CheckpointError, match="model.layers.2999.mlp.gate_proj.weight has index 2999 but no key "
-                                              "has index 2"):
+    with pytest.raises(
+        CheckpointError, match="model.layers.2999.mlp.gate_proj.weight has index 2999 but no key has index 2"
+    ):
         load_checkpoint(tmp_path / "stray.pth")
     torch.save(state, tmp_path / "model.pth")
-    with pytest.raises(CheckpointError, match=r"6 mis-shaped \(model.layers.0.mlp.gate_proj.weight: checkpoint "
-                                              r"\(256, 64\) vs model \(1000000000000, 64\)"):
-        load_checkpoint(tmp_path / "model.pth", config_data={"intermediate_size": 10 ** 12})
+    with pytest.raises(
+        CheckpointError,
+        match=r"6 mis-shaped \(model.layers.0.mlp.gate_proj.weight: checkpoint "
+        r"\(256, 64\) vs model \(1000000000000, 64\)",
+    ):
+        load_checkpoint(tmp_path / "model.pth", config_data={"intermediate_size": 10**12})
 
 
-@pytest.mark.parametrize("preset,given,message", [
-    ("minimind-3-tiny", {"num_hidden_layers": 20000}, "config field num_hidden_layers is 20000 but the checkpoint "
-     r"holds 2 \(model.layers.0 to model.layers.1\); set it to 2 in --config, or leave it out to infer it"),
-    ("minimind-3-tiny", {"vocab_size": 10 ** 12}, "config field vocab_size is 1000000000000 but the checkpoint holds "
-     r"512 \(model.embed_tokens.weight is \(512, 64\)\)"),
-    ("minimind2-moe-tiny", {"num_experts": 5000}, "config field num_experts is 5000 but the checkpoint holds 4 "
-     r"\(model.layers.0.mlp.experts.0 to model.layers.0.mlp.experts.3\)"),
-    ("teaching-gpt-tiny", {"n_blocks": 20000}, "config field n_blocks is 20000 but the checkpoint holds 2 "
-     r"\(attn_blocks.0 to attn_blocks.1\)"),
-])
+@pytest.mark.parametrize(
+    "preset,given,message",
+    [
+        (
+            "minimind-3-tiny",
+            {"num_hidden_layers": 20000},
+            "config field num_hidden_layers is 20000 but the checkpoint "
+            r"holds 2 \(model.layers.0 to model.layers.1\); set it to 2 in --config, or leave it out to infer it",
+        ),
+        (
+            "minimind-3-tiny",
+            {"vocab_size": 10**12},
+            "config field vocab_size is 1000000000000 but the checkpoint holds "
+            r"512 \(model.embed_tokens.weight is \(512, 64\)\)",
+        ),
+        (
+            "minimind2-moe-tiny",
+            {"num_experts": 5000},
+            "config field num_experts is 5000 but the checkpoint holds 4 "
+            r"\(model.layers.0.mlp.experts.0 to model.layers.0.mlp.experts.3\)",
+        ),
+        (
+            "teaching-gpt-tiny",
+            {"n_blocks": 20000},
+            "config field n_blocks is 20000 but the checkpoint holds 2 "
+            r"\(attn_blocks.0 to attn_blocks.1\)",
+        ),
+    ],
+)
 def test_a_config_the_tensors_cannot_hold_is_refused_before_any_model_is_built(preset, given, message, tmp_path):
     # 20000 layers took half a minute to build (on the meta device) before the fit check refused them
     model = build_model(get_preset(preset))
@@ -389,12 +515,29 @@ def test_a_config_the_tensors_cannot_hold_is_refused_before_any_model_is_built(p
 def test_the_cli_refuses_a_layer_count_the_checkpoint_does_not_hold_in_one_line(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in _half_state(build_model(get_preset("minimind-3-tiny"))).items()
-               if k != "lm_head.weight"}, str(folder / "model.safetensors"))
+    save_file(
+        {
+            k: v.contiguous()
+            for k, v in _half_state(build_model(get_preset("minimind-3-tiny"))).items()
+            if k != "lm_head.weight"
+        },
+        str(folder / "model.safetensors"),
+    )
     (tmp_path / "c.json").write_text(json.dumps({"num_hidden_layers": 20000}))
     start = time.perf_counter()
-    result = CliRunner().invoke(main, ["export", "--checkpoint", str(folder), "--config", str(tmp_path / "c.json"),
-                                       "-o", str(tmp_path / "out"), "-q"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--checkpoint",
+            str(folder),
+            "--config",
+            str(tmp_path / "c.json"),
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+    )
     assert time.perf_counter() - start < 5, "the model was built before the refusal"
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
     assert "num_hidden_layers is 20000 but the checkpoint holds 2" in result.stderr
@@ -406,8 +549,19 @@ def test_the_cli_refuses_a_layer_count_the_checkpoint_does_not_hold_in_one_line(
 def test_a_preset_that_does_not_fit_the_checkpoint_is_an_error_not_a_reshape(minimind2_checkpoint, tmp_path):
     with pytest.raises(CheckpointError, match=r"4 missing \(model.layers.0.self_attn.q_norm.weight.*6 mis-shaped"):
         load_checkpoint(minimind2_checkpoint, config=get_preset("minimind-3-tiny"))
-    result = CliRunner().invoke(main, ["export", "--checkpoint", str(minimind2_checkpoint), "--preset",
-                                       "minimind-3-tiny", "-o", str(tmp_path / "out"), "-q"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--checkpoint",
+            str(minimind2_checkpoint),
+            "--preset",
+            "minimind-3-tiny",
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+    )
     assert result.exit_code == 2 and "does not fit the minimind config" in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match="holds a minimind model but the given config is teaching-gpt"):
@@ -425,30 +579,53 @@ def test_tied_and_untied_embeddings(tmp_path):
     assert torch.equal(loaded.lm_head.weight, state["lm_head.weight"].float())
 
 
-@pytest.mark.parametrize("setup,message", [
-    (lambda d: d / "nope.pth", "does not exist"),
-    (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
-    (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
-    # A text file read "(KeyError: 101)": torch's legacy loader took its "h" for a pickle opcode.
-    (lambda d: (d / "t.pth").write_bytes(b"hello\n") and d / "t.pth", r"t\.pth is not a readable torch checkpoint: "
-     r"neither a zip archive, as torch\.save writes, nor a pickle \(damaged, or of another format\); check the file$"),
-    # A torch.save file cut short read "(OSError: [Errno 22] Invalid argument)", or miniz's "This is an internal
-    # miniz error. If you are seeing this error, there is a high likelihood tha" cut at 160 characters.
-    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 10000)
-     or d / "cut.pth", r"cut\.pth is a truncated or damaged torch\.save file, .*\(OSError: \[Errno 22\] "
-                       r"Invalid argument\)"),
-    (lambda d: torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 2000)
-     or d / "cut.pth", r"truncated or damaged torch\.save file, .*\(RuntimeError: PytorchStreamReader failed "
-                       r"reading zip archive: failed finding central directory\); copy"),
-    (lambda d: (d / "t.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}") and d / "t.safetensors",
-     "not a readable safetensors file"),
-    (lambda d: d, "holds no model.safetensors"),
-    (lambda d: torch.save([torch.zeros(1)], d / "list.pth") or d / "list.pth", "does not hold a state dict"),
-    (lambda d: torch.save({"w": torch.zeros(1), "step": 3}, d / "mixed.pth") or d / "mixed.pth",
-     r"1 entries are not tensors \(step\)"),
-    (lambda d: torch.save({"encoder.w": torch.zeros(1)}, d / "other.pth") or d / "other.pth",
-     "no known model family has these keys"),
-])
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda d: d / "nope.pth", "does not exist"),
+        (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
+        (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
+        # A text file read "(KeyError: 101)": torch's legacy loader took its "h" for a pickle opcode.
+        (
+            lambda d: (d / "t.pth").write_bytes(b"hello\n") and d / "t.pth",
+            r"t\.pth is not a readable torch checkpoint: "
+            r"neither a zip archive, as torch\.save writes, nor a pickle \(damaged, or of another format\); "
+            r"check the file$",
+        ),
+        # A torch.save file cut short read "(OSError: [Errno 22] Invalid argument)", or miniz's "This is an internal
+        # miniz error. If you are seeing this error, there is a high likelihood tha" cut at 160 characters.
+        (
+            lambda d: (
+                torch.save({"w": torch.zeros(4096)}, d / "cut.pth")
+                or os.truncate(d / "cut.pth", 10000)
+                or d / "cut.pth"
+            ),
+            r"cut\.pth is a truncated or damaged torch\.save file, .*\(OSError: \[Errno 22\] "
+            r"Invalid argument\)",
+        ),
+        (
+            lambda d: (
+                torch.save({"w": torch.zeros(4096)}, d / "cut.pth") or os.truncate(d / "cut.pth", 2000) or d / "cut.pth"
+            ),
+            r"truncated or damaged torch\.save file, .*\(RuntimeError: PytorchStreamReader failed "
+            r"reading zip archive: failed finding central directory\); copy",
+        ),
+        (
+            lambda d: (d / "t.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}") and d / "t.safetensors",
+            "not a readable safetensors file",
+        ),
+        (lambda d: d, "holds no model.safetensors"),
+        (lambda d: torch.save([torch.zeros(1)], d / "list.pth") or d / "list.pth", "does not hold a state dict"),
+        (
+            lambda d: torch.save({"w": torch.zeros(1), "step": 3}, d / "mixed.pth") or d / "mixed.pth",
+            r"1 entries are not tensors \(step\)",
+        ),
+        (
+            lambda d: torch.save({"encoder.w": torch.zeros(1)}, d / "other.pth") or d / "other.pth",
+            "no known model family has these keys",
+        ),
+    ],
+)
 def test_unreadable_checkpoints_give_one_clear_error(setup, message, tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
@@ -467,11 +644,13 @@ def test_cli_checkpoint_option_errors_are_one_line(minimind2_checkpoint, tmp_pat
     assert "a --checkpoint brings its own: drop --seed" in error("--checkpoint", minimind2_checkpoint, "--seed", "3")
     (tmp_path / "c.json").write_text("[1]")
     assert "not a JSON object" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json")
-    assert "not both" in error("--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json",
-                               "--preset", "minimind2-tiny")
+    assert "not both" in error(
+        "--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json", "--preset", "minimind2-tiny"
+    )
     (tmp_path / "c.json").write_text(json.dumps({"hiden_size": 3}))
-    assert "unknown config fields ['hiden_size']" in error("--checkpoint", minimind2_checkpoint,
-                                                          "--config", tmp_path / "c.json")
+    assert "unknown config fields ['hiden_size']" in error(
+        "--checkpoint", minimind2_checkpoint, "--config", tmp_path / "c.json"
+    )
 
 
 def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path):
@@ -486,15 +665,22 @@ def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path)
 def test_config_data_that_is_no_dict_is_refused(tmp_path):
     """A path given as config_data failed with AttributeError ('str' object has no attribute 'get') before."""
     from reference import ConfigError
+
     torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
     for data in ("config.json", [("hidden_size", 64)]):
-        with pytest.raises(ConfigError, match=r"^config_data must be a dict of config fields, got (str|list) .*; "
-                                              r"pass json.loads of the file's text"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^config_data must be a dict of config fields, got (str|list) .*; "
+            r"pass json.loads of the file's text",
+        ):
             load_checkpoint(tmp_path / "model.pth", config_data=data)
     # a --config file's path given as config read "str is not the config of a known family ...; describe your own
     # decoder with reference.byo.DecoderSpec", advice for another mistake
-    with pytest.raises(ConfigError, match=r"^config must be a preset's config, got str 'config.json'; pass the "
-                                          r"fields of a --config file as config_data"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config must be a preset's config, got str 'config.json'; pass the "
+        r"fields of a --config file as config_data",
+    ):
         load_checkpoint(tmp_path / "model.pth", config="config.json")
 
 
@@ -502,16 +688,21 @@ def test_a_preset_name_given_as_config_points_to_get_preset(tmp_path):
     """config="minimind-3-tiny" read "str is not the config of a known family (...); describe your own decoder
     with reference.byo.DecoderSpec": a preset's name is what a user passes there first."""
     from reference import ConfigError
+
     torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
-    with pytest.raises(ConfigError, match=r"^config must be a preset's config, got str 'minimind-3-tiny'; pass "
-                                          r"reference\.get_preset\('minimind-3-tiny'\) for a preset$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config must be a preset's config, got str 'minimind-3-tiny'; pass "
+        r"reference\.get_preset\('minimind-3-tiny'\) for a preset$",
+    ):
         load_checkpoint(tmp_path / "model.pth", config="minimind-3-tiny")
 
 
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
     """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
-    from exporter.model_source import checkpoint_model
+    from exporter.export.model_source import checkpoint_model
     from reference import ConfigError
+
     for path in (None, 5):
         with pytest.raises(CheckpointError, match=f"a checkpoint is a path .* got {path}$"):
             checkpoint_model(path)
@@ -524,6 +715,7 @@ def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch)
     """chmod 000: config.json failed as PermissionError (exit 3), model.safetensors as "No such file or directory".
     Simulated, since the tests may run as root, whom permission bits do not stop."""
     import pathlib
+
     state = {k: v.clone() for k, v in build_model(get_preset("minimind-3-tiny")).state_dict().items()}
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text("{}")
@@ -535,6 +727,7 @@ def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch)
             if path.name == name:
                 raise PermissionError(13, "Permission denied")
             return real(path, *args, **kwargs)
+
         monkeypatch.setattr(pathlib.Path, method, refusing)
 
     deny("read_text", "config.json")

@@ -13,9 +13,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
-
 from helpers import assert_one_line_error, claim_seed, edit_manifest, run_cli
-
 
 # Verification options that keep a CLI test short; the default run is covered in test_verify_engine.
 QUICK = ("--decode-steps", "16", "--no-sweep")
@@ -26,8 +24,24 @@ def cli_artifact(tmp_path_factory):
     """An inference-only (no loss) tiny artifact exported and verified by `run`, the default command."""
     folder = tmp_path_factory.mktemp("cli") / "tiny"
     report = folder.parent / "report.json"
-    result = run_cli("run", "--preset", "minimind-3-tiny", "--no-loss", "-o", folder, "--provider", "cpu",
-                    "--no-genai", "--decode-steps", "2", "--no-sweep", "--json", "-q", "--report-json", report)
+    result = run_cli(
+        "run",
+        "--preset",
+        "minimind-3-tiny",
+        "--no-loss",
+        "-o",
+        folder,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+        "--json",
+        "-q",
+        "--report-json",
+        report,
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert json.loads(report.read_text()) == data["verify"]  # the verification's document, as `verify` writes it
@@ -41,17 +55,21 @@ def test_no_command_runs_the_default_export_and_verification(monkeypatch):
 
     def stop(model, folder, dtype, with_loss, source, tokenizer):
         raise ToolkitError(f"stopped before exporting {source} ({dtype}, loss {with_loss}) to {folder}")
-    monkeypatch.setattr("exporter.export.export_artifact", stop)
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", stop)
     result = run_cli()
     assert result.exit_code == 2, result.output
-    assert ("stopped before exporting {'kind': 'seeded', 'preset': 'minimind-3', 'seed': 0} (float32, loss True) "
-            "to artifacts/minimind-3") in result.stderr
+    assert (
+        "stopped before exporting {'kind': 'seeded', 'preset': 'minimind-3', 'seed': 0} (float32, loss True) "
+        "to artifacts/minimind-3"
+    ) in result.stderr
 
 
 def test_an_unexpected_failure_exits_three_with_one_line(cli_artifact, monkeypatch):
     def broken(*args):
         raise RuntimeError("boom")
-    monkeypatch.setattr("exporter.report.format_inspect", broken)
+
+    monkeypatch.setattr("exporter.cli.export_report.format_inspect", broken)
     result = run_cli("inspect", cli_artifact)
     assert result.exit_code == 3
     assert result.stderr.strip() == "internal error: RuntimeError: boom (rerun with --verbose for the traceback)"
@@ -65,15 +83,32 @@ def test_an_unexpected_failure_exits_three_with_one_line(cli_artifact, monkeypat
 def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch):
     """`run` reports a failing verification by its exit code, as `verify` does (the export is the session's,
     copied: the exit code is what is checked here)."""
-    from exporter.export import ExportResult
-    from exporter.manifest import read_manifest
+    from exporter.artifact.manifest import read_manifest
+    from exporter.export.pipeline import ExportResult
 
     def exported(model, folder, dtype, with_loss, source, tokenizer):
         shutil.copytree(artifact_fp32, folder)
         return ExportResult(folder, read_manifest(folder), 0.0, 0)
-    monkeypatch.setattr("exporter.export.export_artifact", exported)
-    result = run_cli("run", "--preset", "minimind-3-tiny", "-o", tmp_path / "tiny", "--provider", "cpu", "--no-genai",
-                     "-q", *QUICK, "--atol", "logits=0", "--rtol", "logits=0", "--peak", "logits=0")
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", exported)
+    result = run_cli(
+        "run",
+        "--preset",
+        "minimind-3-tiny",
+        "-o",
+        tmp_path / "tiny",
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        *QUICK,
+        "--atol",
+        "logits=0",
+        "--rtol",
+        "logits=0",
+        "--peak",
+        "logits=0",
+    )
     assert result.exit_code == 1, result.output
     assert "overall: FAIL" in result.stdout
 
@@ -81,9 +116,13 @@ def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch)
 def test_an_interrupted_command_exits_130_in_one_line(tmp_path, monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C during the export
-    monkeypatch.setattr("exporter.export.export_artifact", interrupt)
-    assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "-q"), 130,
-                          "interrupted; an export leaves no partial artifact")
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", interrupt)
+    assert_one_line_error(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "-q"),
+        130,
+        "interrupted; an export leaves no partial artifact",
+    )
 
 
 def test_help_explains_commands_and_exit_codes():
@@ -96,8 +135,9 @@ def test_help_explains_commands_and_exit_codes():
 def test_python_dash_m_runs_the_command():
     """`python -m exporter.cli` is the command where the console script is not on PATH (it once exited 0
     without doing anything)."""
-    out = subprocess.run([sys.executable, "-m", "exporter.cli", "inspect", "--help"], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "exporter.cli", "inspect", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "Show an artifact's I/O contract" in out.stdout, out.stderr[-3000:]
 
 
@@ -105,10 +145,21 @@ def test_help_lists_the_export_options_in_their_written_order():
     """The order of README's command table: the model first, the tokenizer last (it was the reverse)."""
     for command in ("export", "run"):
         result = run_cli(command, "--help")
-        options = [re.match(r"  (?:-\w, )?(--[\w-]+)", line).group(1)
-                   for line in result.output.splitlines() if line.startswith("  -")]
-        assert options[:8] == ["--preset", "--checkpoint", "--config", "--seed", "--output", "--dtype", "--no-loss",
-                               "--tokenizer"], options
+        options = [
+            re.match(r"  (?:-\w, )?(--[\w-]+)", line).group(1)
+            for line in result.output.splitlines()
+            if line.startswith("  -")
+        ]
+        assert options[:8] == [
+            "--preset",
+            "--checkpoint",
+            "--config",
+            "--seed",
+            "--output",
+            "--dtype",
+            "--no-loss",
+            "--tokenizer",
+        ], options
 
 
 def test_no_loss_export_drops_labels_and_loss(cli_artifact):
@@ -139,12 +190,29 @@ def test_verify_exits_one_on_a_parity_failure(cli_artifact, tmp_path):
 def test_a_failing_report_is_strict_json_on_stdout_and_in_its_file(cli_artifact, tmp_path):
     # Zero tolerances: each multiple of the tolerance is infinite, which Python's json would write as Infinity.
     path = tmp_path / "report.json"
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK, "--json",
-                     "--report-json", path, "--atol", "logits=0", "--rtol", "logits=0", "--peak", "logits=0")
+    result = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        *QUICK,
+        "--json",
+        "--report-json",
+        path,
+        "--atol",
+        "logits=0",
+        "--rtol",
+        "logits=0",
+        "--peak",
+        "logits=0",
+    )
     assert result.exit_code == 1, result.output
 
     def not_json(constant):
         raise AssertionError(f"{constant} is not JSON")
+
     for text in (result.stdout, path.read_text()):
         report = json.loads(text, parse_constant=not_json)
         prefill = report["providers"][0]["comparisons"][0]
@@ -154,8 +222,15 @@ def test_a_failing_report_is_strict_json_on_stdout_and_in_its_file(cli_artifact,
 def test_table_output_names_every_check(cli_artifact, cpu_only):
     result = run_cli("verify", cli_artifact, "-q", *QUICK)
     assert result.exit_code == 0, result.output
-    for row in ("prefill logits", "decode logits (17 steps)", "reference-free invariants", "greedy tokens", "overall: PASS",
-                "consumer onnxruntime-genai", "32/32 match, 32 tokens identical"):
+    for row in (
+        "prefill logits",
+        "decode logits (17 steps)",
+        "reference-free invariants",
+        "greedy tokens",
+        "overall: PASS",
+        "consumer onnxruntime-genai",
+        "32/32 match, 32 tokens identical",
+    ):
         assert row in result.stdout
     assert "CUDAExecutionProvider: skipped (not available in this onnxruntime build" in result.stdout
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
@@ -172,7 +247,7 @@ def test_generate_and_inspect(cli_artifact):
 
 
 def test_an_interrupted_generation_ends_its_streamed_line_and_says_nothing_of_exports(cli_artifact, monkeypatch):
-    from exporter import generation
+    from exporter.runtime import generation
 
     def interrupted_after_two(*args):  # Ctrl-C while the third token is being computed
         yield [5]
@@ -191,7 +266,9 @@ def test_reexport_replaces_the_artifact(cli_artifact, tmp_path):
     result = run_cli("export", "--preset", "minimind-3-tiny", "--seed", "3", "-o", folder, "-q")
     assert result.exit_code == 0, result.output
     after = json.loads((folder / "manifest.json").read_text())
-    assert after["model"]["source"]["seed"] == 3 and "labels" not in [i["name"] for i in before["graphs"]["prefill"]["inputs"]]
+    assert after["model"]["source"]["seed"] == 3 and "labels" not in [
+        i["name"] for i in before["graphs"]["prefill"]["inputs"]
+    ]
     assert after["files"]["weights.onnx.data"]["sha256"] != before["files"]["weights.onnx.data"]["sha256"]
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
 
@@ -202,39 +279,62 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_
     assert_one_line_error(run_cli("export", "--preset", "minimind-9", "-q"), 2, "minimind-9")
     assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "-o", a_file, "-q"), 2, "is a file")
     assert_one_line_error(run_cli("verify", tmp_path, "-q"), 2, "has no manifest.json")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,99999", "-q"), 2, "outside the vocabulary")
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1,99999", "-q"), 2, "outside the vocabulary"
+    )
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,x", "-q"), 2, "not a list of integers")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"), 2,
-                    "exceeds max_position_embeddings")
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "300", "-q"),
+        2,
+        "exceeds max_position_embeddings",
+    )
     assert_one_line_error(run_cli("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--threads", "100000000000", "-q"), 2,
-                          "must be an integer from 0 (one per core) to 1024, got 100000000000")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--tokenizer", "none.json", "-q"), 2,
-                          "--tokenizer reads --prompt text; with --prompt-ids, drop it")
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--threads", "100000000000", "-q"),
+        2,
+        "must be an integer from 0 (one per core) to 1024, got 100000000000",
+    )
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--tokenizer", "none.json", "-q"),
+        2,
+        "--tokenizer reads --prompt text; with --prompt-ids, drop it",
+    )
     assert_one_line_error(run_cli("generate", cli_artifact, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--save-optimized",
-                                  cli_artifact / "opt", "-q"), 2, "lies inside the artifact folder")
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--save-optimized", cli_artifact / "opt", "-q"),
+        2,
+        "lies inside the artifact folder",
+    )
     unlisted = shutil.copytree(cli_artifact, tmp_path / "unlisted")  # a tokenizer dropped in after the export
     shutil.copyfile(tiny_tokenizer / "tokenizer.json", unlisted / "tokenizer.json")
     assert_one_line_error(run_cli("generate", unlisted, "--prompt", "hi", "-q"), 2, "lists no tokenizer.json")
-    assert_one_line_error(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t",
-                           "-q"), 2, "is not a readable JSON file")
+    assert_one_line_error(
+        run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", a_file, "-o", tmp_path / "t", "-q"),
+        2,
+        "is not a readable JSON file",
+    )
     assert not (tmp_path / "t").exists()
     assert_one_line_error(run_cli("verify", cli_artifact, "--provider", "cuda", "-q"), 2, "not available")
     assert_one_line_error(run_cli("verify", cli_artifact, "--atol", "logits", "-q"), 2, "expected KIND=VALUE")
     assert_one_line_error(run_cli("verify", cli_artifact, "--rtol", "weights=1", "-q"), 2, "unknown kind 'weights'")
     assert_one_line_error(run_cli("verify", cli_artifact, "--tolerances", a_file, "-q"), 2, "tolerance file")
     assert_one_line_error(run_cli("verify", cli_artifact, "--decode-steps", "0", "-q"), 2, "decode-steps")
-    assert_one_line_error(run_cli("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle")
+    assert_one_line_error(
+        run_cli("verify", cli_artifact, "--golden", tmp_path, "-q"), 2, "not a readable golden bundle"
+    )
     tampered = shutil.copytree(cli_artifact, tmp_path / "tampered")
     data = bytearray((tampered / "genai_config.json").read_bytes())
     data[len(data) // 2] ^= 1  # same size, other content
     (tampered / "genai_config.json").write_bytes(data)
-    assert_one_line_error(run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2,
-                          "sha256 of genai_config.json does not match")
+    assert_one_line_error(
+        run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2, "sha256 of genai_config.json does not match"
+    )
     (tampered / "genai_config.json").write_text("{}")
-    assert_one_line_error(run_cli("generate", tampered, "--prompt-ids", "1", "-q"), 2,
-                          f"genai_config.json is 2 bytes, not {len(data)} (truncated or modified)")
+    assert_one_line_error(
+        run_cli("generate", tampered, "--prompt-ids", "1", "-q"),
+        2,
+        f"genai_config.json is 2 bytes, not {len(data)} (truncated or modified)",
+    )
     assert a_file.read_text() == "x"
 
 
@@ -255,9 +355,27 @@ def _commands_without_torch(commands: list[list]) -> list[tuple[int, str]]:
 
 def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact, tmp_path):
     out = tmp_path / "out"
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
-                    "--no-sweep", "--atol", "logits=2e-4", "--report-json", out / "r.json", "--junit", out / "r.xml",
-                    "--html", out / "r.html", "--golden-save", out / "golden")
+    result = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        "--decode-steps",
+        "3",
+        "--no-sweep",
+        "--atol",
+        "logits=2e-4",
+        "--report-json",
+        out / "r.json",
+        "--junit",
+        out / "r.xml",
+        "--html",
+        out / "r.html",
+        "--golden-save",
+        out / "golden",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((out / "r.json").read_text())
     assert report["providers"][0]["tolerances"]["logits"]["atol"] == 2e-4
@@ -266,15 +384,35 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     result = run_cli("verify", cli_artifact, "--provider", "cpu", "--golden", out / "golden", "--json", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"] == f"golden bundle {out / 'golden'}"
-    without_torch = _commands_without_torch([
-        ["inspect", cli_artifact, "--json"], ["generate", cli_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2"],
-        ["verify", cli_artifact, "--golden", out / "golden", "--no-genai", "-q"], ["verify", cli_artifact, "-q"],
-        ["export", "--preset", "minimind-3-tiny", "-o", tmp_path / "new", "-q"]])
+    without_torch = _commands_without_torch(
+        [
+            ["inspect", cli_artifact, "--json"],
+            ["generate", cli_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+            ["verify", cli_artifact, "--golden", out / "golden", "--no-genai", "-q"],
+            ["verify", cli_artifact, "-q"],
+            ["export", "--preset", "minimind-3-tiny", "-o", tmp_path / "new", "-q"],
+        ]
+    )
     assert [code for code, _ in without_torch] == [0, 0, 0, 2, 2], without_torch  # a deployment with onnxruntime only
     assert without_torch[3][1].startswith("error: verifying against the reference model needs PyTorch")
     assert "--golden DIR" in without_torch[3][1] and without_torch[4][1].startswith("error: exporting needs PyTorch")
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--atol", "logits=0", "--rtol", "logits=0",
-                    "--peak", "logits=0", "-q", "--decode-steps", "3", "--no-sweep", "--no-genai")
+    result = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--atol",
+        "logits=0",
+        "--rtol",
+        "logits=0",
+        "--peak",
+        "logits=0",
+        "-q",
+        "--decode-steps",
+        "3",
+        "--no-sweep",
+        "--no-genai",
+    )
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides
 
 
@@ -284,8 +422,18 @@ def _report_options(folder):
 
 def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_pass(cli_artifact, tmp_path):
     reports = tmp_path / "reports"
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "2",
-                    "--no-sweep", *_report_options(reports))
+    result = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+        *_report_options(reports),
+    )
     assert result.exit_code == 0 and json.loads((reports / "r.json").read_text())["passed"], result.output
     earlier = {name: (reports / name).read_text() for name in ("r.json", "r.xml", "r.html")}
     # A usage error in the options themselves: nothing ran, so the reports are left as they were.
@@ -311,8 +459,22 @@ def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here to fail a write with ENOSPC")
 def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_verdict(cli_artifact, tmp_path):
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "2",
-                    "--no-sweep", "--json", "--report-json", tmp_path / "r.json", "--junit", "/dev/full")
+    result = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+        "--json",
+        "--report-json",
+        tmp_path / "r.json",
+        "--junit",
+        "/dev/full",
+    )
     assert_one_line_error(result, 2, "--junit /dev/full: cannot write the report (No space left on device)")
     verdict = json.loads(result.stdout)  # the verdict alone: one JSON document, no error object after it
     assert verdict["passed"] and json.loads((tmp_path / "r.json").read_text()) == verdict
@@ -320,13 +482,15 @@ def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_verdict(c
 
 
 def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    from exporter.paths import write_text_whole
+    from exporter.artifact.paths import write_text_whole
+
     report = tmp_path / "r.json"
     write_text_whole(report, "earlier")
 
     def interrupted(source, destination):
         raise KeyboardInterrupt
-    monkeypatch.setattr("exporter.paths.os.replace", interrupted)
+
+    monkeypatch.setattr("exporter.artifact.paths.os.replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_text_whole(report, "later")
     assert report.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
@@ -334,11 +498,12 @@ def test_a_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def test_a_report_that_cannot_be_written_leaves_no_folder_made_for_it(tmp_path, monkeypatch):
     # --report-json reports/ci/r.json on a full disk left reports/ci/ behind, empty.
-    from exporter.paths import write_text_whole
+    from exporter.artifact.paths import write_text_whole
 
     def full_disk(source, destination):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("exporter.paths.os.replace", full_disk)
+
+    monkeypatch.setattr("exporter.artifact.paths.os.replace", full_disk)
     with pytest.raises(OSError, match="No space left"):
         write_text_whole(tmp_path / "reports" / "ci" / "r.json", "report")
     assert list(tmp_path.iterdir()) == []
@@ -347,7 +512,8 @@ def test_a_report_that_cannot_be_written_leaves_no_folder_made_for_it(tmp_path, 
 def test_a_report_is_written_through_a_link_and_into_a_pipe_as_it_is(tmp_path):
     """Renamed over, a link would become a file of its own (the target keeping the earlier report) and a named
     pipe (or /dev/stdout) a regular file nobody reads."""
-    from exporter.paths import write_text_whole
+    from exporter.artifact.paths import write_text_whole
+
     target, link = tmp_path / "target.json", tmp_path / "link.json"
     target.write_text("earlier")
     link.symlink_to(target)
@@ -368,25 +534,46 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
     # Recorded under zero tolerance for logits and present (float32's profile is the peak term alone), which
     # nothing meets: the replay must fail as the recording did, not pass under the default profile.
     golden = tmp_path / "golden"
-    recorded = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--decode-steps", "3",
-                       "--no-sweep", "--peak", "logits=0", "--peak", "kv=0", "--golden-save", golden)
+    recorded = run_cli(
+        "verify",
+        cli_artifact,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "-q",
+        "--decode-steps",
+        "3",
+        "--no-sweep",
+        "--peak",
+        "logits=0",
+        "--peak",
+        "kv=0",
+        "--golden-save",
+        golden,
+    )
     assert recorded.exit_code == 1 and json.loads((golden / "golden.json").read_text())["overrides"] == {
-        "logits.peak": 0.0, "kv.peak": 0.0}
+        "logits.peak": 0.0,
+        "kv.peak": 0.0,
+    }
 
     def replay(*overrides):
-        result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden,
-                         *overrides, "--json")
+        result = run_cli(
+            "verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden, *overrides, "--json"
+        )
         text = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden, *overrides)
         assert text.exit_code == result.exit_code, text.output
         return result.exit_code, json.loads(result.stdout), text.stdout
 
     code, report, text = replay()
     assert code == 1 and report["tolerance_overrides"] == {
-        "applied": {"logits.peak": 0.0, "kv.peak": 0.0}, "given": {},
-        "recorded_in_golden_bundle": {"logits.peak": 0.0, "kv.peak": 0.0}}
+        "applied": {"logits.peak": 0.0, "kv.peak": 0.0},
+        "given": {},
+        "recorded_in_golden_bundle": {"logits.peak": 0.0, "kv.peak": 0.0},
+    }
     assert report["providers"][0]["tolerances"]["overridden"] == ["logits.peak", "kv.peak"]
-    assert ("tolerance overrides: logits.peak=0 (recorded in the golden bundle), kv.peak=0 (recorded in the golden "
-            "bundle)") in text
+    assert (
+        "tolerance overrides: logits.peak=0 (recorded in the golden bundle), kv.peak=0 (recorded in the golden bundle)"
+    ) in text
     # A term given for the replay takes the place of the recorded one; the other recorded term stays.
     profile = report["providers"][0]["tolerances"]
     code, report, text = replay("--peak", "logits=1e-3")
@@ -401,40 +588,66 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
     meta = json.loads((golden / "golden.json").read_text())
     meta["overrides"] = {"logits.peak": "loose"}
     (golden / "golden.json").write_text(json.dumps(meta))
-    assert_one_line_error(run_cli("verify", cli_artifact, "--golden", golden, "-q"), 2,
-                          "golden.json overrides logits.peak: 'loose' is not a number")
+    assert_one_line_error(
+        run_cli("verify", cli_artifact, "--golden", golden, "-q"),
+        2,
+        "golden.json overrides logits.peak: 'loose' is not a number",
+    )
 
 
 def test_generate_json_says_whether_a_row_stopped(cli_artifact):
     """Each row is Generation.to_dict(): a script tells a stop from reaching --max-new-tokens (the rows held
     prompt_ids and new_ids alone before)."""
+
     def rows(*options):
-        result = run_cli("generate", cli_artifact, "--prompt-ids", "1,17,230", "--max-new-tokens", "6",
-                         "--ignore-eos", "--json", "-q", *options)
+        result = run_cli(
+            "generate",
+            cli_artifact,
+            "--prompt-ids",
+            "1,17,230",
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+            "-q",
+            *options,
+        )
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)
+
     [free] = rows()
     assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped": False}
     assert len(free["new_ids"]) == 6
     stop = free["new_ids"][2]
     [stopped] = rows("--stop-id", str(stop))
-    assert stopped["new_ids"] == free["new_ids"][:free["new_ids"].index(stop) + 1]
+    assert stopped["new_ids"] == free["new_ids"][: free["new_ids"].index(stop) + 1]
     assert stopped["stopped"] is True
 
 
 def test_generate_samples_with_the_options_given(cli_artifact):
     """Every sampling option reaches the sampler: the command's tokens are the Python API's with the same
     settings (an option dropped on the way sampled with its default, silently)."""
-    from exporter.generation import SamplingConfig, generate
-    from exporter.runtime import OrtRunner
+    from exporter.runtime.generation import SamplingConfig, generate
+    from exporter.runtime.runner import OrtRunner
+
     options = {"temperature": 0.5, "top_k": 8, "top_p": 0.9, "repetition_penalty": 3.0, "seed": 5}
-    result = run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--max-new-tokens", "16", "--sample",
-                     "--json", "-q", *[arg for name, value in options.items()
-                                       for arg in (f"--{name.replace('_', '-')}", value)])
+    result = run_cli(
+        "generate",
+        cli_artifact,
+        "--prompt-ids",
+        "1,42,7",
+        "--max-new-tokens",
+        "16",
+        "--sample",
+        "--json",
+        "-q",
+        *[arg for name, value in options.items() for arg in (f"--{name.replace('_', '-')}", value)],
+    )
     assert result.exit_code == 0, result.output
     runner = OrtRunner(cli_artifact)
-    expected = generate(runner, [[1, 42, 7]], 16, SamplingConfig(do_sample=True, **options),
-                        runner.manifest.config.eos_token_id)[0].new_ids
+    expected = generate(
+        runner, [[1, 42, 7]], 16, SamplingConfig(do_sample=True, **options), runner.manifest.config.eos_token_id
+    )[0].new_ids
     assert json.loads(result.stdout)[0]["new_ids"] == expected
 
 
@@ -442,88 +655,151 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
     folder = shutil.copytree(cli_artifact, tmp_path / "tiny")
 
     def row(*options):
-        result = run_cli("generate", folder, "--prompt-ids", "1,17,230", "--max-new-tokens", "10", "--json", "-q",
-                         *options)
+        result = run_cli(
+            "generate", folder, "--prompt-ids", "1,17,230", "--max-new-tokens", "10", "--json", "-q", *options
+        )
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)[0]
+
     free = row("--ignore-eos")["new_ids"]
     eos = free[3]  # a token the model emits, made its eos
     edit_manifest(folder, lambda manifest: manifest["model"]["config"].update(eos_token_id=eos))
-    assert row() == {"prompt_ids": [1, 17, 230], "new_ids": free[:free.index(eos) + 1], "stopped": True}
+    assert row() == {"prompt_ids": [1, 17, 230], "new_ids": free[: free.index(eos) + 1], "stopped": True}
     assert row("--ignore-eos") == {"prompt_ids": [1, 17, 230], "new_ids": free, "stopped": False}
 
 
-@pytest.mark.parametrize("command, step", [
-    (["inspect"], "exporter.manifest.file_status"),  # said "is damaged: sha256 differs" of a sound new export
-    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"], "exporter.runtime.OrtRunner"),
-    (["verify", "-q", "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep"],
-     "exporter.verify.engine.verify_artifact"),  # gave a parity FAIL (exit 1) on a mix of two exports' files
-], ids=["inspect", "generate", "verify"])
-def test_a_folder_an_export_swaps_while_a_command_reads_it_is_a_one_line_error(artifact_copy, monkeypatch, command,
-                                                                                step):
+@pytest.mark.parametrize(
+    "command, step",
+    [
+        (
+            ["inspect"],
+            "exporter.artifact.manifest.file_status",
+        ),  # said "is damaged: sha256 differs" of a sound new export
+        (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"], "exporter.runtime.runner.OrtRunner"),
+        (
+            ["verify", "-q", "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep"],
+            "exporter.verify.engine.verify_artifact",
+        ),  # gave a parity FAIL (exit 1) on a mix of two exports' files
+    ],
+    ids=["inspect", "generate", "verify"],
+)
+def test_a_folder_an_export_swaps_while_a_command_reads_it_is_a_one_line_error(
+    artifact_copy, monkeypatch, command, step
+):
     """An export into the folder landing after the command read the manifest (and hashed the files) and before it
     read the rest: what it read mixed two artifacts, named as damage or a parity failure, or used without a word."""
     from helpers import swapped_in_first
+
     module, name = step.rsplit(".", 1)
-    monkeypatch.setattr(module + "." + name, swapped_in_first(getattr(__import__(module, fromlist=[name]), name),
-                                                               artifact_copy))
+    monkeypatch.setattr(
+        module + "." + name, swapped_in_first(getattr(__import__(module, fromlist=[name]), name), artifact_copy)
+    )
     result = run_cli(command[0], artifact_copy, *command[1:])
-    assert_one_line_error(result, 2, f"error: {artifact_copy} was replaced while it was read (an export into it "
-                                     "meanwhile?)")
+    assert_one_line_error(
+        result, 2, f"error: {artifact_copy} was replaced while it was read (an export into it meanwhile?)"
+    )
 
 
 def test_inspect_says_where_the_weights_came_from_in_words(cli_artifact):
-    from exporter.report import describe_source
+    from exporter.cli.export_report import describe_source
+
     result = run_cli("inspect", cli_artifact)
     assert result.exit_code == 0, result.output
     assert "  weights from: seeded preset minimind-3-tiny, seed 0\n" in result.stdout  # a dict's repr before
     assert describe_source({"kind": "in-memory"}) == "in-memory"
-    assert describe_source({"kind": "checkpoint", "path": "/m/model.pth", "sha256": "ab12", "format": "torch",
-                            "converted": {}, "assumed": {"max_position_embeddings": 32768}}) == (
-        "checkpoint, path=/m/model.pth, sha256=ab12, format=torch, assumed={'max_position_embeddings': 32768}")
+    assert describe_source(
+        {
+            "kind": "checkpoint",
+            "path": "/m/model.pth",
+            "sha256": "ab12",
+            "format": "torch",
+            "converted": {},
+            "assumed": {"max_position_embeddings": 32768},
+        }
+    ) == ("checkpoint, path=/m/model.pth, sha256=ab12, format=torch, assumed={'max_position_embeddings': 32768}")
 
 
 def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
     # click's check, as for --decode-steps and --seed: the flag the user typed, not the library's parameter name
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--prompt-chunk", "-1", "-q"), 2,
-                          "Invalid value for '--prompt-chunk': -1 is not in the range x>=0")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "-3", "-q"), 2,
-                          "Invalid value for '--max-new-tokens': -3 is not in the range x>=0")
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--prompt-chunk", "-1", "-q"),
+        2,
+        "Invalid value for '--prompt-chunk': -1 is not in the range x>=0",
+    )
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--max-new-tokens", "-3", "-q"),
+        2,
+        "Invalid value for '--max-new-tokens': -3 is not in the range x>=0",
+    )
 
 
-@pytest.mark.parametrize("option,value,named", [
-    ("--temperature", "0", "temperature (--temperature) must lie in"),
-    ("--top-k", "-1", "top_k (--top-k) must be an integer >= 0"),
-    ("--top-p", "0", "top_p (--top-p) must lie in (0, 1]"),
-    ("--repetition-penalty", "0", "repetition_penalty (--repetition-penalty) must lie in"),
-    ("--stop-id", "600", "stop ids (stop_ids, --stop-id) [600] are not token ids"),
-])
+@pytest.mark.parametrize(
+    "option,value,named",
+    [
+        ("--temperature", "0", "temperature (--temperature) must lie in"),
+        ("--top-k", "-1", "top_k (--top-k) must be an integer >= 0"),
+        ("--top-p", "0", "top_p (--top-p) must lie in (0, 1]"),
+        ("--repetition-penalty", "0", "repetition_penalty (--repetition-penalty) must lie in"),
+        ("--stop-id", "600", "stop ids (stop_ids, --stop-id) [600] are not token ids"),
+    ],
+)
 def test_generate_names_the_flag_of_a_sampling_value_out_of_range(cli_artifact, option, value, named):
     # The library's check, which said `top_k must be an integer >= 0` to a user who typed --top-k: both names now,
     # as the other refusals that the API and the CLI share.
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1", "--sample", option, value, "-q"), 2,
-                          named)
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1", "--sample", option, value, "-q"), 2, named
+    )
 
 
 def test_sampling_options_without_sample_are_refused(cli_artifact):
     # They were ignored in silence: --temperature 5 --top-p 0.1 --seed 9 printed the greedy tokens, exit 0.
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--temperature", "5", "--top-p",
-                                  "0.1", "--seed", "9", "-q"), 2,
-                          "--temperature, --top-p, --seed only shape sampling, and without --sample the decoding is "
-                          "greedy; add --sample, or drop them")
-    assert_one_line_error(run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--seed", "9", "-q"), 2,
-                          "--seed only shapes sampling, and without --sample the decoding is greedy; add --sample, "
-                          "or drop it")
-    sampled = run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--sample", "--temperature", "5", "--seed",
-                      "9", "--max-new-tokens", "2", "--json")
+    assert_one_line_error(
+        run_cli(
+            "generate",
+            cli_artifact,
+            "--prompt-ids",
+            "1,42,7",
+            "--temperature",
+            "5",
+            "--top-p",
+            "0.1",
+            "--seed",
+            "9",
+            "-q",
+        ),
+        2,
+        "--temperature, --top-p, --seed only shape sampling, and without --sample the decoding is "
+        "greedy; add --sample, or drop them",
+    )
+    assert_one_line_error(
+        run_cli("generate", cli_artifact, "--prompt-ids", "1,42,7", "--seed", "9", "-q"),
+        2,
+        "--seed only shapes sampling, and without --sample the decoding is greedy; add --sample, or drop it",
+    )
+    sampled = run_cli(
+        "generate",
+        cli_artifact,
+        "--prompt-ids",
+        "1,42,7",
+        "--sample",
+        "--temperature",
+        "5",
+        "--seed",
+        "9",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    )
     assert sampled.exit_code == 0, sampled.output
 
 
-def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it(cli_artifact, minimind2_artifact,
-                                                                                  minimind2_checkpoint, tmp_path):
-    from exporter.export import export_artifact
-    from exporter.manifest import read_manifest
-    from exporter.model_source import checkpoint_model, seeded_model
+def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it(
+    cli_artifact, minimind2_artifact, minimind2_checkpoint, tmp_path
+):
+    from exporter.artifact.manifest import read_manifest
+    from exporter.export.model_source import checkpoint_model, seeded_model
+    from exporter.export.pipeline import export_artifact
+
     assert seeded_model("minimind-3-tiny", seed=0).source == read_manifest(cli_artifact).source
     config = json.loads((minimind2_artifact.parent / "config.json").read_text())  # the export's --config
     sourced = checkpoint_model(minimind2_checkpoint, config_data=config)
@@ -531,8 +807,9 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
     assert sourced.source["sha256"] and sourced.source["format"]  # the fingerprint and the LoadReport's fields
     folder = tmp_path / "api"
     export_artifact(sourced.model, folder, source=sourced.source)
-    result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "--decode-steps", "1", "--no-sweep", "-q",
-                     "--json")
+    result = run_cli(
+        "verify", folder, "--provider", "cpu", "--no-genai", "--decode-steps", "1", "--no-sweep", "-q", "--json"
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"].startswith("pytorch"), result.stdout[:500]
 
@@ -543,17 +820,22 @@ def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monke
     # checkpoints fitting one --preset replaced each other in artifacts/<preset>.
     from exporter.cli import DEFAULT_ROOT, _output_folder
     from exporter.errors import ToolkitError
+
     checkpoint = tmp_path / "MiniMind3-Tiny"
     (checkpoint / "MiniMind2-Small-v1.5").mkdir(parents=True)
     monkeypatch.chdir(checkpoint)
     assert _output_folder(None, None, Path("."), "float32") == DEFAULT_ROOT / "minimind3-tiny"
     assert _output_folder(None, None, Path("MiniMind2-Small-v1.5"), "float16") == (
-        DEFAULT_ROOT / "minimind2-small-v1.5-float16")
+        DEFAULT_ROOT / "minimind2-small-v1.5-float16"
+    )
     assert _output_folder(None, "minimind2-small", Path("full_sft_512.pth"), "float32") == DEFAULT_ROOT / "full_sft_512"
     assert _output_folder(None, "minimind2-small", None, "float32") == DEFAULT_ROOT / "minimind2-small"
     assert _output_folder(Path("out"), "minimind2-small", Path("."), "float32") == Path("out")
-    with pytest.raises(ToolkitError, match=r"--checkpoint / has no name to call the artifact folder after; pass "
-                                           r"--output DIR"):
+    with pytest.raises(
+        ToolkitError,
+        match=r"--checkpoint / has no name to call the artifact folder after; pass "
+        r"--output DIR",
+    ):
         _output_folder(None, None, Path("/"), "float32")
 
 
@@ -561,18 +843,23 @@ def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypat
     """stdout holds the result (or under --json the error object) alone: a progress line there broke every
     script reading it; -q leaves only the error line."""
     import logging
+
     from exporter.errors import ToolkitError
 
     def stopped(model, folder, dtype, with_loss, source, tokenizer):
-        logging.getLogger("exporter.export").info("exporting prefill.onnx with torch.onnx (dynamo)")
+        logging.getLogger("exporter.export.pipeline").info("exporting prefill.onnx with torch.onnx (dynamo)")
         raise ToolkitError("stopped after the first progress line")
-    monkeypatch.setattr("exporter.export.export_artifact", stopped)
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", stopped)
     command = ("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "--json")
     loud = run_cli(*command)
     assert loud.exit_code == 2
     assert json.loads(loud.stdout)["error"]["message"] == "stopped after the first progress line"
-    assert re.fullmatch(r"\[ *\d+\.\ds\] exporting prefill\.onnx with torch\.onnx \(dynamo\)\n"
-                        r"error: stopped after the first progress line\n", loud.stderr), loud.stderr
+    assert re.fullmatch(
+        r"\[ *\d+\.\ds\] exporting prefill\.onnx with torch\.onnx \(dynamo\)\n"
+        r"error: stopped after the first progress line\n",
+        loud.stderr,
+    ), loud.stderr
     quiet = run_cli(*command, "-q")
     assert quiet.exit_code == 2 and quiet.stderr == "error: stopped after the first progress line\n"
     assert json.loads(quiet.stdout) == json.loads(loud.stdout)
@@ -582,14 +869,17 @@ def test_stdout_closed_by_its_reader_exits_141_without_a_word(tmp_path, monkeypa
     # `export-onnx ... | head`: the reader went away, so there is no one to tell; the exit code says it.
     def closed(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")
-    monkeypatch.setattr("exporter.export.export_artifact", closed)
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", closed)
     result = run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "x", "-q")
     assert result.exit_code == 141 and result.stderr == "", result.output
 
 
 def test_every_option_of_every_command_is_explained_in_its_help():
     import click
+
     from exporter.cli import main
+
     for name, command in main.commands.items():
         text = " ".join(run_cli(name, "--help").output.split())
         for param in command.params:
@@ -615,6 +905,7 @@ def test_an_interrupt_outside_a_command_exits_130(tmp_path, monkeypatch):
     # as for an interrupted command, not click's exit 1.
     def interrupted():
         raise KeyboardInterrupt
+
     monkeypatch.setattr("exporter.cli.begin_command", interrupted)
     result = run_cli("inspect", tmp_path)
     assert result.exit_code == 130 and result.stderr.strip() == "aborted" and result.stdout == "", result.output
@@ -626,6 +917,7 @@ def test_an_interrupt_outside_a_command_still_prints_the_json_error(tmp_path, mo
 
     def interrupted():
         raise KeyboardInterrupt
+
     monkeypatch.setattr("exporter.cli.begin_command", interrupted)
     monkeypatch.setattr("exporter.cli.outcome.state", CommandState())  # a fresh process's: no command has begun
     result = run_cli("inspect", tmp_path, "--json")
@@ -641,13 +933,14 @@ def test_a_negative_prompt_id_is_named_as_outside_the_vocabulary_not_as_no_integ
 
 
 def test_export_says_what_it_wrote_in_one_line_above_the_files(artifact_fp16, tmp_path, monkeypatch):
-    from exporter.export import ExportResult
-    from exporter.manifest import read_manifest
+    from exporter.artifact.manifest import read_manifest
+    from exporter.export.pipeline import ExportResult
 
     def exported(model, folder, dtype, with_loss, source, tokenizer):
         shutil.copytree(artifact_fp16, folder)
         return ExportResult(folder, read_manifest(folder), 2.54, 1_234_567)
-    monkeypatch.setattr("exporter.export.export_artifact", exported)
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", exported)
     folder = tmp_path / "half"
     result = run_cli("export", "--preset", "minimind-3-tiny", "--dtype", "float16", "-o", folder, "-q")
     assert result.exit_code == 0, result.output

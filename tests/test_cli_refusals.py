@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_one_line_error, edit_manifest, run_cli
 
 
@@ -26,35 +25,46 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     webapp.mkdir()
     (webapp / "manifest.json").write_text('{"name": "app"}')
     (webapp / "index.html").write_text("x")
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", webapp, "-q"), "holds no manifest.json of this toolkit")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", webapp, "-q"), "holds no manifest.json of this toolkit"
+    )
     assert sorted(p.name for p in webapp.iterdir()) == ["index.html", "manifest.json"]
 
     artifact = shutil.copytree(artifact_fp32, tmp_path / "artifact")
     (artifact / "NOTES.md").write_text("mine")
     (artifact / "golden").mkdir()
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
-            "holds NOTES.md, golden/, which its artifact does not list and replacing it would delete them; move them "
-            "out")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+        "holds NOTES.md, golden/, which its artifact does not list and replacing it would delete them; move them out",
+    )
     assert (artifact / "NOTES.md").read_text() == "mine"
     (artifact / "golden").rmdir()
     # One file read "...would delete; move them out"; past five the rest went unsaid.
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
-            "holds NOTES.md, which its artifact does not list and replacing it would delete it; move it out")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+        "holds NOTES.md, which its artifact does not list and replacing it would delete it; move it out",
+    )
     for i in range(6):
         (artifact / f"note{i}.txt").write_text("mine")
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
-            "holds NOTES.md, note0.txt, note1.txt, note2.txt, note3.txt and 2 more, which")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
+        "holds NOTES.md, note0.txt, note1.txt, note2.txt, note3.txt and 2 more, which",
+    )
     for i in range(6):
         (artifact / f"note{i}.txt").unlink()
     (artifact / "NOTES.md").unlink()
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact / "sub", "-q"),
-            f"lies inside the artifact folder {artifact}")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact / "sub", "-q"),
+        f"lies inside the artifact folder {artifact}",
+    )
     assert not (artifact / "sub").exists()
     monkeypatch.chdir(artifact)
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", ".", "-q"), "holds the current directory")
     (tmp_path / "link").symlink_to(tmp_path)  # the same folder by another path
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
-            "holds the current directory")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "link" / "artifact", "-q"),
+        "holds the current directory",
+    )
     (tmp_path / "link").unlink()
     (tmp_path / "alias").symlink_to(artifact)  # the swap would replace the link, not the artifact
     refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "alias", "-q"), "is a symbolic link")
@@ -65,33 +75,46 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
 
 def test_a_checkpoint_inside_the_output_folder_is_not_read_before_the_folder_is_refused(tmp_path, monkeypatch):
     # The checkpoint (gigabytes for a real model) was loaded first, and only then the folder refused.
-    import exporter.model_source
-    monkeypatch.setattr(exporter.model_source, "checkpoint_model",
-                        lambda *args, **kwargs: pytest.fail("the checkpoint was read before the folder was refused"))
+    import exporter.export.model_source
+
+    monkeypatch.setattr(
+        exporter.export.model_source,
+        "checkpoint_model",
+        lambda *args, **kwargs: pytest.fail("the checkpoint was read before the folder was refused"),
+    )
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.pth").write_bytes(b"weights")
     for command in ("export", "run"):
-        refused(run_cli(command, "--checkpoint", out / "model.pth", "-o", out, "-q"),
-                "holds no manifest.json of this toolkit")
+        refused(
+            run_cli(command, "--checkpoint", out / "model.pth", "-o", out, "-q"),
+            "holds no manifest.json of this toolkit",
+        )
     assert [p.name for p in out.iterdir()] == ["model.pth"]
 
 
 def test_run_checks_its_verification_options_before_exporting(tmp_path, monkeypatch):
     out = tmp_path / "never"
     report = tmp_path / "report.out"
-    for option, fragment in ((["--atol", "foo=1"], "unknown kind 'foo'"), (["--atol", "logits=inf"], "finite"),
-                             (["--provider", "bogus"],
-                              "not bogus; pass cpu or cuda (provider or providers, --provider)"),
-                             (["--report-json", tmp_path], "is a folder; give the path of a file"),
-                             (["--report-json", report, "--junit", report],
-                              f"--junit {report} is also the path of --report-json; give each report its own file")):
+    for option, fragment in (
+        (["--atol", "foo=1"], "unknown kind 'foo'"),
+        (["--atol", "logits=inf"], "finite"),
+        (["--provider", "bogus"], "not bogus; pass cpu or cuda (provider or providers, --provider)"),
+        (["--report-json", tmp_path], "is a folder; give the path of a file"),
+        (
+            ["--report-json", report, "--junit", report],
+            f"--junit {report} is also the path of --report-json; give each report its own file",
+        ),
+    ):
         refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", *option), fragment)
         assert not out.exists() and not list(tmp_path.glob(".never*"))
-    import exporter.genai
-    monkeypatch.setattr(exporter.genai, "genai_version", lambda: None)
-    refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--genai"),
-            "--genai asks for the onnxruntime-genai check, but it is not installed (pip install onnxruntime-genai)")
+    import exporter.runtime.genai
+
+    monkeypatch.setattr(exporter.runtime.genai, "genai_version", lambda: None)
+    refused(
+        run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--genai"),
+        "--genai asks for the onnxruntime-genai check, but it is not installed (pip install onnxruntime-genai)",
+    )
     assert not out.exists()
 
 
@@ -99,16 +122,22 @@ def test_run_checks_its_float16_companion_before_exporting(artifact_fp16, tmp_pa
     # the companion is the precision leg of a float32 artifact's attribution; the engine refused a companion of a
     # float16 export, or of other weights, only after the export (44 s for the tiny model)
     out = tmp_path / "never"
-    for option, fragment in ((["--dtype", "float16"],
-                              "fp16_companion (--fp16-companion) needs a float32 artifact to verify"),
-                             (["--seed", "1"], "holds other weights (seeded, minimind-3-tiny, seed 0 against "
-                                               "seeded, minimind-3-tiny, seed 1)"),
-                             (["--preset", "minimind2-tiny"], "is not a float16 export of the same model")):
-        refused(run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--fp16-companion", artifact_fp16,
-                        *option), fragment)
+    for option, fragment in (
+        (["--dtype", "float16"], "fp16_companion (--fp16-companion) needs a float32 artifact to verify"),
+        (
+            ["--seed", "1"],
+            "holds other weights (seeded, minimind-3-tiny, seed 0 against seeded, minimind-3-tiny, seed 1)",
+        ),
+        (["--preset", "minimind2-tiny"], "is not a float16 export of the same model"),
+    ):
+        refused(
+            run_cli("run", "--preset", "minimind-3-tiny", "-o", out, "-q", "--fp16-companion", artifact_fp16, *option),
+            fragment,
+        )
         assert not out.exists() and not list(tmp_path.glob(".never*"))
     from exporter.cli import _planned_artifact
-    from exporter.verify.providers import companion_for
+    from exporter.verify.checks.providers import companion_for
+
     companion_for(artifact_fp16, *_planned_artifact("minimind-3-tiny", 0, None, "float32"))  # its own float32 export
 
 
@@ -120,45 +149,78 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
     assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", tmp_path / "none", "-q"), "does not exist")
     refused(run_cli("verify", artifact_fp32, "--fp16-companion", artifact_fp32, "-q"), "is not a float16 export")
-    refused(run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
-            "lies inside the artifact folder")
+    refused(
+        run_cli("verify", artifact_fp32, "--report-json", artifact_fp32 / "manifest.json", "-q"),
+        "lies inside the artifact folder",
+    )
     for flag in ("--report-json", "--golden-save"):
-        refused(run_cli("verify", artifact_fp32, flag, artifact_fp32, "-q"),
-                f"{flag} {artifact_fp32} is the artifact folder this command reads, which it would change")
-    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", artifact_fp32, "-q"),
-            f"--save-optimized {artifact_fp32} is the artifact folder this command reads, which it would change")
-    refused(run_cli("verify", artifact_fp32, "--golden-save", tmp_path / "g", "--junit", tmp_path / "g" / "golden.json",
-                    "-q"), "--junit " + str(tmp_path / "g" / "golden.json") + " lies inside the golden bundle folder "
-                           "of --golden-save")
-    refused(run_cli("verify", artifact_fp32, "--golden", foreign, "--report-json", foreign / "arrays.npz", "-q"),
-            "lies inside the golden bundle folder of --golden")
+        refused(
+            run_cli("verify", artifact_fp32, flag, artifact_fp32, "-q"),
+            f"{flag} {artifact_fp32} is the artifact folder this command reads, which it would change",
+        )
+    refused(
+        run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", artifact_fp32, "-q"),
+        f"--save-optimized {artifact_fp32} is the artifact folder this command reads, which it would change",
+    )
+    refused(
+        run_cli(
+            "verify", artifact_fp32, "--golden-save", tmp_path / "g", "--junit", tmp_path / "g" / "golden.json", "-q"
+        ),
+        "--junit " + str(tmp_path / "g" / "golden.json") + " lies inside the golden bundle folder of --golden-save",
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--golden", foreign, "--report-json", foreign / "arrays.npz", "-q"),
+        "lies inside the golden bundle folder of --golden",
+    )
     assert sorted(p.name for p in foreign.iterdir()) == ["data.txt"]
     # Tried rather than read from permission bits, which say nothing to root.
-    refused(run_cli("verify", artifact_fp32, "--report-json", "/proc/report.json", "-q"),
-            "--report-json: cannot write to /proc (permission denied)")
-    refused(run_cli("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
-            "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps")
+    refused(
+        run_cli("verify", artifact_fp32, "--report-json", "/proc/report.json", "-q"),
+        "--report-json: cannot write to /proc (permission denied)",
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--golden", foreign, "--decode-steps", "5", "-q"),
+        "--golden replays the checks recorded in the bundle, with its settings; drop --decode-steps",
+    )
 
     import onnxruntime
-    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"])
-    refused(run_cli("verify", artifact_fp32, "--provider", "azure", "-q"),
-            "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
-    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--provider", "azure", "-q"),
-            "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider")
+
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers", lambda: ["AzureExecutionProvider", "CPUExecutionProvider"]
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--provider", "azure", "-q"),
+        "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider",
+    )
+    refused(
+        run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--provider", "azure", "-q"),
+        "runs and verifies on CPUExecutionProvider and CUDAExecutionProvider, not AzureExecutionProvider",
+    )
 
 
 def test_reports_and_bundles_are_never_written_into_another_artifact_folder(artifact_fp32, artifact_copy, tmp_path):
     # They were, as files its manifest does not list: a re-export into that folder then refused to delete them.
-    from exporter.paths import check_outside_artifact
+    from exporter.artifact.paths import check_outside_artifact
+
     other, before = artifact_copy, sorted(p.name for p in artifact_copy.iterdir())
-    for flag, path in (("--report-json", other / "report.json"), ("--junit", other / "reports" / "junit.xml"),
-                       ("--html", other / "report.html"), ("--golden-save", other / "golden")):
-        refused(run_cli("verify", artifact_fp32, flag, path, "-q"),
-                f"{flag} {path} lies inside the artifact folder {other}, which it would change; write it elsewhere")
-    refused(run_cli("verify", artifact_fp32, "--golden-save", other, "-q"),
-            f"--golden-save {other} is an artifact folder, which it would change; write it elsewhere")
-    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", other / "optimized", "-q"),
-            f"--save-optimized {other / 'optimized'} lies inside the artifact folder {other}")
+    for flag, path in (
+        ("--report-json", other / "report.json"),
+        ("--junit", other / "reports" / "junit.xml"),
+        ("--html", other / "report.html"),
+        ("--golden-save", other / "golden"),
+    ):
+        refused(
+            run_cli("verify", artifact_fp32, flag, path, "-q"),
+            f"{flag} {path} lies inside the artifact folder {other}, which it would change; write it elsewhere",
+        )
+    refused(
+        run_cli("verify", artifact_fp32, "--golden-save", other, "-q"),
+        f"--golden-save {other} is an artifact folder, which it would change; write it elsewhere",
+    )
+    refused(
+        run_cli("generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", other / "optimized", "-q"),
+        f"--save-optimized {other / 'optimized'} lies inside the artifact folder {other}",
+    )
     assert sorted(p.name for p in other.iterdir()) == before
     webapp = tmp_path / "webapp"  # a manifest.json that is not this toolkit's makes no artifact
     webapp.mkdir()
@@ -172,15 +234,31 @@ def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact
     source = tmp_path / "verify.py"
     source.write_text("print('mine')\n")
     for flag, kind in (("--report-json", "JSON"), ("--junit", "JUnit XML"), ("--html", "HTML")):
-        refused(run_cli("verify", artifact_fp32, flag, source, "-q"),
-                f"{flag} {source} is a file that holds no {kind} report; refusing to overwrite it")
+        refused(
+            run_cli("verify", artifact_fp32, flag, source, "-q"),
+            f"{flag} {source} is a file that holds no {kind} report; refusing to overwrite it",
+        )
     assert source.read_text() == "print('mine')\n"
     (tmp_path / "empty.json").write_text("")
     (tmp_path / "pytest.xml").write_text('<?xml version="1.0" encoding="utf-8"?><testsuites></testsuites>')
     (tmp_path / "page.html").write_text("\n<!doctype HTML><html></html>")
-    result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--no-sweep", "--decode-steps", "1",
-                     "--report-json", tmp_path / "empty.json", "--junit", tmp_path / "pytest.xml",
-                     "--html", tmp_path / "page.html", "-q")
+    result = run_cli(
+        "verify",
+        artifact_fp32,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--no-sweep",
+        "--decode-steps",
+        "1",
+        "--report-json",
+        tmp_path / "empty.json",
+        "--junit",
+        tmp_path / "pytest.xml",
+        "--html",
+        tmp_path / "page.html",
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "empty.json").read_text())["passed"] is True
     assert "<testcase" in (tmp_path / "pytest.xml").read_text() and "svg" in (tmp_path / "page.html").read_text()
@@ -190,13 +268,14 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
     manifest = (folder / "manifest.json").read_text()
     for change, fragment in (
-            (lambda m: m["model"]["config"].update(vocab_size=1024), "do not follow from its model config"),
-            (lambda m: m.update(dtype="int8"), "dtype 'int8' is none of float32, float16"),
-            (lambda m: m["files"].update({"../../etc/passwd": {"sha256": "0"}}), "lies outside the folder"),
-            (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256"),
-            (lambda m: m["weights"].update(file="config.json"), "does not lie within config.json"),
-            (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int"),
-            (lambda m: m["weights"].update(file=5), "weights.file is 5, not a file name")):
+        (lambda m: m["model"]["config"].update(vocab_size=1024), "do not follow from its model config"),
+        (lambda m: m.update(dtype="int8"), "dtype 'int8' is none of float32, float16"),
+        (lambda m: m["files"].update({"../../etc/passwd": {"sha256": "0"}}), "lies outside the folder"),
+        (lambda m: m["files"]["decode.onnx"].pop("sha256"), "has no sha256"),
+        (lambda m: m["weights"].update(file="config.json"), "does not lie within config.json"),
+        (lambda m: m["model"]["source"].update(seed="x"), "model.source.seed is 'x', expected int"),
+        (lambda m: m["weights"].update(file=5), "weights.file is 5, not a file name"),
+    ):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(run_cli("inspect", folder), fragment)
@@ -208,7 +287,9 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit"
+    )
 
 
 def test_inspect_shows_a_damaged_folder_with_each_files_state_then_exits_2(artifact_fp32, tmp_path):
@@ -222,10 +303,15 @@ def test_inspect_shows_a_damaged_folder_with_each_files_state_then_exits_2(artif
     weights = bytearray((folder / "weights.onnx.data").read_bytes())
     weights[0] ^= 1  # same size, other content
     (folder / "weights.onnx.data").write_bytes(bytes(weights))
-    expected = {"decode.onnx": "missing", "weights.onnx.data": "sha256 differs",
-                "config.json": f"{size + 1} bytes, not {size}"}
-    message = (f"{folder} is damaged: decode.onnx: missing; weights.onnx.data: sha256 differs; "
-               f"config.json: {size + 1} bytes, not {size}; re-export the folder")
+    expected = {
+        "decode.onnx": "missing",
+        "weights.onnx.data": "sha256 differs",
+        "config.json": f"{size + 1} bytes, not {size}",
+    }
+    message = (
+        f"{folder} is damaged: decode.onnx: missing; weights.onnx.data: sha256 differs; "
+        f"config.json: {size + 1} bytes, not {size}; re-export the folder"
+    )
     result = run_cli("inspect", folder)
     assert_one_line_error(result, 2, message)
     assert "past_key_values.1.value" in result.stdout  # the contract, as for an intact folder
@@ -245,10 +331,10 @@ def test_inspect_shows_a_damaged_folder_with_each_files_state_then_exits_2(artif
 
 
 def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every_reader(artifact_fp32, tmp_path):
+    from exporter.artifact.manifest import read_manifest
+    from exporter.artifact.tokenizer import find_tokenizer
     from exporter.errors import ToolkitError
-    from exporter.manifest import read_manifest
-    from exporter.tokenizer import find_tokenizer
-    from exporter.verify.golden import check_bundle
+    from exporter.verify.references.golden import check_bundle
     from exporter.verify.tolerances import parse_overrides
     from reference.checkpoints import read_checkpoint
     from reference.errors import ModelError
@@ -257,10 +343,12 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every
     for name in ("tolerances.json", "tokenizer.json", "golden.json", "config.json"):
         (tmp_path / name).write_text(deep)
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    readers = [(lambda: parse_overrides(file=tmp_path / "tolerances.json"), "tolerance file .* not a readable JSON"),
-               (lambda: find_tokenizer(tmp_path / "tokenizer.json", 512), "tokenizer .* not a readable JSON"),
-               (lambda: check_bundle(tmp_path, read_manifest(artifact_fp32)), "golden bundle"),
-               (lambda: read_checkpoint(tmp_path), "config.json is not valid JSON")]
+    readers = [
+        (lambda: parse_overrides(file=tmp_path / "tolerances.json"), "tolerance file .* not a readable JSON"),
+        (lambda: find_tokenizer(tmp_path / "tokenizer.json", 512), "tokenizer .* not a readable JSON"),
+        (lambda: check_bundle(tmp_path, read_manifest(artifact_fp32)), "golden bundle"),
+        (lambda: read_checkpoint(tmp_path), "config.json is not valid JSON"),
+    ]
     for read, fragment in readers:
         with pytest.raises((ToolkitError, ModelError), match=fragment) as info:
             read()
@@ -271,32 +359,57 @@ def test_bad_config_values_and_tokenizers_are_named(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"rms_norm_eps": "x"}))
     import torch
+
     from reference import build_model, get_preset
+
     checkpoint = tmp_path / "model.pth"
     torch.save(build_model(get_preset("minimind-3-tiny")).state_dict(), checkpoint)
-    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
-            "config field rms_norm_eps must be float or None, got 'x'")
+    refused(
+        run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+        "config field rms_norm_eps must be float or None, got 'x'",
+    )
     state = build_model(get_preset("minimind-3-tiny")).state_dict()
     state["model.norm.weight"] = state["model.norm.weight"].long()
     torch.save(state, tmp_path / "integers.pth")
-    refused(run_cli("export", "--checkpoint", tmp_path / "integers.pth", "--preset", "minimind-3-tiny", "-o",
-                   tmp_path / "a", "-q"), "weights stored as integers")
+    refused(
+        run_cli(
+            "export",
+            "--checkpoint",
+            tmp_path / "integers.pth",
+            "--preset",
+            "minimind-3-tiny",
+            "-o",
+            tmp_path / "a",
+            "-q",
+        ),
+        "weights stored as integers",
+    )
     config.write_text(json.dumps({"dropout": 2}))
-    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
-            "config field dropout must lie in [0, 1), got 2")
+    refused(
+        run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+        "config field dropout must lie in [0, 1), got 2",
+    )
     config.write_text("[" * 100000 + "]" * 100000)
-    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
-            "is not a readable JSON file (maximum recursion depth exceeded")
+    refused(
+        run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+        "is not a readable JSON file (maximum recursion depth exceeded",
+    )
     config.write_bytes(b"\xff\xfe\x00{")
-    refused(run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
-            "is not a readable JSON file")
+    refused(
+        run_cli("export", "--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "a", "-q"),
+        "is not a readable JSON file",
+    )
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 3.7}, "unk_token": "a"}}))
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
-            "is not a readable tokenizer.json")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+        "is not a readable tokenizer.json",
+    )
     tokenizer.write_text(json.dumps({"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}))
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
-            "malformed vocabulary or added_tokens")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "--tokenizer", tokenizer, "-o", tmp_path / "b", "-q"),
+        "malformed vocabulary or added_tokens",
+    )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -304,7 +417,11 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
     result = run_cli("inspect", tmp_path / "none", "--json")
     assert result.exit_code == 2
     error = json.loads(result.stdout)
-    assert error["exit_code"] == 2 and error["error"]["kind"] == "input" and "none does not exist" in error["error"]["message"]
+    assert (
+        error["exit_code"] == 2
+        and error["error"]["kind"] == "input"
+        and "none does not exist" in error["error"]["message"]
+    )
     (tmp_path / "notes.txt").write_text("")
     refused(run_cli("inspect", tmp_path / "notes.txt"), "notes.txt is a file, not a folder; pass an artifact folder")
     for ids in ("1,,2", "1_000", "\u0661\u0662"):  # a lost id; what int() reads but no one writes as a token id
@@ -317,14 +434,17 @@ def test_onnxruntime_missing_is_one_line_naming_it(tmp_path):
     command = Path(sys.executable).parent / "export-onnx"
     (tmp_path / "onnxruntime").mkdir()
     (tmp_path / "onnxruntime" / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'onnxruntime'\", name='onnxruntime')")
+        "raise ModuleNotFoundError(\"No module named 'onnxruntime'\", name='onnxruntime')"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     for json_flag in ([], ["--json"]):
-        result = subprocess.run([str(command), "inspect", str(tmp_path), *json_flag], capture_output=True, text=True,
-                                env=env, timeout=120)
+        result = subprocess.run(
+            [str(command), "inspect", str(tmp_path), *json_flag], capture_output=True, text=True, env=env, timeout=120
+        )
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [
             "error: onnxruntime does not import here (No module named 'onnxruntime'); install it (pip install "
-            "onnxruntime), or reinstall this package with its dependencies"], result.stderr
+            "onnxruntime), or reinstall this package with its dependencies"
+        ], result.stderr
         if json_flag:
             assert json.loads(result.stdout)["error"]["kind"] == "input"
 
@@ -333,25 +453,44 @@ def test_onnxruntime_missing_is_one_line_naming_it(tmp_path):
 def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_path):
     command = Path(sys.executable).parent / "export-onnx"
     with open("/dev/full", "w") as full:  # every write fails: No space left on device
-        result = subprocess.run([str(command), "inspect", str(tmp_path / "none"), "--json"], stdout=full,
-                                stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run(
+            [str(command), "inspect", str(tmp_path / "none"), "--json"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'none'} does not exist; pass an artifact folder written by 'export-onnx export'"]
+        f"error: {tmp_path / 'none'} does not exist; pass an artifact folder written by 'export-onnx export'"
+    ]
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
-@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["generate", "--prompt-ids", "1,2"],
-                                     ["generate", "--prompt-ids", "1", "--prompt-ids", "2"],
-                                     ["generate", "--prompt-ids", "1,2", "--json"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect"],
+        ["inspect", "--json"],
+        ["generate", "--prompt-ids", "1,2"],
+        ["generate", "--prompt-ids", "1", "--prompt-ids", "2"],
+        ["generate", "--prompt-ids", "1,2", "--json"],
+    ],
+)
 def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(artifact_fp32, command):
     # The result printed to a full disk was `internal error: OSError: [Errno 28] No space left on device (rerun
     # with --verbose for the traceback)`, exit 3: the user's disk, not a fault of the toolkit.
     script = Path(sys.executable).parent / "export-onnx"
     with open("/dev/full", "w") as full:
-        result = subprocess.run([str(script), command[0], str(artifact_fp32), *command[1:]], stdout=full,
-                                stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run(
+            [str(script), command[0], str(artifact_fp32), *command[1:]],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: cannot write the result to stdout (No space left on device)"], result.stderr
+        "error: cannot write the result to stdout (No space left on device)"
+    ], result.stderr
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -359,10 +498,16 @@ def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(
 def test_help_that_stdout_cannot_take_is_one_line_not_a_traceback(command):
     # click printed it and the OSError came out as a traceback, exit 1
     with open("/dev/full", "w") as full:
-        result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), *command], stdout=full,
-                                stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "export-onnx"), *command],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: cannot write the help to stdout (No space left on device)"], result.stderr
+        "error: cannot write the help to stdout (No space left on device)"
+    ], result.stderr
 
 
 @pytest.mark.parametrize("command", [["--help"], ["verify", "--help"]])
@@ -371,8 +516,13 @@ def test_help_into_a_closed_pipe_exits_141_without_a_word(command):
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader gone before the help is written: every write fails with EPIPE
     try:
-        result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), *command], stdout=write_end,
-                                stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "export-onnx"), *command],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert result.returncode == 141 and result.stderr == "", result.stderr
@@ -381,8 +531,9 @@ def test_help_into_a_closed_pipe_exits_141_without_a_word(command):
 def test_a_terminated_export_removes_its_partial_folder(tmp_path):
     out = tmp_path / "art"
     command = Path(sys.executable).parent / "export-onnx"  # the installed script, as users run it
-    export = subprocess.Popen([str(command), "export", "--preset", "minimind2-tiny", "-o", str(out), "-q"],
-                              stderr=subprocess.PIPE, text=True)
+    export = subprocess.Popen(
+        [str(command), "export", "--preset", "minimind2-tiny", "-o", str(out), "-q"], stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".art.partial-*")) and export.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -397,32 +548,40 @@ def test_a_checkpoint_refused_for_its_config_is_one_line_without_the_fields_it_a
     # The "max_position_embeddings is not visible in the weights; assuming 32768" warning came first, a second
     # line; a --config size past what a tensor holds failed in torch with exit 3 and 14 lines of C++ frames.
     import torch
+
     from reference import build_model, get_preset
+
     state = build_model(get_preset("minimind-3-tiny")).state_dict()
     torch.save(state, tmp_path / "model.pth")
     config = tmp_path / "config.json"
-    for size, fragment in ((10 ** 30, "Overflow when unpacking long long"),
-                           (2 ** 62, "Storage size calculation overflowed")):
+    for size, fragment in (
+        (10**30, "Overflow when unpacking long long"),
+        (2**62, "Storage size calculation overflowed"),
+    ):
         config.write_text(json.dumps({"intermediate_size": size}))
-        result = run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a",
-                         "-q")
+        result = run_cli(
+            "export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a", "-q"
+        )
         refused(result, "model.pth: the config's sizes make tensors too large to build (")
         assert fragment in result.stderr
     name = "model.layers.0.self_attn.q_proj.weight"
     state[name] = state[name][:, :-1].clone()
     torch.save(state, tmp_path / "narrow.pth")
-    refused(run_cli("export", "--checkpoint", tmp_path / "narrow.pth", "-o", tmp_path / "a", "-q"),
-            f"1 mis-shaped ({name}: checkpoint (64, 63) vs model (64, 64))")
+    refused(
+        run_cli("export", "--checkpoint", tmp_path / "narrow.pth", "-o", tmp_path / "a", "-q"),
+        f"1 mis-shaped ({name}: checkpoint (64, 63) vs model (64, 64))",
+    )
     assert not (tmp_path / "a").exists()
 
 
 def test_an_internal_error_is_one_line_even_when_its_message_is_not(artifact_fp32, monkeypatch):
     # torch's C++ errors carry their stack frames after the first line
-    import exporter.manifest
+    import exporter.artifact.manifest
 
     def fails(folder):
         raise RuntimeError("size overflowed\nException raised from f at x.h:79\nframe #0: c10::Error::Error")
-    monkeypatch.setattr(exporter.manifest, "load_manifest", fails)
+
+    monkeypatch.setattr(exporter.artifact.manifest, "load_manifest", fails)
     result = run_cli("inspect", artifact_fp32, "--json")
     assert_one_line_error(result, 3, "internal error: RuntimeError: size overflowed (rerun with --verbose")
     assert json.loads(result.stdout)["error"]["message"].startswith("RuntimeError: size overflowed (rerun")
@@ -432,6 +591,7 @@ def test_a_long_first_line_keeps_its_start_and_its_end():
     """onnxruntime puts the reason last, after the source file and the kernel's C++ signature: a cut message
     keeps both ends and leaves out the middle."""
     from exporter.errors import first_line
+
     error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : " + "signature " * 60 + "the reason\nsecond line")
     line = first_line(error, 100)
     assert line.startswith("[ONNXRuntimeError] : 1 : FAIL") and line.endswith("signature the reason"), line
@@ -443,28 +603,37 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
     # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
     # verify. Simulated, since the tests may run as root, whom permission bits do not stop.
     import pathlib
-    import exporter.manifest
+
+    import exporter.artifact.manifest
+
     denied = PermissionError(13, "Permission denied")
-    real_sha256 = exporter.manifest.sha256_file
+    real_sha256 = exporter.artifact.manifest.sha256_file
 
     def sha256_file(path):
         if Path(path).name == "weights.onnx.data":
             raise denied
         return real_sha256(path)
-    monkeypatch.setattr(exporter.manifest, "sha256_file", sha256_file)
+
+    monkeypatch.setattr(exporter.artifact.manifest, "sha256_file", sha256_file)
     result = run_cli("inspect", artifact_fp32, "--json")
-    assert_one_line_error(result, 2, "is damaged: weights.onnx.data: unreadable (Permission denied); "
-                                     "let this user read the artifact's files")
+    assert_one_line_error(
+        result,
+        2,
+        "is damaged: weights.onnx.data: unreadable (Permission denied); let this user read the artifact's files",
+    )
     assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == "unreadable (Permission denied)"
-    refused(run_cli("generate", artifact_fp32, "--prompt-ids", "1"),
-            "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files")
-    monkeypatch.setattr(exporter.manifest, "sha256_file", real_sha256)
+    refused(
+        run_cli("generate", artifact_fp32, "--prompt-ids", "1"),
+        "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files",
+    )
+    monkeypatch.setattr(exporter.artifact.manifest, "sha256_file", real_sha256)
     real_read_text = pathlib.Path.read_text
 
     def read_text(path, *args, **kwargs):
         if path.name == "manifest.json":
             raise denied
         return real_read_text(path, *args, **kwargs)
+
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
     for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
@@ -474,9 +643,13 @@ def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifac
     # An unset shell variable: `--save-optimized ""` wrote the optimised graphs into the current folder, and
     # `--checkpoint ""` read it as a model folder.
     monkeypatch.chdir(tmp_path)
-    for command in (["export", "--preset", "minimind-3-tiny", "-o", ""], ["export", "--checkpoint", ""],
-                    ["generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", ""],
-                    ["inspect", ""], ["verify", artifact_fp32, "--report-json", ""]):
+    for command in (
+        ["export", "--preset", "minimind-3-tiny", "-o", ""],
+        ["export", "--checkpoint", ""],
+        ["generate", artifact_fp32, "--prompt-ids", "1", "--save-optimized", ""],
+        ["inspect", ""],
+        ["verify", artifact_fp32, "--report-json", ""],
+    ):
         result = run_cli(*command, "--json")
         refused(result, "the path is empty; give a path (. for the current folder)")
         assert json.loads(result.stdout)["error"]["kind"] == "usage"
@@ -486,6 +659,7 @@ def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifac
 def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line(tmp_path, monkeypatch):
     # chmod 000 on a parent of -o: Path.exists raised PermissionError, exit 3. Simulated (root ignores the bits).
     import pathlib
+
     locked = tmp_path / "locked"
     real_exists = pathlib.Path.exists
 
@@ -493,9 +667,12 @@ def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line
         if locked in (path, *path.parents) and path != locked:
             raise PermissionError(13, "Permission denied", str(path))
         return real_exists(path, *args, **kwargs)
+
     monkeypatch.setattr(pathlib.Path, "exists", exists)
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
-            f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", locked / "art", "-q"),
+        f"output folder {locked / 'art'} cannot be reached (Permission denied); choose another path",
+    )
 
 
 def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tmp_path, monkeypatch):
@@ -505,16 +682,20 @@ def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tm
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
+
     monkeypatch.setattr(tempfile, "mkstemp", read_only)
-    refused(run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "art", "-q"),
-            f"output folder: cannot write to {tmp_path} (read-only file system); choose another path")
+    refused(
+        run_cli("export", "--preset", "minimind-3-tiny", "-o", tmp_path / "art", "-q"),
+        f"output folder: cannot write to {tmp_path} (read-only file system); choose another path",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
     # Two verifies writing one report path shared `.r.json.partial`: one renamed the other's half-written file
     # into place, and the other's rename then failed, which removed the report.
-    from exporter.paths import write_text_whole
+    from exporter.artifact.paths import write_text_whole
+
     theirs = tmp_path / ".r.json.partial"
     theirs.write_text('{"half')
     write_text_whole(tmp_path / "r.json", '{"passed": true}\n')
@@ -528,6 +709,7 @@ def test_a_signal_this_process_was_started_ignoring_stays_ignored():
     import signal
 
     from exporter.cli.outcome import begin_command
+
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -548,7 +730,7 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, were pytest started with `&`
         real_import = builtins.__import__
         def ctrl_c_during(name, *args, **kwargs):
-            if name == "exporter.generation":
+            if name == "exporter.runtime.generation":
                 os.kill(os.getpid(), signal.SIGINT)
             return real_import(name, *args, **kwargs)
         builtins.__import__ = ctrl_c_during
@@ -556,15 +738,23 @@ def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_p
         from exporter.cli import main
         main()
         """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert result.returncode == 130, result.stderr
     assert result.stderr == "interrupted (SIGINT)\n"
-    assert json.loads(result.stdout) == {"error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
-                                         "exit_code": 130}
+    assert json.loads(result.stdout) == {
+        "error": {"kind": "interrupted", "message": "interrupted (SIGINT)"},
+        "exit_code": 130,
+    }
     import signal
 
     from exporter import cli
+
     assert signal.getsignal(signal.SIGINT) is not cli._interrupted_while_starting  # an importer keeps its own
 
 
@@ -580,8 +770,13 @@ def _interrupted_start(hook: str) -> subprocess.CompletedProcess:
         from exporter.cli import main
         main()
         """
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
 
 
 def test_an_interrupt_inside_onnxruntimes_import_is_an_interruption_not_a_missing_onnxruntime():
@@ -590,7 +785,7 @@ def test_an_interrupt_inside_onnxruntimes_import_is_an_interruption_not_a_missin
     # second in added "error: onnxruntime does not import here (initialization failed); install it ..." and a
     # second JSON document, and exited 2.
     result = _interrupted_start("""def ctrl_c_during(name, *args, **kwargs):
-            if name == "exporter.generation":
+            if name == "exporter.runtime.generation":
                 try:
                     os.kill(os.getpid(), signal.SIGINT)
                 except SystemExit as exc:  # as pybind11 reports it
@@ -620,11 +815,16 @@ def test_an_interrupt_while_the_commands_are_defined_is_one_line_not_a_traceback
 def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artifact_fp32, tmp_path):
     """Intact bytes are not the right graph: decode.onnx replaced by prefill.onnx, its size and sha256 listed
     again in the manifest, passes the file check; inspect still says what it is and exits 2."""
-    from exporter.manifest import sha256_file
+    from exporter.artifact.manifest import sha256_file
+
     folder = shutil.copytree(artifact_fp32, tmp_path / "swapped")
     shutil.copyfile(folder / "prefill.onnx", folder / "decode.onnx")
-    edit_manifest(folder, lambda m: m["files"]["decode.onnx"].update(
-        sha256=sha256_file(folder / "decode.onnx"), bytes=(folder / "decode.onnx").stat().st_size))
+    edit_manifest(
+        folder,
+        lambda m: m["files"]["decode.onnx"].update(
+            sha256=sha256_file(folder / "decode.onnx"), bytes=(folder / "decode.onnx").stat().st_size
+        ),
+    )
     result = run_cli("inspect", folder, "--json")
     assert result.exit_code == 2, result.output
     state = json.loads(result.stdout)["file_status"]["decode.onnx"]
@@ -637,8 +837,10 @@ def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tm
     # replaced the overrides with the report, and the next run with that file was refused ("unknown kind 'folder'")
     tolerances = tmp_path / "tol.json"
     tolerances.write_text('{"logits": {"atol": 1e-3}}')
-    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "--report-json", tolerances, "-q"),
-            f"--report-json {tolerances} is also the path of --tolerances; give each report its own file")
+    refused(
+        run_cli("verify", artifact_fp32, "--tolerances", tolerances, "--report-json", tolerances, "-q"),
+        f"--report-json {tolerances} is also the path of --tolerances; give each report its own file",
+    )
     assert tolerances.read_text() == '{"logits": {"atol": 1e-3}}'
 
 
@@ -648,37 +850,55 @@ def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_
     bundle = tmp_path / "g"
     bundle.mkdir()
     (bundle / "golden.json").write_text("{}")
-    refused(run_cli("verify", artifact_fp32, "--golden", bundle / "golden.json", "-q"),
-            f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}")
-    refused(run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
-            f"{artifact_fp32} is an artifact folder, not a golden bundle; pass the folder that golden_save (--golden-save) wrote")
+    refused(
+        run_cli("verify", artifact_fp32, "--golden", bundle / "golden.json", "-q"),
+        f"{bundle / 'golden.json'} is a file, not a golden bundle; pass the folder that holds golden.json: {bundle}",
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--golden", artifact_fp32, "-q"),
+        f"{artifact_fp32} is an artifact folder, not a golden bundle; "
+        "pass the folder that golden_save (--golden-save) wrote",
+    )
     # and the other way round: the pytest plugin's hint, which verify lacked
-    refused(run_cli("verify", bundle, "-q"), f"{bundle} has no manifest.json; it is not an artifact folder (export one "
-            f"with 'export-onnx export') ({bundle}: a golden bundle; pass it as --golden DIR, with the artifact it was "
-            "recorded from as FOLDER)")
+    refused(
+        run_cli("verify", bundle, "-q"),
+        f"{bundle} has no manifest.json; it is not an artifact folder (export one "
+        f"with 'export-onnx export') ({bundle}: a golden bundle; pass it as --golden DIR, with the artifact it was "
+        "recorded from as FOLDER)",
+    )
 
 
 def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):
     # --atol logits=1 --atol logits=2 is refused; --tolerances a.json --tolerances b.json used b.json alone, silently
     (tmp_path / "a.json").write_text('{"logits": {"atol": 1e-3}}')
     (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
-    refused(run_cli("verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json",
-                    "-q"), "--tolerances given 2 times; give one file (it may hold every kind)")
+    refused(
+        run_cli(
+            "verify", artifact_fp32, "--tolerances", tmp_path / "a.json", "--tolerances", tmp_path / "b.json", "-q"
+        ),
+        "--tolerances given 2 times; give one file (it may hold every kind)",
+    )
 
 
-def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(artifact_fp32, tiny_tokenizer, tiny_config,
-                                                                     tmp_path):
+def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(
+    artifact_fp32, tiny_tokenizer, tiny_config, tmp_path
+):
     # json.loads kept the last value, silently: this file loosened logits' atol to 5
     tolerances = tmp_path / "tol.json"
     tolerances.write_text('{"logits": {"atol": 1e-3, "atol": 5}}')
-    refused(run_cli("verify", artifact_fp32, "--tolerances", tolerances, "-q"),
-            f"tolerance file {tolerances} gives the key 'atol' twice; keep one")
+    refused(
+        run_cli("verify", artifact_fp32, "--tolerances", tolerances, "-q"),
+        f"tolerance file {tolerances} gives the key 'atol' twice; keep one",
+    )
     config = tmp_path / "config.json"
     config.write_text('{"rms_norm_eps": 1e-6, "rms_norm_eps": 1e-5}')
-    refused(run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a", "-q"),
-            f"--config {config} gives the key 'rms_norm_eps' twice; keep one")
+    refused(
+        run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", config, "-o", tmp_path / "a", "-q"),
+        f"--config {config} gives the key 'rms_norm_eps' twice; keep one",
+    )
     # a tokenizer.json that gives a key twice is read, as the tokenizers library reads it (the last value holds)
-    from exporter.tokenizer import find_tokenizer
+    from exporter.artifact.tokenizer import find_tokenizer
+
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text('{"version": "1.0", ' + (tiny_tokenizer / "tokenizer.json").read_text()[1:])
     assert find_tokenizer(tokenizer, tiny_config.vocab_size).max_id == tiny_config.vocab_size - 1

@@ -21,18 +21,18 @@ import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 import pytest
 import torch
 
-from exporter import export as export_module
-from exporter import runtime
-from exporter.axes import lint_axes
-from exporter.contract import BATCH, PAST, SEQUENCE, TOTAL
+from exporter import TOLERANCES, compare
+from exporter.artifact.axes import lint_axes
+from exporter.artifact.contract import BATCH, PAST, SEQUENCE, TOTAL
+from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, TokenizerError
-from exporter.export import export_artifact
-from exporter.manifest import read_manifest, sha256_file
-from exporter.parity import TOLERANCES, compare
-from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, presents_as_past
-from exporter.sessions import SessionSettings
-from exporter.weights import INLINE_LIMIT_BYTES
+from exporter.export import pipeline as export_module
+from exporter.export.pipeline import export_artifact
+from exporter.export.weights import INLINE_LIMIT_BYTES
+from exporter.runtime import runner as runtime
+from exporter.runtime.runner import OrtRunner, presents_as_past
+from exporter.runtime.sessions import SessionSettings
+from exporter.verify.references.torch_runner import TorchRunner
 from reference import build_model
 from reference.minimind import RMSNorm
 
@@ -53,8 +53,17 @@ def _external(model: onnx.ModelProto) -> dict:
 
 def test_artifact_folder_holds_two_graphs_one_weights_file_and_a_manifest(artifact_fp32):
     names = sorted(p.name for p in artifact_fp32.iterdir())
-    assert names == ["config.json", "decode.onnx", "genai_config.json", "generation_config.json", "manifest.json",
-                     "prefill.onnx", "tokenizer.json", "tokenizer_config.json", "weights.onnx.data"]
+    assert names == [
+        "config.json",
+        "decode.onnx",
+        "genai_config.json",
+        "generation_config.json",
+        "manifest.json",
+        "prefill.onnx",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "weights.onnx.data",
+    ]
     manifest = json.loads((artifact_fp32 / "manifest.json").read_text())
     assert sorted(manifest["files"]) == sorted(set(names) - {"manifest.json"})
     for name, entry in manifest["files"].items():
@@ -83,7 +92,8 @@ def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path)
     tensor; a tensor under 1 KiB stays inline."""
     from onnx import helper, numpy_helper
 
-    from exporter.weights import ALIGNMENT, write_shared_weights
+    from exporter.export.weights import ALIGNMENT, write_shared_weights
+
     rng = np.random.default_rng(0)
     shared, other = rng.standard_normal((3, 100)).astype(np.float32), rng.standard_normal(700).astype(np.float32)
     small = np.arange(8, dtype=np.float32)
@@ -91,6 +101,7 @@ def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path)
     def graph(tensors: dict) -> onnx.ModelProto:
         inits = [numpy_helper.from_array(value, name) for name, value in tensors.items()]
         return helper.make_model(helper.make_graph([], "g", [], [], initializer=inits))
+
     models = [graph({"a.weight": shared, "norm": small}), graph({"folded_0": shared, "b.weight": other})]
     result = write_shared_weights(models, tmp_path, "w.data")
     assert result.tensors == 2 and [len(table) for table in result.initializers] == [1, 2]
@@ -111,8 +122,10 @@ def test_every_declared_axis_stays_symbolic(artifact_fp32, graph):
     contract = manifest.prefill if graph == "prefill.onnx" else manifest.decode
     model = _load(artifact_fp32, graph)
     assert lint_axes(model, contract) == []
-    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in [*model.graph.input, *model.graph.output]}
+    dims = {
+        v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in [*model.graph.input, *model.graph.output]
+    }
     if graph == "decode.onnx":
         assert dims["attention_mask"] == [BATCH, TOTAL]
         assert dims["past_key_values.0.key"] == [BATCH, 2, PAST, 16]
@@ -134,7 +147,8 @@ def test_axis_lint_catches_a_baked_dimension(artifact_fp32):
 def test_axis_lint_names_every_way_a_graph_departs_from_its_contract(artifact_fp32):
     """Each damage a torch.export change could leave, found and named; name_axes renames exporter-chosen
     symbols to the contract's, after which the graph passes."""
-    from exporter.axes import name_axes
+    from exporter.artifact.axes import name_axes
+
     manifest = read_manifest(artifact_fp32)
     original = _load(artifact_fp32, "decode.onnx")
 
@@ -146,17 +160,30 @@ def test_axis_lint_names_every_way_a_graph_departs_from_its_contract(artifact_fp
 
     def merge(model, dims, values):  # attention_mask's total length and the past length as one symbol
         dims["attention_mask"][1].dim_param = dims["past_key_values.0.key"][2].dim_param
+
     cases = {
-        "rank": (lambda m, dims, v: dims["past_key_values.0.key"].pop(),
-                 "decode.onnx: past_key_values.0.key has rank 3, expected 4"),
-        "fixed": (lambda m, dims, v: dims["past_key_values.0.key"][1].__setattr__("dim_value", 3),
-                  "decode.onnx: past_key_values.0.key axis 1 is 3, expected 2"),
-        "missing": (lambda m, dims, v: m.graph.input.remove(v["past_key_values.0.key"]),
-                    "decode.onnx: missing past_key_values.0.key"),
-        "extra": (lambda m, dims, v: m.graph.output.append(onnx.helper.make_tensor_value_info(
-            "extra", onnx.TensorProto.FLOAT, [1])), "decode.onnx: unexpected input/output extra"),
-        "merged": (merge, f"decode.onnx: past_key_values.0.key axis 2: symbol {PAST!r} stands for both {TOTAL} "
-                          f"and {PAST}"),
+        "rank": (
+            lambda m, dims, v: dims["past_key_values.0.key"].pop(),
+            "decode.onnx: past_key_values.0.key has rank 3, expected 4",
+        ),
+        "fixed": (
+            lambda m, dims, v: dims["past_key_values.0.key"][1].__setattr__("dim_value", 3),
+            "decode.onnx: past_key_values.0.key axis 1 is 3, expected 2",
+        ),
+        "missing": (
+            lambda m, dims, v: m.graph.input.remove(v["past_key_values.0.key"]),
+            "decode.onnx: missing past_key_values.0.key",
+        ),
+        "extra": (
+            lambda m, dims, v: m.graph.output.append(
+                onnx.helper.make_tensor_value_info("extra", onnx.TensorProto.FLOAT, [1])
+            ),
+            "decode.onnx: unexpected input/output extra",
+        ),
+        "merged": (
+            merge,
+            f"decode.onnx: past_key_values.0.key axis 2: symbol {PAST!r} stands for both {TOTAL} and {PAST}",
+        ),
     }
     for case, (damage, expected) in cases.items():
         assert expected in problems(damage), case
@@ -177,8 +204,10 @@ def test_every_graph_value_has_the_dtype_its_manifest_lists(artifact, request):
     manifest = read_manifest(folder)
     for contract in (manifest.prefill, manifest.decode):
         model = _load(folder, contract.file)
-        found = {v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
-                 for v in [*model.graph.input, *model.graph.output]}
+        found = {
+            v.name: onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+            for v in [*model.graph.input, *model.graph.output]
+        }
         assert found == {spec.name: spec.dtype for spec in (*contract.inputs, *contract.outputs)}, contract.file
 
 
@@ -223,11 +252,13 @@ def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy,
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name]
 
 
-@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))],
-                         ids=["interrupt", "full disk"])
+@pytest.mark.parametrize(
+    "failure", [KeyboardInterrupt, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))], ids=["interrupt", "full disk"]
+)
 def test_a_failed_export_removes_the_parent_folders_it_made(tmp_path, tiny_model, monkeypatch, failure):
     """`-o a/b/c` makes the missing a/b; an export that did not land left them behind, empty. Only the folders this
     export made go, and only while empty: one that something else wrote into meanwhile stays."""
+
     def fail(*args, **kwargs):
         (tmp_path / "kept" / "b" / "other.txt").write_text("written by another program meanwhile")
         raise failure
@@ -264,8 +295,7 @@ def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artif
 
 
 @pytest.mark.parametrize("moment", ["before the check", "after the check"])
-def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the_others(tmp_path, monkeypatch,
-                                                                                         moment):
+def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the_others(tmp_path, monkeypatch, moment):
     """Two exports to one folder swapping in at the same moment: the one that lost the race said "Directory not
     empty ... an earlier artifact there is untouched: free space", or "No such file or directory"."""
     folder, built = tmp_path / "art", tmp_path / ".art.partial-x"
@@ -286,8 +316,10 @@ def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the
         rename(source, destination)
 
     monkeypatch.setattr(export_module.os, "rename", the_other_lands_first)
-    with pytest.raises(OutputPathError, match="another process replaced .* while this export was moving its result "
-                                              "there .* this one was not kept"):
+    with pytest.raises(
+        OutputPathError,
+        match="another process replaced .* while this export was moving its result there .* this one was not kept",
+    ):
         export_module._move_into_place(built, folder)
     assert not folder.exists() or (folder / "manifest.json").read_text() == "theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x"] + (["art"] if folder.exists() else [])
@@ -297,21 +329,30 @@ def test_a_second_export_to_the_same_folder_waits_for_the_first_ones_swap(tmp_pa
     """Two exports to one folder swapping at the same moment: the later now waits for the earlier's swap (a lock
     on the parent folder) and replaces its artifact whole, rather than one of them failing half-way."""
     folder = tmp_path / "art"
-    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""if True:
         import sys, time
         from pathlib import Path
-        from exporter.paths import folder_lock
+        from exporter.artifact.paths import folder_lock
         with folder_lock(Path({str(tmp_path)!r})):
             print("swapping", flush=True)
             time.sleep(1)  # the other export's swap, slowed down
             Path({str(folder)!r}).mkdir()
             Path({str(folder / "manifest.json")!r}).write_text("theirs")
-        """], stdout=subprocess.PIPE, text=True)
+        """,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert other.stdout.readline() == "swapping\n"
 
     def build(*args):  # this export's graphs, built while the other swapped its in
         (args[-1] / "manifest.json").write_text("mine")
         return types.SimpleNamespace(files={})
+
     monkeypatch.setattr(export_module, "_build", build)
     export_artifact(tiny_model, folder)
     assert other.wait() == 0
@@ -337,8 +378,9 @@ def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_mo
     """mkdir would fail only after the export ran (FileExistsError or NotADirectoryError, deep in the swap)."""
     (tmp_path / "taken").write_text("keep me")
     monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
-    with pytest.raises(OutputPathError,
-                       match=r"lies under .*taken, which is a file; choose another path \(folder, --output\)$"):
+    with pytest.raises(
+        OutputPathError, match=r"lies under .*taken, which is a file; choose another path \(folder, --output\)$"
+    ):
         export_artifact(tiny_model, tmp_path / "taken" / "sub" / "art")
     assert (tmp_path / "taken").read_text() == "keep me"
 
@@ -350,18 +392,25 @@ def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, mon
     mount.mkdir()
     monkeypatch.setattr(export_module.os.path, "ismount", lambda path: Path(path) == mount)
     monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
-    with pytest.raises(OutputPathError, match=r"is a mount point, and the export is built beside its destination "
-                                              r"and then swapped in.*export into a folder inside it"):
+    with pytest.raises(
+        OutputPathError,
+        match=r"is a mount point, and the export is built beside its destination "
+        r"and then swapped in.*export into a folder inside it",
+    ):
         export_artifact(tiny_model, mount)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
 
 
 def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
-        artifact_copy, artifact_fp32, tiny_model, monkeypatch):
+    artifact_copy, artifact_fp32, tiny_model, monkeypatch
+):
     # It was "internal error: OSError: [Errno 28] No space left on device" (exit 3), naming no path.
     protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
-                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+    monkeypatch.setattr(
+        export_module,
+        "_torch_export",  # skip the slow torch export: reuse the graphs
+        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
+    )
 
     def disk_full(models, folder, file_name):  # as a write() fails: no file name in the error
         (folder / file_name).write_bytes(b"\0" * 4096)
@@ -369,8 +418,11 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
 
     monkeypatch.setattr(export_module, "write_shared_weights", disk_full)
     before = _tree(artifact_copy)
-    with pytest.raises(OutputPathError, match=rf"^cannot write the export for {re.escape(str(artifact_copy))}: "
-                                              r"No space left on device; .*earlier artifact there is untouched"):
+    with pytest.raises(
+        OutputPathError,
+        match=rf"^cannot write the export for {re.escape(str(artifact_copy))}: "
+        r"No space left on device; .*earlier artifact there is untouched",
+    ):
         export_artifact(tiny_model, artifact_copy)
     assert _tree(artifact_copy) == before
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
@@ -379,9 +431,12 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
 def test_a_folder_name_too_long_for_the_hidden_sibling_is_a_one_line_error(tmp_path, tiny_model):
     # A valid 245-character name: its sibling .NAME.partial-XXXXXXXX is not, and failed as an internal error.
     folder = tmp_path / ("n" * 245)
-    with pytest.raises(OutputPathError, match=r"cannot write the export for .*n{245}: File name too long \(.*"
-                                              r"\.n{245}\.partial-.*\); .*choose a shorter or other output "
-                                              r"folder \(folder, --output\)"):
+    with pytest.raises(
+        OutputPathError,
+        match=r"cannot write the export for .*n{245}: File name too long \(.*"
+        r"\.n{245}\.partial-.*\); .*choose a shorter or other output "
+        r"folder \(folder, --output\)",
+    ):
         export_artifact(tiny_model, folder)
     assert list(tmp_path.iterdir()) == []
 
@@ -397,10 +452,14 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
     """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
     TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,
     a numpy integer refused as none; seeded_model's result, not a model, was told to build one with seeded_model."""
-    from exporter.model_source import seeded_model
+    from exporter.export.model_source import seeded_model
+
     for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
-        with pytest.raises(InputError, match=f"model must be a reference model or a reference.byo adapter .*, got "
-                                             f"{kind}; build one with exporter.model_source.seeded_model"):
+        with pytest.raises(
+            InputError,
+            match=f"model must be a reference model or a reference.byo adapter .*, got "
+            f"{kind}; build one with exporter.export.model_source.seeded_model",
+        ):
             export_artifact(model, tmp_path / "x")
     with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(folder, --output\)"):
         export_artifact(tiny_model, None)
@@ -413,30 +472,58 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
             seeded_model("minimind-3-tiny", seed)
     sourced = seeded_model("minimind-3-tiny", np.int64(3))
     assert type(sourced.source["seed"]) is int and sourced.source["seed"] == 3  # JSON for the manifest
-    with pytest.raises(InputError, match=re.escape("model is a SourcedModel (what seeded_model and checkpoint_model "
-                                                   "return); pass its model and its source: export_artifact("
-                                                   "sourced.model, folder, source=sourced.source)")):
+    with pytest.raises(
+        InputError,
+        match=re.escape(
+            "model is a SourcedModel (what seeded_model and checkpoint_model "
+            "return); pass its model and its source: export_artifact("
+            "sourced.model, folder, source=sourced.source)"
+        ),
+    ):
         export_artifact(sourced, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("failure, message", [
-    (lambda: ExportFailed("smoke run: injected failure"), "injected"),
-    # as OrtRunner reports onnxruntime's failures: a kernel this build lacks for the dtype, an index past a table
-    (lambda: runtime._run_failure("prefill.onnx", ort_errors.RuntimeException(
-        "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running ScatterND node: "
-        "MLFloat16 is not supported\nmore")),
-     r"smoke run: onnxruntime could not run the exported graphs \(.*ScatterND node: MLFloat16 is not supported\)$"),
-    (lambda: runtime._run_failure("decode.onnx", ort_errors.InvalidArgument(
-        "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while running Gather node")),
-     r"smoke run: onnxruntime could not run the exported graphs \(.*Gather node\)$"),
-], ids=["export error", "onnxruntime runtime exception", "onnxruntime invalid argument"])
+@pytest.mark.parametrize(
+    "failure, message",
+    [
+        (lambda: ExportFailed("smoke run: injected failure"), "injected"),
+        # as OrtRunner reports onnxruntime's failures: a kernel this build lacks for the dtype, an index past a table
+        (
+            lambda: runtime._run_failure(
+                "prefill.onnx",
+                ort_errors.RuntimeException(
+                    "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : "
+                    "Non-zero status code returned while running ScatterND node: "
+                    "MLFloat16 is not supported\nmore"
+                ),
+            ),
+            r"smoke run: onnxruntime could not run the exported graphs "
+            r"\(.*ScatterND node: MLFloat16 is not supported\)$",
+        ),
+        (
+            lambda: runtime._run_failure(
+                "decode.onnx",
+                ort_errors.InvalidArgument(
+                    "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : "
+                    "Non-zero status code returned while running Gather node"
+                ),
+            ),
+            r"smoke run: onnxruntime could not run the exported graphs \(.*Gather node\)$",
+        ),
+    ],
+    ids=["export error", "onnxruntime runtime exception", "onnxruntime invalid argument"],
+)
 def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouched(
-        artifact_copy, artifact_fp32, tiny_model, monkeypatch, failure, message):
+    artifact_copy, artifact_fp32, tiny_model, monkeypatch, failure, message
+):
     """One clear error, the old artifact kept, no temporary folder left."""
     protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
-                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+    monkeypatch.setattr(
+        export_module,
+        "_torch_export",  # skip the slow torch export: reuse the graphs
+        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
+    )
 
     def smoke_run(folder, manifest):
         raise failure()
@@ -449,10 +536,14 @@ def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouc
     assert [p.name for p in artifact_copy.parent.iterdir()] == [artifact_copy.name], "temporary folder left behind"
 
 
-@pytest.mark.parametrize("dtype, passes", [("float16", True), ("float32", False)],
-                         ids=["float16 two ulps apart passes", "float32 0.01 apart fails"])
-def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(artifact_fp32, artifact_fp16,
-                                                                               monkeypatch, dtype, passes):
+@pytest.mark.parametrize(
+    "dtype, passes",
+    [("float16", True), ("float32", False)],
+    ids=["float16 two ulps apart passes", "float32 0.01 apart fails"],
+)
+def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(
+    artifact_fp32, artifact_fp16, monkeypatch, dtype, passes
+):
     """Two float16 roundings apart is a correct export (a fixed 1e-3 failed one); 0.01 in float32 is not."""
     folder = artifact_fp32 if dtype == "float32" else artifact_fp16
     decode = OrtRunner.decode
@@ -474,8 +565,13 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(ar
             export_module._smoke_run(folder, read_manifest(folder))
 
 
-@pytest.mark.parametrize("graph, match", [("prefill", r"prefill gave non-finite logits \(NaN or Inf\) for batch 1"),
-                                          ("decode", r"decode gave non-finite logits at position {last}, the last")])
+@pytest.mark.parametrize(
+    "graph, match",
+    [
+        ("prefill", r"prefill gave non-finite logits \(NaN or Inf\) for batch 1"),
+        ("decode", r"decode gave non-finite logits at position {last}, the last"),
+    ],
+)
 def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, graph, match):
     """Weights holding NaN (or a float16 overflow) give NaN logits: the export fails rather than writing them.
     The decode graph gives NaN only at the last position, which the other smoke calls do not reach."""
@@ -520,19 +616,29 @@ def test_an_id_or_label_outside_the_vocabulary_fails_in_both_graphs_as_in_the_re
     reference = TorchRunner(tiny_model, runner.manifest)
     ids = np.array([[5, 9, 511, 0]])
     labels = np.array([[-1, 9, -100, 511]])  # the first label is no target (the loss shifts), in torch too
-    valid = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None],
-             "labels": labels}
+    valid = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.arange(4)[None],
+        "labels": labels,
+    }
     prefill = runner.prefill(valid)
-    step = {"input_ids": np.array([[511]]), "attention_mask": np.ones((1, 5), np.int64),
-            "position_ids": np.array([[4]]), **presents_as_past(runner.manifest, prefill)}
+    step = {
+        "input_ids": np.array([[511]]),
+        "attention_mask": np.ones((1, 5), np.int64),
+        "position_ids": np.array([[4]]),
+        **presents_as_past(runner.manifest, prefill),
+    }
     for graph, feeds, outputs in (("prefill", valid, ("logits", "loss")), ("decode", step, ("logits",))):
         onnx_out, torch_out = getattr(runner, graph)(feeds), getattr(reference, graph)(feeds)
         for name in outputs:
             assert compare(graph, name, onnx_out[name], torch_out[name], TOLERANCES["float32"][name]).passed
-    invalid = [("prefill", {**valid, "input_ids": np.array([[5, 9, -1, 0]])}),
-               ("prefill", {**valid, "labels": np.array([[-100, 9, -1, 511]])}),
-               ("prefill", {**valid, "labels": np.array([[-100, 9, 512, 511]])}),
-               ("decode", {**step, "input_ids": np.array([[-1]])})]
+    invalid = [
+        ("prefill", {**valid, "input_ids": np.array([[5, 9, -1, 0]])}),
+        ("prefill", {**valid, "labels": np.array([[-100, 9, -1, 511]])}),
+        ("prefill", {**valid, "labels": np.array([[-100, 9, 512, 511]])}),
+        ("decode", {**step, "input_ids": np.array([[-1]])}),
+    ]
     for graph, feeds in invalid:
         with pytest.raises(IndexError):
             getattr(reference, graph)(feeds)
@@ -567,15 +673,20 @@ def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_pu
     (tmp_path / f".artx.partial-{dead}-jkl").mkdir()  # beside another destination
     export_module._clear_interrupted(folder)
     assert (folder / "manifest.json").read_text() == "earlier"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".art.partial-{running}-ghi", f".artx.partial-{dead}-jkl",
-                                                          "art"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f".art.partial-{running}-ghi",
+        f".artx.partial-{dead}-jkl",
+        "art",
+    ]
 
 
-def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model,
-                                                                 monkeypatch):
+def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model, monkeypatch):
     protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(export_module, "_torch_export",  # skip the slow torch export: reuse the graphs
-                        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]))
+    monkeypatch.setattr(
+        export_module,
+        "_torch_export",  # skip the slow torch export: reuse the graphs
+        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
+    )
     left = artifact_copy.parent / f".{artifact_copy.name}.partial-{_dead_pid()}-x"
     left.mkdir()
     (left / "prefill.onnx").write_bytes(b"half")
@@ -591,13 +702,18 @@ def test_present_key_and_value_are_the_reference_layers_key_and_value(runner, ti
     mask, positions = np.ones_like(ids), np.arange(4)[None]
     onnx_out = runner.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": ids})
     with torch.no_grad():
-        reference = tiny_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                               position_ids=torch.from_numpy(positions), use_cache=True).past_key_values
+        reference = tiny_model(
+            torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            position_ids=torch.from_numpy(positions),
+            use_cache=True,
+        ).past_key_values
     for layer, pair in enumerate(reference):
         for kind, tensor in zip(("key", "value"), pair):
             expected = tensor.transpose(1, 2).numpy()  # (B, L, Hkv, D) -> the contract's (B, Hkv, L, D)
-            np.testing.assert_allclose(onnx_out[f"present.{layer}.{kind}"], expected, atol=1e-4,
-                                       err_msg=f"present.{layer}.{kind}")
+            np.testing.assert_allclose(
+                onnx_out[f"present.{layer}.{kind}"], expected, atol=1e-4, err_msg=f"present.{layer}.{kind}"
+            )
 
 
 @pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
@@ -607,8 +723,7 @@ def test_the_tied_lm_head_reads_the_embedding_table_as_stored(artifact_fp32, gra
     (20 MB for minimind-3)."""
     model = _load(artifact_fp32, graph)
     initializers = {tensor.name for tensor in model.graph.initializer}
-    [table] = {node.input[0] for node in model.graph.node if node.op_type == "Gather"
-               and node.input[0] in initializers}
+    [table] = {node.input[0] for node in model.graph.node if node.op_type == "Gather" and node.input[0] in initializers}
     users = [node for node in model.graph.node if table in node.input]
     assert sorted(node.op_type for node in users) == ["Gather", "Gemm"], [n.op_type for n in users]
     [gemm] = [node for node in users if node.op_type == "Gemm"]
@@ -619,8 +734,7 @@ def test_the_reference_runs_in_the_artifacts_dtype_on_a_copy(tiny_model, artifac
     # A float16 artifact judged against the float32 model would pass its float16 tolerances on the precision
     # alone: the reference must compute in float16 too, and leave the caller's float32 model as it was.
     ids = np.array([[5, 9, 42]])
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None],
-             "labels": ids}
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None], "labels": ids}
     half = TorchRunner(tiny_model, read_manifest(artifact_fp16, check_hashes=False))
     assert half.model is not tiny_model and next(half.model.parameters()).dtype == torch.float16
     assert next(tiny_model.parameters()).dtype == torch.float32
@@ -635,8 +749,9 @@ def test_the_reference_runs_in_the_artifacts_dtype_on_a_copy(tiny_model, artifac
 def test_the_parity_tolerances_are_the_cpu_profiles_per_kind():
     # exporter.parity.TOLERANCES, which the tests judge with: each kind its own bound (the loss's is 100x tighter
     # than the logits' in float32), from the CPU profile of its dtype
-    from exporter.sessions import CPU
+    from exporter.runtime.sessions import CPU
     from exporter.verify.tolerances import profile_for
+
     assert set(TOLERANCES) == {"float32", "float16"}
     for dtype, tolerances in TOLERANCES.items():
         profile = profile_for(dtype, CPU)

@@ -7,12 +7,25 @@ import math
 
 import pytest
 import torch
-
 import upstream
-from helpers import (assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids,
-                     randomise_norms_)
-from reference import (PRESETS, ConfigError, ContextLengthError, MiniMindConfig, TeachingGPTConfig, YarnScaling,
-                       build_model, get_preset)
+from helpers import (
+    assert_cached_decoding_equals_full_forward,
+    assert_close,
+    padded_batch_logits,
+    random_ids,
+    randomise_norms_,
+)
+
+from reference import (
+    PRESETS,
+    ConfigError,
+    ContextLengthError,
+    MiniMindConfig,
+    TeachingGPTConfig,
+    YarnScaling,
+    build_model,
+    get_preset,
+)
 from reference.families import FAMILIES, config_from_dict, family_of
 from reference.minimind import RMSNorm, rope_inv_freq
 
@@ -36,7 +49,10 @@ def test_published_presets_have_exact_parameter_counts(name, count):
 
 def test_published_sizes_follow_each_generations_rules():
     assert [get_preset(n).intermediate_size for n in ("minimind2-small", "minimind2-moe", "minimind2")] == [
-        1408, 1728, 2048]
+        1408,
+        1728,
+        2048,
+    ]
     small = get_preset("MiniMind2-small")  # the published spelling works
     assert (small.num_key_value_heads, small.rms_norm_eps, small.head_dim) == (2, 1e-5, 64)
     moe2, moe3 = get_preset("minimind2-moe"), get_preset("minimind-3-moe")
@@ -64,8 +80,9 @@ def test_minimind2_has_no_qk_norm_and_casts_before_the_weight():
     # every norm of each generation, the blocks' input and post-attention norms (and minimind-3's q/k norms)
     # included, not only the final one
     for preset, eps, cast_first in (("minimind2-tiny", 1e-5, True), ("minimind-3-tiny", 1e-6, False)):
-        norms = [(name, m) for name, m in build_model(get_preset(preset)).half().named_modules()
-                 if isinstance(m, RMSNorm)]
+        norms = [
+            (name, m) for name, m in build_model(get_preset(preset)).half().named_modules() if isinstance(m, RMSNorm)
+        ]
         assert len(norms) > 2 * get_preset(preset).num_hidden_layers, preset
         for name, norm in norms:
             norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
@@ -78,7 +95,11 @@ def test_minimind2_has_no_qk_norm_and_casts_before_the_weight():
 def test_moe_state_dict_keys_are_minimind_names():
     keys = set(build_model(get_preset("minimind2-moe-tiny")).state_dict())
     layer = "model.layers.1.mlp."
-    assert {layer + "gate.weight", layer + "experts.3.down_proj.weight", layer + "shared_experts.0.up_proj.weight"} <= keys
+    assert {
+        layer + "gate.weight",
+        layer + "experts.3.down_proj.weight",
+        layer + "shared_experts.0.up_proj.weight",
+    } <= keys
     keys3 = set(build_model(get_preset("minimind-3-moe-tiny")).state_dict())
     assert layer + "gate.weight" in keys3 and not any("shared_experts" in k for k in keys3)
 
@@ -91,9 +112,12 @@ def test_configs_round_trip_and_name_bad_fields():
             assert config_from_dict(family.name, config.to_dict()) == config, name
     yarn = get_preset("minimind-3-yarn-tiny")
     assert MiniMindConfig.from_dict(yarn.to_dict()) == yarn  # the nested YaRN dataclass survives JSON
-    for bad, field in (({"version": 4}, "version"), ({"num_experts_per_tok": 5, "use_moe": True}, "num_experts_per_tok"),
-                       ({"moe_implementation": "magic"}, "moe_implementation"),
-                       ({"rope_scaling": YarnScaling()}, "rope_scaling")):
+    for bad, field in (
+        ({"version": 4}, "version"),
+        ({"num_experts_per_tok": 5, "use_moe": True}, "num_experts_per_tok"),
+        ({"moe_implementation": "magic"}, "moe_implementation"),
+        ({"rope_scaling": YarnScaling()}, "rope_scaling"),
+    ):
         with pytest.raises(ConfigError, match=field):
             MiniMindConfig(**bad)
     with pytest.raises(ConfigError, match="n_head"):
@@ -104,8 +128,12 @@ def test_configs_round_trip_and_name_bad_fields():
 
 # ------------------------------------------------------------------ MoE: the exportable formulation equals upstream
 
-MOE_CASES = [("minimind-3-moe-tiny", "sparse"), ("minimind-3-moe-tiny", "dense"),
-             ("minimind2-moe-tiny", "sparse"), ("minimind2-moe-tiny", "dense")]
+MOE_CASES = [
+    ("minimind-3-moe-tiny", "sparse"),
+    ("minimind-3-moe-tiny", "dense"),
+    ("minimind2-moe-tiny", "sparse"),
+    ("minimind2-moe-tiny", "dense"),
+]
 
 
 def _upstream_moe(moe, x):
@@ -161,13 +189,18 @@ def test_dense_dispatch_adds_an_exact_zero_for_an_unchosen_expert_even_where_it_
 
 @torch.no_grad()
 def test_moe_training_aux_loss_equals_upstream():
-    formulas = {"v3": upstream.minimind3_aux_loss, "v2": upstream.minimind2_aux_loss,
-                "v2 per sequence": lambda scores, idx, config: upstream.minimind2_seq_aux_loss(scores, idx, config, 2, 5)}
+    formulas = {
+        "v3": upstream.minimind3_aux_loss,
+        "v2": upstream.minimind2_aux_loss,
+        "v2 per sequence": lambda scores, idx, config: upstream.minimind2_seq_aux_loss(scores, idx, config, 2, 5),
+    }
     # Two experts per token where the formulas differ by the top-k: minimind-3 keeps the slots apart.
-    for preset, changes, formula in (("minimind-3-moe-tiny", {}, "v3"),
-                                     ("minimind-3-moe-tiny", {"num_experts_per_tok": 2}, "v3"),
-                                     ("minimind2-moe-tiny", {}, "v2 per sequence"),
-                                     ("minimind2-moe-tiny", {"seq_aux": False}, "v2")):
+    for preset, changes, formula in (
+        ("minimind-3-moe-tiny", {}, "v3"),
+        ("minimind-3-moe-tiny", {"num_experts_per_tok": 2}, "v3"),
+        ("minimind2-moe-tiny", {}, "v2 per sequence"),
+        ("minimind2-moe-tiny", {"seq_aux": False}, "v2"),
+    ):
         config = dataclasses.replace(get_preset(preset), **changes)
         moe = build_model(config).model.layers[1].mlp.train()
         x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -188,7 +221,7 @@ def test_moe_model_caches_like_its_full_forward(preset):
     out = model(ids[:, :5], use_cache=True)
     steps = [out.logits]
     for t in range(5, 9):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
         steps.append(out.logits)
     assert_close(torch.cat(steps, 1), full, atol=1e-5)
 
@@ -214,13 +247,16 @@ def test_yarn_ramp_bounds_for_head_dim_96():
 
 @torch.no_grad()
 def test_yarn_model_equals_upstream_tables_beyond_the_original_window(monkeypatch):
-    config = dataclasses.replace(get_preset("minimind-3-yarn-tiny"),
-                                 rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16,
-                                                          attention_factor=1.25))
+    config = dataclasses.replace(
+        get_preset("minimind-3-yarn-tiny"),
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16, attention_factor=1.25),
+    )
     model = build_model(config)
-    cos, sin = upstream.yarn_tables(config.head_dim, config.max_position_embeddings, config.rope_theta, 16, 4.0,
-                                    32.0, 1.0, 1.25)
+    cos, sin = upstream.yarn_tables(
+        config.head_dim, config.max_position_embeddings, config.rope_theta, 16, 4.0, 32.0, 1.0, 1.25
+    )
     from reference.minimind import rope_cos_sin
+
     positions = torch.arange(40, 90)[None]  # all past the original 16 positions
     ours_cos, ours_sin = rope_cos_sin(rope_inv_freq(config), positions, 1.25)
     assert torch.equal(ours_cos[0], cos[40:90]) and torch.equal(ours_sin[0], sin[40:90])
@@ -229,6 +265,7 @@ def test_yarn_model_equals_upstream_tables_beyond_the_original_window(monkeypatc
     assert (model(ids).logits - plain(ids).logits).abs().max() > 1e-2, "YaRN must change the model"
     # the model's own forward uses those tables, YaRN's attention factor included (not only rope_cos_sin given it)
     from reference import minimind
+
     rope, tables = minimind.rope_cos_sin, []
     monkeypatch.setattr(minimind, "rope_cos_sin", lambda *args: tables.append(rope(*args)) or tables[-1])
     model(ids)
@@ -266,8 +303,9 @@ def test_teaching_gpt_left_padded_row_equals_the_sequence_alone():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("preset, limit", [("teaching-gpt-tiny", "context_length 64"),
-                                           ("minimind2-tiny", "max_position_embeddings 64")])
+@pytest.mark.parametrize(
+    "preset, limit", [("teaching-gpt-tiny", "context_length 64"), ("minimind2-tiny", "max_position_embeddings 64")]
+)
 def test_models_refuse_sequences_past_their_positions(preset, limit):
     config = get_preset(preset)
     if preset.startswith("minimind"):

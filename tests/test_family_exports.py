@@ -15,22 +15,22 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
-from exporter import export as export_module
-from exporter.cli import main
-from exporter.contract import PAST
-from exporter.errors import ExportFailed, GraphRunError, InputError
-from exporter.export import _example_inputs
-from exporter.manifest import file_status, read_manifest
-from exporter.report import format_inspect
-from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
-from exporter.reference_runner import TorchRunner
-from exporter.genai import GenaiGenerator
-from exporter.generation import generate_greedy
-from exporter.runtime import OrtRunner, position_ids_from_mask
-from exporter.verify.reports import format_verify
-from exporter.verify.routing import RouterProbe, record_reference_routing
 from helpers import assert_decode_graph_matches, edit_manifest, perturb_weight
+
+from exporter import TOLERANCES, ParitySettings, compare, verify_artifact
+from exporter.artifact.contract import PAST
+from exporter.artifact.manifest import file_status, read_manifest
+from exporter.cli import main
+from exporter.cli.export_report import format_inspect
+from exporter.errors import ExportFailed, GraphRunError, InputError
+from exporter.export import pipeline as export_module
+from exporter.export.pipeline import _example_inputs
+from exporter.runtime.genai import GenaiGenerator
+from exporter.runtime.generation import generate_greedy
+from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.verify.checks.routing import RouterProbe, record_reference_routing
+from exporter.verify.references.torch_runner import TorchRunner
+from exporter.verify.reports import format_verify
 from reference.checkpoints import load_checkpoint
 
 FAMILY_ARTIFACTS = {  # fixture names: artifact, reference model
@@ -62,8 +62,10 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
         assert cpu.experts.measured and cpu.experts.pairs > 100 and cpu.experts.passed, cpu.experts.note
     else:
         assert cpu.experts is None
-    assert read_manifest(artifact).family == {"teaching GPT": "teaching-gpt", "seed 001 demo (bring your own)":
-                                              "custom"}.get(family, "minimind")
+    assert read_manifest(artifact).family == {
+        "teaching GPT": "teaching-gpt",
+        "seed 001 demo (bring your own)": "custom",
+    }.get(family, "minimind")
     # onnxruntime-genai (a test dependency) ran the folder as it is: its greedy tokens equal the reference's
     # (and so ours, asserted above), EOS aside.
     [genai] = report.consumers
@@ -75,7 +77,7 @@ def test_family_artifact_matches_its_reference_on_cpu(family, request):
         assert genai_config["eos_token_id"] == config.vocab_size - 1
     if family == "teaching GPT":  # genai ran on through token 0 and stopped at 511 (conftest's GPT_SEED)
         ours = cpu.greedy.onnx_ids
-        assert 0 in genai.greedy.onnx_ids and genai.greedy.onnx_ids == ours[:ours.index(511)]
+        assert 0 in genai.greedy.onnx_ids and genai.greedy.onnx_ids == ours[: ours.index(511)]
 
 
 @pytest.mark.parametrize("family", FAMILY_ARTIFACTS)
@@ -88,8 +90,14 @@ def test_a_negative_input_id_fails_in_both_graphs_of_every_family(family, reques
         model(torch.as_tensor(ids))
     # the message sends the user to the inputs first; it said only "a damaged graph: re-export the folder"
     with pytest.raises(GraphRunError, match=r"prefill.onnx \(.*Gather.*\); check the inputs \(an id or label"):
-        onnx.prefill({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(2)[None],
-                      "labels": np.full_like(ids, -100)})
+        onnx.prefill(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "position_ids": np.arange(2)[None],
+                "labels": np.full_like(ids, -100),
+            }
+        )
     with pytest.raises(GraphRunError, match=r"decode.onnx \(.*Gather"):
         onnx.decode({"input_ids": -one, "attention_mask": one, "position_ids": 0 * one, **onnx.empty_past(1)})
 
@@ -110,7 +118,8 @@ def moe3_fp16_verified(moe3_artifact_fp16, moe3_model, tmp_path_factory):
 def _routing_record(cpu) -> list:
     """A provider report's failing calls with their expert choices, and the decode steps fed the reference's cache."""
     return [(flip.explained, flip.describe()) for flip in cpu.routing_flips] + [
-        [step.fed_reference_cache for step in cpu.curve]]
+        [step.fed_reference_cache for step in cpu.curve]
+    ]
 
 
 def test_float16_moe_artifact_matches_the_float16_reference(moe3_fp16_verified):
@@ -143,12 +152,14 @@ def test_a_golden_bundle_replays_expert_choice_and_the_routing_near_ties(moe3_fp
     assert _routing_record(replay_cpu) == _routing_record(live_cpu)
 
 
-def test_a_float16_moe_decode_step_at_a_router_near_tie_does_not_fail_the_steps_after_it(moe3_artifact_fp16,
-                                                                                        moe3_model):
+def test_a_float16_moe_decode_step_at_a_router_near_tie_does_not_fail_the_steps_after_it(
+    moe3_artifact_fp16, moe3_model
+):
     # Measured with input seed 36: decode step 7 routes one token at a near-tie; judged whole and feeding
     # ONNX Runtime its own cache, steps 7 to 16 failed at up to 143x the tolerance.
-    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=16, seed=36,
-                                                                                     sweep=False), genai=False)
+    report = verify_artifact(
+        moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=16, seed=36, sweep=False), genai=False
+    )
     assert report.passed, _failures(report)
     [cpu] = report.reports
     assert [step.step for step in cpu.curve if step.routing] == [7] and cpu.curve[7].routing.explained
@@ -161,8 +172,9 @@ def test_a_float16_moe_routing_difference_that_is_no_near_tie_fails(moe3_artifac
     another expert at a clear gap of the reference's router scores: nothing is excused."""
     folder = shutil.copytree(moe3_artifact_fp16, tmp_path / "faulty")
     perturb_weight(folder, "model.layers.0.self_attn.o_proj", 0.02)
-    report = verify_artifact(folder, moe3_model, ["cpu"], ParitySettings(decode_steps=2, greedy_tokens=4,
-                                                                         sweep=False), genai=False)
+    report = verify_artifact(
+        folder, moe3_model, ["cpu"], ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False), genai=False
+    )
     [cpu] = report.reports
     assert not report.passed and not any(row.passed for row in cpu.comparisons), _failures(report)
     flip = cpu.prefill_routing
@@ -175,20 +187,22 @@ def test_a_float16_moe_routing_difference_that_is_no_near_tie_fails(moe3_artifac
     assert not greedy.routing.explained_flip and "routers: 1 of 16 (token, layer) expert choices" in greedy.note
 
 
-def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(moe3_artifact_fp16, moe3_model,
-                                                                              tmp_path):
+def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(moe3_artifact_fp16, moe3_model, tmp_path):
     """Measured with input seed 83: feeding back the first generated token, ONNX Runtime's router chose
     another expert at a near-tie of the reference's scores, and the next token differs at a logit gap of 0.83
     (the greedy check failed, and so did onnxruntime-genai's, whose tokens are our loop's). The explanation
     replays from a golden bundle too."""
     settings = ParitySettings(decode_steps=2, seed=83, sweep=False)
-    live = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=True,
-                           golden_save=tmp_path / "golden")
+    live = verify_artifact(
+        moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=True, golden_save=tmp_path / "golden"
+    )
     assert live.passed, _failures(live)
     greedy = live.reports[0].greedy
     assert greedy.passed and greedy.match_length == 1 and greedy.routing.explained_flip, greedy.note
-    assert "not a tie); explained by a router near-tie: 1 of 18 (token, layer) expert choices of the 2 calls up " \
-           "to the differing token differ, first in call 1 (generated token 0 fed back)" in greedy.note
+    assert (
+        "not a tie); explained by a router near-tie: 1 of 18 (token, layer) expert choices of the 2 calls up "
+        "to the differing token differ, first in call 1 (generated token 0 fed back)" in greedy.note
+    )
     [genai] = live.consumers
     assert genai.passed and genai.greedy.match_length == 1 and genai.greedy.routing == greedy.routing
     assert "the tokens of our loop on the CPU up to and including this one" in genai.greedy.note
@@ -198,7 +212,8 @@ def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(mo
 
 
 def test_a_consumer_run_that_differs_from_our_loop_is_not_explained_by_our_loops_router_near_tie(
-        moe3_artifact_fp16, moe3_model, monkeypatch):
+    moe3_artifact_fp16, moe3_model, monkeypatch
+):
     """genai's routers cannot be probed: our loop's explanation covers genai only where genai chose the same
     tokens, the differing one included."""
     original = GenaiGenerator.greedy
@@ -206,9 +221,11 @@ def test_a_consumer_run_that_differs_from_our_loop_is_not_explained_by_our_loops
     def another_second_token(self, prompt_ids, max_new_tokens):
         tokens = original(self, prompt_ids, max_new_tokens)
         return [tokens[0], (tokens[1] + 1) % moe3_model.config.vocab_size, *tokens[2:]]
+
     monkeypatch.setattr(GenaiGenerator, "greedy", another_second_token)
-    report = verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=2, seed=83,
-                                                                                     sweep=False), genai=True)
+    report = verify_artifact(
+        moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=2, seed=83, sweep=False), genai=True
+    )
     assert report.reports[0].greedy.passed and report.reports[0].greedy.routing.explained_flip
     [genai] = report.consumers
     assert not genai.passed and genai.greedy.match_length == 1 and genai.greedy.routing is None, genai.greedy.note
@@ -227,11 +244,13 @@ def test_minimind2_exported_from_a_float16_pth_verifies_through_the_cli(minimind
     model, _ = load_checkpoint(minimind2_checkpoint, config=read_manifest(minimind2_artifact).config)
     prompt = [1, 17, 230, 4]
     assert generate_greedy(OrtRunner(minimind2_artifact), prompt, 12).new_ids == [
-        int(t) for t in _reference_greedy(model, prompt, 12)]
+        int(t) for t in _reference_greedy(model, prompt, 12)
+    ]
 
 
 def _reference_greedy(model, prompt, n):
-    from exporter.reference_runner import reference_greedy
+    from exporter.verify.references.torch_runner import reference_greedy
+
     return reference_greedy(model, prompt, n, None).ids
 
 
@@ -286,8 +305,12 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     tolerance = TOLERANCES["float32"]
     for token in _covering_single_tokens(model, config):
         ids = np.array([[token]], dtype=np.int64)
-        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.zeros_like(ids),
-                 "labels": ids}
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.zeros_like(ids),
+            "labels": ids,
+        }
         expected, actual = reference.prefill(feeds), onnx.prefill(feeds)
         assert compare("logits", "logits", actual["logits"], expected["logits"], tolerance["logits"]).passed
         routed = _routing(model, config, ids, layers)
@@ -320,8 +343,14 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
     pad = 4
     ids = np.concatenate([np.zeros((1, pad), np.int64), short], axis=1)
     mask = (np.arange(10) >= pad).astype(np.int64)[None]
-    padded = onnx.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-                           "labels": np.full_like(ids, -100)})["logits"][0, pad:]
+    padded = onnx.prefill(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": position_ids_from_mask(mask),
+            "labels": np.full_like(ids, -100),
+        }
+    )["logits"][0, pad:]
     alone = gpt_model(torch.as_tensor(short)).logits[0].detach().numpy()
     assert compare("padded", "logits", padded, alone, TOLERANCES["float32"]["logits"]).passed
     assert manifest.config.max_position_embeddings == 64 and manifest.decode.inputs[3].axes[2] == PAST
@@ -331,8 +360,9 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
     ids = np.ones((1, 1), np.int64)
     for position in (64, -1):  # never a silent wrap (ONNX Gather takes -1 as the table's last row)
         with pytest.raises(Exception, match="(?i)indices|out of (range|bounds)"):
-            onnx.prefill({"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, position),
-                          "labels": ids})
+            onnx.prefill(
+                {"input_ids": ids, "attention_mask": ids, "position_ids": np.full_like(ids, position), "labels": ids}
+            )
         with pytest.raises(IndexError):
             gpt_model(torch.as_tensor(ids), position_ids=torch.full((1, 1), position))
 
@@ -342,8 +372,9 @@ def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
     manifest = read_manifest(gpt_artifact, check_hashes=False)
     four = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=4))
     lengths, prefill = [], OrtRunner.prefill
-    monkeypatch.setattr(OrtRunner, "prefill", lambda self, feeds: lengths.append(feeds["input_ids"].shape[1])
-                        or prefill(self, feeds))
+    monkeypatch.setattr(
+        OrtRunner, "prefill", lambda self, feeds: lengths.append(feeds["input_ids"].shape[1]) or prefill(self, feeds)
+    )
     export_module._smoke_run(gpt_artifact, four)
     assert lengths and max(lengths) == 4
 
@@ -353,8 +384,11 @@ def test_the_smoke_run_refuses_positions_the_model_does_not_have(gpt_artifact):
     # the artifact failed at generation past 64 while verify stopped on torch's raw IndexError.
     manifest = read_manifest(gpt_artifact, check_hashes=False)
     more = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=128))
-    with pytest.raises(ExportFailed, match=r"fail at position 127, the last of max_position_embeddings 128 "
-                                           r"\(.*Gather.*\); set max_position_embeddings"):
+    with pytest.raises(
+        ExportFailed,
+        match=r"fail at position 127, the last of max_position_embeddings 128 "
+        r"\(.*Gather.*\); set max_position_embeddings",
+    ):
         export_module._smoke_run(gpt_artifact, more)
 
 
@@ -362,16 +396,17 @@ def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, 
     """examples/byo_seed001.py's main: adapter check, export (the fixture's export of the same adapter, copied),
     verification (a short one: the full one runs in test_family_artifact_matches_its_reference_on_cpu) and
     its report."""
-    import exporter.parity
+    import exporter.verify.engine
 
     def export_copy(adapter, folder, source):
         assert source == {"kind": "custom", "model": "seed001-demo"}
         shutil.copytree(byo_artifact, folder)
 
-    def short_verification(folder, model, verify=exporter.parity.verify_artifact):
+    def short_verification(folder, model, verify=exporter.verify.engine.verify_artifact):
         return verify(folder, model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False)
-    monkeypatch.setattr("exporter.export.export_artifact", export_copy)
-    monkeypatch.setattr("exporter.parity.verify_artifact", short_verification)
+
+    monkeypatch.setattr("exporter.export.pipeline.export_artifact", export_copy)
+    monkeypatch.setattr("exporter.verify.engine.verify_artifact", short_verification)
     assert byo_example.main(str(tmp_path / "demo")) == 0
     out = capsys.readouterr().out
     assert "adapter vs original" in out and "overall: PASS" in out

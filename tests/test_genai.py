@@ -11,24 +11,24 @@ from types import SimpleNamespace
 import onnxruntime_genai as og
 import pytest
 from click.testing import CliRunner
+from helpers import CONSUMER_PROMPTS, edit_manifest
 from tokenizers import Tokenizer
 
-import exporter.genai as exporter_genai
-from exporter import consumers
+import exporter.runtime.genai as exporter_genai
+from exporter import ParitySettings, verify_artifact
+from exporter.artifact import consumers
+from exporter.artifact.consumers import MINIMIND_SAMPLING, FamilyTypes
+from exporter.artifact.manifest import read_manifest, sha256_file
+from exporter.artifact.tokenizer import GENAI_CONFIG_TYPES, find_tokenizer
 from exporter.cli import main
-from exporter.consumers import FamilyTypes
 from exporter.errors import ArtifactError, ConsumerError
-from exporter.genai import GenaiGenerator, genai_greedy
-from exporter.manifest import read_manifest, sha256_file
-from exporter.parity import ParitySettings, verify_artifact
-from exporter.tokenizer import GENAI_CONFIG_TYPES, find_tokenizer
+from exporter.runtime.genai import GenaiGenerator, genai_greedy
+from exporter.runtime.generation import generate_greedy
+from exporter.runtime.runner import OrtRunner
 from exporter.verify import engine
-from exporter.verify.checks import judge_greedy
+from exporter.verify.checks.outputs import judge_greedy
+from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 from exporter.verify.tolerances import profile_for
-from exporter.reference_runner import TorchRunner, reference_greedy
-from exporter.generation import MINIMIND_SAMPLING, generate_greedy
-from exporter.runtime import OrtRunner
-from helpers import CONSUMER_PROMPTS, edit_manifest
 
 
 def without_final_eos(ids: list[int], eos: int) -> list[int]:
@@ -72,6 +72,7 @@ def test_genai_samples_as_minimind_when_asked_and_is_greedy_otherwise(artifact_f
         while not run.is_done():
             run.generate_next_token()
         return tuple(run.get_sequence(0))
+
     assert len({sampled(seed) for seed in range(4)}) > 1
 
 
@@ -96,16 +97,20 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     eos = free_run[10]
     stop = free_run.index(eos)
     trace = reference_greedy(tiny_model, prompt, 40, eos)  # the reference keeps the EOS, and stops there
-    assert trace.ids == free_run[:stop + 1] and trace.logits.shape == (stop + 1, tiny_model.config.vocab_size)
+    assert trace.ids == free_run[: stop + 1] and trace.logits.shape == (stop + 1, tiny_model.config.vocab_size)
     assert trace.ids == trace.logits.argmax(-1).tolist()  # each row is the logits its token was chosen from
     path = artifact_copy / "genai_config.json"
     config = json.loads(path.read_text())
     config["model"]["eos_token_id"] = eos
     path.write_text(json.dumps(config))
-    edit_manifest(artifact_copy, lambda manifest: manifest["files"]["genai_config.json"].update(
-        sha256=sha256_file(path), bytes=path.stat().st_size))  # a user's edit, listed as the export would
+    edit_manifest(
+        artifact_copy,
+        lambda manifest: manifest["files"]["genai_config.json"].update(
+            sha256=sha256_file(path), bytes=path.stat().st_size
+        ),
+    )  # a user's edit, listed as the export would
     ours = generate_greedy(OrtRunner(artifact_copy), prompt, 40, eos).new_ids
-    assert ours == free_run[:stop + 1] and ours[-1] == eos
+    assert ours == free_run[: stop + 1] and ours[-1] == eos
     generator = GenaiGenerator(artifact_copy)
     assert generator.greedy(prompt, 40) == free_run[:stop]
     # Without stop_at_eos (the benchmark's fixed-length runs) it never picks the EOS and runs to max_length.
@@ -113,7 +118,7 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     run.append_tokens(prompt)
     while not run.is_done():
         run.generate_next_token()
-    new_ids = [int(token) for token in run.get_sequence(0)[len(prompt):]]
+    new_ids = [int(token) for token in run.get_sequence(0)[len(prompt) :]]
     assert len(new_ids) == 40 and new_ids[:stop] == free_run[:stop] and eos not in new_ids
 
 
@@ -125,8 +130,9 @@ def test_text_generation_agrees_across_genai_tokenizers_and_our_cli(artifact_fp3
     assert [int(i) for i in genai_tokenizer.encode(text)] == ids and len(ids) > 1
     new_ids = generator.greedy(ids, 12)
     assert genai_tokenizer.decode(new_ids) == ours.decode(new_ids)
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", text, "--max-new-tokens", "12",
-                                       "--json", "-q"])
+    result = CliRunner().invoke(
+        main, ["generate", str(artifact_fp32), "--prompt", text, "--max-new-tokens", "12", "--json", "-q"]
+    )
     assert result.exit_code == 0, result.output
     [data] = json.loads(result.stdout)
     assert data["prompt_ids"] == ids and data["new_ids"] == new_ids
@@ -176,12 +182,15 @@ def test_verify_fails_when_genai_generates_other_tokens(artifact_copy, tiny_mode
 
 def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_model, monkeypatch):
     assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False).consumers_skipped == {
-        "onnxruntime-genai": "turned off"}
+        "onnxruntime-genai": "turned off"
+    }
     with monkeypatch.context() as patch:  # a family onnxruntime-genai cannot run
-        patch.setattr(consumers, "consumer_types",
-                      lambda manifest: FamilyTypes(None, "qwen3", genai_unsupported="reason X"))
+        patch.setattr(
+            consumers, "consumer_types", lambda manifest: FamilyTypes(None, "qwen3", genai_unsupported="reason X")
+        )
         assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST).consumers_skipped == {
-            "onnxruntime-genai": "reason X"}
+            "onnxruntime-genai": "reason X"
+        }
         with pytest.raises(ConsumerError, match="cannot run in onnxruntime-genai: reason X"):
             GenaiGenerator(artifact_copy)
     monkeypatch.setattr(engine, "genai_version", lambda: None)
@@ -213,6 +222,7 @@ def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path)
 
 def _trained(model, pre_tokenizer, decoder, trainer):
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer(model)
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizer, decoder
     words = [a + b for a in ("ka", "lo", "mi", "ne") for b in ("ru", "to", "sa", "vi")]
@@ -222,20 +232,34 @@ def _trained(model, pre_tokenizer, decoder, trainer):
 
 def _tokenizer_kinds():
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     bpe = trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)
     return {
-        "byte-level BPE": _trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False),
-                                   decoders.ByteLevel(), bpe),
+        "byte-level BPE": _trained(
+            models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), bpe
+        ),
         "BPE over Whitespace": _trained(models.BPE(unk_token="<unk>"), pre_tokenizers.Whitespace(), None, bpe),
-        "BPE over Metaspace": _trained(models.BPE(unk_token="<unk>"), pre_tokenizers.Metaspace(),
-                                       decoders.Metaspace(), bpe),
-        "WordPiece": _trained(models.WordPiece(unk_token="<unk>"), pre_tokenizers.Whitespace(), decoders.WordPiece(),
-                              trainers.WordPieceTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False)),
-        "Unigram": _trained(models.Unigram(), pre_tokenizers.Metaspace(), decoders.Metaspace(),
-                            trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>"], unk_token="<unk>",
-                                                    show_progress=False)),
-        "WordLevel": _trained(models.WordLevel(unk_token="<unk>"), pre_tokenizers.Whitespace(), None,
-                              trainers.WordLevelTrainer(special_tokens=["<unk>"], show_progress=False)),
+        "BPE over Metaspace": _trained(
+            models.BPE(unk_token="<unk>"), pre_tokenizers.Metaspace(), decoders.Metaspace(), bpe
+        ),
+        "WordPiece": _trained(
+            models.WordPiece(unk_token="<unk>"),
+            pre_tokenizers.Whitespace(),
+            decoders.WordPiece(),
+            trainers.WordPieceTrainer(vocab_size=100, special_tokens=["<unk>"], show_progress=False),
+        ),
+        "Unigram": _trained(
+            models.Unigram(),
+            pre_tokenizers.Metaspace(),
+            decoders.Metaspace(),
+            trainers.UnigramTrainer(vocab_size=60, special_tokens=["<unk>"], unk_token="<unk>", show_progress=False),
+        ),
+        "WordLevel": _trained(
+            models.WordLevel(unk_token="<unk>"),
+            pre_tokenizers.Whitespace(),
+            None,
+            trainers.WordLevelTrainer(special_tokens=["<unk>"], show_progress=False),
+        ),
     }
 
 
@@ -258,13 +282,18 @@ def _genai_reads_alike(folder, tokenizer: Tokenizer, text: str) -> bool:
     """Whether og.Tokenizer encodes `text` and decodes its ids as `tokenizers` does; failing to load, or
     crashing, is reading it otherwise."""
     ids = tokenizer.encode(text).ids
-    child = subprocess.run([sys.executable, "-c", _GENAI_READ, str(folder), text, json.dumps(ids)],
-                           capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-c", _GENAI_READ, str(folder), text, json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return child.returncode == 0 and json.loads(child.stdout) == [ids, tokenizer.decode(ids)]
 
 
-@pytest.mark.parametrize("kind", ["byte-level BPE", "BPE over Whitespace", "BPE over Metaspace", "WordPiece", "Unigram",
-                                  "WordLevel"])
+@pytest.mark.parametrize(
+    "kind", ["byte-level BPE", "BPE over Whitespace", "BPE over Metaspace", "WordPiece", "Unigram", "WordLevel"]
+)
 def test_the_tokenizer_kinds_the_export_warns_of_are_those_genai_misreads(artifact_copy, kind):
     """The export's warning (tokenizer.genai_unreadable) is measured: og.Tokenizer fails to load every kind it
     names, or encodes other ids than the tokenizers library; the kind it does not name reads alike."""
@@ -279,11 +308,15 @@ def test_the_missing_byte_symbols_the_export_warns_of_are_encoded_as_minus_one_b
     """The export's warning (tokenizer.missing_byte_symbols) is measured: genai encodes "H", which the tests'
     tokenizer lacks, as -1; with all 256 byte symbols it encodes the text as `tokenizers` does."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     assert find_tokenizer(artifact_copy, 512).missing_byte_symbols > 0
     assert -1 in list(og.Tokenizer(og.Model(str(artifact_copy))).encode("Hkalo"))
-    whole = _trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(),
-                     trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                         show_progress=False))
+    whole = _trained(
+        models.BPE(),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     whole.save(str(artifact_copy / "tokenizer.json"))
     (artifact_copy / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
     assert find_tokenizer(artifact_copy, 512).missing_byte_symbols == 0
@@ -300,10 +333,15 @@ def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, ti
     with pytest.raises(ConsumerError, match="manifest lists no genai_config.json"):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
     assert engine._genai_skip_reason(artifact_copy, read_manifest(artifact_copy)).startswith(
-        "the folder's manifest lists no genai_config.json")  # what a run without --genai reports, then passes
+        "the folder's manifest lists no genai_config.json"
+    )  # what a run without --genai reports, then passes
     path.write_text('{"model": ')
-    edit_manifest(artifact_copy, lambda manifest: manifest["files"].update(
-        {"genai_config.json": {"sha256": sha256_file(path), "bytes": path.stat().st_size}}))
+    edit_manifest(
+        artifact_copy,
+        lambda manifest: manifest["files"].update(
+            {"genai_config.json": {"sha256": sha256_file(path), "bytes": path.stat().st_size}}
+        ),
+    )
     with pytest.raises(ArtifactError, match=r"genai_config.json is not onnxruntime-genai's config \(JSONDecodeError"):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
     result = CliRunner().invoke(main, ["verify", str(artifact_copy), "--provider", "cpu", "-q"])
@@ -313,8 +351,9 @@ def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, ti
         GenaiGenerator(artifact_copy)
 
 
-@pytest.mark.parametrize("text, error", [('{"model": {}}', "KeyError"), ('["model"]', "TypeError"),
-                                         ('{"model": "qwen3"}', "TypeError")])
+@pytest.mark.parametrize(
+    "text, error", [('{"model": {}}', "KeyError"), ('["model"]', "TypeError"), ('{"model": "qwen3"}', "TypeError")]
+)
 def test_a_genai_config_that_names_no_model_type_is_one_artifact_error(tmp_path, text, error):
     # JSON, but without model.type: a KeyError or TypeError escaped as an internal error, where malformed JSON
     # was already refused
@@ -340,8 +379,12 @@ def test_a_thread_count_reaches_genai_as_an_overlay_and_the_cpu_is_the_only_prov
             calls.append(json.loads(text))
             self.real.overlay(text)
 
-    recording = SimpleNamespace(Config=Config, Model=lambda config: og.Model(config.real),
-                                GeneratorParams=og.GeneratorParams, Generator=og.Generator)
+    recording = SimpleNamespace(
+        Config=Config,
+        Model=lambda config: og.Model(config.real),
+        GeneratorParams=og.GeneratorParams,
+        Generator=og.Generator,
+    )
     monkeypatch.setattr(exporter_genai, "_import_genai", lambda: recording)
     threaded = GenaiGenerator(artifact_fp32, threads=1)
     assert calls == ["clear_providers", {"model": {"decoder": {"session_options": {"intra_op_num_threads": 1}}}}]

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from exporter.cli import main
 from exporter.errors import InputError, OutputPathError
-from exporter.generation import SamplingConfig, generate, generate_greedy, process_logits, stream
-from exporter.reference_runner import reference_greedy
-from exporter.runtime import OrtRunner
-from exporter.sessions import SessionSettings
+from exporter.runtime.generation import SamplingConfig, generate, generate_greedy, process_logits, stream
+from exporter.runtime.runner import OrtRunner
+from exporter.runtime.sessions import SessionSettings
+from exporter.verify.references.torch_runner import reference_greedy
 
 
 def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):
@@ -41,8 +41,10 @@ def minimind_processing(logits, input_ids, temperature, top_k, top_p, penalty):
     return logits
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,penalty", [
-    (0.85, 50, 0.85, 1.0), (1.0, 0, 0.5, 1.3), (0.5, 7, 1.0, 1.1), (1.3, 1, 0.9, 1.0), (1.0, 0, 1.0, 1.0)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,penalty",
+    [(0.85, 50, 0.85, 1.0), (1.0, 0, 0.5, 1.3), (0.5, 7, 1.0, 1.1), (1.3, 1, 0.9, 1.0), (1.0, 0, 1.0, 1.0)],
+)
 def test_logits_processing_matches_minimind(temperature, top_k, top_p, penalty):
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((3, 200)) * 3).astype(np.float32)
@@ -50,11 +52,13 @@ def test_logits_processing_matches_minimind(temperature, top_k, top_p, penalty):
     seen = np.zeros((3, 200), dtype=bool)
     for row, ids in enumerate(input_ids):
         seen[row, ids] = True
-    config = SamplingConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-                            repetition_penalty=penalty)
+    config = SamplingConfig(
+        do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty
+    )
     ours = process_logits(logits, seen, config)
-    expected = minimind_processing(torch.from_numpy(logits.copy()), torch.from_numpy(input_ids), temperature,
-                                   top_k, top_p, penalty).numpy()
+    expected = minimind_processing(
+        torch.from_numpy(logits.copy()), torch.from_numpy(input_ids), temperature, top_k, top_p, penalty
+    ).numpy()
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(expected))
     np.testing.assert_allclose(ours[~np.isinf(ours)], expected[~np.isinf(expected)], rtol=1e-6)
 
@@ -118,7 +122,7 @@ def test_repetition_penalty_covers_prompt_and_generated_ids_as_minimind_does(run
         logits = minimind_processing(tiny_model(ids).logits[:, -1], ids, 1.0, 0, 1.0, 2.0)
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
     penalised = generate(runner, [prompt], 40, SamplingConfig(repetition_penalty=2.0))[0].new_ids
-    assert penalised == ids[0, len(prompt):].tolist()
+    assert penalised == ids[0, len(prompt) :].tolist()
     assert penalised != generate(runner, [prompt], 40)[0].new_ids
 
 
@@ -218,14 +222,18 @@ def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):
 @pytest.mark.parametrize("call", [generate, stream, lambda runner, prompts, n: generate_greedy(runner, prompts[0], n)])
 def test_a_folder_in_place_of_the_runner_is_refused_with_the_fix(artifact_fp32, call):
     # was AttributeError: 'PosixPath' object has no attribute 'manifest'
-    with pytest.raises(InputError, match=r"^runner must be an OrtRunner, got PosixPath\(.*\); make one with "
-                                         r"OrtRunner\(folder\)"):
+    with pytest.raises(
+        InputError,
+        match=r"^runner must be an OrtRunner, got PosixPath\(.*\); make one with "
+        r"OrtRunner\(folder\)",
+    ):
         call(artifact_fp32, [[1, 2]], 3)
 
 
 def test_generations_from_several_threads_on_one_runner_each_keep_their_own_cache(runner):
     # Each step swapped its cache in and ran while another thread's step swapped its own: wrong tokens, no error.
     import threading
+
     prompts = [[1, 42, 7], [5, 6], [9, 9, 9, 9], [3]] * 2
     expected = [generate(runner, [prompt], 30)[0].new_ids for prompt in prompts]
     produced = [None] * len(prompts)
@@ -247,16 +255,21 @@ def test_a_sampled_row_draws_the_same_tokens_in_any_batch(runner):
     batched = generate(runner, prompts, 30, sampling)
     for prompt, result in zip(prompts, batched):
         assert result.new_ids == generate(runner, [prompt], 30, sampling)[0].new_ids
-    twice = generate(runner, [prompts[0], prompts[0]], 30,
-                     SamplingConfig(do_sample=True, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=(11, 12)))
+    twice = generate(
+        runner,
+        [prompts[0], prompts[0]],
+        30,
+        SamplingConfig(do_sample=True, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=(11, 12)),
+    )
     assert twice[0].new_ids == batched[0].new_ids and twice[1].new_ids != twice[0].new_ids
 
 
 def test_the_smallest_temperature_and_penalty_stay_finite_and_within_the_vocabulary(runner):
     greedy = generate(runner, [[1, 2, 3]], 8)[0].new_ids
     assert generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-6))[0].new_ids == greedy
-    penalised = generate(runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-6,
-                                                                   repetition_penalty=1e-6))
+    penalised = generate(
+        runner, [[1, 2, 3]], 8, SamplingConfig(do_sample=True, temperature=1e-6, repetition_penalty=1e-6)
+    )
     assert all(0 <= i < runner.manifest.config.vocab_size for i in penalised[0].new_ids)
 
 
@@ -273,7 +286,8 @@ def test_the_largest_penalty_leaves_no_nan(recwarn):
 
 def test_non_finite_logits_are_an_error_not_an_id():
     from exporter.errors import ToolkitError
-    from exporter.generation import choose_tokens
+    from exporter.runtime.generation import choose_tokens
+
     logits = np.zeros((2, 5))
     logits[1, 3] = np.nan
     rngs = [np.random.default_rng(0)] * 2
@@ -291,28 +305,35 @@ def test_a_two_dimensional_integer_array_is_a_batch(runner):
     assert [r.new_ids for r in generate(runner, ids, 6)] == [r.new_ids for r in generate(runner, ids.tolist(), 6)]
 
 
-@pytest.mark.parametrize("prompts,kwargs,message", [
-    ([[1, 2], []], {}, "prompt 1: the prompt is empty"),
-    ([[1, 600]], {}, "outside the vocabulary"),
-    ([[1] * 200, [1]], {"max_new_tokens": 100}, "prompt 0: .*exceeds max_position_embeddings"),
-    ([[1]], {"stop_ids": [9999]}, "stop ids"),
-    ([[1]], {"stop_ids": 5}, r"stop_ids must be a list .*stop_ids=\[5\]"),
-    ([[1]], {"stop_ids": np.array(5)}, "stop_ids must be a list"),
-    ([[1]], {"stop_ids": None}, r"stop_ids must be a list of token ids, got None; write e.g. stop_ids=\[2\], or \(\) "
-                                r"for none$"),
-    ([[1]], {"sampling": {"do_sample": True}}, "sampling must be a SamplingConfig"),
-    ([{1, 2}], {}, "a prompt must be a list of token ids, got set"),
-    ([[1, 2]], {"eos_token_id": 1000}, "eos_token_id 1000 is not a token id"),
-    ([[1, 2]], {"eos_token_id": -5}, "eos_token_id -5 is not a token id"),
-    ([[1.7, 2.2]], {}, "token ids must be integers, got 1.7"),
-    ([[True, False]], {}, "token ids must be integers, got True"),
-    (["123"], {}, "a prompt must be a list of token ids, got str"),
-    ([1, 2, 3], {}, "got a list of ids; wrap one prompt"),
-    ("1 2 3", {}, "prompts must be a list of prompts"),
-    (np.array([1, 2, 3]), {}, "prompts must be a list of prompts"),
-    ([[1, 2]], {"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
-    ([[1], [2], [3]], {"sampling": SamplingConfig(do_sample=True, seed=(1, 2))}, "2 seeds for a batch of 3"),
-])
+@pytest.mark.parametrize(
+    "prompts,kwargs,message",
+    [
+        ([[1, 2], []], {}, "prompt 1: the prompt is empty"),
+        ([[1, 600]], {}, "outside the vocabulary"),
+        ([[1] * 200, [1]], {"max_new_tokens": 100}, "prompt 0: .*exceeds max_position_embeddings"),
+        ([[1]], {"stop_ids": [9999]}, "stop ids"),
+        ([[1]], {"stop_ids": 5}, r"stop_ids must be a list .*stop_ids=\[5\]"),
+        ([[1]], {"stop_ids": np.array(5)}, "stop_ids must be a list"),
+        (
+            [[1]],
+            {"stop_ids": None},
+            r"stop_ids must be a list of token ids, got None; write e.g. stop_ids=\[2\], or \(\) "
+            r"for none$",
+        ),
+        ([[1]], {"sampling": {"do_sample": True}}, "sampling must be a SamplingConfig"),
+        ([{1, 2}], {}, "a prompt must be a list of token ids, got set"),
+        ([[1, 2]], {"eos_token_id": 1000}, "eos_token_id 1000 is not a token id"),
+        ([[1, 2]], {"eos_token_id": -5}, "eos_token_id -5 is not a token id"),
+        ([[1.7, 2.2]], {}, "token ids must be integers, got 1.7"),
+        ([[True, False]], {}, "token ids must be integers, got True"),
+        (["123"], {}, "a prompt must be a list of token ids, got str"),
+        ([1, 2, 3], {}, "got a list of ids; wrap one prompt"),
+        ("1 2 3", {}, "prompts must be a list of prompts"),
+        (np.array([1, 2, 3]), {}, "prompts must be a list of prompts"),
+        ([[1, 2]], {"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ([[1], [2], [3]], {"sampling": SamplingConfig(do_sample=True, seed=(1, 2))}, "2 seeds for a batch of 3"),
+    ],
+)
 def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwargs, message):
     counting = CountingRunner(runner)
     with pytest.raises(InputError, match=message):
@@ -320,28 +341,31 @@ def test_bad_generation_inputs_fail_before_any_model_call(runner, prompts, kwarg
     assert counting.calls == 0
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"do_sample": True, "temperature": 0.0}, r"temperature \(--temperature\) must lie in \[1e-06, 3.403e\+38\]"),
-    ({"do_sample": True, "temperature": -1.0}, r"temperature \(--temperature\) must lie in"),
-    ({"do_sample": True, "temperature": 1e-40}, r"temperature \(--temperature\) must lie in"),
-    ({"do_sample": True, "temperature": 1e39}, r"temperature \(--temperature\) must lie in .*finite in float32"),
-    ({"do_sample": True, "temperature": "x"}, r"temperature \(--temperature\) must be a number"),
-    ({"top_p": "0.5"}, r"top_p \(--top-p\) must be a number"),
-    ({"repetition_penalty": None}, r"repetition_penalty \(--repetition-penalty\) must be a number"),
-    ({"top_p": 0.0}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
-    ({"top_k": -1}, r"top_k \(--top-k\) must be an integer >= 0"),
-    ({"repetition_penalty": 0.0}, r"repetition_penalty \(--repetition-penalty\) must lie in \[1e-06, 3.403e\+38\]"),
-    ({"repetition_penalty": 1e300}, r"repetition_penalty \(--repetition-penalty\) must lie in .*finite in float32"),
-    ({"do_sample": True, "temperature": float("inf")}, r"temperature \(--temperature\) must lie in"),
-    ({"repetition_penalty": float("nan")}, r"repetition_penalty \(--repetition-penalty\) must lie in"),
-    ({"top_k": 2.5}, r"top_k \(--top-k\) must be an integer"),
-    ({"seed": -1}, r"seed \(--seed\) must be an integer >= 0"),
-    ({"seed": (1, "2")}, r"seed \(--seed\) must be an integer >= 0"),
-    # it sampled: "no" is truthy
-    ({"do_sample": "no"}, r"do_sample \(--sample\) must be True or False, got 'no' \(str\)"),
-    ({"do_sample": None}, r"do_sample \(--sample\) must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"do_sample": True, "temperature": 0.0}, r"temperature \(--temperature\) must lie in \[1e-06, 3.403e\+38\]"),
+        ({"do_sample": True, "temperature": -1.0}, r"temperature \(--temperature\) must lie in"),
+        ({"do_sample": True, "temperature": 1e-40}, r"temperature \(--temperature\) must lie in"),
+        ({"do_sample": True, "temperature": 1e39}, r"temperature \(--temperature\) must lie in .*finite in float32"),
+        ({"do_sample": True, "temperature": "x"}, r"temperature \(--temperature\) must be a number"),
+        ({"top_p": "0.5"}, r"top_p \(--top-p\) must be a number"),
+        ({"repetition_penalty": None}, r"repetition_penalty \(--repetition-penalty\) must be a number"),
+        ({"top_p": 0.0}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p \(--top-p\) must lie in \(0, 1\]"),
+        ({"top_k": -1}, r"top_k \(--top-k\) must be an integer >= 0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty \(--repetition-penalty\) must lie in \[1e-06, 3.403e\+38\]"),
+        ({"repetition_penalty": 1e300}, r"repetition_penalty \(--repetition-penalty\) must lie in .*finite in float32"),
+        ({"do_sample": True, "temperature": float("inf")}, r"temperature \(--temperature\) must lie in"),
+        ({"repetition_penalty": float("nan")}, r"repetition_penalty \(--repetition-penalty\) must lie in"),
+        ({"top_k": 2.5}, r"top_k \(--top-k\) must be an integer"),
+        ({"seed": -1}, r"seed \(--seed\) must be an integer >= 0"),
+        ({"seed": (1, "2")}, r"seed \(--seed\) must be an integer >= 0"),
+        # it sampled: "no" is truthy
+        ({"do_sample": "no"}, r"do_sample \(--sample\) must be True or False, got 'no' \(str\)"),
+        ({"do_sample": None}, r"do_sample \(--sample\) must be True or False"),
+    ],
+)
 def test_bad_sampling_settings_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
         SamplingConfig(**kwargs)
@@ -372,8 +396,11 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
         return real(model, options, **kwargs)
 
     monkeypatch.setattr(ort, "InferenceSession", full_disk)
-    with pytest.raises(OutputPathError, match=r"cannot save the optimised graph decode.optimized.onnx in .*"
-                                              r"--save-optimized"):
+    with pytest.raises(
+        OutputPathError,
+        match=r"cannot save the optimised graph decode.optimized.onnx in .*"
+        r"--save-optimized",
+    ):
         OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left
 
@@ -383,6 +410,7 @@ def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monk
     the earlier prefill graph, or a new folder the decode graph alone."""
     import onnxruntime as ort
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
     real = ort.InferenceSession
 
     def prefill_on_a_full_disk(model, options, **kwargs):
@@ -393,8 +421,10 @@ def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monk
     monkeypatch.setattr(ort, "InferenceSession", prefill_on_a_full_disk)
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    saved = {name: name.encode() for name in ("decode.optimized.onnx", "decode.optimized.onnx.data",
-                                              "prefill.optimized.onnx")}
+    saved = {
+        name: name.encode()
+        for name in ("decode.optimized.onnx", "decode.optimized.onnx.data", "prefill.optimized.onnx")
+    }
     for name, data in saved.items():
         (earlier / name).write_bytes(data)
     for folder in (earlier, tmp_path / "new"):
@@ -404,24 +434,32 @@ def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["earlier"]
 
 
-def test_a_second_save_of_the_optimised_graphs_into_one_folder_waits_for_the_first_ones_moves(artifact_fp32,
-                                                                                                tmp_path):
+def test_a_second_save_of_the_optimised_graphs_into_one_folder_waits_for_the_first_ones_moves(artifact_fp32, tmp_path):
     """Two `generate --save-optimized D` at once: their moves into D interleaved, leaving one's graph beside the
     other's weights file. The later now waits for the earlier's moves (a lock on D) and replaces its files whole."""
     import subprocess
+
     folder = tmp_path / "optimized"
     folder.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""if True:
         import time
         from pathlib import Path
-        from exporter.paths import folder_lock
+        from exporter.artifact.paths import folder_lock
         folder = Path({str(folder)!r})
         with folder_lock(folder):  # the other save's moves, slowed down: its weights file first, then its graph
             (folder / "decode.optimized.onnx.data").write_text("theirs")
             print("moving", flush=True)
             time.sleep(1)
             (folder / "decode.optimized.onnx").write_text("theirs")
-        """], stdout=subprocess.PIPE, text=True)
+        """,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert other.stdout.readline() == "moving\n"
     OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
     assert other.wait() == 0
@@ -429,11 +467,11 @@ def test_a_second_save_of_the_optimised_graphs_into_one_folder_waits_for_the_fir
     assert (folder / "decode.optimized.onnx.data").read_bytes() != b"theirs"
 
 
-def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path,
-                                                                                 monkeypatch):
+def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_it(artifact_fp32, tmp_path, monkeypatch):
     # --save-optimized new/optimized on a full disk left new/optimized/ behind, empty.
     import onnxruntime as ort
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
     real = ort.InferenceSession
 
     def full_disk(model, options, **kwargs):
@@ -448,8 +486,9 @@ def test_a_failed_first_save_of_the_optimised_graphs_leaves_no_folder_made_for_i
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_between_the_moves_of_the_optimised_graph_keeps_a_matched_pair(artifact_fp32, tmp_path,
-                                                                                monkeypatch, signum):
+def test_a_signal_between_the_moves_of_the_optimised_graph_keeps_a_matched_pair(
+    artifact_fp32, tmp_path, monkeypatch, signum
+):
     """The saved graph and its weights file are moved in one after the other: a Ctrl-C landing between the two
     left the new weights file beside the earlier graph. The signal now takes effect after both moves."""
     folder = tmp_path / "optimized"
@@ -500,7 +539,7 @@ def test_the_optimised_graphs_can_be_saved_from_a_thread(artifact_fp32, tmp_path
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(509)]  # exactly the tiny vocabulary
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
@@ -512,9 +551,22 @@ def tokenizer_file(tmp_path_factory):
 
 
 def test_text_in_and_out_through_a_tokenizer(artifact_fp32, tokenizer_file, runner):
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17 w230",
-                                       "--tokenizer", str(tokenizer_file), "--max-new-tokens", "8",
-                                       "--ignore-eos", "--json", "-q"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(artifact_fp32),
+            "--prompt",
+            "w5 w17 w230",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     [row] = json.loads(result.stdout)
     assert row["prompt_ids"] == [8, 20, 233]
@@ -527,8 +579,9 @@ def test_prompt_text_without_the_tokenizers_library_is_a_one_line_error(artifact
     # A deployment installed without dependencies (README, "Golden bundles") exited 3 with "internal error:
     # ModuleNotFoundError" here.
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # any import of it now fails
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5", "--tokenizer",
-                                       str(tokenizer_file), "-q"])
+    result = CliRunner().invoke(
+        main, ["generate", str(artifact_fp32), "--prompt", "w5", "--tokenizer", str(tokenizer_file), "-q"]
+    )
     assert result.exit_code == 2, result.output
     [line] = result.stderr.strip().splitlines()
     assert "needs the tokenizers library" in line and "pip install tokenizers" in line, line
@@ -537,8 +590,9 @@ def test_prompt_text_without_the_tokenizers_library_is_a_one_line_error(artifact
 def test_streamed_text_is_printed_as_it_is_produced(artifact_fp32, tokenizer_file, monkeypatch):
     import sys
 
-    import exporter.generation
-    produced = exporter.generation.stream
+    import exporter.runtime.generation
+
+    produced = exporter.runtime.generation.stream
     printed_at_step = []  # the words on stdout when each step is produced
 
     def watched(*args, **kwargs):
@@ -546,28 +600,56 @@ def test_streamed_text_is_printed_as_it_is_produced(artifact_fp32, tokenizer_fil
             sys.stdout.flush()
             printed_at_step.append(len(sys.stdout.buffer.getvalue().decode().split()))
             yield tokens
-    monkeypatch.setattr(exporter.generation, "stream", watched)
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17",
-                                       "--tokenizer", str(tokenizer_file), "--max-new-tokens", "5",
-                                       "--ignore-eos", "-q"])
+
+    monkeypatch.setattr(exporter.runtime.generation, "stream", watched)
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(artifact_fp32),
+            "--prompt",
+            "w5 w17",
+            "--tokenizer",
+            str(tokenizer_file),
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert len(result.stdout.split()) == 5
     assert printed_at_step == [0, 1, 2, 3, 4]  # each step's word was on stdout before the next step was produced
 
 
-@pytest.mark.parametrize("config_text", ['{bad', '{"chat_template": [{"name": "default", "template": "x"}]}'])
-def test_generate_does_not_read_the_tokenizer_config_beside_its_tokenizer(artifact_fp32, tokenizer_file, tmp_path,
-                                                                          config_text):
+@pytest.mark.parametrize("config_text", ["{bad", '{"chat_template": [{"name": "default", "template": "x"}]}'])
+def test_generate_does_not_read_the_tokenizer_config_beside_its_tokenizer(
+    artifact_fp32, tokenizer_file, tmp_path, config_text
+):
     (tmp_path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(config_text)  # the export would refuse it; generation needs none
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "w5 w17", "--tokenizer",
-                                       str(tmp_path / "tokenizer.json"), "--max-new-tokens", "3", "--json", "-q"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(artifact_fp32),
+            "--prompt",
+            "w5 w17",
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)[0]["new_ids"]) == 3
 
 
 def test_generated_ids_the_tokenizer_lacks_are_named_once(artifact_fp32, runner, tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     small = Tokenizer(models.WordLevel({f"w{i}": i for i in range(319)}, unk_token="w0"))  # the model has 512 ids
     small.pre_tokenizer = pre_tokenizers.Whitespace()
     small.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
@@ -576,8 +658,18 @@ def test_generated_ids_the_tokenizer_lacks_are_named_once(artifact_fp32, runner,
     missing = sorted({i for i in new_ids if i >= 319})
     assert missing, "the seeded model must emit ids past the tokenizer for this test to mean anything"
     warning = f"generated ids that are no tokens of the tokenizer, left out of the text: {', '.join(map(str, missing))}"
-    command = ["generate", str(artifact_fp32), "--prompt", "w5 w17", "--tokenizer", str(tmp_path / "tokenizer.json"),
-               "--max-new-tokens", "20", "--ignore-eos", "-q"]
+    command = [
+        "generate",
+        str(artifact_fp32),
+        "--prompt",
+        "w5 w17",
+        "--tokenizer",
+        str(tmp_path / "tokenizer.json"),
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "-q",
+    ]
     for options in (["--json"], ["--prompt", "w5 w17", "--json"], []):  # a batch of two, and the live stream
         result = CliRunner().invoke(main, command + options)
         assert result.exit_code == 0, result.output
@@ -588,7 +680,9 @@ def test_generated_ids_the_tokenizer_lacks_are_named_once(artifact_fp32, runner,
 
 def test_text_that_encodes_to_no_tokens_is_refused_as_text(artifact_fp32, monkeypatch):
     # the artifact's byte-level BPE knows only lower-case ASCII letters and has no unknown token
-    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded"))
+    monkeypatch.setattr(
+        "exporter.runtime.runner.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded")
+    )
     for text in ("", "KALO"):
         result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "kalo", "--prompt", text])
         assert result.exit_code == 2, result.output
@@ -602,16 +696,28 @@ def test_prompt_dash_reads_the_prompt_text_from_stdin(artifact_fp32):
     piped = CliRunner().invoke(main, [*command, "--prompt", "-", "--prompt", "ruto"], input="kalo mine\n")
     assert given.exit_code == 0 and piped.exit_code == 0, piped.output
     assert [row["prompt_ids"] for row in json.loads(piped.stdout)] == [
-        json.loads(given.stdout)[0]["prompt_ids"], json.loads(CliRunner().invoke(
-            main, [*command, "--prompt", "ruto"]).stdout)[0]["prompt_ids"]]  # its line end left out
+        json.loads(given.stdout)[0]["prompt_ids"],
+        json.loads(CliRunner().invoke(main, [*command, "--prompt", "ruto"]).stdout)[0]["prompt_ids"],
+    ]  # its line end left out
 
 
 def test_prompt_dash_drops_a_final_windows_line_end(artifact_fp32, tmp_path):
     # the artifact's tokenizer leaves "\r" out of every text; one without a pre-tokenizer reads "kalo\r" as unknown
     from tokenizers import Tokenizer, models
+
     Tokenizer(models.WordLevel({"[unk]": 0, "kalo": 1}, unk_token="[unk]")).save(str(tmp_path / "tokenizer.json"))
-    command = ["generate", str(artifact_fp32), "--tokenizer", str(tmp_path), "--prompt", "-", "--max-new-tokens", "0",
-               "--json", "-q"]
+    command = [
+        "generate",
+        str(artifact_fp32),
+        "--tokenizer",
+        str(tmp_path),
+        "--prompt",
+        "-",
+        "--max-new-tokens",
+        "0",
+        "--json",
+        "-q",
+    ]
     for stdin, ids in (("kalo\r\n", [1]), ("kalo\r\n\r\n", [0])):  # one line end dropped, not every one
         result = CliRunner().invoke(main, command, input=stdin)
         assert result.exit_code == 0, result.output
@@ -621,22 +727,36 @@ def test_prompt_dash_drops_a_final_windows_line_end(artifact_fp32, tmp_path):
 def test_prompt_dash_with_stdin_closed_is_a_usage_error(artifact_fp32):
     # `export-onnx generate --prompt - <&-`: Python starts with sys.stdin None, which was an internal error, exit 3
     import subprocess
-    result = subprocess.run([str(Path(sys.executable).parent / "export-onnx"), "generate", str(artifact_fp32),
-                             "--prompt", "-"], capture_output=True, text=True, timeout=120,
-                            preexec_fn=lambda: os.close(0))
+
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "export-onnx"), "generate", str(artifact_fp32), "--prompt", "-"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(0),
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: Invalid value for --prompt -: stdin is closed; pipe the prompt in (see 'export-onnx generate "
-        "--help')"], result.stderr
+        "error: Invalid value for --prompt -: stdin is closed; pipe the prompt in (see 'export-onnx generate --help')"
+    ], result.stderr
 
 
-@pytest.mark.parametrize("options, stdin, message", [
-    (["--prompt", "-"], "", "Invalid value for --prompt - (stdin): '' encodes to no tokens with this tokenizer"),
-    (["--prompt", "-"], b"kalo \xff", "Invalid value for --prompt -: stdin is not UTF-8 text (invalid start byte at "
-                                      "byte 5); pipe in UTF-8 text"),
-    (["--prompt", "-", "--prompt", "-"], "kalo", "--prompt - reads one prompt, all of stdin; give it once"),
-], ids=["empty", "not UTF-8", "twice"])
+@pytest.mark.parametrize(
+    "options, stdin, message",
+    [
+        (["--prompt", "-"], "", "Invalid value for --prompt - (stdin): '' encodes to no tokens with this tokenizer"),
+        (
+            ["--prompt", "-"],
+            b"kalo \xff",
+            "Invalid value for --prompt -: stdin is not UTF-8 text (invalid start byte at byte 5); pipe in UTF-8 text",
+        ),
+        (["--prompt", "-", "--prompt", "-"], "kalo", "--prompt - reads one prompt, all of stdin; give it once"),
+    ],
+    ids=["empty", "not UTF-8", "twice"],
+)
 def test_prompt_dash_refuses_what_stdin_cannot_give_in_one_line(artifact_fp32, monkeypatch, options, stdin, message):
-    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded"))
+    monkeypatch.setattr(
+        "exporter.runtime.runner.OrtRunner.__init__", lambda *args, **kwargs: pytest.fail("model loaded")
+    )
     result = CliRunner().invoke(main, ["generate", str(artifact_fp32), *options, "-q"], input=stdin)
     assert result.exit_code == 2, result.output
     [line] = result.stderr.strip().splitlines()
@@ -648,8 +768,9 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_pa
 
     big = Tokenizer(models.WordLevel({f"t{i}": i for i in range(600)}, unk_token="t0"))
     big.save(str(tmp_path / "tokenizer.json"))
-    result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt", "t1",
-                                       "--tokenizer", str(tmp_path / "tokenizer.json"), "-q"])
+    result = CliRunner().invoke(
+        main, ["generate", str(artifact_fp32), "--prompt", "t1", "--tokenizer", str(tmp_path / "tokenizer.json"), "-q"]
+    )
     assert result.exit_code == 2
     assert "token ids in [0, 599]" in result.stderr and "vocab_size is 512" in result.stderr
 
@@ -657,7 +778,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(artifact_fp32, tmp_pa
 def test_generate_checks_stop_and_eos_ids_before_loading_the_model(artifact_fp32, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr("exporter.runtime.OrtRunner.__init__", no_load)
+
+    monkeypatch.setattr("exporter.runtime.runner.OrtRunner.__init__", no_load)
     for option in (["--stop-id", "9999"], ["--sample", "--temperature", "0"]):
         result = CliRunner().invoke(main, ["generate", str(artifact_fp32), "--prompt-ids", "1,2", *option])
         assert result.exit_code == 2, result.output
@@ -666,7 +788,9 @@ def test_generate_checks_stop_and_eos_ids_before_loading_the_model(artifact_fp32
 
 def test_a_character_cut_by_the_end_of_the_stream_is_still_printed():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from exporter.tokenizer import TextStream, TextTokenizer
+
+    from exporter.artifact.tokenizer import TextStream, TextTokenizer
+
     tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, []))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -683,7 +807,9 @@ def test_decoded_text_keeps_the_spaces_at_its_ends(tiny_tokenizer):
     it, in the streamed text and in --json's "text" alike; a join of prompt and text must not run words
     together."""
     from tokenizers import Tokenizer
-    from exporter.tokenizer import TextStream, TextTokenizer
+
+    from exporter.artifact.tokenizer import TextStream, TextTokenizer
+
     loaded = Tokenizer.from_file(str(tiny_tokenizer / "tokenizer.json"))
     ids = loaded.encode(" kalo lomi ").ids
     assert loaded.id_to_token(ids[0]).startswith("\u0120")  # the byte-level space, inside the first token

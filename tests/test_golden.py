@@ -14,16 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_one_line_error, perturb_weight, run_cli
 
+from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import OutputPathError, ToolkitError
-from exporter.manifest import read_manifest, sha256_file
 from exporter.verify.engine import verify_artifact
-from exporter.verify.golden import (GoldenMismatch, RecordedReference, _recording_digest, check_golden_destination,
-                                    load_bundle)
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.references.golden import (
+    GoldenMismatch,
+    RecordedReference,
+    _recording_digest,
+    check_golden_destination,
+    load_bundle,
+)
 from exporter.verify.reports import format_verify
 from exporter.verify.tolerances import Overrides
-from helpers import assert_one_line_error, perturb_weight, run_cli
 
 
 def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, artifact_fp32, artifact_copy):
@@ -42,7 +47,8 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     passed, reference, steps, sweep, rows, alone_passed, alone_reference, invariants, providers = json.loads(
-        out.stdout.strip().splitlines()[-1])
+        out.stdout.strip().splitlines()[-1]
+    )
     assert passed and reference.startswith("golden bundle") and steps == 65 and sweep == 36
     # the same rows (the loss and the presents included) with the same numbers as against the model
     assert rows == [[c.name, c.max_abs] for c in report.reports[0].comparisons]
@@ -86,24 +92,31 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert "sha256 differs" in damaged(shift, rehash=False)
     # an edited greedy id, valid but not what the reference chose
     assert "greedy runs, settings or overrides in golden.json changed" in damaged(
-        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(5, 7), rehash=False)
+        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(5, 7), rehash=False
+    )
     # the tolerance overrides the recording was judged with, which a replay applies: edited, left out or unreadable
-    assert "overrides in golden.json changed" in damaged(edit_meta=lambda m: m.update(overrides={"logits.peak": 1}),
-                                                         rehash=False)
+    assert "overrides in golden.json changed" in damaged(
+        edit_meta=lambda m: m.update(overrides={"logits.peak": 1}), rehash=False
+    )
     assert "golden.json records no tolerance overrides, which a v4 bundle holds" in damaged(
-        edit_meta=lambda m: m.pop("overrides"), rehash=False)
+        edit_meta=lambda m: m.pop("overrides"), rehash=False
+    )
     assert "golden.json overrides logits.atol: 'loose' is not a number" in damaged(
-        edit_meta=lambda m: m.update(overrides={"logits.atol": "loose"}))
+        edit_meta=lambda m: m.update(overrides={"logits.atol": "loose"})
+    )
     assert "golden.json overrides: 'logits' is no tolerance term" in damaged(
-        edit_meta=lambda m: m.update(overrides={"logits": 1e-3}))
+        edit_meta=lambda m: m.update(overrides={"logits": 1e-3})
+    )
     assert "logits has shape" in damaged(lambda a: a.update({"0/out/logits": a["0/out/logits"][:, :, :7]}))
-    assert "holds the outputs" in damaged(lambda a: a.pop("0/out/present.0.key"),
-                                          lambda m: m["calls"][0]["outputs"].remove("present.0.key"))
+    assert "holds the outputs" in damaged(
+        lambda a: a.pop("0/out/present.0.key"), lambda m: m["calls"][0]["outputs"].remove("present.0.key")
+    )
     assert "settings must be integers" in damaged(edit_meta=lambda m: m["settings"].update(seed=-1))
     assert "outside the vocabulary" in damaged(edit_meta=lambda m: m["greedy"][0].update(ids=["1", "2"]))
     vocab = manifest.config.vocab_size  # one past the last id; a greedy run of no new tokens
     assert f"outside the vocabulary [0, {vocab})" in damaged(
-        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(0, vocab))
+        edit_meta=lambda m: m["greedy"][0]["ids"].__setitem__(0, vocab)
+    )
     assert "or 0 new tokens" in damaged(edit_meta=lambda m: m["greedy"][0].update(max_new_tokens=0))
     # the module outputs a replay's probe reads: a value edited, a present cut or lost, a value of integers, the
     # token feeds cut or lost
@@ -130,40 +143,46 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
-def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_re_records(full, artifact_fp32,
-                                                                                          artifact_fp16):
+def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_re_records(
+    full, artifact_fp32, artifact_fp16
+):
     # --golden-save DIR replaced a bundle recorded from another artifact, silently.
     _, bundle = full
     before = (bundle / "golden.json").read_bytes()
-    assert_one_line_error(run_cli("verify", artifact_fp16, "--golden-save", bundle, "-q"), 2,
-                          f"golden_save (--golden-save) {bundle} holds a golden bundle recorded from another model "
-                          "(differs in dtype: bundle float32, artifact float16), which this save would replace; "
-                          "remove it or choose another folder")
+    assert_one_line_error(
+        run_cli("verify", artifact_fp16, "--golden-save", bundle, "-q"),
+        2,
+        f"golden_save (--golden-save) {bundle} holds a golden bundle recorded from another model "
+        "(differs in dtype: bundle float32, artifact float16), which this save would replace; "
+        "remove it or choose another folder",
+    )
     assert (bundle / "golden.json").read_bytes() == before
     check_golden_destination(bundle, read_manifest(artifact_fp32))  # the bundle's own artifact: re-recorded
 
 
-def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path,
-                                                                                  monkeypatch):
+def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(artifact_fp32, tmp_path, monkeypatch):
     folder = tmp_path / "golden"
     folder.mkdir()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr("exporter.verify.golden.np.savez", interrupted)
+
+    monkeypatch.setattr("exporter.verify.references.golden.np.savez", interrupted)
     with pytest.raises(KeyboardInterrupt):
         RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
     assert list(folder.iterdir()) == []
     check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
     # the folders it made for the bundle are removed again: they stayed behind, empty
     with pytest.raises(KeyboardInterrupt):
-        RecordedReference().save(tmp_path / "new" / "golden", read_manifest(artifact_fp32), ParitySettings(),
-                                 Overrides(), {})
+        RecordedReference().save(
+            tmp_path / "new" / "golden", read_manifest(artifact_fp32), ParitySettings(), Overrides(), {}
+        )
     assert list(tmp_path.iterdir()) == [folder]
 
 
-def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(full, artifact_fp32,
-                                                                                        tmp_path, monkeypatch):
+def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(
+    full, artifact_fp32, tmp_path, monkeypatch
+):
     """The new arrays were swapped in, then a Ctrl-C before the index: the older bundle was lost, refused as
     damaged ("sha256 differs")."""
     manifest = read_manifest(artifact_fp32)
@@ -175,7 +194,8 @@ def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle
         if Path(destination).name == "golden.json":
             raise KeyboardInterrupt
         replace(source, destination)
-    monkeypatch.setattr("exporter.verify.golden.os.replace", ctrl_c_before_the_index)
+
+    monkeypatch.setattr("exporter.verify.references.golden.os.replace", ctrl_c_before_the_index)
     with pytest.raises(KeyboardInterrupt):
         RecordedReference().save(folder, manifest, ParitySettings(), Overrides(), {})
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden file left
@@ -187,15 +207,23 @@ def test_a_second_golden_save_into_one_folder_waits_for_the_first(full, artifact
     manifest = read_manifest(artifact_fp32)
     folder = shutil.copytree(full[1], tmp_path / "golden")
     bundle = load_bundle(folder, manifest)
-    other = subprocess.Popen([sys.executable, "-c", f"""if True:
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""if True:
         import time
         from pathlib import Path
-        from exporter.paths import folder_lock
+        from exporter.artifact.paths import folder_lock
         with folder_lock(Path({str(folder)!r})):
             print("saving", flush=True)
             time.sleep(1)  # the other save, slowed down: it swaps in its index last
             Path({str(folder / "golden.json")!r}).write_text("theirs")
-        """], stdout=subprocess.PIPE, text=True)
+        """,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert other.stdout.readline() == "saving\n"
     bundle.reference.save(folder, manifest, bundle.settings, bundle.overrides, bundle.versions)
     assert other.wait() == 0
@@ -208,12 +236,17 @@ def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_
     old = shutil.copytree(full[1], tmp_path / "v3")
     meta = json.loads((old / "golden.json").read_text())
     assert meta["format_version"] == 4 and meta["overrides"] == {}
-    for version, way_out in ((3, "re-record it"), (5, "a later version of this toolkit wrote it: upgrade the "
-                                                     "toolkit, or re-record it")):
+    for version, way_out in (
+        (3, "re-record it"),
+        (5, "a later version of this toolkit wrote it: upgrade the toolkit, or re-record it"),
+    ):
         meta["format_version"] = version
         (old / "golden.json").write_text(json.dumps(meta))
-        with pytest.raises(ToolkitError, match=f"is format 'minimind-onnx-golden' v{version}, expected "
-                                               f"'minimind-onnx-golden' v4; {way_out} with golden_save"):
+        with pytest.raises(
+            ToolkitError,
+            match=f"is format 'minimind-onnx-golden' v{version}, expected "
+            f"'minimind-onnx-golden' v4; {way_out} with golden_save",
+        ):
             load_bundle(old, manifest)
 
 
@@ -226,14 +259,19 @@ def test_a_golden_replay_runs_with_the_settings_it_was_recorded_with(artifact_fp
     replay = verify_artifact(artifact_fp32, None, ["cpu"], golden=bundle, genai=False)
     assert replay.passed, format_verify(replay)
     assert {k: replay.settings[k] for k in ("seed", "decode_steps", "greedy_tokens", "sweep")} == {
-        "seed": 7, "decode_steps": 1, "greedy_tokens": 3, "sweep": False}
+        "seed": 7,
+        "decode_steps": 1,
+        "greedy_tokens": 3,
+        "sweep": False,
+    }
     assert replay.reports[0].sweep == [] and len(replay.reports[0].curve) == 2
 
 
 def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     """The module's promise: replayed outputs are only handed out for the token inputs they were recorded with;
     other inputs (a toolkit that draws its prompts differently, say) must not read as a parity failure."""
-    from exporter.verify.golden import RecordedReference
+    from exporter.verify.references.golden import RecordedReference
+
     ids = np.array([[5, 9, 100]])
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None]}
     recorded = RecordedReference(None, [("prefill", feeds, {"logits": np.zeros((1, 3, 4), np.float32)})])
@@ -278,8 +316,11 @@ def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifa
     (other / "golden.json").write_text(json.dumps(meta))
     with pytest.raises(GoldenMismatch) as caught:
         load_bundle(other, read_manifest(artifact_fp32))
-    assert re.search(r"\(differs in [34]\d config fields, among them attn_implementation, bos_token_id, dropout, "
-                     r"eos_token_id, field_00\); verify against", str(caught.value)), caught.value
+    assert re.search(
+        r"\(differs in [34]\d config fields, among them attn_implementation, bos_token_id, dropout, "
+        r"eos_token_id, field_00\); verify against",
+        str(caught.value),
+    ), caught.value
     manifest = read_manifest(artifact_fp32)  # a graph re-exported alone (its weights unchanged) is another export
     for graph in (manifest.prefill.file, manifest.decode.file):
         meta = json.loads((full[1] / "golden.json").read_text())

@@ -1,4 +1,4 @@
-"""Transparent huge pages for the memory a session maps while it loads (exporter.hugepages)."""
+"""Transparent huge pages for the memory a session maps while it loads (exporter.runtime.hugepages)."""
 
 import ctypes
 import mmap
@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter import hugepages
-from exporter.hugepages import (HUGE_PAGE, _unmapped_before, back_with_huge_pages, private_anonymous_regions,
-                                smaps_mappings)
+from exporter.runtime import hugepages
+from exporter.runtime.hugepages import (
+    HUGE_PAGE,
+    _unmapped_before,
+    back_with_huge_pages,
+    private_anonymous_regions,
+    smaps_mappings,
+)
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -30,8 +35,11 @@ def _collapse_unsupported() -> str | None:
 
 def _huge_bytes_over(blocks) -> int:
     """AnonHugePages of every mapping that overlaps one of the blocks (start, end)."""
-    return sum(sizes["AnonHugePages"] * 1024 for start, end, _, sizes in smaps_mappings()
-               if any(start < b_end and b_start < end for b_start, b_end in blocks))
+    return sum(
+        sizes["AnonHugePages"] * 1024
+        for start, end, _, sizes in smaps_mappings()
+        if any(start < b_end and b_start < end for b_start, b_end in blocks)
+    )
 
 
 def _anonymous_block(pages: int) -> tuple[mmap.mmap, tuple[int, int]]:
@@ -103,8 +111,10 @@ def test_only_the_whole_huge_pages_inside_a_region_are_advised():
     collapsed = back_with_huge_pages(before)
     assert collapsed % HUGE_PAGE == 0 and collapsed >= inside >= 8 * HUGE_PAGE
     assert _huge_bytes_over([span]) == inside
-    assert block[mmap.PAGESIZE:len(block) - mmap.PAGESIZE] == (bytes(range(256)) * (len(block) // 256))[
-        mmap.PAGESIZE:len(block) - mmap.PAGESIZE]
+    assert (
+        block[mmap.PAGESIZE : len(block) - mmap.PAGESIZE]
+        == (bytes(range(256)) * (len(block) // 256))[mmap.PAGESIZE : len(block) - mmap.PAGESIZE]
+    )
     mprotect(start, len(block), mmap.PROT_READ | mmap.PROT_WRITE)
     block.close()
 
@@ -114,7 +124,7 @@ def test_a_sparse_region_is_left_in_small_pages():
     """Collapsing fills a huge page's holes: a region mostly not resident would grow the RSS, so it is skipped."""
     before = private_anonymous_regions()
     block = mmap.mmap(-1, 8 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block[:mmap.PAGESIZE] = b"\1" * mmap.PAGESIZE  # one resident page of 4096
+    block[: mmap.PAGESIZE] = b"\1" * mmap.PAGESIZE  # one resident page of 4096
     start = ctypes.addressof(ctypes.c_char.from_buffer(block))
     back_with_huge_pages(before)
     assert _huge_bytes_over([(start, start + len(block))]) == 0
@@ -124,8 +134,11 @@ def test_a_sparse_region_is_left_in_small_pages():
 @pytest.mark.parametrize("code, calls", [(12, 2), (22, 1)])  # ENOMEM: the next region is tried; EINVAL: none
 def test_a_kernel_that_refuses_the_advice_leaves_the_memory_as_it_was(monkeypatch, code, calls):
     """Huge pages are an optimisation: a refusal is logged, never raised, and the runner loads as without."""
-    monkeypatch.setattr(hugepages, "private_anonymous_regions",
-                        lambda: {(0, 4 * HUGE_PAGE): 4 * HUGE_PAGE, (8 * HUGE_PAGE, 12 * HUGE_PAGE): 4 * HUGE_PAGE})
+    monkeypatch.setattr(
+        hugepages,
+        "private_anonymous_regions",
+        lambda: {(0, 4 * HUGE_PAGE): 4 * HUGE_PAGE, (8 * HUGE_PAGE, 12 * HUGE_PAGE): 4 * HUGE_PAGE},
+    )
     advised = []
 
     def refuse(start, length, advice):
@@ -135,6 +148,7 @@ def test_a_kernel_that_refuses_the_advice_leaves_the_memory_as_it_was(monkeypatc
 
     class Library:
         madvise = staticmethod(refuse)
+
     monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: Library())
     assert back_with_huge_pages({}) == 0
     assert len(advised) == calls and advised[0] == (0, 4 * HUGE_PAGE, hugepages.MADV_HUGEPAGE)

@@ -12,23 +12,24 @@ from xml.etree import ElementTree as ET
 import numpy as np
 import onnx
 import pytest
+from helpers import QUICK, perturb_weight, run_cli, scale_inline_weight
 
-from exporter.manifest import read_manifest
-from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner
+from exporter.artifact.manifest import read_manifest
+from exporter.runtime.runner import OrtRunner
+from exporter.verify.diagnosis.localise import probe_between, probe_reference
+from exporter.verify.diagnosis.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.engine import verify_artifact
-from exporter.verify.golden import load_bundle
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds, prompt_batch
-from exporter.verify.localise import probe_between, probe_reference
 from exporter.verify.metrics import compare
-from exporter.verify.probe import DebugGraph, PositionAxes, real_elements
+from exporter.verify.references.golden import load_bundle
+from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify, render_junit
 from exporter.verify.tolerances import profile_for
-from helpers import QUICK, perturb_weight, run_cli, scale_inline_weight
 
 
 def test_health_flags_zero_rows_and_nan_that_outputs_hide():
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     scan = HealthScan("float16")
     logits = np.ones((1, 3, 4), np.float16)
     logits[0, 1] = 0  # a real position whose logits are all zero: a silent norm failure
@@ -47,10 +48,13 @@ def test_health_flags_a_float16_overflow_that_the_outputs_do_not_show():
     # ONNX Runtime's CPU provider computes a norm's float16 Pow and ReduceMean in float32, so a norm whose float16
     # statistics overflow gives right outputs there: the debug copy's +Inf is the only trace of an overflow that
     # zeroes every key where float16 is computed as declared (PyTorch does)
-    from exporter.verify.health import HealthScan
-    values = {"pow_2": np.array([np.inf, 4.0e4, 1.0], np.float16),
-              "mask": np.array([-np.inf, -5.0], np.float16),  # the attention mask's fill, -inf
-              "bias": np.array([np.inf], np.float32)}
+    from exporter.verify.checks.health import HealthScan
+
+    values = {
+        "pow_2": np.array([np.inf, 4.0e4, 1.0], np.float16),
+        "mask": np.array([-np.inf, -5.0], np.float16),  # the attention mask's fill, -inf
+        "bias": np.array([np.inf], np.float32),
+    }
     scan = HealthScan("float16")
     scan.scan_activations(values, mask_fed=frozenset({"mask"}))
     report = scan.report()
@@ -58,23 +62,31 @@ def test_health_flags_a_float16_overflow_that_the_outputs_do_not_show():
     scan = HealthScan("float16")
     scan.scan_activations(values, {"pow_2": "Pow in model.layers.0.input_layernorm"}, frozenset({"mask"}))
     report = scan.report()
-    assert report.issues == ["activation pow_2 (Pow in model.layers.0.input_layernorm): 1 +Inf, float16 overflow "
-                             "(beyond 65504); compute it in float32"]
+    assert report.issues == [
+        "activation pow_2 (Pow in model.layers.0.input_layernorm): 1 +Inf, float16 overflow "
+        "(beyond 65504); compute it in float32"
+    ]
 
 
 def test_health_flags_saturation_and_an_infinity_no_mask_explains():
     # A float16 norm that overflows can saturate at +-65504 instead of giving Inf. The export masks attention with
     # -inf (reference/layers.py), never with float16's lowest value: -Inf is its mask only in a value computed
     # from that fill, and +-65504 is saturation wherever it is.
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     saturated_row = np.array([[65504.0] * 4, [1.0, -2.0, 3.0, 0.5]], np.float16)
     scan = HealthScan("float16")
-    scan.scan_activations({"mlp": saturated_row, "scores": np.array([-np.inf, 3.0], np.float16)},
-                          {"mlp": "Mul in model.layers.0.mlp"}, frozenset({"scores"}))
+    scan.scan_activations(
+        {"mlp": saturated_row, "scores": np.array([-np.inf, 3.0], np.float16)},
+        {"mlp": "Mul in model.layers.0.mlp"},
+        frozenset({"scores"}),
+    )
     report = scan.report()
     assert not report.passed and (report.saturated, report.inf) == (4, 0)
-    assert report.issues == ["activation mlp (Mul in model.layers.0.mlp): 4 at +-65504, saturated at float16's "
-                             "limit (an overflow held there instead of Inf); compute it in float32"]
+    assert report.issues == [
+        "activation mlp (Mul in model.layers.0.mlp): 4 at +-65504, saturated at float16's "
+        "limit (an overflow held there instead of Inf); compute it in float32"
+    ]
     assert report.activation_max_abs == 65504 and report.activation_at == "mlp" and report.headroom == 1.0
     assert report.warnings == ["largest value 6.55e+04 at mlp is within 16x of float16's limit 65504"]
 
@@ -83,9 +95,11 @@ def test_health_flags_saturation_and_an_infinity_no_mask_explains():
     scan.scan_activations(overflowed, mask_fed=frozenset({"scores"}))
     report = scan.report()
     assert not report.passed and (report.inf, report.saturated) == (1, 1)
-    assert report.issues == ["activation norm: 1 -Inf, float16 overflow (beyond 65504); compute it in float32",
-                             "activation scores: 1 at +-65504, saturated at float16's limit (an overflow held "
-                             "there instead of Inf); compute it in float32"]
+    assert report.issues == [
+        "activation norm: 1 -Inf, float16 overflow (beyond 65504); compute it in float32",
+        "activation scores: 1 at +-65504, saturated at float16's limit (an overflow held "
+        "there instead of Inf); compute it in float32",
+    ]
     assert report.to_dict()["saturated"] == 1
 
 
@@ -94,7 +108,8 @@ def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it
     # The debug copy knows the values computed from the mask's fill up to the softmax: every value of the export
     # holding -inf is one of them, and no value the softmax computes is. A float16 export scans clean with them,
     # and fails on a row of its first MLP's output saturated at 65504.
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
     debug = DebugGraph(folder, manifest, manifest.prefill)
@@ -103,15 +118,22 @@ def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it
     assert holding_fill and holding_fill <= debug.mask_fed
     after_softmax = {o for n in debug.nodes if n.op_type == "Softmax" for o in n.outputs}
     assert after_softmax and not after_softmax & debug.mask_fed
-    assert {n.module for n in debug.nodes if set(n.outputs) & debug.mask_fed} == {"model.layers.0.self_attn",
-                                                                                   "model.layers.1.self_attn"}
+    assert {n.module for n in debug.nodes if set(n.outputs) & debug.mask_fed} == {
+        "model.layers.0.self_attn",
+        "model.layers.1.self_attn",
+    }
     producers = {o: f"{n.op_type} in {n.module}" for n in debug.nodes for o in n.outputs}
     clean = HealthScan(manifest.dtype)
     clean.scan_activations(values, producers, debug.mask_fed)
     assert clean.report().passed and clean.report().saturated == 0
     if manifest.dtype == "float16":
-        mlp = next(o for n in debug.nodes if n.module == "model.layers.0.mlp" for o in n.outputs
-                   if values[o].dtype == np.float16)
+        mlp = next(
+            o
+            for n in debug.nodes
+            if n.module == "model.layers.0.mlp"
+            for o in n.outputs
+            if values[o].dtype == np.float16
+        )
         saturated = values[mlp].copy()
         saturated[0, -1] = 65504.0  # row 0's last token, a real one
         scan = HealthScan("float16")
@@ -123,7 +145,8 @@ def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it
 
 def test_health_counts_a_zero_present_row_in_any_head_at_real_positions_only():
     # a norm that fails in one key/value head zeroes that head's row alone; a padded position may hold zeros
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     mask = np.array([[0, 1, 1]])
     present = np.ones((1, 2, 3, 4), np.float32)
     present[0, 1, 0] = 0  # the padded position, in one head
@@ -140,7 +163,8 @@ def test_health_counts_a_zero_present_row_in_any_head_at_real_positions_only():
 
 def test_health_counts_nan_in_a_float32_activation():
     # only float16 values can overflow, but NaN fails in any
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     scan = HealthScan("float32")
     scan.scan_activations({"attn": np.array([1.0, np.nan], np.float32)}, {"attn": "Softmax in model.layers.0"})
     report = scan.report()
@@ -149,7 +173,8 @@ def test_health_counts_nan_in_a_float32_activation():
 
 
 def test_health_counts_nan_and_inf_at_real_positions():
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     scan = HealthScan("float32")
     logits = np.ones((1, 3, 4), np.float32)
     logits[0, 0, 1], logits[0, 2, 3] = np.nan, np.inf
@@ -165,7 +190,8 @@ def test_health_counts_nan_and_inf_at_real_positions():
 def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
     # A later step weighs a padded key by zero, and 0 x NaN is NaN: the real tokens read a padded present.
     # Nothing reads a padded query's logits.
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+
     mask = np.array([[0, 1, 1]])
     logits = np.ones((1, 3, 4), np.float32)
     logits[0, 0, :2] = np.nan, np.inf  # position 0 is padding
@@ -180,8 +206,9 @@ def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
     scan.scan_outputs("prefill", {"logits": logits, "present.0.key": present}, mask)
     report = scan.report()
     assert not report.passed and (report.nan, report.inf) == (1, 0)
-    assert report.issues == ["prefill present.0.key: 1 NaN, 0 Inf (1 at padded positions, which a later step "
-                             "weighs by zero: 0 x NaN is NaN)"]
+    assert report.issues == [
+        "prefill present.0.key: 1 NaN, 0 Inf (1 at padded positions, which a later step weighs by zero: 0 x NaN is NaN)"
+    ]
     logits[0, 2, 3] = np.nan  # a real query
     scan = HealthScan("float32")
     scan.scan_outputs("prefill", {"logits": logits}, mask)
@@ -202,8 +229,10 @@ def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny
     decoded = cpu.localisation.decode_probe
     assert decoded.call == "decode step 0, fed the reference's past" and decoded.first.module == first.module
     text = format_verify(report)
-    assert ("localisation: first diverging layer 1 (prefill present): the fault lies in layer 1's input norm or "
-            "key/value path, or in layer 0's query path, attention, output projection or MLP") in text
+    assert (
+        "localisation: first diverging layer 1 (prefill present): the fault lies in layer 1's input norm or "
+        "key/value path, or in layer 0's query path, attention, output projection or MLP"
+    ) in text
     assert first.node in text
     # The invariants hold whatever the weights: they cannot see this fault.
     assert all(i.passed for i in report.invariants)
@@ -218,12 +247,18 @@ def test_localisation_places_a_fault_after_the_last_layers_key_value_path(artifa
     assert cpu.comparisons[0].needed.scale > 1000 and all(layer.passed for layer in cpu.layers)
     assert all(step.first_failing_layer is None for step in cpu.curve)
     located = report.to_dict()["providers"][0]["localisation"]
-    assert located["first_layer"] is None and located["where"] == "prefill logits diverge, every layer's present passing"
-    assert located["fault_in"] == ("after layer 1's key/value path: in layer 1's query path, attention, output "
-                                   "projection or MLP, the final norm or lm_head")
+    assert (
+        located["first_layer"] is None and located["where"] == "prefill logits diverge, every layer's present passing"
+    )
+    assert located["fault_in"] == (
+        "after layer 1's key/value path: in layer 1's query path, attention, output "
+        "projection or MLP, the final norm or lm_head"
+    )
     assert located["probe"]["first"]["module"] == "model.layers.1.mlp.down_proj"
-    assert ("localisation: prefill logits diverge, every layer's present passing: the fault lies after layer 1's "
-            "key/value path") in format_verify(report)
+    assert (
+        "localisation: prefill logits diverge, every layer's present passing: the fault lies after layer 1's "
+        "key/value path"
+    ) in format_verify(report)
 
 
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
@@ -254,8 +289,9 @@ def broken_and_bundle(artifact_fp32, tiny_model, tmp_path_factory):
     folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("broken") / "artifact")
     perturb_weight(folder, "model.layers.1.self_attn.k_proj", 0.05)
     bundle = folder.parent / "golden"
-    verify_artifact(folder, tiny_model, ["cpu"], dataclasses.replace(QUICK, probe=False), genai=False,
-                    golden_save=bundle)
+    verify_artifact(
+        folder, tiny_model, ["cpu"], dataclasses.replace(QUICK, probe=False), genai=False, golden_save=bundle
+    )
     return folder, bundle
 
 
@@ -264,8 +300,7 @@ def test_a_golden_replay_probes_against_the_module_outputs_its_bundle_recorded(b
     folder, bundle = broken_and_bundle
     live = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False).reports[0].localisation
     assert live.probe.first.module == "model.layers.1.self_attn.k_proj" and live.probe.first.op_type == "MatMul"
-    result = run_cli("verify", folder, "--golden", bundle, "--probe", "--provider", "cpu", "--no-genai", "--json",
-                     "-q")
+    result = run_cli("verify", folder, "--golden", bundle, "--probe", "--provider", "cpu", "--no-genai", "--json", "-q")
     assert result.exit_code == 1, result.output  # the perturbed weight fails parity
     replayed = json.loads(result.stdout)["providers"][0]["localisation"]
     assert replayed == live.to_dict(), (replayed, live)
@@ -276,13 +311,13 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     manifest = read_manifest(folder)
     recorded = load_bundle(bundle, manifest)
     recorded.reference.recorded_module_outputs = {}  # saved as an earlier v4 toolkit saved it
-    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides,
-                                  recorded.versions)
+    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
     [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
-    assert cpu.localisation.probe_skipped == ("the bundle holds no module outputs: re-record it with golden_save "
-                                              "(--golden-save)")
+    assert cpu.localisation.probe_skipped == (
+        "the bundle holds no module outputs: re-record it with golden_save (--golden-save)"
+    )
     assert cpu.localisation.decode_probe is None
     assert cpu.localisation.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")
 
@@ -315,8 +350,10 @@ def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
     assert (loc.decode_probe.graph, loc.decode_probe.call) == ("decode.onnx", "decode step 0, fed the reference's past")
     assert first.module == "model.layers.0.self_attn.q_norm" and first.op_type == "Mul" and first.needed_scale > 100
     text = format_verify(report)
-    assert (f"probe decode.onnx (decode step 0, fed the reference's past): first diverging checked value "
-            f"{first.tensor}, computed by {first.node} (Mul) in model.layers.0.self_attn.q_norm") in text
+    assert (
+        f"probe decode.onnx (decode step 0, fed the reference's past): first diverging checked value "
+        f"{first.tensor}, computed by {first.node} (Mul) in model.layers.0.self_attn.q_norm"
+    ) in text
     assert "probe prefill.onnx (the prefill batch): no checked value diverges" in text
     assert "probe: no checked value diverges" not in text
 
@@ -327,14 +364,19 @@ def test_the_attribution_does_not_report_an_export_that_fails_decode_as_passing(
     legs = report.attribution.legs
     assert [(leg.cause, leg.covers, leg.comparison.passed) for leg in legs] == [
         ("export", "prefill.onnx, the prefill batch", True),
-        ("export", "decode.onnx, the 3 decode steps after it", False)]
+        ("export", "decode.onnx, the 3 decode steps after it", False),
+    ]
     assert legs[1].comparison.max_abs == max(s.logits.max_abs for s in report.reports[0].curve)
     text = format_verify(report)
     assert re.search(r"\nexport +decode\.onnx, the 3 decode steps after it +\S+ +\S+x +FAIL\n", text), text
     assert "repeat run of the prefill batch (nondeterminism)" in text  # it reruns the prefill batch only
     assert [leg["covers"] for leg in report.to_dict()["attribution"]["legs"]] == [leg.covers for leg in legs]
-    assert ET.fromstring(render_junit(report)).find(
-        ".//testcase[@name='export leg (decode.onnx, the 3 decode steps after it)']/failure") is not None
+    assert (
+        ET.fromstring(render_junit(report)).find(
+            ".//testcase[@name='export leg (decode.onnx, the 3 decode steps after it)']/failure"
+        )
+        is not None
+    )
 
 
 def test_a_golden_replay_probes_decode_onnx_only_with_the_decode_calls_module_outputs(decode_fault, tmp_path):
@@ -346,8 +388,7 @@ def test_a_golden_replay_probes_decode_onnx_only_with_the_decode_calls_module_ou
     # a bundle recorded before the decode call's module outputs were kept: the prefill probe alone, and why
     recorded = load_bundle(bundle, manifest)
     recorded.reference.recorded_module_outputs.pop("decode")
-    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides,
-                                  recorded.versions)
+    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
     report = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old)
     loc = report.reports[0].localisation
     assert loc.probe == live.probe and loc.decode_probe is None
@@ -392,15 +433,30 @@ def test_a_module_named_like_an_intermediate_value_is_matched_by_its_scope(probe
 def test_a_module_is_matched_inside_its_own_scope_not_one_its_path_prefixes():
     # the module layers.1 holds layers.1.mlp, not layers.10 (a model of 11 or more layers)
     from types import SimpleNamespace
-    from exporter.verify.probe import NodeInfo
-    nodes = [NodeInfo(0, "mlp", "MatMul", ("in_1",), "model.layers.1.mlp"),
-             NodeInfo(1, "norm", "Mul", ("in_10",), "model.layers.10.input_layernorm")]
-    graph = SimpleNamespace(has_scopes=True, nodes=nodes, graph_outputs=frozenset(), graph_file="prefill.onnx",
-                            dims={"in_1": ("batch_size", 4), "in_10": ("batch_size", 4)},
-                            axes=PositionAxes("batch_size", frozenset({"sequence_length"})))
+
+    from exporter.verify.diagnosis.probe import NodeInfo
+
+    nodes = [
+        NodeInfo(0, "mlp", "MatMul", ("in_1",), "model.layers.1.mlp"),
+        NodeInfo(1, "norm", "Mul", ("in_10",), "model.layers.10.input_layernorm"),
+    ]
+    graph = SimpleNamespace(
+        has_scopes=True,
+        nodes=nodes,
+        graph_outputs=frozenset(),
+        graph_file="prefill.onnx",
+        dims={"in_1": ("batch_size", 4), "in_10": ("batch_size", 4)},
+        axes=PositionAxes("batch_size", frozenset({"sequence_length"})),
+    )
     values = {"in_1": np.ones((1, 4), np.float32), "in_10": np.zeros((1, 4), np.float32)}
-    result = probe_reference(graph, values, {"model.layers.1": values["in_1"]}, profile_for("float32").kv,
-                             np.ones((1, 3), np.int64), PREFILL_BATCH)
+    result = probe_reference(
+        graph,
+        values,
+        {"model.layers.1": values["in_1"]},
+        profile_for("float32").kv,
+        np.ones((1, 3), np.int64),
+        PREFILL_BATCH,
+    )
     assert result.first is None and result.checked == 1, result
 
 
@@ -437,16 +493,26 @@ def test_the_probe_judges_real_positions_only(probed):
 def test_the_values_fed_by_a_mask_fill_are_those_computed_from_it_before_the_softmax():
     # an initializer is a fill only when it holds nothing but the fills (-inf, -1e9): a constant holding one
     # among other values is not, nor an empty one
-    from exporter.verify.probe import mask_fed_values
+    from exporter.verify.diagnosis.probe import mask_fed_values
+
     helper = onnx.helper
     graph = helper.make_graph(
-        [helper.make_node("Add", ["fill", "x"], ["scores"]), helper.make_node("Softmax", ["scores"], ["weights"]),
-         helper.make_node("Mul", ["weights", "x"], ["mixed_out"]), helper.make_node("Add", ["mixed", "x"], ["other"]),
-         helper.make_node("Concat", ["empty", "x"], ["joined"], axis=0)],
-        "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [],
-        [onnx.numpy_helper.from_array(np.array([-np.inf, -1e9], np.float32), "fill"),
-         onnx.numpy_helper.from_array(np.array([-1e9, 1.0], np.float32), "mixed"),
-         onnx.numpy_helper.from_array(np.zeros(0, np.float32), "empty")])
+        [
+            helper.make_node("Add", ["fill", "x"], ["scores"]),
+            helper.make_node("Softmax", ["scores"], ["weights"]),
+            helper.make_node("Mul", ["weights", "x"], ["mixed_out"]),
+            helper.make_node("Add", ["mixed", "x"], ["other"]),
+            helper.make_node("Concat", ["empty", "x"], ["joined"], axis=0),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [],
+        [
+            onnx.numpy_helper.from_array(np.array([-np.inf, -1e9], np.float32), "fill"),
+            onnx.numpy_helper.from_array(np.array([-1e9, 1.0], np.float32), "mixed"),
+            onnx.numpy_helper.from_array(np.zeros(0, np.float32), "empty"),
+        ],
+    )
     assert mask_fed_values(graph) == {"fill", "scores"}
 
 
@@ -464,8 +530,12 @@ def test_a_values_real_elements_follow_its_batch_and_position_axes():
     for dims in (("sequence_length", "sequence_length"), ("batch_size", 64), ()):
         whole = real_elements(dims, (4,) * len(dims), axes, mask)
         assert whole.shape == (1,) * len(dims) and whole.all(), dims
-    for dims in (("sequence_length*batch_size", 64), ("batch_size", 2, "2*sequence_length", 16),
-                 ("batch_size", "sequence_length - 1"), (None, 4, "sequence_length", None)):
+    for dims in (
+        ("sequence_length*batch_size", 64),
+        ("batch_size", 2, "2*sequence_length", 16),
+        ("batch_size", "sequence_length - 1"),
+        (None, 4, "sequence_length", None),
+    ):
         assert real_elements(dims, (8,) * len(dims), axes, mask) is None, dims
     assert real_elements(("sequence_length*batch_size", 64), (8, 64), axes, np.ones((2, 4))).all()
     # a query axis shorter than the mask covers its last positions (a graph with a past names them apart)

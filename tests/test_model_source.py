@@ -2,18 +2,19 @@
 
 import pytest
 import torch
-
 from helpers import randomise_norms_
+
 from reference import build_model, get_preset
 from reference.checkpoints import fingerprint
 
 
-def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what_was_exported(tmp_path,
-                                                                                               monkeypatch):
+def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what_was_exported(tmp_path, monkeypatch):
     """model_source without an export: a manifest is read here only for its source and config."""
     from types import SimpleNamespace
+
     from exporter.errors import ArtifactError
-    from exporter.model_source import Reference, checkpoint_model, rebuild_reference, reference_for, seeded_model
+    from exporter.export.model_source import Reference, checkpoint_model, rebuild_reference, reference_for, seeded_model
+
     config = get_preset("minimind-3-tiny")
     monkeypatch.chdir(tmp_path)
     weights = randomise_norms_(build_model(config, seed=5))  # norms at one would not tell a checkpoint apart
@@ -22,8 +23,10 @@ def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what
     sourced = checkpoint_model("model.pth", preset="minimind-3-tiny")  # relative: recorded resolved
     assert sourced.source["path"] == str(tmp_path / "model.pth")
     assert sourced.source["sha256"] == fingerprint(tmp_path / "model.pth")
-    manifests = {"seeded": SimpleNamespace(source=seeded_model("MiniMind-3-Tiny", 5).source, config=config),
-                 "checkpoint": SimpleNamespace(source=sourced.source, config=config)}
+    manifests = {
+        "seeded": SimpleNamespace(source=seeded_model("MiniMind-3-Tiny", 5).source, config=config),
+        "checkpoint": SimpleNamespace(source=sourced.source, config=config),
+    }
     assert manifests["seeded"].source == {"kind": "seeded", "preset": "minimind-3-tiny", "seed": 5}
     for kind, manifest in manifests.items():  # the recorded seed, not the default 0; the checkpoint's weights
         assert reference_for(manifest) == reference_for(manifest, stand_in=tmp_path) == Reference("rebuilt")
@@ -36,9 +39,11 @@ def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what
     (tmp_path / "model.pth").write_bytes((tmp_path / "model.pth").read_bytes() + b"\0")  # changed, same path
     custom = SimpleNamespace(source={"kind": "custom"}, config=config)
     unnamed = SimpleNamespace(source={}, config=config)
-    for manifest, reason in ((changed, f"its checkpoint {tmp_path / 'model.pth'} changed since the export"),
-                             (custom, "the weights came from a custom source this toolkit cannot rebuild"),
-                             (unnamed, "the weights came from an unnamed source this toolkit cannot rebuild")):
+    for manifest, reason in (
+        (changed, f"its checkpoint {tmp_path / 'model.pth'} changed since the export"),
+        (custom, "the weights came from a custom source this toolkit cannot rebuild"),
+        (unnamed, "the weights came from an unnamed source this toolkit cannot rebuild"),
+    ):
         none = reference_for(manifest, stand_in=tmp_path / "golden")  # no such folder: no stand-in
         assert none.kind == "none" and none.problem.reason == reason
         with pytest.raises(ArtifactError, match="golden bundle"):

@@ -1,4 +1,4 @@
-"""decode.onnx through onnxruntime's C library (exporter.capi) and the greedy loop in C, against the Python
+"""decode.onnx through onnxruntime's C library (exporter.runtime.capi) and the greedy loop in C, against the Python
 binding's path on the same artifact."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ import shutil
 import numpy as np
 import pytest
 
-from exporter import capi
 from exporter.errors import GraphRunError, InputError
-from exporter.generation import NonFiniteLogits, SamplingConfig, generate, generate_greedy, stream
-from exporter.reference_runner import reference_greedy
-from exporter.runtime import OrtRunner, binding_reason, position_ids_from_mask
-from exporter.sessions import CPU, CUDA, SessionSettings
+from exporter.runtime import capi
+from exporter.runtime.generation import NonFiniteLogits, SamplingConfig, generate, generate_greedy, stream
+from exporter.runtime.runner import OrtRunner, binding_reason, position_ids_from_mask
+from exporter.runtime.sessions import CPU, CUDA, SessionSettings
+from exporter.verify.references.torch_runner import reference_greedy
 
 # The tests of the C loop itself; an install without a C compiler has none (the test below says whether one should)
 needs_c_loop = pytest.mark.skipif(
     not capi.native_loop_available(),
-    reason="exporter._native_loop was not built at install (no C compiler, or its build failed)")
+    reason="exporter.runtime._native_loop was not built at install (no C compiler, or its build failed)",
+)
 
 PROMPTS = np.array([[0, 0, 5, 9, 100, 3], [7, 8, 9, 10, 11, 12]], dtype=np.int64)
 
@@ -28,8 +29,10 @@ def test_runners_take_the_c_library_by_default(runner, binding_runner):
     assert not binding_runner.native_decode and not binding_runner.greedy_in_c
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                    reason="no C compiler here: the install skips exporter._native_loop, and steps run from Python")
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler here: the install skips exporter.runtime._native_loop, and steps run from Python",
+)
 def test_the_install_built_the_c_loop_where_a_compiler_is_found(runner):
     assert capi.native_loop_available() and runner.greedy_in_c
 
@@ -39,8 +42,9 @@ def test_start_step_and_decode_equal_the_bindings(runner, binding_runner):
     batch, a chunked prompt and two steps, and decode() on numpy feeds."""
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int64)
     positions = position_ids_from_mask(mask)
-    np.testing.assert_array_equal(runner.start(PROMPTS, mask, positions),
-                                  binding_runner.start(PROMPTS, mask, positions))
+    np.testing.assert_array_equal(
+        runner.start(PROMPTS, mask, positions), binding_runner.start(PROMPTS, mask, positions)
+    )
     for step in range(2):
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
         feeds = (np.array([[4 + step], [6]], np.int64), mask, positions[:, -1:] + 1 + step)
@@ -48,8 +52,12 @@ def test_start_step_and_decode_equal_the_bindings(runner, binding_runner):
     theirs = binding_runner.cache_arrays()
     for name, value in runner.cache_arrays().items():
         np.testing.assert_array_equal(value, theirs[name], err_msg=name)
-    feeds = {"input_ids": PROMPTS[:1], "attention_mask": np.ones((1, 6), np.int64),
-             "position_ids": np.arange(6)[None], **binding_runner.empty_past(1)}
+    feeds = {
+        "input_ids": PROMPTS[:1],
+        "attention_mask": np.ones((1, 6), np.int64),
+        "position_ids": np.arange(6)[None],
+        **binding_runner.empty_past(1),
+    }
     ours, binding = runner.decode(feeds), binding_runner.decode(feeds)
     assert list(ours) == list(binding)
     for name in ours:
@@ -65,7 +73,7 @@ def test_the_c_loop_chooses_the_tokens_step_chooses_and_continues_its_cache(runn
     first = int(logits.argmax())
     expected, token = [], first
     for step in range(12):
-        logits = runner.step(np.array([[token]]), mask[:, :6 + step], np.array([[5 + step]]))
+        logits = runner.step(np.array([[token]]), mask[:, : 6 + step], np.array([[5 + step]]))
         token = int(logits.argmax())
         expected.append(token)
     runner.start(prompt, mask[:, :5], np.arange(5)[None])
@@ -76,7 +84,7 @@ def test_the_c_loop_chooses_the_tokens_step_chooses_and_continues_its_cache(runn
     assert runner.cache.length == 18 and logits.shape == (1, 512)
     runner.start(prompt, mask[:, :5], np.arange(5)[None])
     stop = expected[3]
-    assert runner.greedy_steps(first, mask, 12, stop_ids=[stop]) == (expected[:expected.index(stop) + 1], False)
+    assert runner.greedy_steps(first, mask, 12, stop_ids=[stop]) == (expected[: expected.index(stop) + 1], False)
     assert runner.greedy_steps(first, mask, 0) == ([], False)
 
 
@@ -93,21 +101,20 @@ def test_generate_runs_one_greedy_row_in_c_with_streams_tokens(runner, tiny_mode
     monkeypatch.setattr(runner, "step", lambda *args: calls.append(args))
     assert generate_greedy(runner, prompt, 90).new_ids == reference
     result = generate(runner, [prompt], 90, SamplingConfig(top_k=3), eos_token_id=eos)[0]
-    assert result.stopped and result.new_ids == reference[:reference.index(eos) + 1]
+    assert result.stopped and result.new_ids == reference[: reference.index(eos) + 1]
     assert generate_greedy(runner, prompt, 1).new_ids == reference[:1]
     assert generate_greedy(runner, prompt, 0).new_ids == []
     assert not calls
 
 
 def test_without_the_built_loop_generation_steps_from_python(artifact_fp32, tiny_model, monkeypatch):
-    """An install without a C compiler has no exporter._native_loop: the same tokens, one step() at a time."""
+    """An install without a C compiler has no exporter.runtime._native_loop: the same tokens, one step() at a time."""
     monkeypatch.setattr(capi, "native_loop_available", lambda: False)
     runner = OrtRunner(artifact_fp32)
     assert runner.native_decode and not runner.greedy_in_c
     with pytest.raises(InputError, match="greedy_steps needs the C decode loop"):
         runner.greedy_steps(1, np.ones((1, 8), np.int64), 2)
-    assert generate_greedy(runner, [1, 17, 230], 20).new_ids == reference_greedy(tiny_model, [1, 17, 230], 20,
-                                                                                   None).ids
+    assert generate_greedy(runner, [1, 17, 230], 20).new_ids == reference_greedy(tiny_model, [1, 17, 230], 20, None).ids
 
 
 def test_a_float16_artifact_decodes_in_the_c_library_and_steps_from_python(artifact_fp16):
@@ -130,17 +137,22 @@ def test_greedy_steps_refuses_what_it_cannot_run(runner, binding_runner):
     runner.start(PROMPTS[:1], np.ones((1, 6), np.int64), np.arange(6)[None])
     cache = runner.cache
     for token, steps, mask, message in (
-            (512, 2, np.ones((1, 10), np.int64), r"token 512 lies outside the vocabulary \[0, 512\)"),
-            (True, 2, np.ones((1, 10), np.int64), "token True lies outside"),
-            (1, -1, np.ones((1, 10), np.int64), "steps must be an integer >= 0, got -1"),
-            (1, 2, np.ones((1, 7), np.int64), r"must be a \(1, n\) int64 array with n >= 8 .* got int64 \(1, 7\)"),
-            (1, 2, np.ones((1, 10), np.int32), r"got int32 \(1, 10\)"),
-            (1, 2, [1] * 10, "got list"),
-            (1, 2, np.array([[1, 1, 1, 1, 1, 1, 1, 0]]), "0 or 1 for the cached positions and 1 for each step"),
-            (1, 2, np.array([[1, 1, 1, 2, 1, 1, 1, 1]]), "0 or 1 for the cached positions"),
-            (1, config.max_position_embeddings, np.ones((1, 6 + config.max_position_embeddings), np.int64),
-             rf"these steps \(position_ids up to {config.max_position_embeddings + 5}\) needs .* exceeds "
-             rf"max_position_embeddings \({config.max_position_embeddings}\)")):
+        (512, 2, np.ones((1, 10), np.int64), r"token 512 lies outside the vocabulary \[0, 512\)"),
+        (True, 2, np.ones((1, 10), np.int64), "token True lies outside"),
+        (1, -1, np.ones((1, 10), np.int64), "steps must be an integer >= 0, got -1"),
+        (1, 2, np.ones((1, 7), np.int64), r"must be a \(1, n\) int64 array with n >= 8 .* got int64 \(1, 7\)"),
+        (1, 2, np.ones((1, 10), np.int32), r"got int32 \(1, 10\)"),
+        (1, 2, [1] * 10, "got list"),
+        (1, 2, np.array([[1, 1, 1, 1, 1, 1, 1, 0]]), "0 or 1 for the cached positions and 1 for each step"),
+        (1, 2, np.array([[1, 1, 1, 2, 1, 1, 1, 1]]), "0 or 1 for the cached positions"),
+        (
+            1,
+            config.max_position_embeddings,
+            np.ones((1, 6 + config.max_position_embeddings), np.int64),
+            rf"these steps \(position_ids up to {config.max_position_embeddings + 5}\) needs .* exceeds "
+            rf"max_position_embeddings \({config.max_position_embeddings}\)",
+        ),
+    ):
         with pytest.raises(InputError, match=message):
             runner.greedy_steps(token, mask, steps)
         assert runner.cache is cache
@@ -151,8 +163,7 @@ def test_a_c_loop_that_fails_to_run_is_a_graph_run_error_in_one_line(runner):
     runner.start(PROMPTS[:1], np.ones((1, 6), np.int64), np.arange(6)[None])
     layout = runner.manifest.cache
     wrong = np.zeros((1, layout.num_key_value_heads, 6, layout.head_dim + 1), np.float32)
-    runner.cache = capi.Cache([capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))],
-                              1, 6)
+    runner.cache = capi.Cache([capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))], 1, 6)
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running decode.onnx \(.*\); .*re-export") as info:
         runner.greedy_steps(4, np.ones((1, 10), np.int64), 3)
     assert "\n" not in str(info.value)
@@ -173,8 +184,9 @@ def test_logits_holding_a_nan_end_the_c_loop_and_generate_raises(runner, monkeyp
 
     def start_then_poison(*args):
         logits = start(*args)
-        runner.cache = capi.Cache([capi.api().tensor(nans, capi.shape_of(nans)) for _ in range(len(runner.cache))],
-                                  1, 3)
+        runner.cache = capi.Cache(
+            [capi.api().tensor(nans, capi.shape_of(nans)) for _ in range(len(runner.cache))], 1, 3
+        )
         return logits
 
     monkeypatch.setattr(runner, "start", start_then_poison)
@@ -183,14 +195,17 @@ def test_logits_holding_a_nan_end_the_c_loop_and_generate_raises(runner, monkeyp
     runner.cache = None  # its values read `nans`
 
 
-@pytest.mark.parametrize("settings,provider,reason", [
-    (SessionSettings(), CPU, None),
-    (SessionSettings(native_decode=False), CPU, "native_decode=False"),
-    (SessionSettings(), CUDA, "the CUDA provider"),
-    (SessionSettings(prepack_weights=False), CPU, "prepack_weights=False"),
-    (SessionSettings(shared_thread_pool=True), CPU, "shared_thread_pool=True"),
-    (SessionSettings(optimized_model_dir="x"), CPU, "optimized_model_dir"),
-])
+@pytest.mark.parametrize(
+    "settings,provider,reason",
+    [
+        (SessionSettings(), CPU, None),
+        (SessionSettings(native_decode=False), CPU, "native_decode=False"),
+        (SessionSettings(), CUDA, "the CUDA provider"),
+        (SessionSettings(prepack_weights=False), CPU, "prepack_weights=False"),
+        (SessionSettings(shared_thread_pool=True), CPU, "shared_thread_pool=True"),
+        (SessionSettings(optimized_model_dir="x"), CPU, "optimized_model_dir"),
+    ],
+)
 def test_the_settings_the_c_session_does_not_take_go_through_the_binding(settings, provider, reason):
     assert binding_reason(settings, provider) == reason
 
@@ -209,8 +224,9 @@ def test_a_c_library_that_does_not_load_sends_the_runner_through_the_binding(mon
 
     monkeypatch.setattr(capi, "api", fails)
     reason = binding_reason(SessionSettings(), CPU)
-    assert reason.startswith("libonnxruntime.so.") and reason.endswith(" does not load (libonnxruntime.so.1.32.0: "
-                                                                       "cannot open shared object file)")
+    assert reason.startswith("libonnxruntime.so.") and reason.endswith(
+        " does not load (libonnxruntime.so.1.32.0: cannot open shared object file)"
+    )
 
 
 def test_the_c_session_gets_the_threads_and_optimisation_asked(artifact_fp32, monkeypatch):
@@ -232,16 +248,18 @@ def test_a_graph_onnxruntime_cannot_load_is_an_artifact_error_in_one_line(artifa
     """A node of an operator onnxruntime has no kernel for (the graph still parses, with its inputs and outputs):
     onnxruntime's refusal, from the C library as from the binding, named as the artifact's."""
     import onnx
-
-    from exporter.errors import ArtifactError
-    from exporter.manifest import sha256_file
     from helpers import edit_manifest
+
+    from exporter.artifact.manifest import sha256_file
+    from exporter.errors import ArtifactError
+
     path = artifact_copy / "decode.onnx"
     model = onnx.load(str(path), load_external_data=False)
     model.graph.node[0].op_type = "NoSuchOperator"
     onnx.save(model, str(path))
-    edit_manifest(artifact_copy, lambda m: m["files"]["decode.onnx"].update(sha256=sha256_file(path),
-                                                                             bytes=path.stat().st_size))
+    edit_manifest(
+        artifact_copy, lambda m: m["files"]["decode.onnx"].update(sha256=sha256_file(path), bytes=path.stat().st_size)
+    )
     with pytest.raises(ArtifactError, match=r"onnxruntime cannot load .*decode.onnx \(.*\); re-export") as info:
         OrtRunner(artifact_copy, check_hashes=False, settings=SessionSettings(native_decode=native))
     assert "\n" not in str(info.value)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from exporter.manifest import read_manifest
-from exporter.parity import TOLERANCES, ParitySettings, compare, verify_artifact
-from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner, position_ids_from_mask
-from exporter.sessions import CUDA, cuda_unusable
 from helpers import assert_decode_graph_matches
+
+from exporter import TOLERANCES, ParitySettings, compare, verify_artifact
+from exporter.artifact.manifest import read_manifest
+from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.runtime.sessions import CUDA, cuda_unusable
+from exporter.verify.references.torch_runner import TorchRunner
 from reference import build_model
 
 requires_cuda = pytest.mark.skipif(cuda_unusable() is not None, reason=f"{CUDA}: {cuda_unusable()}")
@@ -31,8 +31,13 @@ def test_fp32_artifact_matches_reference_on_cpu(artifact_fp32, tiny_model):
     _assert_report_passes(report)
     [cpu] = report.reports
     names = [c.name for c in cpu.comparisons]
-    assert names == ["prefill logits", "prefill present (all layers)", "prefill loss",
-                     "decode logits (17 steps)", "decode present (17 steps, all layers)"]
+    assert names == [
+        "prefill logits",
+        "prefill present (all layers)",
+        "prefill loss",
+        "decode logits (17 steps)",
+        "decode present (17 steps, all layers)",
+    ]
     assert cpu.greedy.reference_ids == cpu.greedy.onnx_ids and len(cpu.greedy.onnx_ids) == 32
 
 
@@ -85,8 +90,7 @@ def test_prefill_graph_matches_reference_including_one_token_loss(artifact_fp32,
     mask = np.ones_like(ids)
     labels = ids.copy()
     labels[0, -1] = -100
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-             "labels": labels}
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask), "labels": labels}
     expected, actual = reference.prefill(feeds), onnx.prefill(feeds)
     if length == 1:
         assert np.isnan(expected["loss"]) and np.isnan(actual["loss"])  # no target: PyTorch's NaN
@@ -107,13 +111,20 @@ def test_decode_with_past_zero_equals_prefill(artifact_fp32):
         np.testing.assert_array_equal(value, prefill[name], err_msg=name)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"decode_steps": "2"}, r"^ParitySettings.decode_steps must be an integer, got '2' \(str\)"),  # was: '<' not supported
-    ({"batch": 2.0}, r"^ParitySettings.batch must be an integer, got 2.0 \(float\)"),
-    ({"seed": -1}, r"^ParitySettings.seed must be an integer >= 0, got -1"),  # was numpy's ValueError, mid-run
-    ({"sweep": "no"}, r"^ParitySettings.sweep must be True or False, got 'no' \(str\)"),  # "no" read as true
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"decode_steps": "2"},
+            r"^ParitySettings.decode_steps must be an integer, got '2' \(str\)",
+        ),  # was: '<' not supported
+        ({"batch": 2.0}, r"^ParitySettings.batch must be an integer, got 2.0 \(float\)"),
+        ({"seed": -1}, r"^ParitySettings.seed must be an integer >= 0, got -1"),  # was numpy's ValueError, mid-run
+        ({"sweep": "no"}, r"^ParitySettings.sweep must be True or False, got 'no' \(str\)"),  # "no" read as true
+    ],
+)
 def test_parity_settings_of_the_wrong_type_are_refused_naming_the_field(kwargs, message):
     from exporter.errors import InputError
+
     with pytest.raises(InputError, match=message):
         ParitySettings(**kwargs)

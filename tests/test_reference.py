@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-
 import math
 
 import numpy as np
 import pytest
 import torch
-
 import upstream
-from helpers import (assert_cached_decoding_equals_full_forward, assert_close, padded_batch_logits, random_ids,
-                     randomise_norms_)
-from reference.init import DEFAULT_STD
+from helpers import (
+    assert_cached_decoding_equals_full_forward,
+    assert_close,
+    padded_batch_logits,
+    random_ids,
+    randomise_norms_,
+)
+
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
+from reference.init import DEFAULT_STD
 from reference.minimind import Attention, apply_rotary, rope_cos_sin, rope_inv_freq
 
 
@@ -46,10 +50,22 @@ def test_dense_minimind_equals_a_forward_written_from_the_spec(preset):
 
 def test_state_dict_keys_are_minimind_names(tiny_model):
     keys = set(tiny_model.state_dict())
-    expected_layer = {f"model.layers.0.{name}.weight" for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-        "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-        "mlp.down_proj")}
+    expected_layer = {
+        f"model.layers.0.{name}.weight"
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "input_layernorm",
+            "post_attention_layernorm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert expected_layer <= keys
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= keys
     assert not any("freq" in k for k in keys), "RoPE tables must not be in the state dict"
@@ -72,7 +88,7 @@ def test_seeded_weights_derive_from_the_integer_stream_only(tiny_model):
     digest = hashlib.sha256(f"0:{name}".encode()).digest()
     raw = np.random.PCG64(int.from_bytes(digest[:16], "little")).random_raw(5)
     half_width = DEFAULT_STD * math.sqrt(3.0)
-    expected = [np.float32(-half_width + 2 * half_width * (int(r) >> 11) * 2.0 ** -53) for r in raw]
+    expected = [np.float32(-half_width + 2 * half_width * (int(r) >> 11) * 2.0**-53) for r in raw]
     actual = dict(tiny_model.named_parameters())[name].detach().flatten()[:5].numpy()
     assert actual.tolist() == expected
 
@@ -151,7 +167,7 @@ def test_logits_to_keep_keeps_the_last_positions(tiny_model, tiny_config):
     # The kept rows reach lm_head as a GEMM of another shape, whose blocking (it depends on the thread
     # count) may sum the 64 products in another order: bit-equal at 2 threads here, up to 8.5 float32
     # units of the peak logit at 1 thread (20 prompts). Bound: one unit per product summed.
-    assert_close(kept, full, atol=tiny_config.hidden_size * 2 ** -24 * full.abs().max().item())
+    assert_close(kept, full, atol=tiny_config.hidden_size * 2**-24 * full.abs().max().item())
 
 
 def test_config_round_trips_and_rejects_bad_fields(tiny_config):
@@ -168,9 +184,12 @@ def test_config_round_trips_and_rejects_bad_fields(tiny_config):
 
 def test_float16_model_keeps_rope_and_norms_in_float32(tiny_model, tiny_config, monkeypatch):
     import reference.minimind as minimind
+
     tables = []
     rope = minimind.rope_cos_sin
-    monkeypatch.setattr(minimind, "rope_cos_sin", lambda inv_freq, *args: tables.append(inv_freq) or rope(inv_freq, *args))
+    monkeypatch.setattr(
+        minimind, "rope_cos_sin", lambda inv_freq, *args: tables.append(inv_freq) or rope(inv_freq, *args)
+    )
     half = build_model(tiny_config).half()
     ids = random_ids(tiny_config.vocab_size, 1, 12)
     with torch.no_grad():

@@ -10,10 +10,10 @@ import onnxruntime as ort
 import pytest
 
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
-from exporter.reference_runner import reference_greedy
-from exporter.generation import generate_greedy
-from exporter.runtime import OrtRunner
-from exporter.sessions import CPU, CUDA, available_parity_providers, check_provider, cuda_unusable
+from exporter.runtime.generation import generate_greedy
+from exporter.runtime.runner import OrtRunner
+from exporter.runtime.sessions import CPU, CUDA, available_parity_providers, check_provider, cuda_unusable
+from exporter.verify.references.torch_runner import reference_greedy
 
 
 def test_greedy_generation_equals_the_reference(runner, tiny_model):
@@ -34,14 +34,21 @@ def test_generation_stops_at_eos(runner):
     assert result.stopped and result.new_ids == tokens[: tokens.index(eos) + 1]
 
 
-@pytest.mark.parametrize("prompt,max_new,message", [
-    ([], 4, "prompt is empty"),
-    ([3, 512], 4, r"outside the vocabulary \[0, 512\)"),
-    ([3, -1], 4, "outside the vocabulary"),
-    ([3] * 250, 7, r"^prompt \(250 tokens\) \+ max_new_tokens \(7\) needs 257 positions, which exceeds "
-                   r"max_position_embeddings \(256\)"),
-    ([3], 256, r"^prompt \(1 token\) \+ max_new_tokens \(256\) needs 257 positions"),  # read "(1 tokens)"
-])
+@pytest.mark.parametrize(
+    "prompt,max_new,message",
+    [
+        ([], 4, "prompt is empty"),
+        ([3, 512], 4, r"outside the vocabulary \[0, 512\)"),
+        ([3, -1], 4, "outside the vocabulary"),
+        (
+            [3] * 250,
+            7,
+            r"^prompt \(250 tokens\) \+ max_new_tokens \(7\) needs 257 positions, which exceeds "
+            r"max_position_embeddings \(256\)",
+        ),
+        ([3], 256, r"^prompt \(1 token\) \+ max_new_tokens \(256\) needs 257 positions"),  # read "(1 tokens)"
+    ],
+)
 def test_bad_prompts_are_refused_before_running(runner, prompt, max_new, message):
     with pytest.raises(InputError, match=message):
         generate_greedy(runner, prompt, max_new)
@@ -77,9 +84,12 @@ def test_the_cuda_probe_fits_a_shared_thread_pool():
     # A fresh process, since the shared pool is process-wide; CUDA listed, as onnxruntime-gpu lists it.
     import subprocess
     import sys
-    script = ("import onnxruntime as ort; from exporter import sessions; sessions._use_global_thread_pool(1); "
-              "listed = [sessions.CUDA, *ort.get_available_providers()]; "
-              "ort.get_available_providers = lambda: listed; print(sessions.cuda_unusable())")
+
+    script = (
+        "import onnxruntime as ort; from exporter.runtime import sessions; sessions._use_global_thread_pool(1); "
+        "listed = [sessions.CUDA, *ort.get_available_providers()]; "
+        "ort.get_available_providers = lambda: listed; print(sessions.cuda_unusable())"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "thread" not in out.stdout, out.stdout  # None where CUDA starts; else a failure of CUDA's own
@@ -89,8 +99,9 @@ def test_a_graph_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
     # what a damaged graph that still loads gives (a Range of step 0, say); here an id outside the vocabulary
     ids = np.ones((1, 3), np.int64)
     with pytest.raises(GraphRunError, match=r"onnxruntime failed running prefill.onnx \(.*\); .*re-export") as info:
-        runner.prefill({"input_ids": ids * 9999, "attention_mask": ids, "position_ids": np.arange(3)[None],
-                        "labels": ids})
+        runner.prefill(
+            {"input_ids": ids * 9999, "attention_mask": ids, "position_ids": np.arange(3)[None], "labels": ids}
+        )
     assert "\n" not in str(info.value) and isinstance(info.value, ArtifactError)
 
 
@@ -98,12 +109,18 @@ def test_feeds_that_miss_an_input_or_name_another_are_refused_in_one_line(runner
     """prefill() without labels on an artifact with the loss raised onnxruntime's bare ValueError."""
     ids = np.ones((1, 3), np.int64)
     feeds = {"input_ids": ids, "attention_mask": ids, "position_ids": np.arange(3)[None]}
-    with pytest.raises(InputError, match=r"^prefill.onnx takes the inputs input_ids, attention_mask, position_ids, "
-                                         r"labels, got feeds with missing labels \(labels: this artifact has the "
-                                         r"loss; -100 masks a position\)$"):
+    with pytest.raises(
+        InputError,
+        match=r"^prefill.onnx takes the inputs input_ids, attention_mask, position_ids, "
+        r"labels, got feeds with missing labels \(labels: this artifact has the "
+        r"loss; -100 masks a position\)$",
+    ):
         runner.prefill(feeds)
-    with pytest.raises(InputError, match=r"^decode.onnx takes the inputs .*, got feeds with missing "
-                                         r"past_key_values\.0\.key, .*; not an input labels$"):
+    with pytest.raises(
+        InputError,
+        match=r"^decode.onnx takes the inputs .*, got feeds with missing "
+        r"past_key_values\.0\.key, .*; not an input labels$",
+    ):
         runner.decode({**feeds, "labels": ids})
     assert runner.prefill({**feeds, "labels": ids})["logits"].shape[:2] == (1, 3)
 
@@ -122,10 +139,14 @@ def test_feeds_of_another_dtype_are_refused_as_inputs_not_blamed_on_the_graph(ru
 
 def wrong_cache(runner, wrong: np.ndarray):
     """A cache of `wrong` in every slot, in the runner's kind (`wrong` must outlive it: the C values read it)."""
-    from exporter import capi
+    from exporter.runtime import capi
+
     if runner.native_decode:
-        return capi.Cache([capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))],
-                          wrong.shape[0], wrong.shape[2])
+        return capi.Cache(
+            [capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))],
+            wrong.shape[0],
+            wrong.shape[2],
+        )
     return [ort.OrtValue.ortvalue_from_numpy(wrong)._ortvalue for _ in runner.cache]
 
 
@@ -148,14 +169,20 @@ def test_start_and_step_refuse_positions_past_max_position_embeddings_before_run
     """generate refused a prompt past the positions; start and step ran it, to logits the reference refuses."""
     limit = runner.manifest.config.max_position_embeddings
     full = np.ones((1, limit + 1), np.int64)
-    with pytest.raises(InputError, match=rf"the prompt \(position_ids up to {limit}\) needs {limit + 1} positions, "
-                                         rf"which exceeds max_position_embeddings \({limit}\); shorten") as info:
+    with pytest.raises(
+        InputError,
+        match=rf"the prompt \(position_ids up to {limit}\) needs {limit + 1} positions, "
+        rf"which exceeds max_position_embeddings \({limit}\); shorten",
+    ) as info:
         runner.start(full, full, np.arange(limit + 1)[None])
     assert "\n" not in str(info.value)
     runner.start(full[:, :limit], full[:, :limit], np.arange(limit)[None])  # every position: allowed
     cache = runner.cache
-    with pytest.raises(InputError, match=rf"this step \(position_ids up to {limit}\) needs {limit + 1} positions, "
-                                         rf"which exceeds max_position_embeddings \({limit}\)"):
+    with pytest.raises(
+        InputError,
+        match=rf"this step \(position_ids up to {limit}\) needs {limit + 1} positions, "
+        rf"which exceeds max_position_embeddings \({limit}\)",
+    ):
         runner.step(np.array([[4]]), full, np.array([[limit]]))
     assert runner.cache is cache
 
@@ -165,10 +192,16 @@ def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(ru
     AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder.
     check_hashes="no" read as True."""
     ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
-    for bad, got in ((ids.astype(np.int32), "an array of int32 with shape (1, 3)"), ([[1, 1, 1]], "list"),
-                     (ids[0], "an array of int64 with shape (3,)"), (None, "NoneType")):
-        with pytest.raises(InputError, match=re.escape(f"input_ids must be a 2-D (batch, tokens) numpy array of "
-                                                       f"int64, got {got}; convert it")):
+    for bad, got in (
+        (ids.astype(np.int32), "an array of int32 with shape (1, 3)"),
+        ([[1, 1, 1]], "list"),
+        (ids[0], "an array of int64 with shape (3,)"),
+        (None, "NoneType"),
+    ):
+        with pytest.raises(
+            InputError,
+            match=re.escape(f"input_ids must be a 2-D (batch, tokens) numpy array of int64, got {got}; convert it"),
+        ):
             runner.start(bad, mask, positions)
     with pytest.raises(InputError, match=r"position_ids must be .* got an array of float64"):
         runner.start(ids, mask, positions.astype(float))
@@ -197,11 +230,17 @@ def test_start_and_step_refuse_ids_masks_and_positions_out_of_range_before_runni
     """step ran an id outside the vocabulary into onnxruntime's Gather (reported as a damaged graph); start and
     step ran negative positions and mask values other than 0 and 1, to logits no reference computes."""
     ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
-    with pytest.raises(InputError, match=r"^position_ids must be >= 0 \(the k-th token of a row is at position k\), "
-                                         r"got -1$"):
+    with pytest.raises(
+        InputError,
+        match=r"^position_ids must be >= 0 \(the k-th token of a row is at position k\), "
+        r"got -1$",
+    ):
         runner.start(ids, mask, positions - 1)
-    with pytest.raises(InputError, match=r"^attention_mask holds \[2\]; it takes 1 for a token and 0 for left "
-                                         r"padding, nothing else$"):
+    with pytest.raises(
+        InputError,
+        match=r"^attention_mask holds \[2\]; it takes 1 for a token and 0 for left "
+        r"padding, nothing else$",
+    ):
         runner.start(ids, mask * 2, positions)
     runner.start(ids, mask, positions)
     cache = runner.cache
@@ -228,18 +267,24 @@ def test_empty_past_refuses_a_batch_that_is_no_positive_integer(runner):
 def test_a_manifest_of_another_artifact_folder_is_refused(artifact_fp32, artifact_copy):
     """A manifest read from another folder ran its contract on this folder's files: a damaged graph or a bare
     ValueError, or, for another export of the same model, a run whose manifest named the other weights."""
-    from exporter.manifest import read_manifest, sha256_file
     from helpers import edit_manifest
+
+    from exporter.artifact.manifest import read_manifest, sha256_file
+
     weights = artifact_copy / "weights.onnx.data"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # other weights of the same model: a folder of its own
     weights.write_bytes(bytes(data))
-    edit_manifest(artifact_copy, lambda manifest: manifest["files"]["weights.onnx.data"].update(
-        sha256=sha256_file(weights)))
+    edit_manifest(
+        artifact_copy, lambda manifest: manifest["files"]["weights.onnx.data"].update(sha256=sha256_file(weights))
+    )
     other, own = read_manifest(artifact_copy), read_manifest(artifact_fp32)
     for folder, manifest in ((artifact_fp32, other), (artifact_copy, own)):
-        with pytest.raises(InputError, match=rf"^the manifest given is not {re.escape(str(folder))}'s: it lists "
-                                             r"other files \(weights.onnx.data differ\); pass read_manifest"):
+        with pytest.raises(
+            InputError,
+            match=rf"^the manifest given is not {re.escape(str(folder))}'s: it lists "
+            r"other files \(weights.onnx.data differ\); pass read_manifest",
+        ):
             OrtRunner(folder, manifest=manifest)
     assert OrtRunner(artifact_copy, manifest=other).manifest is other
 
@@ -248,12 +293,18 @@ def test_a_folder_an_export_swaps_while_the_runner_loads_it_is_an_error_saying_s
     """An export landing between the manifest's read and the sessions' (a server loading while an admin re-exports):
     the runner loaded the prefill weights of one artifact and the decode graph of the other, and generated from
     the mix without a word (verify reported the mix as a parity failure)."""
-    import exporter.runtime
     from helpers import swapped_in_first
-    monkeypatch.setattr(exporter.runtime, "load_session", swapped_in_first(exporter.runtime.load_session,
-                                                                           artifact_copy))
-    with pytest.raises(ArtifactError, match=rf"^{re.escape(str(artifact_copy))} was replaced while it was read "
-                                            r"\(an export into it meanwhile\?\).*run again once the export is done$"):
+
+    import exporter.runtime.runner
+
+    monkeypatch.setattr(
+        exporter.runtime.runner, "load_session", swapped_in_first(exporter.runtime.runner.load_session, artifact_copy)
+    )
+    with pytest.raises(
+        ArtifactError,
+        match=rf"^{re.escape(str(artifact_copy))} was replaced while it was read "
+        r"\(an export into it meanwhile\?\).*run again once the export is done$",
+    ):
         OrtRunner(artifact_copy)
     OrtRunner(artifact_copy)  # the folder as it is now, read whole
 
@@ -287,7 +338,8 @@ def test_the_hash_covers_every_byte_of_a_file_larger_than_one_read(tmp_path):
     # cannot see a hash that stops after the first block; a real weights file is hundreds of MB.
     import hashlib
 
-    from exporter.manifest import sha256_file
+    from exporter.artifact.manifest import sha256_file
+
     data = bytearray(np.random.default_rng(0).bytes(3 * (1 << 20) + 17))
     path = tmp_path / "weights.onnx.data"
     path.write_bytes(data)
@@ -314,23 +366,24 @@ def test_prefill_session_reads_the_weights_in_place(runner):
     base = weights._file.ctypes.data
     for (offset, _), value in weights._values.items():
         assert value.data_ptr() == base + offset  # a view into the one mapping, not a copy
-    assert runner.prefill_session.get_session_options().get_session_config_entry(
-        "session.disable_prepacking") == "1"
+    assert runner.prefill_session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
 
 
 def test_generation_runs_the_prompt_through_decode_like_prefill(runner):
     ids = np.array([[5, 9, 100, 3], [7, 7, 8, 9]], dtype=np.int64)
     mask = np.ones_like(ids)
     started = runner.start(ids, mask, np.tile(np.arange(4), (2, 1)))
-    prefilled = runner.prefill({"input_ids": ids, "attention_mask": mask, "position_ids": np.tile(np.arange(4), (2, 1)),
-                                "labels": ids})
+    prefilled = runner.prefill(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": np.tile(np.arange(4), (2, 1)), "labels": ids}
+    )
     np.testing.assert_array_equal(started, prefilled["logits"][:, -1])  # as decode(past 0) == prefill
 
 
 def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact_fp32):
     """Chunks of 3 (a last one of 2) on a left-padded batch, against the whole prompt in one call."""
-    from exporter.runtime import position_ids_from_mask
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.runner import position_ids_from_mask
+    from exporter.runtime.sessions import SessionSettings
+
     whole = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=0))
     chunked = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=3))
     ids = np.array([[0, 0, 0, 5, 9, 100, 3, 8, 2, 40, 41], [7, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]], dtype=np.int64)
@@ -342,8 +395,11 @@ def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact
     chunked_arrays = chunked.cache_arrays()
     for name, value in whole.cache_arrays().items():
         np.testing.assert_array_equal(chunked_arrays[name], value, err_msg=name)
-    step = (np.array([[4], [6]], dtype=np.int64), np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
-            positions[:, -1:] + 1)
+    step = (
+        np.array([[4], [6]], dtype=np.int64),
+        np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+        positions[:, -1:] + 1,
+    )
     np.testing.assert_array_equal(chunked.step(*step), whole.step(*step))
 
 
@@ -355,12 +411,15 @@ def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, 
     import sys
 
     import onnxruntime as ort
+
     ort.InferenceSession(str(artifact_fp32 / "decode.onnx"))
-    script = ("import sys; from exporter.runtime import OrtRunner, SessionSettings; "
-              "from exporter.errors import InputError; from exporter.generation import generate_greedy; "
-              "r = OrtRunner(sys.argv[1], settings=SessionSettings(shared_thread_pool=True, intra_op_threads=1)); "
-              "print(generate_greedy(r, [3, 4], 6).new_ids)\n"
-              "try:\n    OrtRunner(sys.argv[1])\nexcept InputError as e:\n    print(e)")
+    script = (
+        "import sys; from exporter.runtime.runner import OrtRunner, SessionSettings; "
+        "from exporter.errors import InputError; from exporter.runtime.generation import generate_greedy; "
+        "r = OrtRunner(sys.argv[1], settings=SessionSettings(shared_thread_pool=True, intra_op_threads=1)); "
+        "print(generate_greedy(r, [3, 4], 6).new_ids)\n"
+        "try:\n    OrtRunner(sys.argv[1])\nexcept InputError as e:\n    print(e)"
+    )
     out = subprocess.run([sys.executable, "-c", script, str(artifact_fp32)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     tokens, refusal = out.stdout.strip().splitlines()
@@ -369,12 +428,16 @@ def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, 
 
 
 def test_bad_session_settings_are_refused():
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.sessions import SessionSettings
+
     with pytest.raises(InputError, match="optimization must be one of"):
         SessionSettings(optimization="max")
     for threads in (-2, 1025, 2.0):
-        with pytest.raises(InputError, match=r"\(intra_op_threads, --threads\) must be an integer from 0 \(one per "
-                                             r"core\) to 1024, got"):
+        with pytest.raises(
+            InputError,
+            match=r"\(intra_op_threads, --threads\) must be an integer from 0 \(one per "
+            r"core\) to 1024, got",
+        ):
             SessionSettings(intra_op_threads=threads)
     for chunk in (-1, 1.5):
         with pytest.raises(InputError, match="prompt_chunk must be an integer >= 0"):
@@ -383,7 +446,8 @@ def test_bad_session_settings_are_refused():
 
 def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_path):
     """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.sessions import SessionSettings
+
     for name in ("prepack_weights", "huge_pages", "shared_thread_pool"):
         for value in ("no", "false", "False", 0, None):
             with pytest.raises(InputError, match=f"{name} must be True or False, got"):
@@ -399,7 +463,8 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
 @pytest.mark.parametrize("prompt_chunk", [0, 128])
 def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
     """It raised UnboundLocalError (no chunk ran), or with prompt_chunk=0 range()'s step-zero ValueError."""
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.sessions import SessionSettings
+
     runner = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=prompt_chunk))
     empty = np.zeros((1, 0), dtype=np.int64)
     with pytest.raises(InputError, match=r"at least one prompt of at least one token, got input_ids of shape \(1, 0\)"):
@@ -409,22 +474,30 @@ def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
 def test_a_manifest_of_another_format_or_a_later_version_is_refused(artifact_copy):
     """A reader of v1 cannot know what a later format changed: it refuses it by name, not reads it as v1."""
     from helpers import edit_manifest
+
     for version in (2, 0):
         edit_manifest(artifact_copy, lambda manifest: manifest.update(format_version=version))
-        with pytest.raises(ArtifactError, match=rf"'minimind-onnx-artifact' v{version}, expected "
-                                                r"'minimind-onnx-artifact' v1; re-export"):
+        with pytest.raises(
+            ArtifactError,
+            match=rf"'minimind-onnx-artifact' v{version}, expected "
+            r"'minimind-onnx-artifact' v1; re-export",
+        ):
             OrtRunner(artifact_copy)
     edit_manifest(artifact_copy, lambda manifest: manifest.update(format_version=1, format="other-artifact"))
     with pytest.raises(ArtifactError, match=r"format is 'other-artifact' v1, expected 'minimind-onnx-artifact'"):
         OrtRunner(artifact_copy)  # another tool's manifest of the same version number, otherwise complete
 
 
-@pytest.mark.parametrize("source, message", [({"preset": "minimind-3-tiny", "seed": 0}, "model.source.kind is None"),
-                                             ({"kind": 5}, "model.source.kind is 5")])
+@pytest.mark.parametrize(
+    "source, message",
+    [({"preset": "minimind-3-tiny", "seed": 0}, "model.source.kind is None"), ({"kind": 5}, "model.source.kind is 5")],
+)
 def test_a_model_source_without_a_kind_is_refused(artifact_copy, source, message):
     """verify reads model.source.kind first, to know whether it can rebuild the model."""
-    from exporter.manifest import load_manifest
     from helpers import edit_manifest
+
+    from exporter.artifact.manifest import load_manifest
+
     edit_manifest(artifact_copy, lambda manifest: manifest["model"].update(source=source))
     with pytest.raises(ArtifactError, match=rf"inconsistent: {message}, expected str"):
         load_manifest(artifact_copy)
@@ -433,8 +506,10 @@ def test_a_model_source_without_a_kind_is_refused(artifact_copy, source, message
 def test_a_weights_table_entry_running_past_the_end_of_the_weights_file_is_refused(artifact_copy):
     """Each entry must end within the file (offset + length <= bytes), not merely start within it: the runner
     maps the entries itself, and one past the end would read beyond the mapping."""
-    from exporter.manifest import load_manifest
     from helpers import edit_manifest
+
+    from exporter.artifact.manifest import load_manifest
+
     manifest = json.loads((artifact_copy / "manifest.json").read_text())
     end = max(e["offset"] + e["length"] for e in manifest["weights"]["initializers"]["prefill.onnx"])
     edit_manifest(artifact_copy, lambda m: m["files"]["weights.onnx.data"].update(bytes=end - 1))
@@ -445,22 +520,24 @@ def test_a_weights_table_entry_running_past_the_end_of_the_weights_file_is_refus
 @pytest.mark.parametrize("name", ["decode.onnx", "prefill.onnx", "weights.onnx.data"])
 def test_a_manifest_whose_files_leave_out_a_graph_or_the_weights_is_refused(artifact_copy, name):
     """Unlisted, the file would be read unchecked by any hash (or, the weights, fail with a KeyError)."""
-    from exporter.manifest import load_manifest
     from helpers import edit_manifest
+
+    from exporter.artifact.manifest import load_manifest
+
     edit_manifest(artifact_copy, lambda manifest: manifest["files"].pop(name))
     with pytest.raises(ArtifactError, match=rf"inconsistent: {re.escape(name)} not listed in files"):
         load_manifest(artifact_copy)
 
 
 @pytest.mark.parametrize("kind", ["input", "output"])
-def test_a_graph_with_a_renamed_input_or_output_is_not_the_graph_its_manifest_describes(artifact_fp32, tmp_path,
-                                                                                        kind):
+def test_a_graph_with_a_renamed_input_or_output_is_not_the_graph_its_manifest_describes(artifact_fp32, tmp_path, kind):
     """Same number of inputs and outputs, one name changed: feeding by name would fail later, or a consumer would
     read the wrong tensor."""
     import onnx
 
-    from exporter.manifest import read_manifest
-    from exporter.sessions import graph_state
+    from exporter.artifact.manifest import read_manifest
+    from exporter.runtime.sessions import graph_state
+
     manifest = read_manifest(artifact_fp32)
     model = onnx.load(str(artifact_fp32 / "decode.onnx"), load_external_data=False)
     value = (model.graph.input if kind == "input" else model.graph.output)[0]
@@ -487,13 +564,15 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
     """Threads, optimisation level and prepacking as asked; the prefill session's threads do not spin (they
     took the cores from the decode step after it), decode's do; defaults: decode prepacks, prefill never does
     (it reads the shared mapping in place)."""
-    from exporter.sessions import SessionSettings
+    from exporter.runtime.sessions import SessionSettings
+
     spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
     default = OrtRunner(artifact_fp32, settings=SessionSettings(native_decode=False))
     assert _config_entry(default.decode_session, prepack) is None
     assert _config_entry(default.prefill_session, prepack) == "1"
-    runner = OrtRunner(artifact_fp32, settings=SessionSettings(intra_op_threads=1, optimization="basic",
-                                                                prepack_weights=False))
+    runner = OrtRunner(
+        artifact_fp32, settings=SessionSettings(intra_op_threads=1, optimization="basic", prepack_weights=False)
+    )
     for session in (runner.decode_session, runner.prefill_session):
         options = session.get_session_options()
         assert options.intra_op_num_threads == 1
@@ -509,19 +588,24 @@ def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifa
     the graph's own external data: a map of zeroed weights gives zero logits where the file gives others."""
     import shutil
 
-    from exporter.manifest import read_manifest
-    from exporter.sessions import SessionSettings, SharedWeightMap, load_session, session_options
+    from exporter.artifact.manifest import read_manifest
+    from exporter.runtime.sessions import SessionSettings, SharedWeightMap, load_session, session_options
+
     manifest = read_manifest(artifact_fp32)
     zeroed = shutil.copytree(artifact_fp32, tmp_path / "zeroed")
     (zeroed / "weights.onnx.data").write_bytes(bytes((zeroed / "weights.onnx.data").stat().st_size))
     ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None],
-            "labels": ids}
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "labels": ids}
     logits = {}
     for name, folder in (("file", artifact_fp32), ("zeroed", zeroed)):
         weights = SharedWeightMap(folder, manifest)
-        session = load_session(artifact_fp32, manifest, manifest.prefill,
-                               session_options(SessionSettings(), "prefill.onnx", weights, spin=False), [CPU])
+        session = load_session(
+            artifact_fp32,
+            manifest,
+            manifest.prefill,
+            session_options(SessionSettings(), "prefill.onnx", weights, spin=False),
+            [CPU],
+        )
         logits[name] = session.run(["logits"], feed)[0]
     assert np.abs(logits["file"]).max() > 0.01
     np.testing.assert_array_equal(logits["zeroed"], 0)

@@ -9,24 +9,26 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from helpers import QUICK, claim_seed, edit_manifest, perturb_weight, scale_inline_weight
 
-from exporter.manifest import read_manifest
-from exporter.reference_runner import TorchRunner
-from exporter.runtime import OrtRunner
-from exporter.verify import checks, invariants
+from exporter.artifact.manifest import read_manifest
+from exporter.runtime.runner import OrtRunner
+from exporter.verify.checks import invariants
+from exporter.verify.checks import outputs as checks
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.metrics import compare, real_queries
+from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.tolerances import Overrides, profile_for
-from helpers import QUICK, claim_seed, edit_manifest, perturb_weight, scale_inline_weight
 
 
 def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact_copy, tiny_model):
     """A real fault that fails every shape, with stand-in expert choices: a flip explained by near-ties leaves
     out of the comparison the positions it reached and nothing else, so the fault still fails every call with
     a position left to judge. A flip that is not a near-tie, or no differing choice at all, excuses nothing."""
-    from exporter.verify.routing import CallRouting, ExpertAgreement
-    from exporter.verify.checks import run_sweep
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+    from exporter.verify.checks.outputs import run_sweep
+    from exporter.verify.checks.routing import CallRouting, ExpertAgreement
+
     perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # moves the logits only: the presents pass
     manifest = read_manifest(artifact_copy)
     reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(artifact_copy, manifest=manifest)
@@ -36,8 +38,8 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
         def explain(graph, onnx_feeds, valid):
             assert graph == "decode"  # the past's prefill passes: only its presents are handed on
             return CallRouting(agreement, reach(np.shape(valid)))
-        return run_sweep(reference, onnx, manifest, profile, HealthScan("float32"), np.random.default_rng(0),
-                         explain)
+
+        return run_sweep(reference, onnx, manifest, profile, HealthScan("float32"), np.random.default_rng(0), explain)
 
     def everything(shape):
         return np.ones(shape, dtype=bool)
@@ -46,13 +48,17 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
         reached = np.zeros(shape, dtype=bool)
         reached[:, -1] = True
         return reached
+
     tie = ExpertAgreement(True, 10, 9, 1, "1 of 10 differ, 1 explained")
     assert all(c.passed and c.routing_near_tie for c in sweep(tie, everything))
     cases = sweep(tie, last_token)
     assert [c.passed for c in cases] == [c.new_tokens == 1 for c in cases]  # a single new token: all reached
     assert all(c.routing_near_tie and c.routing[0].excluded == c.batch for c in cases)
-    for other in (ExpertAgreement(True, 10, 9, 0, "not a tie"), ExpertAgreement(True, 10, 10, 0, "all agree"),
-                  ExpertAgreement(False, 0, 0, 0, "not measured")):
+    for other in (
+        ExpertAgreement(True, 10, 9, 0, "not a tie"),
+        ExpertAgreement(True, 10, 10, 0, "all agree"),
+        ExpertAgreement(False, 0, 0, 0, "not measured"),
+    ):
         assert not any(c.passed or c.routing_near_tie for c in sweep(other, everything)), other.note
 
 
@@ -61,8 +67,9 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     own token and the later tokens of its row (through attention): their differences follow from it whatever
     their router gaps. An earlier token of its row or a token of another row is not reached: a difference
     there is explained only as a near-tie of its own."""
-    from exporter.verify.routing import _compare_choices
+    from exporter.verify.checks.routing import _compare_choices
     from exporter.verify.metrics import Tolerance
+
     tolerance = Tolerance(1e-4, 1e-4)
     tie, clear = [0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]  # a near-tie: experts 0 and 1 within 1e-5
     valid = np.ones((2, 2), dtype=bool)
@@ -74,6 +81,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
         reference = {0: (scores, reference_ids), 1: (np.array([clear] * 4), reference_ids)}
         result = _compare_choices(reference, dict(enumerate(flipped)), valid, tolerance)
         return (result.pairs, result.agreeing, result.explained), result.reached.tolist()
+
     # token (0, 0) flips at a near-tie; at layer 1 it and the next token of its row follow
     assert count(0, 0, [0, 1]) == ((8, 5, 3), [[True, True], [False, False]])
     # a clear flip in the other row at layer 1 is not reached
@@ -103,16 +111,17 @@ class _DecodeFlipsAt:
             return outputs
         key = self.inner.manifest.cache.present(1, "key")
         moved = outputs[key].copy()
-        moved[:, :, -feeds["input_ids"].shape[1]:] += 1
+        moved[:, :, -feeds["input_ids"].shape[1] :] += 1
         return {**outputs, "logits": outputs["logits"] + 1, key: moved}
 
 
 def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cache(runner, tiny_model):
     """Without the reference's cache, every step after a flip inherits it and fails; with it, the later steps
     judge the graph again. A flip that is not a near-tie keeps its failure and ONNX Runtime its own cache."""
-    from exporter.verify.routing import CallRouting, ExpertAgreement
-    from exporter.verify.checks import check_decode
-    from exporter.verify.health import HealthScan
+    from exporter.verify.checks.health import HealthScan
+    from exporter.verify.checks.outputs import check_decode
+    from exporter.verify.checks.routing import CallRouting, ExpertAgreement
+
     manifest = runner.manifest
     batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
@@ -122,13 +131,29 @@ def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cac
         def explain(graph, onnx_feeds, valid):
             asked.append(graph)
             return CallRouting(agreement, np.ones(np.shape(valid), dtype=bool))
-        return check_decode(TorchRunner(tiny_model, manifest), _DecodeFlipsAt(runner, 2), manifest, batch,
-                            ParitySettings(decode_steps=5), profile, HealthScan("float32"), np.random.default_rng(1),
-                            explain)[0]
+
+        return check_decode(
+            TorchRunner(tiny_model, manifest),
+            _DecodeFlipsAt(runner, 2),
+            manifest,
+            batch,
+            ParitySettings(decode_steps=5),
+            profile,
+            HealthScan("float32"),
+            np.random.default_rng(1),
+            explain,
+        )[0]
+
     result = decode(ExpertAgreement(True, 4, 3, 1, "1 of 4 differ, 1 explained"))
     assert asked == ["decode"] and all(row.passed for row in result.comparisons)
-    assert [s.routing is not None and s.routing.explained for s in result.curve] == [False, False, True, False,
-                                                                                      False, False]
+    assert [s.routing is not None and s.routing.explained for s in result.curve] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert [s.fed_reference_cache for s in result.curve] == [False, False, False, True, False, False]
     assert result.curve[2].routing.logits.needed.scale > 1000  # the whole call failed; none of it was judged
     not_a_tie = decode(ExpertAgreement(True, 4, 3, 0, "1 of 4 differ, not a near-tie"))
@@ -180,22 +205,26 @@ class _PresentsNaN(_DecodeLogitsShifted):
 
 
 def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
-    from exporter.verify import invariants
+    from exporter.verify.checks.outputs import invariants
+
     manifest = read_manifest(artifact_copy)
     runner = OrtRunner(artifact_copy, manifest=manifest)
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
     assert all(i.passed for i in invariants.check_invariants(artifact_copy, runner, manifest, batch, profile))
     assert invariants.identical_weights(artifact_copy, manifest).detail == (
-        "15 distinct weight tensors in the weights file and 10 floating initializers inline, equal by content")
+        "15 distinct weight tensors in the weights file and 10 floating initializers inline, equal by content"
+    )
     shifted = _DecodeLogitsShifted(runner)
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed
     assert not invariants.decode_past_zero(shifted, manifest, batch, profile).passed
     assert not invariants.padded_row_alone(_PaddingAttended(runner), manifest, batch, profile).passed
     broken = _PresentsNaN(runner)
-    for invariant in (invariants.split_prefill(broken, manifest, batch, profile, k=7),
-                      invariants.decode_past_zero(broken, manifest, batch, profile),
-                      invariants.padded_row_alone(broken, manifest, batch, profile)):
+    for invariant in (
+        invariants.split_prefill(broken, manifest, batch, profile, k=7),
+        invariants.decode_past_zero(broken, manifest, batch, profile),
+        invariants.padded_row_alone(broken, manifest, batch, profile),
+    ):
         assert not invariant.passed and "NaN or Inf in" in invariant.detail, invariant.detail
         assert "present.0.key" in invariant.detail and "no invariant can vouch for" in invariant.detail
 
@@ -220,8 +249,9 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
         entry.value = {"location": "other.data", "offset": "0"}.get(entry.key, entry.value)
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     weights = invariants.identical_weights(artifact_copy, manifest)
-    assert not weights.passed and weights.detail == ("1 tensor(s) only in prefill, 1 only in decode "
-                                                     "(shapes [512, 64] in the weights file)")
+    assert not weights.passed and weights.detail == (
+        "1 tensor(s) only in prefill, 1 only in decode (shapes [512, 64] in the weights file)"
+    )
     assert invariants.symbolic_axes(artifact_copy, manifest).passed
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
     onnx.save(model, str(artifact_copy / "decode.onnx"))
@@ -229,8 +259,11 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     assert not axes.passed and "input_ids" in axes.detail, axes.detail
 
     # a rounding to float16 in a float32 graph, which the CPU provider would drop unseen
-    model.graph.node.append(onnx.helper.make_node("Cast", [model.graph.output[0].name], ["logits_float16"],
-                                                  to=onnx.TensorProto.FLOAT16, name="rounding"))
+    model.graph.node.append(
+        onnx.helper.make_node(
+            "Cast", [model.graph.output[0].name], ["logits_float16"], to=onnx.TensorProto.FLOAT16, name="rounding"
+        )
+    )
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     rounding = invariants.computes_in_float32(artifact_copy, manifest)
     assert not rounding.passed and "1 Cast(s) to float16 or bfloat16: decode.onnx: rounding" in rounding.detail
@@ -269,9 +302,11 @@ def test_an_invariant_names_nan_on_either_side_and_judges_logits_at_real_queries
     assert not past0.passed and "NaN or Inf in present.0.key" in past0.detail, past0.detail
     padded = _PaddedQueriesNaN(runner)
     k = batch["input_ids"].shape[1] // 2 + 1
-    for invariant in (invariants.split_prefill(padded, manifest, batch, profile, k),
-                      invariants.decode_past_zero(padded, manifest, batch, profile),
-                      invariants.padded_row_alone(padded, manifest, batch, profile)):
+    for invariant in (
+        invariants.split_prefill(padded, manifest, batch, profile, k),
+        invariants.decode_past_zero(padded, manifest, batch, profile),
+        invariants.padded_row_alone(padded, manifest, batch, profile),
+    ):
         assert invariant.passed, (invariant.name, invariant.detail)
     # the split falls past row 0's padding, so every row carries a real token in the past decode reads
     split = invariants.check_invariants(runner.folder, runner, manifest, batch, profile)[0]
@@ -295,19 +330,24 @@ def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):
     manifest = read_manifest(artifact_copy)
     model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
     cast = onnx.helper.make_node("Cast", ["x"], ["y"], to=onnx.TensorProto.BFLOAT16, name="hidden_rounding")
-    model.functions.append(onnx.helper.make_function("local", "round", ["x"], ["y"], [cast],
-                                                     [onnx.helper.make_opsetid("", 18)]))
+    model.functions.append(
+        onnx.helper.make_function("local", "round", ["x"], ["y"], [cast], [onnx.helper.make_opsetid("", 18)])
+    )
     model.opset_import.append(onnx.helper.make_opsetid("local", 1))
-    model.graph.node.append(onnx.helper.make_node("round", [model.graph.output[0].name], ["logits_bfloat16"],
-                                                  domain="local", name="call_round"))
+    model.graph.node.append(
+        onnx.helper.make_node(
+            "round", [model.graph.output[0].name], ["logits_bfloat16"], domain="local", name="call_round"
+        )
+    )
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     rounding = invariants.computes_in_float32(artifact_copy, manifest)
-    assert not rounding.passed and rounding.detail == ("1 Cast(s) to float16 or bfloat16: decode.onnx: "
-                                                       "hidden_rounding"), rounding.detail
+    assert not rounding.passed and rounding.detail == (
+        "1 Cast(s) to float16 or bfloat16: decode.onnx: hidden_rounding"
+    ), rounding.detail
 
 
 def test_the_repeat_run_compares_the_second_run_with_the_first(runner):
-    from exporter.verify.providers import repeat_run
+    from exporter.verify.checks.providers import repeat_run
 
     class Drifting(_DecodeLogitsShifted):  # the second prefill on the session differs, as a nondeterministic one
         provider = "cpu"
@@ -330,12 +370,14 @@ def test_layer_errors_judge_the_key_and_the_value_of_every_layer():
     a fault at a padded cache position fails nothing."""
     from types import SimpleNamespace
 
-    from exporter.contract import CacheLayout
+    from exporter.artifact.contract import CacheLayout
+
     manifest = SimpleNamespace(cache=CacheLayout(num_layers=3, num_key_value_heads=2, head_dim=4, dtype="float32"))
     rng = np.random.default_rng(0)
     mask = np.array([[0, 1, 1], [1, 1, 1]])
-    clean = {f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3)
-             for kind in ("key", "value")}
+    clean = {
+        f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3) for kind in ("key", "value")
+    }
     profile = profile_for("float32", "cpu")
     assert [e.layer for e in checks.layer_errors(manifest, clean, clean, profile, "x", mask)] == [0, 1, 2]
     for layer, kind in ((0, "value"), (1, "value"), (2, "key"), (2, "value")):
@@ -356,18 +398,31 @@ def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
     alone fails the call, as a decode step fails by its cache alone."""
     from types import SimpleNamespace
 
-    from exporter.contract import CacheLayout
-    from exporter.verify.health import HealthScan
+    from exporter.artifact.contract import CacheLayout
+    from exporter.verify.checks.health import HealthScan
+
     names = ["input_ids", "attention_mask", "position_ids", "labels"]
-    manifest = SimpleNamespace(cache=CacheLayout(num_layers=2, num_key_value_heads=2, head_dim=3, dtype="float32"),
-                               prefill=SimpleNamespace(input_names=names))
+    manifest = SimpleNamespace(
+        cache=CacheLayout(num_layers=2, num_key_value_heads=2, head_dim=3, dtype="float32"),
+        prefill=SimpleNamespace(input_names=names),
+    )
     mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
-    batch = {"input_ids": np.ones((2, 4), np.int64), "attention_mask": mask, "position_ids": np.zeros((2, 4), np.int64),
-             "labels": np.ones((2, 4), np.int64)}
+    batch = {
+        "input_ids": np.ones((2, 4), np.int64),
+        "attention_mask": mask,
+        "position_ids": np.zeros((2, 4), np.int64),
+        "labels": np.ones((2, 4), np.int64),
+    }
     rng = np.random.default_rng(0)
-    clean = {"logits": rng.standard_normal((2, 4, 5)).astype(np.float32), "loss": np.float32(2.5),
-             **{f"present.{layer}.{kind}": rng.standard_normal((2, 2, 4, 3)).astype(np.float32)
-                for layer in range(2) for kind in ("key", "value")}}
+    clean = {
+        "logits": rng.standard_normal((2, 4, 5)).astype(np.float32),
+        "loss": np.float32(2.5),
+        **{
+            f"present.{layer}.{kind}": rng.standard_normal((2, 2, 4, 3)).astype(np.float32)
+            for layer in range(2)
+            for kind in ("key", "value")
+        },
+    }
     profile = profile_for("float32", "cpu")
 
     def prefill(actual):
@@ -381,15 +436,19 @@ def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
     for name in clean:
         faulty = {**clean, name: clean[name] + np.float32(0.1)}
         result, call = prefill(faulty)
-        assert [c.passed for c in result.comparisons] == [name != "logits", not name.startswith("present."),
-                                                          name != "loss"], name
+        assert [c.passed for c in result.comparisons] == [
+            name != "logits",
+            not name.startswith("present."),
+            name != "loss",
+        ], name
         assert not call.passed, name
     ok = compare("x", "kv", [1.0], [1.0], profile.kv)
     assert not checks.StepError(0, 1, ok, compare("x", "kv", [2.0], [1.0], profile.kv), 1).passed
 
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
-    from exporter.verify.checks import GreedyTrace, judge_greedy
+    from exporter.verify.checks.outputs import GreedyTrace, judge_greedy
+
     profile = profile_for("float32", "cpu")
     logits = np.zeros((3, 6), np.float32)
     logits[1, 2], logits[1, 4] = 5.0, 5.0 - 1e-5  # at token 1, ids 2 and 4 lie within the logits tolerance
@@ -420,11 +479,13 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
     logits[1, 5] = 4.0
     assert not judge_greedy(GreedyTrace([0, 2, 3], logits), [0], profile, dropped_eos=5).passed
     at_once = judge_greedy(GreedyTrace([5], logits[:1]), [], profile, [], dropped_eos=5)
-    assert at_once.passed and at_once.note == "0 tokens identical (both stopped at EOS at once: nothing else to compare)"
+    assert (
+        at_once.passed and at_once.note == "0 tokens identical (both stopped at EOS at once: nothing else to compare)"
+    )
 
 
 def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
-    from exporter.verify.checks import GreedyTrace, check_greedy
+    from exporter.verify.checks.outputs import GreedyTrace, check_greedy
 
     class NaNRunner:  # generation's interface over an artifact whose logits hold a NaN
         manifest, cache = runner.manifest, []
@@ -447,18 +508,21 @@ def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
 
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):
     from exporter.verify import tolerances
-    from exporter.verify.providers import attribute, cross_providers
+    from exporter.verify.checks.providers import attribute, cross_providers
     from exporter.verify.tolerances import CPU, CUDA
+
     rng = np.random.default_rng(0)
-    cpu = {"logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
-           "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32)}
+    cpu = {
+        "logits": rng.standard_normal((2, 5, 8)).astype(np.float32) * 4,
+        "present.0.key": rng.standard_normal((2, 1, 5, 4)).astype(np.float32),
+    }
     mask = np.ones((2, 5), np.int64)
     # a difference within a looser CUDA profile (4 float16 units more of the peak), beyond the CPU profile
     strict = profile_for("float32", CPU)
-    looser = dataclasses.replace(strict.logits, peak=strict.logits.peak + 4 * 2.0 ** -11)
+    looser = dataclasses.replace(strict.logits, peak=strict.logits.peak + 4 * 2.0**-11)
     monkeypatch.setitem(tolerances.PROFILES, ("float32", CUDA), dataclasses.replace(strict, logits=looser, kv=looser))
     peak = np.abs(cpu["logits"]).max()
-    tf32 = {**cpu, "logits": cpu["logits"] + np.float32(2 * 2.0 ** -11 * peak)}
+    tf32 = {**cpu, "logits": cpu["logits"] + np.float32(2 * 2.0**-11 * peak)}
     assert not compare("cpu", "logits", tf32["logits"], cpu["logits"], strict.logits).passed
     assert all(c.passed for c in cross_providers({CPU: cpu, CUDA: tf32}, "float32", Overrides(), mask))
     assert all(c.passed for c in cross_providers({CUDA: tf32, CPU: cpu}, "float32", Overrides(), mask))
@@ -472,9 +536,15 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert (leg.cause, leg.covers) == ("provider", "prefill.onnx, the prefill batch") and not leg.comparison.passed
     assert provider.skipped == "precision leg needs a float16 companion artifact"
     # the pair in the order the providers were given; CUDA alone has no provider leg
-    flipped = attribute([], {CUDA: tf32, CPU: cpu},
-                        cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides(), mask), manifest, {}, None,
-                        Overrides())
+    flipped = attribute(
+        [],
+        {CUDA: tf32, CPU: cpu},
+        cross_providers({CUDA: wrong, CPU: cpu}, "float32", Overrides(), mask),
+        manifest,
+        {},
+        None,
+        Overrides(),
+    )
     [leg] = flipped.legs
     assert leg.comparison.name == f"{CPU} vs {CUDA} prefill logits" and not leg.comparison.passed
     cuda_only = attribute([], {CUDA: tf32}, [], manifest, {}, None, Overrides())
@@ -485,13 +555,15 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     assert not half.legs and "starts from a float32 artifact" in half.skipped
 
 
-def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(artifact_fp32, artifact_fp16,
-                                                                              monkeypatch):
+def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(
+    artifact_fp32, artifact_fp16, monkeypatch
+):
     # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
     # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
     # every profile, the provider pairs' included.
-    from exporter.verify import providers
+    from exporter.verify.checks.outputs import providers
     from exporter.verify.tolerances import CPU, CUDA
+
     asked = []
 
     def on_the_cpu(folder, provider, manifest):
@@ -505,20 +577,26 @@ def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(ar
     cuda = {**fp32, "logits": fp32["logits"].copy()}
     cuda["logits"][~real_queries(batch["attention_mask"], cuda["logits"].shape[1])] = 1e3  # read by no token
     cpu = {**fp32, "logits": fp32["logits"] + np.float32(1.0)}
-    result = providers.attribute([], {CPU: cpu, CUDA: cuda}, [], manifest, batch, (artifact_fp16, fp16_manifest),
-                                 Overrides())
+    result = providers.attribute(
+        [], {CPU: cpu, CUDA: cuda}, [], manifest, batch, (artifact_fp16, fp16_manifest), Overrides()
+    )
     [leg] = result.legs
     assert asked == [CUDA] and (leg.cause, leg.covers) == ("precision", "prefill.onnx, the prefill batch")
     assert leg.comparison.passed and leg.comparison.tolerance == profile_for("float16", CUDA).logits, leg.comparison
     loosened = Overrides((("logits", "atol", 1.0),))
-    rows = providers.cross_providers({CPU: fp32, CUDA: {**fp32, "logits": fp32["logits"] + np.float32(0.5)}},
-                                     "float32", loosened, batch["attention_mask"])
+    rows = providers.cross_providers(
+        {CPU: fp32, CUDA: {**fp32, "logits": fp32["logits"] + np.float32(0.5)}},
+        "float32",
+        loosened,
+        batch["attention_mask"],
+    )
     assert all(c.passed for c in rows) and rows[0].tolerance.atol == 1.0, rows
 
 
 def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_fp16, tmp_path):
     from exporter.errors import InputError
-    from exporter.verify.providers import check_companion
+    from exporter.verify.checks.providers import check_companion
+
     manifest = read_manifest(artifact_fp32)
     assert check_companion(artifact_fp16, manifest)[1].dtype == "float16"
     other = shutil.copytree(artifact_fp16, tmp_path / "other")
@@ -527,11 +605,13 @@ def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_
         check_companion(other, manifest)
 
 
-def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_refused(artifact_fp32, artifact_fp16,
-                                                                                       tmp_path):
+def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_refused(
+    artifact_fp32, artifact_fp16, tmp_path
+):
     # a checkpoint is told by its content hash, not its path: the same bytes elsewhere are the same weights
     from exporter.errors import InputError
-    from exporter.verify.providers import companion_for
+    from exporter.verify.checks.providers import companion_for
+
     other = shutil.copytree(artifact_fp16, tmp_path / "other")
     edit_manifest(other, lambda m: m["model"].update(source={"kind": "checkpoint", "path": "/b.pth", "sha256": "b"}))
     ours = {"kind": "checkpoint", "path": "/a.pth", "sha256": "a"}
@@ -546,8 +626,12 @@ def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_re
 
 def test_a_float16_companion_of_another_config_names_the_fields(artifact_fp16):
     from exporter.errors import InputError
-    from exporter.verify.providers import companion_for
+    from exporter.verify.checks.providers import companion_for
     from reference import get_preset
-    with pytest.raises(InputError, match=r"is not a float16 export of the same model \(its config differs in "
-                                         r"intermediate_size, .*, version\)"):
+
+    with pytest.raises(
+        InputError,
+        match=r"is not a float16 export of the same model \(its config differs in "
+        r"intermediate_size, .*, version\)",
+    ):
         companion_for(artifact_fp16, "float32", get_preset("minimind2-tiny"))

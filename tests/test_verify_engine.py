@@ -10,15 +10,15 @@ import shutil
 from xml.etree import ElementTree as ET
 
 import pytest
+from helpers import QUICK, assert_one_line_error, edit_manifest, run_cli
 
+from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ArtifactError, OutputPathError, ToolkitError
-from exporter.manifest import read_manifest, sha256_file
-from exporter.verify import checks
+from exporter.verify.checks import outputs as checks
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.reports import format_verify, render_html, render_junit
 from exporter.verify.tolerances import profile_for
-from helpers import QUICK, assert_one_line_error, edit_manifest, run_cli
 
 
 def test_default_verification_covers_curve_sweep_invariants_and_health(full):
@@ -28,14 +28,16 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
     assert report and cpu  # truthy as they pass
     assert len(cpu.curve) == 65 and [s.tokens for s in cpu.curve[-2:]] == [1, 3]
     assert {(c.batch, c.new_tokens, c.past) for c in cpu.sweep} == {
-        (b, n, p) for b in (1, 2, 3) for n in (1, 2, 7, 64) for p in (0, 1, 17)}
+        (b, n, p) for b in (1, 2, 3) for n in (1, 2, 7, 64) for p in (0, 1, 17)
+    }
     assert [i.passed for i in report.invariants] == [True] * 6  # the sixth: a float32 export computes in float32
     assert cpu.health.passed and cpu.health.nan == cpu.health.zero_rows == 0
     assert cpu.repeat.max_abs == 0  # the CPU provider is deterministic
     # judged with float32's own profile: float16's (16 units of its 11 bits) is ~60x looser
     assert cpu.profile == profile_for("float32", "cpu")
     assert {(c.kind, c.tolerance) for c in cpu.comparisons} == {
-        (kind, cpu.profile[kind]) for kind in ("logits", "kv", "loss")}
+        (kind, cpu.profile[kind]) for kind in ("logits", "kv", "loss")
+    }
     logits = cpu.comparisons[0]
     assert logits.llm["top1_agreement"] == 1.0 and logits.llm["kl_mean"] < 1e-9 and logits.cosine > 0.999999
     assert 0 < logits.needed.scale < 1 and cpu.localisation.first_layer is None
@@ -47,20 +49,30 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
     """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
     (top1 0.000), blaming the export."""
     from exporter.errors import InputError
-    from exporter.model_source import seeded_model
+    from exporter.export.model_source import seeded_model
     from reference import build_model, get_preset
+
     other = build_model(get_preset("minimind2-tiny"), seed=0)
-    with pytest.raises(InputError, match=r"^the model does not match the artifact: its config differs in "
-                                         r"intermediate_size \(model 192, artifact 256\), .*rms_norm_eps.*, version; "
-                                         r"pass the model the artifact was exported from"):
+    with pytest.raises(
+        InputError,
+        match=r"^the model does not match the artifact: its config differs in "
+        r"intermediate_size \(model 192, artifact 256\), .*rms_norm_eps.*, version; "
+        r"pass the model the artifact was exported from",
+    ):
         verify_artifact(artifact_fp32, other, ["cpu"], QUICK, genai=False)
     gpt = build_model(get_preset("teaching-gpt-tiny"), seed=0)
-    with pytest.raises(InputError, match=r"the model \(TeachingGPT with config TeachingGPTConfig\) is not of the "
-                                         r"artifact's family minimind"):
+    with pytest.raises(
+        InputError,
+        match=r"the model \(TeachingGPT with config TeachingGPTConfig\) is not of the "
+        r"artifact's family minimind",
+    ):
         verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False)
     sourced = seeded_model("minimind-3-tiny")  # was "not of the artifact's family" (SourcedModel with config None)
-    with pytest.raises(InputError, match=r"^model is a SourcedModel \(what seeded_model and checkpoint_model "
-                                         r"return\); pass its model: verify_artifact\(folder, sourced.model\)$"):
+    with pytest.raises(
+        InputError,
+        match=r"^model is a SourcedModel \(what seeded_model and checkpoint_model "
+        r"return\); pass its model: verify_artifact\(folder, sourced.model\)$",
+    ):
         verify_artifact(artifact_fp32, sourced, ["cpu"], QUICK, genai=False)
 
 
@@ -75,18 +87,25 @@ def test_golden_save_inside_the_artifact_is_refused_by_the_api_as_by_the_cli(art
 def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_fp32, tiny_model, tmp_path):
     """A Python caller never typed --output or --golden-save: each refusal names the argument it passed first."""
     from exporter.errors import InputError, ProviderError
-    from exporter.export import export_artifact
+    from exporter.export.pipeline import export_artifact
+
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(OutputPathError, match=r"choose another output folder \(folder, --output\) or empty it$"):
         export_artifact(tiny_model, foreign)
-    with pytest.raises(InputError, match=r"^golden_save \(--golden-save\) records the PyTorch reference: it needs the "
-                                         r"model and no golden bundle \(golden, --golden\)$"):
+    with pytest.raises(
+        InputError,
+        match=r"^golden_save \(--golden-save\) records the PyTorch reference: it needs the "
+        r"model and no golden bundle \(golden, --golden\)$",
+    ):
         verify_artifact(artifact_fp32, None, "cpu", golden_save=tmp_path / "bundle")
-    with pytest.raises(InputError, match=r"^fp16_companion \(--fp16-companion\) .* is not a float16 export "
-                                         r'\(float32\); export the same model as float16 '
-                                         r'\(dtype="float16", --dtype float16\)$'):
+    with pytest.raises(
+        InputError,
+        match=r"^fp16_companion \(--fp16-companion\) .* is not a float16 export "
+        r"\(float32\); export the same model as float16 "
+        r'\(dtype="float16", --dtype float16\)$',
+    ):
         verify_artifact(artifact_fp32, None, "cpu", fp16_companion=artifact_fp32)
     with pytest.raises(ProviderError, match=r"; pass cpu or cuda \(provider or providers, --provider\)$"):
         verify_artifact(artifact_fp32, None, "bogus")
@@ -96,8 +115,12 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
 def test_a_model_and_a_golden_bundle_together_are_refused_naming_which_to_drop(artifact_fp32, tiny_model, tmp_path):
     # The bundle was replayed and the model ignored, silently.
     from exporter.errors import InputError
-    with pytest.raises(InputError, match=r"^give model or golden, not both: .*; drop golden to verify against the "
-                                         r"model, or model to replay the bundle$"):
+
+    with pytest.raises(
+        InputError,
+        match=r"^give model or golden, not both: .*; drop golden to verify against the "
+        r"model, or model to replay the bundle$",
+    ):
         verify_artifact(artifact_fp32, tiny_model, "cpu", golden=tmp_path / "bundle")  # refused before it is read
 
 
@@ -105,13 +128,15 @@ def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifa
     """Each failed deep in the engine (AttributeError, pathlib's or iteration's TypeError), genai="no" ran the
     check, and providers=[] verified nothing and failed."""
     from exporter.errors import InputError, ProviderError
+
     for kwargs, error, message in (
-            ({"settings": {"decode_steps": 3}}, InputError, "settings must be a ParitySettings, got dict"),
-            ({"overrides": "logits=1"}, InputError, "overrides must be an Overrides, got str"),
-            ({"genai": "no"}, InputError, r"genai must be None, True or False, got 'no' \(str\)"),
-            ({"providers": 5}, ProviderError, "providers must be a provider name or a list of them, got 5"),
-            ({"providers": []}, ProviderError, r"providers is empty; pass e.g. \['cpu'\], or None"),
-            ({"fp16_companion": 5}, InputError, "an artifact folder is a path .* got 5")):
+        ({"settings": {"decode_steps": 3}}, InputError, "settings must be a ParitySettings, got dict"),
+        ({"overrides": "logits=1"}, InputError, "overrides must be an Overrides, got str"),
+        ({"genai": "no"}, InputError, r"genai must be None, True or False, got 'no' \(str\)"),
+        ({"providers": 5}, ProviderError, "providers must be a provider name or a list of them, got 5"),
+        ({"providers": []}, ProviderError, r"providers is empty; pass e.g. \['cpu'\], or None"),
+        ({"fp16_companion": 5}, InputError, "an artifact folder is a path .* got 5"),
+    ):
         with pytest.raises(error, match=message):
             verify_artifact(artifact_fp32, tiny_model, **kwargs)
     with pytest.raises(ArtifactError, match=r"an artifact folder is a path \(str or Path\), got None"):
@@ -125,8 +150,7 @@ def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
     assert report.passed
 
 
-def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_error(artifact_fp32, tiny_model,
-                                                                                   tmp_path):
+def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_error(artifact_fp32, tiny_model, tmp_path):
     # The debug copy read the graph before any session did: a truncated prefill.onnx ended in protobuf's
     # DecodeError and an empty one in KeyError: 'input_ids', both exit 3; another opset than the manifest's
     # passed.
@@ -135,8 +159,12 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
         graph = folder / "prefill.onnx"
         if content is not None:
             graph.write_bytes(content)
-            edit_manifest(folder, lambda manifest: manifest["files"]["prefill.onnx"].update(
-                sha256=sha256_file(graph), bytes=graph.stat().st_size))
+            edit_manifest(
+                folder,
+                lambda manifest: manifest["files"]["prefill.onnx"].update(
+                    sha256=sha256_file(graph), bytes=graph.stat().st_size
+                ),
+            )
         if opset is not None:
             edit_manifest(folder, lambda manifest: manifest.update(opset=opset))
         with pytest.raises(ArtifactError) as caught:
@@ -148,11 +176,16 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
         return message
 
     data = (artifact_fp32 / "prefill.onnx").read_bytes()
-    messages = {"truncated": damaged("truncated", data[:len(data) // 2]), "empty": damaged("empty", b""),
-                "opset": damaged("opset", opset=17)}
+    messages = {
+        "truncated": damaged("truncated", data[: len(data) // 2]),
+        "empty": damaged("empty", b""),
+        "opset": damaged("opset", opset=17),
+    }
     assert "prefill.onnx is no ONNX model (Error parsing message" in messages["truncated"]
-    assert ("prefill.onnx has the inputs [], its manifest lists [input_ids, attention_mask, position_ids, labels]"
-            in messages["empty"])
+    assert (
+        "prefill.onnx has the inputs [], its manifest lists [input_ids, attention_mask, position_ids, labels]"
+        in messages["empty"]
+    )
     assert "prefill.onnx imports the opset [20], its manifest says 17" in messages["opset"]
     for name, message in messages.items():  # inspect showed each graph as "ok" and exited 0
         shown = run_cli("inspect", tmp_path / name, "--json")
@@ -175,8 +208,14 @@ def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_mode
         report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, manifest=manifest)
     assert report.passed
     lines = [r.getMessage() for r in caplog.records if r.name == checks.__name__]
-    assert lines == ["decode steps: 1/4 done", "decode steps: 2/4 done", "decode steps: 3/4 done",
-                     "sweep shapes: 1/3 done", "sweep shapes: 2/3 done", "sweep: 3/3 shapes pass"]
+    assert lines == [
+        "decode steps: 1/4 done",
+        "decode steps: 2/4 done",
+        "decode steps: 3/4 done",
+        "sweep shapes: 1/3 done",
+        "sweep shapes: 2/3 done",
+        "sweep: 3/3 shapes pass",
+    ]
     caplog.clear()
     monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 5.0)  # the default: a tiny loop this short says nothing
     with caplog.at_level(logging.INFO, logger=checks.__name__):
@@ -188,7 +227,8 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
     """Router TopK nodes that cannot be found (renamed or fused by another tool): the expert choice check measured
     nothing. Every report shows it as skipped with the reason and counts it in no pass; the verdict does not fail
     on it either (a limitation of the check, not a parity failure)."""
-    from exporter.verify import routing
+    from exporter.verify.checks.outputs import routing
+
     monkeypatch.setattr(routing, "router_layers", lambda proto: {})
     report = verify_artifact(moe2_artifact, moe2_model, ["cpu"], QUICK, genai=False)
     [cpu] = report.reports
@@ -211,8 +251,10 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
 def test_a_folder_an_export_swaps_during_the_verification_is_an_error_not_a_report(artifact_copy, monkeypatch):
     """The checks after the sessions loaded (the invariants, the debug copies, onnxruntime-genai) read the folder
     again: after an export landed there, they read the other artifact's files, and a report judged the mix."""
-    import exporter.verify.engine as engine
     from helpers import swapped_in_first
+
+    import exporter.verify.engine as engine
+
     monkeypatch.setattr(engine, "check_invariants", swapped_in_first(engine.check_invariants, artifact_copy))
     with pytest.raises(ArtifactError, match=r"was replaced while it was read \(an export into it meanwhile\?\)"):
         verify_artifact(artifact_copy, settings=QUICK, genai=False)

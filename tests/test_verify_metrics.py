@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 
 from exporter.errors import InputError
-from exporter.verify.metrics import (Tolerance, aggregate, compare, compare_outputs, difference_histogram,
-                                     logits_metrics, match_length, real_keys, real_queries)
-from exporter.sessions import session_providers
+from exporter.runtime.sessions import session_providers
+from exporter.verify.metrics import (
+    Tolerance,
+    aggregate,
+    compare,
+    compare_outputs,
+    difference_histogram,
+    logits_metrics,
+    match_length,
+    real_keys,
+    real_queries,
+)
 from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
 
@@ -97,8 +106,9 @@ def test_logits_are_judged_at_real_queries_only_and_a_real_fault_still_fails():
     large_padding = expected.copy()
     large_padding[0, 0] = 1e6
     assert compare("logits", "logits", large_padding + (real_differs - expected), large_padding, tol).passed
-    assert not compare("logits", "logits", large_padding + (real_differs - expected), large_padding, tol,
-                       valid=queries).passed
+    assert not compare(
+        "logits", "logits", large_padding + (real_differs - expected), large_padding, tol, valid=queries
+    ).passed
 
 
 def test_presents_are_judged_at_real_keys_in_every_head():
@@ -120,9 +130,14 @@ def test_compare_outputs_judges_every_layers_present():
     """A fault in one present of the last layer alone fails the presents row (the invariants' comparison)."""
     rng = np.random.default_rng(0)
     mask = np.array([[0, 1, 1], [1, 1, 1]])
-    clean = {"logits": rng.standard_normal((2, 3, 5)),
-             **{f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3)
-                for kind in ("key", "value")}}
+    clean = {
+        "logits": rng.standard_normal((2, 3, 5)),
+        **{
+            f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4))
+            for layer in range(3)
+            for kind in ("key", "value")
+        },
+    }
     profile = profile_for("float32", CPU)
     rows = compare_outputs("x", clean, clean, profile, mask)
     assert [r.name for r in rows] == ["x logits", "x present (all layers)"] and all(rows)
@@ -136,7 +151,9 @@ def test_compare_outputs_judges_every_layers_present():
 
 def test_loss_metrics_and_aggregate():
     loss = compare("loss", "loss", 2.0, 1.9, Tolerance(1e-3, 0))
-    assert loss.llm["loss_abs_diff"] == pytest.approx(0.1) and loss.llm["perplexity_ratio"] == pytest.approx(np.exp(0.1))
+    assert loss.llm["loss_abs_diff"] == pytest.approx(0.1) and loss.llm["perplexity_ratio"] == pytest.approx(
+        np.exp(0.1)
+    )
     rows = [compare("a", "kv", [1.0], [1.0], Tolerance(0.1, 0)), compare("b", "kv", [1.5], [1.0], Tolerance(0.1, 0))]
     total = aggregate("all", rows)
     assert not total.passed and total.worst == "b" and total.max_abs == pytest.approx(0.5)
@@ -154,8 +171,8 @@ def test_difference_histogram_counts_zeros_and_non_finite_apart():
 
 
 def test_profiles_differ_by_dtype_and_provider():
-    assert profile_for("float32", CPU).logits == Tolerance(0.0, 0.0, 512 * 2.0 ** -24)  # the peak term alone
-    assert profile_for("float16", CPU).logits.peak == 16 * 2.0 ** -11
+    assert profile_for("float32", CPU).logits == Tolerance(0.0, 0.0, 512 * 2.0**-24)  # the peak term alone
+    assert profile_for("float16", CPU).logits.peak == 16 * 2.0**-11
     # float32 on CUDA runs with TF32 off: float32 on both sides, as on the CPU
     assert profile_for("float32", CUDA).logits == profile_for("float32", CPU).logits
     assert session_providers(CUDA) == [(CUDA, {"use_tf32": "0"}), CPU] and session_providers(CPU) == [CPU]
@@ -168,6 +185,7 @@ def test_the_float32_profile_passes_float32_rounding_and_fails_a_ten_thousandth(
     import copy
 
     import torch
+
     ids = torch.randint(0, tiny_model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = tiny_model(ids).logits.numpy()
@@ -186,28 +204,40 @@ def test_overrides_from_options_and_files(tmp_path):
     (tmp_path / "t.toml").write_text("[kv]\npeak = 0.25\n")
     assert parse_overrides(file=tmp_path / "t.json").apply(profile_for("float16")).loss.atol == 0.5
     assert parse_overrides(file=tmp_path / "t.toml").apply(profile_for("float16")).kv.peak == 0.25
-    for bad in (dict(atol=["logits"]), dict(atol=["weights=1"]), dict(rtol=["kv=abc"]), dict(peak=["kv=-1"]),
-                dict(file=tmp_path / "missing.json")):
+    for bad in (
+        dict(atol=["logits"]),
+        dict(atol=["weights=1"]),
+        dict(rtol=["kv=abc"]),
+        dict(peak=["kv=-1"]),
+        dict(file=tmp_path / "missing.json"),
+    ):
         with pytest.raises(InputError):
             parse_overrides(**bad)
     # the shared JSON-object reader's three refusals, each naming the file, the format and the fix
     (tmp_path / "bad.toml").write_text("[kv\n")
     (tmp_path / "list.json").write_text("[1]")
-    for name, said in (("missing.json", "is not a readable JSON file (No such file or directory)"),
-                       ("bad.toml", "is not a readable TOML file ("),
-                       ("list.json", "holds a JSON array, not a JSON object")):
+    for name, said in (
+        ("missing.json", "is not a readable JSON file (No such file or directory)"),
+        ("bad.toml", "is not a readable TOML file ("),
+        ("list.json", "holds a JSON array, not a JSON object"),
+    ):
         with pytest.raises(InputError, match=re.escape(f"tolerance file {tmp_path / name} {said}")) as info:
             parse_overrides(file=tmp_path / name)
         assert str(info.value).endswith('; give a JSON or .toml file like {"logits": {"atol": 1e-3}}'), info.value
     # a str was iterated, one term per character ("'l': expected KIND=VALUE"); a kind given twice, the last won
     assert parse_overrides(atol="logits=1e-3") == parse_overrides(atol=["logits=1e-3"])
-    with pytest.raises(InputError, match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "
-                                         "give it once$"):
+    with pytest.raises(
+        InputError,
+        match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "
+        "give it once$",
+    ):
         parse_overrides(atol=["logits=1", "logits=2"])
     # a misspelt term in a file was refused without naming it ("logits must map some of atol, rtol, peak")
     (tmp_path / "typo.json").write_text(json.dumps({"logits": {"atol": 1e-3, "atl": 1e-3}}))
-    with pytest.raises(InputError, match=re.escape(f"{tmp_path / 'typo.json'}: logits holds an unknown term 'atl'; "
-                                                   "choose among atol, rtol, peak")):
+    with pytest.raises(
+        InputError,
+        match=re.escape(f"{tmp_path / 'typo.json'}: logits holds an unknown term 'atl'; choose among atol, rtol, peak"),
+    ):
         parse_overrides(file=tmp_path / "typo.json")
 
 
@@ -219,7 +249,8 @@ def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch
     import copy
 
     import torch
-    u16 = 2.0 ** -11
+
+    u16 = 2.0**-11
     assert profile_for("float16", CPU).logits == profile_for("float16", CPU).kv == Tolerance(1e-3, 4 * u16, 16 * u16)
     assert profile_for("float16", CPU).loss == Tolerance(2e-3, 4 * u16)
     assert profile_for("float32", CPU).loss == Tolerance(1e-5, 1e-5)
@@ -232,7 +263,7 @@ def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch
     assert compare("float16 vs float32", "logits", logits16, logits32, float16.logits).passed
     assert compare("float16 vs float32", "loss", loss16, loss32, float16.loss).passed
     # 1 + 2^-6 is 32 float16 units: no rounding of float16 gives it (measured: float16 is 0.3x its tolerance)
-    assert not compare("scaled", "logits", logits16 * np.float32(1 + 2.0 ** -6), logits16, float16.logits).passed
+    assert not compare("scaled", "logits", logits16 * np.float32(1 + 2.0**-6), logits16, float16.logits).passed
     assert not compare("loss + 0.05", "loss", loss16 + 0.05, loss16, float16.loss).passed  # perplexity +5%
     float32 = profile_for("float32", CPU)
     assert not compare("loss + 1e-3", "loss", loss32 + 1e-3, loss32, float32.loss).passed  # perplexity +0.1%

@@ -38,10 +38,19 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     [cpu] = report.reports
     case = cpu.sweep[5]
     kv = dataclasses.replace(case.kv, max_abs=0.5, passed=False, needed=Needed(0.5, 0.5, 3000.0))
-    curve = [dataclasses.replace(s, logits=dataclasses.replace(s.logits, max_abs=value))
-             for s, value in zip(cpu.curve, [float("nan"), float("inf")] + [s.logits.max_abs for s in cpu.curve[2:]])]
-    broken = dataclasses.replace(report, folder="art\x01<&>", reports=[dataclasses.replace(
-        cpu, sweep=[*cpu.sweep[:5], dataclasses.replace(case, kv=kv), *cpu.sweep[6:]], curve=curve)])
+    curve = [
+        dataclasses.replace(s, logits=dataclasses.replace(s.logits, max_abs=value))
+        for s, value in zip(cpu.curve, [float("nan"), float("inf")] + [s.logits.max_abs for s in cpu.curve[2:]])
+    ]
+    broken = dataclasses.replace(
+        report,
+        folder="art\x01<&>",
+        reports=[
+            dataclasses.replace(
+                cpu, sweep=[*cpu.sweep[:5], dataclasses.replace(case, kv=kv), *cpu.sweep[6:]], curve=curve
+            )
+        ],
+    )
 
     suites = ET.fromstring(render_junit(broken))  # parses: the control character is replaced
     assert suites.get("name") == "verify art\ufffd<&>" and suites.get("time") == f"{report.seconds:.3f}"
@@ -64,23 +73,30 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
 
     def not_json(constant):
         raise AssertionError(f"{constant} is not JSON")
+
     steps = json.loads(json_text(document), parse_constant=not_json)["providers"][0]["decode_curve"]
     assert [s["logits_max_abs"] for s in steps[:3]] == [None, None, curve[2].logits.max_abs]
 
     page = render_html(broken)
     assert "art\x01&lt;&amp;&gt;" in page and "2 not finite, not drawn" in page
     assert not re.search(r'="[^"]*\b(nan|inf)\b', page)  # no SVG attribute holds a non-finite number
-    assert ': FAIL</title>' in page and "<span class='FAIL'>FAIL</span></h1>" in page
+    assert ": FAIL</title>" in page and "<span class='FAIL'>FAIL</span></h1>" in page
     assert f'{cpu.provider} (float32): <span class="FAIL">FAIL</span></h2>' in page
 
     # MoE routing: one failing call's flip explained by a near-tie, another's not: the row fails
     from types import SimpleNamespace
+
     def flip(explained):
         return SimpleNamespace(explained=explained, describe=lambda: f"flip explained {explained}")
-    routed = dataclasses.replace(cpu, prefill_routing=flip(False),
-                                 curve=[dataclasses.replace(cpu.curve[0], routing=flip(True)), *cpu.curve[1:]])
-    [row] = [line for line in format_verify(dataclasses.replace(report, reports=[routed])).splitlines()
-             if line.startswith("routing near-ties")]
+
+    routed = dataclasses.replace(
+        cpu, prefill_routing=flip(False), curve=[dataclasses.replace(cpu.curve[0], routing=flip(True)), *cpu.curve[1:]]
+    )
+    [row] = [
+        line
+        for line in format_verify(dataclasses.replace(report, reports=[routed])).splitlines()
+        if line.startswith("routing near-ties")
+    ]
     assert "1/2 explained" in row and row.split()[-1] == "FAIL", row
     assert "health: 0 NaN, 0 Inf, 0 saturated, 0 zero rows" in page and ": pass</li>" in page
 
@@ -94,11 +110,19 @@ def test_every_report_carries_a_verdict_that_no_provider_row_shows(full):
     [cpu] = report.reports
     first, *others = report.invariants
     reason = "not available in this onnxruntime build"
-    from exporter.verify.routing import ExpertAgreement  # one that measured nothing: skipped, not failed
-    varied = dataclasses.replace(cpu, repeat=dataclasses.replace(cpu.repeat, max_abs=1e-7),
-                                 experts=ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found"))
-    failing = dataclasses.replace(report, reports=[varied], skipped={"CUDAExecutionProvider": reason},
-                                  invariants=[dataclasses.replace(first, passed=False, detail="graph broken"), *others])
+    from exporter.verify.checks.routing import ExpertAgreement  # one that measured nothing: skipped, not failed
+
+    varied = dataclasses.replace(
+        cpu,
+        repeat=dataclasses.replace(cpu.repeat, max_abs=1e-7),
+        experts=ExpertAgreement(False, 0, 0, 0, "router TopK nodes not found"),
+    )
+    failing = dataclasses.replace(
+        report,
+        reports=[varied],
+        skipped={"CUDAExecutionProvider": reason},
+        invariants=[dataclasses.replace(first, passed=False, detail="graph broken"), *others],
+    )
     assert varied.passed and not failing.passed
 
     document = failing.to_dict()
@@ -132,8 +156,12 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path):
     page = tmp_path / "report.html"
     page.write_text(render_html(full[0]))
-    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     dom = out.stdout
     assert out.returncode == 0 and "</html>" in dom, out.stderr[-2000:]
     assert dom.count("<svg") == 3 and dom.count("<polyline") == 3 and dom.count("<rect") > 10
@@ -146,30 +174,60 @@ def test_every_check_of_a_report_can_fail_the_verdict():
     fails. The checks' own tests build the failing rows; this one proves that they reach the verdict."""
     from types import SimpleNamespace
 
+    from exporter.verify.checks.routing import ExpertAgreement
     from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
-    from exporter.verify.routing import ExpertAgreement
+
     ok, bad = SimpleNamespace(passed=True), SimpleNamespace(passed=False)
     differ, unmeasured = ExpertAgreement(True, 10, 9, 0, "1 differs"), ExpertAgreement(False, 0, 0, 0, "not found")
     parts = {"comparisons": [ok], "greedy": ok, "sweep": [ok], "health": ok, "repeat": ok, "experts": None}
 
     def provider(**broken):
         fields = {**parts, **broken}
-        return ProviderReport("cpu", "float32", None, fields["comparisons"], fields["greedy"], [], [], {},
-                              fields["sweep"], fields["health"], fields["repeat"], None, fields["experts"])
+        return ProviderReport(
+            "cpu",
+            "float32",
+            None,
+            fields["comparisons"],
+            fields["greedy"],
+            [],
+            [],
+            {},
+            fields["sweep"],
+            fields["health"],
+            fields["repeat"],
+            None,
+            fields["experts"],
+        )
 
     assert provider().passed
-    for name, value in (("comparisons", [ok, bad]), ("greedy", bad), ("sweep", [ok, bad]), ("health", bad),
-                        ("repeat", bad), ("experts", differ)):
+    for name, value in (
+        ("comparisons", [ok, bad]),
+        ("greedy", bad),
+        ("sweep", [ok, bad]),
+        ("health", bad),
+        ("repeat", bad),
+        ("experts", differ),
+    ):
         assert not provider(**{name: value}).passed, name
     assert provider(experts=unmeasured).passed  # skipped: a limitation of the check, not a parity failure
-    whole = dict(folder="x", reports=[provider()], reference="pytorch model", invariants=[ok], cross=[ok],
-                 consumers=[ConsumerReport("onnxruntime-genai", "qwen3", ok)])
+    whole = dict(
+        folder="x",
+        reports=[provider()],
+        reference="pytorch model",
+        invariants=[ok],
+        cross=[ok],
+        consumers=[ConsumerReport("onnxruntime-genai", "qwen3", ok)],
+    )
     assert VerifyReport(**whole).passed
     # nothing compared with the reference passes only where there is no reference and the invariants ran
     nothing = {**whole, "reports": [], "cross": [], "consumers": []}
     assert not VerifyReport(**nothing).passed  # every provider skipped
     assert VerifyReport(**{**nothing, "reference": "none"}).passed
     assert not VerifyReport(**{**nothing, "reference": "none", "invariants": []}).passed
-    for name, value in (("reports", [provider(), provider(health=bad)]), ("invariants", [ok, bad]),
-                        ("cross", [ok, bad]), ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)])):
+    for name, value in (
+        ("reports", [provider(), provider(health=bad)]),
+        ("invariants", [ok, bad]),
+        ("cross", [ok, bad]),
+        ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)]),
+    ):
         assert not VerifyReport(**{**whole, name: value}).passed, name

@@ -84,7 +84,8 @@ def minimind2_seq_aux_loss(scores, topk_idx, cfg, bsz, seq_len):
     scores_for_seq_aux = scores.view(bsz, seq_len, -1)
     ce = torch.zeros(bsz, cfg.num_experts)
     ce.scatter_add_(1, topk_idx_for_aux_loss, torch.ones(bsz, seq_len * aux_topk)).div_(
-        seq_len * aux_topk / cfg.num_experts)
+        seq_len * aux_topk / cfg.num_experts
+    )
     return (ce * scores_for_seq_aux.mean(dim=1)).sum(dim=1).mean() * cfg.router_aux_loss_coef
 
 
@@ -92,15 +93,19 @@ def yarn_tables(dim, end, base, orig_max, factor, beta_fast, beta_slow, attn_fac
     """minimind-3 precompute_freqs_cis with rope_scaling: (end, dim) cos and sin tables."""
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
     if end / orig_max > 1.0:
+
         def inv_dim(b):
             return (dim * math.log(orig_max / (b * 2 * math.pi))) / (2 * math.log(base))
+
         low, high = max(math.floor(inv_dim(beta_fast)), 0), min(math.ceil(inv_dim(beta_slow)), dim // 2 - 1)
         ramp = torch.clamp((torch.arange(dim // 2).float() - low) / max(high - low, 0.001), 0, 1)
         freqs = freqs * (1 - ramp + ramp / factor)
     t = torch.arange(end)
     freqs = torch.outer(t, freqs).float()
-    return (torch.cat([torch.cos(freqs), torch.cos(freqs)], dim=-1) * attn_factor,
-            torch.cat([torch.sin(freqs), torch.sin(freqs)], dim=-1) * attn_factor)
+    return (
+        torch.cat([torch.cos(freqs), torch.cos(freqs)], dim=-1) * attn_factor,
+        torch.cat([torch.sin(freqs), torch.sin(freqs)], dim=-1) * attn_factor,
+    )
 
 
 @torch.no_grad()
@@ -129,7 +134,6 @@ def teaching_gpt_forward(model, idx):
     return model.lm_head(layer_norm(x, model.layer_norm))
 
 
-
 @torch.no_grad()
 def minimind_forward(model, input_ids, attention_mask=None):
     """Dense MiniMind logits written from REFERENCE-MODELS.md (sections 1 and 2), apart from the reference:
@@ -144,7 +148,7 @@ def minimind_forward(model, input_ids, attention_mask=None):
         return (weight * normed).to(x.dtype) if cfg.version == 3 else weight * normed.to(x.dtype)
 
     def rotate_half(x):
-        return torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+        return torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
 
     freqs = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)
     angles = torch.outer(torch.arange(t).float(), freqs)
@@ -153,8 +157,11 @@ def minimind_forward(model, input_ids, attention_mask=None):
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     x = state["model.embed_tokens.weight"][input_ids]
     for layer in range(cfg.num_hidden_layers):
-        w = {k.removeprefix(f"model.layers.{layer}."): v for k, v in state.items()
-             if k.startswith(f"model.layers.{layer}.")}
+        w = {
+            k.removeprefix(f"model.layers.{layer}."): v
+            for k, v in state.items()
+            if k.startswith(f"model.layers.{layer}.")
+        }
         a = rms_norm(x, w["input_layernorm.weight"])
         q = (a @ w["self_attn.q_proj.weight"].T).view(b, t, heads, d)
         k = (a @ w["self_attn.k_proj.weight"].T).view(b, t, -1, d)
@@ -172,5 +179,8 @@ def minimind_forward(model, input_ids, attention_mask=None):
             out[:, :, head] = F.softmax(scores.float(), dim=-1) @ v[:, :, kv]
         x = x + out.reshape(b, t, heads * d) @ w["self_attn.o_proj.weight"].T
         m = rms_norm(x, w["post_attention_layernorm.weight"])
-        x = x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        x = (
+            x
+            + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+        )
     return rms_norm(x, state["model.norm.weight"]) @ state["lm_head.weight"].T

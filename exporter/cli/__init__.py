@@ -28,6 +28,7 @@ def _interrupted_while_starting(signum, frame):
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
     try:  # whatever fails here (a closed stdout), the exit stays this one
         from exporter.errors import error_document, json_requested
+
         print(message, file=sys.stderr)
         if json_requested():
             print(json.dumps(error_document("interrupted", message, code), indent=2))
@@ -50,14 +51,33 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 
 import click  # after the handlers above, as every import below
 
-from exporter.cli.options import (PathOption, VerifyOptions, common_options, export_options, finish_verification,
-                                  genai_option, provider_option, run_verification, verification_plan, verify_options)
-from exporter.cli.outcome import (EXIT_INPUT_ERROR, OneLineErrorGroup, begin_command, echo_result, emit,
-                                  handle_errors, missing_dependency, setup_logging)
+from exporter.artifact.paths import check_output_path, check_outside_artifact, read_json_object
+from exporter.cli.options import (
+    PathOption,
+    VerifyOptions,
+    common_options,
+    export_options,
+    finish_verification,
+    genai_option,
+    provider_option,
+    run_verification,
+    verification_plan,
+    verify_options,
+)
+from exporter.cli.outcome import (
+    EXIT_INPUT_ERROR,
+    OneLineErrorGroup,
+    begin_command,
+    echo_result,
+    emit,
+    handle_errors,
+    missing_dependency,
+    setup_logging,
+)
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
-from exporter.paths import check_output_path, check_outside_artifact, read_json_object
+
 try:
-    from exporter.generation import MINIMIND_SAMPLING
+    from exporter.artifact.consumers import MINIMIND_SAMPLING
 except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
     missing_dependency(exc)
 from reference import DEFAULT_PRESET, get_preset
@@ -67,7 +87,8 @@ DEFAULT_ROOT = Path("artifacts")
 
 def _model_and_source(preset, seed, checkpoint, config_path):
     """The model to export, with the manifest's record of where its weights came from (a SourcedModel)."""
-    from exporter.model_source import checkpoint_model, seeded_model
+    from exporter.export.model_source import checkpoint_model, seeded_model
+
     if checkpoint is None:
         if config_path is not None:
             raise ToolkitError("--config describes a --checkpoint's model; for seeded weights choose a --preset")
@@ -77,15 +98,19 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         raise ToolkitError("--seed seeds generated weights; a --checkpoint brings its own: drop --seed")
     if preset is not None and config_path is not None:
         raise ToolkitError("give --preset or --config for a checkpoint, not both")
-    data = None if config_path is None else read_json_object(config_path, ToolkitError, "--config",
-                                                             "pass a JSON object of config fields")
+    data = (
+        None
+        if config_path is None
+        else read_json_object(config_path, ToolkitError, "--config", "pass a JSON object of config fields")
+    )
     return checkpoint_model(checkpoint, preset, config_data=data)
 
 
 def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
     """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
     to before the export; a checkpoint's config and source are known only once it has been read (None)."""
-    from exporter.model_source import seeded_source
+    from exporter.export.model_source import seeded_source
+
     if checkpoint is not None:
         return dtype, None, None
     preset = preset or DEFAULT_PRESET
@@ -103,8 +128,9 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
         resolved = Path(checkpoint).resolve()
         name = resolved.name if resolved.is_dir() else resolved.stem
         if not name:
-            raise ToolkitError(f"--checkpoint {checkpoint} has no name to call the artifact folder after; "
-                               "pass --output DIR")
+            raise ToolkitError(
+                f"--checkpoint {checkpoint} has no name to call the artifact folder after; pass --output DIR"
+            )
     name = name.lower()
     return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
 
@@ -114,22 +140,29 @@ def _require_torch(purpose: str) -> None:
     inspect, generate and a golden replay are enough for."""
     missing = torch_import_error()
     if missing is not None:
-        raise ToolkitError(f"{purpose} needs PyTorch, which does not import here ({missing}); install it "
-                           f"({TORCH_INSTALL_HINT})")
+        raise ToolkitError(
+            f"{purpose} needs PyTorch, which does not import here ({missing}); install it ({TORCH_INSTALL_HINT})"
+        )
 
 
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
     _require_torch("exporting")
-    from exporter.export import check_destination, export_artifact  # torch.onnx is slow to import; keep --help fast
+    from exporter.export.pipeline import (
+        check_destination,
+        export_artifact,
+    )  # torch.onnx is slow to import; keep --help fast
+
     folder = _output_folder(output, preset, checkpoint, dtype)
     check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
     sourced = _model_and_source(preset, seed, checkpoint, config_path)
-    return sourced.model, export_artifact(sourced.model, folder, dtype=dtype, with_loss=not no_loss,
-                                          source=sourced.source, tokenizer=tokenizer)
+    return sourced.model, export_artifact(
+        sourced.model, folder, dtype=dtype, with_loss=not no_loss, source=sourced.source, tokenizer=tokenizer
+    )
 
 
-@click.group(cls=OneLineErrorGroup, invoke_without_command=True,
-             context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=OneLineErrorGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.pass_context
 def main(ctx):
     """Export MiniMind to ONNX (prefill + cached decode graphs) and prove that ONNX Runtime reproduces
@@ -153,20 +186,45 @@ def main(ctx):
 @verify_options
 @common_options
 @handle_errors
-def run(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, providers, genai, as_json, quiet,
-        verbose, **options):
+def run(
+    preset,
+    checkpoint,
+    config_path,
+    seed,
+    output,
+    dtype,
+    no_loss,
+    tokenizer,
+    providers,
+    genai,
+    as_json,
+    quiet,
+    verbose,
+    **options,
+):
     """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
     setup_logging(verbose, quiet)
     options = VerifyOptions(**options)
-    from exporter.report import format_export
+    from exporter.cli.export_report import format_export
     from exporter.verify.reports import format_verify
+
     # a bad verification option must not cost an export
-    plan = verification_plan(_output_folder(output, preset, checkpoint, dtype), providers, genai, options,
-                             planned=_planned_artifact(preset, seed, checkpoint, dtype))
+    plan = verification_plan(
+        _output_folder(output, preset, checkpoint, dtype),
+        providers,
+        genai,
+        options,
+        planned=_planned_artifact(preset, seed, checkpoint, dtype),
+    )
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
-    finish_verification(report, options, {"export": exported.to_dict(), "verify": report.to_dict()}, as_json,
-                        format_export(exported) + "\n\n" + format_verify(report))
+    finish_verification(
+        report,
+        options,
+        {"export": exported.to_dict(), "verify": report.to_dict()},
+        as_json,
+        format_export(exported) + "\n\n" + format_verify(report),
+    )
 
 
 @main.command()
@@ -177,7 +235,8 @@ def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokeni
     """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
     onnxruntime-genai and Optimum load the folder as it is."""
     setup_logging(verbose, quiet)
-    from exporter.report import format_export
+    from exporter.cli.export_report import format_export
+
     _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
     emit(exported.to_dict(), as_json, format_export(exported))
 
@@ -187,10 +246,15 @@ def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokeni
 @provider_option
 @genai_option
 @verify_options
-@click.option("--golden", type=PathOption(), default=None, metavar="DIR",
-              help="Compare with a golden bundle instead of the PyTorch model (needs no torch), judged with "
-                   "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
-                   "replace its terms one by one.")
+@click.option(
+    "--golden",
+    type=PathOption(),
+    default=None,
+    metavar="DIR",
+    help="Compare with a golden bundle instead of the PyTorch model (needs no torch), judged with "
+    "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
+    "replace its terms one by one.",
+)
 @common_options
 @handle_errors
 def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options):
@@ -205,15 +269,20 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     """
     setup_logging(verbose, quiet)
     from exporter.verify.reports import format_verify
+
     options = VerifyOptions(**options)
     if golden is not None:
         context = click.get_current_context()
         flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "golden_save": "--golden-save"}
-        given = [flag for name, flag in flags.items()
-                 if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        given = [
+            flag
+            for name, flag in flags.items()
+            if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ]
         if given:
-            raise click.UsageError(f"--golden replays the checks recorded in the bundle, with its settings; "
-                                   f"drop {', '.join(given)}")
+            raise click.UsageError(
+                f"--golden replays the checks recorded in the bundle, with its settings; drop {', '.join(given)}"
+            )
     plan = verification_plan(folder, providers, genai, options, golden)
     report = run_verification(folder, providers, genai, options, plan, golden=golden)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
@@ -244,8 +313,9 @@ def _stdin_text() -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise click.BadParameter(f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pipe in UTF-8 text",
-                                 param_hint="--prompt -") from None
+        raise click.BadParameter(
+            f"stdin is not UTF-8 text ({exc.reason} at byte {exc.start}); pipe in UTF-8 text", param_hint="--prompt -"
+        ) from None
     return text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
 
 
@@ -255,8 +325,9 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
         text, where = _stdin_text(), "--prompt - (stdin)"
     ids = tokenizer.encode(text).ids
     if not ids:  # said here: the runtime's "the prompt is empty" would deny the text the user gave
-        raise click.BadParameter(f"{text!r} encodes to no tokens with this tokenizer; give text that it covers",
-                                 param_hint=where)
+        raise click.BadParameter(
+            f"{text!r} encodes to no tokens with this tokenizer; give text that it covers", param_hint=where
+        )
     return ids
 
 
@@ -269,12 +340,17 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
     if prompts.count(STDIN) > 1:
         raise click.UsageError("--prompt - reads one prompt, all of stdin; give it once")
     context = click.get_current_context()
-    sampling_flags = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
-                      if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    sampling_flags = [
+        f"--{name.replace('_', '-')}"
+        for name in ("temperature", "top_k", "top_p", "seed")
+        if context.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
     if sampling_flags and not sample:  # as transformers warns of: greedy decoding would ignore them
         one = len(sampling_flags) == 1
-        raise click.UsageError(f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
-                               f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}")
+        raise click.UsageError(
+            f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
+            f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}"
+        )
     if save_optimized is not None:
         check_output_path(save_optimized, "--save-optimized", folder=True)
         check_outside_artifact(save_optimized, "--save-optimized", folder)
@@ -282,20 +358,24 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
 
 def _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer) -> tuple:
     """(the prompts as id lists, the tokenizer of --prompt text or None): text in, text out; ids in, ids out."""
-    from exporter.tokenizer import TOKENIZER, load_tokenizer
+    from exporter.artifact.tokenizer import TOKENIZER, load_tokenizer
+
     if not prompts:
         return [_parse_ids(text) for text in prompt_ids], None
     # the artifact's own: the one its manifest lists (and read_manifest has hashed), not any file there
     if tokenizer is None and TOKENIZER not in manifest.files:
-        raise click.UsageError(f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
-                               "--tokenizer PATH or re-export with --tokenizer")
+        raise click.UsageError(
+            f"--prompt needs a tokenizer: the artifact {folder} lists no {TOKENIZER}; pass "
+            "--tokenizer PATH or re-export with --tokenizer"
+        )
     text_tokenizer = load_tokenizer(tokenizer or folder, manifest.config.vocab_size)
     return [_encode_prompt(text_tokenizer, text) for text in prompts], text_tokenizer
 
 
 def _print_stream(steps, text_tokenizer) -> None:
     """A lone row's tokens (or text) printed as the stream gives them (it ends after a stop id)."""
-    from exporter.tokenizer import TextStream
+    from exporter.artifact.tokenizer import TextStream
+
     text = TextStream(text_tokenizer) if text_tokenizer is not None else None
     try:
         for (token,) in steps:
@@ -306,42 +386,111 @@ def _print_stream(steps, text_tokenizer) -> None:
 
 @main.command()
 @click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)
-@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
-              help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).")
-@click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
-              help="Prompt text (needs a tokenizer); - reads it from stdin. Repeat for a batch.")
-@click.option("--tokenizer", type=PathOption(), default=None,
-              help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].")
-@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
-              help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.")
+@click.option(
+    "--prompt-ids",
+    "prompt_ids",
+    multiple=True,
+    metavar="IDS",
+    help="Prompt token ids, comma or space separated. Repeat for a batch (left-padded).",
+)
+@click.option(
+    "--prompt",
+    "prompts",
+    multiple=True,
+    metavar="TEXT",
+    help="Prompt text (needs a tokenizer); - reads it from stdin. Repeat for a batch.",
+)
+@click.option(
+    "--tokenizer",
+    type=PathOption(),
+    default=None,
+    help="tokenizer.json, or a folder with it, for --prompt text [default: the artifact's own].",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=0),
+    default=32,
+    show_default=True,
+    help="Most tokens to generate per prompt; generation stops earlier at eos or a --stop-id.",
+)
 @click.option("--sample", is_flag=True, help="Sample instead of greedy decoding (MiniMind's generate).")
-@click.option("--temperature", type=float, default=MINIMIND_SAMPLING["temperature"], show_default=True,
-              help="With --sample.")
-@click.option("--top-k", type=int, default=MINIMIND_SAMPLING["top_k"], show_default=True,
-              help="With --sample; 0 disables.")
-@click.option("--top-p", type=float, default=MINIMIND_SAMPLING["top_p"], show_default=True,
-              help="With --sample; 1 disables.")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
-              help="Divide the logits of ids already present by this (MiniMind's rule).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Seed of the sampler; each row of a batch draws from its own generator with it, so a row "
-                   "samples as it would alone.")
+@click.option(
+    "--temperature", type=float, default=MINIMIND_SAMPLING["temperature"], show_default=True, help="With --sample."
+)
+@click.option(
+    "--top-k", type=int, default=MINIMIND_SAMPLING["top_k"], show_default=True, help="With --sample; 0 disables."
+)
+@click.option(
+    "--top-p", type=float, default=MINIMIND_SAMPLING["top_p"], show_default=True, help="With --sample; 1 disables."
+)
+@click.option(
+    "--repetition-penalty",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Divide the logits of ids already present by this (MiniMind's rule).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the sampler; each row of a batch draws from its own generator with it, so a row "
+    "samples as it would alone.",
+)
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Extra stop token id; repeatable.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's eos token.")
-@click.option("--provider", default="cpu", show_default=True, metavar="NAME",
-              help="Execution provider to generate on (cpu, cuda, or a full name such as CUDAExecutionProvider).")
-@click.option("--threads", type=int, default=0, show_default=True,
-              help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.")
-@click.option("--prompt-chunk", type=click.IntRange(min=0), default=None,
-              help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; "
-                   "0 = the whole prompt at once.")
-@click.option("--save-optimized", type=PathOption(), default=None, metavar="DIR",
-              help="Also save the graphs as ONNX Runtime optimised them, into DIR.")
+@click.option(
+    "--provider",
+    default="cpu",
+    show_default=True,
+    metavar="NAME",
+    help="Execution provider to generate on (cpu, cuda, or a full name such as CUDAExecutionProvider).",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Intra-op threads of each ONNX Runtime session, 0 to 1024; 0 = one per core.",
+)
+@click.option(
+    "--prompt-chunk",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Prompt tokens per decode.onnx call [default: 128]: peak memory grows with it; 0 = the whole prompt at once.",
+)
+@click.option(
+    "--save-optimized",
+    type=PathOption(),
+    default=None,
+    metavar="DIR",
+    help="Also save the graphs as ONNX Runtime optimised them, into DIR.",
+)
 @common_options
 @handle_errors
-def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, temperature, top_k, top_p,
-             repetition_penalty, seed, stop_ids, ignore_eos, provider, threads, prompt_chunk, save_optimized,
-             as_json, quiet, verbose):
+def generate(
+    folder,
+    prompt_ids,
+    prompts,
+    tokenizer,
+    max_new_tokens,
+    sample,
+    temperature,
+    top_k,
+    top_p,
+    repetition_penalty,
+    seed,
+    stop_ids,
+    ignore_eos,
+    provider,
+    threads,
+    prompt_chunk,
+    save_optimized,
+    as_json,
+    quiet,
+    verbose,
+):
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json; --prompt - reads it from
@@ -349,20 +498,30 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.generation import SamplingConfig, check_request, generate, stream
-    from exporter.manifest import read_manifest, unchanged_while_read
-    from exporter.runtime import OrtRunner
-    from exporter.sessions import SessionSettings, check_provider
+    from exporter.artifact.manifest import read_manifest, unchanged_while_read
+    from exporter.runtime.generation import SamplingConfig, check_request, generate, stream
+    from exporter.runtime.runner import OrtRunner
+    from exporter.runtime.sessions import SessionSettings, check_provider
+
     _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized)
     provider = check_provider(provider)
-    settings = SessionSettings(intra_op_threads=threads, optimized_model_dir=save_optimized,
-                               **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}))
+    settings = SessionSettings(
+        intra_op_threads=threads,
+        optimized_model_dir=save_optimized,
+        **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}),
+    )
     with unchanged_while_read(folder):  # until the sessions hold what they need: an export may swap it after
         manifest = read_manifest(folder)
         config = manifest.config
         batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
-        sampling = SamplingConfig(do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  repetition_penalty=repetition_penalty, seed=seed)
+        sampling = SamplingConfig(
+            do_sample=sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+        )
         eos = None if ignore_eos else config.eos_token_id
         check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
         runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
@@ -372,8 +531,11 @@ def generate(folder, prompt_ids, prompts, tokenizer, max_new_tokens, sample, tem
     results = generate(runner, batch, max_new_tokens, sampling, eos, stop_ids)  # a lone greedy row: steps in C
     decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]
     rows = [{**result.to_dict(), **({"text": t} if t is not None else {})} for result, t in zip(results, decoded)]
-    emit(rows, as_json, "\n".join(t if t is not None else " ".join(map(str, result.new_ids))
-                                  for result, t in zip(results, decoded)))
+    emit(
+        rows,
+        as_json,
+        "\n".join(t if t is not None else " ".join(map(str, result.new_ids)) for result, t in zip(results, decoded)),
+    )
 
 
 @main.command()
@@ -388,9 +550,10 @@ def inspect(folder, as_json, quiet, verbose):
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
-    from exporter.report import format_inspect
-    from exporter.sessions import graph_state
+    from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
+    from exporter.cli.export_report import format_inspect
+    from exporter.runtime.sessions import graph_state
+
     with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
         manifest = load_manifest(folder)
         status = file_status(folder, manifest)
@@ -400,10 +563,14 @@ def inspect(folder, as_json, quiet, verbose):
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
-        fix = ("let this user read the artifact's files, or re-export the folder"
-               if any(state.startswith(UNREADABLE) for state in damaged.values()) else "re-export the folder")
-        message = (f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items())
-                   + f"; {fix}")
+        fix = (
+            "let this user read the artifact's files, or re-export the folder"
+            if any(state.startswith(UNREADABLE) for state in damaged.values())
+            else "re-export the folder"
+        )
+        message = (
+            f"{folder} is damaged: " + "; ".join(f"{name}: {state}" for name, state in damaged.items()) + f"; {fix}"
+        )
         click.echo(f"error: {message}", err=True)
         result.update(error_document("input", message, EXIT_INPUT_ERROR))
     emit(result, as_json, format_inspect(manifest, str(folder), status))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
+from exporter.artifact.paths import check_output_path, check_outside_artifact
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
-from exporter.paths import check_output_path, check_outside_artifact
 from reference import DEFAULT_PRESET, PRESETS
 
 
@@ -38,32 +38,61 @@ def common_options(func):
 def export_options(func):
     """The export's options, shared by `export` and `run`; --help lists them in this order."""
     options = [
-        click.option("--preset", type=click.Choice(list(PRESETS), case_sensitive=False), default=None,
-                     help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
-                          "--checkpoint, which must then fit the preset exactly."),
-        click.option("--checkpoint", type=PathOption(), default=None,
-                     help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
-                          "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
-                          "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
-                          "are read as .pth). "
-                          "Family and sizes are inferred from it unless --preset or --config is given."),
-        click.option("--config", "config_path", type=PathOption(), default=None,
-                     help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
-                          "upstream names); fields it lacks are inferred from the checkpoint."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Seed of the deterministic weight initialisation."),
-        click.option("--output", "-o", type=PathOption(), default=None,
-                     help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
-                          "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
-                          "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
-                          "one is complete."),
-        click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
-                     show_default=True, help="Precision of the weights and activations."),
-        click.option("--no-loss", is_flag=True,
-                     help="Drop the labels input and loss output of prefill.onnx (inference-only)."),
-        click.option("--tokenizer", type=PathOption(), default=None,
-                     help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
-                          "artifact for text generation; its ids must fit the model's vocabulary."),
+        click.option(
+            "--preset",
+            type=click.Choice(list(PRESETS), case_sensitive=False),
+            default=None,
+            help=f"Model configuration [default: {DEFAULT_PRESET}]. Weights are seeded, or read from "
+            "--checkpoint, which must then fit the preset exactly.",
+        ),
+        click.option(
+            "--checkpoint",
+            type=PathOption(),
+            default=None,
+            help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
+            "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
+            "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
+            "are read as .pth). "
+            "Family and sizes are inferred from it unless --preset or --config is given.",
+        ),
+        click.option(
+            "--config",
+            "config_path",
+            type=PathOption(),
+            default=None,
+            help="JSON file of config fields for a --checkpoint that carries none (toolkit or "
+            "upstream names); fields it lacks are inferred from the checkpoint.",
+        ),
+        click.option(
+            "--seed", type=int, default=0, show_default=True, help="Seed of the deterministic weight initialisation."
+        ),
+        click.option(
+            "--output",
+            "-o",
+            type=PathOption(),
+            default=None,
+            help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
+            "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
+            "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
+            "one is complete.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float32", "float16"]),
+            default="float32",
+            show_default=True,
+            help="Precision of the weights and activations.",
+        ),
+        click.option(
+            "--no-loss", is_flag=True, help="Drop the labels input and loss output of prefill.onnx (inference-only)."
+        ),
+        click.option(
+            "--tokenizer",
+            type=PathOption(),
+            default=None,
+            help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
+            "artifact for text generation; its ids must fit the model's vocabulary.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -71,51 +100,108 @@ def export_options(func):
 
 
 def provider_option(func):
-    return click.option("--provider", "providers", multiple=True, metavar="NAME",
-                        help="Execution provider to verify on (cpu, cuda, or a full name); repeatable. "
-                             "Default: every available one, the others reported as skipped.")(func)
+    return click.option(
+        "--provider",
+        "providers",
+        multiple=True,
+        metavar="NAME",
+        help="Execution provider to verify on (cpu, cuda, or a full name); repeatable. "
+        "Default: every available one, the others reported as skipped.",
+    )(func)
 
 
 def genai_option(func):
-    return click.option("--genai/--no-genai", "genai", default=None,
-                        help="Also load the folder in onnxruntime-genai and compare its greedy tokens with the "
-                             "reference. Default: when onnxruntime-genai is installed and the family runs in it.")(func)
+    return click.option(
+        "--genai/--no-genai",
+        "genai",
+        default=None,
+        help="Also load the folder in onnxruntime-genai and compare its greedy tokens with the "
+        "reference. Default: when onnxruntime-genai is installed and the family runs in it.",
+    )(func)
 
 
 def verify_options(func):
     """The verification engine's options, shared by `verify` and `run`."""
     options = [
-        click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
-                     help="Stateful single-token decode steps (each feeding ONNX Runtime's own present back as "
-                          "past), then one 3-token step; cut to what the model's context leaves after the prompt."),
-        click.option("--sweep/--no-sweep", default=True, show_default=True,
-                     help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding."),
-        click.option("--probe", is_flag=True, help="Node-level localisation: debug copies of prefill.onnx (on the "
-                                                   "prefill batch) and decode.onnx (on the first failing decode "
-                                                   "call, fed the reference's past) exposing intermediate values "
-                                                   "name the first value that diverges from the reference's module "
-                                                   "outputs and presents (the model's, or those a golden bundle "
-                                                   "recorded), and the operator that computed it."),
-        click.option("--atol", multiple=True, metavar="KIND=V", help="Override a tolerance term for logits, kv or "
-                                                                     "loss (repeatable), e.g. --atol logits=1e-3."),
+        click.option(
+            "--decode-steps",
+            type=click.IntRange(min=1),
+            default=64,
+            show_default=True,
+            help="Stateful single-token decode steps (each feeding ONNX Runtime's own present back as "
+            "past), then one 3-token step; cut to what the model's context leaves after the prompt.",
+        ),
+        click.option(
+            "--sweep/--no-sweep",
+            default=True,
+            show_default=True,
+            help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding.",
+        ),
+        click.option(
+            "--probe",
+            is_flag=True,
+            help="Node-level localisation: debug copies of prefill.onnx (on the "
+            "prefill batch) and decode.onnx (on the first failing decode "
+            "call, fed the reference's past) exposing intermediate values "
+            "name the first value that diverges from the reference's module "
+            "outputs and presents (the model's, or those a golden bundle "
+            "recorded), and the operator that computed it.",
+        ),
+        click.option(
+            "--atol",
+            multiple=True,
+            metavar="KIND=V",
+            help="Override a tolerance term for logits, kv or loss (repeatable), e.g. --atol logits=1e-3.",
+        ),
         click.option("--rtol", multiple=True, metavar="KIND=V", help="Override rtol, e.g. --rtol kv=1e-3."),
-        click.option("--peak", multiple=True, metavar="KIND=V",
-                     help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
-                          "e.g. --peak logits=0."),
+        click.option(
+            "--peak",
+            multiple=True,
+            metavar="KIND=V",
+            help="Override the peak term, a multiple of the reference's max |value| added to the bound, "
+            "e.g. --peak logits=0.",
+        ),
         # multiple, to refuse a second file: click would keep the last one, silently
-        click.option("--tolerances", "tolerance_files", type=PathOption(), multiple=True, metavar="FILE",
-                     help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.'),
-        click.option("--report-json", type=PathOption(), default=None, metavar="PATH",
-                     help="Write the full JSON report here."),
-        click.option("--junit", type=PathOption(), default=None, metavar="PATH",
-                     help="Write a JUnit XML report here (for CI systems)."),
-        click.option("--html", type=PathOption(), default=None, metavar="PATH",
-                     help="Write a self-contained HTML report with plots here."),
-        click.option("--golden-save", type=PathOption(), default=None, metavar="DIR",
-                     help="Record the reference's inputs and outputs as a golden bundle in DIR, with the "
-                          "tolerance overrides of this run, which its replay applies."),
-        click.option("--fp16-companion", type=PathOption(), default=None, metavar="DIR",
-                     help="A float16 export of the same model: the precision leg of the CUDA attribution."),
+        click.option(
+            "--tolerances",
+            "tolerance_files",
+            type=PathOption(),
+            multiple=True,
+            metavar="FILE",
+            help='JSON or .toml file of overrides: {"logits": {"atol": 1e-3, "rtol": 1e-3}}.',
+        ),
+        click.option(
+            "--report-json", type=PathOption(), default=None, metavar="PATH", help="Write the full JSON report here."
+        ),
+        click.option(
+            "--junit",
+            type=PathOption(),
+            default=None,
+            metavar="PATH",
+            help="Write a JUnit XML report here (for CI systems).",
+        ),
+        click.option(
+            "--html",
+            type=PathOption(),
+            default=None,
+            metavar="PATH",
+            help="Write a self-contained HTML report with plots here.",
+        ),
+        click.option(
+            "--golden-save",
+            type=PathOption(),
+            default=None,
+            metavar="DIR",
+            help="Record the reference's inputs and outputs as a golden bundle in DIR, with the "
+            "tolerance overrides of this run, which its replay applies.",
+        ),
+        click.option(
+            "--fp16-companion",
+            type=PathOption(),
+            default=None,
+            metavar="DIR",
+            help="A float16 export of the same model: the precision leg of the CUDA attribution.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -144,29 +230,40 @@ class VerifyOptions:
         return {"json_path": self.report_json, "junit_path": self.junit, "html_path": self.html}
 
 
-def verification_plan(folder: Path, providers, genai: bool | None, options: VerifyOptions, golden: Path | None = None,
-                      planned: tuple | None = None):
+def verification_plan(
+    folder: Path,
+    providers,
+    genai: bool | None,
+    options: VerifyOptions,
+    golden: Path | None = None,
+    planned: tuple | None = None,
+):
     """The verification's options, each checked before anything runs (for `run`, before the export, with
     --fp16-companion held to the `planned` artifact, see _planned_artifact in exporter/cli/__init__.py; the engine
     checks it again after)."""
-    from exporter.genai import INSTALL_HINT, genai_version
-    from exporter.sessions import check_parity_providers
-    from exporter.verify.golden import check_golden_destination
-    from exporter.verify.reports import check_report_destination
+    from exporter.runtime.genai import INSTALL_HINT, genai_version
+    from exporter.runtime.sessions import check_parity_providers
+    from exporter.verify.checks.providers import companion_for, read_companion
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.providers import companion_for, read_companion
+    from exporter.verify.references.golden import check_golden_destination
+    from exporter.verify.reports import check_report_destination
     from exporter.verify.tolerances import parse_overrides
+
     if len(options.tolerance_files) > 1:
-        raise ToolkitError(f"--tolerances given {len(options.tolerance_files)} times; give one file (it may hold "
-                           "every kind)")
+        raise ToolkitError(
+            f"--tolerances given {len(options.tolerance_files)} times; give one file (it may hold every kind)"
+        )
     tolerance_file = options.tolerance_files[0] if options.tolerance_files else None
     overrides = parse_overrides(options.atol, options.rtol, options.peak, tolerance_file)
     settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)
     check_parity_providers(providers)
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
-    bundles = {Path(path).resolve(): flag for path, flag in ((options.golden_save, "--golden-save"),
-                                                             (golden, "--golden")) if path is not None}
+    bundles = {
+        Path(path).resolve(): flag
+        for path, flag in ((options.golden_save, "--golden-save"), (golden, "--golden"))
+        if path is not None
+    }
     written: dict[Path, str] = {}  # each report path -> its flag
     if tolerance_file is not None:  # read, never written: a JSON report would replace it unasked
         written[Path(tolerance_file).resolve()] = "--tolerances"
@@ -184,8 +281,10 @@ def verification_plan(folder: Path, providers, genai: bool | None, options: Veri
             continue
         bundle = next((b for b in bundles if b in resolved.parents), None)
         if bundle is not None:
-            raise ToolkitError(f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
-                               "would change; write it elsewhere")
+            raise ToolkitError(
+                f"{flag} {path} lies inside the golden bundle folder of {bundles[bundle]}, which it "
+                "would change; write it elsewhere"
+            )
         check_output_path(path, flag, folder=False)
         check_report_destination(path, flag)
     if options.fp16_companion is not None:
@@ -201,6 +300,7 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
     """Write the reports, print the result and exit (1 on a parity failure). A report that cannot be written is
     an input error (exit 2), raised once the verdict is on stdout and the other reports hold it."""
     from exporter.verify.reports import write_reports
+
     outcome.state.owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
     try:
         write_reports(report, **options.report_paths())
@@ -216,10 +316,11 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
 def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
-    from exporter.manifest import read_manifest, unchanged_while_read
-    from exporter.model_source import reference_for
+    from exporter.artifact.manifest import read_manifest, unchanged_while_read
+    from exporter.export.model_source import reference_for
     from exporter.verify.engine import verify_artifact
-    from exporter.verify.golden import misplaced_bundle_hint
+    from exporter.verify.references.golden import misplaced_bundle_hint
+
     overrides, settings = plan
     with unchanged_while_read(folder):  # from the manifest on, as verify_artifact is from its own start
         try:
@@ -228,6 +329,15 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
             raise ArtifactError(f"{exc}{misplaced_bundle_hint([folder], '--golden DIR', 'FOLDER')}") from None
         if model is None:
             model = reference_for(manifest, golden).model(folder, manifest)
-        return verify_artifact(folder, model, list(providers) or None, settings, genai, golden=golden,
-                               golden_save=options.golden_save, overrides=overrides,
-                               fp16_companion=options.fp16_companion, manifest=manifest)
+        return verify_artifact(
+            folder,
+            model,
+            list(providers) or None,
+            settings,
+            genai,
+            golden=golden,
+            golden_save=options.golden_save,
+            overrides=overrides,
+            fp16_companion=options.fp16_companion,
+            manifest=manifest,
+        )

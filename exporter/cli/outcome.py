@@ -15,8 +15,8 @@ from pathlib import Path
 
 import click
 
-from exporter import LIBRARY_LOGGERS
 from exporter.errors import ToolkitError, error_document, first_line, json_requested
+from exporter.export import LIBRARY_LOGGERS
 from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
@@ -84,8 +84,13 @@ def missing_dependency(exc: ImportError) -> None:
     """The command cannot even be set up: one line naming the package (and a JSON error object under --json,
     read off the command line, which click has not parsed yet), exit 2."""
     package = (exc.name or "onnxruntime").split(".")[0]
-    _fail("input", f"{package} does not import here ({first_line(exc, 200)}); install it (pip install {package}), "
-          "or reinstall this package with its dependencies", EXIT_INPUT_ERROR, json_requested())
+    _fail(
+        "input",
+        f"{package} does not import here ({first_line(exc, 200)}); install it (pip install {package}), "
+        "or reinstall this package with its dependencies",
+        EXIT_INPUT_ERROR,
+        json_requested(),
+    )
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
@@ -103,6 +108,7 @@ def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
 
 def _write_error_reports(error: dict) -> None:
     from exporter.verify.reports import write_error_reports
+
     try:
         write_error_reports(error, **state.owed_reports)
     except ToolkitError as exc:  # a second line: the first said why the verification stopped
@@ -133,8 +139,14 @@ def handle_errors(func):
             if isinstance(exc, KeyboardInterrupt) or interrupted_by is not None:
                 code = 143 if interrupted_by == "SIGTERM" else 130
                 signal_name = f" ({interrupted_by})" if interrupted_by else ""
-                outcome = ("; an export leaves no partial artifact: the destination holds the earlier one or the "
-                           "complete new one") if func.__name__ in _WRITES_ARTIFACT else ""
+                outcome = (
+                    (
+                        "; an export leaves no partial artifact: the destination holds the earlier one or the "
+                        "complete new one"
+                    )
+                    if func.__name__ in _WRITES_ARTIFACT
+                    else ""
+                )
                 _fail("interrupted", f"interrupted{signal_name}{outcome}", code, as_json)
             if isinstance(exc, (ToolkitError, ModelError)):
                 log.debug("input error", exc_info=True)
@@ -208,5 +220,6 @@ def echo_result(text: str, nl: bool = True) -> None:
 def emit(result, as_json: bool, text: str) -> None:
     """Print the command's result (JSON with --json), which an error after it must not follow with another."""
     from exporter.verify.reports import json_text
+
     echo_result(json_text(result) if as_json else text)
     state.result_printed = True

@@ -14,28 +14,52 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
+from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
+from exporter.artifact.manifest import Manifest, config_differences, read_manifest, unchanged_while_read
+from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
-from exporter.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
-from exporter.manifest import Manifest, config_differences, read_manifest, unchanged_while_read
-from exporter.model_source import SourcedModel
-from exporter.paths import check_outside_artifact
-from exporter.runtime import OrtRunner
-from exporter.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
-from exporter.verify.checks import (DecodeCall, GreedyResult, check_decode, check_greedy, check_prefill,
-                                    judge_greedy, run_sweep)
-from exporter.verify.golden import (GoldenBundle, RecordedReference, check_golden_destination, check_loaded,
-                                    load_bundle)
-from exporter.verify.health import HealthScan
-from exporter.verify.inputs import (FINAL_CHUNK, PREFILL_BATCH, ParitySettings, greedy_prompt, prefill_feeds,
-                                    prompt_batch)
-from exporter.verify.invariants import check_invariants
-from exporter.verify.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
-from exporter.verify.probe import DebugGraph
-from exporter.verify.providers import attribute, check_companion, cross_providers, repeat_run
+from exporter.export.model_source import SourcedModel
+from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
+from exporter.runtime.runner import OrtRunner
+from exporter.runtime.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
+from exporter.verify.checks.health import HealthScan
+from exporter.verify.checks.invariants import check_invariants
+from exporter.verify.checks.outputs import (
+    DecodeCall,
+    GreedyResult,
+    check_decode,
+    check_greedy,
+    check_prefill,
+    judge_greedy,
+    run_sweep,
+)
+from exporter.verify.checks.providers import attribute, check_companion, cross_providers, repeat_run
+from exporter.verify.checks.routing import (
+    CallRouting,
+    ExpertAgreement,
+    RouterProbe,
+    check_expert_choice,
+    greedy_choices,
+    routing_agreement,
+)
+from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
+from exporter.verify.diagnosis.probe import DebugGraph
+from exporter.verify.inputs import (
+    FINAL_CHUNK,
+    PREFILL_BATCH,
+    ParitySettings,
+    greedy_prompt,
+    prefill_feeds,
+    prompt_batch,
+)
+from exporter.verify.references.golden import (
+    GoldenBundle,
+    RecordedReference,
+    check_golden_destination,
+    check_loaded,
+    load_bundle,
+)
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
-from exporter.verify.routing import (CallRouting, ExpertAgreement, RouterProbe, check_expert_choice,
-                                     greedy_choices, routing_agreement)
 from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
 
 log = logging.getLogger(__name__)
@@ -45,28 +69,51 @@ log = logging.getLogger(__name__)
 class _DebugGraphs:
     """The debug copies of both graphs: prefill.onnx's for the activation scan and the probe, decode.onnx's for
     the probe alone (None without --probe)."""
+
     prefill: DebugGraph
     decode: DebugGraph | None
 
 
-def _probe_decode(call: DecodeCall, reference: RecordedReference, debug: DebugGraph, provider: str,
-                  profile: Profile) -> tuple[ProbeResult | None, str]:
+def _probe_decode(
+    call: DecodeCall, reference: RecordedReference, debug: DebugGraph, provider: str, profile: Profile
+) -> tuple[ProbeResult | None, str]:
     """decode.onnx's values on the reference's inputs of `call` against the reference's module outputs for it;
     or None and why not."""
     module_outputs = reference.module_outputs(call.feeds, "decode")
     if module_outputs is None:
-        return None, (f"the bundle holds no module outputs of {call.label} (it keeps those of the decode call probed "
-                      "when it was recorded; one recorded before they were kept, none): re-record it with "
-                      "golden_save (--golden-save), or probe against the PyTorch model")
+        return None, (
+            f"the bundle holds no module outputs of {call.label} (it keeps those of the decode call probed "
+            "when it was recorded; one recorded before they were kept, none): re-record it with "
+            "golden_save (--golden-save), or probe against the PyTorch model"
+        )
     values = debug.run(call.feeds, provider)
-    log.info("probe: comparing %d values of %s on %s with the reference's module outputs", len(values),
-             debug.graph_file, call.label)
-    return probe_reference(debug, values, module_outputs, profile.kv, call.feeds["attention_mask"],
-                           f"{call.label}, fed the reference's past"), ""
+    log.info(
+        "probe: comparing %d values of %s on %s with the reference's module outputs",
+        len(values),
+        debug.graph_file,
+        call.label,
+    )
+    return probe_reference(
+        debug,
+        values,
+        module_outputs,
+        profile.kv,
+        call.feeds["attention_mask"],
+        f"{call.label}, fed the reference's past",
+    ), ""
 
 
-def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs, values: dict, provider: str,
-              batch: dict, settings: ParitySettings, profile: Profile) -> Localisation:
+def _localise(
+    prefill,
+    decode,
+    reference: RecordedReference,
+    debug: _DebugGraphs,
+    values: dict,
+    provider: str,
+    batch: dict,
+    settings: ParitySettings,
+    profile: Profile,
+) -> Localisation:
     located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
         skipped = "not requested (settings.probe, --probe)"
@@ -74,25 +121,40 @@ def _localise(prefill, decode, reference: RecordedReference, debug: _DebugGraphs
     module_outputs = reference.module_outputs(batch)
     probe, skipped = None, "the bundle holds no module outputs: re-record it with golden_save (--golden-save)"
     if module_outputs is not None:
-        log.info("probe: comparing %d values of %s with the reference's module outputs", len(values),
-                 debug.prefill.graph_file)
-        probe, skipped = probe_reference(debug.prefill, values, module_outputs, profile.kv, batch["attention_mask"],
-                                         PREFILL_BATCH), ""
+        log.info(
+            "probe: comparing %d values of %s with the reference's module outputs",
+            len(values),
+            debug.prefill.graph_file,
+        )
+        probe, skipped = (
+            probe_reference(debug.prefill, values, module_outputs, profile.kv, batch["attention_mask"], PREFILL_BATCH),
+            "",
+        )
     decode_probe, decode_skipped = _probe_decode(decode.probe_call, reference, debug.decode, provider, profile)
-    return replace(located, probe=probe, probe_skipped=skipped, decode_probe=decode_probe,
-                   decode_probe_skipped=decode_skipped)
+    return replace(
+        located, probe=probe, probe_skipped=skipped, decode_probe=decode_probe, decode_probe_skipped=decode_skipped
+    )
 
 
-def _expert_choice(reference: RecordedReference, folder: Path, manifest: Manifest, provider: str, batch: dict,
-                   settings: ParitySettings, profile: Profile) -> ExpertAgreement | None:
+def _expert_choice(
+    reference: RecordedReference,
+    folder: Path,
+    manifest: Manifest,
+    provider: str,
+    batch: dict,
+    settings: ParitySettings,
+    profile: Profile,
+) -> ExpertAgreement | None:
     """MoE routing agreement against the reference's routers, live or from a golden bundle (None for models
     without routers)."""
     if not manifest.is_moe:
         return None
     log.info("%s: expert choice of the MoE routers", provider)
     rng = np.random.default_rng(settings.seed + 4)
-    steps = [rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
-             for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]]
+    steps = [
+        rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
+        for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]
+    ]
     return check_expert_choice(reference, folder, manifest, provider, batch, steps, profile.logits)
 
 
@@ -111,12 +173,12 @@ class _RoutingExplainer:
         return self._probes[graph]
 
     def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:
-        return routing_agreement(self.reference.last_routing(), self._probe(graph), onnx_feeds, valid,
-                                 self.tolerance)
+        return routing_agreement(self.reference.last_routing(), self._probe(graph), onnx_feeds, valid, self.tolerance)
 
     def greedy(self, reference_calls: list[dict], prompt: list[int], shared: list[int]) -> ExpertAgreement:
-        return greedy_choices(reference_calls, self.onnx, self._probe("decode"), self.manifest, prompt, shared,
-                              self.tolerance)
+        return greedy_choices(
+            reference_calls, self.onnx, self._probe("decode"), self.manifest, prompt, shared, self.tolerance
+        )
 
 
 @dataclass(frozen=True)
@@ -127,38 +189,70 @@ class _ProviderRun:
     decode_call: DecodeCall  # the decode call the probe examines, whose module outputs a golden bundle keeps
 
 
-def _run_provider(onnx: OrtRunner, manifest: Manifest, reference, debug: _DebugGraphs, batch: dict,
-                  settings: ParitySettings, overrides: Overrides) -> _ProviderRun:
+def _run_provider(
+    onnx: OrtRunner,
+    manifest: Manifest,
+    reference,
+    debug: _DebugGraphs,
+    batch: dict,
+    settings: ParitySettings,
+    overrides: Overrides,
+) -> _ProviderRun:
     folder = onnx.folder
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
     reference.rewind()
     log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
     values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
-    health.scan_activations(values, {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes
-                                     for o in n.outputs}, debug.prefill.mask_fed)
+    health.scan_activations(
+        values,
+        {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes for o in n.outputs},
+        debug.prefill.mask_fed,
+    )
     explainer = _RoutingExplainer(reference, onnx, manifest, profile) if manifest.is_moe else None
     explain_routing = explainer.call if explainer else None
     log.info("%s: prefill", onnx.provider)
     prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)
     log.info("%s: %d decode steps feeding present back as past", onnx.provider, settings.decode_steps + 1)
-    decode, _ = check_decode(reference, onnx, manifest, batch, settings, profile, health,
-                             np.random.default_rng(settings.seed + 1), explain_routing)
+    decode, _ = check_decode(
+        reference,
+        onnx,
+        manifest,
+        batch,
+        settings,
+        profile,
+        health,
+        np.random.default_rng(settings.seed + 1),
+        explain_routing,
+    )
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile,
-                          explainer.greedy if explainer else None)
+    greedy = check_greedy(reference, onnx, manifest, prompt, settings, profile, explainer.greedy if explainer else None)
     sweep = []
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)
-        sweep = run_sweep(reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3),
-                          explain_routing)
+        sweep = run_sweep(
+            reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3), explain_routing
+        )
     localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
     experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
-    report = ProviderReport(onnx.provider, manifest.dtype, profile, prefill.comparisons + decode.comparisons, greedy,
-                            decode.curve, prefill.layers, prefill.histogram, sweep, health.report(), repeat,
-                            localisation, experts, prefill.routing)
+    report = ProviderReport(
+        onnx.provider,
+        manifest.dtype,
+        profile,
+        prefill.comparisons + decode.comparisons,
+        greedy,
+        decode.curve,
+        prefill.layers,
+        prefill.histogram,
+        sweep,
+        health.report(),
+        repeat,
+        localisation,
+        experts,
+        prefill.routing,
+    )
     return _ProviderRun(report, outputs, values, decode.probe_call)
 
 
@@ -173,8 +267,14 @@ def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
     return ""
 
 
-def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySettings, profile: Profile,
-                runtime: GreedyResult | None = None) -> ConsumerReport:
+def check_genai(
+    reference,
+    folder: Path,
+    manifest: Manifest,
+    settings: ParitySettings,
+    profile: Profile,
+    runtime: GreedyResult | None = None,
+) -> ConsumerReport:
     """onnxruntime-genai's own loop over the folder against the reference, from check_greedy's prompt.
 
     onnxruntime-genai stops at EOS and leaves it out, so the reference's tokens are compared up to its
@@ -187,32 +287,50 @@ def check_genai(reference, folder: Path, manifest: Manifest, settings: ParitySet
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
     trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
     eos = genai_eos_token_id(manifest.config.eos_token_id, manifest.config.vocab_size)
-    expected = trace.ids[:trace.ids.index(eos)] if eos in trace.ids else trace.ids
+    expected = trace.ids[: trace.ids.index(eos)] if eos in trace.ids else trace.ids
     log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
     generator = GenaiGenerator(folder, manifest)
     actual = generator.greedy(prompt, settings.greedy_tokens)
     greedy = judge_greedy(trace, actual, profile, expected, dropped_eos=eos)
     shared = greedy.match_length + 1  # the tokens up to and including the differing one
-    if (not greedy.passed and runtime is not None and runtime.routing is not None and runtime.routing.explained_flip
-            and runtime.match_length == greedy.match_length and actual[:shared] == runtime.onnx_ids[:shared]):
-        greedy = replace(greedy, passed=True, routing=runtime.routing,
-                         note=f"{greedy.note}; the tokens of our loop on the CPU up to and including this one, where "
-                              f"a router near-tie explains the difference: {runtime.routing.note}")
+    if (
+        not greedy.passed
+        and runtime is not None
+        and runtime.routing is not None
+        and runtime.routing.explained_flip
+        and runtime.match_length == greedy.match_length
+        and actual[:shared] == runtime.onnx_ids[:shared]
+    ):
+        greedy = replace(
+            greedy,
+            passed=True,
+            routing=runtime.routing,
+            note=f"{greedy.note}; the tokens of our loop on the CPU up to and including this one, where "
+            f"a router near-tie explains the difference: {runtime.routing.note}",
+        )
     return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type, greedy)
 
 
-def _reference(manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings,
-               overrides: Overrides):
+def _reference(
+    manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings, overrides: Overrides
+):
     """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
     if golden is not None:
         bundle = check_loaded(golden, manifest) if isinstance(golden, GoldenBundle) else load_bundle(golden, manifest)
-        log.info("reference: golden bundle %s (recorded with %s)", bundle.folder,
-                 ", ".join(f"{k} {v}" for k, v in bundle.versions.items()))
-        return (bundle.reference, f"golden bundle {bundle.folder}",
-                ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
-                AppliedOverrides(overrides, bundle.overrides))
+        log.info(
+            "reference: golden bundle %s (recorded with %s)",
+            bundle.folder,
+            ", ".join(f"{k} {v}" for k, v in bundle.versions.items()),
+        )
+        return (
+            bundle.reference,
+            f"golden bundle {bundle.folder}",
+            ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
+            AppliedOverrides(overrides, bundle.overrides),
+        )
     if model is not None:
-        from exporter.reference_runner import TorchRunner  # torch only on this path
+        from exporter.verify.references.torch_runner import TorchRunner  # torch only on this path
+
         return RecordedReference(TorchRunner(model, manifest)), "pytorch model", settings, AppliedOverrides(overrides)
     return None, "none", settings, AppliedOverrides(overrides)
 
@@ -221,29 +339,39 @@ def _check_model(model, manifest: Manifest) -> None:
     """InputError unless `model` is of the artifact's family and config: another model's logits would fail every
     check and blame the export for it."""
     if isinstance(model, SourcedModel):
-        raise InputError("model is a SourcedModel (what seeded_model and checkpoint_model return); pass its model: "
-                         "verify_artifact(folder, sourced.model)")
+        raise InputError(
+            "model is a SourcedModel (what seeded_model and checkpoint_model return); pass its model: "
+            "verify_artifact(folder, sourced.model)"
+        )
     config = getattr(model, "config", None)
     if type(config) is not type(manifest.config):
-        raise InputError(f"the model ({type(model).__name__} with config {type(config).__name__}) is not of the "
-                         f"artifact's family {manifest.family}; pass the model the artifact was exported from")
+        raise InputError(
+            f"the model ({type(model).__name__} with config {type(config).__name__}) is not of the "
+            f"artifact's family {manifest.family}; pass the model the artifact was exported from"
+        )
     ours, theirs = config.to_dict(), manifest.config.to_dict()
     changed = config_differences(ours, theirs)
     if changed:
         # the values of the first few, the names of all: one line either way
         shown = [f"{k} (model {ours.get(k)!r}, artifact {theirs.get(k)!r})" for k in changed[:4]] + changed[4:]
-        raise InputError(f"the model does not match the artifact: its config differs in {', '.join(shown)}; pass "
-                         "the model the artifact was exported from, or re-export the artifact from this model")
+        raise InputError(
+            f"the model does not match the artifact: its config differs in {', '.join(shown)}; pass "
+            "the model the artifact was exported from, or re-export the artifact from this model"
+        )
 
 
 def _check_arguments(settings, genai, overrides) -> None:
     """verify_artifact's option objects, which failed deep in the engine (AttributeError), or read "no" as True."""
     if not isinstance(settings, ParitySettings):
-        raise InputError(f"settings must be a ParitySettings, got {type(settings).__name__}; write e.g. "
-                         "ParitySettings(decode_steps=16)")
+        raise InputError(
+            f"settings must be a ParitySettings, got {type(settings).__name__}; write e.g. "
+            "ParitySettings(decode_steps=16)"
+        )
     if not isinstance(overrides, Overrides):
-        raise InputError(f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
-                         "exporter.verify.tolerances.parse_overrides(atol=['logits=1e-3'])")
+        raise InputError(
+            f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
+            "exporter.verify.tolerances.parse_overrides(atol=['logits=1e-3'])"
+        )
     if not isinstance(genai, (bool, type(None))):
         raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
 
@@ -251,6 +379,7 @@ def _check_arguments(settings, genai, overrides) -> None:
 @dataclass(frozen=True)
 class _Plan:
     """verify_artifact's arguments, checked before any work: the providers, the reference and what to run."""
+
     manifest: Manifest
     providers: list[str]  # the ones to verify on
     skipped: dict[str, str]  # provider -> why it does not run
@@ -262,26 +391,41 @@ class _Plan:
     genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
 
 
-def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion,
-          manifest: Manifest | None) -> _Plan:
+def _plan(
+    folder: Path,
+    model,
+    providers,
+    settings,
+    genai,
+    golden,
+    golden_save,
+    overrides,
+    fp16_companion,
+    manifest: Manifest | None,
+) -> _Plan:
     """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
     reference chosen, before any check runs."""
     _check_arguments(settings, genai, overrides)
     if model is not None and golden is not None:  # the bundle was replayed and the model ignored, silently
-        raise InputError("give model or golden, not both: a golden bundle replays the reference in the model's "
-                         "place; drop golden to verify against the model, or model to replay the bundle")
+        raise InputError(
+            "give model or golden, not both: a golden bundle replays the reference in the model's "
+            "place; drop golden to verify against the model, or model to replay the bundle"
+        )
     manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
     folder = Path(folder)
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] verified nothing, and the report failed
-        raise ProviderError(f"providers is empty; pass e.g. ['cpu'], or None for every available one "
-                            f"({PROVIDER_OPTION})")
+        raise ProviderError(
+            f"providers is empty; pass e.g. ['cpu'], or None for every available one ({PROVIDER_OPTION})"
+        )
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
         if model is None:  # a golden bundle comes without one (see above)
-            raise InputError("golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
-                             "golden bundle (golden, --golden)")
+            raise InputError(
+                "golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
+                "golden bundle (golden, --golden)"
+            )
         check_outside_artifact(golden_save, "golden_save (--golden-save)", folder)
         check_golden_destination(golden_save, manifest)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
@@ -292,18 +436,38 @@ def _plan(folder: Path, model, providers, settings, genai, golden, golden_save, 
         genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
-    return _Plan(manifest, chosen, skipped, companion, reference, described,
-                 settings.fit(manifest.config.max_position_embeddings), applied, genai_skipped)
+    return _Plan(
+        manifest,
+        chosen,
+        skipped,
+        companion,
+        reference,
+        described,
+        settings.fit(manifest.config.max_position_embeddings),
+        applied,
+        genai_skipped,
+    )
 
 
-def _probes_between(debug: _DebugGraphs, values: dict, manifest: Manifest, overrides: Overrides,
-                    batch: dict) -> list[ProbeResult]:
+def _probes_between(
+    debug: _DebugGraphs, values: dict, manifest: Manifest, overrides: Overrides, batch: dict
+) -> list[ProbeResult]:
     """The node-level probe of each provider's prefill values against the first provider's (none with one)."""
     if len(values) < 2:
         return []
     first, *others = values
-    return [probe_between(debug.prefill, values[p], values[first], overrides.apply(profile_for(manifest.dtype, p)).kv,
-                          f"{p} vs {first}", batch["attention_mask"], PREFILL_BATCH) for p in others]
+    return [
+        probe_between(
+            debug.prefill,
+            values[p],
+            values[first],
+            overrides.apply(profile_for(manifest.dtype, p)).kv,
+            f"{p} vs {first}",
+            batch["attention_mask"],
+            PREFILL_BATCH,
+        )
+        for p in others
+    ]
 
 
 def _consumers(plan: _Plan, folder: Path, reports: list[ProviderReport]) -> tuple[list[ConsumerReport], dict]:
@@ -316,26 +480,42 @@ def _consumers(plan: _Plan, folder: Path, reports: list[ProviderReport]) -> tupl
     return [check_genai(plan.reference, folder, plan.manifest, plan.settings, reports[0].profile, cpu)], {}
 
 
-def _save_golden(reference: RecordedReference, destination: Path, manifest: Manifest, settings: ParitySettings,
-                 overrides: Overrides, batch: dict, decode_call: DecodeCall) -> None:
+def _save_golden(
+    reference: RecordedReference,
+    destination: Path,
+    manifest: Manifest,
+    settings: ParitySettings,
+    overrides: Overrides,
+    batch: dict,
+    decode_call: DecodeCall,
+) -> None:
     import torch  # the reference side's version, recorded with the bundle
+
     # recorded with or without --probe, so that any replay can probe both graphs
     reference.module_outputs(batch)
     reference.module_outputs(decode_call.feeds, "decode")
     reference.save(destination, manifest, settings, overrides, {"torch": torch.__version__})
 
 
-def verify_artifact(folder: Path, model=None, providers: list[str] | None = None,
-                    settings: ParitySettings = ParitySettings(), genai: bool | None = None, *,
-                    golden: Path | GoldenBundle | None = None, golden_save: Path | None = None,
-                    overrides: Overrides = Overrides(),
-                    fp16_companion: Path | None = None, manifest: Manifest | None = None) -> VerifyReport:
+def verify_artifact(
+    folder: Path,
+    model=None,
+    providers: list[str] | None = None,
+    settings: ParitySettings = ParitySettings(),
+    genai: bool | None = None,
+    *,
+    golden: Path | GoldenBundle | None = None,
+    golden_save: Path | None = None,
+    overrides: Overrides = Overrides(),
+    fp16_companion: Path | None = None,
+    manifest: Manifest | None = None,
+) -> VerifyReport:
     """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
     when None.
 
     model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
     golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle that
-    exporter.verify.golden.load_bundle read from it (not read again; held to the artifact all the same, and
+    exporter.verify.references.golden.load_bundle read from it (not read again; held to the artifact all the same, and
     replayed from its first call), judged with the tolerance overrides it was recorded with, each term in
     `overrides` taking its recorded one's place; with neither, only the reference-free invariants run.
     golden_save: record the reference's inputs and outputs there, with `overrides`. genai: also check
@@ -346,14 +526,17 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
     """
     start = time.perf_counter()
     with unchanged_while_read(folder):  # an export into it meanwhile: no report on a mix of two artifacts
-        plan = _plan(folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion,
-                     manifest)
+        plan = _plan(
+            folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, manifest
+        )
         folder, manifest, reference, settings = Path(folder), plan.manifest, plan.reference, plan.settings
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         runs = []
-        debug = _DebugGraphs(DebugGraph(folder, manifest, manifest.prefill),
-                             DebugGraph(folder, manifest, manifest.decode) if settings.probe else None)
+        debug = _DebugGraphs(
+            DebugGraph(folder, manifest, manifest.prefill),
+            DebugGraph(folder, manifest, manifest.decode) if settings.probe else None,
+        )
         first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in plan.providers:
@@ -366,15 +549,33 @@ def verify_artifact(folder: Path, model=None, providers: list[str] | None = None
         invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
-        invariants = check_invariants(folder, first_runner or OrtRunner(folder, invariant_provider,
-                                                                        manifest=manifest),
-                                      manifest, batch, invariant_profile)
+        invariants = check_invariants(
+            folder,
+            first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),
+            manifest,
+            batch,
+            invariant_profile,
+        )
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
-        attribution = (attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports
-                       else None)
+        attribution = (
+            attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
+        )
         consumers, consumers_skipped = _consumers(plan, folder, reports)
     if golden_save is not None:
         _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
-    return VerifyReport(str(folder), reports, plan.skipped, consumers, consumers_skipped, plan.described, invariants,
-                        cross, probes, attribution, settings.to_dict(), plan.applied, time.perf_counter() - start)
+    return VerifyReport(
+        str(folder),
+        reports,
+        plan.skipped,
+        consumers,
+        consumers_skipped,
+        plan.described,
+        invariants,
+        cross,
+        probes,
+        attribution,
+        settings.to_dict(),
+        plan.applied,
+        time.perf_counter() - start,
+    )

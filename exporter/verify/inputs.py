@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from exporter.artifact.manifest import Manifest
 from exporter.errors import InputError, check_flag
-from exporter.manifest import Manifest
-from exporter.runtime import position_ids_from_mask
-from exporter.sessions import is_integer
+from exporter.runtime.runner import position_ids_from_mask
+from exporter.runtime.sessions import is_integer
 
 SWEEP_BATCHES = (1, 2, 3)
 SWEEP_NEW_TOKENS = (1, 2, 7, 64)
@@ -38,16 +38,21 @@ class ParitySettings:
         for name in ("batch", "prompt_length", "left_padding", "decode_steps", "greedy_tokens", "seed"):
             value = getattr(self, name)
             if not is_integer(value) or (name == "seed" and value < 0):
-                raise InputError(f"ParitySettings.{name} must be an integer{' >= 0' * (name == 'seed')}, got "
-                                 f"{value!r} ({type(value).__name__})")
+                raise InputError(
+                    f"ParitySettings.{name} must be an integer{' >= 0' * (name == 'seed')}, got "
+                    f"{value!r} ({type(value).__name__})"
+                )
         for name in ("sweep", "probe"):
             check_flag(f"ParitySettings.{name}", getattr(self, name))
         if self.decode_steps < 1 or self.greedy_tokens < 1:
-            raise InputError(f"decode_steps and greedy_tokens must be >= 1, got {self.decode_steps} and "
-                             f"{self.greedy_tokens}")
+            raise InputError(
+                f"decode_steps and greedy_tokens must be >= 1, got {self.decode_steps} and {self.greedy_tokens}"
+            )
         if not 0 <= self.left_padding < self.prompt_length or self.batch < 1:
-            raise InputError(f"left_padding must lie in [0, prompt_length) and batch >= 1; got batch {self.batch}, "
-                             f"prompt_length {self.prompt_length}, left_padding {self.left_padding}")
+            raise InputError(
+                f"left_padding must lie in [0, prompt_length) and batch >= 1; got batch {self.batch}, "
+                f"prompt_length {self.prompt_length}, left_padding {self.left_padding}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,9 +63,11 @@ class ParitySettings:
         steps = min(self.decode_steps, context - self.prompt_length - FINAL_CHUNK)
         greedy = min(self.greedy_tokens, context - GREEDY_PROMPT_LENGTH)
         if steps < 1 or greedy < 1:
-            raise InputError(f"the model has only {context} positions: too few for a {self.prompt_length}-token "
-                             f"prompt and {FINAL_CHUNK + 1} decode tokens (ParitySettings.prompt_length "
-                             "can be lowered through the Python API)")
+            raise InputError(
+                f"the model has only {context} positions: too few for a {self.prompt_length}-token "
+                f"prompt and {FINAL_CHUNK + 1} decode tokens (ParitySettings.prompt_length "
+                "can be lowered through the Python API)"
+            )
         return dataclasses.replace(self, decode_steps=steps, greedy_tokens=greedy)
 
 
@@ -74,12 +81,16 @@ def prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Ge
     b, t = settings.batch, settings.prompt_length
     input_ids = rng.integers(0, manifest.config.vocab_size, (b, t), dtype=np.int64)
     mask = np.ones((b, t), dtype=np.int64)
-    mask[0, :settings.left_padding] = 0
+    mask[0, : settings.left_padding] = 0
     predicted_from_real = np.pad(mask[:, :-1], ((0, 0), (1, 0))) == 1
     labels = np.where((mask == 1) & predicted_from_real, input_ids, -100)
     labels[:, -2] = -100
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-            "labels": labels}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": position_ids_from_mask(mask),
+        "labels": labels,
+    }
 
 
 def prefill_feeds(manifest: Manifest, batch: dict) -> dict:
@@ -90,8 +101,11 @@ def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.rando
     """Feeds of `length` new tokens on top of a cache covering `mask`; returns them and the extended mask."""
     tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], length), dtype=np.int64)
     mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
-    return {"input_ids": tokens, "attention_mask": mask,
-            "position_ids": position_ids_from_mask(mask, mask.shape[1] - length)}, mask
+    return {
+        "input_ids": tokens,
+        "attention_mask": mask,
+        "position_ids": position_ids_from_mask(mask, mask.shape[1] - length),
+    }, mask
 
 
 def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:
@@ -100,7 +114,9 @@ def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:
 
 def sweep_grid(context: int) -> list[tuple[int, int, int]]:
     """(batch, new tokens, past) of the grid whose sequences fit the model's positions."""
-    return [(b, n, p) for b, n, p in itertools.product(SWEEP_BATCHES, SWEEP_NEW_TOKENS, SWEEP_PASTS) if n + p <= context]
+    return [
+        (b, n, p) for b, n, p in itertools.product(SWEEP_BATCHES, SWEEP_NEW_TOKENS, SWEEP_PASTS) if n + p <= context
+    ]
 
 
 def ragged_mask(batch: int, past: int, new: int) -> np.ndarray:
@@ -109,5 +125,5 @@ def ragged_mask(batch: int, past: int, new: int) -> np.ndarray:
     first = past if past else new
     mask = np.ones((batch, past + new), dtype=np.int64)
     for row in range(batch):
-        mask[row, :row * (first - 1) // batch] = 0
+        mask[row, : row * (first - 1) // batch] = 0
     return mask

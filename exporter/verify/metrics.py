@@ -78,9 +78,19 @@ class Comparison:
         return self.passed
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "max_abs": self.max_abs, "max_rel": self.max_rel,
-                "mean_abs": self.mean_abs, "cosine": self.cosine, "tolerance": self.tolerance.to_dict(),
-                "needed": self.needed.to_dict(), "passed": self.passed, "worst": self.worst, **self.llm}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "mean_abs": self.mean_abs,
+            "cosine": self.cosine,
+            "tolerance": self.tolerance.to_dict(),
+            "needed": self.needed.to_dict(),
+            "passed": self.passed,
+            "worst": self.worst,
+            **self.llm,
+        }
 
 
 def _finite_magnitude(expected: np.ndarray) -> np.ndarray:
@@ -112,8 +122,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None,
-                   k: int = TOP_K) -> dict:
+def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None, k: int = TOP_K) -> dict:
     """LLM-level agreement over the positions where `valid` (leading axes of the logits) is true.
 
     top1_agreement: share of positions whose argmax is equal; topk_overlap: mean share of the reference's
@@ -133,8 +142,13 @@ def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray |
     overlap = [len(set(x) & set(y)) / k for x, y in zip(top_a, top_e)]
     log_p, log_q = log_softmax(e), log_softmax(a)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
-    return {"top1_agreement": float(np.mean(a.argmax(-1) == e.argmax(-1))), "topk_overlap": float(np.mean(overlap)),
-            "kl_mean": float(np.mean(kl)), "kl_max": float(np.max(kl)), "positions": int(len(e))}
+    return {
+        "top1_agreement": float(np.mean(a.argmax(-1) == e.argmax(-1))),
+        "topk_overlap": float(np.mean(overlap)),
+        "kl_mean": float(np.mean(kl)),
+        "kl_max": float(np.max(kl)),
+        "positions": int(len(e)),
+    }
 
 
 def loss_metrics(actual: float, expected: float) -> dict:
@@ -147,7 +161,7 @@ def real_queries(mask: np.ndarray, length: int) -> np.ndarray:
     """compare's `valid` for logits (B, length, V) of the last `length` positions of `mask` (B, total):
     (B, length), true where the query is a real token."""
     mask = np.asarray(mask)
-    return mask[:, mask.shape[1] - length:] == 1
+    return mask[:, mask.shape[1] - length :] == 1
 
 
 def real_keys(mask: np.ndarray) -> np.ndarray:
@@ -156,8 +170,9 @@ def real_keys(mask: np.ndarray) -> np.ndarray:
     return np.asarray(mask)[:, None, :] == 1
 
 
-def compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid: np.ndarray | None = None
-            ) -> Comparison:
+def compare(
+    name: str, kind: str, actual, expected, tolerance: Tolerance, valid: np.ndarray | None = None
+) -> Comparison:
     """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets), an
     infinity only where both sides hold the same one (e.g. a masked score). Health reports both apart.
 
@@ -177,8 +192,18 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
     expected = np.asarray(expected, dtype=np.float64)
     if actual.shape != expected.shape:
         inf = float("inf")
-        return Comparison(name, kind, inf, inf, inf, tolerance, False, f"shape {actual.shape} != {expected.shape}",
-                          float("nan"), Needed(inf, inf, inf))
+        return Comparison(
+            name,
+            kind,
+            inf,
+            inf,
+            inf,
+            tolerance,
+            False,
+            f"shape {actual.shape} != {expected.shape}",
+            float("nan"),
+            Needed(inf, inf, inf),
+        )
     judged = None
     if valid is not None:
         valid = np.asarray(valid, bool)
@@ -196,10 +221,23 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
     passed = bool(np.all(diff <= tolerance.allowed(expected)))
     if kind == "loss" and not both_nan.all():
         llm = loss_metrics(actual, expected)
-    cosine = 1.0 if same_non_finite.all() else _cosine(np.where(same_non_finite, 0, actual),
-                                                       np.where(same_non_finite, 0, expected))
-    return Comparison(name, kind, float(diff.max()), float(rel.max()), float(diff.mean()), tolerance, passed,
-                      cosine=cosine, needed=_needed(diff, expected, tolerance), llm=llm)
+    cosine = (
+        1.0
+        if same_non_finite.all()
+        else _cosine(np.where(same_non_finite, 0, actual), np.where(same_non_finite, 0, expected))
+    )
+    return Comparison(
+        name,
+        kind,
+        float(diff.max()),
+        float(rel.max()),
+        float(diff.mean()),
+        tolerance,
+        passed,
+        cosine=cosine,
+        needed=_needed(diff, expected, tolerance),
+        llm=llm,
+    )
 
 
 def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
@@ -208,22 +246,45 @@ def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
     llm = {}
     if worst.kind == "logits":
         rows = [c.llm for c in comparisons if c.llm]
-        llm = {"top1_agreement": min(r["top1_agreement"] for r in rows),
-               "topk_overlap": min(r["topk_overlap"] for r in rows),
-               "kl_mean": float(np.mean([r["kl_mean"] for r in rows])), "kl_max": max(r["kl_max"] for r in rows)}
-    return Comparison(name, worst.kind, worst.max_abs, max(c.max_rel for c in comparisons),
-                      float(np.mean([c.mean_abs for c in comparisons])), worst.tolerance,
-                      all(c.passed for c in comparisons), worst.name, min(c.cosine for c in comparisons),
-                      Needed.worst([c.needed for c in comparisons]), llm)
+        llm = {
+            "top1_agreement": min(r["top1_agreement"] for r in rows),
+            "topk_overlap": min(r["topk_overlap"] for r in rows),
+            "kl_mean": float(np.mean([r["kl_mean"] for r in rows])),
+            "kl_max": max(r["kl_max"] for r in rows),
+        }
+    return Comparison(
+        name,
+        worst.kind,
+        worst.max_abs,
+        max(c.max_rel for c in comparisons),
+        float(np.mean([c.mean_abs for c in comparisons])),
+        worst.tolerance,
+        all(c.passed for c in comparisons),
+        worst.name,
+        min(c.cosine for c in comparisons),
+        Needed.worst([c.needed for c in comparisons]),
+        llm,
+    )
 
 
 def compare_outputs(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
     """Logits and every present of two runs of one call, judged at the positions `mask` (B, total) marks
     real: the logits row, then one row for the presents of all layers. `profile` is a tolerances.Profile."""
-    rows = [compare(f"{label} logits", "logits", actual["logits"], expected["logits"], profile.logits,
-                    valid=real_queries(mask, actual["logits"].shape[1]))]
-    kv = [compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
-          for n in actual if n.startswith("present.")]
+    rows = [
+        compare(
+            f"{label} logits",
+            "logits",
+            actual["logits"],
+            expected["logits"],
+            profile.logits,
+            valid=real_queries(mask, actual["logits"].shape[1]),
+        )
+    ]
+    kv = [
+        compare(f"{label} {n}", "kv", actual[n], expected[n], profile.kv, valid=real_keys(mask))
+        for n in actual
+        if n.startswith("present.")
+    ]
     return rows + ([aggregate(f"{label} present (all layers)", kv)] if kv else [])
 
 
@@ -245,5 +306,9 @@ def difference_histogram(actual: np.ndarray, expected: np.ndarray, bins: int = 2
     low, high = np.floor(np.log10(nonzero.min())), np.ceil(np.log10(nonzero.max()))
     edges = np.logspace(low, max(high, low + 1), bins + 1)
     counts, _ = np.histogram(nonzero, edges)
-    return {"zeros": int(len(diff) - len(nonzero)), "non_finite": non_finite, "edges": [float(x) for x in edges],
-            "counts": [int(c) for c in counts]}
+    return {
+        "zeros": int(len(diff) - len(nonzero)),
+        "non_finite": non_finite,
+        "edges": [float(x) for x in edges],
+        "counts": [int(c) for c in counts],
+    }

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.verify.checks import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
-from exporter.verify.health import HealthReport
-from exporter.verify.invariants import Invariant
-from exporter.verify.localise import Localisation, ProbeResult
+from exporter.verify.checks.health import HealthReport
+from exporter.verify.checks.invariants import Invariant
+from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
+from exporter.verify.checks.routing import ExpertAgreement
+from exporter.verify.diagnosis.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
-from exporter.verify.routing import ExpertAgreement
 from exporter.verify.tolerances import AppliedOverrides, Profile
 
 
@@ -42,24 +42,40 @@ class ProviderReport:
 
     @property
     def passed(self) -> bool:
-        return (all(c.passed for c in self.comparisons) and self.greedy.passed and all(c.passed for c in self.sweep)
-                and self.health.passed and self.repeat.passed and (self.experts is None or not self.experts.failed))
+        return (
+            all(c.passed for c in self.comparisons)
+            and self.greedy.passed
+            and all(c.passed for c in self.sweep)
+            and self.health.passed
+            and self.repeat.passed
+            and (self.experts is None or not self.experts.failed)
+        )
 
     def __bool__(self) -> bool:
         return self.passed
 
     def to_dict(self) -> dict:
-        return {"provider": self.provider, "dtype": self.dtype, "passed": self.passed,
-                "tolerances": self.profile.to_dict(), "comparisons": [c.to_dict() for c in self.comparisons],
-                "greedy": self.greedy.to_dict(), "decode_curve": [s.to_dict() for s in self.curve],
-                "layers": [layer.to_dict() for layer in self.layers], "logit_diff_histogram": self.histogram,
-                "sweep": [c.to_dict() for c in self.sweep], "health": self.health.to_dict(),
-                "repeat": {**self.repeat.to_dict(), "deterministic": self.repeat.max_abs == 0},
-                "localisation": self.localisation.to_dict(),
-                "expert_choice": self.experts.to_dict() if self.experts is not None else None,
-                "routing_flips": {"failing_calls": len(self.routing_flips),
-                                  "explained": sum(flip.explained for flip in self.routing_flips),
-                                  "prefill": self.prefill_routing.to_dict() if self.prefill_routing else None}}
+        return {
+            "provider": self.provider,
+            "dtype": self.dtype,
+            "passed": self.passed,
+            "tolerances": self.profile.to_dict(),
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "greedy": self.greedy.to_dict(),
+            "decode_curve": [s.to_dict() for s in self.curve],
+            "layers": [layer.to_dict() for layer in self.layers],
+            "logit_diff_histogram": self.histogram,
+            "sweep": [c.to_dict() for c in self.sweep],
+            "health": self.health.to_dict(),
+            "repeat": {**self.repeat.to_dict(), "deterministic": self.repeat.max_abs == 0},
+            "localisation": self.localisation.to_dict(),
+            "expert_choice": self.experts.to_dict() if self.experts is not None else None,
+            "routing_flips": {
+                "failing_calls": len(self.routing_flips),
+                "explained": sum(flip.explained for flip in self.routing_flips),
+                "prefill": self.prefill_routing.to_dict() if self.prefill_routing else None,
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -75,8 +91,12 @@ class ConsumerReport:
         return self.greedy.passed
 
     def to_dict(self) -> dict:
-        return {"consumer": self.consumer, "model_type": self.model_type, "passed": self.passed,
-                "greedy": self.greedy.to_dict()}
+        return {
+            "consumer": self.consumer,
+            "model_type": self.model_type,
+            "passed": self.passed,
+            "greedy": self.greedy.to_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -121,19 +141,31 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         checked = bool(self.reports) or (self.reference == "none" and bool(self.invariants))
-        return (checked and all(r.passed for r in self.reports) and all(c.passed for c in self.consumers)
-                and all(i.passed for i in self.invariants) and all(c.passed for c in self.cross))
+        return (
+            checked
+            and all(r.passed for r in self.reports)
+            and all(c.passed for c in self.consumers)
+            and all(i.passed for i in self.invariants)
+            and all(c.passed for c in self.cross)
+        )
 
     def __bool__(self) -> bool:  # `if verify_artifact(...)` read true for a failed report, as any dataclass does
         return self.passed
 
     def to_dict(self) -> dict:
-        return {"folder": self.folder, "passed": self.passed, "reference": self.reference,
-                "seconds": round(self.seconds, 2), "settings": self.settings,
-                "tolerance_overrides": self.tolerance_overrides.to_dict(),
-                "providers": [r.to_dict() for r in self.reports], "skipped": self.skipped,
-                "invariants": [i.to_dict() for i in self.invariants],
-                "cross_provider": [c.to_dict() for c in self.cross],
-                "cross_provider_probes": [p.to_dict() for p in self.cross_probes],
-                "attribution": self.attribution.to_dict() if self.attribution else None,
-                "consumers": [c.to_dict() for c in self.consumers], "consumers_skipped": self.consumers_skipped}
+        return {
+            "folder": self.folder,
+            "passed": self.passed,
+            "reference": self.reference,
+            "seconds": round(self.seconds, 2),
+            "settings": self.settings,
+            "tolerance_overrides": self.tolerance_overrides.to_dict(),
+            "providers": [r.to_dict() for r in self.reports],
+            "skipped": self.skipped,
+            "invariants": [i.to_dict() for i in self.invariants],
+            "cross_provider": [c.to_dict() for c in self.cross],
+            "cross_provider_probes": [p.to_dict() for p in self.cross_probes],
+            "attribution": self.attribution.to_dict() if self.attribution else None,
+            "consumers": [c.to_dict() for c in self.consumers],
+            "consumers_skipped": self.consumers_skipped,
+        }

@@ -12,15 +12,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from exporter.artifact.paths import read_json_object
 from exporter.errors import InputError
-from exporter.paths import read_json_object
-from exporter.sessions import CPU, CUDA
+from exporter.runtime.sessions import CPU, CUDA
 from exporter.verify.metrics import Tolerance
 
 KINDS = ("logits", "kv", "loss")
 TERMS = ("atol", "rtol", "peak")
-FP16_UNIT_ROUNDOFF = 2.0 ** -11  # u: float16 keeps 11 significant bits
-FP32_UNIT_ROUNDOFF = 2.0 ** -24  # float32 keeps 24
+FP16_UNIT_ROUNDOFF = 2.0**-11  # u: float16 keeps 11 significant bits
+FP32_UNIT_ROUNDOFF = 2.0**-24  # float32 keeps 24
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,12 @@ class Profile:
         return getattr(self, kind)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, **{kind: self[kind].to_dict() for kind in KINDS}, "why": self.why,
-                "overridden": list(self.overridden)}
+        return {
+            "name": self.name,
+            **{kind: self[kind].to_dict() for kind in KINDS},
+            "why": self.why,
+            "overridden": list(self.overridden),
+        }
 
 
 _U = FP16_UNIT_ROUNDOFF
@@ -59,10 +63,14 @@ _U32 = FP32_UNIT_ROUNDOFF
 # loss of ln(vocab): 7e-5 for 512 tokens, 1e-4 for 6400).
 _FP32_ACTIVATIONS = Tolerance(0.0, 0.0, 512 * _U32)
 _CPU_FP32 = Profile(
-    "float32/CPU", logits=_FP32_ACTIVATIONS, kv=_FP32_ACTIVATIONS, loss=Tolerance(1e-5, 1e-5),
+    "float32/CPU",
+    logits=_FP32_ACTIVATIONS,
+    kv=_FP32_ACTIVATIONS,
+    loss=Tolerance(1e-5, 1e-5),
     why="float32 on both sides, each with float32's own rounding error (measured against float64: up to "
-        "139u of the logits peak, minimind2-small); allowed 512u of the peak, while a wrong graph moves "
-        "logits by O(1)")
+    "139u of the logits peak, minimind2-small); allowed 512u of the peak, while a wrong graph moves "
+    "logits by O(1)",
+)
 # float16: every stored activation is rounded to 11 significant bits and the two sides round at different
 # points (ONNX Runtime's CPU provider upcasts many ops to float32, PyTorch keeps float16), so their
 # difference is as large as float16's own loss against float32: measured on minimind-3 logits peaking at
@@ -71,23 +79,30 @@ _CPU_FP32 = Profile(
 # error averages over positions (measured 4.9e-4): 2e-3 + 4u|x|.
 _FP16_ACTIVATIONS = Tolerance(1e-3, 4 * _U, 16 * _U)
 _CPU_FP16 = Profile(
-    "float16/CPU", logits=_FP16_ACTIVATIONS, kv=_FP16_ACTIVATIONS, loss=Tolerance(2e-3, 4 * _U),
+    "float16/CPU",
+    logits=_FP16_ACTIVATIONS,
+    kv=_FP16_ACTIVATIONS,
+    loss=Tolerance(2e-3, 4 * _U),
     why="float16 rounds every activation to 11 bits at different points on each side; measured ~7u of the "
-        "logits peak, allowed 16u of the peak + 4u elementwise")
-# CUDA float32: every session turns TF32 off (exporter.sessions.session_providers), so the CUDA provider
+    "logits peak, allowed 16u of the peak + 4u elementwise",
+)
+# CUDA float32: every session turns TF32 off (exporter.runtime.sessions.session_providers), so the CUDA provider
 # computes in float32 with its own kernels and summation orders: the CPU argument and bound. Not measured
 # here (no GPU).
-_CUDA_FP32 = dataclasses.replace(_CPU_FP32, name="float32/CUDA",
-                                 why=_CPU_FP32.why + " (TF32 off; same reasoning on CUDA; not measured: no GPU "
-                                                     "here)")
+_CUDA_FP32 = dataclasses.replace(
+    _CPU_FP32, name="float32/CUDA", why=_CPU_FP32.why + " (TF32 off; same reasoning on CUDA; not measured: no GPU here)"
+)
 # CUDA float16: fused kernels accumulate in float32 like the CPU provider's upcasts; the same rounding
 # argument as float16/CPU applies. Not measured here.
-_CUDA_FP16 = dataclasses.replace(_CPU_FP16, name="float16/CUDA",
-                                 why=_CPU_FP16.why + " (same reasoning on CUDA; not measured: no GPU here)")
+_CUDA_FP16 = dataclasses.replace(
+    _CPU_FP16, name="float16/CUDA", why=_CPU_FP16.why + " (same reasoning on CUDA; not measured: no GPU here)"
+)
 
 PROFILES: dict[tuple[str, str], Profile] = {
-    ("float32", CPU): _CPU_FP32, ("float16", CPU): _CPU_FP16,
-    ("float32", CUDA): _CUDA_FP32, ("float16", CUDA): _CUDA_FP16,
+    ("float32", CPU): _CPU_FP32,
+    ("float16", CPU): _CPU_FP16,
+    ("float32", CUDA): _CUDA_FP32,
+    ("float16", CUDA): _CUDA_FP16,
 }
 
 
@@ -108,8 +123,9 @@ class Overrides:
         values = {kind: profile[kind].to_dict() for kind in KINDS}
         for kind, term, value in self.terms:
             values[kind][term] = value
-        return dataclasses.replace(profile, **{kind: Tolerance(**values[kind]) for kind in KINDS},
-                                   overridden=tuple(self.to_dict()))
+        return dataclasses.replace(
+            profile, **{kind: Tolerance(**values[kind]) for kind in KINDS}, overridden=tuple(self.to_dict())
+        )
 
     def to_dict(self) -> dict:
         """{"logits.atol": 1e-3, ...}; a term set twice (in a file, then on the command line) keeps its last value."""
@@ -119,14 +135,14 @@ class Overrides:
     def from_dict(cls, data, where: str) -> Overrides:
         """to_dict's form read back (from a golden bundle); InputError names `where` when it is not that."""
         if not isinstance(data, dict):
-            raise InputError(f"{where}: expected a table of tolerance terms like {{\"logits.atol\": 1e-3}}, got "
-                             f"{data!r}")
+            raise InputError(f'{where}: expected a table of tolerance terms like {{"logits.atol": 1e-3}}, got {data!r}')
         terms = []
         for name, value in data.items():
             kind, _, term = name.partition(".")
             if term not in TERMS:
-                raise InputError(f"{where}: {name!r} is no tolerance term; write KIND.TERM, TERM one of "
-                                 f"{', '.join(TERMS)}")
+                raise InputError(
+                    f"{where}: {name!r} is no tolerance term; write KIND.TERM, TERM one of {', '.join(TERMS)}"
+                )
             terms.append((_kind(kind, where), term, _value(value, f"{where} {name}")))
         return cls(tuple(terms))
 
@@ -151,8 +167,9 @@ class AppliedOverrides:
         if self.recorded is None:
             return self.given
         replaced = self.given.to_dict()
-        kept = tuple((kind, term, value) for kind, term, value in self.recorded.terms
-                     if f"{kind}.{term}" not in replaced)
+        kept = tuple(
+            (kind, term, value) for kind, term, value in self.recorded.terms if f"{kind}.{term}" not in replaced
+        )
         return Overrides(kept + self.given.terms)
 
     def describe(self) -> str:
@@ -165,11 +182,15 @@ class AppliedOverrides:
             if name not in given:
                 return "recorded in the golden bundle"
             return f"given, in place of the bundle's {recorded[name]:g}" if name in recorded else "given"
+
         return ", ".join(f"{name}={value:g} ({origin(name)})" for name, value in self.overrides.to_dict().items())
 
     def to_dict(self) -> dict:
-        return {"applied": self.overrides.to_dict(), "given": self.given.to_dict(),
-                "recorded_in_golden_bundle": None if self.recorded is None else self.recorded.to_dict()}
+        return {
+            "applied": self.overrides.to_dict(),
+            "given": self.given.to_dict(),
+            "recorded_in_golden_bundle": None if self.recorded is None else self.recorded.to_dict(),
+        }
 
 
 def _value(text, where: str) -> float:
@@ -195,14 +216,16 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
     {kind: {term: value}}; the command-line terms win over the file's."""
     terms: list[tuple[str, str, float]] = []
     if file is not None:
-        data = read_json_object(file, InputError, "tolerance file",
-                                'give a JSON or .toml file like {"logits": {"atol": 1e-3}}', toml=True)
+        data = read_json_object(
+            file, InputError, "tolerance file", 'give a JSON or .toml file like {"logits": {"atol": 1e-3}}', toml=True
+        )
         for kind, entry in data.items():
             _kind(kind, str(file))
             unknown = sorted(set(entry) - set(TERMS)) if isinstance(entry, dict) else []
             if unknown:
-                raise InputError(f"{file}: {kind} holds an unknown term {unknown[0]!r}; choose among "
-                                 f"{', '.join(TERMS)}")
+                raise InputError(
+                    f"{file}: {kind} holds an unknown term {unknown[0]!r}; choose among {', '.join(TERMS)}"
+                )
             if not isinstance(entry, dict):
                 raise InputError(f"{file}: {kind} must map some of {', '.join(TERMS)} to numbers")
             terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]
@@ -215,8 +238,17 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
             where = f"{term} (--{term}) {item}"
             key, number = (_kind(kind.strip(), where), term), _value(value.strip(), where)
             if given.get(key, number) != number:  # the last one won, silently
-                raise InputError(f"{where}: {key[0]}'s {term} is given twice ({given[key]:g} and {number:g}); "
-                                 "give it once")
+                raise InputError(
+                    f"{where}: {key[0]}'s {term} is given twice ({given[key]:g} and {number:g}); give it once"
+                )
             given[key] = number
             terms.append((*key, number))
     return Overrides(tuple(terms))
+
+
+# The CPU profile per dtype, as {dtype: {"logits": Tolerance, "kv": ..., "loss": ...}}.
+TOLERANCES = {
+    dtype: {kind: profile[kind] for kind in ("logits", "kv", "loss")}
+    for (dtype, provider), profile in PROFILES.items()
+    if provider == CPU
+}

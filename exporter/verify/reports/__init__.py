@@ -9,21 +9,32 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from exporter.artifact.paths import write_text_whole
 from exporter.errors import OutputPathError
-from exporter.paths import write_text_whole
-
 from exporter.verify.reports.html import render_html, render_html_error
 from exporter.verify.reports.junit import render_junit, render_junit_error
 from exporter.verify.reports.text import format_verify
 from exporter.verify.results import VerifyReport
 
-__all__ = ["check_report_destination", "format_verify", "json_text", "render_html", "render_html_error",
-           "render_junit", "render_junit_error", "write_error_reports", "write_reports"]
+__all__ = [
+    "check_report_destination",
+    "format_verify",
+    "json_text",
+    "render_html",
+    "render_html_error",
+    "render_junit",
+    "render_junit_error",
+    "write_error_reports",
+    "write_reports",
+]
 
 
 # How a file of each report kind begins, whoever wrote it (this toolkit, pytest's --junitxml, a browser's save).
-_REPORT_STARTS = {"--report-json": ("JSON", ("{",)), "--junit": ("JUnit XML", ("<?xml", "<testsuite")),
-                  "--html": ("HTML", ("<!doctype html", "<html"))}
+_REPORT_STARTS = {
+    "--report-json": ("JSON", ("{",)),
+    "--junit": ("JUnit XML", ("<?xml", "<testsuite")),
+    "--html": ("HTML", ("<!doctype html", "<html")),
+}
 
 
 def check_report_destination(path: Path, flag: str) -> None:
@@ -39,8 +50,10 @@ def check_report_destination(path: Path, flag: str) -> None:
     except OSError:  # unreadable: whether it can be written is check_output_path's question
         return
     if head and not head.startswith(starts):
-        raise OutputPathError(f"{flag} {path} is a file that holds no {kind} report; refusing to overwrite it: "
-                              "give the path of a new file or of an earlier report, or remove it first")
+        raise OutputPathError(
+            f"{flag} {path} is a file that holds no {kind} report; refusing to overwrite it: "
+            "give the path of a new file or of an earlier report, or remove it first"
+        )
 
 
 def json_text(document) -> str:
@@ -59,22 +72,33 @@ def _finite(value):
     return value
 
 
-def write_reports(report: VerifyReport, json_path: Path | None = None, junit_path: Path | None = None,
-                  html_path: Path | None = None) -> None:
+def write_reports(
+    report: VerifyReport, json_path: Path | None = None, junit_path: Path | None = None, html_path: Path | None = None
+) -> None:
     """The requested reports of a verification's verdict; see _write."""
-    _write([("--report-json", json_path, lambda: json_text(report.to_dict()) + "\n"),
-            ("--junit", junit_path, lambda: render_junit(report)), ("--html", html_path, lambda: render_html(report))])
+    _write(
+        [
+            ("--report-json", json_path, lambda: json_text(report.to_dict()) + "\n"),
+            ("--junit", junit_path, lambda: render_junit(report)),
+            ("--html", html_path, lambda: render_html(report)),
+        ]
+    )
 
 
-def write_error_reports(error: dict, json_path: Path | None = None, junit_path: Path | None = None,
-                        html_path: Path | None = None) -> None:
+def write_error_reports(
+    error: dict, json_path: Path | None = None, junit_path: Path | None = None, html_path: Path | None = None
+) -> None:
     """The requested reports of a verification that stopped with an error, so that none left by an earlier run
     passes for this one's verdict: `error` is the document the CLI prints under --json,
     {"error": {"kind": ..., "message": ...}, "exit_code": N}."""
     kind, message = error["error"]["kind"], error["error"]["message"]
-    _write([("--report-json", json_path, lambda: json_text(error) + "\n"),
+    _write(
+        [
+            ("--report-json", json_path, lambda: json_text(error) + "\n"),
             ("--junit", junit_path, lambda: render_junit_error(kind, message)),
-            ("--html", html_path, lambda: render_html_error(kind, message))])
+            ("--html", html_path, lambda: render_html_error(kind, message)),
+        ]
+    )
 
 
 def _write(reports: list[tuple[str, Path | None, Callable[[], str]]]) -> None:

@@ -8,8 +8,15 @@ from html import escape
 
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.reports.svg import bar_chart, line_chart
-from exporter.verify.reports.text import (HEADER, comparison_row, experts_verdict, probe_notes, routing_notes,
-                                          summary_tables, verdict)
+from exporter.verify.reports.text import (
+    HEADER,
+    comparison_row,
+    experts_verdict,
+    probe_notes,
+    routing_notes,
+    summary_tables,
+    verdict,
+)
 from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
@@ -19,47 +26,95 @@ font-weight:bold}svg{display:block;margin:.5em 0;border:1px solid #eee}"""
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f'<td class="{escape(c)}">{escape(c)}</td>' if c in ("pass", "FAIL")
-                                    else f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="{escape(c)}">{escape(c)}</td>' if c in ("pass", "FAIL") else f"<td>{escape(str(c))}</td>"
+            for c in row
+        )
+        + "</tr>"
+        for row in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _plots(p: ProviderReport) -> str:
     tolerance_scale = [s.logits.needed.scale for s in p.curve]
-    curve = line_chart("Error per decode step (logits and present, max abs)", "decode step",
-                       {"logits max abs": [s.logits.max_abs for s in p.curve],
-                        "present max abs": [s.kv.max_abs for s in p.curve],
-                        "logits error / tolerance": tolerance_scale}, "plot decode-curve")
-    layers = bar_chart("Error per layer (prefill present, max abs)", "layer", [str(x.layer) for x in p.layers],
-                       {"key": [x.key.max_abs for x in p.layers], "value": [x.value.max_abs for x in p.layers]},
-                       css_class="plot layer-errors")
+    curve = line_chart(
+        "Error per decode step (logits and present, max abs)",
+        "decode step",
+        {
+            "logits max abs": [s.logits.max_abs for s in p.curve],
+            "present max abs": [s.kv.max_abs for s in p.curve],
+            "logits error / tolerance": tolerance_scale,
+        },
+        "plot decode-curve",
+    )
+    layers = bar_chart(
+        "Error per layer (prefill present, max abs)",
+        "layer",
+        [str(x.layer) for x in p.layers],
+        {"key": [x.key.max_abs for x in p.layers], "value": [x.value.max_abs for x in p.layers]},
+        css_class="plot layer-errors",
+    )
     h = p.histogram
     labels = [f"{e:.0e}" for e in h["edges"][:-1]]
-    histogram = bar_chart(f"Histogram of |logit difference| (prefill; {h['zeros']} exact zeros, "
-                          f"{h['non_finite']} not finite)", "|difference| from",
-                          labels or ["none"], {"count": h["counts"] or [0]}, log_y=False,
-                          css_class="plot logit-histogram")
+    histogram = bar_chart(
+        f"Histogram of |logit difference| (prefill; {h['zeros']} exact zeros, {h['non_finite']} not finite)",
+        "|difference| from",
+        labels or ["none"],
+        {"count": h["counts"] or [0]},
+        log_y=False,
+        css_class="plot logit-histogram",
+    )
     return curve + layers + histogram
 
 
 def _provider(p: ProviderReport) -> str:
     rows = [comparison_row(c) for c in p.comparisons]
-    rows.append(["greedy tokens", f"{p.greedy.match_length}/{len(p.greedy.reference_ids)}", "", "", p.greedy.note,
-                 "", "", verdict(p.greedy.passed)])
-    sweep = _table(["batch", "new tokens", "past", "logits max abs (x tol)", "present max abs (x tol)", "result"],
-                   [[c.batch, c.new_tokens, c.past, f"{c.logits.max_abs:.3g} ({c.logits.needed.scale:.2g}x)",
-                     f"{c.kv.max_abs:.3g} ({c.kv.needed.scale:.2g}x)", verdict(c.passed)] for c in p.sweep]
-                   ) if p.sweep else "<p>sweep off</p>"
+    rows.append(
+        [
+            "greedy tokens",
+            f"{p.greedy.match_length}/{len(p.greedy.reference_ids)}",
+            "",
+            "",
+            p.greedy.note,
+            "",
+            "",
+            verdict(p.greedy.passed),
+        ]
+    )
+    sweep = (
+        _table(
+            ["batch", "new tokens", "past", "logits max abs (x tol)", "present max abs (x tol)", "result"],
+            [
+                [
+                    c.batch,
+                    c.new_tokens,
+                    c.past,
+                    f"{c.logits.max_abs:.3g} ({c.logits.needed.scale:.2g}x)",
+                    f"{c.kv.max_abs:.3g} ({c.kv.needed.scale:.2g}x)",
+                    verdict(c.passed),
+                ]
+                for c in p.sweep
+            ],
+        )
+        if p.sweep
+        else "<p>sweep off</p>"
+    )
     h = p.health
     loc = p.localisation
     overridden = f"; overridden: {', '.join(p.profile.overridden)}" if p.profile.overridden else ""
     headroom = f"; fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
     repeat = "bit-identical" if p.repeat.max_abs == 0 else f"max abs {p.repeat.max_abs:.3g}"
-    notes = [f"profile {p.profile.name}: {p.profile.why}{overridden}",
-             f"health: {h.nan} NaN, {h.inf} Inf, {h.saturated} saturated, {h.zero_rows} zero rows{headroom}: "
-             f"{verdict(h.passed)}",
-             *h.issues, *h.warnings,
-             f"repeat run of {PREFILL_BATCH} (nondeterminism): {repeat}: {verdict(p.repeat.passed)}"]
+    notes = [
+        f"profile {p.profile.name}: {p.profile.why}{overridden}",
+        f"health: {h.nan} NaN, {h.inf} Inf, {h.saturated} saturated, {h.zero_rows} zero rows{headroom}: "
+        f"{verdict(h.passed)}",
+        *h.issues,
+        *h.warnings,
+        f"repeat run of {PREFILL_BATCH} (nondeterminism): {repeat}: {verdict(p.repeat.passed)}",
+    ]
     if loc.fault_in:
         notes.append(f"localisation: {loc.describe()}")
     notes += probe_notes(p)
@@ -67,25 +122,31 @@ def _provider(p: ProviderReport) -> str:
         notes.append(f"expert choice: {p.experts.note} ({experts_verdict(p.experts)})")
     notes += routing_notes(p)
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
-    return (f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
-            f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'
-            f"{_table(HEADER, rows)}<ul>{items}</ul>{_plots(p)}<h3>Shape sweep</h3>{sweep}</section>")
+    return (
+        f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
+        f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'
+        f"{_table(HEADER, rows)}<ul>{items}</ul>{_plots(p)}<h3>Shape sweep</h3>{sweep}</section>"
+    )
 
 
 def render_html(report: VerifyReport) -> str:
     overall = "PASS" if report.passed else "FAIL"
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify {escape(report.folder)}: "
-             f"{overall}</title><style>{STYLE}</style></head><body>",
-             f"<h1>Verification of {escape(report.folder)}: <span class='{verdict(report.passed)}'>{overall}</span></h1>",
-             f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
-             f"{escape(str(report.settings))}</p>"]
+    parts = [
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify {escape(report.folder)}: "
+        f"{overall}</title><style>{STYLE}</style></head><body>",
+        f"<h1>Verification of {escape(report.folder)}: <span class='{verdict(report.passed)}'>{overall}</span></h1>",
+        f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
+        f"{escape(str(report.settings))}</p>",
+    ]
     overrides = report.tolerance_overrides.describe()
     parts += [f"<p>tolerance overrides: {escape(overrides)}</p>"] if overrides else []
     parts += [_provider(p) for p in report.reports]
-    parts += [f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped,
-                                                                        **report.consumers_skipped}.items()]
-    parts += [f"<h2>{escape(title.capitalize())}</h2>{_table(header, rows)}"
-              for title, header, rows in summary_tables(report)]
+    parts += [
+        f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped, **report.consumers_skipped}.items()
+    ]
+    parts += [
+        f"<h2>{escape(title.capitalize())}</h2>{_table(header, rows)}" for title, header, rows in summary_tables(report)
+    ]
     for c in report.consumers:
         parts.append(f"<h2>Consumer {escape(c.consumer)}</h2><p>{escape(c.greedy.note)}: {verdict(c.passed)}</p>")
     return "\n".join(parts + ["</body></html>"]) + "\n"
@@ -93,6 +154,8 @@ def render_html(report: VerifyReport) -> str:
 
 def render_html_error(kind: str, message: str) -> str:
     """A verification that stopped with an error: the page says so, and what the error was."""
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify: ERROR</title>"
-            f"<style>{STYLE}</style></head><body>\n<h1>Verification stopped: <span class='FAIL'>ERROR</span></h1>\n"
-            f"<p>{escape(kind)} error: {escape(message)}</p>\n</body></html>\n")
+    return (
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify: ERROR</title>"
+        f"<style>{STYLE}</style></head><body>\n<h1>Verification stopped: <span class='FAIL'>ERROR</span></h1>\n"
+        f"<p>{escape(kind)} error: {escape(message)}</p>\n</body></html>\n"
+    )

@@ -32,16 +32,27 @@ def _case(suite: ET.Element, name: str, passed: bool | None, detail: str) -> Non
 
 
 def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]]) -> None:
-    suite = ET.SubElement(root, "testsuite", name=_xml_text(name), tests=str(len(cases)),
-                          failures=str(sum(passed is not None and not passed for _, passed, _ in cases)), errors="0",
-                          skipped=str(sum(passed is None for _, passed, _ in cases)), time="0")
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        name=_xml_text(name),
+        tests=str(len(cases)),
+        failures=str(sum(passed is not None and not passed for _, passed, _ in cases)),
+        errors="0",
+        skipped=str(sum(passed is None for _, passed, _ in cases)),
+        time="0",
+    )
     for case in cases:
         _case(suite, *case)
 
 
 def _comparison(c, name: str | None = None) -> tuple[str, bool, str]:
-    return (name or c.name, c.passed, f"max abs {c.max_abs:.3g}, mean abs {c.mean_abs:.3g}, max rel {c.max_rel:.3g}, "
-                              f"needed atol {c.needed.atol:.3g} ({c.needed.scale:.3g}x the tolerance)")
+    return (
+        name or c.name,
+        c.passed,
+        f"max abs {c.max_abs:.3g}, mean abs {c.mean_abs:.3g}, max rel {c.max_rel:.3g}, "
+        f"needed atol {c.needed.atol:.3g} ({c.needed.scale:.3g}x the tolerance)",
+    )
 
 
 def render_junit(report: VerifyReport) -> str:
@@ -53,8 +64,13 @@ def render_junit(report: VerifyReport) -> str:
         if p.experts is not None:
             cases.append(("expert choice", p.experts.result, p.experts.note))
         if p.routing_flips:
-            cases.append(("routing near-ties", all(flip.explained for flip in p.routing_flips),
-                          "; ".join(flip.describe() for flip in p.routing_flips)))
+            cases.append(
+                (
+                    "routing near-ties",
+                    all(flip.explained for flip in p.routing_flips),
+                    "; ".join(flip.describe() for flip in p.routing_flips),
+                )
+            )
         cases += [(f"sweep {c.name}", c.passed, sweep_detail(c)) for c in p.sweep]
         cases.append((f"repeat run of {PREFILL_BATCH}", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
@@ -64,17 +80,31 @@ def render_junit(report: VerifyReport) -> str:
     if report.cross:
         _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
     if report.attribution is not None and report.attribution.legs:
-        _suite(root, "attribution", [_comparison(leg.comparison, f"{leg.cause} leg ({leg.covers})")
-                                     for leg in report.attribution.legs])
+        _suite(
+            root,
+            "attribution",
+            [_comparison(leg.comparison, f"{leg.cause} leg ({leg.covers})") for leg in report.attribution.legs],
+        )
     if report.consumers:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     skipped = {**report.skipped, **report.consumers_skipped}
     if skipped:
-        suite = ET.SubElement(root, "testsuite", name="skipped", tests=str(len(skipped)), failures="0", errors="0",
-                              skipped=str(len(skipped)), time="0")
+        suite = ET.SubElement(
+            root,
+            "testsuite",
+            name="skipped",
+            tests=str(len(skipped)),
+            failures="0",
+            errors="0",
+            skipped=str(len(skipped)),
+            time="0",
+        )
         for name, reason in skipped.items():
-            ET.SubElement(ET.SubElement(suite, "testcase", classname="skipped", name=name, time="0"), "skipped",
-                          message=_xml_text(reason))
+            ET.SubElement(
+                ET.SubElement(suite, "testcase", classname="skipped", name=name, time="0"),
+                "skipped",
+                message=_xml_text(reason),
+            )
     suites = root.findall("testsuite")
     for total in ("tests", "failures", "errors", "skipped"):
         root.set(total, str(sum(int(suite.get(total)) for suite in suites)))
@@ -85,8 +115,7 @@ def render_junit_error(kind: str, message: str) -> str:
     """A verification that stopped with an error: one testsuite with one testcase holding the <error>, which CI
     systems show as a broken run rather than a pass."""
     root = ET.Element("testsuites", name="verify", tests="1", failures="0", errors="1", skipped="0", time="0")
-    suite = ET.SubElement(root, "testsuite", name="verify", tests="1", failures="0", errors="1", skipped="0",
-                          time="0")
+    suite = ET.SubElement(root, "testsuite", name="verify", tests="1", failures="0", errors="1", skipped="0", time="0")
     case = ET.SubElement(suite, "testcase", classname="verify", name="verification", time="0")
     ET.SubElement(case, "error", type=kind, message=_xml_text(message[:200])).text = _xml_text(message)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

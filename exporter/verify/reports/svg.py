@@ -16,17 +16,21 @@ def _log(y: float) -> float:
 
 
 def _frame(title: str, xlabel: str, low: float, high: float, css_class: str, log_axis: bool = True) -> list[str]:
-    parts = [f'<svg class="{css_class}" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-             f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{escape(title)}">',
-             f'<title>{escape(title)}</title>',
-             f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
-             f'<text x="{WIDTH / 2}" y="{HEIGHT - 6}" text-anchor="middle" font-size="11">{escape(xlabel)}</text>',
-             f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - RIGHT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>',
-             f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>']
+    parts = [
+        f'<svg class="{css_class}" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+        f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{escape(title)}">',
+        f"<title>{escape(title)}</title>",
+        f'<text x="{WIDTH / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 6}" text-anchor="middle" font-size="11">{escape(xlabel)}</text>',
+        f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - RIGHT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>',
+        f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>',
+    ]
     for exponent in range(math.floor(low), math.ceil(high) + 1) if log_axis else ():
         y = _y(exponent, low, high)
-        parts.append(f'<line x1="{LEFT - 4}" y1="{y:.1f}" x2="{WIDTH - RIGHT}" y2="{y:.1f}" stroke="#ddd"/>'
-                     f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10">1e{exponent}</text>')
+        parts.append(
+            f'<line x1="{LEFT - 4}" y1="{y:.1f}" x2="{WIDTH - RIGHT}" y2="{y:.1f}" stroke="#ddd"/>'
+            f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10">1e{exponent}</text>'
+        )
     return parts
 
 
@@ -46,8 +50,11 @@ def _titled(title: str, values: list[float]) -> str:
 
 
 def _legend(labels: list[str]) -> list[str]:
-    return [f'<text x="{LEFT + 8 + 150 * i}" y="{TOP + 10}" font-size="11" fill="{COLOURS[i % len(COLOURS)]}">'
-            f'&#9632; {escape(label)}</text>' for i, label in enumerate(labels)]
+    return [
+        f'<text x="{LEFT + 8 + 150 * i}" y="{TOP + 10}" font-size="11" fill="{COLOURS[i % len(COLOURS)]}">'
+        f"&#9632; {escape(label)}</text>"
+        for i, label in enumerate(labels)
+    ]
 
 
 def line_chart(title: str, xlabel: str, series: dict[str, list[float]], css_class: str = "plot") -> str:
@@ -57,18 +64,29 @@ def line_chart(title: str, xlabel: str, series: dict[str, list[float]], css_clas
     parts = _frame(_titled(title, values), xlabel, low, high, css_class)
     n = max(len(ys) for ys in series.values())
     for i, (label, ys) in enumerate(series.items()):
-        points = " ".join(f"{LEFT + x / max(n - 1, 1) * (WIDTH - LEFT - RIGHT):.1f},{_y(_log(y), low, high):.1f}"
-                          for x, y in enumerate(ys) if math.isfinite(y))
-        parts.append(f'<polyline class="series" fill="none" stroke="{COLOURS[i % len(COLOURS)]}" stroke-width="1.5" '
-                     f'points="{points}"><title>{escape(label)}</title></polyline>')
+        points = " ".join(
+            f"{LEFT + x / max(n - 1, 1) * (WIDTH - LEFT - RIGHT):.1f},{_y(_log(y), low, high):.1f}"
+            for x, y in enumerate(ys)
+            if math.isfinite(y)
+        )
+        parts.append(
+            f'<polyline class="series" fill="none" stroke="{COLOURS[i % len(COLOURS)]}" stroke-width="1.5" '
+            f'points="{points}"><title>{escape(label)}</title></polyline>'
+        )
     for tick in sorted({0, n // 2, n - 1}):
         x = LEFT + tick / max(n - 1, 1) * (WIDTH - LEFT - RIGHT)
         parts.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 14}" text-anchor="middle" font-size="10">{tick}</text>')
     return "\n".join(parts + _legend(list(series)) + ["</svg>"])
 
 
-def bar_chart(title: str, xlabel: str, labels: list[str], series: dict[str, list[float]], log_y: bool = True,
-              css_class: str = "plot") -> str:
+def bar_chart(
+    title: str,
+    xlabel: str,
+    labels: list[str],
+    series: dict[str, list[float]],
+    log_y: bool = True,
+    css_class: str = "plot",
+) -> str:
     """Grouped bars, one group per label; log10 y (or linear counts)."""
     values = [v for ys in series.values() for v in ys]
     title = _titled(title, values)
@@ -89,11 +107,15 @@ def bar_chart(title: str, xlabel: str, labels: list[str], series: dict[str, list
                 continue
             x = LEFT + i * group + group * 0.1 + s * bar
             y = height(v)
-            parts.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '
-                         f'height="{max(HEIGHT - BOTTOM - y, 0):.1f}" fill="{COLOURS[s % len(COLOURS)]}">'
-                         f'<title>{escape(name)} {escape(labels[i])}: {v:.3g}</title></rect>')
+            parts.append(
+                f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" '
+                f'height="{max(HEIGHT - BOTTOM - y, 0):.1f}" fill="{COLOURS[s % len(COLOURS)]}">'
+                f"<title>{escape(name)} {escape(labels[i])}: {v:.3g}</title></rect>"
+            )
     step = max(1, len(labels) // 12)
     for i in range(0, len(labels), step):
-        parts.append(f'<text x="{LEFT + (i + 0.5) * group:.1f}" y="{HEIGHT - BOTTOM + 14}" text-anchor="middle" '
-                     f'font-size="10">{escape(labels[i])}</text>')
+        parts.append(
+            f'<text x="{LEFT + (i + 0.5) * group:.1f}" y="{HEIGHT - BOTTOM + 14}" text-anchor="middle" '
+            f'font-size="10">{escape(labels[i])}</text>'
+        )
     return "\n".join(parts + (_legend(list(series)) if len(series) > 1 else []) + ["</svg>"])

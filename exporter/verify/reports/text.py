@@ -10,8 +10,10 @@ from exporter.verify.results import ProviderReport, VerifyReport
 
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
-             for row in [header, ["-" * w for w in widths], *rows]]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+        for row in [header, ["-" * w for w in widths], *rows]
+    ]
     return "\n".join(lines)
 
 
@@ -35,8 +37,16 @@ def _llm(c: Comparison) -> str:
 
 def comparison_row(c: Comparison) -> list[str]:
     t = c.tolerance
-    return [c.name, f"{c.max_abs:.3g}", f"{c.mean_abs:.3g}", f"{c.max_rel:.3g}", _llm(c),
-            f"{t.atol:g}/{t.rtol:.3g}/{t.peak:.3g}", f"{c.needed.atol:.2g} ({c.needed.scale:.2g}x)", verdict(c.passed)]
+    return [
+        c.name,
+        f"{c.max_abs:.3g}",
+        f"{c.mean_abs:.3g}",
+        f"{c.max_rel:.3g}",
+        _llm(c),
+        f"{t.atol:g}/{t.rtol:.3g}/{t.peak:.3g}",
+        f"{c.needed.atol:.2g} ({c.needed.scale:.2g}x)",
+        verdict(c.passed),
+    ]
 
 
 def _sweep_outputs(case) -> tuple[tuple[str, Comparison], ...]:
@@ -45,8 +55,10 @@ def _sweep_outputs(case) -> tuple[tuple[str, Comparison], ...]:
 
 def sweep_detail(case) -> str:
     """A sweep case's two outputs, each with its multiple of the tolerance and its verdict."""
-    outputs = ", ".join(f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol, {verdict(c.passed)})"
-                        for output, c in _sweep_outputs(case))
+    outputs = ", ".join(
+        f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol, {verdict(c.passed)})"
+        for output, c in _sweep_outputs(case)
+    )
     return "; ".join([outputs] + [flip.describe() for flip in case.routing])
 
 
@@ -66,38 +78,91 @@ HEADER = ["check", "max abs", "mean abs", "max rel", "LLM metrics", "atol/rtol/p
 def _provider(p: ProviderReport) -> str:
     rows = [comparison_row(c) for c in p.comparisons]
     g = p.greedy
-    rows.append(["greedy tokens", f"{g.match_length}/{len(g.reference_ids)} match", "", "", "", "", "", verdict(g.passed)])
+    rows.append(
+        ["greedy tokens", f"{g.match_length}/{len(g.reference_ids)} match", "", "", "", "", "", verdict(g.passed)]
+    )
     if p.sweep:
         failed = [c.name for c in p.sweep if not c.passed]
-        output, worst, case = max(((output, x, c) for c in p.sweep for output, x in _sweep_outputs(c)),
-                                  key=lambda entry: entry[1].needed.scale)
-        rows.append([f"shape sweep ({len(p.sweep)} shapes)", f"{worst.max_abs:.3g}", "", "", "", "",
-                     f"{worst.needed.scale:.2g}x ({output}) at {case.name}", verdict(not failed)])
+        output, worst, case = max(
+            ((output, x, c) for c in p.sweep for output, x in _sweep_outputs(c)),
+            key=lambda entry: entry[1].needed.scale,
+        )
+        rows.append(
+            [
+                f"shape sweep ({len(p.sweep)} shapes)",
+                f"{worst.max_abs:.3g}",
+                "",
+                "",
+                "",
+                "",
+                f"{worst.needed.scale:.2g}x ({output}) at {case.name}",
+                verdict(not failed),
+            ]
+        )
     flips = p.routing_flips
     if flips:
         explained = sum(flip.explained for flip in flips)
-        rows.append(["routing near-ties", f"{explained}/{len(flips)} explained", "", "",
-                     "failing calls whose routers chose other experts", "", "", verdict(explained == len(flips))])
+        rows.append(
+            [
+                "routing near-ties",
+                f"{explained}/{len(flips)} explained",
+                "",
+                "",
+                "failing calls whose routers chose other experts",
+                "",
+                "",
+                verdict(explained == len(flips)),
+            ]
+        )
     if p.experts is not None:
         agreement = f"{100 * p.experts.fraction:.2f}% agree" if p.experts.measured else "not measured"
         rows.append(["expert choice", agreement, "", "", "", "", "", experts_verdict(p.experts)])
-    rows.append([f"repeat run of {PREFILL_BATCH} (nondeterminism)", f"{p.repeat.max_abs:.3g}", "", "", "", "", "",
-                 verdict(p.repeat.passed)])
+    rows.append(
+        [
+            f"repeat run of {PREFILL_BATCH} (nondeterminism)",
+            f"{p.repeat.max_abs:.3g}",
+            "",
+            "",
+            "",
+            "",
+            "",
+            verdict(p.repeat.passed),
+        ]
+    )
     h = p.health
     headroom = f"fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
-    rows.append(["health (NaN/Inf/saturated/zero rows)", f"{h.nan}/{h.inf}/{h.saturated}/{h.zero_rows}", "", "",
-                 headroom, "", "", verdict(h.passed)])
-    lines = [f"{p.provider} ({p.dtype}, profile {p.profile.name}"
-             f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
-             f"{'PASS' if p.passed else 'FAIL'}", table(HEADER, rows), f"  greedy: {g.note}"]
+    rows.append(
+        [
+            "health (NaN/Inf/saturated/zero rows)",
+            f"{h.nan}/{h.inf}/{h.saturated}/{h.zero_rows}",
+            "",
+            "",
+            headroom,
+            "",
+            "",
+            verdict(h.passed),
+        ]
+    )
+    lines = [
+        f"{p.provider} ({p.dtype}, profile {p.profile.name}"
+        f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
+        f"{'PASS' if p.passed else 'FAIL'}",
+        table(HEADER, rows),
+        f"  greedy: {g.note}",
+    ]
     if p.experts is not None:
         lines.append(f"  experts: {p.experts.note}")
     curve = p.curve
-    lines.append(f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
-                 f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})")
+    lines.append(
+        f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
+        f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})"
+    )
     lines += [f"  {note}" for note in routing_notes(p)]
-    lines += [f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: {sweep_detail(c)}"
-              for c in p.sweep if not c.passed or c.routing_near_tie]
+    lines += [
+        f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: {sweep_detail(c)}"
+        for c in p.sweep
+        if not c.passed or c.routing_near_tie
+    ]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation
     if loc.fault_in:
@@ -114,21 +179,27 @@ def probe_notes(p: ProviderReport) -> list[str]:
     if loc.probe is None and loc.decode_probe is None and loc.probe_skipped == loc.decode_probe_skipped:
         return [f"probe: {loc.probe_skipped}"] if loc.fault_in or decode_failed else []
     notes = []
-    for graph, probe, skipped, failed in (("prefill", loc.probe, loc.probe_skipped, bool(loc.fault_in)),
-                                          ("decode", loc.decode_probe, loc.decode_probe_skipped, decode_failed)):
+    for graph, probe, skipped, failed in (
+        ("prefill", loc.probe, loc.probe_skipped, bool(loc.fault_in)),
+        ("decode", loc.decode_probe, loc.decode_probe_skipped, decode_failed),
+    ):
         if probe is None:
             notes += [f"probe of the {graph} graph: {skipped}"] if failed else []
             continue
         first = probe.first
         if first is not None:
-            found = (f"first diverging checked value {first.tensor}, computed by {first.node} ({first.op_type}) in "
-                     f"{first.module}, max abs {first.max_abs:.3g} ({first.needed_scale:.2g}x tol); the fault lies "
-                     "there or in the operators since the last agreeing value")
+            found = (
+                f"first diverging checked value {first.tensor}, computed by {first.node} ({first.op_type}) in "
+                f"{first.module}, max abs {first.max_abs:.3g} ({first.needed_scale:.2g}x tol); the fault lies "
+                "there or in the operators since the last agreeing value"
+            )
         else:
             found = f"no checked value diverges ({probe.note})"
             if graph == "decode" and decode_failed:
-                found += (f"; {probe.graph} computes this call as the reference does when fed the reference's "
-                          "past, so the decode check's failure comes from the cache ONNX Runtime built before it")
+                found += (
+                    f"; {probe.graph} computes this call as the reference does when fed the reference's "
+                    "past, so the decode check's failure comes from the cache ONNX Runtime built before it"
+                )
         notes.append(f"probe {probe.graph} ({probe.call}): {found}")
     return notes
 
@@ -137,23 +208,57 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
     """The whole-report tables (title, header, rows) that every format renders in its own markup."""
     tables = []
     if report.invariants:
-        tables.append(("reference-free invariants", ["invariant", "detail", "result"],
-                       [[i.name, i.detail, verdict(i.passed)] for i in report.invariants]))
+        tables.append(
+            (
+                "reference-free invariants",
+                ["invariant", "detail", "result"],
+                [[i.name, i.detail, verdict(i.passed)] for i in report.invariants],
+            )
+        )
     if report.cross:
-        tables.append((f"providers against each other (on {PREFILL_BATCH} only)", HEADER,
-                       [comparison_row(c) for c in report.cross]))
+        tables.append(
+            (
+                f"providers against each other (on {PREFILL_BATCH} only)",
+                HEADER,
+                [comparison_row(c) for c in report.cross],
+            )
+        )
     if report.cross_probes:
-        tables.append(("node-level probe between providers", ["providers", "covers", "first diverging operator"],
-                       [[probe.mode, probe.covers,
-                         f"{probe.first.node} ({probe.first.op_type}) in {probe.first.module or 'graph'}"
-                         if probe.first else "no operator diverges"] for probe in report.cross_probes]))
+        tables.append(
+            (
+                "node-level probe between providers",
+                ["providers", "covers", "first diverging operator"],
+                [
+                    [
+                        probe.mode,
+                        probe.covers,
+                        f"{probe.first.node} ({probe.first.op_type}) in {probe.first.module or 'graph'}"
+                        if probe.first
+                        else "no operator diverges",
+                    ]
+                    for probe in report.cross_probes
+                ],
+            )
+        )
     if report.attribution is not None:
         a = report.attribution
-        rows = [[leg.cause, leg.covers, f"{leg.comparison.max_abs:.3g}", f"{leg.comparison.needed.scale:.2g}x",
-                 verdict(leg.comparison.passed)] for leg in a.legs]
-        tables.append(("attribution (export / provider / precision)",
-                       ["leg", "covers", "logits max abs", "x tol", "result"],
-                       rows + ([["skipped", a.skipped, "", "", ""]] if a.skipped else [])))
+        rows = [
+            [
+                leg.cause,
+                leg.covers,
+                f"{leg.comparison.max_abs:.3g}",
+                f"{leg.comparison.needed.scale:.2g}x",
+                verdict(leg.comparison.passed),
+            ]
+            for leg in a.legs
+        ]
+        tables.append(
+            (
+                "attribution (export / provider / precision)",
+                ["leg", "covers", "logits max abs", "x tol", "result"],
+                rows + ([["skipped", a.skipped, "", "", ""]] if a.skipped else []),
+            )
+        )
     return tables
 
 
@@ -165,10 +270,12 @@ def format_verify(report: VerifyReport) -> str:
     blocks += [f"{title}\n{table(header, rows)}" for title, header, rows in summary_tables(report)]
     for consumer in report.consumers:
         greedy = consumer.greedy
-        blocks.append(f"consumer {consumer.consumer} (model type {consumer.model_type}): "
-                      f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
-                      f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
-                      "compared: onnxruntime-genai leaves it out)")
+        blocks.append(
+            f"consumer {consumer.consumer} (model type {consumer.model_type}): "
+            f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
+            f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
+            "compared: onnxruntime-genai leaves it out)"
+        )
     blocks += [f"consumer {consumer}: skipped ({reason})" for consumer, reason in report.consumers_skipped.items()]
     blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f} s")
     return "\n\n".join(blocks)

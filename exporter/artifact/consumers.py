@@ -1,0 +1,323 @@
+"""Sidecar configs that let onnxruntime-genai and Hugging Face Optimum load an artifact folder as it is.
+
+- genai_config.json: onnxruntime-genai (`onnxruntime_genai.Model(folder)`) drives decode.onnx;
+- config.json + generation_config.json: Optimum
+  (`ORTModelForCausalLM.from_pretrained(folder, file_name="decode.onnx", use_cache=True)`).
+
+Both consumers only run the graph; the model type tells them which defaults
+to assume (input names, tokenizer handling), not how to compute. A family
+therefore supplies just two names, in consumer_types; everything else comes
+from the manifest. What each consumer needs was measured (../shared/ECOSYSTEM.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter.artifact.contract import KV_KINDS
+from exporter.artifact.manifest import Manifest
+from exporter.artifact.tokenizer import TokenizerSource, copy_tokenizer, minimal_tokenizer_config
+
+log = logging.getLogger(__name__)
+
+GENAI_CONFIG = "genai_config.json"
+HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+
+# MiniMind's sampling (its eval script: temperature and top_p 0.85, with transformers' top_k of 50): the
+# CLI's --sample and the consumers' configs (genai_config.json, generation_config.json) sample so.
+# (exporter.runtime.generation.SamplingConfig's own defaults leave the distribution as it is.)
+MINIMIND_SAMPLING = {"temperature": 0.85, "top_k": 50, "top_p": 0.85}
+
+
+@dataclass(frozen=True)
+class FamilyTypes:
+    """How a model family presents itself to each consumer; None where it cannot run there (with why)."""
+
+    genai: str | None  # onnxruntime-genai model.type
+    hf: str | None  # Hugging Face config.json model_type
+    genai_unsupported: str = ""
+    hf_unsupported: str = ""
+
+
+# What each consumer is told the model is. The types only choose the consumers' defaults (input names,
+# how to size the first-step cache from config.json); neither rebuilds the architecture, so a type is
+# chosen for the attention layout it implies. Measured (../shared/ECOSYSTEM.md): qwen3, llama and the
+# generic "decoder" type ran a contract-following graph unmodified in onnxruntime-genai, qwen3 and llama
+# in Optimum.
+# - minimind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU): qwen3.
+# - MiniMind2 has no q/k norm and no biases, Llama's layout: llama.
+# - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it
+#   would not compute anyway, so they are "decoder" there (the generic type), and their generation's
+#   type for Optimum, which reads only the sizes.
+# - The teaching GPT (learned positions, LayerNorm) and bring-your-own decoders: "decoder" in genai;
+#   Optimum's types for learned-position models (gpt2) expect other input names, so Optimum gets llama,
+#   which it uses only to size the cache.
+def consumer_types(manifest: Manifest) -> FamilyTypes:
+    config = manifest.config
+    if manifest.family == "minimind":
+        attention = "qwen3" if config.version == 3 else "llama"
+        return FamilyTypes(genai="decoder" if config.use_moe else attention, hf=attention)
+    if manifest.family in ("teaching-gpt", "custom"):
+        return FamilyTypes(genai="decoder", hf="llama")
+    reason = f"model family {manifest.family!r} has no consumer types in exporter.artifact.consumers.consumer_types"
+    return FamilyTypes(None, None, reason, reason)
+
+
+# Config fields that keep their meaning under the same name in a Hugging Face config.json.
+_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "hidden_act",
+)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What both consumers read about a model, gathered from the manifest once."""
+
+    types: FamilyTypes
+    vocab_size: int
+    context_length: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    head_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    assumed: tuple[str, ...] = ()  # fields the config does not give (a DecoderSpec may leave them out)
+
+    @classmethod
+    def of(cls, manifest: Manifest, pad_token_id: int | None = None) -> ModelSizes:
+        config, cache = manifest.config, manifest.cache
+        heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+        assumed = tuple(
+            name for name, value in (("num_attention_heads", heads), ("hidden_size", hidden)) if value is None
+        )
+        # Without grouped-query attention: as many query heads as kv heads, each head_dim wide.
+        heads = cache.num_key_value_heads if heads is None else heads
+        return cls(
+            types=consumer_types(manifest),
+            vocab_size=config.vocab_size,
+            context_length=config.max_position_embeddings,
+            hidden_size=heads * cache.head_dim if hidden is None else hidden,
+            assumed=assumed,
+            num_attention_heads=heads,
+            num_key_value_heads=cache.num_key_value_heads,
+            num_hidden_layers=cache.num_layers,
+            head_size=cache.head_dim,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.eos_token_id if pad_token_id is None else pad_token_id,
+        )
+
+
+def genai_unsupported(manifest: Manifest) -> str:
+    """Why onnxruntime-genai cannot run this artifact, or '' when it can."""
+    types = consumer_types(manifest)
+    return "" if types.genai else types.genai_unsupported
+
+
+def optimum_unsupported(manifest: Manifest) -> str:
+    """Why Optimum cannot run this artifact, or '' when it can."""
+    types = consumer_types(manifest)
+    if types.hf is None:
+        return types.hf_unsupported
+    sizes = ModelSizes.of(manifest)
+    if sizes.head_size * sizes.num_attention_heads != sizes.hidden_size:
+        # Optimum sizes the empty first-step cache as hidden_size / num_attention_heads, ignoring head_dim.
+        return (
+            f"head_dim {sizes.head_size} != hidden_size / num_attention_heads "
+            f"({sizes.hidden_size} / {sizes.num_attention_heads}); Optimum would build a wrong empty cache"
+        )
+    return ""
+
+
+def genai_eos_token_id(eos_token_id: int | None, vocab_size: int) -> int:
+    """The token onnxruntime-genai stops at: the model's EOS, or for a model without one the last id.
+
+    genai always stops at some id: it refuses one outside the vocabulary, and given none it stops at its pad
+    id, 0 unless set (measured with 0.18.0: a teaching GPT without an EOS stopped at the first 0 it generated, which
+    is "!" in GPT-2's tokenizer). The last id of the teaching GPT's 50304-row vocabulary is a padding row
+    that GPT-2's 50257-token tokenizer never produces."""
+    return vocab_size - 1 if eos_token_id is None else eos_token_id
+
+
+def _token_ids(sizes: ModelSizes) -> dict:
+    """The special ids for genai_config.json; onnxruntime-genai reads a missing one as "none", not a JSON null."""
+    ids = {
+        "bos_token_id": sizes.bos_token_id,
+        "eos_token_id": genai_eos_token_id(sizes.eos_token_id, sizes.vocab_size),
+        "pad_token_id": sizes.pad_token_id,
+    }
+    return {name: value for name, value in ids.items() if value is not None}
+
+
+def genai_config(manifest: Manifest, sizes: ModelSizes) -> dict:
+    """onnxruntime-genai's config for decode.onnx (past length 0 serves as the prompt step)."""
+    cache = manifest.cache
+    names = {
+        kind: (cache.past_name.format(layer="%d", kind=kind), cache.present_name.format(layer="%d", kind=kind))
+        for kind in KV_KINDS
+    }
+    decoder = {
+        "filename": manifest.decode.file,
+        # 0 threads: ONNX Runtime's default (one per physical core).
+        "session_options": {
+            "log_id": "onnxruntime-genai",
+            "provider_options": [],
+            "intra_op_num_threads": 0,
+            "inter_op_num_threads": 1,
+        },
+        "head_size": sizes.head_size,
+        "hidden_size": sizes.hidden_size,
+        "num_attention_heads": sizes.num_attention_heads,
+        "num_key_value_heads": sizes.num_key_value_heads,
+        "num_hidden_layers": sizes.num_hidden_layers,
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "position_ids": "position_ids",
+            "past_key_names": names["key"][0],
+            "past_value_names": names["value"][0],
+        },
+        "outputs": {"logits": "logits", "present_key_names": names["key"][1], "present_value_names": names["value"][1]},
+    }
+    return {
+        "model": {
+            "type": sizes.types.genai,
+            "context_length": sizes.context_length,
+            "vocab_size": sizes.vocab_size,
+            **_token_ids(sizes),
+            "decoder": decoder,
+        },
+        # The graph concatenates past and new keys, so past and present cannot share one buffer.
+        "search": {
+            "max_length": sizes.context_length,
+            "past_present_share_buffer": False,
+            "do_sample": False,
+            # greedy unless the caller samples, and then as MiniMind does (a top_k of 1 here made
+            # genai's sampling greedy)
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "min_length": 0,
+            **MINIMIND_SAMPLING,
+            "repetition_penalty": 1.0,
+            "length_penalty": 1.0,
+            "early_stopping": True,
+            "no_repeat_ngram_size": 0,
+            "diversity_penalty": 0.0,
+        },
+    }
+
+
+def hf_config(manifest: Manifest, sizes: ModelSizes) -> dict:
+    """A Hugging Face config.json: what Optimum reads to build its cache and stop at EOS."""
+    config = manifest.config.to_dict()
+    return {
+        "model_type": sizes.types.hf,
+        **{name: config[name] for name in _HF_FIELDS if name in config},
+        "hidden_size": sizes.hidden_size,
+        "num_attention_heads": sizes.num_attention_heads,
+        "num_key_value_heads": sizes.num_key_value_heads,
+        "num_hidden_layers": sizes.num_hidden_layers,
+        "vocab_size": sizes.vocab_size,
+        "max_position_embeddings": sizes.context_length,
+        "head_dim": sizes.head_size,
+        "bos_token_id": sizes.bos_token_id,
+        "eos_token_id": sizes.eos_token_id,
+        "pad_token_id": sizes.pad_token_id,
+        "torch_dtype": manifest.dtype,
+        "use_cache": True,
+    }
+
+
+def generation_config(sizes: ModelSizes) -> dict:
+    return {
+        "bos_token_id": sizes.bos_token_id,
+        "eos_token_id": sizes.eos_token_id,
+        "pad_token_id": sizes.pad_token_id,
+        "do_sample": False,
+        **MINIMIND_SAMPLING,
+        "max_length": sizes.context_length,
+    }
+
+
+def write_consumer_files(folder: Path, manifest: Manifest, tokenizer: TokenizerSource | None = None) -> list[str]:
+    """Write the configs of every consumer this family runs in, and copy the tokenizer; return the names."""
+    sizes = ModelSizes.of(manifest, tokenizer.pad_token_id() if tokenizer else None)
+    if sizes.assumed:
+        log.warning(
+            "the config gives no %s: the consumers' configs assume %d query heads and hidden size %d; "
+            "set them in the DecoderSpec if the model's differ",
+            " or ".join(sizes.assumed),
+            sizes.num_attention_heads,
+            sizes.hidden_size,
+        )
+    documents = {}
+    if reason := genai_unsupported(manifest):
+        log.warning("no %s: onnxruntime-genai cannot run this artifact (%s)", GENAI_CONFIG, reason)
+    else:
+        documents[GENAI_CONFIG] = genai_config(manifest, sizes)
+    if optimum_unsupported(manifest):
+        log.warning("no %s: Optimum cannot run this artifact (%s)", HF_CONFIG, optimum_unsupported(manifest))
+    else:
+        documents[HF_CONFIG] = hf_config(manifest, sizes)
+        documents[GENERATION_CONFIG] = generation_config(sizes)
+    for name, document in documents.items():
+        (Path(folder) / name).write_text(json.dumps(document, indent=2) + "\n")
+    names = list(documents)
+    if tokenizer is not None and GENAI_CONFIG in documents:
+        _warn_of_genai_tokenizer_limits(tokenizer, sizes)
+    if tokenizer is not None:
+        for disagreement in tokenizer.disagreements({"bos_token": sizes.bos_token_id, "eos_token": sizes.eos_token_id}):
+            log.warning("%s", disagreement)
+        minimal = minimal_tokenizer_config(
+            tokenizer, sizes.context_length, sizes.bos_token_id, sizes.eos_token_id, sizes.pad_token_id
+        )
+        names += copy_tokenizer(tokenizer, folder, minimal)
+    return names
+
+
+def _warn_of_genai_tokenizer_limits(tokenizer: TokenizerSource, sizes: ModelSizes) -> None:
+    """What onnxruntime-genai will do wrong with this tokenizer in this artifact, said at export: it writes the
+    artifact all the same, as our runtime and Optimum read the tokenizer as the `tokenizers` library does."""
+    if tokenizer.genai_unreadable:
+        log.warning(
+            "%s is %s: onnxruntime-genai's og.Tokenizer cannot read it (it fails to load, "
+            "encodes other ids or, for WordPiece and WordLevel, may crash); generate with token ids there, or "
+            "text with export-onnx generate --prompt",
+            tokenizer.tokenizer.name,
+            tokenizer.genai_unreadable,
+        )
+    if tokenizer.missing_byte_symbols:
+        log.warning(
+            "%s lacks %d of the 256 byte symbols of a byte-level BPE: onnxruntime-genai's og.Tokenizer "
+            "encodes a character needing one as -1, which the graphs refuse; train it with "
+            "initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), or generate there with token ids",
+            tokenizer.tokenizer.name,
+            tokenizer.missing_byte_symbols,
+        )
+    stop_id = genai_eos_token_id(sizes.eos_token_id, sizes.vocab_size)
+    if sizes.eos_token_id is None and stop_id in tokenizer.tokens:
+        log.warning(
+            "the model has no eos_token_id, so %s makes onnxruntime-genai stop at the last id, %d, but the "
+            "tokenizer uses it for %r: genai would end a text at that token; give the model an "
+            "eos_token_id",
+            GENAI_CONFIG,
+            stop_id,
+            tokenizer.tokens[stop_id],
+        )

@@ -1,0 +1,198 @@
+"""Output paths checked before any work is spent on what would be written there; files written whole, and the
+JSON object files a user or an artifact gives read with one message for each way they can be wrong."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+import tomllib
+from pathlib import Path
+
+from exporter.errors import OutputPathError, ToolkitError, first_line
+
+try:
+    import fcntl
+except ImportError:  # Windows: no folder_lock
+    fcntl = None
+
+
+def check_output_path(path: Path, option: str, folder: bool) -> None:
+    """`path` (a file, or a folder when `folder`) can be created or replaced by this process."""
+    path = Path(os.path.abspath(path))
+    try:
+        _check_output_path(path, option, folder)
+    except OSError as exc:  # a parent this user may not search: Path.exists raised PermissionError, exit 3
+        raise OutputPathError(
+            f"{option} {path} cannot be reached ({exc.strerror or exc}); choose another path"
+        ) from None
+
+
+def check_outside_artifact(path, flag: str, folder) -> None:
+    """A path this command writes must not lie in the artifact folder it reads (it would change it), nor in another
+    one, whose integrity check would then fail on a file its manifest does not list."""
+    from exporter.artifact.manifest import listed_files  # here: exporter.artifact.manifest imports this module
+
+    artifact, resolved = Path(folder).resolve(), Path(path).resolve()
+    if resolved == artifact:  # "lies inside the artifact folder x" read oddly of x itself
+        raise ToolkitError(
+            f"{flag} {path} is the artifact folder this command reads, which it would change; write it elsewhere"
+        )
+    if artifact in resolved.parents:
+        raise ToolkitError(
+            f"{flag} {path} lies inside the artifact folder {folder}, which it would change; write it elsewhere"
+        )
+    other = next((p for p in (resolved, *resolved.parents) if listed_files(p) is not None), None)
+    if other == resolved:
+        raise ToolkitError(f"{flag} {path} is an artifact folder, which it would change; write it elsewhere")
+    if other is not None:
+        raise ToolkitError(
+            f"{flag} {path} lies inside the artifact folder {other}, which it would change; write it elsewhere"
+        )
+
+
+def _check_output_path(path: Path, option: str, folder: bool) -> None:
+    if path.exists() and path.is_dir() != folder:
+        found, wanted = ("a folder", "a file") if path.is_dir() else ("a file", "a folder")
+        raise OutputPathError(f"{option} {path} is {found}; give the path of {wanted}")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
+    for target in [path, path.parent] if existing == path else [existing]:
+        problem = (
+            _create_problem(target)
+            if target.is_dir()
+            else (None if os.access(target, os.W_OK) else "permission denied")
+        )
+        if problem:
+            raise OutputPathError(f"{option}: cannot write to {target} ({problem}); choose another path")
+
+
+# Reasons worth naming as they are; any other refusal (EACCES, EPERM, /proc's ENOENT) is "permission denied".
+_NAMED_ERRORS = (errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
+def _create_problem(folder: Path) -> str | None:
+    """Why no file can be created in `folder`, or None: tried, since permission bits say nothing to root (/proc,
+    say) nor of a read-only mount."""
+    try:
+        handle, name = tempfile.mkstemp(dir=folder, prefix=".write-check-")
+    except OSError as exc:
+        return exc.strerror.lower() if exc.errno in _NAMED_ERRORS and exc.strerror else "permission denied"
+    os.close(handle)
+    os.unlink(name)
+    return None
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a file beside it, then renamed over it, so an interrupt
+    or a full disk leaves the earlier file (or none), never a truncated one, nor the folders made for it. A path
+    that exists and is no regular file (/dev/stdout, a pipe) is written as it is: renaming over it would replace
+    the device."""
+    path = Path(os.path.realpath(path))  # through a link to its file, which a rename would otherwise replace
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")  # a second process writing it keeps its own
+    with parents_removed_unless_done(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            partial.write_text(text, encoding="utf-8")
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def parents_removed_unless_done(path: Path):
+    """The parent folders of `path` missing now (`-o a/b/c` with no a/b), which the block makes to write `path`,
+    are removed again when it fails or is interrupted: each that is still empty, deepest first."""
+    missing = []
+    for parent in Path(path).parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    try:
+        yield
+    except BaseException:
+        for parent in missing:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                parent.rmdir()
+        raise
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Held while this toolkit swaps what it wrote into `folder`: another process of it (a second export into the
+    same parent folder, a second --golden-save into one bundle, a second --save-optimized into one folder) waits
+    its turn, so that the later result replaces the earlier whole instead of the two swaps interleaving. An
+    advisory lock (flock) on the folder itself, gone with the process; none where the platform has no flock, or
+    the folder cannot be opened (what follows meets that problem and names it)."""
+    handle = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            handle = os.open(folder, os.O_RDONLY)
+    try:
+        if handle is not None:
+            with contextlib.suppress(OSError):  # a file system without locks (some network mounts): as before
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        if handle is not None:
+            os.close(handle)
+
+
+def json_type(value) -> str:
+    """The JSON type of a value read by json.loads."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), "null"
+    )
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object giving one key twice, which json.loads reads as its last value, silently."""
+
+
+def _refuse_repeated_keys(pairs: list) -> dict:
+    data = {}
+    for key, value in pairs:
+        if key in data:
+            raise _RepeatedKey(key)
+        data[key] = value
+    return data
+
+
+def read_json_object(
+    path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
+) -> dict:
+    """The JSON object the file at `path` holds (a .toml file's table, when `toml`), else `error` naming `what`
+    (the option or the file's role) and saying `fix`. A key given twice in one object is refused (TOML refuses it
+    itself) unless `repeated_keys`: for files that other readers take the last value of."""
+    return read_json_file(path, error, what, fix, toml, repeated_keys)[1]
+
+
+def read_json_file(
+    path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
+) -> tuple[bytes, dict]:
+    """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them."""
+    path = Path(path)
+    kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
+    try:
+        content = path.read_bytes()
+        text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
+        data = (
+            tomllib.loads(text)
+            if kind == "TOML"
+            else json.loads(text, object_pairs_hook=None if repeated_keys else _refuse_repeated_keys)
+        )
+    except _RepeatedKey as exc:
+        raise error(f"{what} {path} gives the key {exc.args[0]!r} twice; keep one") from None
+    except (OSError, ValueError, RecursionError) as exc:  # not UTF-8, invalid JSON or TOML, or nested too deep
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
+        raise error(f"{what} {path} is not a readable {kind} file ({reason}); {fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} holds a JSON {json_type(data)}, not a JSON object; {fix}")
+    return content, data

@@ -1,0 +1,73 @@
+"""Plain-text tables of results, for people; the result objects' to_dict() is for machines."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from exporter.artifact.consumers import ModelSizes
+from exporter.artifact.manifest import Manifest
+from exporter.verify.reports.text import table as _table
+
+if TYPE_CHECKING:  # the export module imports torch, which inspect must not need
+    from exporter.export.pipeline import ExportResult
+
+
+def _files_table(files: dict, status: dict | None = None) -> str:
+    """The files as the manifest lists them; with `status` (manifest.file_status), a column of their state."""
+    rows = [
+        [name, f"{entry['bytes'] / 1e6:.2f} MB", entry["sha256"][:16]] + ([status[name]] if status else [])
+        for name, entry in files.items()
+    ]
+    return _table(["file", "size", "sha256"] + (["status"] if status else []), rows)
+
+
+def format_export(result: ExportResult) -> str:
+    return (
+        f"exported {result.folder} ({result.manifest.dtype}) in {result.seconds:.1f} s, "
+        f"{result.bytes / 1e6:.1f} MB\n" + _files_table(result.manifest.files)
+    )
+
+
+def describe_source(source: dict) -> str:
+    """Where an artifact's weights came from, as a line for people: "seeded preset minimind-3, seed 0", or the
+    kind followed by its other fields as key=value."""
+    if source.get("kind") == "seeded":
+        return f"seeded preset {source.get('preset')}, seed {source.get('seed')}"
+    fields = [f"{k}={v}" for k, v in source.items() if k != "kind" and v not in ({}, [])]  # empty: nothing to say
+    return ", ".join([str(source.get("kind", "unknown"))] + fields)
+
+
+ASSUMED_AS = {
+    "num_attention_heads": "num_attention_heads as the kv heads",
+    "hidden_size": "hidden_size as heads x head_dim",
+}
+
+
+def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
+    sizes = ModelSizes.of(manifest)  # the sizes every family has, as the consumers' configs state them
+    lines = [
+        f"artifact {folder}",
+        f"  model: {manifest.family}, {sizes.num_hidden_layers} layers, hidden {sizes.hidden_size}, "
+        f"heads {sizes.num_attention_heads}/{sizes.num_key_value_heads}, vocab {sizes.vocab_size}, "
+        f"max positions {sizes.context_length}",
+        *(
+            [
+                "  assumed, not given by the config (in config.json and genai_config.json): "
+                + ", ".join(ASSUMED_AS[name] for name in sizes.assumed)
+            ]
+            if sizes.assumed
+            else []
+        ),
+        f"  weights from: {describe_source(manifest.source)}",
+        f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
+        "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
+    ]
+    for contract in (manifest.prefill, manifest.decode):
+        rows = [
+            [direction, spec.name, spec.dtype, "[" + ", ".join(map(str, spec.axes)) + "]"]
+            for direction, specs in (("in", contract.inputs), ("out", contract.outputs))
+            for spec in specs
+        ]
+        lines += ["", contract.file, _table(["", "name", "dtype", "axes"], rows)]
+    lines += ["", _files_table(manifest.files, status)]
+    return "\n".join(lines)

@@ -1,0 +1,9 @@
+"""ONNX Runtime side, torch-free: sessions, the runner of the two graphs, generation, onnxruntime-genai.
+
+- sessions: providers, session settings, the shared weights map and graph loading;
+- runner: OrtRunner, prefill and cached decode over the artifact's contract;
+- generation: greedy and sampled generation over an OrtRunner;
+- genai: the same artifact through onnxruntime-genai.
+
+A test proves that importing this package never imports torch.
+"""

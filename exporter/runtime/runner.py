@@ -1,0 +1,517 @@
+"""ONNX Runtime inference over an artifact folder: both graphs' sessions (made by exporter.runtime.sessions) run with
+their feeds, the cache kept between steps, and the prompt checks of generation.
+
+Everything about the graphs (names, cache layout, sizes) comes from the
+manifest; nothing here is specific to one model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
+
+from exporter.artifact.contract import KV_KINDS, CacheLayout, GraphContract
+from exporter.artifact.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
+from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
+from exporter.runtime import capi
+from exporter.runtime.binding import BindingDecode
+from exporter.runtime.hugepages import back_with_huge_pages, private_anonymous_regions
+from exporter.runtime.sessions import (
+    CPU,
+    CUDA,
+    SessionSettings,
+    SharedWeightMap,
+    check_provider,
+    is_integer,
+    load_failure,
+    load_session,
+    log_severity,
+    optimized_graphs_saved,
+    read_graph,
+    session_options,
+    session_providers,
+)
+from reference.families import DecoderConfig
+
+log = logging.getLogger(__name__)
+
+
+def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> np.ndarray:
+    """Positions that skip left padding: the k-th real token of a row is at position k."""
+    positions = np.cumsum(attention_mask, axis=1) - 1
+    positions = np.where(attention_mask == 0, 1, positions)  # pad slots: any valid position
+    return positions[:, past_length:].astype(np.int64)
+
+
+def check_positions(config: DecoderConfig, needed: int, what: str, fix: str) -> None:
+    """Refuse a run that needs more than max_position_embeddings positions (`needed`: the largest position id
+    plus one) before it runs: the graphs would compute them, but the model was trained on, and its reference
+    refuses, no more. `what` names the run, `fix` says what to do."""
+    limit = config.max_position_embeddings
+    if needed > limit:
+        raise InputError(f"{what} needs {needed} positions, which exceeds max_position_embeddings ({limit}); {fix}")
+
+
+def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Validate one prompt before anything runs; return it as a list of ints."""
+    if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or getattr(prompt_ids, "ndim", 1) != 1:
+        raise InputError(
+            f"a prompt must be a list of token ids, got {type(prompt_ids).__name__} "
+            f"{str(prompt_ids)[:40]!r}; tokenize text first (or give a tokenizer)"
+        )
+    odd = [i for i in prompt_ids if not is_integer(i)]
+    if odd:
+        raise InputError(
+            f"token ids must be integers, got {odd[0]!r} ({type(odd[0]).__name__}); convert the prompt to ints"
+        )
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise InputError("the prompt is empty; give at least one token id")
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise InputError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {config.vocab_size})")
+    if not is_integer(max_new_tokens) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    tokens = f"{len(ids)} token{'s' * (len(ids) != 1)}"
+    check_positions(
+        config,
+        len(ids) + max_new_tokens,
+        f"prompt ({tokens}) + max_new_tokens ({max_new_tokens})",
+        "shorten one of them",
+    )
+    return ids
+
+
+_RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
+# What a decode.onnx run can raise: the binding's C method (BindingDecode.step) raises a plain RuntimeError where
+# session.run raises the above, the C library's calls a CApiError.
+_STEP_ERRORS = (*_RUN_ERRORS, RuntimeError, capi.CApiError)
+
+
+def _check_feeds(contract: GraphContract, feeds: dict) -> None:
+    """The feeds' names and dtypes against the graph's inputs: onnxruntime's refusal of a missing one is a bare
+    ValueError."""
+    missing = [name for name in contract.input_names if name not in feeds]
+    unknown = [name for name in feeds if name not in contract.input_names]
+    if missing or unknown:
+        found = "; ".join(
+            f"{what} {first_of(names, 5)}" for what, names in (("missing", missing), ("not an input", unknown)) if names
+        )
+        hint = " (labels: this artifact has the loss; -100 masks a position)" if "labels" in missing else ""
+        raise InputError(
+            f"{contract.file} takes the inputs {first_of(contract.input_names, 4)}, got feeds with {found}{hint}"
+        )
+    # onnxruntime's refusal of another dtype (a float16 artifact's cache, int32 ids) read as a damaged graph
+    for spec in contract.inputs:
+        value = feeds[spec.name]
+        if isinstance(value, np.ndarray) and value.dtype != spec.dtype:
+            raise InputError(
+                f"{contract.file} takes {spec.name} as {spec.dtype}, got {value.dtype}; convert it "
+                f"with .astype(np.{spec.dtype})"
+            )
+
+
+def _run_failure(graph_file: str, exc: Exception) -> GraphRunError:
+    return GraphRunError(graph_file, first_line(exc, 400))
+
+
+def _check_arrays(input_ids, attention_mask, position_ids) -> None:
+    """start's and step's arrays of the type the graph takes; onnxruntime's own refusal (of int32 ids, say) would be
+    reported as a damaged graph."""
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.ndim != 2:
+            got = (
+                f"an array of {value.dtype} with shape {value.shape}"
+                if isinstance(value, np.ndarray)
+                else type(value).__name__
+            )
+            raise InputError(
+                f"{name} must be a 2-D (batch, tokens) numpy array of int64, got {got}; "
+                "convert it with np.asarray(..., dtype=np.int64)"
+            )
+
+
+def _check_shapes(input_ids, attention_mask, position_ids, past_length: int) -> None:
+    batch, length = input_ids.shape
+    if position_ids.shape != input_ids.shape:
+        raise InputError(f"position_ids has shape {position_ids.shape}, expected {input_ids.shape}")
+    if attention_mask.shape != (batch, past_length + length):
+        raise InputError(
+            f"attention_mask has shape {attention_mask.shape}, expected ({batch}, "
+            f"{past_length + length}): the cached length {past_length} plus {length} new tokens"
+        )
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids, what: str, fix: str) -> None:
+    """The values start or step is given: ids in the vocabulary (onnxruntime's Gather would blame the graph), a mask
+    of 0 and 1 and positions from 0 (others ran, to logits no reference computes), and check_positions.
+
+    Per step, so one max per array, read as uint64 (a negative int64 lies above every bound). Run between steps
+    that have just streamed the weights through the caches, these checks cost 40 us a step on minimind-3."""
+    if attention_mask.view(np.uint64).max() > 1:  # never empty: start refuses an empty prompt
+        bad = [int(v) for v in np.unique(attention_mask) if v not in (0, 1)]
+        raise InputError(f"attention_mask holds {bad[:5]}; it takes 1 for a token and 0 for left padding, nothing else")
+    if not input_ids.size:
+        return
+    vocab = config.vocab_size
+    if input_ids.view(np.uint64).max() >= vocab:
+        bad = sorted({int(i) for i in input_ids.ravel() if not 0 <= i < vocab})
+        raise InputError(f"input_ids {bad[:5]} lie outside the vocabulary [0, {vocab})")
+    last = int(position_ids.view(np.uint64).max())
+    if last > _INT64_MAX:
+        raise InputError(
+            f"position_ids must be >= 0 (the k-th token of a row is at position k), got {int(position_ids.min())}"
+        )
+    # check_positions' own test, tried first so that its message is formatted only for a refusal: with int64's bound
+    # read once, the checks took 39 us a step rather than 59
+    if last >= config.max_position_embeddings:
+        check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
+
+
+def _check_runner_arguments(folder, check_hashes, manifest, settings) -> None:
+    """OrtRunner's arguments of the types it takes, before any file is read."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
+    check_flag("check_hashes", check_hashes)
+    if not isinstance(settings, SessionSettings):
+        raise InputError(
+            f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
+            "SessionSettings(intra_op_threads=2)"
+        )
+    if manifest is not None and not isinstance(manifest, Manifest):
+        raise InputError(
+            f"manifest must be the folder's Manifest (exporter.artifact.manifest.read_manifest) or None, "
+            f"got {type(manifest).__name__}"
+        )
+
+
+def _check_manifest_of(folder: Path, manifest: Manifest) -> None:
+    """A manifest given to OrtRunner against the folder's manifest.json, read but not hashed (whoever read the
+    manifest checked the files): one read from another artifact ran its contract on these files, which failed as
+    a damaged graph, or ran and named the other artifact's weights as the source."""
+    own, given = load_manifest(folder).files, manifest.files
+    if given != own:
+        differ = sorted(name for name in own.keys() | given.keys() if own.get(name) != given.get(name))
+        raise InputError(
+            f"the manifest given is not {folder}'s: it lists other files ({first_of(differ, 3)} "
+            "differ); pass read_manifest(folder) of this folder, or no manifest"
+        )
+
+
+def binding_reason(settings: SessionSettings, provider: str) -> str | None:
+    """Why decode.onnx must run through onnxruntime's Python binding rather than its C library (exporter.runtime.capi),
+    or None when it need not: the C path runs prepacked CPU sessions on their own thread pools, and saves no
+    optimised graph."""
+    for reason, applies in (
+        ("native_decode=False", not settings.native_decode),
+        ("the CUDA provider", provider != CPU),
+        ("prepack_weights=False", not settings.prepack_weights),
+        ("shared_thread_pool=True", settings.shared_thread_pool),
+        ("optimized_model_dir", settings.optimized_model_dir is not None),
+    ):
+        if applies:
+            return reason
+    return capi.unavailable()
+
+
+class OrtRunner:
+    """Both graphs of an artifact folder in ONNX Runtime.
+
+    `prefill`/`decode` take and return named numpy arrays (parity checks, the loss).
+    `start`/`step` serve generation. Both run decode.onnx, the prompt with an empty
+    past (equal to prefill.onnx within float32 rounding, tested), and keep the KV
+    cache between steps as onnxruntime's values, never converted to numpy.
+    `greedy_steps` runs many greedy steps of one row in one call into C.
+
+    decode.onnx runs through onnxruntime's C library itself on the CPU (exporter.runtime.capi:
+    a step costs no Python object per value, and greedy steps loop in C), and through its
+    Python binding on CUDA, where the cache is bound with IO binding and never leaves the
+    device, and for the settings `binding_reason` names. `native_decode` says which.
+
+    Memory: decode.onnx gets MLAS's prepacked weights (decode ran 1.8x faster with
+    them on 2 cores), which is the one resident copy while generating.
+    prefill.onnx reads the weights file in place through a shared read-only
+    mapping and no prepacking, so it adds no copy of its own; its pages become
+    resident only when prefill() runs. A second prepacked session would double
+    the weights (ONNX Runtime's Python API cannot share prepacked buffers).
+    Measured for minimind-3 fp32 (255.6 MB of weights): 333 MB with both sessions
+    loaded (254 MB prepacked, 19 MB of the tied table's file pages, which the
+    embedding's Gather keeps mapped after lm_head's prepacking read them, 52 MB
+    for the interpreter, numpy and onnxruntime), 377 MB peak while generating with
+    512-token prompts read in chunks of 128, about 585 MB once prefill() has run too.
+    The C library's path adds about 26 MB: a second onnxruntime in the process (the
+    binding links its own), 376 against 350 MB with both sessions loaded (session 24).
+
+    Huge pages: on the CPU, the memory decode.onnx's session allocated while loading (the
+    prepacked weights) is collapsed into 2 MiB pages (exporter.runtime.hugepages), which a decode
+    step streams with 1/512 of the page walks. minimind-3: 222 MB collapsed in 0.4 s, RSS
+    unchanged, decode about 2% faster (-1% to +3% in four runs in turns, README).
+    `huge_page_bytes` says how much was collapsed.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        provider: str = "cpu",
+        check_hashes: bool = True,
+        manifest: Manifest | None = None,
+        settings: SessionSettings = SessionSettings(),
+    ):
+        _check_runner_arguments(folder, check_hashes, manifest, settings)
+        self.folder = Path(folder)
+        # both graphs land, or neither; neither when an export swapped the folder while its files were read
+        with optimized_graphs_saved(settings.optimized_model_dir) as staging, unchanged_while_read(self.folder):
+            if manifest is not None:
+                _check_manifest_of(self.folder, manifest)
+            self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
+            self.provider = check_provider(provider)
+            providers = session_providers(self.provider)
+            self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
+            prefill, decode = self.manifest.prefill, self.manifest.decode
+            on_cpu = self.provider == CPU
+            before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
+            self.cache_device = "cuda" if self.provider == CUDA else "cpu"
+            past_of = _past_name_of_present(self.manifest.cache)
+            presents = [name for name in decode.output_names if name in past_of]
+            self._past_names = [past_of[name] for name in presents]
+            reason = binding_reason(settings, self.provider)
+            self.native_decode = reason is None
+            if self.native_decode:
+                self._decode = _native_session(self.folder, self.manifest, self._past_names, presents, settings)
+            else:
+                log.debug("%s through onnxruntime's Python binding: %s", decode.file, reason)
+                self._decode = BindingDecode(
+                    load_session(
+                        self.folder,
+                        self.manifest,
+                        decode,
+                        session_options(settings, decode.file, None),
+                        providers,
+                        staging,
+                    ),
+                    self._past_names,
+                    decode.output_names,
+                    self.manifest.cache,
+                    self.cache_device,
+                )
+            # exporter.runtime.capi's DecodeSession, or the binding's InferenceSession
+            self.decode_session = self._decode if self.native_decode else self._decode.session
+            self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
+            log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
+            self.prefill_session = load_session(
+                self.folder,
+                self.manifest,
+                prefill,
+                session_options(settings, prefill.file, self._weights, spin=False),
+                providers,
+                staging,
+            )
+        if not self.native_decode and self.provider not in self.decode_session.get_providers():
+            # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
+            raise ProviderError(
+                f"{self.provider} could not be initialised (onnxruntime fell back to "
+                f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation"
+            )
+        self._prompt_chunk = settings.prompt_chunk
+        # The KV cache that start/step left, in the order of self._past_names: onnxruntime's values (exporter.runtime.capi's
+        # Cache, or a list of the binding's OrtValues). A generation interleaved with another on this runner puts
+        # its own back before each step.
+        self.cache = None
+        # Held by each start/step and by a generation across its cache swap and step: threads sharing this runner
+        # take turns, each on its own cache (unheld, one thread's step ran on another's cache: wrong tokens).
+        self.lock = threading.RLock()
+
+    @property
+    def name(self) -> str:
+        return f"onnxruntime {self.provider}"
+
+    def prefill(self, feeds: dict) -> dict:
+        _check_feeds(self.manifest.prefill, feeds)
+        names = self.manifest.prefill.output_names
+        try:
+            return dict(zip(names, self.prefill_session.run(names, feeds)))
+        except _RUN_ERRORS as exc:
+            raise _run_failure(self.manifest.prefill.file, exc) from None
+
+    def decode(self, feeds: dict) -> dict:
+        _check_feeds(self.manifest.decode, feeds)
+        names = self.manifest.decode.output_names
+        try:
+            return dict(zip(names, self._decode.run(names, feeds)))
+        except _STEP_ERRORS as exc:
+            raise _run_failure(self.manifest.decode.file, exc) from None
+
+    def empty_past(self, batch: int) -> dict:
+        if not is_integer(batch) or batch < 1:  # numpy's errors, or an empty batch the graphs cannot run
+            raise InputError(f"batch must be an integer >= 1, got {batch!r}")
+        cache = self.manifest.cache
+        shape = (batch, cache.num_key_value_heads, 0, cache.head_dim)
+        return {
+            cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
+            for layer in range(cache.num_layers)
+            for kind in KV_KINDS
+        }
+
+    def cache_arrays(self) -> dict[str, np.ndarray]:
+        """Numpy copies of the cache that start/step left, by past input name (inspection, tests)."""
+        if self.cache is None:
+            raise InputError("there is no cache yet: call start() with the prompt first")
+        return dict(zip(self._past_names, self._decode.cache_arrays(self.cache)))
+
+    def _run_decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Run decode.onnx on the cache; keep present as the next past; return the last position's logits."""
+        try:
+            logits, self.cache = self._decode.step(input_ids, attention_mask, position_ids, self.cache)
+        except _STEP_ERRORS as exc:
+            raise _run_failure(self.manifest.decode.file, exc) from None
+        return logits
+
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Run a (left-padded) prompt batch with an empty past; return next-token logits (B, V) float32.
+
+        The prompt goes through decode.onnx `prompt_chunk` tokens at a time, each chunk on
+        the cache of the ones before: the activations (and so the peak RSS) scale with the
+        chunk, not the prompt. For minimind-3 with a 512-token prompt, chunks of 128 took the
+        peak RSS from 412 to 377 MB at the same speed (590 against 586 ms) and bit-identical
+        logits: each row of a MatMul and each query's attention is computed as it would be
+        in one call.
+        """
+        with self.lock:
+            return self._start(input_ids, attention_mask, position_ids)
+
+    def _start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        _check_arrays(input_ids, attention_mask, position_ids)
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=0)
+        if 0 in input_ids.shape:
+            raise InputError(
+                f"start() needs at least one prompt of at least one token, got input_ids of shape {input_ids.shape}"
+            )
+        _check_values(self.manifest.config, input_ids, attention_mask, position_ids, "the prompt", "shorten the prompt")
+        self.cache = self._decode.empty_cache(len(input_ids))
+        length = input_ids.shape[1]
+        chunk = self._prompt_chunk or length
+        for begin in range(0, length, chunk):
+            end = min(begin + chunk, length)
+            logits = self._run_decode(input_ids[:, begin:end], attention_mask[:, :end], position_ids[:, begin:end])
+        return logits
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Decode new tokens on top of the cache that start/step left; return next-token logits."""
+        with self.lock:
+            return self._step(input_ids, attention_mask, position_ids)
+
+    def _step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        if self.cache is None:
+            raise InputError("step() needs a cache: call start() with the prompt first")
+        batch, cached = self._decode.cache_shape(self.cache)
+        _check_arrays(input_ids, attention_mask, position_ids)
+        if input_ids.shape[0] != batch:
+            raise InputError(f"step() got a batch of {input_ids.shape[0]} rows for a cache of {batch}")
+        _check_shapes(input_ids, attention_mask, position_ids, past_length=cached)
+        _check_values(
+            self.manifest.config,
+            input_ids,
+            attention_mask,
+            position_ids,
+            "this step",
+            "the generation has used every position: start again with a shorter prompt",
+        )
+        return self._run_decode(input_ids, attention_mask, position_ids)
+
+    @property
+    def greedy_in_c(self) -> bool:
+        """Whether greedy_steps can run: the C session with the C loop built (exporter.runtime.capi), float32 logits."""
+        return self.native_decode and self.manifest.cache.dtype == "float32" and capi.native_loop_available()
+
+    def greedy_steps(self, token: int, attention_mask: np.ndarray, steps: int, stop_ids=()) -> tuple[list[int], bool]:
+        """Up to `steps` greedy decode steps of one row in C, on the cache that start/step left: run `token` (the
+        one chosen last), choose the argmax, run that, and so on, ending after a stop id or at logits holding a
+        NaN (no token chosen after them). `attention_mask`: (1, n) int64 of 0 and 1, n at least the cached length
+        plus `steps`; each step reads its prefix. Returns the tokens chosen and whether a NaN ended the loop.
+        Needs greedy_in_c."""
+        with self.lock:
+            if not self.greedy_in_c:
+                raise InputError(
+                    "greedy_steps needs the C decode loop: a CPU runner of a float32 artifact, with "
+                    "exporter.runtime._native_loop built at install (see greedy_in_c)"
+                )
+            if self.cache is None:
+                raise InputError("greedy_steps() needs a cache: call start() with the prompt first")
+            batch, cached = self._decode.cache_shape(self.cache)
+            config = self.manifest.config
+            if batch != 1:
+                raise InputError(f"greedy_steps() runs one row, the cache holds {batch}; use step() for a batch")
+            if not is_integer(steps) or steps < 0:
+                raise InputError(f"steps must be an integer >= 0, got {steps!r}")
+            if not is_integer(token) or not 0 <= token < config.vocab_size:
+                raise InputError(f"token {token!r} lies outside the vocabulary [0, {config.vocab_size})")
+            if not steps:
+                return [], False
+            mask = attention_mask
+            if not (
+                isinstance(mask, np.ndarray)
+                and mask.dtype == np.int64
+                and mask.ndim == 2
+                and mask.shape[0] == 1
+                and mask.shape[1] >= cached + steps
+            ):
+                got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
+                raise InputError(
+                    f"attention_mask must be a (1, n) int64 array with n >= {cached + steps} (the cached "
+                    f"length {cached} plus {steps} steps), got {got}"
+                )
+            mask = np.ascontiguousarray(mask[:, : cached + steps])
+            if mask.view(np.uint64).max() > 1 or not (mask[:, cached:] == 1).all():
+                raise InputError("attention_mask must hold 0 or 1 for the cached positions and 1 for each step")
+            position = int(mask[0, :cached].sum())  # the k-th real token is at position k
+            check_positions(
+                config,
+                position + steps,
+                f"these steps (position_ids up to {position + steps - 1})",
+                "the generation has used every position: start again with a shorter prompt",
+            )
+            tokens, non_finite, error, self.cache = self._decode.greedy(
+                self.cache, mask, position, int(token), steps, np.array(list(stop_ids), np.int64)
+            )
+            if error:
+                raise GraphRunError(self.manifest.decode.file, first_line(error, 400))
+            return tokens, non_finite
+
+
+def _native_session(
+    folder: Path, manifest: Manifest, past_names: list[str], present_names: list[str], settings: SessionSettings
+) -> capi.DecodeSession:
+    """decode.onnx's session in onnxruntime's C library, with the options session_options gives it."""
+    contract = manifest.decode
+    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
+    try:
+        return capi.DecodeSession(
+            folder / contract.file,
+            past_names,
+            present_names,
+            manifest.cache,
+            manifest.config.vocab_size,
+            intra_op_threads=settings.intra_op_threads,
+            optimization=settings.optimization,
+            log_level=log_severity(),
+        )
+    except capi.CApiError as exc:
+        raise load_failure(folder / contract.file, exc) from None
+
+
+def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:
+    return {
+        cache.present(layer, kind): cache.past(layer, kind) for layer in range(cache.num_layers) for kind in KV_KINDS
+    }
+
+
+def presents_as_past(manifest: Manifest, outputs: dict) -> dict:
+    return {past: outputs[present] for present, past in _past_name_of_present(manifest.cache).items()}

@@ -1,0 +1,475 @@
+"""Making ONNX Runtime sessions on an artifact's graphs: the execution providers this toolkit runs on (and
+whether CUDA can start here), session settings and options, the weights both graphs share, and reading a graph
+checked against its manifest before onnxruntime loads it. `exporter.runtime.runner` runs the sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
+from google.protobuf.message import DecodeError
+
+from exporter.artifact.contract import GraphContract
+from exporter.artifact.manifest import Manifest
+from exporter.artifact.paths import folder_lock, parents_removed_unless_done
+from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
+
+log = logging.getLogger(__name__)
+
+CPU, CUDA = "CPUExecutionProvider", "CUDAExecutionProvider"
+PROVIDER_ALIASES = {"cpu": CPU, "cuda": CUDA}
+PARITY_PROVIDERS = (CPU, CUDA)
+
+
+def provider_name(name: str) -> str:
+    """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
+    if not isinstance(name, str):  # None, or a list where one name is taken, failed as "no attribute 'lower'"
+        raise ProviderError(
+            f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); "
+            f"pass one ({PROVIDER_OPTION})"
+        )
+    for full in ort.get_available_providers():
+        if name.lower() in (full.lower(), full.lower().removesuffix("executionprovider")):
+            return full
+    return PROVIDER_ALIASES.get(name.lower(), name)
+
+
+# where a provider is chosen: the Python parameter and the CLI's flag; the pytest plugin names its own instead
+PROVIDER_OPTION = "provider or providers, --provider"
+
+
+def check_provider(name: str) -> str:
+    """The full provider name, or ProviderError unless it is the CPU or CUDA provider and this build has it.
+
+    Any other provider (onnxruntime's Azure provider, say) would run the graphs on the CPU
+    provider behind it, untested and unverified under its own name.
+    """
+    full = provider_name(name)
+    if full not in PARITY_PROVIDERS:
+        raise ProviderError(
+            f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not "
+            f"{full or 'an empty name'}; pass cpu or cuda ({PROVIDER_OPTION})"
+        )
+    if full == CUDA and (unusable := cuda_unusable()) is not None:  # every build has the CPU provider
+        raise ProviderError(f"{CUDA} cannot run here: {unusable}")
+    return full
+
+
+def cuda_unusable() -> str | None:
+    """Why the CUDA provider cannot run here, or None when it can."""
+    return _cuda_start_failure(tuple(ort.get_available_providers()))
+
+
+@functools.cache
+def _cuda_start_failure(available: tuple[str, ...]) -> str | None:
+    if CUDA not in available:
+        return "not available in this onnxruntime build (install onnxruntime-gpu on a machine with a CUDA GPU)"
+    # A build lists its providers whether or not a GPU, CUDA and cuDNN are there to start them, and a
+    # session whose provider fails to start falls back to the CPU: one Identity node tells.
+    identity = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "cuda_probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = onnx.helper.make_model(identity, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=9)
+    options = plain_session_options()  # once the shared thread pool exists, a session with its own pool fails
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the build's own "not in available provider names"
+            started = ort.InferenceSession(
+                model.SerializeToString(), options, providers=[CUDA], enable_fallback=0
+            ).get_providers()
+    except Exception as exc:  # noqa: BLE001 -- any failure to start it is the answer, never a crash
+        return f"could not start ({first_line(exc, 200)}); check the GPU, CUDA and cuDNN installation"
+    if CUDA not in started:
+        return "could not start (onnxruntime fell back to the CPU); check the GPU, CUDA and cuDNN installation"
+    return None
+
+
+def check_parity_providers(names) -> list[str]:
+    """Providers to verify on, as full names without repeats, each checked; a str names one provider."""
+    if isinstance(names, str):  # iterated, "cpu" would be the providers "c", "p" and "u"
+        names = [names]
+    if not isinstance(names, (list, tuple)):  # 5: "'int' object is not iterable"
+        raise ProviderError(
+            f"providers must be a provider name or a list of them, got {names!r:.80}; pass e.g. "
+            f"['cpu'], or None for every available one ({PROVIDER_OPTION})"
+        )
+    return list(dict.fromkeys(check_provider(name) for name in names))
+
+
+def session_providers(full_name: str) -> list:
+    """The providers list of a session on `full_name`: the CPU provider runs the ops another provider lacks.
+
+    Every session is made with enable_fallback=0: onnxruntime's Python binding otherwise answers a failure to
+    create or run one (any ValueError or RuntimeError, e.g. a message that is no UTF-8) by printing a banner to
+    stdout, into --json's document, and retrying on the CPU alone: a CUDA verification would run on the CPU.
+
+    CUDA runs with TF32 off: onnxruntime's CUDA provider turns it on by default, which rounds a float32
+    MatMul's inputs to 11 significant bits, so a float32 artifact would neither compute in float32 nor
+    match what its verification promises (float32 tolerances: TF32 alone moved a tiny model's logits by
+    about 4 float16 units of their peak, and MoE routers chose other experts).
+    """
+    return [full_name] if full_name == CPU else [(full_name, {"use_tf32": "0"}), CPU]
+
+
+def available_parity_providers() -> tuple[list[str], dict[str, str]]:
+    """Providers to verify on by default, and the skipped ones with the reason."""
+    unusable = cuda_unusable()
+    if unusable is None:
+        return list(PARITY_PROVIDERS), {}
+    return [CPU], {CUDA: unusable}
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer; bools are not token ids."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+MAX_THREADS = 1024  # a bound for typos: onnxruntime takes a C int and would start every thread asked for
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """ONNX Runtime session options, with defaults measured on the benchmark (README)."""
+
+    intra_op_threads: int = 0  # 0: one per physical core
+    optimization: str = "all"  # disable | basic | extended | all
+    prepack_weights: bool = True  # for decode.onnx, the generation hot path; see session_options
+    shared_thread_pool: bool = False  # see _use_global_thread_pool
+    # save the optimised graphs here (inspection, faster reloads); a str becomes a Path
+    optimized_model_dir: Path | None = None
+    prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
+    huge_pages: bool = True  # decode.onnx's prepacked weights in transparent huge pages (Linux); see OrtRunner
+    # decode.onnx through onnxruntime's C library on the CPU (exporter.runtime.capi); False: through its Python binding
+    native_decode: bool = True
+
+    def __post_init__(self):
+        if self.optimization not in GRAPH_OPTIMIZATION:
+            raise InputError(f"optimization must be one of {', '.join(GRAPH_OPTIMIZATION)}, got {self.optimization!r}")
+        if not is_integer(self.intra_op_threads) or not 0 <= self.intra_op_threads <= MAX_THREADS:
+            raise InputError(
+                f"threads per session (intra_op_threads, --threads) must be an integer from 0 (one "
+                f"per core) to {MAX_THREADS}, "
+                f"got {self.intra_op_threads!r}"
+            )
+        if not is_integer(self.prompt_chunk) or self.prompt_chunk < 0:
+            raise InputError(
+                f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), got {self.prompt_chunk!r}"
+            )
+        for name in ("prepack_weights", "shared_thread_pool", "huge_pages", "native_decode"):
+            check_flag(name, getattr(self, name))
+        if self.optimized_model_dir is not None:
+            if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
+                raise InputError(
+                    f"optimized_model_dir must be a folder path (str or Path), got {self.optimized_model_dir!r}"
+                )
+            object.__setattr__(self, "optimized_model_dir", Path(self.optimized_model_dir))  # frozen dataclass
+
+
+GRAPH_OPTIMIZATION = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+_global_pool_threads: int | None = None
+
+
+def _use_global_thread_pool(threads: int) -> None:
+    """One intra-op pool for every session of the process (opt-in: SessionSettings(shared_thread_pool=True)).
+
+    With a pool per session, the pool of the session that just ran keeps its
+    threads spinning for a while, competing for the cores with the pool of the
+    session called next: a decode step right after a prefill.onnx call took
+    44 ms against 27 ms after another decode step (minimind-3, 2 cores). One
+    shared pool has no idle spinner to fight (17.9 against 17.6 ms), but once it
+    exists ONNX Runtime refuses every session in the process that asks for a
+    pool of its own, other libraries' included (Optimum's failed so). The
+    default is therefore per-session pools with the prefill session's threads
+    not spinning (session_options), which removes the same fight.
+    """
+    global _global_pool_threads
+    if _global_pool_threads is None:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _global_pool_threads = threads
+    elif _global_pool_threads != threads:
+        log.warning(
+            "the global thread pool already has %d threads; ignoring the request for %d", _global_pool_threads, threads
+        )
+
+
+def log_severity() -> int:
+    """onnxruntime's own log: errors under debug logging (-v); otherwise nothing, since every failure it logs
+    is raised too, and reported in one line (it printed a red multi-line copy of each before)."""
+    return 3 if log.isEnabledFor(logging.DEBUG) else 4
+
+
+def plain_session_options() -> ort.SessionOptions:
+    """Options for a helper session (a probe, a debug copy of a graph) that fits this process's threading.
+
+    Once the global thread pool exists, ONNX Runtime refuses a session that asks for a pool of its own.
+    """
+    options = ort.SessionOptions()
+    options.log_severity_level = log_severity()
+    if _global_pool_threads is not None:
+        options.use_per_session_threads = False
+    return options
+
+
+class SharedWeightMap:
+    """The weights file mapped once; a session given these OrtValues reads the weights in place.
+
+    Left to itself, each session maps each tensor on its own, so two sessions
+    hold two mappings of every weight (twice the RSS). Read-only views of one
+    mapping are used without a copy (`add_initializer`).
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        self._file = np.memmap(folder / manifest.weights_file, dtype=np.uint8, mode="r")
+        self._values: dict[tuple[int, int], ort.OrtValue] = {}
+        self._tables = manifest.initializers
+
+    def initializers(self, graph_file: str) -> tuple[list[str], list[ort.OrtValue]]:
+        names, values = [], []
+        for entry in self._tables[graph_file]:
+            key = (entry["offset"], entry["length"])
+            if key not in self._values:
+                dtype = np.dtype(entry["dtype"])
+                view = np.frombuffer(
+                    self._file, dtype=dtype, count=entry["length"] // dtype.itemsize, offset=entry["offset"]
+                ).reshape(entry["shape"])
+                self._values[key] = ort.OrtValue.ortvalue_from_numpy(view)
+            names.append(entry["name"])
+            values.append(self._values[key])
+        return names, values
+
+
+def session_options(
+    settings: SessionSettings, graph_file: str, weights: SharedWeightMap | None, spin: bool = True
+) -> ort.SessionOptions:
+    """Options for one session; `weights` given: read the weights in place from the shared mapping, unpacked."""
+    options = ort.SessionOptions()
+    if weights is not None:
+        for name, value in zip(*weights.initializers(graph_file)):
+            options.add_initializer(name, value)  # used in place; add_external_initializers would copy
+    options.graph_optimization_level = GRAPH_OPTIMIZATION[settings.optimization]
+    # A memory pattern is recorded per set of input shapes and reused only when the same
+    # shapes come back; the cache grows by one position every decode step, so none ever
+    # does. Recording them cost the peak RSS 69 MB (477 -> 408 MB, minimind-3, 512-token
+    # prompts) and ~0.7% of the instructions of a decode step.
+    options.enable_mem_pattern = False
+    options.log_severity_level = log_severity()
+    if settings.shared_thread_pool:
+        _use_global_thread_pool(settings.intra_op_threads)
+        options.use_per_session_threads = False
+    else:
+        if _global_pool_threads is not None:
+            raise InputError(
+                "this process already runs onnxruntime's shared thread pool, which rules out "
+                "per-session pools; choose shared_thread_pool=False before the first runner"
+            )
+        options.intra_op_num_threads = settings.intra_op_threads
+        if not spin:  # idle threads that spin take the cores from the session called next
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if weights is not None or not settings.prepack_weights:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if settings.optimized_model_dir is not None:  # written aside first, see optimized_graphs_saved
+        stem = Path(graph_file).stem
+        options.optimized_model_filepath = str(settings.optimized_model_dir / f"{stem}.optimized.onnx")
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{stem}.optimized.onnx.data"
+        )
+    return options
+
+
+def graph_session(
+    model: bytes,
+    folder: Path,
+    graph_file: str,
+    weights: SharedWeightMap,
+    provider: str,
+    settings: SessionSettings = SessionSettings(),
+) -> ort.InferenceSession:
+    """A session on a modified copy (serialised, e.g. a debug copy) of one of the graphs of the artifact in
+    `folder`, with this process's thread-pool rules: the weights are shared through `weights` where onnxruntime
+    takes them, and read from the artifact's weights file where it does not."""
+    options = session_options(settings, graph_file, weights)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    return _new_session(model, options, session_providers(check_provider(provider)))
+
+
+@contextlib.contextmanager
+def optimized_graphs_saved(folder: Path | None):
+    """Yields the hidden folder in `folder` where the sessions made in the block save their optimised graphs (pass
+    it to load_session), or None without `folder`. Its files (graphs and weights files) are moved into `folder`
+    only once the block has made every session: a full disk, an interrupt, or a second graph that cannot be saved
+    after the first was, leaves the files an earlier save wrote, never a truncated graph nor one graph of a new
+    pair beside the other of an earlier one."""
+    if folder is None:
+        yield None
+        return
+    with parents_removed_unless_done(folder / "graph"):  # the folders made for the save (`folder` too), when it fails
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".optimized.partial-", dir=folder))
+        except OSError as exc:
+            raise _save_failed("graphs", folder, exc.strerror or str(exc)) from None
+        try:
+            yield staging
+            try:
+                # a Ctrl-C between moves left new weights beside an earlier graph; a second save into `folder`
+                # moving its files meanwhile, one graph of each (its turn is waited for with Ctrl-C live)
+                with folder_lock(folder), _signals_deferred():
+                    # the weights files before the graphs that name them
+                    for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".onnx"), name)):
+                        os.replace(staging / name, folder / name)
+            except OSError as exc:
+                raise _save_failed("graphs", folder, exc.strerror or str(exc)) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _new_session(
+    model, options: ort.SessionOptions, providers: list, staging: Path | None = None
+) -> ort.InferenceSession:
+    """A session; where `options` asks for the optimised graph to be saved, onnxruntime writes it into `staging`
+    (made by optimized_graphs_saved, which moves it into place), and a save that fails is named as such, not as a
+    damaged artifact."""
+    target = options.optimized_model_filepath and Path(options.optimized_model_filepath)
+    if not target:
+        return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+    options.optimized_model_filepath = str(staging / target.name)
+    try:
+        return ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+    except _LOAD_ERRORS as exc:
+        options.optimized_model_filepath = ""
+        try:  # does it load without the save? Then the save failed, not the graph
+            ort.InferenceSession(model, options, providers=providers, enable_fallback=0)
+        except _LOAD_ERRORS:
+            raise exc from None
+        raise _save_failed(f"graph {target.name}", target.parent, first_line(exc, 200)) from None
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM held back while the block runs, and delivered (with the handlers found) right after it.
+    Their handlers are swapped, not the signals blocked: a signal blocked in this thread is delivered to another
+    (onnxruntime's pool threads), and Python runs its handler in the main thread all the same. Outside the main
+    thread no handler can be set, and none is needed: Python raises a signal's exception only in the main thread.
+    A signal that this process ignores, or whose handler is not Python's, is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {
+        signum: handler for signum, handler in handlers.items() if handler is not None and handler is not signal.SIG_IGN
+    }
+    try:
+        for signum in handlers:
+            signal.signal(signum, lambda received, frame: pending.append(received))
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
+
+
+def _save_failed(what: str, folder: Path, reason: str) -> OutputPathError:
+    return OutputPathError(
+        f"cannot save the optimised {what} in {folder} ({reason}); earlier "
+        "files there are untouched: free space, or choose another folder (optimized_model_dir, "
+        "--save-optimized)"
+    )
+
+
+# UnicodeDecodeError: onnxruntime's refusal of a graph whose damaged bytes are a name it quotes, which the binding
+# cannot turn into a str (a flipped byte in decode.onnx, found by flipping bytes of a tiny export).
+_LOAD_ERRORS = (
+    _ort_errors.Fail,
+    _ort_errors.InvalidArgument,
+    _ort_errors.NoSuchFile,
+    _ort_errors.InvalidProtobuf,
+    _ort_errors.InvalidGraph,
+    UnicodeDecodeError,
+)
+
+
+def _listed(names: list) -> str:
+    return "[" + ", ".join(str(name) for name in names[:4]) + (", ...]" if len(names) > 4 else "]")
+
+
+def read_graph(folder: Path, manifest: Manifest, contract: GraphContract) -> onnx.ModelProto:
+    """One of the artifact's graphs without its weights, checked against its manifest: it parses, takes and gives
+    the values the contract names, and imports the manifest's opset. What reads a graph before onnxruntime has
+    loaded it goes through here, so that a damaged graph whose hashes were listed again is a one-line
+    ArtifactError, not the parser's error or a missing input found later."""
+    path = Path(folder) / contract.file
+    model, problem = _checked_graph(path, manifest, contract)
+    if problem:
+        raise ArtifactError(f"{path} {problem}; re-export the folder")
+    return model
+
+
+def graph_state(path: Path, manifest: Manifest, contract: GraphContract) -> str:
+    """What inspect shows of a graph: "ok", or how it is not the graph its manifest describes."""
+    return _checked_graph(path, manifest, contract)[1] or "ok"
+
+
+def _checked_graph(
+    path: Path, manifest: Manifest, contract: GraphContract
+) -> tuple[onnx.ModelProto | None, str | None]:
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as exc:
+        return None, f"is no ONNX model ({first_line(exc, 200)})"
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    inputs = [value.name for value in model.graph.input if value.name not in initializers]
+    outputs = [value.name for value in model.graph.output]
+    for kind, found, listed in (("inputs", inputs, contract.input_names), ("outputs", outputs, contract.output_names)):
+        if sorted(found) != sorted(listed):
+            return model, f"has the {kind} {_listed(found)}, its manifest lists {_listed(listed)}"
+    opsets = [entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")]
+    if opsets != [manifest.opset]:
+        return model, f"imports the opset {_listed(opsets)}, its manifest says {manifest.opset}"
+    return model, None
+
+
+def load_session(
+    folder: Path,
+    manifest: Manifest,
+    contract: GraphContract,
+    options: ort.SessionOptions,
+    providers: list[str],
+    staging: Path | None = None,
+) -> ort.InferenceSession:
+    """A session on one of the artifact's graphs, which must be the graph its manifest describes; `staging`: where
+    the optimised graph that `options` asks for is saved first (optimized_graphs_saved)."""
+    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
+    try:
+        return _new_session(str(folder / contract.file), options, providers, staging)
+    except _LOAD_ERRORS as exc:
+        raise load_failure(folder / contract.file, exc) from None
+
+
+def load_failure(path: Path, exc: Exception) -> ArtifactError:
+    """onnxruntime's refusal to load one of the artifact's graphs (through its binding or its C library)."""
+    return ArtifactError(f"onnxruntime cannot load {path} ({first_line(exc, 200)}); re-export the folder")

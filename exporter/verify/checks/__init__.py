@@ -1,0 +1,1 @@
+"""The checks that compare ONNX Runtime with a reference, or with itself."""

@@ -1,0 +1,238 @@
+"""Reference-free invariants, checked on the ONNX graphs alone (no torch).
+
+They hold for any correct export whatever the weights, so they also run on an
+artifact whose reference model is not available:
+- prefill of a whole prompt equals prefill of its first k tokens followed by
+  decode of the rest (the cache carries everything the rest needs);
+- decode with an empty past equals prefill;
+- a row of a left-padded batch equals the same sequence run alone;
+- the two graphs carry identical weights, inline ones included;
+- every axis the contract declares dynamic is symbolic in the saved graphs;
+- a float32 export casts nothing to float16 or bfloat16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from exporter.artifact.axes import lint_axes
+from exporter.artifact.contract import GraphContract
+from exporter.artifact.manifest import Manifest
+from exporter.runtime.runner import position_ids_from_mask, presents_as_past
+from exporter.runtime.sessions import read_graph
+from exporter.verify.diagnosis.probe import FLOAT_TYPES
+from exporter.verify.inputs import prefill_feeds
+from exporter.verify.metrics import Comparison, compare_outputs, real_queries
+from exporter.verify.tolerances import Profile
+
+
+@dataclass(frozen=True)
+class Invariant:
+    name: str
+    passed: bool
+    detail: str
+    comparisons: tuple[Comparison, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "detail": self.detail,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+        }
+
+
+def _outcome(name: str, rows: list[Comparison], nonfinite: list[str], what: str) -> Invariant:
+    if nonfinite:  # NaN equals NaN here: two broken runs would agree
+        return Invariant(
+            name,
+            False,
+            f"{what}: NaN or Inf in {', '.join(nonfinite[:4])}"
+            f"{' ...' if len(nonfinite) > 4 else ''}, which no invariant can vouch for",
+            tuple(rows),
+        )
+    worst = max(rows, key=lambda c: c.needed.scale)
+    bitwise = all(c.max_abs == 0 for c in rows)
+    detail = (
+        f"{what}: {'bit-identical' if bitwise else f'max abs {max(c.max_abs for c in rows):.3g}'}"
+        f" ({worst.needed.scale:.2g}x the tolerance at worst)"
+    )
+    return Invariant(name, all(c.passed for c in rows), detail, tuple(rows))
+
+
+def _pair(
+    label: str, actual: dict, expected: dict, profile: Profile, mask: np.ndarray
+) -> tuple[list[Comparison], list[str]]:
+    """compare_outputs of the two runs, and the outputs of either side holding NaN or Inf where it matters: at
+    a real query's logits, or anywhere in a present (a later step weighs a padded key by zero, and 0 x NaN is
+    NaN)."""
+    names = ["logits", *(n for n in actual if n.startswith("present."))]
+    queries = real_queries(mask, actual["logits"].shape[1])
+    nonfinite = [
+        n
+        for n in names
+        if not all(np.isfinite(side[n][queries] if n == "logits" else side[n]).all() for side in (actual, expected))
+    ]
+    return compare_outputs(label, actual, expected, profile, mask), nonfinite
+
+
+def split_prefill(runner, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
+    feeds = prefill_feeds(manifest, batch)
+    whole = runner.prefill(feeds)
+    head = runner.prefill({name: value[:, :k] for name, value in feeds.items()})
+    mask = batch["attention_mask"]
+    rest = runner.decode(
+        {
+            "input_ids": batch["input_ids"][:, k:],
+            "attention_mask": mask,
+            "position_ids": position_ids_from_mask(mask, k),
+            **presents_as_past(manifest, head),
+        }
+    )
+    tail = {"logits": whole["logits"][:, k:], **{n: whole[n] for n in rest if n != "logits"}}
+    return _outcome(
+        "prefill(all) == prefill(first k) + decode(rest)",
+        *_pair("split", rest, tail, profile, mask),
+        what=f"k={k} of {mask.shape[1]} tokens",
+    )
+
+
+def decode_past_zero(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+    feeds = prefill_feeds(manifest, batch)
+    prefill = runner.prefill(feeds)
+    decode = runner.decode(
+        {
+            **{k: feeds[k] for k in ("input_ids", "attention_mask", "position_ids")},
+            **runner.empty_past(len(batch["input_ids"])),
+        }
+    )
+    return _outcome(
+        "decode(past 0) == prefill",
+        *_pair("past-0", decode, prefill, profile, batch["attention_mask"]),
+        what="same prompt",
+    )
+
+
+def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+    """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries."""
+    mask = batch["attention_mask"]
+    real = mask[0] == 1
+    feeds = prefill_feeds(manifest, batch)
+    padded = runner.prefill(feeds)
+    alone_mask = np.ones((1, int(real.sum())), dtype=np.int64)
+    alone = runner.prefill(
+        {
+            name: value[:1, real] if name != "position_ids" else position_ids_from_mask(alone_mask)
+            for name, value in feeds.items()
+        }
+    )
+    row = {
+        "logits": padded["logits"][:1, real],
+        **{n: padded[n][:1, :, real] for n in alone if n.startswith("present.")},
+    }
+    return _outcome(
+        "padded row == same sequence alone",
+        *_pair("padded", row, alone, profile, alone_mask),
+        what=f"{int((~real).sum())} padding tokens",
+    )
+
+
+def _weight_digests(folder: Path, manifest: Manifest, contract: GraphContract) -> set[tuple]:
+    """Content hashes (where stored, dtype, shape, bytes) of a graph's weights, read the way ONNX Runtime reads
+    them: those in the weights file through the graph's own external-data references, not the manifest; and
+    every floating initializer kept inline (a norm weight under 1 KiB, the rotary frequencies, scalar
+    constants), which no hash of the weights file covers. Inline integer initializers are shapes and axes,
+    which the two graphs need not share."""
+    model = read_graph(folder, manifest, contract)
+    digests = set()
+    handles: dict[str, object] = {}
+    try:
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in tensor.external_data}
+                f = handles.setdefault(info["location"], open(folder / info["location"], "rb"))
+                f.seek(int(info.get("offset", 0)))
+                stored, data = "in the weights file", f.read(int(info["length"]))
+            elif tensor.data_type in FLOAT_TYPES:
+                stored, data = "inline", numpy_helper.to_array(tensor).tobytes()
+            else:
+                continue
+            digests.add((stored, tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest()))
+    finally:
+        for f in handles.values():
+            f.close()
+    return digests
+
+
+def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
+    """Matched by content, not by name: the exporter names folded tensors differently in each graph."""
+    prefill, decode = (_weight_digests(Path(folder), manifest, g) for g in (manifest.prefill, manifest.decode))
+    only_prefill, only_decode = prefill - decode, decode - prefill
+    if only_prefill or only_decode:
+        shapes = sorted({f"{list(key[2])} {key[0]}" for key in only_prefill | only_decode})
+        return Invariant(
+            "prefill and decode carry identical weights",
+            False,
+            f"{len(only_prefill)} tensor(s) only in prefill, {len(only_decode)} only in decode "
+            f"(shapes {', '.join(shapes[:6])})",
+        )
+    inline = sum(key[0] == "inline" for key in prefill)
+    return Invariant(
+        "prefill and decode carry identical weights",
+        True,
+        f"{len(prefill) - inline} distinct weight tensors in the weights file and {inline} floating "
+        "initializers inline, equal by content",
+    )
+
+
+def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
+    problems = []
+    for contract in (manifest.prefill, manifest.decode):
+        problems += lint_axes(read_graph(folder, manifest, contract), contract)
+    return Invariant(
+        "every dynamic axis is symbolic",
+        not problems,
+        "; ".join(problems[:5]) if problems else "all contract axes symbolic, named as declared",
+    )
+
+
+_BELOW_FLOAT32 = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
+    """A float32 export casts nothing to float16 or bfloat16. ONNX Runtime's CPU provider drops a cast down
+    and back up as a no-op, so no comparison on the CPU can see the rounding that CUDA would then do."""
+    found = []
+    for contract in (manifest.prefill, manifest.decode):
+        model = read_graph(folder, manifest, contract)
+        nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
+        found += [
+            f"{contract.file}: {node.name or node.op_type}"
+            for node in nodes
+            if node.op_type == "Cast" and any(a.name == "to" and a.i in _BELOW_FLOAT32 for a in node.attribute)
+        ]
+    return Invariant(
+        "a float32 export computes in float32",
+        not found,
+        f"{len(found)} Cast(s) to float16 or bfloat16: {', '.join(found[:4])}"
+        if found
+        else "no Cast to float16 or bfloat16 in either graph",
+    )
+
+
+def check_invariants(folder: Path, onnx_runner, manifest: Manifest, batch: dict, profile: Profile) -> list[Invariant]:
+    k = batch["input_ids"].shape[1] // 2 + 1  # past the first row's padding, so every row has a real past token
+    return [
+        split_prefill(onnx_runner, manifest, batch, profile, k),
+        decode_past_zero(onnx_runner, manifest, batch, profile),
+        padded_row_alone(onnx_runner, manifest, batch, profile),
+        identical_weights(folder, manifest),
+        symbolic_axes(folder, manifest),
+        *([computes_in_float32(folder, manifest)] if manifest.dtype == "float32" else []),
+    ]

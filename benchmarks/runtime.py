@@ -83,24 +83,8 @@ def ort_start(runner, ids):
 
 
 def ort_decode_run(runner) -> float:
-    """Greedy decode of DECODE_STEPS tokens after a short prompt, as generate() runs one greedy row: the steps in C,
-    GREEDY_CHUNK at a time (OrtRunner.greedy_steps); tokens/s of the steps."""
-    import numpy as np
-
-    from exporter.runtime.generation import GREEDY_CHUNK
-
-    logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
-    mask = np.ones((1, PROMPT_FOR_DECODE + DECODE_STEPS), dtype=np.int64)
-    token, left = int(logits.argmax()), DECODE_STEPS
-    begin = time.perf_counter()
-    while left:
-        tokens, _ = runner.greedy_steps(token, mask, min(left, GREEDY_CHUNK))
-        token, left = tokens[-1], left - len(tokens)
-    return DECODE_STEPS / (time.perf_counter() - begin)
-
-
-def ort_stepwise_run(runner) -> float:
-    """The same decode one step() at a time from Python, as stream() runs it; tokens/s of the steps."""
+    """Greedy decode of DECODE_STEPS tokens after a short prompt, one step() at a time as generate() and stream()
+    run it; tokens/s of the steps."""
     import numpy as np
 
     logits = ort_start(runner, prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size))
@@ -127,11 +111,7 @@ def ort_tasks(artifact: Path, provider: str, threads: int) -> dict:
         f"prefill {n}": (lambda ids=prompt(n, vocab): elapsed_ms(lambda: ort_start(runner, ids)))
         for n in prompt_lengths(runner.manifest.config.max_position_embeddings)
     }
-    if runner.greedy_in_c:
-        tasks["decode"] = lambda: ort_decode_run(runner)
-        tasks["decode stepwise"] = lambda: ort_stepwise_run(runner)
-    else:  # no C loop (CUDA, no compiler at install, a float16 artifact): generate() steps from Python too
-        tasks["decode"] = lambda: ort_stepwise_run(runner)
+    tasks["decode"] = lambda: ort_decode_run(runner)
     return tasks
 
 
@@ -313,7 +293,7 @@ def worker_sessions(artifact: Path, provider: str, threads: int, shared_pool: bo
     from exporter.runtime.runner import position_ids_from_mask
 
     runner = ort_runner(artifact, provider, threads, shared_pool)
-    result = {"loaded_peak_rss_mb": peak_rss_mb(), "huge_page_mb": runner.huge_page_bytes / 1e6}
+    result = {"loaded_peak_rss_mb": peak_rss_mb()}
     ids = prompt(PROMPT_FOR_DECODE, runner.manifest.config.vocab_size)
     mask = np.ones_like(ids)
     prefill_feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
@@ -424,8 +404,6 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
         }
         out["decode_tokens_per_s"] = statistics.median(figures[name]["decode"])
         out["decode_step_ms"] = 1000 / out["decode_tokens_per_s"]
-        if "decode stepwise" in figures[name]:
-            out["decode_stepwise_tokens_per_s"] = statistics.median(figures[name]["decode stepwise"])
         out["peak_rss_mb"] = peaks[name]
         return out
 
@@ -461,8 +439,6 @@ def summarise(figures: dict, peaks: dict, weight_bytes: int) -> dict:
         for n in [n for n in PREFILL_LENGTHS if f"prefill {n}" in genai]:  # speed: genai's ms over ours
             ratio(f"prefill_{n}_ours_to_genai", genai[f"prefill {n}"], ours[f"prefill {n}"])
         ratio("ours_to_genai", ours["decode"], genai["decode"])
-        if "decode stepwise" in ours:
-            ratio("ours_stepwise_to_genai", ours["decode stepwise"], genai["decode"])
     return report
 
 
@@ -502,11 +478,6 @@ def format_table(report: dict) -> str:
             f"{'decode tokens/s (128 steps)':32}{genai['decode_tokens_per_s']:>14.1f}"
             f"{'':12}{ratios['ours_to_genai']:>9.2f}x {spread('ours_to_genai'):>11}"
         )
-        if "decode_stepwise_tokens_per_s" in ort:
-            lines.append(
-                f"{'  ours, one step() at a time':32}{ort['decode_stepwise_tokens_per_s']:>14.1f}"
-                f"{'':12}{ratios['ours_stepwise_to_genai']:>9.2f}x {spread('ours_stepwise_to_genai'):>11}"
-            )
     else:
         lines.append("onnxruntime-genai: not installed (or not on this provider), column skipped")
     sessions, shared = report["sessions"], report["sessions_shared_pool"]
@@ -523,7 +494,6 @@ def format_table(report: dict) -> str:
         f"{sessions['loaded_peak_rss_mb'] / floor['weight_mb']:.2f}x with both sessions loaded; "
         f"{sessions['peak_rss_with_prefill_graph_run_mb'] / floor['weight_mb']:.2f}x "
         f"once prefill.onnx has run too",
-        f"decode.onnx's session memory in transparent huge pages: {sessions['huge_page_mb']:.1f} MB",
         "decode step right after a prefill.onnx call (alternating sessions) / after an idle pause as long "
         "as that call / right after a decode step:",
         f"  per-session pools, prefill threads not spinning (default): {session_steps(sessions)}",

@@ -92,19 +92,10 @@ def artifact_fp16(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def runner(artifact_fp32):
-    """The fp32 artifact in ONNX Runtime, shared by a module's tests: decode.onnx through the C library."""
+    """The fp32 artifact in ONNX Runtime, shared by a module's tests."""
     from exporter.runtime.runner import OrtRunner
 
     return OrtRunner(artifact_fp32)
-
-
-@pytest.fixture(scope="module")
-def binding_runner(artifact_fp32):
-    """The same, with decode.onnx through onnxruntime's Python binding (the CUDA path, run on the CPU)."""
-    from exporter.runtime.runner import OrtRunner
-    from exporter.runtime.sessions import SessionSettings
-
-    return OrtRunner(artifact_fp32, settings=SessionSettings(native_decode=False))
 
 
 @pytest.fixture

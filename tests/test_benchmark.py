@@ -383,7 +383,6 @@ def _made_up_report(benchmark, rounds: int) -> dict:
     report = benchmark.summarise(figures, {"onnxruntime": 80.0, "pytorch": 260.0, "bandwidth": 1.0}, 600_000)
     sessions = {
         "loaded_peak_rss_mb": 77.0,
-        "huge_page_mb": 0.0,
         "decode_step_after_prefill_ms": 0.2,
         "decode_step_in_a_row_ms": 0.2,
         "decode_step_after_pause_ms": 0.2,

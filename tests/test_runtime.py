@@ -138,23 +138,13 @@ def test_feeds_of_another_dtype_are_refused_as_inputs_not_blamed_on_the_graph(ru
 
 
 def wrong_cache(runner, wrong: np.ndarray):
-    """A cache of `wrong` in every slot, in the runner's kind (`wrong` must outlive it: the C values read it)."""
-    from exporter.runtime import capi
-
-    if runner.native_decode:
-        return capi.Cache(
-            [capi.api().tensor(wrong, capi.shape_of(wrong)) for _ in range(len(runner.cache))],
-            wrong.shape[0],
-            wrong.shape[2],
-        )
+    """A cache of `wrong` in every slot, as the runner keeps it (`wrong` must outlive it: the values read it)."""
     return [ort.OrtValue.ortvalue_from_numpy(wrong)._ortvalue for _ in runner.cache]
 
 
-@pytest.mark.parametrize("kind", ["runner", "binding_runner"])
-def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(kind, request):
-    # generation's paths (the C library, IO binding) raise other exceptions than session.run; the stand-in for the
-    # damage is a cache of another head size (start and step refuse bad ids, masks and positions, see below)
-    runner = request.getfixturevalue(kind)
+def test_a_decode_step_that_fails_to_run_is_an_artifact_error_in_one_line(runner):
+    # generation's path (IO binding) raises other exceptions than session.run; the stand-in for the damage is a
+    # cache of another head size (start and step refuse bad ids, masks and positions, see below)
     runner.start(np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None])
     cache = runner.manifest.cache
     wrong = np.zeros((1, cache.num_key_value_heads, 3, cache.head_dim + 1), np.float32)
@@ -448,7 +438,7 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
     """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
     from exporter.runtime.sessions import SessionSettings
 
-    for name in ("prepack_weights", "huge_pages", "shared_thread_pool"):
+    for name in ("prepack_weights", "shared_thread_pool"):
         for value in ("no", "false", "False", 0, None):
             with pytest.raises(InputError, match=f"{name} must be True or False, got"):
                 SessionSettings(**{name: value})
@@ -567,7 +557,7 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
     from exporter.runtime.sessions import SessionSettings
 
     spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
-    default = OrtRunner(artifact_fp32, settings=SessionSettings(native_decode=False))
+    default = OrtRunner(artifact_fp32)
     assert _config_entry(default.decode_session, prepack) is None
     assert _config_entry(default.prefill_session, prepack) == "1"
     runner = OrtRunner(

@@ -1,6 +1,5 @@
-"""decode.onnx through onnxruntime's Python binding: the CUDA path of exporter.runtime.runner's OrtRunner, and the
-settings the C library's session (exporter.runtime.capi) does not take. The KV cache is the binding's OrtValues, bound
-with IO binding from one step to the next (on CUDA never leaving the device)."""
+"""decode.onnx's session for generation, through onnxruntime's Python binding with IO binding: the KV cache is the
+binding's OrtValues, bound from one step to the next (on CUDA never leaving the device)."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ from exporter.artifact.contract import CacheLayout
 
 
 class BindingDecode:
-    """decode.onnx's session in the binding, for start/step (the same methods as exporter.runtime.capi's DecodeSession,
-    less the greedy loop); the cache is a list of the binding's C OrtValues, in the order of `past_names`."""
+    """decode.onnx's session, for OrtRunner's start/step; the cache is a list of the binding's C OrtValues, in the
+    order of `past_names`."""
 
     def __init__(
         self,
@@ -26,10 +25,9 @@ class BindingDecode:
         self._past_names, self._cache_device = past_names, cache_device
         self._empty_shape = (cache.num_key_value_heads, 0, cache.head_dim)
         self._dtype = np.dtype(cache.dtype)
-        # Per step: one binding reused rather than rebuilt, each output's role looked up rather
-        # than its cache names formatted again (60 us a step), and the binding's C object driven
-        # directly: onnxruntime's Python wrappers check every value and build a device object
-        # per call, 0.14 ms a step (tiny model: 0.59 ms a step through them, 0.45 ms this way).
+        # Per step: one binding reused rather than rebuilt, each output's role looked up once rather than its cache
+        # names formatted again, and the binding's C object driven directly: onnxruntime's Python wrappers check
+        # every value and build a device object per call, which a step on a small model notices.
         self._binding = session.io_binding()._iobinding
         self._run_binding = session._sess.run_with_iobinding
         self._logits_index = output_names.index("logits")
@@ -82,5 +80,5 @@ class BindingDecode:
         new = [outputs[i] for i in self._present_indices]
         logits = outputs[self._logits_index].numpy()
         # A decode step's logits are returned as they are; of a prompt chunk's, the last position is
-        # copied so that the others are freed rather than kept alive by a view (3.3 MB at 128 tokens).
+        # copied so that the others are freed rather than kept alive by a view.
         return logits[:, -1].astype(np.float32, copy=logits.shape[1] > 1), new

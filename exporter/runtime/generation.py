@@ -324,50 +324,13 @@ def generate(
     eos_token_id: int | None = None,
     stop_ids=(),
 ) -> list[Generation]:
-    """Generate to the end (as `stream` does) and collect each row's tokens. One greedy row on a runner that can
-    (OrtRunner.greedy_in_c) runs its steps in C, the same tokens without Python between the steps."""
+    """Generate to the end (as `stream` does) and collect each row's tokens."""
     prompts, stops = check_request(runner_config(runner), prompts, max_new_tokens, sampling, eos_token_id, stop_ids)
-    if len(prompts) == 1 and not _processed(sampling) and getattr(runner, "greedy_in_c", False):
-        return [_generate_in_c(runner, prompts[0], max_new_tokens, stops)]
     results = [Generation(prompt) for prompt in prompts]
     for tokens in _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops):
         for result, token in zip(results, tokens):
             result.add(token, stops)
     return results
-
-
-# Greedy steps per call into C: between calls the runner's lock is let go (another thread's generation on the runner
-# takes its turn, as it does between the steps of `stream`) and Ctrl-C is seen.
-GREEDY_CHUNK = 32
-
-
-def _generate_in_c(runner, prompt: list[int], max_new_tokens: int, stops: set[int]) -> Generation:
-    """generate's path for one greedy row: the prompt through start, the first token chosen from its logits as
-    `_steps` chooses it, every later one by OrtRunner.greedy_steps."""
-    result = Generation(prompt)
-    if not max_new_tokens:
-        return result
-    length = len(prompt)
-    mask = np.ones((1, length + max_new_tokens), dtype=np.int64)
-    with runner.lock:
-        logits = runner.start(
-            np.array([prompt], dtype=np.int64), mask[:, :length], position_ids_from_mask(mask[:, :length])
-        )
-        cache = runner.cache
-    token = int(choose_tokens(logits, SamplingConfig(), [])[0])
-    result.add(token, stops)
-    left = max_new_tokens - 1
-    while left and not result.stopped:
-        with runner.lock:
-            runner.cache = cache  # another generation on this runner may have run since this one's last call
-            tokens, non_finite = runner.greedy_steps(token, mask, min(left, GREEDY_CHUNK), stops)
-            cache = runner.cache
-        for token in tokens:
-            result.add(token, stops)
-        if non_finite:
-            raise NonFiniteLogits()
-        left -= len(tokens)
-    return result
 
 
 def generate_greedy(runner, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> Generation:

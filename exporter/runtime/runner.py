@@ -18,21 +18,15 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter.artifact.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.artifact.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
 from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
-from exporter.runtime import capi
 from exporter.runtime.binding import BindingDecode
-from exporter.runtime.hugepages import back_with_huge_pages, private_anonymous_regions
 from exporter.runtime.sessions import (
-    CPU,
     CUDA,
     SessionSettings,
     SharedWeightMap,
     check_provider,
     is_integer,
-    load_failure,
     load_session,
-    log_severity,
     optimized_graphs_saved,
-    read_graph,
     session_options,
     session_providers,
 )
@@ -89,8 +83,8 @@ def check_prompt(config: DecoderConfig, prompt_ids, max_new_tokens: int) -> list
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
 # What a decode.onnx run can raise: the binding's C method (BindingDecode.step) raises a plain RuntimeError where
-# session.run raises the above, the C library's calls a CApiError.
-_STEP_ERRORS = (*_RUN_ERRORS, RuntimeError, capi.CApiError)
+# session.run raises the above.
+_STEP_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
 def _check_feeds(contract: GraphContract, feeds: dict) -> None:
@@ -154,8 +148,8 @@ def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids
     """The values start or step is given: ids in the vocabulary (onnxruntime's Gather would blame the graph), a mask
     of 0 and 1 and positions from 0 (others ran, to logits no reference computes), and check_positions.
 
-    Per step, so one max per array, read as uint64 (a negative int64 lies above every bound). Run between steps
-    that have just streamed the weights through the caches, these checks cost 40 us a step on minimind-3."""
+    They run every step, so each array is read once, by one max over it as uint64 (a negative int64 lies above
+    every bound)."""
     if attention_mask.view(np.uint64).max() > 1:  # never empty: start refuses an empty prompt
         bad = [int(v) for v in np.unique(attention_mask) if v not in (0, 1)]
         raise InputError(f"attention_mask holds {bad[:5]}; it takes 1 for a token and 0 for left padding, nothing else")
@@ -170,8 +164,7 @@ def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids
         raise InputError(
             f"position_ids must be >= 0 (the k-th token of a row is at position k), got {int(position_ids.min())}"
         )
-    # check_positions' own test, tried first so that its message is formatted only for a refusal: with int64's bound
-    # read once, the checks took 39 us a step rather than 59
+    # check_positions' own test, tried first so that its message is formatted only for a refusal
     if last >= config.max_position_embeddings:
         check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
 
@@ -206,55 +199,27 @@ def _check_manifest_of(folder: Path, manifest: Manifest) -> None:
         )
 
 
-def binding_reason(settings: SessionSettings, provider: str) -> str | None:
-    """Why decode.onnx must run through onnxruntime's Python binding rather than its C library (exporter.runtime.capi),
-    or None when it need not: the C path runs prepacked CPU sessions on their own thread pools, and saves no
-    optimised graph."""
-    for reason, applies in (
-        ("native_decode=False", not settings.native_decode),
-        ("the CUDA provider", provider != CPU),
-        ("prepack_weights=False", not settings.prepack_weights),
-        ("shared_thread_pool=True", settings.shared_thread_pool),
-        ("optimized_model_dir", settings.optimized_model_dir is not None),
-    ):
-        if applies:
-            return reason
-    return capi.unavailable()
-
-
 class OrtRunner:
     """Both graphs of an artifact folder in ONNX Runtime.
 
     `prefill`/`decode` take and return named numpy arrays (parity checks, the loss).
     `start`/`step` serve generation. Both run decode.onnx, the prompt with an empty
     past (equal to prefill.onnx within float32 rounding, tested), and keep the KV
-    cache between steps as onnxruntime's values, never converted to numpy.
-    `greedy_steps` runs many greedy steps of one row in one call into C.
+    cache between steps as onnxruntime's values bound with IO binding, never converted
+    to numpy; on CUDA the cache never leaves the device.
 
-    decode.onnx runs through onnxruntime's C library itself on the CPU (exporter.runtime.capi:
-    a step costs no Python object per value, and greedy steps loop in C), and through its
-    Python binding on CUDA, where the cache is bound with IO binding and never leaves the
-    device, and for the settings `binding_reason` names. `native_decode` says which.
+    Memory: decode.onnx gets MLAS's prepacked weights, which are the one resident copy
+    while generating. prefill.onnx reads the weights file in place through a shared
+    read-only mapping and no prepacking, so it adds no copy of its own; its pages become
+    resident only when prefill() runs. (A second prepacked session would double the
+    weights: onnxruntime's Python API cannot share prepacked buffers.)
 
-    Memory: decode.onnx gets MLAS's prepacked weights (decode ran 1.8x faster with
-    them on 2 cores), which is the one resident copy while generating.
-    prefill.onnx reads the weights file in place through a shared read-only
-    mapping and no prepacking, so it adds no copy of its own; its pages become
-    resident only when prefill() runs. A second prepacked session would double
-    the weights (ONNX Runtime's Python API cannot share prepacked buffers).
-    Measured for minimind-3 fp32 (255.6 MB of weights): 333 MB with both sessions
-    loaded (254 MB prepacked, 19 MB of the tied table's file pages, which the
-    embedding's Gather keeps mapped after lm_head's prepacking read them, 52 MB
-    for the interpreter, numpy and onnxruntime), 377 MB peak while generating with
-    512-token prompts read in chunks of 128, about 585 MB once prefill() has run too.
-    The C library's path adds about 26 MB: a second onnxruntime in the process (the
-    binding links its own), 376 against 350 MB with both sessions loaded (session 24).
-
-    Huge pages: on the CPU, the memory decode.onnx's session allocated while loading (the
-    prepacked weights) is collapsed into 2 MiB pages (exporter.runtime.hugepages), which a decode
-    step streams with 1/512 of the page walks. minimind-3: 222 MB collapsed in 0.4 s, RSS
-    unchanged, decode about 2% faster (-1% to +3% in four runs in turns, README).
-    `huge_page_bytes` says how much was collapsed.
+    Args:
+        folder: the artifact folder.
+        provider: "cpu" or "cuda" (or onnxruntime's full provider name).
+        check_hashes: check every file's sha256 against the manifest while reading it.
+        manifest: the folder's manifest when the caller has read it already (then not read again).
+        settings: the sessions' settings (threads, optimisation, prompt chunk).
     """
 
     def __init__(
@@ -276,36 +241,25 @@ class OrtRunner:
             providers = session_providers(self.provider)
             self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
             prefill, decode = self.manifest.prefill, self.manifest.decode
-            on_cpu = self.provider == CPU
-            before = private_anonymous_regions() if settings.huge_pages and on_cpu else None
             self.cache_device = "cuda" if self.provider == CUDA else "cpu"
             past_of = _past_name_of_present(self.manifest.cache)
             presents = [name for name in decode.output_names if name in past_of]
             self._past_names = [past_of[name] for name in presents]
-            reason = binding_reason(settings, self.provider)
-            self.native_decode = reason is None
-            if self.native_decode:
-                self._decode = _native_session(self.folder, self.manifest, self._past_names, presents, settings)
-            else:
-                log.debug("%s through onnxruntime's Python binding: %s", decode.file, reason)
-                self._decode = BindingDecode(
-                    load_session(
-                        self.folder,
-                        self.manifest,
-                        decode,
-                        session_options(settings, decode.file, None),
-                        providers,
-                        staging,
-                    ),
-                    self._past_names,
-                    decode.output_names,
-                    self.manifest.cache,
-                    self.cache_device,
-                )
-            # exporter.runtime.capi's DecodeSession, or the binding's InferenceSession
-            self.decode_session = self._decode if self.native_decode else self._decode.session
-            self.huge_page_bytes = back_with_huge_pages(before) if before is not None else 0
-            log.debug("%s: %.1f MB of the session's memory in huge pages", decode.file, self.huge_page_bytes / 1e6)
+            self._decode = BindingDecode(
+                load_session(
+                    self.folder,
+                    self.manifest,
+                    decode,
+                    session_options(settings, decode.file, None),
+                    providers,
+                    staging,
+                ),
+                self._past_names,
+                decode.output_names,
+                self.manifest.cache,
+                self.cache_device,
+            )
+            self.decode_session = self._decode.session
             self.prefill_session = load_session(
                 self.folder,
                 self.manifest,
@@ -314,16 +268,15 @@ class OrtRunner:
                 providers,
                 staging,
             )
-        if not self.native_decode and self.provider not in self.decode_session.get_providers():
+        if self.provider not in self.decode_session.get_providers():
             # onnxruntime falls back to the CPU silently when CUDA libraries fail to load.
             raise ProviderError(
                 f"{self.provider} could not be initialised (onnxruntime fell back to "
                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation"
             )
         self._prompt_chunk = settings.prompt_chunk
-        # The KV cache that start/step left, in the order of self._past_names: onnxruntime's values (exporter.runtime.capi's
-        # Cache, or a list of the binding's OrtValues). A generation interleaved with another on this runner puts
-        # its own back before each step.
+        # The KV cache that start/step left, in the order of self._past_names: a list of the binding's OrtValues. A
+        # generation interleaved with another on this runner puts its own back before each step.
         self.cache = None
         # Held by each start/step and by a generation across its cache swap and step: threads sharing this runner
         # take turns, each on its own cache (unheld, one thread's step ran on another's cache: wrong tokens).
@@ -379,10 +332,8 @@ class OrtRunner:
 
         The prompt goes through decode.onnx `prompt_chunk` tokens at a time, each chunk on
         the cache of the ones before: the activations (and so the peak RSS) scale with the
-        chunk, not the prompt. For minimind-3 with a 512-token prompt, chunks of 128 took the
-        peak RSS from 412 to 377 MB at the same speed (590 against 586 ms) and bit-identical
-        logits: each row of a MatMul and each query's attention is computed as it would be
-        in one call.
+        chunk, not the prompt. The logits are the same as in one call: each row of a MatMul
+        and each query's attention is computed as it would be there (tested).
         """
         with self.lock:
             return self._start(input_ids, attention_mask, position_ids)
@@ -425,86 +376,6 @@ class OrtRunner:
             "the generation has used every position: start again with a shorter prompt",
         )
         return self._run_decode(input_ids, attention_mask, position_ids)
-
-    @property
-    def greedy_in_c(self) -> bool:
-        """Whether greedy_steps can run: the C session with the C loop built (exporter.runtime.capi), float32 logits."""
-        return self.native_decode and self.manifest.cache.dtype == "float32" and capi.native_loop_available()
-
-    def greedy_steps(self, token: int, attention_mask: np.ndarray, steps: int, stop_ids=()) -> tuple[list[int], bool]:
-        """Up to `steps` greedy decode steps of one row in C, on the cache that start/step left: run `token` (the
-        one chosen last), choose the argmax, run that, and so on, ending after a stop id or at logits holding a
-        NaN (no token chosen after them). `attention_mask`: (1, n) int64 of 0 and 1, n at least the cached length
-        plus `steps`; each step reads its prefix. Returns the tokens chosen and whether a NaN ended the loop.
-        Needs greedy_in_c."""
-        with self.lock:
-            if not self.greedy_in_c:
-                raise InputError(
-                    "greedy_steps needs the C decode loop: a CPU runner of a float32 artifact, with "
-                    "exporter.runtime._native_loop built at install (see greedy_in_c)"
-                )
-            if self.cache is None:
-                raise InputError("greedy_steps() needs a cache: call start() with the prompt first")
-            batch, cached = self._decode.cache_shape(self.cache)
-            config = self.manifest.config
-            if batch != 1:
-                raise InputError(f"greedy_steps() runs one row, the cache holds {batch}; use step() for a batch")
-            if not is_integer(steps) or steps < 0:
-                raise InputError(f"steps must be an integer >= 0, got {steps!r}")
-            if not is_integer(token) or not 0 <= token < config.vocab_size:
-                raise InputError(f"token {token!r} lies outside the vocabulary [0, {config.vocab_size})")
-            if not steps:
-                return [], False
-            mask = attention_mask
-            if not (
-                isinstance(mask, np.ndarray)
-                and mask.dtype == np.int64
-                and mask.ndim == 2
-                and mask.shape[0] == 1
-                and mask.shape[1] >= cached + steps
-            ):
-                got = f"{mask.dtype} {mask.shape}" if isinstance(mask, np.ndarray) else type(mask).__name__
-                raise InputError(
-                    f"attention_mask must be a (1, n) int64 array with n >= {cached + steps} (the cached "
-                    f"length {cached} plus {steps} steps), got {got}"
-                )
-            mask = np.ascontiguousarray(mask[:, : cached + steps])
-            if mask.view(np.uint64).max() > 1 or not (mask[:, cached:] == 1).all():
-                raise InputError("attention_mask must hold 0 or 1 for the cached positions and 1 for each step")
-            position = int(mask[0, :cached].sum())  # the k-th real token is at position k
-            check_positions(
-                config,
-                position + steps,
-                f"these steps (position_ids up to {position + steps - 1})",
-                "the generation has used every position: start again with a shorter prompt",
-            )
-            tokens, non_finite, error, self.cache = self._decode.greedy(
-                self.cache, mask, position, int(token), steps, np.array(list(stop_ids), np.int64)
-            )
-            if error:
-                raise GraphRunError(self.manifest.decode.file, first_line(error, 400))
-            return tokens, non_finite
-
-
-def _native_session(
-    folder: Path, manifest: Manifest, past_names: list[str], present_names: list[str], settings: SessionSettings
-) -> capi.DecodeSession:
-    """decode.onnx's session in onnxruntime's C library, with the options session_options gives it."""
-    contract = manifest.decode
-    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
-    try:
-        return capi.DecodeSession(
-            folder / contract.file,
-            past_names,
-            present_names,
-            manifest.cache,
-            manifest.config.vocab_size,
-            intra_op_threads=settings.intra_op_threads,
-            optimization=settings.optimization,
-            log_level=log_severity(),
-        )
-    except capi.CApiError as exc:
-        raise load_failure(folder / contract.file, exc) from None
 
 
 def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:

@@ -155,9 +155,6 @@ class SessionSettings:
     # save the optimised graphs here (inspection, faster reloads); a str becomes a Path
     optimized_model_dir: Path | None = None
     prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
-    huge_pages: bool = True  # decode.onnx's prepacked weights in transparent huge pages (Linux); see OrtRunner
-    # decode.onnx through onnxruntime's C library on the CPU (exporter.runtime.capi); False: through its Python binding
-    native_decode: bool = True
 
     def __post_init__(self):
         if self.optimization not in GRAPH_OPTIMIZATION:
@@ -172,7 +169,7 @@ class SessionSettings:
             raise InputError(
                 f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), got {self.prompt_chunk!r}"
             )
-        for name in ("prepack_weights", "shared_thread_pool", "huge_pages", "native_decode"):
+        for name in ("prepack_weights", "shared_thread_pool"):
             check_flag(name, getattr(self, name))
         if self.optimized_model_dir is not None:
             if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
@@ -471,5 +468,5 @@ def load_session(
 
 
 def load_failure(path: Path, exc: Exception) -> ArtifactError:
-    """onnxruntime's refusal to load one of the artifact's graphs (through its binding or its C library)."""
+    """onnxruntime's refusal to load one of the artifact's graphs ."""
     return ArtifactError(f"onnxruntime cannot load {path} ({first_line(exc, 200)}); re-export the folder")

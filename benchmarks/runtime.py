@@ -119,7 +119,7 @@ def torch_tasks(artifact: Path, threads: int, device: str) -> dict:
     import torch
 
     from exporter.artifact.manifest import read_manifest
-    from exporter.export.model_source import rebuild_reference
+    from exporter.verify.references.model_source import rebuild_reference
 
     if threads:
         torch.set_num_threads(threads)
@@ -355,14 +355,14 @@ def ensure_artifact(folder: Path) -> None:
     PyTorch side the toolkit can rebuild."""
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
-        from exporter.export.model_source import seeded_model
+        from exporter.verify.references.model_source import seeded_model
         from exporter.export.pipeline import export_artifact
 
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)
     from exporter.artifact.manifest import read_manifest
     from exporter.errors import TORCH_INSTALL_HINT, InputError
-    from exporter.export.model_source import rebuild_problem
+    from exporter.verify.references.model_source import rebuild_problem
 
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
     problem = rebuild_problem(manifest)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "seeded_model": "exporter.export.model_source",
-    "checkpoint_model": "exporter.export.model_source",
+    "seeded_model": "exporter.verify.references.model_source",
+    "checkpoint_model": "exporter.verify.references.model_source",
     "export_artifact": "exporter.export.pipeline",
     "verify_artifact": "exporter.verify.engine",
     "ParitySettings": "exporter.verify.inputs",

@@ -13,6 +13,7 @@ import torch
 from onnx import numpy_helper
 
 from exporter import TOLERANCES, compare
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
 from exporter.verify.diagnosis.probe import module_of
@@ -175,7 +176,7 @@ def assert_cached_decoding_equals_full_forward(model, ids, kv_shape, chunkings=N
 def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: int) -> None:
     """The decode graph on a real, ragged cache (built by a reference prefill) at the given sizes."""
     manifest = read_manifest(artifact, check_hashes=False)
-    onnx, reference = OrtRunner(artifact, manifest=manifest), TorchRunner(model, manifest)
+    onnx, reference = OrtRunner(Artifact(artifact, manifest)), TorchRunner(model, manifest)
     rng = np.random.default_rng(batch * 100 + length * 10 + past)
     vocab = manifest.config.vocab_size
     mask = np.ones((batch, past + length), dtype=np.int64)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from exporter.artifact.consumers import ModelSizes, genai_config, hf_config
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.cli.export_report import format_inspect
 from exporter.errors import ExportFailed, InputError
@@ -224,7 +225,7 @@ def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo
     manifest = read_manifest(folder)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     feeds = prefill_feeds(manifest, batch)
-    ort = OrtRunner(folder, "cpu", manifest=manifest).prefill(feeds)
+    ort = OrtRunner(Artifact(folder, manifest), "cpu").prefill(feeds)
     with torch.no_grad():
         ref = adapter(**{k: torch.from_numpy(v) for k, v in feeds.items()}, use_cache=True)
     real = batch["attention_mask"] == 1

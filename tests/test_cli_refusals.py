@@ -75,10 +75,10 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
 
 def test_a_checkpoint_inside_the_output_folder_is_not_read_before_the_folder_is_refused(tmp_path, monkeypatch):
     # The checkpoint (gigabytes for a real model) was loaded first, and only then the folder refused.
-    import exporter.export.model_source
+    import exporter.verify.references.model_source
 
     monkeypatch.setattr(
-        exporter.export.model_source,
+        exporter.verify.references.model_source,
         "checkpoint_model",
         lambda *args, **kwargs: pytest.fail("the checkpoint was read before the folder was refused"),
     )

@@ -452,13 +452,13 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
     """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
     TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,
     a numpy integer refused as none; seeded_model's result, not a model, was told to build one with seeded_model."""
-    from exporter.export.model_source import seeded_model
+    from exporter.verify.references.model_source import seeded_model
 
     for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
         with pytest.raises(
             InputError,
             match=f"model must be a reference model or a reference.byo adapter .*, got "
-            f"{kind}; build one with exporter.export.model_source.seeded_model",
+            f"{kind}; build one with exporter.verify.references.model_source.seeded_model",
         ):
             export_artifact(model, tmp_path / "x")
     with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(folder, --output\)"):

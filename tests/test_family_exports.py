@@ -19,6 +19,7 @@ from helpers import assert_decode_graph_matches, edit_manifest, perturb_weight
 
 from exporter import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.artifact.contract import PAST
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_status, read_manifest
 from exporter.cli import main
 from exporter.cli.export_report import format_inspect
@@ -294,8 +295,8 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     artifact, model = request.getfixturevalue(f"{variant}_artifact"), request.getfixturevalue(f"{variant}_model")
     manifest = read_manifest(artifact, check_hashes=False)
     config, layers = manifest.config, manifest.cache.num_layers
-    onnx, reference = OrtRunner(artifact, manifest=manifest), TorchRunner(model, manifest)
-    probe = RouterProbe(artifact, manifest, "prefill", "CPUExecutionProvider")
+    onnx, reference = OrtRunner(Artifact(artifact, manifest)), TorchRunner(model, manifest)
+    probe = RouterProbe(Artifact(artifact, manifest), "prefill", "CPUExecutionProvider")
     example_ids = _example_inputs(config, torch.float32, with_loss=True, past=False)[0][0].numpy()
     example = _routing(model, config, example_ids, layers)
 
@@ -337,7 +338,7 @@ def test_moe_decode_graph_matches_at_other_sizes(variant, batch, length, past, r
 
 def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_model):
     manifest = read_manifest(gpt_artifact, check_hashes=False)
-    onnx = OrtRunner(gpt_artifact, manifest=manifest)
+    onnx = OrtRunner(Artifact(gpt_artifact, manifest))
     rng = np.random.default_rng(5)
     short = rng.integers(0, 512, (1, 6), dtype=np.int64)
     pad = 4

@@ -14,6 +14,7 @@ import onnx
 import pytest
 from helpers import QUICK, perturb_weight, run_cli, scale_inline_weight
 
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.diagnosis.localise import probe_between, probe_reference
@@ -112,7 +113,7 @@ def test_the_health_scan_excuses_the_exports_attention_mask_and_nothing_after_it
 
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
-    debug = DebugGraph(folder, manifest, manifest.prefill)
+    debug = DebugGraph(Artifact(folder, manifest), manifest.prefill)
     values = debug.run(prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0))))
     holding_fill = {name for name, value in values.items() if np.isneginf(value).any()}
     assert holding_fill and holding_fill <= debug.mask_fed
@@ -268,8 +269,8 @@ def test_the_debug_copy_computes_with_the_artifacts_weights(artifact, request):
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
     feeds = prefill_feeds(manifest, prompt_batch(manifest, QUICK, np.random.default_rng(0)))
-    exposed = DebugGraph(folder, manifest, manifest.prefill).run(feeds)
-    logits = OrtRunner(folder, manifest=manifest).prefill(feeds)["logits"]
+    exposed = DebugGraph(Artifact(folder, manifest), manifest.prefill).run(feeds)
+    logits = OrtRunner(Artifact(folder, manifest)).prefill(feeds)["logits"]
     # The same graph, fused differently around the exposed values: rounding apart.
     assert compare("logits", "logits", exposed["logits"], logits, profile_for(manifest.dtype).logits).passed
     assert np.abs(logits).max() > 1
@@ -278,7 +279,7 @@ def test_the_debug_copy_computes_with_the_artifacts_weights(artifact, request):
 def test_a_decode_graphs_positions_are_its_query_and_its_total_length(artifact_fp32):
     # decode.onnx names the query length and the attention mask's (past and query) apart: both are positions
     manifest = read_manifest(artifact_fp32)
-    axes = DebugGraph(artifact_fp32, manifest, manifest.decode).axes
+    axes = DebugGraph(Artifact(artifact_fp32, manifest), manifest.decode).axes
     assert axes == PositionAxes("batch_size", frozenset({"sequence_length", "total_sequence_length"}))
 
 
@@ -402,7 +403,7 @@ def probed(artifact_fp32, tiny_model):
     (row 0 left-padded by 3)."""
     manifest = read_manifest(artifact_fp32)
     batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))
-    debug = DebugGraph(artifact_fp32, manifest, manifest.prefill)
+    debug = DebugGraph(Artifact(artifact_fp32, manifest), manifest.prefill)
     values = debug.run(prefill_feeds(manifest, batch))
     expected = TorchRunner(tiny_model, manifest).module_outputs(batch)
     return debug, values, expected, profile_for(manifest.dtype).kv, batch["attention_mask"]

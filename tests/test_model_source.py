@@ -13,7 +13,13 @@ def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what
     from types import SimpleNamespace
 
     from exporter.errors import ArtifactError
-    from exporter.export.model_source import Reference, checkpoint_model, rebuild_reference, reference_for, seeded_model
+    from exporter.verify.references.model_source import (
+        Reference,
+        checkpoint_model,
+        rebuild_reference,
+        reference_for,
+        seeded_model,
+    )
 
     config = get_preset("minimind-3-tiny")
     monkeypatch.chdir(tmp_path)

@@ -7,6 +7,7 @@ import pytest
 from helpers import assert_decode_graph_matches
 
 from exporter import TOLERANCES, ParitySettings, compare, verify_artifact
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.runtime.sessions import CUDA, cuda_unusable
@@ -84,7 +85,7 @@ def test_decode_graph_matches_reference_at_other_sizes(artifact_fp32, tiny_model
 @pytest.mark.parametrize("batch,length", [(1, 1), (3, 2), (2, 33)])
 def test_prefill_graph_matches_reference_including_one_token_loss(artifact_fp32, tiny_model, batch, length):
     manifest = read_manifest(artifact_fp32, check_hashes=False)
-    onnx, reference = OrtRunner(artifact_fp32, manifest=manifest), TorchRunner(tiny_model, manifest)
+    onnx, reference = OrtRunner(Artifact(artifact_fp32, manifest)), TorchRunner(tiny_model, manifest)
     rng = np.random.default_rng(length)
     ids = rng.integers(0, manifest.config.vocab_size, (batch, length), dtype=np.int64)
     mask = np.ones_like(ids)

@@ -441,9 +441,9 @@ def test_expert_choice_is_skipped_not_passed_when_the_graphs_routers_were_not_fo
 def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_artifact, minimind2_checkpoint, tmp_path):
     # Gone or changed, it is refused as `export-onnx verify` refuses it: a stale artifact must not pass on skips.
     from exporter.artifact.manifest import read_manifest
-    from exporter.export.model_source import rebuild_reference
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
+    from exporter.verify.references.model_source import rebuild_reference
 
     assert reference_plan(minimind2_artifact, None) == Plan("rebuilt")
     bundle = tmp_path / "bundle"

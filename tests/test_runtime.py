@@ -207,9 +207,7 @@ def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(ru
             OrtRunner(artifact_fp32, provider)
     with pytest.raises(InputError, match="settings must be a SessionSettings, got dict"):
         OrtRunner(artifact_fp32, settings={"intra_op_threads": 1})
-    with pytest.raises(InputError, match="manifest must be the folder's Manifest"):
-        OrtRunner(artifact_fp32, manifest=str(artifact_fp32))
-    with pytest.raises(InputError, match="folder must be an artifact folder's path"):
+    with pytest.raises(InputError, match="artifact must be an Artifact or an artifact folder's path"):
         OrtRunner(None)
     for flag in ("no", 0, None):
         with pytest.raises(InputError, match=rf"^check_hashes must be True or False, got {flag!r} "):
@@ -254,29 +252,17 @@ def test_empty_past_refuses_a_batch_that_is_no_positive_integer(runner):
     assert runner.empty_past(np.int64(2))["past_key_values.0.key"].shape[0] == 2
 
 
-def test_a_manifest_of_another_artifact_folder_is_refused(artifact_fp32, artifact_copy):
-    """A manifest read from another folder ran its contract on this folder's files: a damaged graph or a bare
-    ValueError, or, for another export of the same model, a run whose manifest named the other weights."""
-    from helpers import edit_manifest
+def test_an_opened_artifact_is_used_as_it_is_not_read_again(artifact_fp32, monkeypatch):
+    """An Artifact handed to the runner is the one it runs: neither manifest.json nor any file is read again."""
+    from exporter.artifact import manifest as manifest_module
+    from exporter.artifact.folder import Artifact
 
-    from exporter.artifact.manifest import read_manifest, sha256_file
-
-    weights = artifact_copy / "weights.onnx.data"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 1  # other weights of the same model: a folder of its own
-    weights.write_bytes(bytes(data))
-    edit_manifest(
-        artifact_copy, lambda manifest: manifest["files"]["weights.onnx.data"].update(sha256=sha256_file(weights))
-    )
-    other, own = read_manifest(artifact_copy), read_manifest(artifact_fp32)
-    for folder, manifest in ((artifact_fp32, other), (artifact_copy, own)):
-        with pytest.raises(
-            InputError,
-            match=rf"^the manifest given is not {re.escape(str(folder))}'s: it lists "
-            r"other files \(weights.onnx.data differ\); pass read_manifest",
-        ):
-            OrtRunner(folder, manifest=manifest)
-    assert OrtRunner(artifact_copy, manifest=other).manifest is other
+    artifact = Artifact.open(artifact_fp32)
+    monkeypatch.setattr(manifest_module, "load_manifest", lambda folder: pytest.fail("manifest.json read again"))
+    monkeypatch.setattr(manifest_module, "sha256_file", lambda path: pytest.fail(f"{path} hashed again"))
+    runner = OrtRunner(artifact)
+    assert runner.artifact is artifact and runner.manifest is artifact.manifest
+    assert runner.folder == artifact_fp32
 
 
 def test_a_folder_an_export_swaps_while_the_runner_loads_it_is_an_error_saying_so(artifact_copy, monkeypatch):
@@ -525,8 +511,8 @@ def test_a_graph_with_a_renamed_input_or_output_is_not_the_graph_its_manifest_de
     read the wrong tensor."""
     import onnx
 
+    from exporter.artifact.folder import graph_state
     from exporter.artifact.manifest import read_manifest
-    from exporter.runtime.sessions import graph_state
 
     manifest = read_manifest(artifact_fp32)
     model = onnx.load(str(artifact_fp32 / "decode.onnx"), load_external_data=False)

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from helpers import QUICK, claim_seed, edit_manifest, perturb_weight, scale_inline_weight
 
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.checks import invariants
@@ -31,7 +32,7 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
 
     perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # moves the logits only: the presents pass
     manifest = read_manifest(artifact_copy)
-    reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(artifact_copy, manifest=manifest)
+    reference, onnx = TorchRunner(tiny_model, manifest), OrtRunner(Artifact(artifact_copy, manifest))
     profile = profile_for("float32", "cpu")
 
     def sweep(agreement, reach):
@@ -205,14 +206,14 @@ class _PresentsNaN(_DecodeLogitsShifted):
 
 
 def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
-    from exporter.verify.checks.outputs import invariants
+    from exporter.verify.checks import invariants
 
     manifest = read_manifest(artifact_copy)
-    runner = OrtRunner(artifact_copy, manifest=manifest)
+    runner = OrtRunner(Artifact(artifact_copy, manifest))
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
-    assert all(i.passed for i in invariants.check_invariants(artifact_copy, runner, manifest, batch, profile))
-    assert invariants.identical_weights(artifact_copy, manifest).detail == (
+    assert all(i.passed for i in invariants.check_invariants(Artifact(artifact_copy, manifest), runner, batch, profile))
+    assert invariants.identical_weights(Artifact(artifact_copy, manifest)).detail == (
         "15 distinct weight tensors in the weights file and 10 floating initializers inline, equal by content"
     )
     shifted = _DecodeLogitsShifted(runner)
@@ -231,7 +232,7 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     # decode.onnx scales a norm weight kept inline (16 floats, under the weights file's 1 KiB threshold)
     clean = {name: (artifact_copy / name).read_bytes() for name in ("decode.onnx", "manifest.json")}
     scale_inline_weight(artifact_copy, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
-    weights = invariants.identical_weights(artifact_copy, manifest)
+    weights = invariants.identical_weights(Artifact(artifact_copy, manifest))
     assert not weights.passed and weights.detail == "1 tensor(s) only in prefill, 1 only in decode (shapes [16] inline)"
     for name, data in clean.items():
         (artifact_copy / name).write_bytes(data)
@@ -248,14 +249,14 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     for entry in tensor.external_data:
         entry.value = {"location": "other.data", "offset": "0"}.get(entry.key, entry.value)
     onnx.save(model, str(artifact_copy / "decode.onnx"))
-    weights = invariants.identical_weights(artifact_copy, manifest)
+    weights = invariants.identical_weights(Artifact(artifact_copy, manifest))
     assert not weights.passed and weights.detail == (
         "1 tensor(s) only in prefill, 1 only in decode (shapes [512, 64] in the weights file)"
     )
-    assert invariants.symbolic_axes(artifact_copy, manifest).passed
+    assert invariants.symbolic_axes(Artifact(artifact_copy, manifest)).passed
     model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
     onnx.save(model, str(artifact_copy / "decode.onnx"))
-    axes = invariants.symbolic_axes(artifact_copy, manifest)
+    axes = invariants.symbolic_axes(Artifact(artifact_copy, manifest))
     assert not axes.passed and "input_ids" in axes.detail, axes.detail
 
     # a rounding to float16 in a float32 graph, which the CPU provider would drop unseen
@@ -265,7 +266,7 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
         )
     )
     onnx.save(model, str(artifact_copy / "decode.onnx"))
-    rounding = invariants.computes_in_float32(artifact_copy, manifest)
+    rounding = invariants.computes_in_float32(Artifact(artifact_copy, manifest))
     assert not rounding.passed and "1 Cast(s) to float16 or bfloat16: decode.onnx: rounding" in rounding.detail
 
 
@@ -309,7 +310,7 @@ def test_an_invariant_names_nan_on_either_side_and_judges_logits_at_real_queries
     ):
         assert invariant.passed, (invariant.name, invariant.detail)
     # the split falls past row 0's padding, so every row carries a real token in the past decode reads
-    split = invariants.check_invariants(runner.folder, runner, manifest, batch, profile)[0]
+    split = invariants.check_invariants(Artifact(runner.folder, manifest), runner, batch, profile)[0]
     assert split.passed and split.detail.startswith(f"k={k} of {batch['input_ids'].shape[1]} tokens")
     assert batch["attention_mask"][:, :k].any(axis=1).all()
 
@@ -320,7 +321,7 @@ def test_a_weight_in_one_graph_alone_fails_the_identical_weights_check(artifact_
     model = onnx.load(str(artifact_copy / "decode.onnx"), load_external_data=False)
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.full(3, 0.125, np.float32), "stray"))
     onnx.save(model, str(artifact_copy / "decode.onnx"))
-    weights = invariants.identical_weights(artifact_copy, manifest)
+    weights = invariants.identical_weights(Artifact(artifact_copy, manifest))
     assert not weights.passed and weights.detail == "0 tensor(s) only in prefill, 1 only in decode (shapes [3] inline)"
 
 
@@ -340,7 +341,7 @@ def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):
         )
     )
     onnx.save(model, str(artifact_copy / "decode.onnx"))
-    rounding = invariants.computes_in_float32(artifact_copy, manifest)
+    rounding = invariants.computes_in_float32(Artifact(artifact_copy, manifest))
     assert not rounding.passed and rounding.detail == (
         "1 Cast(s) to float16 or bfloat16: decode.onnx: hidden_rounding"
     ), rounding.detail
@@ -561,24 +562,24 @@ def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(
     # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
     # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
     # every profile, the provider pairs' included.
-    from exporter.verify.checks.outputs import providers
+    from exporter.verify.checks import providers
     from exporter.verify.tolerances import CPU, CUDA
 
     asked = []
 
-    def on_the_cpu(folder, provider, manifest):
+    def on_the_cpu(artifact, provider):
         asked.append(provider)
-        return OrtRunner(folder, CPU, manifest=manifest)
+        return OrtRunner(artifact, CPU)
 
     monkeypatch.setattr(providers, "OrtRunner", on_the_cpu)
     manifest, fp16_manifest = read_manifest(artifact_fp32), read_manifest(artifact_fp16)
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
-    fp32 = OrtRunner(artifact_fp32, manifest=manifest).prefill(prefill_feeds(manifest, batch))
+    fp32 = OrtRunner(Artifact(artifact_fp32, manifest)).prefill(prefill_feeds(manifest, batch))
     cuda = {**fp32, "logits": fp32["logits"].copy()}
     cuda["logits"][~real_queries(batch["attention_mask"], cuda["logits"].shape[1])] = 1e3  # read by no token
     cpu = {**fp32, "logits": fp32["logits"] + np.float32(1.0)}
     result = providers.attribute(
-        [], {CPU: cpu, CUDA: cuda}, [], manifest, batch, (artifact_fp16, fp16_manifest), Overrides()
+        [], {CPU: cpu, CUDA: cuda}, [], manifest, batch, Artifact(artifact_fp16, fp16_manifest), Overrides()
     )
     [leg] = result.legs
     assert asked == [CUDA] and (leg.cause, leg.covers) == ("precision", "prefill.onnx, the prefill batch")
@@ -598,7 +599,7 @@ def test_a_float16_companion_must_hold_the_same_weights(artifact_fp32, artifact_
     from exporter.verify.checks.providers import check_companion
 
     manifest = read_manifest(artifact_fp32)
-    assert check_companion(artifact_fp16, manifest)[1].dtype == "float16"
+    assert check_companion(artifact_fp16, manifest).manifest.dtype == "float16"
     other = shutil.copytree(artifact_fp16, tmp_path / "other")
     edit_manifest(other, claim_seed(7))  # the precision leg would charge other weights to float16
     with pytest.raises(InputError, match="holds other weights .*seed 7 against .*seed 0"):
@@ -617,7 +618,7 @@ def test_a_float16_companion_from_another_checkpoint_or_of_the_wrong_dtype_is_re
     ours = {"kind": "checkpoint", "path": "/a.pth", "sha256": "a"}
     with pytest.raises(InputError, match="holds other weights .checkpoint, sha256 b against checkpoint, sha256 a."):
         companion_for(other, "float32", None, ours)
-    assert companion_for(other, "float32", None, {**ours, "sha256": "b"})[1].dtype == "float16"
+    assert companion_for(other, "float32", None, {**ours, "sha256": "b"}).manifest.dtype == "float16"
     with pytest.raises(InputError, match="is not a float16 export .float32."):
         companion_for(artifact_fp32, "float32", None, None)
     with pytest.raises(InputError, match="needs a float32 artifact to verify; this one is float16"):

@@ -12,6 +12,7 @@ from xml.etree import ElementTree as ET
 import pytest
 from helpers import QUICK, assert_one_line_error, edit_manifest, run_cli
 
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ArtifactError, OutputPathError, ToolkitError
 from exporter.verify.checks import outputs as checks
@@ -49,7 +50,7 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
     """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
     (top1 0.000), blaming the export."""
     from exporter.errors import InputError
-    from exporter.export.model_source import seeded_model
+    from exporter.verify.references.model_source import seeded_model
     from reference import build_model, get_preset
 
     other = build_model(get_preset("minimind2-tiny"), seed=0)
@@ -202,10 +203,10 @@ def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_mode
     # Each ran silent between its first line and the next check (20 s apiece on the tiny model under load).
     monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 0.0)  # a line after every item but the last
     monkeypatch.setattr(checks, "sweep_grid", lambda context: [(1, 1, 0), (2, 2, 1), (3, 1, 17)])
-    manifest = read_manifest(artifact_fp32)
+    artifact = Artifact.open(artifact_fp32)
     settings = ParitySettings(decode_steps=3, greedy_tokens=2, probe=False)
     with caplog.at_level(logging.INFO, logger=checks.__name__):
-        report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, manifest=manifest)
+        report = verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False)
     assert report.passed
     lines = [r.getMessage() for r in caplog.records if r.name == checks.__name__]
     assert lines == [
@@ -219,7 +220,7 @@ def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_mode
     caplog.clear()
     monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 5.0)  # the default: a tiny loop this short says nothing
     with caplog.at_level(logging.INFO, logger=checks.__name__):
-        verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, manifest=manifest)
+        verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False)
     assert [r.getMessage() for r in caplog.records if r.name == checks.__name__] == ["sweep: 3/3 shapes pass"]
 
 
@@ -227,7 +228,7 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
     """Router TopK nodes that cannot be found (renamed or fused by another tool): the expert choice check measured
     nothing. Every report shows it as skipped with the reason and counts it in no pass; the verdict does not fail
     on it either (a limitation of the check, not a parity failure)."""
-    from exporter.verify.checks.outputs import routing
+    from exporter.verify.checks import routing
 
     monkeypatch.setattr(routing, "router_layers", lambda proto: {})
     report = verify_artifact(moe2_artifact, moe2_model, ["cpu"], QUICK, genai=False)
@@ -258,3 +259,39 @@ def test_a_folder_an_export_swaps_during_the_verification_is_an_error_not_a_repo
     monkeypatch.setattr(engine, "check_invariants", swapped_in_first(engine.check_invariants, artifact_copy))
     with pytest.raises(ArtifactError, match=r"was replaced while it was read \(an export into it meanwhile\?\)"):
         verify_artifact(artifact_copy, settings=QUICK, genai=False)
+
+
+def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32, monkeypatch):
+    """`export-onnx verify` opens the artifact once and hands it down: manifest.json is read once, each listed file
+    hashed once, each graph parsed once (the sessions load the graph files themselves)."""
+    import collections
+    import pathlib
+
+    from exporter.artifact import folder as folder_module
+    from exporter.artifact import manifest as manifest_module
+
+    listed = read_manifest(artifact_fp32, check_hashes=False).files
+    manifest_reads, hashed, parsed = collections.Counter(), collections.Counter(), collections.Counter()
+    read_text, sha256_file, load = pathlib.Path.read_text, manifest_module.sha256_file, folder_module.onnx.load
+
+    def counted_read_text(path, *args, **kwargs):
+        if path.name == "manifest.json":
+            manifest_reads[str(path)] += 1
+        return read_text(path, *args, **kwargs)
+
+    def counted_sha256(path):
+        hashed[pathlib.Path(path).name] += 1
+        return sha256_file(path)
+
+    def counted_load(path, *args, **kwargs):
+        parsed[pathlib.Path(path).name] += 1
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", counted_read_text)
+    monkeypatch.setattr(manifest_module, "sha256_file", counted_sha256)
+    monkeypatch.setattr(folder_module.onnx, "load", counted_load)
+    result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep")
+    assert result.exit_code == 0, result.output
+    assert list(manifest_reads.values()) == [1], manifest_reads
+    assert hashed == {name: 1 for name in listed}, hashed
+    assert parsed == {"prefill.onnx": 1, "decode.onnx": 1}, parsed

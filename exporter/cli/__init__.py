@@ -77,9 +77,10 @@ from exporter.cli.outcome import (
 from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
 
 try:
-    from exporter.artifact.consumers import MINIMIND_SAMPLING
-except ImportError as exc:  # onnxruntime, which every command runs: a deployment set up with --no-deps may lack it
+    import onnxruntime  # noqa: F401  every command runs it: a deployment set up with --no-deps may lack it
+except ImportError as exc:
     missing_dependency(exc)
+from exporter.artifact.consumers import MINIMIND_SAMPLING
 from reference import DEFAULT_PRESET, get_preset
 
 DEFAULT_ROOT = Path("artifacts")
@@ -87,7 +88,7 @@ DEFAULT_ROOT = Path("artifacts")
 
 def _model_and_source(preset, seed, checkpoint, config_path):
     """The model to export, with the manifest's record of where its weights came from (a SourcedModel)."""
-    from exporter.export.model_source import checkpoint_model, seeded_model
+    from exporter.verify.references.model_source import checkpoint_model, seeded_model
 
     if checkpoint is None:
         if config_path is not None:
@@ -109,7 +110,7 @@ def _model_and_source(preset, seed, checkpoint, config_path):
 def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
     """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
     to before the export; a checkpoint's config and source are known only once it has been read (None)."""
-    from exporter.export.model_source import seeded_source
+    from exporter.verify.references.model_source import seeded_source
 
     if checkpoint is not None:
         return dtype, None, None
@@ -498,7 +499,8 @@ def generate(
     FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
-    from exporter.artifact.manifest import read_manifest, unchanged_while_read
+    from exporter.artifact.folder import Artifact
+    from exporter.artifact.manifest import unchanged_while_read
     from exporter.runtime.generation import SamplingConfig, check_request, generate, stream
     from exporter.runtime.runner import OrtRunner
     from exporter.runtime.sessions import SessionSettings, check_provider
@@ -511,8 +513,8 @@ def generate(
         **({} if prompt_chunk is None else {"prompt_chunk": prompt_chunk}),
     )
     with unchanged_while_read(folder):  # until the sessions hold what they need: an export may swap it after
-        manifest = read_manifest(folder)
-        config = manifest.config
+        artifact = Artifact.open(folder)
+        manifest, config = artifact.manifest, artifact.manifest.config
         batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
         sampling = SamplingConfig(
             do_sample=sample,
@@ -524,7 +526,7 @@ def generate(
         )
         eos = None if ignore_eos else config.eos_token_id
         check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
-        runner = OrtRunner(folder, provider, manifest=manifest, settings=settings)
+        runner = OrtRunner(artifact, provider, settings=settings)
     if len(batch) == 1 and not as_json:  # printed as it comes, one step at a time
         _print_stream(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), text_tokenizer)
         return
@@ -550,9 +552,9 @@ def inspect(folder, as_json, quiet, verbose):
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.folder import graph_state
     from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
     from exporter.cli.export_report import format_inspect
-    from exporter.runtime.sessions import graph_state
 
     with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
         manifest = load_manifest(folder)

@@ -287,13 +287,14 @@ def verification_plan(
             )
         check_output_path(path, flag, folder=False)
         check_report_destination(path, flag)
+    companion = None
     if options.fp16_companion is not None:
         if planned is None:
-            read_companion(options.fp16_companion)
+            companion = read_companion(options.fp16_companion)
         else:
-            companion_for(options.fp16_companion, *planned)
+            companion = companion_for(options.fp16_companion, *planned)
     outcome.state.owed_reports = options.report_paths()
-    return overrides, settings
+    return overrides, settings, companion
 
 
 def finish_verification(report, options: VerifyOptions, result: dict, as_json: bool, text: str) -> None:
@@ -316,21 +317,22 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
 def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
-    from exporter.artifact.manifest import read_manifest, unchanged_while_read
-    from exporter.export.model_source import reference_for
+    from exporter.artifact.folder import Artifact
+    from exporter.artifact.manifest import unchanged_while_read
     from exporter.verify.engine import verify_artifact
     from exporter.verify.references.golden import misplaced_bundle_hint
+    from exporter.verify.references.model_source import reference_for
 
-    overrides, settings = plan
+    overrides, settings, companion = plan
     with unchanged_while_read(folder):  # from the manifest on, as verify_artifact is from its own start
         try:
-            manifest = read_manifest(folder)  # once: it hashes every file, the weights included
+            artifact = Artifact.open(folder)  # once: it hashes every file, the weights included
         except ArtifactError as exc:
             raise ArtifactError(f"{exc}{misplaced_bundle_hint([folder], '--golden DIR', 'FOLDER')}") from None
         if model is None:
-            model = reference_for(manifest, golden).model(folder, manifest)
+            model = reference_for(artifact.manifest, golden).model(folder, artifact.manifest)
         return verify_artifact(
-            folder,
+            artifact,
             model,
             list(providers) or None,
             settings,
@@ -338,6 +340,5 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
             golden=golden,
             golden_save=options.golden_save,
             overrides=overrides,
-            fp16_companion=options.fp16_companion,
-            manifest=manifest,
+            fp16_companion=companion,
         )

@@ -112,7 +112,7 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
     from exporter.artifact.manifest import read_manifest
     from exporter.errors import TORCH_INSTALL_HINT, ToolkitError
-    from exporter.export.model_source import reference_for
+    from exporter.verify.references.model_source import reference_for
     from reference.errors import CheckpointError
 
     manifest = read_manifest(folder, check_hashes=False)  # hashes are checked when the verification runs
@@ -308,14 +308,14 @@ class ArtifactCheck(pytest.Item):
 
 
 def _verify(folder: Path, plan: Plan, providers):
-    from exporter.artifact.manifest import read_manifest
-    from exporter.export.model_source import rebuild_reference
+    from exporter.artifact.folder import Artifact
     from exporter.verify.engine import verify_artifact
+    from exporter.verify.references.model_source import rebuild_reference
 
-    manifest = read_manifest(folder)  # once: it hashes every file, the weights included
-    model = rebuild_reference(folder, manifest) if plan.reference == "rebuilt" else None
+    artifact = Artifact.open(folder)  # once: it hashes every file, the weights included
+    model = rebuild_reference(folder, artifact.manifest) if plan.reference == "rebuilt" else None
     golden = plan.loaded if plan.loaded is not None else plan.bundle  # not read a second time
-    return verify_artifact(folder, model, providers, golden=golden, manifest=manifest)
+    return verify_artifact(artifact, model, providers, golden=golden)
 
 
 SKIP = object()  # a check that does not apply to this artifact or run

@@ -33,15 +33,17 @@ from torch.export import Dim
 from exporter.artifact.axes import name_axes
 from exporter.artifact.consumers import write_consumer_files
 from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
 from exporter.export.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.export.model_source import SourcedModel
 from exporter.export.weights import write_shared_weights
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.verify.references.model_source import SourcedModel
+from exporter.verify.references.torch_runner import TORCH_DTYPES
 from exporter.verify.tolerances import profile_for
 from reference.families import family_of
 
@@ -49,7 +51,6 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.onnx.data"
 OPSET = 20
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 # Example sizes for tracing; none is 0 or 1, so no axis can be specialised to them.
 EXAMPLE_BATCH, EXAMPLE_SEQUENCE, EXAMPLE_PAST = 2, 3, 4
 
@@ -248,7 +249,7 @@ def _rsqrt_as_division(model: onnx.ModelProto) -> None:
 
 def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
-    runner = OrtRunner(folder, "cpu", manifest=manifest)
+    runner = OrtRunner(Artifact(folder, manifest), "cpu")  # the files just written: not hashed again
     tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size
     rng = np.random.default_rng(0)
@@ -372,7 +373,7 @@ def _check_arguments(model, folder, with_loss) -> None:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise InputError(
             f"model must be a reference model or a reference.byo adapter (a torch.nn.Module with a "
-            f".config), got {type(model).__name__}; build one with exporter.export.model_source.seeded_model"
+            f".config), got {type(model).__name__}; build one with exporter.verify.references.model_source.seeded_model"
             "(preset).model or checkpoint_model(path).model"
         )
     if not isinstance(folder, (str, os.PathLike)):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from exporter.artifact.consumers import GENAI_CONFIG, genai_unsupported
-from exporter.artifact.manifest import Manifest, read_manifest
+from exporter.artifact.folder import Artifact, open_artifact
 from exporter.errors import ArtifactError, ConsumerError, first_line
 from exporter.runtime.runner import check_prompt
 
@@ -53,12 +53,13 @@ class GenaiGenerator:
     """An artifact folder loaded once in onnxruntime-genai (CPU); `greedy` and `greedy_search` may be called many
     times."""
 
-    def __init__(self, folder: Path, manifest: Manifest | None = None, threads: int = 0):
-        """`manifest`: the folder's, read with its hashes checked (read here when not given); `threads`:
-        intra-op threads for its session, 0 for what genai_config.json asks (one per physical core)."""
+    def __init__(self, artifact: Artifact | Path, threads: int = 0):
+        """`artifact`: an opened Artifact, or an artifact folder's path, opened here (every hash checked);
+        `threads`: intra-op threads for its session, 0 for what genai_config.json asks (one per physical core)."""
         og = _import_genai()
-        self.folder = Path(folder)
-        self.manifest = manifest or read_manifest(self.folder)
+        artifact = open_artifact(artifact)
+        self.folder, self.manifest = artifact.folder, artifact.manifest
+        folder = self.folder
         reason = genai_unsupported(self.manifest)
         if reason:
             raise ConsumerError(f"{folder} cannot run in onnxruntime-genai: {reason}")

@@ -16,7 +16,8 @@ import numpy as np
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import KV_KINDS, CacheLayout, GraphContract
-from exporter.artifact.manifest import Manifest, load_manifest, read_manifest, unchanged_while_read
+from exporter.artifact.folder import Artifact, open_artifact
+from exporter.artifact.manifest import Manifest, unchanged_while_read
 from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
 from exporter.runtime.binding import BindingDecode
 from exporter.runtime.sessions import (
@@ -169,33 +170,15 @@ def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids
         check_positions(config, last + 1, f"{what} (position_ids up to {last})", fix)
 
 
-def _check_runner_arguments(folder, check_hashes, manifest, settings) -> None:
+def _check_runner_arguments(artifact, check_hashes, settings) -> None:
     """OrtRunner's arguments of the types it takes, before any file is read."""
-    if not isinstance(folder, (str, os.PathLike)):
-        raise InputError(f"folder must be an artifact folder's path (str or Path), got {folder!r}")
+    if not isinstance(artifact, (Artifact, str, os.PathLike)):
+        raise InputError(f"artifact must be an Artifact or an artifact folder's path (str or Path), got {artifact!r}")
     check_flag("check_hashes", check_hashes)
     if not isinstance(settings, SessionSettings):
         raise InputError(
             f"settings must be a SessionSettings, got {type(settings).__name__}; write e.g. "
             "SessionSettings(intra_op_threads=2)"
-        )
-    if manifest is not None and not isinstance(manifest, Manifest):
-        raise InputError(
-            f"manifest must be the folder's Manifest (exporter.artifact.manifest.read_manifest) or None, "
-            f"got {type(manifest).__name__}"
-        )
-
-
-def _check_manifest_of(folder: Path, manifest: Manifest) -> None:
-    """A manifest given to OrtRunner against the folder's manifest.json, read but not hashed (whoever read the
-    manifest checked the files): one read from another artifact ran its contract on these files, which failed as
-    a damaged graph, or ran and named the other artifact's weights as the source."""
-    own, given = load_manifest(folder).files, manifest.files
-    if given != own:
-        differ = sorted(name for name in own.keys() | given.keys() if own.get(name) != given.get(name))
-        raise InputError(
-            f"the manifest given is not {folder}'s: it lists other files ({first_of(differ, 3)} "
-            "differ); pass read_manifest(folder) of this folder, or no manifest"
         )
 
 
@@ -215,31 +198,28 @@ class OrtRunner:
     weights: onnxruntime's Python API cannot share prepacked buffers.)
 
     Args:
-        folder: the artifact folder.
+        artifact: an opened Artifact (not read again), or an artifact folder's path, opened here.
         provider: "cpu" or "cuda" (or onnxruntime's full provider name).
-        check_hashes: check every file's sha256 against the manifest while reading it.
-        manifest: the folder's manifest when the caller has read it already (then not read again).
+        check_hashes: check every file's sha256 when `artifact` is a path.
         settings: the sessions' settings (threads, optimisation, prompt chunk).
     """
 
     def __init__(
         self,
-        folder: Path,
+        artifact: Artifact | Path,
         provider: str = "cpu",
         check_hashes: bool = True,
-        manifest: Manifest | None = None,
         settings: SessionSettings = SessionSettings(),
     ):
-        _check_runner_arguments(folder, check_hashes, manifest, settings)
-        self.folder = Path(folder)
+        _check_runner_arguments(artifact, check_hashes, settings)
+        folder = artifact.folder if isinstance(artifact, Artifact) else Path(artifact)
         # both graphs land, or neither; neither when an export swapped the folder while its files were read
-        with optimized_graphs_saved(settings.optimized_model_dir) as staging, unchanged_while_read(self.folder):
-            if manifest is not None:
-                _check_manifest_of(self.folder, manifest)
-            self.manifest = manifest or read_manifest(self.folder, check_hashes=check_hashes)
+        with optimized_graphs_saved(settings.optimized_model_dir) as staging, unchanged_while_read(folder):
+            self.artifact = open_artifact(artifact, check_hashes=check_hashes)
+            self.folder, self.manifest = self.artifact.folder, self.artifact.manifest
             self.provider = check_provider(provider)
             providers = session_providers(self.provider)
-            self._weights = SharedWeightMap(self.folder, self.manifest)  # must outlive the sessions
+            self._weights = SharedWeightMap(self.artifact)  # must outlive the sessions
             prefill, decode = self.manifest.prefill, self.manifest.decode
             self.cache_device = "cuda" if self.provider == CUDA else "cpu"
             past_of = _past_name_of_present(self.manifest.cache)
@@ -247,8 +227,7 @@ class OrtRunner:
             self._past_names = [past_of[name] for name in presents]
             self._decode = BindingDecode(
                 load_session(
-                    self.folder,
-                    self.manifest,
+                    self.artifact,
                     decode,
                     session_options(settings, decode.file, None),
                     providers,
@@ -261,8 +240,7 @@ class OrtRunner:
             )
             self.decode_session = self._decode.session
             self.prefill_session = load_session(
-                self.folder,
-                self.manifest,
+                self.artifact,
                 prefill,
                 session_options(settings, prefill.file, self._weights, spin=False),
                 providers,

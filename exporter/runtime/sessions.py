@@ -21,10 +21,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
-from google.protobuf.message import DecodeError
 
 from exporter.artifact.contract import GraphContract
-from exporter.artifact.manifest import Manifest
+from exporter.artifact.folder import Artifact
 from exporter.artifact.paths import folder_lock, parents_removed_unless_done
 from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
 
@@ -238,10 +237,10 @@ class SharedWeightMap:
     mapping are used without a copy (`add_initializer`).
     """
 
-    def __init__(self, folder: Path, manifest: Manifest):
-        self._file = np.memmap(folder / manifest.weights_file, dtype=np.uint8, mode="r")
+    def __init__(self, artifact: Artifact):
+        self._file = np.memmap(artifact.path(artifact.manifest.weights_file), dtype=np.uint8, mode="r")
         self._values: dict[tuple[int, int], ort.OrtValue] = {}
-        self._tables = manifest.initializers
+        self._tables = artifact.manifest.initializers
 
     def initializers(self, graph_file: str) -> tuple[list[str], list[ort.OrtValue]]:
         names, values = [], []
@@ -410,49 +409,8 @@ _LOAD_ERRORS = (
 )
 
 
-def _listed(names: list) -> str:
-    return "[" + ", ".join(str(name) for name in names[:4]) + (", ...]" if len(names) > 4 else "]")
-
-
-def read_graph(folder: Path, manifest: Manifest, contract: GraphContract) -> onnx.ModelProto:
-    """One of the artifact's graphs without its weights, checked against its manifest: it parses, takes and gives
-    the values the contract names, and imports the manifest's opset. What reads a graph before onnxruntime has
-    loaded it goes through here, so that a damaged graph whose hashes were listed again is a one-line
-    ArtifactError, not the parser's error or a missing input found later."""
-    path = Path(folder) / contract.file
-    model, problem = _checked_graph(path, manifest, contract)
-    if problem:
-        raise ArtifactError(f"{path} {problem}; re-export the folder")
-    return model
-
-
-def graph_state(path: Path, manifest: Manifest, contract: GraphContract) -> str:
-    """What inspect shows of a graph: "ok", or how it is not the graph its manifest describes."""
-    return _checked_graph(path, manifest, contract)[1] or "ok"
-
-
-def _checked_graph(
-    path: Path, manifest: Manifest, contract: GraphContract
-) -> tuple[onnx.ModelProto | None, str | None]:
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except DecodeError as exc:
-        return None, f"is no ONNX model ({first_line(exc, 200)})"
-    initializers = {tensor.name for tensor in model.graph.initializer}
-    inputs = [value.name for value in model.graph.input if value.name not in initializers]
-    outputs = [value.name for value in model.graph.output]
-    for kind, found, listed in (("inputs", inputs, contract.input_names), ("outputs", outputs, contract.output_names)):
-        if sorted(found) != sorted(listed):
-            return model, f"has the {kind} {_listed(found)}, its manifest lists {_listed(listed)}"
-    opsets = [entry.version for entry in model.opset_import if entry.domain in ("", "ai.onnx")]
-    if opsets != [manifest.opset]:
-        return model, f"imports the opset {_listed(opsets)}, its manifest says {manifest.opset}"
-    return model, None
-
-
 def load_session(
-    folder: Path,
-    manifest: Manifest,
+    artifact: Artifact,
     contract: GraphContract,
     options: ort.SessionOptions,
     providers: list[str],
@@ -460,11 +418,12 @@ def load_session(
 ) -> ort.InferenceSession:
     """A session on one of the artifact's graphs, which must be the graph its manifest describes; `staging`: where
     the optimised graph that `options` asks for is saved first (optimized_graphs_saved)."""
-    read_graph(folder, manifest, contract)  # onnxruntime names neither a missing input nor another opset
+    artifact.graph(contract)  # onnxruntime names neither a missing input nor another opset
+    path = artifact.path(contract.file)
     try:
-        return _new_session(str(folder / contract.file), options, providers, staging)
+        return _new_session(str(path), options, providers, staging)
     except _LOAD_ERRORS as exc:
-        raise load_failure(folder / contract.file, exc) from None
+        raise load_failure(path, exc) from None
 
 
 def load_failure(path: Path, exc: Exception) -> ArtifactError:

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
-from exporter.artifact.manifest import Manifest, config_differences, read_manifest, unchanged_while_read
+from exporter.artifact.folder import Artifact, open_artifact
+from exporter.artifact.manifest import Manifest, config_differences, unchanged_while_read
 from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
-from exporter.export.model_source import SourcedModel
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
@@ -59,6 +59,7 @@ from exporter.verify.references.golden import (
     check_loaded,
     load_bundle,
 )
+from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
 
@@ -138,8 +139,7 @@ def _localise(
 
 def _expert_choice(
     reference: RecordedReference,
-    folder: Path,
-    manifest: Manifest,
+    artifact: Artifact,
     provider: str,
     batch: dict,
     settings: ParitySettings,
@@ -147,6 +147,7 @@ def _expert_choice(
 ) -> ExpertAgreement | None:
     """MoE routing agreement against the reference's routers, live or from a golden bundle (None for models
     without routers)."""
+    manifest = artifact.manifest
     if not manifest.is_moe:
         return None
     log.info("%s: expert choice of the MoE routers", provider)
@@ -155,7 +156,7 @@ def _expert_choice(
         rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
         for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]
     ]
-    return check_expert_choice(reference, folder, manifest, provider, batch, steps, profile.logits)
+    return check_expert_choice(reference, artifact, provider, batch, steps, profile.logits)
 
 
 class _RoutingExplainer:
@@ -169,7 +170,7 @@ class _RoutingExplainer:
 
     def _probe(self, graph: str) -> RouterProbe:
         if graph not in self._probes:
-            self._probes[graph] = RouterProbe(self.onnx.folder, self.manifest, graph, self.onnx.provider)
+            self._probes[graph] = RouterProbe(self.onnx.artifact, graph, self.onnx.provider)
         return self._probes[graph]
 
     def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:
@@ -198,7 +199,6 @@ def _run_provider(
     settings: ParitySettings,
     overrides: Overrides,
 ) -> _ProviderRun:
-    folder = onnx.folder
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
     reference.rewind()
@@ -236,7 +236,7 @@ def _run_provider(
             reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3), explain_routing
         )
     localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
-    experts = _expert_choice(reference, folder, manifest, onnx.provider, batch, settings, profile)
+    experts = _expert_choice(reference, onnx.artifact, onnx.provider, batch, settings, profile)
     report = ProviderReport(
         onnx.provider,
         manifest.dtype,
@@ -269,8 +269,7 @@ def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
 
 def check_genai(
     reference,
-    folder: Path,
-    manifest: Manifest,
+    artifact: Artifact,
     settings: ParitySettings,
     profile: Profile,
     runtime: GreedyResult | None = None,
@@ -284,12 +283,13 @@ def check_genai(
     equal those of our loop on the CPU (`runtime`, the same graph and prompt) up to and including the
     differing one, and a router near-tie explains our loop's difference (check_greedy), it explains genai's.
     """
+    manifest = artifact.manifest
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
     trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
     eos = genai_eos_token_id(manifest.config.eos_token_id, manifest.config.vocab_size)
     expected = trace.ids[: trace.ids.index(eos)] if eos in trace.ids else trace.ids
     log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
-    generator = GenaiGenerator(folder, manifest)
+    generator = GenaiGenerator(artifact)
     actual = generator.greedy(prompt, settings.greedy_tokens)
     greedy = judge_greedy(trace, actual, profile, expected, dropped_eos=eos)
     shared = greedy.match_length + 1  # the tokens up to and including the differing one
@@ -380,10 +380,10 @@ def _check_arguments(settings, genai, overrides) -> None:
 class _Plan:
     """verify_artifact's arguments, checked before any work: the providers, the reference and what to run."""
 
-    manifest: Manifest
+    artifact: Artifact
     providers: list[str]  # the ones to verify on
     skipped: dict[str, str]  # provider -> why it does not run
-    companion: tuple[Path, Manifest] | None  # the float16 export for the precision leg
+    companion: Artifact | None  # the float16 export for the precision leg
     reference: RecordedReference | None  # None: the invariants alone
     described: str  # the reference, in words
     settings: ParitySettings  # a golden replay's are its bundle's; fitted to the model's context
@@ -392,7 +392,7 @@ class _Plan:
 
 
 def _plan(
-    folder: Path,
+    artifact,
     model,
     providers,
     settings,
@@ -401,7 +401,6 @@ def _plan(
     golden_save,
     overrides,
     fp16_companion,
-    manifest: Manifest | None,
 ) -> _Plan:
     """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
     reference chosen, before any check runs."""
@@ -411,8 +410,8 @@ def _plan(
             "give model or golden, not both: a golden bundle replays the reference in the model's "
             "place; drop golden to verify against the model, or model to replay the bundle"
         )
-    manifest = manifest or read_manifest(folder)  # first: it refuses a folder that is no path
-    folder = Path(folder)
+    artifact = open_artifact(artifact)  # first: it refuses a folder that is no path
+    folder, manifest = artifact.folder, artifact.manifest
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] verified nothing, and the report failed
@@ -437,7 +436,7 @@ def _plan(
         if genai_skipped and genai:  # before any work, as the caller asked for the check
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     return _Plan(
-        manifest,
+        artifact,
         chosen,
         skipped,
         companion,
@@ -470,14 +469,14 @@ def _probes_between(
     ]
 
 
-def _consumers(plan: _Plan, folder: Path, reports: list[ProviderReport]) -> tuple[list[ConsumerReport], dict]:
+def _consumers(plan: _Plan, reports: list[ProviderReport]) -> tuple[list[ConsumerReport], dict]:
     """onnxruntime-genai's check against the reference, or why it did not run ({consumer: reason})."""
     if plan.genai_skipped:
         return [], {"onnxruntime-genai": plan.genai_skipped}
     plan.reference.rewind()
     cpu = next((r.greedy for r in reports if r.provider == CPU), None)
     # not skipped: there is a reference, so each provider ran (_plan refuses none) and has its report
-    return [check_genai(plan.reference, folder, plan.manifest, plan.settings, reports[0].profile, cpu)], {}
+    return [check_genai(plan.reference, plan.artifact, plan.settings, reports[0].profile, cpu)], {}
 
 
 def _save_golden(
@@ -498,7 +497,7 @@ def _save_golden(
 
 
 def verify_artifact(
-    folder: Path,
+    artifact: Artifact | Path,
     model=None,
     providers: list[str] | None = None,
     settings: ParitySettings = ParitySettings(),
@@ -507,40 +506,55 @@ def verify_artifact(
     golden: Path | GoldenBundle | None = None,
     golden_save: Path | None = None,
     overrides: Overrides = Overrides(),
-    fp16_companion: Path | None = None,
-    manifest: Manifest | None = None,
+    fp16_companion: Path | Artifact | None = None,
 ) -> VerifyReport:
-    """Verify an artifact on the given providers (each must exist; a str names one), or on every available one
-    when None.
+    """Every check of the verification engine on one artifact, against the PyTorch model, a golden bundle, or
+    (with neither) the reference-free invariants alone.
 
-    model: the PyTorch reference (torch.nn.Module), of the artifact's family and config (InputError otherwise);
-    golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle that
-    exporter.verify.references.golden.load_bundle read from it (not read again; held to the artifact all the same, and
-    replayed from its first call), judged with the tolerance overrides it was recorded with, each term in
-    `overrides` taking its recorded one's place; with neither, only the reference-free invariants run.
-    golden_save: record the reference's inputs and outputs there, with `overrides`. genai: also check
-    onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not otherwise, True makes
-    each of those a ConsumerError, False skips it.
-    fp16_companion: a float16 export of the same model, for the precision leg of the CUDA attribution.
-    manifest: the folder's manifest, when the caller has read it already (read_manifest checks every hash).
+    Args:
+        artifact: an opened Artifact (not read again), or an artifact folder's path, opened here with every hash
+            checked.
+        model: the PyTorch reference (torch.nn.Module), of the artifact's family and config.
+        providers: the providers to verify on, each of which must be available ("cpu", "cuda"; a str names one),
+            or None for every available one.
+        settings: decode steps, greedy tokens, sweep, probe and seed.
+        genai: also check onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not
+            otherwise, True makes each of those an error, False skips it.
+        golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle
+            that exporter.verify.references.golden.load_bundle read (not read again; held to the artifact all the
+            same, and replayed from its first call), judged with the tolerance overrides it was recorded with,
+            each term in `overrides` taking its recorded one's place.
+        golden_save: a folder to record the reference's inputs and outputs in, with `overrides`.
+        overrides: tolerance terms in place of the profiles' (exporter.verify.tolerances.parse_overrides).
+        fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA
+            attribution.
+
+    Returns:
+        The VerifyReport; `passed` is the verdict.
+
+    Raises:
+        InputError: a model of another family or config, both model and golden, golden_save without a model.
+        ProviderError: a provider that is unknown or not available.
+        ConsumerError: genai=True where the onnxruntime-genai check cannot run.
+        ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one.
     """
     start = time.perf_counter()
+    folder = artifact.folder if isinstance(artifact, Artifact) else artifact
     with unchanged_while_read(folder):  # an export into it meanwhile: no report on a mix of two artifacts
-        plan = _plan(
-            folder, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, manifest
-        )
-        folder, manifest, reference, settings = Path(folder), plan.manifest, plan.reference, plan.settings
+        plan = _plan(artifact, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion)
+        artifact, reference, settings = plan.artifact, plan.reference, plan.settings
+        folder, manifest = artifact.folder, artifact.manifest
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         runs = []
         debug = _DebugGraphs(
-            DebugGraph(folder, manifest, manifest.prefill),
-            DebugGraph(folder, manifest, manifest.decode) if settings.probe else None,
+            DebugGraph(artifact, manifest.prefill),
+            DebugGraph(artifact, manifest.decode) if settings.probe else None,
         )
         first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in plan.providers:
-                onnx = OrtRunner(folder, provider, manifest=manifest)
+                onnx = OrtRunner(artifact, provider)
                 first_runner = first_runner or onnx
                 runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
         reports = [run.report for run in runs]
@@ -550,18 +564,14 @@ def verify_artifact(
         log.info("reference-free invariants on %s", invariant_provider)
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
         invariants = check_invariants(
-            folder,
-            first_runner or OrtRunner(folder, invariant_provider, manifest=manifest),
-            manifest,
-            batch,
-            invariant_profile,
+            artifact, first_runner or OrtRunner(artifact, invariant_provider), batch, invariant_profile
         )
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
         attribution = (
             attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
         )
-        consumers, consumers_skipped = _consumers(plan, folder, reports)
+        consumers, consumers_skipped = _consumers(plan, reports)
     if golden_save is not None:
         _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
     return VerifyReport(

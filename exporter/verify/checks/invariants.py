@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from exporter.artifact.axes import lint_axes
-from exporter.artifact.contract import GraphContract
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.runtime.sessions import read_graph
 from exporter.verify.diagnosis.probe import FLOAT_TYPES
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import Comparison, compare_outputs, real_queries
@@ -143,58 +141,52 @@ def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) 
     )
 
 
-def _weight_digests(folder: Path, manifest: Manifest, contract: GraphContract) -> set[tuple]:
-    """Content hashes (where stored, dtype, shape, bytes) of a graph's weights, read the way ONNX Runtime reads
-    them: those in the weights file through the graph's own external-data references, not the manifest; and
-    every floating initializer kept inline (a norm weight under 1 KiB, the rotary frequencies, scalar
-    constants), which no hash of the weights file covers. Inline integer initializers are shapes and axes,
-    which the two graphs need not share."""
-    model = read_graph(folder, manifest, contract)
-    digests = set()
-    handles: dict[str, object] = {}
-    try:
-        for tensor in model.graph.initializer:
-            if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                info = {e.key: e.value for e in tensor.external_data}
-                f = handles.setdefault(info["location"], open(folder / info["location"], "rb"))
-                f.seek(int(info.get("offset", 0)))
-                stored, data = "in the weights file", f.read(int(info["length"]))
-            elif tensor.data_type in FLOAT_TYPES:
-                stored, data = "inline", numpy_helper.to_array(tensor).tobytes()
-            else:
-                continue
-            digests.add((stored, tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest()))
-    finally:
-        for f in handles.values():
-            f.close()
-    return digests
+def _weight_keys(model: onnx.ModelProto) -> set[tuple]:
+    """What identifies each of a graph's weights, read the way ONNX Runtime reads them: those in the weights file by
+    the graph's own external-data reference (file, offset, length; the export stores each distinct tensor once, so
+    equal content is an equal reference), and every floating initializer kept inline (a small norm weight, the
+    rotary frequencies, scalar constants) by a hash of its content, which no hash of the weights file covers.
+    Inline integer initializers are shapes and axes, which the two graphs need not share."""
+    keys = set()
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in tensor.external_data}
+            where = ("in the weights file", info["location"], int(info.get("offset", 0)), int(info["length"]))
+        elif tensor.data_type in FLOAT_TYPES:
+            where = ("inline", hashlib.sha256(numpy_helper.to_array(tensor).tobytes()).hexdigest())
+        else:
+            continue
+        keys.add((where, tensor.data_type, tuple(tensor.dims)))
+    return keys
 
 
-def identical_weights(folder: Path, manifest: Manifest) -> Invariant:
-    """Matched by content, not by name: the exporter names folded tensors differently in each graph."""
-    prefill, decode = (_weight_digests(Path(folder), manifest, g) for g in (manifest.prefill, manifest.decode))
+def identical_weights(artifact: Artifact) -> Invariant:
+    """Matched by where the bytes are (or, inline, by content), not by name: the exporter names folded tensors
+    differently in each graph."""
+    manifest = artifact.manifest
+    prefill, decode = (_weight_keys(artifact.graph(g)) for g in (manifest.prefill, manifest.decode))
     only_prefill, only_decode = prefill - decode, decode - prefill
     if only_prefill or only_decode:
-        shapes = sorted({f"{list(key[2])} {key[0]}" for key in only_prefill | only_decode})
+        shapes = sorted({f"{list(key[2])} {key[0][0]}" for key in only_prefill | only_decode})
         return Invariant(
             "prefill and decode carry identical weights",
             False,
             f"{len(only_prefill)} tensor(s) only in prefill, {len(only_decode)} only in decode "
             f"(shapes {', '.join(shapes[:6])})",
         )
-    inline = sum(key[0] == "inline" for key in prefill)
+    inline = sum(key[0][0] == "inline" for key in prefill)
     return Invariant(
         "prefill and decode carry identical weights",
         True,
         f"{len(prefill) - inline} distinct weight tensors in the weights file and {inline} floating "
-        "initializers inline, equal by content",
+        "initializers inline, the same in both graphs",
     )
 
 
-def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
+def symbolic_axes(artifact: Artifact) -> Invariant:
     problems = []
-    for contract in (manifest.prefill, manifest.decode):
-        problems += lint_axes(read_graph(folder, manifest, contract), contract)
+    for contract in (artifact.manifest.prefill, artifact.manifest.decode):
+        problems += lint_axes(artifact.graph(contract), contract)
     return Invariant(
         "every dynamic axis is symbolic",
         not problems,
@@ -205,12 +197,12 @@ def symbolic_axes(folder: Path, manifest: Manifest) -> Invariant:
 _BELOW_FLOAT32 = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
 
 
-def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
+def computes_in_float32(artifact: Artifact) -> Invariant:
     """A float32 export casts nothing to float16 or bfloat16. ONNX Runtime's CPU provider drops a cast down
     and back up as a no-op, so no comparison on the CPU can see the rounding that CUDA would then do."""
     found = []
-    for contract in (manifest.prefill, manifest.decode):
-        model = read_graph(folder, manifest, contract)
+    for contract in (artifact.manifest.prefill, artifact.manifest.decode):
+        model = artifact.graph(contract)
         nodes = [*model.graph.node, *(node for function in model.functions for node in function.node)]
         found += [
             f"{contract.file}: {node.name or node.op_type}"
@@ -226,13 +218,15 @@ def computes_in_float32(folder: Path, manifest: Manifest) -> Invariant:
     )
 
 
-def check_invariants(folder: Path, onnx_runner, manifest: Manifest, batch: dict, profile: Profile) -> list[Invariant]:
+def check_invariants(artifact: Artifact, onnx_runner, batch: dict, profile: Profile) -> list[Invariant]:
+    """The reference-free invariants: three of `onnx_runner`'s outputs against each other, three of the graphs."""
+    manifest = artifact.manifest
     k = batch["input_ids"].shape[1] // 2 + 1  # past the first row's padding, so every row has a real past token
     return [
         split_prefill(onnx_runner, manifest, batch, profile, k),
         decode_past_zero(onnx_runner, manifest, batch, profile),
         padded_row_alone(onnx_runner, manifest, batch, profile),
-        identical_weights(folder, manifest),
-        symbolic_axes(folder, manifest),
-        *([computes_in_float32(folder, manifest)] if manifest.dtype == "float32" else []),
+        identical_weights(artifact),
+        symbolic_axes(artifact),
+        *([computes_in_float32(artifact)] if manifest.dtype == "float32" else []),
     ]

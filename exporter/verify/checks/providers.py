@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.artifact.manifest import Manifest, config_differences, read_manifest
+from exporter.artifact.folder import Artifact, open_artifact
+from exporter.artifact.manifest import Manifest, config_differences
 from exporter.errors import ArtifactError, InputError
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds
@@ -59,31 +60,33 @@ def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, 
     return rows
 
 
-def read_companion(folder: Path) -> Manifest:
-    """The manifest of a float16 companion artifact (the precision leg of the attribution)."""
+def read_companion(companion: Path | Artifact) -> Artifact:
+    """A float16 companion artifact (the precision leg of the attribution), opened unless it is already."""
     try:
-        companion = read_manifest(folder)
+        companion = open_artifact(companion)
     except ArtifactError as exc:
         raise InputError(f"fp16_companion (--fp16-companion): {exc}") from None
-    if companion.dtype != "float16":
+    folder, dtype = companion.folder, companion.manifest.dtype
+    if dtype != "float16":
         raise InputError(
-            f"fp16_companion (--fp16-companion) {folder} is not a float16 export ({companion.dtype}); "
+            f"fp16_companion (--fp16-companion) {folder} is not a float16 export ({dtype}); "
             'export the same model as float16 (dtype="float16", --dtype float16)'
         )
     return companion
 
 
-def check_companion(folder: Path, manifest: Manifest) -> tuple[Path, Manifest]:
+def check_companion(companion: Path | Artifact, manifest: Manifest) -> Artifact:
     """A float16 export of the artifact's model, checked before the verification runs."""
-    return companion_for(folder, manifest.dtype, manifest.config, manifest.source)
+    return companion_for(companion, manifest.dtype, manifest.config, manifest.source)
 
 
-def companion_for(folder: Path, dtype: str, config=None, source: dict | None = None) -> tuple[Path, Manifest]:
+def companion_for(companion: Path | Artifact, dtype: str, config=None, source: dict | None = None) -> Artifact:
     """A float16 export of the model of an artifact of `dtype`, `config` and weights `source` (each None: not
     known yet, not compared); `export-onnx run` checks so before its export, the engine after it."""
     if dtype != "float32":
         raise InputError(f"fp16_companion (--fp16-companion) needs a float32 artifact to verify; this one is {dtype}")
-    companion = read_companion(folder)
+    artifact = read_companion(companion)
+    folder, companion = artifact.folder, artifact.manifest
     changed = [] if config is None else config_differences(config.to_dict(), companion.config.to_dict())
     if changed:
         raise InputError(
@@ -99,7 +102,7 @@ def companion_for(folder: Path, dtype: str, config=None, source: dict | None = N
             f"({', '.join(map(str, theirs))} against {', '.join(map(str, ours))}); export this model's "
             'weights as float16 (dtype="float16", --dtype float16)'
         )
-    return Path(folder), companion
+    return artifact
 
 
 def _weights_of(source: dict) -> tuple | None:
@@ -117,7 +120,7 @@ def attribute(
     cross: list[Comparison],
     manifest: Manifest,
     batch: dict,
-    companion: tuple[Path, Manifest] | None,
+    companion: Artifact | None,
     overrides: Overrides,
 ) -> Attribution:
     legs: list[AttributionLeg] = []
@@ -157,8 +160,7 @@ def attribute(
             missing.append("precision leg needs a float16 companion artifact")
         else:
             log.info("attribution: the float16 companion on %s", CUDA)
-            folder, fp16_manifest = companion
-            fp16 = OrtRunner(folder, CUDA, manifest=fp16_manifest).prefill(prefill_feeds(fp16_manifest, batch))
+            fp16 = OrtRunner(companion, CUDA).prefill(prefill_feeds(companion.manifest, batch))
             legs.append(
                 AttributionLeg(
                     "precision",

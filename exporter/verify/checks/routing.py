@@ -17,16 +17,15 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from exporter.artifact.manifest import Manifest
+from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.runtime.sessions import plain_session_options, read_graph, session_providers
+from exporter.runtime.sessions import plain_session_options, session_providers
 from exporter.verify.diagnosis.probe import SCOPES_KEY
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import log_softmax
@@ -77,15 +76,15 @@ def router_layers(model: onnx.ModelProto) -> dict[int, str]:
 class RouterProbe:
     """One graph of an artifact, run with its routers' chosen expert ids as extra outputs."""
 
-    def __init__(self, folder: Path, manifest: Manifest, graph: str, provider: str):
-        folder = Path(folder)
-        proto = read_graph(folder, manifest, manifest.contract(graph))
+    def __init__(self, artifact: Artifact, graph: str, provider: str):
+        manifest = artifact.manifest
+        proto = artifact.graph(manifest.contract(graph))
         self.layers = router_layers(proto)
         self.complete = sorted(self.layers) == list(range(manifest.cache.num_layers))
         for name in self.layers.values():
             proto.graph.output.append(onnx.ValueInfoProto(name=name))
         options = plain_session_options()
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.folder))
         self.session = ort.InferenceSession(
             proto.SerializeToString(), options, providers=session_providers(provider), enable_fallback=0
         )
@@ -309,7 +308,7 @@ def greedy_choices(
 
 
 def check_expert_choice(
-    reference, folder: Path, manifest, provider: str, batch: dict, decode_tokens: list, tolerance
+    reference, artifact: Artifact, provider: str, batch: dict, decode_tokens: list, tolerance
 ) -> ExpertAgreement | None:
     """Expert choices on the prefill batch and then on decode steps fed the reference's own cache.
 
@@ -318,12 +317,13 @@ def check_expert_choice(
     identical inputs at every step, so this measures the graphs' routing alone. None for models
     without routers.
     """
+    manifest = artifact.manifest
     layers = manifest.cache.num_layers
     feeds = prefill_feeds(manifest, batch)
     ref_out = reference.prefill(feeds)
     if not reference.last_routing():
         return None
-    probes = [RouterProbe(folder, manifest, graph, provider) for graph in ("prefill", "decode")]
+    probes = [RouterProbe(artifact, graph, provider) for graph in ("prefill", "decode")]
     if not all(probe.complete for probe in probes):
         found = sorted(probes[0].layers)
         return ExpertAgreement(

@@ -18,15 +18,14 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from exporter.artifact.contract import GraphContract
-from exporter.artifact.manifest import Manifest
-from exporter.runtime.sessions import SharedWeightMap, graph_session, read_graph
+from exporter.artifact.folder import Artifact
+from exporter.runtime.sessions import SharedWeightMap, graph_session
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
@@ -143,9 +142,8 @@ def mask_fed_values(graph: onnx.GraphProto) -> frozenset[str]:
 
 
 class DebugGraph:
-    def __init__(self, folder: Path, manifest: Manifest, contract: GraphContract):
-        folder = Path(folder)
-        model = read_graph(folder, manifest, contract)  # built before any session: the first to read the graph
+    def __init__(self, artifact: Artifact, contract: GraphContract):
+        model = artifact.graph(contract)
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
         self.graph_outputs = frozenset(declared)  # the graph's own outputs (logits, presents)
@@ -167,9 +165,9 @@ class DebugGraph:
             outputs = exposed + tuple(o for o in node.output if o in declared)
             self.nodes.append(NodeInfo(index, node.name, node.op_type, outputs, module or ""))
         self._model = model.SerializeToString()
-        self._folder = folder
+        self._folder = artifact.folder
         self.graph_file = contract.file
-        self._weights = SharedWeightMap(folder, manifest)
+        self._weights = SharedWeightMap(artifact)
         self._sessions: dict = {}
 
     def run(self, feeds: dict, provider: str = "cpu") -> dict[str, np.ndarray]:

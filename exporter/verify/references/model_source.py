@@ -30,9 +30,8 @@ def seeded_source(preset: str, seed: int) -> dict:
 
 def seeded_model(preset: str, seed: int = 0) -> SourcedModel:
     """A preset's model with deterministically seeded weights; `export-onnx verify` seeds it again."""
-    from exporter.runtime.sessions import (
-        is_integer,
-    )  # here: it imports onnxruntime, which choosing a reference does not need
+    # imported here: it imports onnxruntime, which choosing a reference does not need
+    from exporter.runtime.sessions import is_integer
     from reference import build_model, get_preset
 
     if not is_integer(seed):  # "x" seeded fine, and the manifest refused it after

@@ -355,8 +355,8 @@ def ensure_artifact(folder: Path) -> None:
     PyTorch side the toolkit can rebuild."""
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
-        from exporter.verify.references.model_source import seeded_model
         from exporter.export.pipeline import export_artifact
+        from exporter.verify.references.model_source import seeded_model
 
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)
@@ -531,7 +531,7 @@ class _Parser(argparse.ArgumentParser):
         # With --json an error is a JSON object on stdout too (README), a usage error included; on stderr it is
         # one line, as the CLI's is.
         if json_asked(sys.argv[1:]):
-            from exporter.errors import error_document
+            from exporter.cli.document import error_document
 
             print(json.dumps(error_document("usage", message, 2), indent=2))
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
@@ -542,7 +542,7 @@ def fail(kind: str, message: str, code: int, as_json: bool) -> None:
     process that failed); then exit with `code`."""
     print(message if kind == "interrupted" else f"error: {message}", file=sys.stderr)
     if as_json:  # exporter.errors only: an interrupt may have left a heavier import (onnx, numpy) half done
-        from exporter.errors import error_document
+        from exporter.cli.document import error_document
 
         print(json.dumps(error_document(kind, message, code), indent=2))
     sys.exit(code)

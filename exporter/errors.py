@@ -5,26 +5,12 @@ error). Parity failures are results, not errors: they exit with 1.
 """
 
 import importlib
-import sys
-
-
-def error_document(kind: str, message: str, exit_code: int) -> dict:
-    """What a failed command prints on stdout under --json (and writes as its error report): the CLI's, the
-    benchmark's and inspect's error object."""
-    return {"error": {"kind": kind, "message": message}, "exit_code": exit_code}
 
 
 def first_of(names, shown: int) -> str:
     """The first `shown` of `names`, and how many more there are: a list in a message that stays one line."""
     names = [str(name) for name in names]
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def json_requested(args: list[str] | None = None) -> bool:
-    """Whether the command line (`args`, else sys.argv's) asks for --json: read off it before click has parsed it,
-    by what reports an error that can come first (an interrupt while the modules import, a missing dependency,
-    a usage error)."""
-    return "--json" in (sys.argv[1:] if args is None else args)
 
 
 # The torch the toolkit is tested with (pyproject.toml pins it): what a message tells a user without it to install.

@@ -1,10 +1,13 @@
 """Errors raised by the reference models for bad configurations, checkpoints or inputs.
 
-Every message names the problem and the fix; the CLI shows it as one line (exit 2).
+Every message names the problem and the fix; the CLI shows it as one line (exit 2). They belong to the toolkit's
+one hierarchy (exporter.errors.ToolkitError), and stay ValueErrors, as bad values are.
 """
 
+from exporter.errors import ToolkitError
 
-class ModelError(ValueError):
+
+class ModelError(ToolkitError, ValueError):
     """Base of the errors a user can cause in `reference/`."""
 
 

@@ -736,11 +736,11 @@ def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
 @pytest.mark.parametrize(
     "option,value,named",
     [
-        ("--temperature", "0", "temperature (--temperature) must lie in"),
-        ("--top-k", "-1", "top_k (--top-k) must be an integer >= 0"),
-        ("--top-p", "0", "top_p (--top-p) must lie in (0, 1]"),
-        ("--repetition-penalty", "0", "repetition_penalty (--repetition-penalty) must lie in"),
-        ("--stop-id", "600", "stop ids (stop_ids, --stop-id) [600] are not token ids"),
+        ("--temperature", "0", "--temperature must lie in"),
+        ("--top-k", "-1", "--top-k must be an integer >= 0"),
+        ("--top-p", "0", "--top-p must lie in (0, 1]"),
+        ("--repetition-penalty", "0", "--repetition-penalty must lie in"),
+        ("--stop-id", "600", "stop ids (--stop-id) [600] are not token ids"),
     ],
 )
 def test_generate_names_the_flag_of_a_sampling_value_out_of_range(cli_artifact, option, value, named):
@@ -948,3 +948,23 @@ def test_export_says_what_it_wrote_in_one_line_above_the_files(artifact_fp16, tm
     assert lines[0] == f"exported {folder} (float16) in 2.5 s, 1.2 MB", lines[0]
     assert lines[1].split() == ["file", "size", "sha256"]
     assert {line.split()[0] for line in lines[3:]} == set(read_manifest(folder).files)
+
+
+def test_the_cli_names_the_flag_of_each_parameter_the_library_names():
+    """Library errors name parameters in backticks; a command's message names the flag that sets each instead,
+    and leaves a parameter without a flag of its own as the library wrote it."""
+    from exporter.cli.outcome import in_flags
+
+    assert in_flags("choose another output folder (`folder`)") == "choose another output folder (--output)"
+    assert in_flags('export it as float16 (`dtype="float16"`)') == "export it as float16 (--dtype float16)"
+    assert in_flags('legs need both (`providers=["cpu", "cuda"]`)') == "legs need both (--provider cpu --provider cuda)"
+    assert in_flags("`golden_save` records the reference") == "--golden-save records the reference"
+    assert in_flags("`model` is missing; `settings` too") == "`model` is missing; `settings` too"
+
+
+def test_one_error_hierarchy_covers_the_reference_models_errors():
+    from exporter.errors import ToolkitError
+    from reference.errors import CheckpointError, ConfigError, ContextLengthError, ModelError
+
+    for error in (ModelError, ConfigError, CheckpointError, ContextLengthError):
+        assert issubclass(error, ToolkitError) and issubclass(error, ValueError), error

@@ -379,7 +379,7 @@ def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_mo
     (tmp_path / "taken").write_text("keep me")
     monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
     with pytest.raises(
-        OutputPathError, match=r"lies under .*taken, which is a file; choose another path \(folder, --output\)$"
+        OutputPathError, match=r"lies under .*taken, which is a file; choose another path \(`folder`\)$"
     ):
         export_artifact(tiny_model, tmp_path / "taken" / "sub" / "art")
     assert (tmp_path / "taken").read_text() == "keep me"
@@ -435,7 +435,7 @@ def test_a_folder_name_too_long_for_the_hidden_sibling_is_a_one_line_error(tmp_p
         OutputPathError,
         match=r"cannot write the export for .*n{245}: File name too long \(.*"
         r"\.n{245}\.partial-.*\); .*choose a shorter or other output "
-        r"folder \(folder, --output\)",
+        r"folder \(`folder`\)",
     ):
         export_artifact(tiny_model, folder)
     assert list(tmp_path.iterdir()) == []
@@ -461,7 +461,7 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
             f"{kind}; build one with exporter.verify.references.model_source.seeded_model",
         ):
             export_artifact(model, tmp_path / "x")
-    with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(folder, --output\)"):
+    with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(`folder`\)"):
         export_artifact(tiny_model, None)
     with pytest.raises(InputError, match=r"with_loss must be True or False, got 'no' \(str\)"):
         export_artifact(tiny_model, tmp_path / "x", with_loss="no")

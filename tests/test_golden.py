@@ -82,7 +82,7 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
         with pytest.raises(ToolkitError) as caught:
             load_bundle(folder, manifest)
         assert "is damaged" in str(caught.value)
-        assert "re-record it with golden_save (--golden-save)" in str(caught.value)
+        assert "re-record it with `golden_save`" in str(caught.value)
         return str(caught.value)
 
     def shift(arrays):
@@ -152,7 +152,7 @@ def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_r
     assert_one_line_error(
         run_cli("verify", artifact_fp16, "--golden-save", bundle, "-q"),
         2,
-        f"golden_save (--golden-save) {bundle} holds a golden bundle recorded from another model "
+        f"--golden-save {bundle} holds a golden bundle recorded from another model "
         "(differs in dtype: bundle float32, artifact float16), which this save would replace; "
         "remove it or choose another folder",
     )

@@ -316,9 +316,7 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
     [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
-    assert cpu.localisation.probe_skipped == (
-        "the bundle holds no module outputs: re-record it with golden_save (--golden-save)"
-    )
+    assert cpu.localisation.probe_skipped == ("the bundle holds no module outputs: re-record it with `golden_save`")
     assert cpu.localisation.decode_probe is None
     assert cpu.localisation.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")
 

@@ -470,7 +470,7 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
     with pytest.raises(
         ToolkitError,
         match="which is gone; restore it, replay a golden bundle recorded from the "
-        "artifact \\(golden, --golden DIR\\), or re-export",
+        "artifact \\(`golden`\\), or re-export",
     ):  # verify's way out too
         rebuild_reference(folder, read_manifest(folder))
     out = _pytest(tmp_path, f"--artifacts={folder}")

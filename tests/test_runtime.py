@@ -411,7 +411,7 @@ def test_bad_session_settings_are_refused():
     for threads in (-2, 1025, 2.0):
         with pytest.raises(
             InputError,
-            match=r"\(intra_op_threads, --threads\) must be an integer from 0 \(one per "
+            match=r"\(`intra_op_threads`\) must be an integer from 0 \(one per "
             r"core\) to 1024, got",
         ):
             SessionSettings(intra_op_threads=threads)

@@ -80,7 +80,7 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
 def test_golden_save_inside_the_artifact_is_refused_by_the_api_as_by_the_cli(artifact_copy, tiny_model):
     # The CLI refused it; verify_artifact wrote the bundle into the artifact, where the pytest plugin then found it.
     before = sorted(p.name for p in artifact_copy.iterdir())
-    with pytest.raises(ToolkitError, match=r"^golden_save \(--golden-save\) .*golden lies inside the artifact folder "):
+    with pytest.raises(ToolkitError, match=r"^`golden_save` .*golden lies inside the artifact folder "):
         verify_artifact(artifact_copy, tiny_model, "cpu", genai=False, golden_save=artifact_copy / "golden")
     assert sorted(p.name for p in artifact_copy.iterdir()) == before
 
@@ -93,22 +93,22 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(OutputPathError, match=r"choose another output folder \(folder, --output\) or empty it$"):
+    with pytest.raises(OutputPathError, match=r"choose another output folder \(`folder`\) or empty it$"):
         export_artifact(tiny_model, foreign)
     with pytest.raises(
         InputError,
-        match=r"^golden_save \(--golden-save\) records the PyTorch reference: it needs the "
-        r"model and no golden bundle \(golden, --golden\)$",
+        match=r"^`golden_save` records the PyTorch reference: it needs the "
+        r"model and no golden bundle \(`golden`\)$",
     ):
         verify_artifact(artifact_fp32, None, "cpu", golden_save=tmp_path / "bundle")
     with pytest.raises(
         InputError,
-        match=r"^fp16_companion \(--fp16-companion\) .* is not a float16 export "
+        match=r"^`fp16_companion` .* is not a float16 export "
         r"\(float32\); export the same model as float16 "
-        r'\(dtype="float16", --dtype float16\)$',
+        r'\(`dtype="float16"`\)$',
     ):
         verify_artifact(artifact_fp32, None, "cpu", fp16_companion=artifact_fp32)
-    with pytest.raises(ProviderError, match=r"; pass cpu or cuda \(provider or providers, --provider\)$"):
+    with pytest.raises(ProviderError, match=r"; pass cpu or cuda \(`provider`\)$"):
         verify_artifact(artifact_fp32, None, "bogus")
     assert (foreign / "notes.txt").read_text() == "keep me" and not (tmp_path / "bundle").exists()
 

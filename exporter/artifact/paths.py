@@ -9,6 +9,7 @@ import json
 import os
 import tempfile
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 from exporter.errors import OutputPathError, ToolkitError, first_line
@@ -104,6 +105,23 @@ def write_text_whole(path: Path, text: str) -> None:
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
+
+
+# What a short move of several files into place runs under, so that an interrupt cannot leave half of them moved:
+# nothing by default (a program using the library keeps its own signal handling); the CLI installs a context that
+# holds SIGINT and SIGTERM back until the block is done (exporter.cli.outcome.signals_deferred).
+_uninterrupted: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def uninterrupted() -> contextlib.AbstractContextManager:
+    """The context a multi-file move into place runs under (see set_uninterrupted)."""
+    return _uninterrupted()
+
+
+def set_uninterrupted(context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Install the context that uninterrupted() returns a new one of."""
+    global _uninterrupted
+    _uninterrupted = context
 
 
 @contextlib.contextmanager

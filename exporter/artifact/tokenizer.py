@@ -306,7 +306,7 @@ def _load(path: Path, content: bytes):
     except ImportError as exc:
         raise TokenizerError(
             f"reading {path} needs the tokenizers library, which does not import here ({exc}); "
-            "install it (pip install tokenizers), or pass token ids (--prompt-ids)"
+            "install it (pip install tokenizers), or pass token ids (`prompt_ids`)"
         ) from None
     try:
         return Tokenizer.from_str(content.decode("utf-8"))

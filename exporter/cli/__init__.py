@@ -27,7 +27,7 @@ def _interrupted_while_starting(signum, frame):
     at exit (-11)."""
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
     try:  # whatever fails here (a closed stdout), the exit stays this one
-        from exporter.errors import error_document, json_requested
+        from exporter.cli.document import error_document, json_requested
 
         print(message, file=sys.stderr)
         if json_requested():
@@ -52,6 +52,7 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 import click  # after the handlers above, as every import below
 
 from exporter.artifact.paths import check_output_path, check_outside_artifact, read_json_object
+from exporter.cli.document import error_document
 from exporter.cli.options import (
     PathOption,
     VerifyOptions,
@@ -74,7 +75,7 @@ from exporter.cli.outcome import (
     missing_dependency,
     setup_logging,
 )
-from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, error_document, torch_import_error
+from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, torch_import_error
 
 try:
     import onnxruntime  # noqa: F401  every command runs it: a deployment set up with --no-deps may lack it

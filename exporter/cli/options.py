@@ -14,6 +14,9 @@ from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
 
+# Each report option by the parameter of write_reports (and write_error_reports) that takes its path.
+REPORT_PARAMETERS = {"report_json": "json_path", "junit": "junit_path", "html": "html_path"}
+
 
 class PathOption(click.Path):
     """A path option or argument; an empty one (an unset shell variable, say) is refused. It read as the current
@@ -227,7 +230,7 @@ class VerifyOptions:
 
     def report_paths(self) -> dict:
         """The reports to write, by write_reports's (and write_error_reports's) keywords."""
-        return {"json_path": self.report_json, "junit_path": self.junit, "html_path": self.html}
+        return {parameter: getattr(self, option) for option, parameter in REPORT_PARAMETERS.items()}
 
 
 def verification_plan(
@@ -286,7 +289,7 @@ def verification_plan(
                 "would change; write it elsewhere"
             )
         check_output_path(path, flag, folder=False)
-        check_report_destination(path, flag)
+        check_report_destination(path, REPORT_PARAMETERS[option])
     companion = None
     if options.fp16_companion is not None:
         if planned is None:

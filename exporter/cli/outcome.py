@@ -3,21 +3,25 @@ its result on stdout, progress lines on stderr, and SIGINT/SIGTERM turned into a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
-from exporter.errors import ToolkitError, error_document, first_line, json_requested
+from exporter.artifact.paths import set_uninterrupted
+from exporter.cli.document import error_document, json_requested
+from exporter.errors import ToolkitError, first_line
 from exporter.export import LIBRARY_LOGGERS
-from reference.errors import ModelError
 
 EXIT_PARITY_FAILURE = 1
 EXIT_INPUT_ERROR = 2
@@ -60,9 +64,36 @@ def begin_command() -> None:
     this line had run, a quarter second in."""
     global state
     state = CommandState()
+    set_uninterrupted(signals_deferred)
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, _interrupt)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM held back while the block runs, and delivered (with the handlers found) right after it.
+    Their handlers are swapped, not the signals blocked: a signal blocked in this thread is delivered to another
+    (onnxruntime's pool threads), and Python runs its handler in the main thread all the same. Outside the main
+    thread no handler can be set, and none is needed: Python raises a signal's exception only in the main thread.
+    A signal that this process ignores, or whose handler is not Python's, is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {
+        signum: handler for signum, handler in handlers.items() if handler is not None and handler is not signal.SIG_IGN
+    }
+    try:
+        for signum in handlers:
+            signal.signal(signum, lambda received, frame: pending.append(received))
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def _interrupt(signum, frame):
@@ -79,6 +110,57 @@ _WRITES_ARTIFACT = ("run", "export")  # the commands whose interruption leaves t
 
 _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: ", "interrupted": ""}
 
+# The flag that sets each parameter the library names. The library names a parameter in backticks, with a value
+# where it suggests one (`golden_save`, `dtype="float16"`, `providers=["cpu", "cuda"]`); what a command prints
+# names the flag instead (--golden-save, --dtype float16, --provider cpu --provider cuda). A parameter with no
+# flag of its own keeps its backticked name.
+FLAGS = {
+    "folder": "--output",
+    "dtype": "--dtype",
+    "provider": "--provider",
+    "providers": "--provider",
+    "intra_op_threads": "--threads",
+    "optimized_model_dir": "--save-optimized",
+    "prompt_ids": "--prompt-ids",
+    "do_sample": "--sample",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "repetition_penalty": "--repetition-penalty",
+    "seed": "--seed",
+    "stop_ids": "--stop-id",
+    "golden": "--golden",
+    "golden_save": "--golden-save",
+    "fp16_companion": "--fp16-companion",
+    "probe": "--probe",
+    "atol": "--atol",
+    "rtol": "--rtol",
+    "peak": "--peak",
+    "json_path": "--report-json",
+    "junit_path": "--junit",
+    "html_path": "--html",
+}
+_PARAMETER = re.compile(r"`(\w+)(?:=([^`]*))?`")
+
+
+def in_flags(message: str, flags: dict[str, str] = FLAGS) -> str:
+    """`message` with each backticked parameter the library names written as the flag that sets it (`flags`)."""
+
+    def flag(match: re.Match) -> str:
+        name, value = match.groups()
+        if name not in flags:
+            return match.group(0)
+        if value is None:
+            return flags[name]
+        try:
+            values = json.loads(value)
+        except ValueError:
+            values = value
+        values = values if isinstance(values, list) else [values]
+        return " ".join(f"{flags[name]} {item}" for item in values)
+
+    return _PARAMETER.sub(flag, message)
+
 
 def missing_dependency(exc: ImportError) -> None:
     """The command cannot even be set up: one line naming the package (and a JSON error object under --json,
@@ -94,6 +176,7 @@ def missing_dependency(exc: ImportError) -> None:
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
+    message = in_flags(message)
     click.echo(_PREFIX[kind] + message, err=True)
     error = error_document(kind, message, code)
     if state.owed_reports:
@@ -148,7 +231,7 @@ def handle_errors(func):
                     else ""
                 )
                 _fail("interrupted", f"interrupted{signal_name}{outcome}", code, as_json)
-            if isinstance(exc, (ToolkitError, ModelError)):
+            if isinstance(exc, ToolkitError):
                 log.debug("input error", exc_info=True)
                 _fail("input", str(exc), EXIT_INPUT_ERROR, as_json)
             log.debug("internal error", exc_info=True)

@@ -48,6 +48,16 @@ NO_REFERENCE_FIX = (
 )
 
 
+# The plugin's options by the library parameter each sets (see exporter.cli.outcome.FLAGS).
+OPTIONS = {"provider": "--artifact-provider", "providers": "--artifact-provider", "golden": "--golden-bundle=DIR"}
+
+
+def _in_options(message) -> str:
+    from exporter.cli.outcome import in_flags
+
+    return in_flags(str(message), OPTIONS)
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("export-onnx", "verification of exported ONNX artifacts")
     group.addoption(
@@ -174,14 +184,12 @@ def pytest_configure(config):
             "it would configure the run"
         )
     from exporter.errors import ProviderError, ToolkitError, first_of
-    from exporter.runtime.sessions import PROVIDER_OPTION, check_parity_providers
-    from reference.errors import ModelError
+    from exporter.runtime.sessions import check_parity_providers
 
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])
     except ProviderError as exc:
-        hint = str(exc).replace(PROVIDER_OPTION, "--artifact-provider")
-        raise pytest.UsageError(f"--artifact-provider: {hint}") from None
+        raise pytest.UsageError(f"--artifact-provider: {_in_options(exc)}") from None
     try:
         plans = {
             Path(os.path.abspath(folder)): reference_plan(Path(folder), config.getoption("golden_bundle"))
@@ -189,14 +197,14 @@ def pytest_configure(config):
         }
     except BundleRefused as exc:
         raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
-    except (ToolkitError, ModelError) as exc:
+    except ToolkitError as exc:
         from exporter.verify.references.golden import misplaced_bundle_hint
 
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
         hint = (f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else "") + (
             misplaced_bundle_hint(folders, "--golden-bundle=DIR", "--artifacts=DIR")
         )
-        raise pytest.UsageError(f"--artifacts: {exc}{hint}") from None
+        raise pytest.UsageError(f"--artifacts: {_in_options(exc)}{hint}") from None
     if config.getoption("require_reference"):
         missing = {folder: plan.reason for folder, plan in plans.items() if plan.reference == "invariants"}
         if len(missing) == 1:
@@ -284,11 +292,12 @@ class ArtifactCheck(pytest.Item):
         outcome = artifact.verify()
         if isinstance(outcome, Exception):
             from exporter.errors import ToolkitError, first_line
-            from reference.errors import ModelError
 
-            known = isinstance(outcome, (ToolkitError, ModelError))  # else a fault of this toolkit: say which
+            known = isinstance(outcome, ToolkitError)  # else a fault of this toolkit: say which
             raise VerificationStopped(
-                first_line(outcome) if known else f"internal error {type(outcome).__name__}: {first_line(outcome)}"
+                _in_options(first_line(outcome))
+                if known
+                else f"internal error {type(outcome).__name__}: {first_line(outcome)}"
             )
         verdict = self.pick(outcome)
         if verdict is SKIP:

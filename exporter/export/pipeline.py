@@ -377,7 +377,7 @@ def _check_arguments(model, folder, with_loss) -> None:
             "(preset).model or checkpoint_model(path).model"
         )
     if not isinstance(folder, (str, os.PathLike)):
-        raise InputError(f"folder must be a path (str or Path), got {folder!r:.80} (folder, --output)")
+        raise InputError(f"folder must be a path (str or Path), got {folder!r:.80} (`folder`)")
     check_flag("with_loss", with_loss)
 
 
@@ -402,11 +402,11 @@ def _prepare_destination(folder: Path) -> None:
     try:
         check_output_path(folder, "output folder", folder=True)
     except OutputPathError as exc:  # named as this function's other refusals name it
-        raise OutputPathError(f"{exc} (folder, --output)") from None
+        raise OutputPathError(f"{exc} (`folder`)") from None
     if folder.is_symlink():  # the swap into place would replace the link, not what it points to
         raise OutputPathError(
             f"output folder {folder} is a symbolic link; pass the folder it points to "
-            f"({folder.resolve()}) or another output folder (folder, --output)"
+            f"({folder.resolve()}) or another output folder (`folder`)"
         )
     if os.path.ismount(folder):  # the rename of the built folder onto it fails with "Device or resource busy"
         raise OutputPathError(
@@ -418,7 +418,7 @@ def _prepare_destination(folder: Path) -> None:
     if artifact is not None:  # as --report-json and --save-optimized are: the outer one would hold an unlisted folder
         raise OutputPathError(
             f"output folder {folder} lies inside the artifact folder {artifact}, which it would "
-            "change; choose another output folder (folder, --output)"
+            "change; choose another output folder (`folder`)"
         )
     if not folder.is_dir():
         return
@@ -426,7 +426,7 @@ def _prepare_destination(folder: Path) -> None:
     if real == cwd or real in cwd.parents:
         raise OutputPathError(
             f"output folder {folder} holds the current directory, which replacing it would "
-            "delete; run from elsewhere or choose another output folder (folder, --output)"
+            "delete; run from elsewhere or choose another output folder (`folder`)"
         )
     if not any(folder.iterdir()):
         return
@@ -435,7 +435,7 @@ def _prepare_destination(folder: Path) -> None:
         raise OutputPathError(
             f"output folder {folder} is not empty and holds no {MANIFEST} of this toolkit; "
             "refusing to overwrite files it did not write: choose another output folder "
-            "(folder, --output) or empty it"
+            "(`folder`) or empty it"
         )
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in listed)
     if foreign:
@@ -443,7 +443,7 @@ def _prepare_destination(folder: Path) -> None:
         raise OutputPathError(
             f"output folder {folder} holds {first_of(foreign, 5)}, which its artifact does "
             f"not list and replacing it would delete {them}; move {them} out or choose another "
-            "output folder (folder, --output)"
+            "output folder (`folder`)"
         )
 
 
@@ -524,7 +524,7 @@ def _overtaken(folder: Path) -> OutputPathError:
     return OutputPathError(
         f"another process replaced {folder} while this export was moving its result there (two "
         "exports to one folder?): the folder holds the other's artifact, and this one was not "
-        "kept; export again once the other is done, or into another folder (folder, --output)"
+        "kept; export again once the other is done, or into another folder (`folder`)"
     )
 
 
@@ -534,7 +534,7 @@ def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
         f"cannot write the export for {folder}: {exc.strerror or first_line(exc)}{where}; it is "
         f"built in a hidden folder beside it, .{folder.name}.partial-*, removed again, and an "
         "earlier artifact there is untouched: free space, or choose a shorter or other output "
-        "folder (folder, --output)"
+        "folder (`folder`)"
     )
 
 

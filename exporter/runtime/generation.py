@@ -36,11 +36,6 @@ MIN_DIVISOR = 1e-6
 MAX_DIVISOR = float(np.finfo(np.float32).max)
 
 
-def _flag(name: str) -> str:
-    """The generate command's flag for a SamplingConfig field, which its refusals name beside the field."""
-    return "--" + name.replace("_", "-")
-
-
 @dataclass(frozen=True)
 class SamplingConfig:
     do_sample: bool = False
@@ -53,32 +48,30 @@ class SamplingConfig:
     def __post_init__(self):
         if not isinstance(self.do_sample, (bool, np.bool_)):  # a string such as "no" would read as true
             raise InputError(
-                f"do_sample (--sample) must be True or False, got {self.do_sample!r} ({type(self.do_sample).__name__})"
+                f"`do_sample` must be True or False, got {self.do_sample!r} ({type(self.do_sample).__name__})"
             )
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
-                raise InputError(f"{name} ({_flag(name)}) must be a number, got {value!r}")
+                raise InputError(f"`{name}` must be a number, got {value!r}")
         if self.do_sample and not MIN_DIVISOR <= self.temperature <= MAX_DIVISOR:
             raise InputError(
-                f"temperature (--temperature) must lie in [{MIN_DIVISOR:g}, {MAX_DIVISOR:.4g}] (finite "
+                f"`temperature` must lie in [{MIN_DIVISOR:g}, {MAX_DIVISOR:.4g}] (finite "
                 f"in float32) when sampling, got {self.temperature}; use greedy decoding for "
                 "deterministic output"
             )
         if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p (--top-p) must lie in (0, 1], got {self.top_p}")
+            raise InputError(f"`top_p` must lie in (0, 1], got {self.top_p}")
         if not is_integer(self.top_k) or self.top_k < 0:
-            raise InputError(f"top_k (--top-k) must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InputError(f"`top_k` must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not MIN_DIVISOR <= self.repetition_penalty <= MAX_DIVISOR:
             raise InputError(
-                f"repetition_penalty (--repetition-penalty) must lie in [{MIN_DIVISOR:g}, "
+                f"`repetition_penalty` must lie in [{MIN_DIVISOR:g}, "
                 f"{MAX_DIVISOR:.4g}] (finite in float32; 1 disables it), got {self.repetition_penalty}"
             )
         seeds = self.seed if isinstance(self.seed, (tuple, list)) else (self.seed,)
         if not seeds or not all(is_integer(s) and s >= 0 for s in seeds):
-            raise InputError(
-                f"seed (--seed) must be an integer >= 0 or a tuple of them (one per row), got {self.seed!r}"
-            )
+            raise InputError(f"`seed` must be an integer >= 0 or a tuple of them (one per row), got {self.seed!r}")
 
     def seeds(self, batch: int) -> list[int]:
         """One seed per row; a tuple must have one for each row."""
@@ -231,7 +224,7 @@ def check_request(
     vocab = config.vocab_size
     bad_stops = [i for i in stop_ids if not is_integer(i) or not 0 <= i < vocab]
     if bad_stops:
-        raise InputError(f"stop ids (stop_ids, --stop-id) {bad_stops} are not token ids of the vocabulary [0, {vocab})")
+        raise InputError(f"stop ids (`stop_ids`) {bad_stops} are not token ids of the vocabulary [0, {vocab})")
     if eos_token_id is not None and not (is_integer(eos_token_id) and 0 <= eos_token_id < vocab):
         raise InputError(
             f"eos_token_id {eos_token_id!r} is not a token id of the vocabulary [0, {vocab}); "

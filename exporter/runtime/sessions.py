@@ -10,9 +10,7 @@ import functools
 import logging
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.paths import folder_lock, parents_removed_unless_done
+from exporter.artifact.paths import folder_lock, parents_removed_unless_done, uninterrupted
 from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
 
 log = logging.getLogger(__name__)
@@ -38,17 +36,12 @@ def provider_name(name: str) -> str:
     """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
     if not isinstance(name, str):  # None, or a list where one name is taken, failed as "no attribute 'lower'"
         raise ProviderError(
-            f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); "
-            f"pass one ({PROVIDER_OPTION})"
+            f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); pass one (`provider`)"
         )
     for full in ort.get_available_providers():
         if name.lower() in (full.lower(), full.lower().removesuffix("executionprovider")):
             return full
     return PROVIDER_ALIASES.get(name.lower(), name)
-
-
-# where a provider is chosen: the Python parameter and the CLI's flag; the pytest plugin names its own instead
-PROVIDER_OPTION = "provider or providers, --provider"
 
 
 def check_provider(name: str) -> str:
@@ -61,7 +54,7 @@ def check_provider(name: str) -> str:
     if full not in PARITY_PROVIDERS:
         raise ProviderError(
             f"this toolkit runs and verifies on {' and '.join(PARITY_PROVIDERS)}, not "
-            f"{full or 'an empty name'}; pass cpu or cuda ({PROVIDER_OPTION})"
+            f"{full or 'an empty name'}; pass cpu or cuda (`provider`)"
         )
     if full == CUDA and (unusable := cuda_unusable()) is not None:  # every build has the CPU provider
         raise ProviderError(f"{CUDA} cannot run here: {unusable}")
@@ -107,7 +100,7 @@ def check_parity_providers(names) -> list[str]:
     if not isinstance(names, (list, tuple)):  # 5: "'int' object is not iterable"
         raise ProviderError(
             f"providers must be a provider name or a list of them, got {names!r:.80}; pass e.g. "
-            f"['cpu'], or None for every available one ({PROVIDER_OPTION})"
+            "['cpu'], or None for every available one (`providers`)"
         )
     return list(dict.fromkeys(check_provider(name) for name in names))
 
@@ -160,7 +153,7 @@ class SessionSettings:
             raise InputError(f"optimization must be one of {', '.join(GRAPH_OPTIMIZATION)}, got {self.optimization!r}")
         if not is_integer(self.intra_op_threads) or not 0 <= self.intra_op_threads <= MAX_THREADS:
             raise InputError(
-                f"threads per session (intra_op_threads, --threads) must be an integer from 0 (one "
+                f"threads per session (`intra_op_threads`) must be an integer from 0 (one "
                 f"per core) to {MAX_THREADS}, "
                 f"got {self.intra_op_threads!r}"
             )
@@ -332,7 +325,7 @@ def optimized_graphs_saved(folder: Path | None):
             try:
                 # a Ctrl-C between moves left new weights beside an earlier graph; a second save into `folder`
                 # moving its files meanwhile, one graph of each (its turn is waited for with Ctrl-C live)
-                with folder_lock(folder), _signals_deferred():
+                with folder_lock(folder), uninterrupted():
                     # the weights files before the graphs that name them
                     for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".onnx"), name)):
                         os.replace(staging / name, folder / name)
@@ -363,37 +356,10 @@ def _new_session(
         raise _save_failed(f"graph {target.name}", target.parent, first_line(exc, 200)) from None
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """SIGINT and SIGTERM held back while the block runs, and delivered (with the handlers found) right after it.
-    Their handlers are swapped, not the signals blocked: a signal blocked in this thread is delivered to another
-    (onnxruntime's pool threads), and Python runs its handler in the main thread all the same. Outside the main
-    thread no handler can be set, and none is needed: Python raises a signal's exception only in the main thread.
-    A signal that this process ignores, or whose handler is not Python's, is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending = []
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    handlers = {
-        signum: handler for signum, handler in handlers.items() if handler is not None and handler is not signal.SIG_IGN
-    }
-    try:
-        for signum in handlers:
-            signal.signal(signum, lambda received, frame: pending.append(received))
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        for signum in dict.fromkeys(pending):
-            signal.raise_signal(signum)
-
-
 def _save_failed(what: str, folder: Path, reason: str) -> OutputPathError:
     return OutputPathError(
         f"cannot save the optimised {what} in {folder} ({reason}); earlier "
-        "files there are untouched: free space, or choose another folder (optimized_model_dir, "
-        "--save-optimized)"
+        "files there are untouched: free space, or choose another folder (`optimized_model_dir`)"
     )
 
 

@@ -21,7 +21,7 @@ from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, PROVIDER_OPTION, available_parity_providers, check_parity_providers
+from exporter.runtime.sessions import CPU, available_parity_providers, check_parity_providers
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants
 from exporter.verify.checks.outputs import (
@@ -85,7 +85,7 @@ def _probe_decode(
         return None, (
             f"the bundle holds no module outputs of {call.label} (it keeps those of the decode call probed "
             "when it was recorded; one recorded before they were kept, none): re-record it with "
-            "golden_save (--golden-save), or probe against the PyTorch model"
+            "`golden_save`, or probe against the PyTorch model"
         )
     values = debug.run(call.feeds, provider)
     log.info(
@@ -117,10 +117,10 @@ def _localise(
 ) -> Localisation:
     located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
     if not settings.probe:
-        skipped = "not requested (settings.probe, --probe)"
+        skipped = "not requested (`probe`)"
         return replace(located, probe_skipped=skipped, decode_probe_skipped=skipped)
     module_outputs = reference.module_outputs(batch)
-    probe, skipped = None, "the bundle holds no module outputs: re-record it with golden_save (--golden-save)"
+    probe, skipped = None, "the bundle holds no module outputs: re-record it with `golden_save`"
     if module_outputs is not None:
         log.info(
             "probe: comparing %d values of %s with the reference's module outputs",
@@ -415,17 +415,14 @@ def _plan(
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] verified nothing, and the report failed
-        raise ProviderError(
-            f"providers is empty; pass e.g. ['cpu'], or None for every available one ({PROVIDER_OPTION})"
-        )
+        raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:
         if model is None:  # a golden bundle comes without one (see above)
             raise InputError(
-                "golden_save (--golden-save) records the PyTorch reference: it needs the model and no "
-                "golden bundle (golden, --golden)"
+                "`golden_save` records the PyTorch reference: it needs the model and no golden bundle (`golden`)"
             )
-        check_outside_artifact(golden_save, "golden_save (--golden-save)", folder)
+        check_outside_artifact(golden_save, "`golden_save`", folder)
         check_golden_destination(golden_save, manifest)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)

@@ -199,7 +199,7 @@ def _value(text, where: str) -> float:
             raise TypeError
         value = float(text)
     except (TypeError, ValueError):
-        raise InputError(f"{where}: {text!r} is not a number; write e.g. logits=1e-3 (atol, --atol)") from None
+        raise InputError(f"{where}: {text!r} is not a number; write e.g. logits=1e-3 (`atol`)") from None
     if not 0 <= value < math.inf:
         raise InputError(f"{where}: tolerances must be finite and >= 0, got {text!r}")
     return value
@@ -234,8 +234,8 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
         for item in [items] if isinstance(items, str) else items:  # iterated, a str was one term per character
             kind, sep, value = item.partition("=") if isinstance(item, str) else (item, "", "")
             if not sep:
-                raise InputError(f"{term} (--{term}) {item!r}: expected KIND=VALUE, e.g. logits=1e-3")
-            where = f"{term} (--{term}) {item}"
+                raise InputError(f"`{term}` {item!r}: expected KIND=VALUE, e.g. logits=1e-3")
+            where = f"`{term}` {item}"
             key, number = (_kind(kind.strip(), where), term), _value(value.strip(), where)
             if given.get(key, number) != number:  # the last one won, silently
                 raise InputError(

@@ -65,12 +65,12 @@ def read_companion(companion: Path | Artifact) -> Artifact:
     try:
         companion = open_artifact(companion)
     except ArtifactError as exc:
-        raise InputError(f"fp16_companion (--fp16-companion): {exc}") from None
+        raise InputError(f"`fp16_companion`: {exc}") from None
     folder, dtype = companion.folder, companion.manifest.dtype
     if dtype != "float16":
         raise InputError(
-            f"fp16_companion (--fp16-companion) {folder} is not a float16 export ({dtype}); "
-            'export the same model as float16 (dtype="float16", --dtype float16)'
+            f"`fp16_companion` {folder} is not a float16 export ({dtype}); "
+            'export the same model as float16 (`dtype="float16"`)'
         )
     return companion
 
@@ -84,23 +84,23 @@ def companion_for(companion: Path | Artifact, dtype: str, config=None, source: d
     """A float16 export of the model of an artifact of `dtype`, `config` and weights `source` (each None: not
     known yet, not compared); `export-onnx run` checks so before its export, the engine after it."""
     if dtype != "float32":
-        raise InputError(f"fp16_companion (--fp16-companion) needs a float32 artifact to verify; this one is {dtype}")
+        raise InputError(f"`fp16_companion` needs a float32 artifact to verify; this one is {dtype}")
     artifact = read_companion(companion)
     folder, companion = artifact.folder, artifact.manifest
     changed = [] if config is None else config_differences(config.to_dict(), companion.config.to_dict())
     if changed:
         raise InputError(
-            f"fp16_companion (--fp16-companion) {folder} is not a float16 export of the same model "
+            f"`fp16_companion` {folder} is not a float16 export of the same model "
             f"(its config differs in {', '.join(changed)}); export this model as float16 "
-            '(dtype="float16", --dtype float16)'
+            '(`dtype="float16"`)'
         )
     ours, theirs = _weights_of(source or {}), _weights_of(companion.source)
     if ours is not None and theirs is not None and ours != theirs:
         # the precision leg would charge the difference of the weights to float16
         raise InputError(
-            f"fp16_companion (--fp16-companion) {folder} holds other weights "
+            f"`fp16_companion` {folder} holds other weights "
             f"({', '.join(map(str, theirs))} against {', '.join(map(str, ours))}); export this model's "
-            'weights as float16 (dtype="float16", --dtype float16)'
+            'weights as float16 (`dtype="float16"`)'
         )
     return artifact
 
@@ -144,10 +144,7 @@ def attribute(
             )
         )
     if CPU not in outputs:
-        missing.append(
-            'export and provider legs need CPUExecutionProvider too (providers=["cpu", "cuda"], '
-            "--provider cpu --provider cuda)"
-        )
+        missing.append('export and provider legs need CPUExecutionProvider too (`providers=["cpu", "cuda"]`)')
     if CUDA not in outputs:
         missing.append("provider and precision legs need CUDAExecutionProvider (onnxruntime-gpu and a CUDA GPU)")
     else:

@@ -120,12 +120,12 @@ class RecordedReference:
             if recorded_kind != kind or not _same_tokens(recorded_tokens, tokens):
                 raise GoldenMismatch(
                     f"call {self.cursor} ({kind}) does not match the recording: the bundle was "
-                    "recorded with other inputs; re-record it with golden_save (--golden-save)"
+                    "recorded with other inputs; re-record it with `golden_save`"
                 )
         elif self.backing is None:
             raise GoldenMismatch(
                 f"the bundle holds {len(self.calls)} calls and this verification needs more; "
-                "re-record it with golden_save (--golden-save)"
+                "re-record it with `golden_save`"
             )
         else:
             with record_reference_routing(self.backing.model) as routed:
@@ -160,9 +160,7 @@ class RecordedReference:
         key = (tuple(prompt), max_new_tokens, eos)
         if key not in self.greedy_traces:
             if self.backing is None:
-                raise GoldenMismatch(
-                    "the bundle holds no greedy run for this prompt; re-record it with golden_save (--golden-save)"
-                )
+                raise GoldenMismatch("the bundle holds no greedy run for this prompt; re-record it with `golden_save`")
             with record_reference_routing(self.backing.model) as routed:
                 trace = self.backing.greedy(prompt, max_new_tokens, eos)
             calls = len(next(iter(routed.values()), []))
@@ -186,7 +184,7 @@ class RecordedReference:
                 return None
             raise GoldenMismatch(
                 "the bundle's module outputs were recorded for other inputs than this prefill; "
-                "re-record it with golden_save (--golden-save)"
+                "re-record it with `golden_save`"
             )
         self.recorded_module_outputs[graph] = (tokens, self.backing.module_outputs(feeds, graph))
         return self.recorded_module_outputs[graph][1]
@@ -271,8 +269,7 @@ class RecordedReference:
             os.replace(partial_index, folder / BUNDLE)
         except OSError as exc:
             raise OutputPathError(
-                f"cannot write the golden bundle {folder} ({exc.strerror or exc}); "
-                "choose another golden_save folder (--golden-save)"
+                f"cannot write the golden bundle {folder} ({exc.strerror or exc}); choose another `golden_save` folder"
             ) from None
         finally:  # after an interrupt too: a partial file left would make the next save refuse the folder
             if partial_index.exists() and previous.exists():  # the index was not swapped: the older arrays back
@@ -368,19 +365,15 @@ def _unreadable(folder: Path, exc: Exception) -> ToolkitError:
         return ToolkitError(f"{folder} is a file, not a golden bundle; pass the folder that holds {BUNDLE}{parent}")
     if (folder / MANIFEST).is_file() and not (folder / BUNDLE).exists():
         return ToolkitError(
-            f"{folder} is an artifact folder, not a golden bundle; pass the folder that golden_save "
-            f"(--golden-save) wrote ({BUNDLE} and {ARRAYS})"
+            f"{folder} is an artifact folder, not a golden bundle; pass the folder that `golden_save` "
+            f"wrote ({BUNDLE} and {ARRAYS})"
         )
-    return ToolkitError(
-        f"{folder} is not a readable golden bundle ({exc}); write one with "
-        "verify_artifact's golden_save (export-onnx verify --golden-save DIR)"
-    )
+    return ToolkitError(f"{folder} is not a readable golden bundle ({exc}); record one with `golden_save`")
 
 
 def _damaged(folder: Path, exc: Exception) -> ToolkitError:
     return ToolkitError(
-        f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with "
-        "golden_save (--golden-save)"
+        f"golden bundle {folder} is damaged ({type(exc).__name__}: {exc}); re-record it with `golden_save`"
     )
 
 
@@ -394,14 +387,13 @@ def _keep_previous(arrays: Path, previous: Path) -> None:
 
 
 def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> None:
-    """--golden-save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle; with
+    """golden_save writes golden.json and arrays.npz: into a new or empty folder, or over an older bundle; with
     `manifest`, only over one recorded from that artifact (re-recording it), not another's, which it would lose."""
-    check_output_path(folder, "golden_save (--golden-save)", folder=True)
+    check_output_path(folder, "`golden_save`", folder=True)
     folder = Path(folder)
     if folder.is_dir() and any(folder.iterdir()) and not (folder / BUNDLE).is_file():
         raise OutputPathError(
-            f"golden_save (--golden-save) {folder} is not empty and holds no golden bundle; "
-            "choose a new or empty folder"
+            f"`golden_save` {folder} is not empty and holds no golden bundle; choose a new or empty folder"
         )
     if manifest is None or not (folder / BUNDLE).is_file():
         return
@@ -412,7 +404,7 @@ def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> 
     if difference is not None:
         other, detail = difference
         raise OutputPathError(
-            f"golden_save (--golden-save) {folder} holds a golden bundle recorded from another "
+            f"`golden_save` {folder} holds a golden bundle recorded from another "
             f"{other} ({detail}), which this save would replace; remove it or choose another folder"
         )
 
@@ -437,8 +429,7 @@ def _check_identity(folder: Path, manifest: Manifest, meta: dict) -> None:
             f"{folder / BUNDLE} is format {meta.get('format')!r} v{version}, expected {FORMAT!r} "
             f"v{FORMAT_VERSION}; "
             + ("a later version of this toolkit wrote it: upgrade the toolkit, or " if later else "")
-            + "re-record it with golden_save "
-            "(--golden-save)"
+            + "re-record it with `golden_save`"
         )
     _check_artifact(folder, manifest, meta["artifact"])
 

@@ -80,17 +80,16 @@ class RebuildProblem:
             return ToolkitError(
                 f"verifying against the reference model needs PyTorch, which does not import here "
                 f"({self.detail}); install it ({TORCH_INSTALL_HINT}), or replay a golden bundle "
-                "(golden, --golden DIR)"
+                "(`golden`)"
             )
         if self.cause == "checkpoint":
             return ArtifactError(
                 f"{folder} was exported from checkpoint {self.source['path']}, which {self.detail}; "
-                "restore it, replay a golden bundle recorded from the artifact (golden, --golden "
-                "DIR), or re-export"
+                "restore it, replay a golden bundle recorded from the artifact (`golden`), or re-export"
             )
         return ArtifactError(
             f"{folder} was exported from weights the toolkit cannot rebuild ({self.source}); verify "
-            "it against a golden bundle (golden, --golden DIR), from Python with "
+            "it against a golden bundle (`golden`), from Python with "
             "verify_artifact(folder, model), or with the invariants alone (pytest --artifacts)"
         )
 

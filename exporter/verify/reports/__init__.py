@@ -31,17 +31,18 @@ __all__ = [
 
 # How a file of each report kind begins, whoever wrote it (this toolkit, pytest's --junitxml, a browser's save).
 _REPORT_STARTS = {
-    "--report-json": ("JSON", ("{",)),
-    "--junit": ("JUnit XML", ("<?xml", "<testsuite")),
-    "--html": ("HTML", ("<!doctype html", "<html")),
+    "json_path": ("JSON", ("{",)),
+    "junit_path": ("JUnit XML", ("<?xml", "<testsuite")),
+    "html_path": ("HTML", ("<!doctype html", "<html")),
 }
 
 
-def check_report_destination(path: Path, flag: str) -> None:
+def check_report_destination(path: Path, parameter: str) -> None:
     """A file already at a report's path is replaced only when it is empty or a report of that kind: a path
-    mistyped onto a source file (`--report-json verify.py`) would otherwise lose it, unasked, to a report that
-    can be written again. Checked with the other options, before anything runs."""
-    kind, starts = _REPORT_STARTS[flag]
+    mistyped onto a source file (a JSON report's path given as verify.py) would otherwise lose it, unasked, to a
+    report that can be written again. `parameter`: write_reports' parameter for that kind (json_path,
+    junit_path, html_path)."""
+    kind, starts = _REPORT_STARTS[parameter]
     try:
         if not Path(path).is_file():  # none yet, or /dev/stdout: written as it is
             return
@@ -51,7 +52,7 @@ def check_report_destination(path: Path, flag: str) -> None:
         return
     if head and not head.startswith(starts):
         raise OutputPathError(
-            f"{flag} {path} is a file that holds no {kind} report; refusing to overwrite it: "
+            f"`{parameter}` {path} is a file that holds no {kind} report; refusing to overwrite it: "
             "give the path of a new file or of an earlier report, or remove it first"
         )
 
@@ -78,9 +79,9 @@ def write_reports(
     """The requested reports of a verification's verdict; see _write."""
     _write(
         [
-            ("--report-json", json_path, lambda: json_text(report.to_dict()) + "\n"),
-            ("--junit", junit_path, lambda: render_junit(report)),
-            ("--html", html_path, lambda: render_html(report)),
+            ("json_path", json_path, lambda: json_text(report.to_dict()) + "\n"),
+            ("junit_path", junit_path, lambda: render_junit(report)),
+            ("html_path", html_path, lambda: render_html(report)),
         ]
     )
 
@@ -94,9 +95,9 @@ def write_error_reports(
     kind, message = error["error"]["kind"], error["error"]["message"]
     _write(
         [
-            ("--report-json", json_path, lambda: json_text(error) + "\n"),
-            ("--junit", junit_path, lambda: render_junit_error(kind, message)),
-            ("--html", html_path, lambda: render_html_error(kind, message)),
+            ("json_path", json_path, lambda: json_text(error) + "\n"),
+            ("junit_path", junit_path, lambda: render_junit_error(kind, message)),
+            ("html_path", html_path, lambda: render_html_error(kind, message)),
         ]
     )
 
@@ -105,7 +106,7 @@ def _write(reports: list[tuple[str, Path | None, Callable[[], str]]]) -> None:
     """Each report with a path, written whole or not at all. One that cannot be written does not stop the others,
     and what an earlier run left at its path is removed; OutputPathError then names the first that failed."""
     failures = []
-    for flag, path, render in reports:
+    for parameter, path, render in reports:
         if path is None:
             continue
         try:
@@ -114,6 +115,6 @@ def _write(reports: list[tuple[str, Path | None, Callable[[], str]]]) -> None:
             if Path(path).is_file():  # an earlier run's verdict, which would pass for this one's
                 with contextlib.suppress(OSError):
                     Path(path).unlink()
-            failures.append(f"{flag} {path}: cannot write the report ({exc.strerror or exc})")
+            failures.append(f"`{parameter}` {path}: cannot write the report ({exc.strerror or exc})")
     if failures:
         raise OutputPathError("; ".join(failures) + "; choose another path")

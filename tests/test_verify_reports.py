@@ -184,19 +184,19 @@ def test_every_check_of_a_report_can_fail_the_verdict():
     def provider(**broken):
         fields = {**parts, **broken}
         return ProviderReport(
-            "cpu",
-            "float32",
-            None,
-            fields["comparisons"],
-            fields["greedy"],
-            [],
-            [],
-            {},
-            fields["sweep"],
-            fields["health"],
-            fields["repeat"],
-            None,
-            fields["experts"],
+            provider="cpu",
+            dtype="float32",
+            profile=None,
+            comparisons=fields["comparisons"],
+            greedy=fields["greedy"],
+            curve=[],
+            layers=[],
+            histogram={},
+            sweep=fields["sweep"],
+            health=fields["health"],
+            repeat=fields["repeat"],
+            localisation=None,
+            experts=fields["experts"],
         )
 
     assert provider().passed

@@ -13,7 +13,7 @@ from exporter.verify.metrics import Comparison
 from exporter.verify.tolerances import AppliedOverrides, Profile
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProviderReport:
     provider: str
     dtype: str
@@ -122,7 +122,7 @@ class Attribution:
         return {"legs": [leg.to_dict() for leg in self.legs], "skipped": self.skipped}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VerifyReport:
     folder: str
     reports: list[ProviderReport]

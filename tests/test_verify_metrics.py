@@ -228,7 +228,7 @@ def test_overrides_from_options_and_files(tmp_path):
     assert parse_overrides(atol="logits=1e-3") == parse_overrides(atol=["logits=1e-3"])
     with pytest.raises(
         InputError,
-        match=r"^atol \(--atol\) logits=2: logits's atol is given twice \(1 and 2\); "
+        match=r"^`atol` logits=2: logits's atol is given twice \(1 and 2\); "
         "give it once$",
     ):
         parse_overrides(atol=["logits=1", "logits=2"])

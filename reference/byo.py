@@ -48,13 +48,37 @@ class DecoderAdapter(nn.Module):
         labels=None,
         position_ids=None,
     ):
+        """The shared forward contract, which a subclass implements with `reference.layers.attend`.
+
+        Args:
+            input_ids: (B, T) new token ids.
+            attention_mask: (B, P+T), 1 for a token, 0 for left padding; None: no padding.
+            past_key_values: per layer (k, v), each (B, P, num_key_value_heads, head_dim); None: no cache.
+            use_cache: return the present (past plus the new positions) as past_key_values.
+            logits_to_keep: the last positions to compute logits for; 0: every position.
+            labels: (B, T) targets of the shifted cross entropy (-100 ignored); None: no loss.
+            position_ids: (B, T) positions of the new tokens; None: P .. P+T-1 for every row.
+
+        Returns:
+            A reference.layers.CausalLMOutput.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
 
 
 def output_problems(out, config, batch: int, length: int, with_loss: bool = False, past_length: int = 0) -> list[str]:
-    """How a forward's output for (batch, length) new tokens after `past_length` cached ones, use_cache=True (and
-    labels, when `with_loss`), breaks the contract sizes of `config` (empty when it keeps them); each names the
-    field to fix."""
+    """How a forward's output breaks the contract sizes of `config`, each problem naming the field to fix.
+
+    Args:
+        out: what forward returned, called with use_cache=True (and labels, when `with_loss`).
+        config: the model's config, with the contract's sizes.
+        batch: the batch size it was called with.
+        length: the new tokens per row it was called with.
+        with_loss: labels were given, so a scalar loss is due.
+        past_length: the cached positions it was called on.
+
+    Returns:
+        The problems; empty when the output keeps the contract.
+    """
     logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
     if not isinstance(logits, torch.Tensor):
         return [
@@ -129,9 +153,23 @@ class AdapterCheck:
 def check_adapter(
     adapter: nn.Module, original_logits, input_ids: torch.Tensor, atol: float = 1e-5, with_loss: bool = True
 ) -> AdapterCheck:
-    """Compare the adapter with `original_logits(input_ids) -> (B, T, V)`, the user's own forward.
-    `with_loss`: the adapter must return a scalar loss for labels, as an export with the loss (the default)
-    needs; pass False for an adapter exported with with_loss=False (--no-loss)."""
+    """Compare the adapter with the user's own forward, and its cached decoding with its full forward.
+
+    Args:
+        adapter: the DecoderAdapter; each module's training mode is put back afterwards.
+        original_logits: the user's own forward, a function of input_ids returning (B, T, V) logits.
+        input_ids: (B, T) token ids to compare on.
+        atol: the largest absolute difference of logits either comparison may show.
+        with_loss: the adapter must return a scalar loss for labels, as an export with the loss (the default)
+            needs; pass False for an adapter exported with with_loss=False (--no-loss).
+
+    Returns:
+        The AdapterCheck; `passed` is the verdict.
+
+    Raises:
+        ModelError: the adapter breaks the contract's sizes, or original_logits returns no logits of the
+            adapter's shape.
+    """
     # Each module's own mode, put back below: a training loop may call this, and a new adapter is in
     # training mode (nn.Module's default) around a user's model in eval mode.
     modes = [(module, module.training) for module in adapter.modules()]

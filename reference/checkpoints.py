@@ -206,7 +206,7 @@ def _safetensors_load(path: Path) -> dict:
 def _json_object(path: Path) -> dict:
     try:
         text = path.read_text()
-    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+    except OSError as exc:  # unreadable to this user: the user's to fix (exit 2), not an internal error
         raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
     try:
         data = json.loads(text)
@@ -618,8 +618,8 @@ _SIZE_FIXES = {  # config source -> what to do about a size the tensors do not h
 
 def _check_sizes(path, loader, state: dict, config, source: str) -> None:
     """Refuse a config whose layer count or table sizes the tensors' names and shapes contradict, before a model
-    of that config is built (20000 layers took half a minute to build, on the meta device, for the fit check to
-    refuse them)."""
+    of that config is built: even on the meta device, building a model of a stray layer count (20000 layers,
+    say) takes long, only for the fit check to refuse it."""
     try:
         sizes = loader.visible_sizes(state, config)
     except ValueError as exc:  # a gap in the numbered keys
@@ -678,7 +678,7 @@ def _check_arguments(config, config_data) -> None:
             else "pass the fields of a --config file as config_data (json.loads of its text)"
         )
         raise ConfigError(f"config must be a preset's config, got {type(config).__name__} {str(config)[:40]!r}; {fix}")
-    if config is not None and config_data is not None:  # config_data was ignored (the CLI refuses the pair)
+    if config is not None and config_data is not None:  # else config_data would be ignored (the CLI refuses the pair)
         raise ConfigError("give config (a preset's config) or config_data (config fields), not both")
 
 

@@ -11,9 +11,8 @@ Inside, attention runs heads-first (B, Hkv, L, D), the exported graphs' cache
 layout: the transposes between MiniMind's (B, L, Hkv, D) and that layout then
 meet in pairs in the graph and onnxruntime removes them, and each kv head
 attends for its group of query heads instead of being repeated. The cache is
-then copied once a step (the concat) instead of six times, and a minimind-3
-decode step (onnxruntime, 2 cores) no longer grows with the cache: 18.9, 19.2
-and 20.2 ms at 16, 144 and 512 cached tokens, against 17.4, 21.9 and 32.3 ms.
+then copied once a step (the concat), not at every transpose and head repeat,
+so a decode step's time barely grows with the cache.
 """
 
 from __future__ import annotations
@@ -42,7 +41,17 @@ def shifted_cross_entropy(logits, labels):
 
 
 def check_length(input_ids, past_key_values, limit: int, field: str) -> None:
-    """Refuse a cache plus new tokens longer than the model's positions (`field` names the limit)."""
+    """Refuse a cache plus new tokens longer than the model's positions.
+
+    Args:
+        input_ids: (B, T) new token ids.
+        past_key_values: per layer (k, v), each (B, P, Hkv, D), or None for no cache.
+        limit: the most positions the model has.
+        field: the config field that sets the limit, as the message names it.
+
+    Raises:
+        ContextLengthError: P + T exceeds `limit` (never while exporting: the runtime checks lengths).
+    """
     past_len = past_key_values[0][0].shape[1] if past_key_values is not None else 0
     total = past_len + input_ids.shape[1]
     # A shape check, not a tensor-value branch; skipped while exporting, where the
@@ -72,7 +81,14 @@ def default_position_ids(input_ids, past_key_values):
 
 
 def attention_bias(attention_mask, query_len: int, key_len: int, device):
-    """Additive float32 bias (B or 1, 1, T, L): causal aligned bottom-right, -1e9 on padded keys."""
+    """Additive float32 bias (B or 1, 1, T, L): causal aligned bottom-right, -1e9 on padded keys.
+
+    Args:
+        attention_mask: (B, L), 1 keep, 0 pad; None: no padding (the bias is (1, 1, T, L)).
+        query_len: T, the new tokens, which are the last T of the L keys.
+        key_len: L, past plus new.
+        device: where to build the bias.
+    """
     past_len = key_len - query_len
     q_pos = torch.arange(query_len, device=device)[:, None] + past_len
     k_pos = torch.arange(key_len, device=device)[None, :]
@@ -83,9 +99,20 @@ def attention_bias(attention_mask, query_len: int, key_len: int, device):
 
 
 def eager_attention(q, k, v, attention_mask, dropout_p=0.0):
-    # q: (B, H, T, D); k, v: (B, Hkv, L, D). Query head h attends with kv head h // (H / Hkv),
-    # as MiniMind's repeat_kv pairs them. Scores and softmax in float32; dropout (training
-    # only) on the probabilities, as MiniMind's attn_dropout.
+    """Attention written out: scores and softmax in float32, causal aligned bottom-right, padded keys masked.
+
+    Query head h attends with kv head h // (H / Hkv), as MiniMind's repeat_kv pairs them.
+
+    Args:
+        q: (B, H, T, D) queries.
+        k: (B, Hkv, L, D) keys, past and new.
+        v: (B, Hkv, L, D) values.
+        attention_mask: (B, L), 1 keep, 0 pad; None: no padding.
+        dropout_p: dropout on the probabilities (training only), as MiniMind's attn_dropout.
+
+    Returns:
+        (B, H, T, D).
+    """
     b, heads, t, d = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * t, d)
@@ -98,6 +125,18 @@ def eager_attention(q, k, v, attention_mask, dropout_p=0.0):
 
 
 def sdpa_attention(q, k, v, attention_mask, dropout_p=0.0):
+    """torch's fused attention, causal aligned top-left: right only without a cache and without padding.
+
+    Args:
+        q: (B, H, T, D) queries.
+        k: (B, Hkv, T, D) keys.
+        v: (B, Hkv, T, D) values.
+        attention_mask: ignored; the caller uses this path only without one (see attend).
+        dropout_p: dropout on the attention probabilities (training only).
+
+    Returns:
+        (B, H, T, D).
+    """
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=True)
 
 
@@ -107,12 +146,20 @@ ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
 def attend(q, k, v, past_key_value=None, attention_mask=None, implementation: str = "eager", dropout_p: float = 0.0):
     """Causal attention over a cache.
 
-    q: (B, T, H, D); k, v: (B, T, Hkv, D) for the new tokens; past_key_value:
-    (k, v) each (B, P, Hkv, D) or None; attention_mask: (B, P+T), 1 keep, 0 pad;
-    dropout_p: dropout on the attention probabilities (give 0 outside training).
-    Returns the output (B, T, H * D) and the present (k, v), each (B, P+T, Hkv, D).
     The fused path is used only without a cache and without a mask, where
     its top-left causal alignment is right.
+
+    Args:
+        q: (B, T, H, D) queries of the new tokens.
+        k: (B, T, Hkv, D) keys of the new tokens.
+        v: (B, T, Hkv, D) values of the new tokens.
+        past_key_value: (k, v) each (B, P, Hkv, D), or None.
+        attention_mask: (B, P+T), 1 keep, 0 pad; None: no padding.
+        implementation: a key of ATTENTION ("eager" or "sdpa").
+        dropout_p: dropout on the attention probabilities (give 0 outside training).
+
+    Returns:
+        The output (B, T, H * D) and the present (k, v), each (B, P+T, Hkv, D).
     """
     b, t, _, _ = q.shape
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, D)

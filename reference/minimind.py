@@ -105,6 +105,18 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos, sin, past_key_value=None, attention_mask=None):
+        """Self-attention of one layer over its cache.
+
+        Args:
+            x: (B, T, hidden) the normalised input of the new tokens.
+            cos: the rotary cosines at the new tokens' positions (rope_cos_sin).
+            sin: the rotary sines at the same positions.
+            past_key_value: (k, v) each (B, P, Hkv, D), or None.
+            attention_mask: (B, P+T), 1 keep, 0 pad; None: no padding.
+
+        Returns:
+            The output (B, T, hidden) and the present (k, v), each (B, P+T, Hkv, D).
+        """
         b, t, _ = x.shape
         cfg = self.config
         q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -155,7 +167,17 @@ class Router(nn.Module):
 
 
 def dense_dispatch(x, experts, weight, idx):
-    """Every expert on every token, weighted by a (N, E) matrix that is zero off each token's top-k."""
+    """Every expert on every token, weighted by a (N, E) matrix that is zero off each token's top-k.
+
+    Args:
+        x: (N, hidden) the tokens.
+        experts: the routed experts, E of them.
+        weight: (N, k) each token's routing weights.
+        idx: (N, k) each token's chosen expert ids.
+
+    Returns:
+        (N, hidden) the weighted sum of the chosen experts' outputs.
+    """
     dense = torch.zeros(x.shape[0], len(experts), dtype=weight.dtype, device=x.device).scatter(1, idx, weight)
     y = torch.zeros_like(x)
     for e, expert in enumerate(experts):
@@ -171,6 +193,15 @@ def sparse_dispatch(x, experts, weight, idx):
     A token picks an expert at most once, so its output is copied to the token's
     row (zeros elsewhere) and added: the sums of upstream's index_add_, without
     the scatter-add that ONNX Runtime's CPU provider lacks for float16.
+
+    Args:
+        x: (N, hidden) the tokens.
+        experts: the routed experts, E of them.
+        weight: (N, k) each token's routing weights.
+        idx: (N, k) each token's chosen expert ids, distinct per token.
+
+    Returns:
+        (N, hidden) the weighted sum of the chosen experts' outputs.
     """
     y = torch.zeros_like(x)
     for e, expert in enumerate(experts):
@@ -235,6 +266,18 @@ class MiniMindBlock(nn.Module):
         self.mlp = MoEFeedForward(config) if config.use_moe else FeedForward(config)
 
     def forward(self, x, cos, sin, past_key_value=None, attention_mask=None):
+        """One pre-norm decoder layer: attention, then the feed-forward (dense or MoE), each with a residual.
+
+        Args:
+            x: (B, T, hidden) the new tokens' hidden states.
+            cos: the rotary cosines at the new tokens' positions.
+            sin: the rotary sines at the same positions.
+            past_key_value: (k, v) each (B, P, Hkv, D), or None.
+            attention_mask: (B, P+T), 1 keep, 0 pad; None: no padding.
+
+        Returns:
+            The hidden states (B, T, hidden), the present (k, v), and the MoE aux loss (None for a dense layer).
+        """
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, past_key_value, attention_mask)
         h = x + attn_out
         x = self.post_attention_layernorm(h)
@@ -252,6 +295,20 @@ class MiniMindModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.version == 2)
 
     def forward(self, input_ids, attention_mask=None, past_key_values=None, position_ids=None):
+        """The decoder stack without the head.
+
+        Args:
+            input_ids: (B, T) new token ids.
+            attention_mask: (B, P+T), 1 keep, 0 pad; None: no padding.
+            past_key_values: per layer (k, v), each (B, P, Hkv, D); None: no cache.
+            position_ids: (B, T) the new tokens' positions; None: P .. P+T-1 for every row.
+
+        Returns:
+            The final-norm hidden states (B, T, hidden), the presents per layer, and the summed MoE aux loss.
+
+        Raises:
+            ContextLengthError: P + T exceeds max_position_embeddings.
+        """
         # The rotary tables would hold at any position, but upstream's end at max_position_embeddings.
         check_length(input_ids, past_key_values, self.config.max_position_embeddings, "max_position_embeddings")
         if position_ids is None:
@@ -289,6 +346,20 @@ class MiniMindForCausalLM(nn.Module):
         labels=None,
         position_ids=None,
     ) -> CausalLMOutput:
+        """The shared forward contract (reference/byo.py).
+
+        Args:
+            input_ids: (B, T) new token ids.
+            attention_mask: (B, P+T), 1 for a token, 0 for left padding; None: no padding.
+            past_key_values: per layer (k, v), each (B, P, Hkv, D); None: no cache.
+            use_cache: return the presents as past_key_values.
+            logits_to_keep: the last positions to compute logits for; 0: every position.
+            labels: (B, T) targets of the shifted cross entropy (-100 ignored); None: no loss.
+            position_ids: (B, T) positions of the new tokens; None: P .. P+T-1 for every row.
+
+        Raises:
+            ContextLengthError: P + T exceeds max_position_embeddings.
+        """
         hidden, presents, aux_loss = self.model(input_ids, attention_mask, past_key_values, position_ids)
         logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # -0 keeps every position
         loss = shifted_cross_entropy(logits, labels) if labels is not None else None

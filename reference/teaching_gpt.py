@@ -110,6 +110,20 @@ class TeachingGPT(nn.Module):
         labels=None,
         position_ids=None,
     ) -> CausalLMOutput:
+        """The shared forward contract (reference/byo.py).
+
+        Args:
+            input_ids: (B, T) new token ids.
+            attention_mask: (B, P+T), 1 for a token, 0 for left padding; None: no padding.
+            past_key_values: per block (k, v), each (B, P, n_head, head_size); None: no cache.
+            use_cache: return the presents as past_key_values.
+            logits_to_keep: the last positions to compute logits for; 0: every position.
+            labels: (B, T) targets of the shifted cross entropy (-100 ignored); None: no loss.
+            position_ids: (B, T) positions of the new tokens; None: P .. P+T-1 for every row.
+
+        Raises:
+            ContextLengthError: P + T exceeds context_length.
+        """
         # Past the position table; in an export ONNX Gather refuses such an index instead.
         check_length(input_ids, past_key_values, self.config.context_length, "context_length")
         if position_ids is None:

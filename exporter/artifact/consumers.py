@@ -7,7 +7,7 @@
 Both consumers only run the graph; the model type tells them which defaults
 to assume (input names, tokenizer handling), not how to compute. A family
 therefore supplies just two names, in consumer_types; everything else comes
-from the manifest. What each consumer needs was measured (../shared/ECOSYSTEM.md).
+from the manifest. What each consumer needs is recorded in ../shared/ECOSYSTEM.md.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class FamilyTypes:
 
 # What each consumer is told the model is. The types only choose the consumers' defaults (input names,
 # how to size the first-step cache from config.json); neither rebuilds the architecture, so a type is
-# chosen for the attention layout it implies. Measured (../shared/ECOSYSTEM.md): qwen3, llama and the
-# generic "decoder" type ran a contract-following graph unmodified in onnxruntime-genai, qwen3 and llama
-# in Optimum.
+# chosen for the attention layout it implies. Per ../shared/ECOSYSTEM.md, qwen3, llama and the generic
+# "decoder" type run a contract-following graph unmodified in onnxruntime-genai, qwen3 and llama in
+# Optimum.
 # - minimind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU): qwen3.
 # - MiniMind2 has no q/k norm and no biases, Llama's layout: llama.
 # - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it
@@ -150,7 +150,7 @@ def genai_eos_token_id(eos_token_id: int | None, vocab_size: int) -> int:
     """The token onnxruntime-genai stops at: the model's EOS, or for a model without one the last id.
 
     genai always stops at some id: it refuses one outside the vocabulary, and given none it stops at its pad
-    id, 0 unless set (measured with 0.18.0: a teaching GPT without an EOS stopped at the first 0 it generated, which
+    id, 0 unless set (as of 0.18.0: a teaching GPT without an EOS would stop at the first 0 it generates, which
     is "!" in GPT-2's tokenizer). The last id of the teaching GPT's 50304-row vocabulary is a padding row
     that GPT-2's 50257-token tokenizer never produces."""
     return vocab_size - 1 if eos_token_id is None else eos_token_id

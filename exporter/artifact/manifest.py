@@ -221,7 +221,7 @@ def load_manifest(folder: Path) -> Manifest:
         )
     try:
         text = path.read_text()
-    except OSError as exc:  # unreadable to this user: it was an internal error, exit 3
+    except OSError as exc:  # unreadable to this user: the artifact's files to fix (exit 2), not an internal error
         raise ArtifactError(
             f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
             "files, or re-export the folder"
@@ -261,7 +261,7 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
             for name, state in status.items()
             if state.startswith(UNREADABLE)
         ]
-        if unreadable:  # an internal error before, exit 3
+        if unreadable:  # the artifact's files to fix (exit 2), not an internal error
             raise ArtifactError(
                 f"{folder}: {'; '.join(unreadable)}; let this user read the artifact's files, or re-export the folder"
             )
@@ -277,10 +277,10 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
 @contextlib.contextmanager
 def unchanged_while_read(folder):
     """The block reads the artifact folder `folder` file by file. An export into it meanwhile swaps a new folder in
-    whole (export.py builds it aside and renames it into place), so the block may have read some files of each,
-    which read as a damaged artifact or as one that fails verification. ArtifactError saying so when `folder` is no
-    longer the folder it was when the block began: on leaving the block, or when the block failed (a file missing
-    between the swap's two renames is then the swap's doing, not damage)."""
+    whole (exporter.export.pipeline builds it aside and renames it into place), so the block may have read some
+    files of each, which read as a damaged artifact or as one that fails verification. ArtifactError saying so
+    when `folder` is no longer the folder it was when the block began: on leaving the block, or when the block
+    failed (a file missing between the swap's two renames is then the swap's doing, not damage)."""
     before = _folder_identity(folder)
     try:
         yield

@@ -155,7 +155,7 @@ def folder_lock(folder: Path):
             handle = os.open(folder, os.O_RDONLY)
     try:
         if handle is not None:
-            with contextlib.suppress(OSError):  # a file system without locks (some network mounts): as before
+            with contextlib.suppress(OSError):  # a file system without locks (some network mounts): unlocked
                 fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
@@ -186,16 +186,39 @@ def _refuse_repeated_keys(pairs: list) -> dict:
 def read_json_object(
     path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
 ) -> dict:
-    """The JSON object the file at `path` holds (a .toml file's table, when `toml`), else `error` naming `what`
-    (the option or the file's role) and saying `fix`. A key given twice in one object is refused (TOML refuses it
-    itself) unless `repeated_keys`: for files that other readers take the last value of."""
+    """The JSON object the file at `path` holds (a .toml file's table, when `toml`).
+
+    Args:
+        path: the file to read, as UTF-8 whatever the locale.
+        error: the ToolkitError subclass raised when the file is unreadable, not JSON (or TOML), or no object.
+        what: the option or the file's role, which the message names ("--config").
+        fix: what to do, the message's last clause.
+        toml: read a file whose name ends in .toml as TOML.
+        repeated_keys: take a key given twice in one object at its last value, for files that other readers
+            read so; otherwise it is refused (TOML refuses it itself).
+
+    Raises:
+        ToolkitError: `error`, naming `what` and the path and saying `fix`.
+    """
     return read_json_file(path, error, what, fix, toml, repeated_keys)[1]
 
 
 def read_json_file(
     path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
 ) -> tuple[bytes, dict]:
-    """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them."""
+    """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them.
+
+    Args:
+        path: the file to read.
+        error: the ToolkitError subclass to raise.
+        what: the option or the file's role, which the message names.
+        fix: what to do, the message's last clause.
+        toml: read a file whose name ends in .toml as TOML.
+        repeated_keys: take a key given twice at its last value rather than refuse it.
+
+    Returns:
+        (the file's bytes, the object they hold).
+    """
     path = Path(path)
     kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
     try:

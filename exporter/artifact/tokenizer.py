@@ -112,11 +112,11 @@ def _post_processor_tokens(loaded) -> dict[int, str]:
 def _genai_unreadable(data: dict, loaded) -> str:
     """Why onnxruntime-genai's og.Tokenizer cannot read this tokenizer.json as `tokenizers` does, or ''.
 
-    Measured with onnxruntime-genai 0.18.0 on tokenizers trained in `tokenizers`: only a byte-level BPE
-    (MiniMind's, GPT-2's, Qwen's kind: a ByteLevel pre-tokenizer, alone or in a Sequence) encoded and decoded
-    alike. Unigram, and BPE over Metaspace, failed to load; BPE over a Whitespace pre-tokenizer loaded but encoded
-    unknown ids (-1) and decoded without spaces; WordPiece and WordLevel failed to load on some tries and misread
-    on others (genai's loader reads memory it never wrote; once it crashed the process)."""
+    With onnxruntime-genai 0.18.0 and tokenizers trained in `tokenizers`, only a byte-level BPE (MiniMind's,
+    GPT-2's, Qwen's kind: a ByteLevel pre-tokenizer, alone or in a Sequence) encodes and decodes alike.
+    Unigram, and BPE over Metaspace, fail to load; BPE over a Whitespace pre-tokenizer loads but encodes
+    unknown ids (-1) and decodes without spaces; WordPiece and WordLevel load unreliably and misread (genai's
+    loader reads memory it never wrote, which can crash the process)."""
     kind = type(loaded.model).__name__  # older files name no model "type"; `tokenizers` knows it all the same
     if kind != "BPE":
         return f"a {kind} model"
@@ -130,8 +130,8 @@ def _genai_unreadable(data: dict, loaded) -> str:
 def _missing_byte_symbols(loaded) -> int:
     """How many of the 256 byte symbols (ByteLevel's alphabet) a byte-level BPE's vocabulary lacks: one trained
     without `initial_alphabet=pre_tokenizers.ByteLevel.alphabet()` holds only its corpus's bytes. A character
-    needing a missing one is left out by `tokenizers` and encoded as -1 by onnxruntime-genai (measured with
-    0.18.0), which the graphs refuse."""
+    needing a missing one is left out by `tokenizers` and encoded as -1 by onnxruntime-genai (as of 0.18.0),
+    which the graphs refuse."""
     from tokenizers import pre_tokenizers  # importable: `loaded` was read with it
 
     vocabulary = loaded.get_vocab(with_added_tokens=False)
@@ -257,7 +257,21 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
 def minimal_tokenizer_config(
     source: TokenizerSource, context_length: int, bos_token_id: int, eos_token_id: int, pad_token_id: int
 ) -> dict:
-    """What transformers and onnxruntime-genai need to load tokenizer.json, with the model's special tokens."""
+    """What transformers and onnxruntime-genai need to load tokenizer.json, with the model's special tokens.
+
+    Each id is named (as bos_token, eos_token, pad_token) only when it is one of the tokenizer's special tokens:
+    an ordinary one would vanish from every decoded text, so it is left out with a warning.
+
+    Args:
+        source: the validated tokenizer.
+        context_length: the model's positions, as model_max_length.
+        bos_token_id: the model's BOS id, or None.
+        eos_token_id: the model's EOS id, or None.
+        pad_token_id: the model's pad id, or None.
+
+    Returns:
+        The tokenizer_config.json object.
+    """
     # model_input_names: without it transformers also returns token_type_ids, which generate() rejects.
     config = {
         "tokenizer_class": TOKENIZER_CLASS,

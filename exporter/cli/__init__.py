@@ -17,13 +17,13 @@ from pathlib import Path
 
 
 def _interrupted_while_starting(signum, frame):
-    """A Ctrl-C while the command's modules import (a quarter second, onnxruntime's the most): one line and 130,
-    as later, not Python's traceback of the import it stopped. Under --json, stdout holds the error object.
+    """A Ctrl-C while the command's modules import (onnxruntime's the longest): one line and 130, as later, not
+    Python's traceback of the import it stopped. Under --json, stdout holds the error object.
 
     It leaves with os._exit: nothing started yet needs cleaning up, and an exception raised inside an extension's
-    initialisation is not the caller's to handle. In onnx's (nanobind) it aborted the process (exit -6 and a
-    traceback), in onnxruntime's (pybind11) it became `ImportError: initialization failed` (a second error line
-    saying onnxruntime is not installed, exit 2), and an interpreter left with a half-initialised one could crash
+    initialisation is not the caller's to handle. In onnx's (nanobind) it aborts the process (exit -6 and a
+    traceback), in onnxruntime's (pybind11) it becomes `ImportError: initialization failed` (a second error line
+    saying onnxruntime is not installed, exit 2), and an interpreter left with a half-initialised one can crash
     at exit (-11)."""
     message, code = f"interrupted ({signal.Signals(signum).name})", 128 + signum
     try:  # whatever fails here (a closed stdout), the exit stays this one

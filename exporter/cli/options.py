@@ -241,9 +241,22 @@ def verification_plan(
     golden: Path | None = None,
     planned: tuple | None = None,
 ):
-    """The verification's options, each checked before anything runs (for `run`, before the export, with
-    --fp16-companion held to the `planned` artifact, see _planned_artifact in exporter/cli/__init__.py; the engine
-    checks it again after)."""
+    """The verification's options, each checked before anything runs (for `run`, before the export).
+
+    Args:
+        folder: the artifact folder to verify, which no report path may lie inside.
+        providers: the --provider names (possibly none: every available one).
+        genai: --genai/--no-genai, or None when neither is given; True needs onnxruntime-genai installed.
+        options: the verification's options as click passed them.
+        golden: the --golden bundle folder, which no report may be written into.
+        planned: for `run`, the (dtype, config, source) of the artifact about to be exported
+            (_planned_artifact in exporter/cli/__init__.py), which --fp16-companion is held to before the export
+            (the engine checks it again after); None: the companion is only read here.
+
+    Returns:
+        (overrides, settings, companion): the tolerance overrides, the ParitySettings and the companion read
+        (or None), as run_verification takes them.
+    """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
     from exporter.runtime.sessions import check_parity_providers
     from exporter.verify.checks.providers import companion_for, read_companion
@@ -302,7 +315,15 @@ def verification_plan(
 
 def finish_verification(report, options: VerifyOptions, result: dict, as_json: bool, text: str) -> None:
     """Write the reports, print the result and exit (1 on a parity failure). A report that cannot be written is
-    an input error (exit 2), raised once the verdict is on stdout and the other reports hold it."""
+    an input error (exit 2), raised once the verdict is on stdout and the other reports hold it.
+
+    Args:
+        report: the VerifyReport.
+        options: the verification's options, which name the report paths.
+        result: the result as printed under --json.
+        as_json: print `result` as JSON rather than `text`.
+        text: the result for people.
+    """
     from exporter.verify.reports import write_reports
 
     outcome.state.owed_reports = {}  # what is written now holds this run's verdict, which no error report may replace
@@ -319,7 +340,20 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
 
 def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
-    --golden bundle, or the model rebuilt from its manifest (the only path that imports torch)."""
+    --golden bundle, or the model rebuilt from its manifest (the only path that imports torch).
+
+    Args:
+        folder: the artifact folder, opened here with every hash checked.
+        providers: the --provider names; none: every available one.
+        genai: --genai/--no-genai, or None when neither is given (verify_artifact's `genai`).
+        options: the verification's options (the --golden-save folder among them).
+        plan: what verification_plan returned for these options.
+        model: the reference model; None: the artifact's own reference.
+        golden: the --golden bundle folder, or None.
+
+    Returns:
+        The VerifyReport.
+    """
     from exporter.artifact.folder import Artifact
     from exporter.artifact.manifest import unchanged_while_read
     from exporter.verify.engine import verify_artifact

@@ -60,8 +60,8 @@ state = CommandState()
 def begin_command() -> None:
     """A fresh state for the command about to run, and SIGINT and SIGTERM routed to _interrupt, unless this
     process was started ignoring them (nohup, `cmd &` in a script, `trap '' INT`), as Python itself leaves an
-    ignored SIGINT: taken over, a Ctrl-C meant for the script stopped the export it had shielded, but only once
-    this line had run, a quarter second in."""
+    ignored SIGINT: taken over, a Ctrl-C meant for the script would stop the export it shields, and even then
+    only from this line on, not while the modules import."""
     global state
     state = CommandState()
     set_uninterrupted(signals_deferred)
@@ -247,6 +247,15 @@ class OneLineErrorGroup(click.Group):
     """Usage errors as one line ('error: ... (see --help)') instead of click's usage block."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's main, its usage errors, aborts and a --help that cannot be written ended as one-line errors.
+
+        Args:
+            args: the command line without the program name; None: sys.argv's.
+            prog_name: the program's name in messages; None: click's choice.
+            complete_var: click's shell-completion variable.
+            standalone_mode: exit with the command's code (True), or return it (False).
+            **extra: passed on to click's make_context.
+        """
         as_json = json_requested(args)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)

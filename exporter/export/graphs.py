@@ -7,8 +7,8 @@ here, not in the model.
 
 Both graphs send a negative input id past the embedding table, for every
 family: the model's Gather then fails on it as torch's embedding does, where
-ONNX Gather would take the table's last rows (an id of -1 gave the logits of
-the last id).
+ONNX Gather would take the table's last rows (an id of -1 would give the
+logits of the last id).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def share_tied_table(model: nn.Module) -> None:
     """Let lm_head read a tied embedding table as it is (in place; export copies only).
 
     Exported as is, lm_head is MatMul(hidden, Transpose(table)), and ONNX Runtime
-    folds the Transpose into a second, session-private copy of the table (20 MB
-    for minimind-3). A Gemm with transB reads (and prepacks) the table as stored,
-    and the embedding's Gather copies contiguous rows of it.
+    folds the Transpose into a second, session-private copy of the whole table.
+    A Gemm with transB reads (and prepacks) the table as stored, and the
+    embedding's Gather copies contiguous rows of it.
     """
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
@@ -96,6 +96,17 @@ class PrefillGraph(nn.Module):
         self.with_loss = with_loss
 
     def forward(self, input_ids, attention_mask, position_ids, labels=None):
+        """The prompt on an empty past.
+
+        Args:
+            input_ids: (B, T) token ids; a negative id fails in the embedding's Gather.
+            attention_mask: (B, T), 1 for a token, 0 for left padding.
+            position_ids: (B, T), the k-th real token of a row at position k.
+            labels: (B, T) targets for the shifted loss (IGNORE_INDEX masks a position); used only with_loss.
+
+        Returns:
+            (logits, present key and value of each layer as (B, Hkv, T, D)[, loss]).
+        """
         input_ids = negative_past_the_table(input_ids, self.model.config.vocab_size)
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
         outputs = [out.logits, *_flatten_presents(out.past_key_values)]
@@ -112,6 +123,17 @@ class DecodeGraph(nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+        """New tokens on the cache.
+
+        Args:
+            input_ids: (B, T) new token ids; a negative id fails in the embedding's Gather.
+            attention_mask: (B, P + T), past and new positions: 1 for a token, 0 for left padding.
+            position_ids: (B, T), the new tokens' positions.
+            past_key_values: the flat past, key then value of each layer in turn, each (B, Hkv, P, D).
+
+        Returns:
+            (logits, present key and value of each layer as (B, Hkv, P + T, D)).
+        """
         pairs = [
             (past_key_values[2 * i].transpose(1, 2), past_key_values[2 * i + 1].transpose(1, 2))
             for i in range(len(past_key_values) // 2)

@@ -212,8 +212,7 @@ def _rsqrt_as_division(model: onnx.ModelProto) -> None:
 
     torch exports rsqrt as Sqrt then Reciprocal, and ONNX Runtime fuses an RMSNorm into one
     SimplifiedLayerNormalization only in its division form; unfused, each norm stays six nodes.
-    Every consumer running on onnxruntime gains: minimind-3 fp32's optimised decode graph has
-    413 nodes instead of 611, and on 2 cores decodes 4-8% faster (prefill at 512 tokens: 2%).
+    Every consumer running on onnxruntime gains a smaller optimised graph that runs faster.
     x * (1/s) rounds twice where x / s rounds once: a difference of an ulp or so.
     """
     graph = model.graph
@@ -279,7 +278,7 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
         }
         step = runner.decode(decode_feeds)
         # The verification's own rule for this pair (its "decode(past 0) == prefill" invariant): a fixed
-        # 1e-3 sat below float16's resolution (an ulp is 7.8e-3 at logits of 8) and failed a correct export.
+        # 1e-3 would sit below float16's resolution (an ulp is 7.8e-3 at logits of 8) and fail a correct export.
         first, expected = step["logits"][:, 0].astype(np.float32), out["logits"][:, 0].astype(np.float32)
         if not np.all(np.abs(first - expected) <= tolerance.allowed(expected)):
             raise ExportFailed(
@@ -363,8 +362,8 @@ def _check_source(source) -> None:
 
 
 def _check_arguments(model, folder, with_loss) -> None:
-    """export_artifact's own arguments, which failed as AttributeError or pathlib's TypeError, or read "no" as
-    True."""
+    """export_artifact's own arguments, refused here rather than left to fail as AttributeError or pathlib's
+    TypeError, or to read "no" as True."""
     if isinstance(model, SourcedModel):
         raise InputError(
             "model is a SourcedModel (what seeded_model and checkpoint_model return); pass its model and "
@@ -386,9 +385,8 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     the caller's model; its weights are the caller's own tensors when they already have `dtype`.
 
     torch.export keeps references to the tensors it traced for the rest of the process, out of
-    Python's reach (no gc referrer holds them). Weights copied for export therefore stayed resident
-    beside the caller's model: `export-onnx run` of minimind-3-moe peaked at 6.75 GB RSS (now 5.97 GB),
-    against 5.49 GB for verify alone.
+    Python's reach (no gc referrer holds them). Weights copied for export would therefore stay
+    resident beside the caller's model, a second copy of every weight for the rest of the process.
     """
     tensors = [*model.parameters(), *model.buffers()]
     if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
@@ -593,17 +591,35 @@ def export_artifact(
 ) -> ExportResult:
     """Export `model` as an artifact folder.
 
-    `model` is a reference model of a known family (reference/families.py) or a
-    bring-your-own adapter (reference/byo.py): `model.config` gives the contract's
-    sizes, `model.forward` the shared signature with a list-of-(k, v) cache.
-    `tokenizer` (a tokenizer.json, or a folder holding one and optionally
-    tokenizer_config.json) is checked against the model's vocabulary and
-    copied into the artifact, for text generation in every consumer.
+    The folder is built in a hidden sibling, checked, and only then swapped in: a failed or interrupted
+    export leaves an earlier artifact at `folder` untouched.
+
+    Args:
+        model: a reference model of a known family (reference/families.py) or a bring-your-own adapter
+            (reference/byo.py): `model.config` gives the contract's sizes, `model.forward` the shared
+            signature with a list-of-(k, v) cache. It is copied for export, never changed.
+        folder: the output folder (str or Path): absent, empty, or an artifact of this toolkit holding only
+            the files its manifest lists.
+        dtype: the graphs' float type, one of DTYPES ("float32", "float16").
+        with_loss: give prefill.onnx a `labels` input and a `loss` output.
+        source: where the weights came from, as manifest.json records it: a dict of JSON values with a
+            "kind"; None: {"kind": "in-memory"}.
+        tokenizer: a tokenizer.json, or a folder holding one and optionally tokenizer_config.json; checked
+            against the model's vocabulary and copied into the artifact, for text generation in every
+            consumer.
+
+    Returns:
+        The ExportResult: the folder as given, the manifest, the time taken and the artifact's bytes.
+
+    Raises:
+        InputError: an argument is not what it must be.
+        OutputPathError: the folder cannot be written or replaced.
+        ExportFailed: torch.onnx or a post-export check failed.
     """
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     _check_arguments(model, folder, with_loss)
-    # Before any export work: the manifest needs both, and both failed only after the graphs were built.
+    # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
     source = {"kind": "in-memory"} if source is None else source
     _check_source(source)

@@ -11,7 +11,16 @@ from exporter.artifact.contract import CacheLayout
 
 class BindingDecode:
     """decode.onnx's session, for OrtRunner's start/step; the cache is a list of the binding's C OrtValues, in the
-    order of `past_names`."""
+    order of `past_names`.
+
+    Args:
+        session: the session on decode.onnx.
+        past_names: decode.onnx's past inputs, in the order the cache lists them.
+        output_names: decode.onnx's outputs: "logits" and the presents, the presents in the order of
+            `past_names` (the i-th present is the next step's i-th past).
+        cache: the manifest's cache layout (heads, head size, dtype) an empty cache is made with.
+        cache_device: "cpu" or "cuda": where the presents are allocated and the cache stays between steps.
+    """
 
     def __init__(
         self,
@@ -62,8 +71,18 @@ class BindingDecode:
     def step(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache: list
     ) -> tuple[np.ndarray, list]:
-        """Run new tokens on `cache`; return the last position's logits (float32) and the new cache. The arrays
-        must stay alive until the run returns: the binding reads them in place."""
+        """Run new tokens on `cache`; the arrays must stay alive until the run returns: the binding reads them
+        in place.
+
+        Args:
+            input_ids: the new tokens, (batch, tokens) int64.
+            attention_mask: (batch, cached + tokens) int64: 1 for a token, 0 for left padding.
+            position_ids: the new tokens' positions, (batch, tokens) int64.
+            cache: the past, as empty_cache or a previous step returned it.
+
+        Returns:
+            The last position's logits, (batch, vocab) float32, and the new cache.
+        """
         binding = self._binding
         for name, value in (
             ("input_ids", input_ids),

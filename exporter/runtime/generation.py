@@ -27,9 +27,9 @@ from exporter.runtime.sessions import is_integer
 from reference.families import DecoderConfig
 
 PAD_ID = 0  # any valid id; padded slots are masked out
-# The smallest temperature and repetition penalty: logits divided by both stay finite in float32 (1e-40
-# overflowed them to inf, and the draw then fell outside the vocabulary); a temperature this small is
-# the argmax in all but name.
+# The smallest temperature and repetition penalty: logits divided by both stay finite in float32 (a smaller
+# one, 1e-40 say, overflows them to inf, and the draw then falls outside the vocabulary); a temperature this
+# small is the argmax in all but name.
 MIN_DIVISOR = 1e-6
 # The largest: both are applied in float32, where a larger one rounds to inf (and a seen logit of 0 times an
 # infinite penalty is NaN, which would be blamed on the artifact).
@@ -92,7 +92,7 @@ def process_logits(logits: np.ndarray, seen: np.ndarray, config: SamplingConfig)
         logits /= np.float32(config.temperature)
     if config.repetition_penalty != 1.0:
         # As upstream (jingyaogong/minimind dddedc6, "[fix] repetition_penalty"): a positive logit is divided,
-        # a negative one multiplied, so a seen token always becomes less likely (dividing a negative raised it).
+        # a negative one multiplied, so a seen token always becomes less likely (dividing a negative raises it).
         penalty = np.float32(config.repetition_penalty)
         with np.errstate(over="ignore"):  # a seen negative logit times a huge penalty: -inf, never chosen
             logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
@@ -194,8 +194,9 @@ def check_prompts(config, prompts, max_new_tokens: int) -> list[list[int]]:
 
 
 def runner_config(runner) -> DecoderConfig:
-    """The model config of a runner given to generate, stream or generate_greedy, which must be a runner: a folder
-    in its place failed as AttributeError ('PosixPath' object has no attribute 'manifest')."""
+    """The model config of a runner given to generate, stream or generate_greedy, which must be a runner:
+    anything else (a folder, say) is refused as InputError naming what to pass, not left to fail inside the
+    loop as an AttributeError."""
     if not all(hasattr(runner, name) for name in ("manifest", "start", "step")):
         raise InputError(
             f"runner must be an OrtRunner, got {runner!r:.80}; make one with OrtRunner(folder) "
@@ -207,7 +208,22 @@ def runner_config(runner) -> DecoderConfig:
 def check_request(
     config, prompts, max_new_tokens: int, sampling: SamplingConfig, eos_token_id: int | None, stop_ids
 ) -> tuple[list[list[int]], set[int]]:
-    """Everything a generation is given, checked before anything runs: the prompts and the stop set."""
+    """Everything a generation is given, checked before anything runs.
+
+    Args:
+        config: the model config (DecoderConfig) the prompts and ids are checked against.
+        prompts: a list of prompts (each a list of token ids) or a 2-D integer array.
+        max_new_tokens: how many tokens each row may add; prompt plus these must fit the model's positions.
+        sampling: the SamplingConfig; a tuple seed needs one seed per prompt.
+        eos_token_id: the id that stops a row, a token id of the vocabulary; None: only `stop_ids` stop.
+        stop_ids: further ids that stop a row, a 1-D iterable of token ids of the vocabulary.
+
+    Returns:
+        The prompts as lists of ints, and the set of ids that stop a row.
+
+    Raises:
+        InputError: any of them is not what it must be.
+    """
     if not isinstance(sampling, SamplingConfig):
         raise InputError(
             f"sampling must be a SamplingConfig, got {type(sampling).__name__}; "
@@ -243,9 +259,21 @@ def stream(
 ) -> Iterator[list[int | None]]:
     """An iterator yielding, after every step, each row's new token (None once a row has stopped).
 
-    `runner` is an OrtRunner (or anything with its start/step interface and `cache`). Everything
-    is checked here, before anything runs. Streams may interleave on one runner: each keeps its
-    own cache.
+    Everything is checked here, before anything runs (check_request). Streams may interleave on one
+    runner: each keeps its own cache.
+
+    Args:
+        runner: an OrtRunner (or anything with its start/step interface and `cache`).
+        prompts: a list of prompts (each a list of token ids) or a 2-D integer array; rows are left-padded.
+        max_new_tokens: the most steps to run; 0 yields nothing.
+        sampling: greedy by default; a sampled row draws from a generator seeded with its own seed.
+        eos_token_id: the id that stops a row (and is fed to finished rows while others run); None: only
+            `stop_ids` stop.
+        stop_ids: further ids that stop a row (the stopping id is yielded).
+
+    Raises:
+        InputError: an argument is refused (check_request).
+        NonFiniteLogits: the model's logits hold a NaN, so no token can be chosen.
     """
     prompts, stops = check_request(runner_config(runner), prompts, max_new_tokens, sampling, eos_token_id, stop_ids)
     return _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops)
@@ -263,11 +291,11 @@ def _processed(sampling: SamplingConfig) -> bool:
 
 def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> Iterator[list[int | None]]:
     """The generation loop. Its Python runs between decode steps that have just streamed every weight
-    through the caches, so each numpy call here costs several times its warm cost. On minimind-3 this loop,
-    written plainly (a new mask each step, the positions as a cumulative sum over it), took 0.37-0.46 ms
-    between two steps, against 0.10-0.13 ms for a bare greedy loop; written so, 0.10-0.12 ms. Hence the
-    mask is one buffer sliced, the positions count up, and the repetition-penalty bookkeeping and the
-    logits processing run only when they can change the choice."""
+    through the caches, so each numpy call here costs several times its warm cost, and a loop written
+    plainly (a new mask each step, the positions as a cumulative sum over it) would spend several times a
+    bare greedy loop's time between two steps. Hence the mask is one buffer sliced, the positions count up,
+    and the repetition-penalty bookkeeping and the logits processing run only when they can change the
+    choice."""
     if max_new_tokens == 0:
         return
     config = runner.manifest.config
@@ -317,7 +345,19 @@ def generate(
     eos_token_id: int | None = None,
     stop_ids=(),
 ) -> list[Generation]:
-    """Generate to the end (as `stream` does) and collect each row's tokens."""
+    """Generate to the end (as `stream` does) and collect each row's tokens.
+
+    Args:
+        runner: an OrtRunner (or anything with its start/step interface and `cache`).
+        prompts: a list of prompts (each a list of token ids) or a 2-D integer array.
+        max_new_tokens: the most tokens each row may add.
+        sampling: greedy by default (SamplingConfig).
+        eos_token_id: the id that stops a row; None: only `stop_ids` stop.
+        stop_ids: further ids that stop a row.
+
+    Returns:
+        One Generation per prompt, in order; a stopping id is the last of its new_ids.
+    """
     prompts, stops = check_request(runner_config(runner), prompts, max_new_tokens, sampling, eos_token_id, stop_ids)
     results = [Generation(prompt) for prompt in prompts]
     for tokens in _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops):
@@ -328,5 +368,12 @@ def generate(
 
 def generate_greedy(runner, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> Generation:
     """Greedy decoding of one prompt: the prompt through decode.onnx on an empty past (OrtRunner.start), then one
-    token at a time feeding present back as past."""
+    token at a time feeding present back as past.
+
+    Args:
+        runner: an OrtRunner (or anything with its start/step interface and `cache`).
+        prompt_ids: the prompt, a list of token ids.
+        max_new_tokens: the most tokens to add.
+        eos_token_id: the id that stops the generation (included in new_ids); None: it runs to max_new_tokens.
+    """
     return generate(runner, [prompt_ids], max_new_tokens, eos_token_id=eos_token_id)[0]

@@ -44,9 +44,18 @@ def position_ids_from_mask(attention_mask: np.ndarray, past_length: int = 0) -> 
 
 
 def check_positions(config: DecoderConfig, needed: int, what: str, fix: str) -> None:
-    """Refuse a run that needs more than max_position_embeddings positions (`needed`: the largest position id
-    plus one) before it runs: the graphs would compute them, but the model was trained on, and its reference
-    refuses, no more. `what` names the run, `fix` says what to do."""
+    """Refuse a run that needs more than max_position_embeddings positions, before it runs: the graphs would
+    compute them, but the model was trained on, and its reference refuses, no more.
+
+    Args:
+        config: the model config, whose max_position_embeddings is the limit.
+        needed: the positions the run needs: its largest position id plus one.
+        what: the run, as the message names it ("prompt (5 tokens) + max_new_tokens (10)").
+        fix: what to do, the message's last clause.
+
+    Raises:
+        InputError: `needed` exceeds the limit.
+    """
     limit = config.max_position_embeddings
     if needed > limit:
         raise InputError(f"{what} needs {needed} positions, which exceeds max_position_embeddings ({limit}); {fix}")
@@ -101,7 +110,7 @@ def _check_feeds(contract: GraphContract, feeds: dict) -> None:
         raise InputError(
             f"{contract.file} takes the inputs {first_of(contract.input_names, 4)}, got feeds with {found}{hint}"
         )
-    # onnxruntime's refusal of another dtype (a float16 artifact's cache, int32 ids) read as a damaged graph
+    # onnxruntime's refusal of another dtype (a float16 artifact's cache, int32 ids) would read as a damaged graph
     for spec in contract.inputs:
         value = feeds[spec.name]
         if isinstance(value, np.ndarray) and value.dtype != spec.dtype:
@@ -147,7 +156,7 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 def _check_values(config: DecoderConfig, input_ids, attention_mask, position_ids, what: str, fix: str) -> None:
     """The values start or step is given: ids in the vocabulary (onnxruntime's Gather would blame the graph), a mask
-    of 0 and 1 and positions from 0 (others ran, to logits no reference computes), and check_positions.
+    of 0 and 1 and positions from 0 (others would run, to logits no reference computes), and check_positions.
 
     They run every step, so each array is read once, by one max over it as uint64 (a negative int64 lies above
     every bound)."""
@@ -257,7 +266,7 @@ class OrtRunner:
         # generation interleaved with another on this runner puts its own back before each step.
         self.cache = None
         # Held by each start/step and by a generation across its cache swap and step: threads sharing this runner
-        # take turns, each on its own cache (unheld, one thread's step ran on another's cache: wrong tokens).
+        # take turns, each on its own cache (unheld, one thread's step could run on another's cache: wrong tokens).
         self.lock = threading.RLock()
 
     @property
@@ -309,7 +318,7 @@ class OrtRunner:
         """Run a (left-padded) prompt batch with an empty past; return next-token logits (B, V) float32.
 
         The prompt goes through decode.onnx `prompt_chunk` tokens at a time, each chunk on
-        the cache of the ones before: the activations (and so the peak RSS) scale with the
+        the cache of the ones before: the activations (and so the peak memory) scale with the
         chunk, not the prompt. The logits are the same as in one call: each row of a MatMul
         and each query's attention is computed as it would be there (tested).
         """

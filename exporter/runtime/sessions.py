@@ -34,7 +34,7 @@ PARITY_PROVIDERS = (CPU, CUDA)
 
 def provider_name(name: str) -> str:
     """The full name of `cpu`, `cuda`, or of any provider this build has, written short or in any case."""
-    if not isinstance(name, str):  # None, or a list where one name is taken, failed as "no attribute 'lower'"
+    if not isinstance(name, str):  # else None, or a list where one name is taken, fails as "no attribute 'lower'"
         raise ProviderError(
             f"a provider is a name such as 'cpu' or 'cuda', got {name!r} ({type(name).__name__}); pass one (`provider`)"
         )
@@ -97,7 +97,7 @@ def check_parity_providers(names) -> list[str]:
     """Providers to verify on, as full names without repeats, each checked; a str names one provider."""
     if isinstance(names, str):  # iterated, "cpu" would be the providers "c", "p" and "u"
         names = [names]
-    if not isinstance(names, (list, tuple)):  # 5: "'int' object is not iterable"
+    if not isinstance(names, (list, tuple)):  # else 5 fails as "'int' object is not iterable"
         raise ProviderError(
             f"providers must be a provider name or a list of them, got {names!r:.80}; pass e.g. "
             "['cpu'], or None for every available one (`providers`)"
@@ -114,8 +114,8 @@ def session_providers(full_name: str) -> list:
 
     CUDA runs with TF32 off: onnxruntime's CUDA provider turns it on by default, which rounds a float32
     MatMul's inputs to 11 significant bits, so a float32 artifact would neither compute in float32 nor
-    match what its verification promises (float32 tolerances: TF32 alone moved a tiny model's logits by
-    about 4 float16 units of their peak, and MoE routers chose other experts).
+    match what its verification promises (float32 tolerances, which TF32's rounding alone can exceed, and
+    MoE routers that choose the same experts as the reference).
     """
     return [full_name] if full_name == CPU else [(full_name, {"use_tf32": "0"}), CPU]
 
@@ -138,7 +138,7 @@ MAX_THREADS = 1024  # a bound for typos: onnxruntime takes a C int and would sta
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """ONNX Runtime session options, with defaults measured on the benchmark (README)."""
+    """ONNX Runtime session options, with defaults chosen on the benchmark (README)."""
 
     intra_op_threads: int = 0  # 0: one per physical core
     optimization: str = "all"  # disable | basic | extended | all
@@ -186,13 +186,13 @@ def _use_global_thread_pool(threads: int) -> None:
 
     With a pool per session, the pool of the session that just ran keeps its
     threads spinning for a while, competing for the cores with the pool of the
-    session called next: a decode step right after a prefill.onnx call took
-    44 ms against 27 ms after another decode step (minimind-3, 2 cores). One
-    shared pool has no idle spinner to fight (17.9 against 17.6 ms), but once it
-    exists ONNX Runtime refuses every session in the process that asks for a
-    pool of its own, other libraries' included (Optimum's failed so). The
-    default is therefore per-session pools with the prefill session's threads
-    not spinning (session_options), which removes the same fight.
+    session called next: a decode step right after a prefill.onnx call is
+    slower than one after another decode step. One shared pool has no idle
+    spinner to fight, but once it exists ONNX Runtime refuses every session in
+    the process that asks for a pool of its own, other libraries' included
+    (Optimum's, for one). The default is therefore per-session pools with the
+    prefill session's threads not spinning (session_options), which removes
+    the same fight.
     """
     global _global_pool_threads
     if _global_pool_threads is None:
@@ -206,7 +206,7 @@ def _use_global_thread_pool(threads: int) -> None:
 
 def log_severity() -> int:
     """onnxruntime's own log: errors under debug logging (-v); otherwise nothing, since every failure it logs
-    is raised too, and reported in one line (it printed a red multi-line copy of each before)."""
+    is raised too and reported in one line, which its multi-line copy would only repeat."""
     return 3 if log.isEnabledFor(logging.DEBUG) else 4
 
 
@@ -253,7 +253,17 @@ class SharedWeightMap:
 def session_options(
     settings: SessionSettings, graph_file: str, weights: SharedWeightMap | None, spin: bool = True
 ) -> ort.SessionOptions:
-    """Options for one session; `weights` given: read the weights in place from the shared mapping, unpacked."""
+    """Options for one session.
+
+    Args:
+        settings: the session settings (optimisation level, threads, prepacking, where to save the optimised graph).
+        graph_file: the graph's file name in the artifact (e.g. "decode.onnx"): picks its initializers from
+            `weights` and names its saved optimised graph.
+        weights: the shared mapping to read the weights from in place, unpacked; None: the session reads them
+            itself.
+        spin: whether idle intra-op threads spin; False for a session whose threads would otherwise take the
+            cores from the session called next.
+    """
     options = ort.SessionOptions()
     if weights is not None:
         for name, value in zip(*weights.initializers(graph_file)):
@@ -261,8 +271,7 @@ def session_options(
     options.graph_optimization_level = GRAPH_OPTIMIZATION[settings.optimization]
     # A memory pattern is recorded per set of input shapes and reused only when the same
     # shapes come back; the cache grows by one position every decode step, so none ever
-    # does. Recording them cost the peak RSS 69 MB (477 -> 408 MB, minimind-3, 512-token
-    # prompts) and ~0.7% of the instructions of a decode step.
+    # does, and recording them would only add to the peak memory and to every decode step's work.
     options.enable_mem_pattern = False
     options.log_severity_level = log_severity()
     if settings.shared_thread_pool:
@@ -296,9 +305,16 @@ def graph_session(
     provider: str,
     settings: SessionSettings = SessionSettings(),
 ) -> ort.InferenceSession:
-    """A session on a modified copy (serialised, e.g. a debug copy) of one of the graphs of the artifact in
-    `folder`, with this process's thread-pool rules: the weights are shared through `weights` where onnxruntime
-    takes them, and read from the artifact's weights file where it does not."""
+    """A session on a modified copy of one of an artifact's graphs, with this process's thread-pool rules.
+
+    Args:
+        model: the modified graph, serialised (e.g. a debug copy).
+        folder: the artifact's folder, where the weights `weights` does not hold are read from.
+        graph_file: the file name of the graph the copy was made from, whose initializers `weights` holds.
+        weights: the artifact's shared weight mapping, used where onnxruntime takes the weights in place.
+        provider: the provider to run on, checked (check_provider).
+        settings: the session settings.
+    """
     options = session_options(settings, graph_file, weights)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return _new_session(model, options, session_providers(check_provider(provider)))
@@ -323,8 +339,8 @@ def optimized_graphs_saved(folder: Path | None):
         try:
             yield staging
             try:
-                # a Ctrl-C between moves left new weights beside an earlier graph; a second save into `folder`
-                # moving its files meanwhile, one graph of each (its turn is waited for with Ctrl-C live)
+                # a Ctrl-C between moves would leave new weights beside an earlier graph; a second save into
+                # `folder` moving its files meanwhile, one graph of each (its turn is waited for with Ctrl-C live)
                 with folder_lock(folder), uninterrupted():
                     # the weights files before the graphs that name them
                     for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".onnx"), name)):
@@ -364,7 +380,7 @@ def _save_failed(what: str, folder: Path, reason: str) -> OutputPathError:
 
 
 # UnicodeDecodeError: onnxruntime's refusal of a graph whose damaged bytes are a name it quotes, which the binding
-# cannot turn into a str (a flipped byte in decode.onnx, found by flipping bytes of a tiny export).
+# cannot turn into a str (a flipped byte in decode.onnx, say).
 _LOAD_ERRORS = (
     _ort_errors.Fail,
     _ort_errors.InvalidArgument,
@@ -382,8 +398,19 @@ def load_session(
     providers: list[str],
     staging: Path | None = None,
 ) -> ort.InferenceSession:
-    """A session on one of the artifact's graphs, which must be the graph its manifest describes; `staging`: where
-    the optimised graph that `options` asks for is saved first (optimized_graphs_saved)."""
+    """A session on one of the artifact's graphs, which must be the graph its manifest describes.
+
+    Args:
+        artifact: the artifact holding the graph.
+        contract: the manifest's description of the graph, checked against the file before onnxruntime reads it.
+        options: the session options (session_options).
+        providers: the session's providers list (session_providers).
+        staging: where the optimised graph that `options` asks for is saved first (optimized_graphs_saved).
+
+    Raises:
+        ArtifactError: the graph is not the one the manifest describes, or onnxruntime cannot load it.
+        OutputPathError: the optimised graph cannot be saved.
+    """
     artifact.graph(contract)  # onnxruntime names neither a missing input nor another opset
     path = artifact.path(contract.file)
     try:
@@ -393,5 +420,5 @@ def load_session(
 
 
 def load_failure(path: Path, exc: Exception) -> ArtifactError:
-    """onnxruntime's refusal to load one of the artifact's graphs ."""
+    """onnxruntime's refusal to load one of the artifact's graphs."""
     return ArtifactError(f"onnxruntime cannot load {path} ({first_line(exc, 200)}); re-export the folder")

@@ -282,6 +282,14 @@ def check_genai(
     genai's routers cannot be probed. Where its tokens differ from the reference's at no logit near-tie but
     equal those of our loop on the CPU (`runtime`, the same graph and prompt) up to and including the
     differing one, and a router near-tie explains our loop's difference (check_greedy), it explains genai's.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference), which runs greedily.
+        artifact: the artifact onnxruntime-genai loads.
+        settings: the verification's settings (seed, greedy_tokens).
+        profile: the profile whose logits tolerance defines a near-tie.
+        runtime: check_greedy's result for our loop on the CPU, whose routing can explain genai's difference;
+            None: no such explanation.
     """
     manifest = artifact.manifest
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
@@ -414,7 +422,7 @@ def _plan(
     folder, manifest = artifact.folder, artifact.manifest
     if model is not None:
         _check_model(model, manifest)
-    if providers is not None and not providers:  # [] verified nothing, and the report failed
+    if providers is not None and not providers:  # [] would verify nothing, and the report would fail
         raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
     if golden_save is not None:

@@ -34,7 +34,7 @@ class ParitySettings:
     probe: bool = False  # node-level localisation with debug copies of prefill.onnx and decode.onnx
 
     def __post_init__(self):
-        # of the wrong type, a field failed deep in the run (a str's '<', numpy's refusal of a negative seed)
+        # of the wrong type, a field would fail deep in the run (a str's '<', numpy's refusal of a negative seed)
         for name in ("batch", "prompt_length", "left_padding", "decode_steps", "greedy_tokens", "seed"):
             value = getattr(self, name)
             if not is_integer(value) or (name == "seed" and value < 0):
@@ -98,7 +98,17 @@ def prefill_feeds(manifest: Manifest, batch: dict) -> dict:
 
 
 def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.random.Generator) -> tuple[dict, np.ndarray]:
-    """Feeds of `length` new tokens on top of a cache covering `mask`; returns them and the extended mask."""
+    """Feeds of `length` new tokens on top of a cache covering `mask`.
+
+    Args:
+        manifest: the artifact's manifest, whose vocabulary the ids are drawn from.
+        mask: (B, L), the attention mask the cache covers.
+        length: how many new tokens per row.
+        rng: the generator the new ids are drawn from.
+
+    Returns:
+        The feeds (input_ids, attention_mask, position_ids), and the mask extended by the new tokens.
+    """
     tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], length), dtype=np.int64)
     mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
     return {

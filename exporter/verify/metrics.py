@@ -123,10 +123,18 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None, k: int = TOP_K) -> dict:
-    """LLM-level agreement over the positions where `valid` (leading axes of the logits) is true.
+    """LLM-level agreement over the positions where `valid` is true.
 
-    top1_agreement: share of positions whose argmax is equal; topk_overlap: mean share of the reference's
-    top-k ids also in ONNX Runtime's top-k; KL(reference || onnx) of the softmax distributions.
+    Args:
+        actual: ONNX Runtime's logits (..., V).
+        expected: the reference's logits, of the same shape.
+        valid: the positions judged, over the logits' leading axes; None: every position.
+        k: the top-k size of topk_overlap, capped at the vocabulary.
+
+    Returns:
+        top1_agreement: share of positions whose argmax is equal; topk_overlap: mean share of the reference's
+        top-k ids also in ONNX Runtime's top-k; kl_mean and kl_max: KL(reference || onnx) of the softmax
+        distributions; positions: how many were judged. Empty when no position is.
     """
     vocab = expected.shape[-1]
     a = np.asarray(actual, np.float64).reshape(-1, vocab)
@@ -176,11 +184,21 @@ def compare(
     """Elementwise comparison; NaN passes only where both sides are NaN (e.g. a loss with no targets), an
     infinity only where both sides hold the same one (e.g. a masked score). Health reports both apart.
 
-    `valid` (leading axes, broadcast over the rest; see real_queries and real_keys) selects the positions
-    judged: every figure, the verdict and the logits metrics leave the others out. A padded query attends
-    to no real token, so its output is whatever the model's mask makes of that (a boolean mask that leaves
-    it no key at all makes it arbitrary), and nothing reads it; a padded key is weighed by zero, so only
-    whether it is finite matters, which the health check judges.
+    A padded query attends to no real token, so its output is whatever the model's mask makes of that (a
+    boolean mask that leaves it no key at all makes it arbitrary), and nothing reads it; a padded key is
+    weighed by zero, so only whether it is finite matters, which the health check judges. Hence `valid`.
+
+    Args:
+        name: the row's name in reports.
+        kind: "logits" (adds the LLM-level metrics), "loss" (adds the loss metrics), "kv" or "activation".
+        actual: ONNX Runtime's values.
+        expected: the reference's values; a shape other than `actual`'s fails the comparison.
+        tolerance: the bound each judged element must meet.
+        valid: the positions judged, over the leading axes and broadcast over the rest (see real_queries and
+            real_keys): every figure, the verdict and the logits metrics leave the others out. None: all.
+
+    Returns:
+        The Comparison: figures, verdict and the smallest tolerance that would have passed.
     """
     # NaN or Inf on a side is a finding the metrics report (and the health check counts), not a warning
     with np.errstate(all="ignore"):
@@ -268,8 +286,16 @@ def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
 
 
 def compare_outputs(label: str, actual: dict, expected: dict, profile, mask: np.ndarray) -> list[Comparison]:
-    """Logits and every present of two runs of one call, judged at the positions `mask` (B, total) marks
-    real: the logits row, then one row for the presents of all layers. `profile` is a tolerances.Profile."""
+    """Logits and every present of two runs of one call: the logits row, then one row for the presents of all
+    layers.
+
+    Args:
+        label: the call's name, which begins each row's name ("prefill").
+        actual: ONNX Runtime's outputs by name: "logits" and the presents.
+        expected: the reference's outputs by name.
+        profile: the tolerances.Profile whose logits and kv tolerances judge them.
+        mask: the call's attention mask (B, total): only real positions are judged.
+    """
     rows = [
         compare(
             f"{label} logits",

@@ -149,7 +149,7 @@ class VerifyReport:
             and all(c.passed for c in self.cross)
         )
 
-    def __bool__(self) -> bool:  # `if verify_artifact(...)` read true for a failed report, as any dataclass does
+    def __bool__(self) -> bool:  # else `if verify_artifact(...)` would read true for a failed report, as a dataclass
         return self.passed
 
     def to_dict(self) -> dict:

@@ -48,19 +48,16 @@ _U = FP16_UNIT_ROUNDOFF
 _U32 = FP32_UNIT_ROUNDOFF
 # float32 on the CPU: both sides compute in float32 with different kernels and summation orders, so each
 # carries float32's own rounding error and they differ by up to about the sum of the two. That error is
-# set by the magnitudes summed, so it is measured in units of the tensor's peak: the PyTorch reference in
-# float32 against itself in float64, prefill then 65 decode steps on its own cache, is 12u (tiny), 44u
-# (minimind-3) and 139u (minimind2-small) of the logits' peak, 11u, 39u and 102u of the present values'
-# (u = 2^-24). ONNX Runtime against PyTorch measured 197u on minimind2-small's logits and 150u on its
-# present. Allowed: 512u of the peak (~2x the sum of two such errors) and nothing else; for logits
-# peaking at 12 that is 3.7e-4, still 3 orders of magnitude below what a wrong graph gives (a wrong mask,
-# position or weight moves logits by O(1)). An absolute 1e-4 alone, fitted to minimind-3, was tighter
-# than float32's own error on minimind2-small and failed its correct export. An earlier profile added
-# 1e-4 + 1e-4|x| to the peak term, which no measurement called for: at the top logit of a tiny model it
-# made the bound ~2400u of the peak, and faults such as one weight matrix off by a relative 1e-4 or every
-# logit scaled by 1.0001 passed. The loss is one float32 mean of ~ln(vocab) magnitude whose errors average
-# out (measured 1.9e-6): 1e-5 + 1e-5|x| keeps 40-50x headroom and catches a perplexity change of 0.01% (at a
-# loss of ln(vocab): 7e-5 for 512 tokens, 1e-4 for 6400).
+# set by the magnitudes summed, so it is bounded in units of the tensor's peak (u = 2^-24): the PyTorch
+# reference in float32 against itself in float64 stays within ~140u of the logits' peak on the presets
+# (docs/verification.md). Allowed: 512u of the peak (~2x the sum of two such errors) and nothing else; for
+# logits peaking at 12 that is 3.7e-4, still 3 orders of magnitude below what a wrong graph gives (a wrong
+# mask, position or weight moves logits by O(1)). No absolute term: one fitted to a model with small logits
+# is tighter than float32's own error on a model with larger ones. No elementwise term: at the top logit it
+# would widen the bound enough to pass faults such as one weight matrix off by a relative 1e-4 or every
+# logit scaled by 1.0001. The loss is one float32 mean of ~ln(vocab) magnitude whose errors average out:
+# 1e-5 + 1e-5|x| leaves wide headroom over them and still catches a perplexity change of 0.01% (at a loss
+# of ln(vocab): 7e-5 for 512 tokens, 1e-4 for 6400).
 _FP32_ACTIVATIONS = Tolerance(0.0, 0.0, 512 * _U32)
 _CPU_FP32 = Profile(
     "float32/CPU",
@@ -73,10 +70,9 @@ _CPU_FP32 = Profile(
 )
 # float16: every stored activation is rounded to 11 significant bits and the two sides round at different
 # points (ONNX Runtime's CPU provider upcasts many ops to float32, PyTorch keeps float16), so their
-# difference is as large as float16's own loss against float32: measured on minimind-3 logits peaking at
-# 12.1, PyTorch fp16 vs fp32 4.9e-2 and ORT fp16 vs PyTorch fp16 4.1e-2, i.e. ~7u of the peak. Allowed:
-# 16u of the tensor's peak plus 4u elementwise. The loss is computed in float32 from float16 logits; its
-# error averages over positions (measured 4.9e-4): 2e-3 + 4u|x|.
+# difference is as large as float16's own loss against float32, about 7u of the logits' peak
+# (docs/verification.md). Allowed: 16u of the tensor's peak plus 4u elementwise. The loss is computed in
+# float32 from float16 logits; its error averages over positions: 2e-3 + 4u|x|.
 _FP16_ACTIVATIONS = Tolerance(1e-3, 4 * _U, 16 * _U)
 _CPU_FP16 = Profile(
     "float16/CPU",
@@ -87,13 +83,13 @@ _CPU_FP16 = Profile(
     "logits peak, allowed 16u of the peak + 4u elementwise",
 )
 # CUDA float32: every session turns TF32 off (exporter.runtime.sessions.session_providers), so the CUDA provider
-# computes in float32 with its own kernels and summation orders: the CPU argument and bound. Not measured
-# here (no GPU).
+# computes in float32 with its own kernels and summation orders: the CPU argument and bound, not calibrated
+# on a GPU.
 _CUDA_FP32 = dataclasses.replace(
     _CPU_FP32, name="float32/CUDA", why=_CPU_FP32.why + " (TF32 off; same reasoning on CUDA; not measured: no GPU here)"
 )
 # CUDA float16: fused kernels accumulate in float32 like the CPU provider's upcasts; the same rounding
-# argument as float16/CPU applies. Not measured here.
+# argument as float16/CPU applies; not calibrated on a GPU.
 _CUDA_FP16 = dataclasses.replace(
     _CPU_FP16, name="float16/CUDA", why=_CPU_FP16.why + " (same reasoning on CUDA; not measured: no GPU here)"
 )
@@ -212,8 +208,21 @@ def _kind(kind: str, where: str) -> str:
 
 
 def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Overrides:
-    """`KIND=VALUE` strings per term (e.g. atol=["logits=1e-3"]) and/or a JSON or TOML file of
-    {kind: {term: value}}; the command-line terms win over the file's."""
+    """Tolerance overrides from `KIND=VALUE` strings per term and/or a file; the strings win over the file's.
+
+    Args:
+        atol: `KIND=VALUE` strings for the atol term (e.g. ["logits=1e-3"]); a lone str is one string.
+        rtol: the same for the rtol term.
+        peak: the same for the peak term.
+        file: a JSON or .toml file of {kind: {term: value}}, or None.
+
+    Returns:
+        The Overrides, the file's terms first.
+
+    Raises:
+        InputError: an unknown kind or term, a value that is not finite and >= 0, or one term given twice
+            with two values.
+    """
     terms: list[tuple[str, str, float]] = []
     if file is not None:
         data = read_json_object(
@@ -231,13 +240,13 @@ def parse_overrides(atol=(), rtol=(), peak=(), file: Path | None = None) -> Over
             terms += [(kind, term, _value(value, f"{file} {kind}.{term}")) for term, value in entry.items()]
     given: dict[tuple[str, str], float] = {}  # (kind, term) -> value, of the command-line terms
     for term, items in (("atol", atol), ("rtol", rtol), ("peak", peak)):
-        for item in [items] if isinstance(items, str) else items:  # iterated, a str was one term per character
+        for item in [items] if isinstance(items, str) else items:  # iterated, a str would be one term per character
             kind, sep, value = item.partition("=") if isinstance(item, str) else (item, "", "")
             if not sep:
                 raise InputError(f"`{term}` {item!r}: expected KIND=VALUE, e.g. logits=1e-3")
             where = f"`{term}` {item}"
             key, number = (_kind(kind.strip(), where), term), _value(value.strip(), where)
-            if given.get(key, number) != number:  # the last one won, silently
+            if given.get(key, number) != number:  # else the last one would win, silently
                 raise InputError(
                     f"{where}: {key[0]}'s {term} is given twice ({given[key]:g} and {number:g}); give it once"
                 )

@@ -81,6 +81,15 @@ def _pair(
 
 
 def split_prefill(runner, manifest: Manifest, batch: dict, profile: Profile, k: int) -> Invariant:
+    """The prefill of the whole batch against its first `k` tokens' prefill followed by a decode of the rest.
+
+    Args:
+        runner: the OrtRunner whose graphs are held to each other.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch).
+        profile: the tolerances that judge the difference.
+        k: how many tokens the first prefill takes; past every row's padding, so each row has a real past token.
+    """
     feeds = prefill_feeds(manifest, batch)
     whole = runner.prefill(feeds)
     head = runner.prefill({name: value[:, :k] for name, value in feeds.items()})
@@ -102,6 +111,14 @@ def split_prefill(runner, manifest: Manifest, batch: dict, profile: Profile, k: 
 
 
 def decode_past_zero(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
+    """decode.onnx on an empty past against prefill.onnx, on the same prompt batch.
+
+    Args:
+        runner: the OrtRunner whose graphs are held to each other.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch).
+        profile: the tolerances that judge the difference.
+    """
     feeds = prefill_feeds(manifest, batch)
     prefill = runner.prefill(feeds)
     decode = runner.decode(
@@ -118,7 +135,14 @@ def decode_past_zero(runner, manifest: Manifest, batch: dict, profile: Profile) 
 
 
 def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) -> Invariant:
-    """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries."""
+    """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries.
+
+    Args:
+        runner: the OrtRunner whose prefill.onnx runs both.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch), its row 0 left-padded.
+        profile: the tolerances that judge the difference.
+    """
     mask = batch["attention_mask"]
     real = mask[0] == 1
     feeds = prefill_feeds(manifest, batch)
@@ -219,7 +243,14 @@ def computes_in_float32(artifact: Artifact) -> Invariant:
 
 
 def check_invariants(artifact: Artifact, onnx_runner, batch: dict, profile: Profile) -> list[Invariant]:
-    """The reference-free invariants: three of `onnx_runner`'s outputs against each other, three of the graphs."""
+    """The reference-free invariants: three of `onnx_runner`'s outputs against each other, three of the graphs.
+
+    Args:
+        artifact: the artifact whose graphs are inspected.
+        onnx_runner: an OrtRunner on it.
+        batch: the prompt batch (prompt_batch), its row 0 left-padded.
+        profile: the tolerances that judge the differences.
+    """
     manifest = artifact.manifest
     k = batch["input_ids"].shape[1] // 2 + 1  # past the first row's padding, so every row has a real past token
     return [

@@ -26,8 +26,8 @@ from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
 
-# Seconds between two progress lines of a long loop: the decode steps and the sweep each ran 20 s silent on the
-# tiny model, and minutes on minimind-3.
+# Seconds between two progress lines of a long loop: the decode steps and the sweep can each run for minutes,
+# which would otherwise pass without a line.
 PROGRESS_INTERVAL = 5.0
 
 
@@ -75,7 +75,16 @@ class LayerError:
 def layer_errors(
     manifest: Manifest, actual: dict, expected: dict, profile: Profile, label: str, mask: np.ndarray
 ) -> list[LayerError]:
-    """Judged at the cache positions `mask` (B, L) marks real."""
+    """Each layer's present key and value compared, at the real cache positions.
+
+    Args:
+        manifest: the artifact's manifest, which names the presents.
+        actual: ONNX Runtime's outputs by name.
+        expected: the reference's outputs by name.
+        profile: the profile whose kv tolerance judges them.
+        label: the call's name, which begins each comparison's name.
+        mask: (B, L), 1 at the cache positions judged.
+    """
     cache = manifest.cache
     return [
         LayerError(
@@ -181,15 +190,27 @@ def judge_call(
     explain_routing=None,
     cache_only: bool = False,
 ) -> CallResult:
-    """A call's logits at its real tokens (`valid`, (B, T)), each layer's present at the real cache positions
-    (`cache`, (B, L), the call's tokens last) and the loss, named after the call. For a MoE model whose call
-    failed, also its RoutingFlip, and when that is explained the comparisons of the positions it did not
-    reach, the loss with the reached positions' terms from the reference's logits. cache_only: a call that
-    only builds the cache of the next one (its logits and loss are judged elsewhere or not at all) fails
-    only by its presents.
+    """A call's logits at its real tokens, each layer's present at the real cache positions and the loss,
+    named after the call. For a MoE model whose call failed, also its RoutingFlip, and when that is explained
+    the comparisons of the positions it did not reach, the loss with the reached positions' terms from the
+    reference's logits.
 
-    explain_routing(graph, onnx_feeds, valid) -> exporter.verify.checks.routing.CallRouting, asked right after the
-    reference's call: the expert choices of that call on both sides, `graph` being "prefill" or "decode"."""
+    Args:
+        manifest: the artifact's manifest.
+        call: the call's name in reports ("decode step 3").
+        graph: the graph it ran, "prefill" or "decode".
+        onnx_feeds: ONNX Runtime's feeds of the call (the labels among them for a loss).
+        actual: ONNX Runtime's outputs by name.
+        expected: the reference's outputs by name.
+        profile: the tolerances that judge them.
+        valid: (B, T), 1 at the call's real tokens.
+        cache: (B, L), 1 at the real cache positions, the call's tokens last.
+        explain_routing: for MoE models, explain_routing(graph, onnx_feeds, valid) ->
+            exporter.verify.checks.routing.CallRouting, asked right after the reference's call: the expert
+            choices of that call on both sides; None: a failure stays unexplained.
+        cache_only: a call that only builds the cache of the next one (its logits and loss are judged
+            elsewhere or not at all) fails only by its presents.
+    """
     real = np.asarray(valid) == 1
     cache = np.asarray(cache) == 1
 
@@ -204,8 +225,9 @@ def judge_call(
             routing,
         )
 
-    # A reference giving no loss for labels (a decoder exported with the loss before the export checked for
-    # one) leaves the artifact's loss nothing to compare with: judged without it, as a --no-loss artifact is.
+    # A reference giving no loss for labels (a decoder behind an artifact with the loss: the export refuses
+    # that pair, an older artifact may hold it) leaves the artifact's loss nothing to compare with: judged
+    # without it, as a --no-loss artifact is.
     judged_loss = "loss" in actual and "loss" in expected
     result = judge(np.zeros_like(real), actual["loss"] if judged_loss else None)
     if explain_routing is None or (result.cache_passed if cache_only else result.passed):
@@ -238,10 +260,22 @@ class PrefillResult:
 def check_prefill(
     reference, onnx, manifest: Manifest, batch: dict, profile: Profile, health: HealthScan, explain_routing=None
 ) -> tuple[PrefillResult, dict]:
-    """Logits and every present at the real positions, the loss; returns the result and ONNX Runtime's
-    outputs. For MoE models (explain_routing, see judge_call) a failure where the routers chose other experts
-    at near-ties is judged at the positions those choices do not reach, the loss with their terms taken from
-    the reference's logits."""
+    """Logits and every present at the real positions, and the loss. For MoE models a failure where the
+    routers chose other experts at near-ties is judged at the positions those choices do not reach, the loss
+    with their terms taken from the reference's logits.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
+        onnx: the OrtRunner.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch): input_ids, attention_mask and labels.
+        profile: the tolerances that judge it.
+        health: the scan that ONNX Runtime's outputs are added to.
+        explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+
+    Returns:
+        The PrefillResult, and ONNX Runtime's outputs.
+    """
     feeds = prefill_feeds(manifest, batch)  # labels only where the graph takes them (an export with loss)
     expected = reference.prefill(feeds)
     actual = onnx.prefill(feeds)
@@ -328,13 +362,26 @@ def check_decode(
     explain_routing=None,
 ) -> tuple[DecodeResult, dict]:
     """Prefill, then `decode_steps` single-token steps and one 3-token chunk, each side feeding its own
-    present back as past; the new tokens are the same seeded ids for both. Returns the result and ONNX
-    Runtime's last outputs.
+    present back as past; the new tokens are the same seeded ids for both.
 
-    For MoE models (explain_routing, see judge_call) a call whose failure a routing near-tie explains
-    is judged at the positions the flip did not reach, and the next step feeds ONNX Runtime the reference's
-    present instead of its own: after one flipped expert the two caches differ for good, and the later steps
-    would judge that flip again rather than the graph. The prefill is the prefill check's call, which reports it.
+    For MoE models a call whose failure a routing near-tie explains is judged at the positions the flip did
+    not reach, and the next step feeds ONNX Runtime the reference's present instead of its own: after one
+    flipped expert the two caches differ for good, and the later steps would judge that flip again rather
+    than the graph. The prefill is the prefill check's call, which reports it.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
+        onnx: the OrtRunner.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch).
+        settings: the verification's settings (decode_steps).
+        profile: the tolerances that judge it.
+        health: the scan that ONNX Runtime's outputs are added to.
+        rng: the generator the new token ids are drawn from.
+        explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+
+    Returns:
+        The DecodeResult, and ONNX Runtime's last outputs.
     """
     feeds = prefill_feeds(manifest, batch)
     ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
@@ -430,9 +477,16 @@ def judge_greedy(
     """Token ids must be equal; a divergence passes only at a near-tie of the reference's logits.
 
     At a near-tie (the two candidates' reference logits closer than the logits tolerance) either choice is
-    within the dtype's precision, which happens in float16; it is reported in the note. `expected`
-    defaults to the trace's ids. A consumer that stops at EOS and leaves it out passes `expected` without a
-    final EOS and `dropped_eos`: where one side's list ends before the other's, that side chose EOS there.
+    within the dtype's precision, which happens in float16; it is reported in the note.
+
+    Args:
+        trace: the reference's greedy run, whose logits judge a divergence.
+        actual: the other side's new token ids.
+        profile: the profile whose logits tolerance defines a near-tie.
+        expected: the ids to compare with; None: the trace's. A consumer that stops at EOS and leaves it out
+            passes them without a final EOS.
+        dropped_eos: the EOS id such a consumer left out: where one side's list ends before the other's, that
+            side chose EOS there. None: a list that ends early stopped early.
     """
     expected = trace.ids if expected is None else expected
     match = match_length(actual, expected)
@@ -467,11 +521,21 @@ def check_greedy(
 ) -> GreedyResult:
     """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt.
 
-    For MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
-    (exporter.verify.checks.routing.greedy_choices) compares the expert choices of the two runs up to a differing token
-    that is no near-tie of the reference's logits: a router near-tie in an earlier call reaches every later
-    token through the cache, so a differing token after one is within the precision of a discrete choice,
-    as a failing call's positions after one are in judge_call."""
+    A router near-tie in an earlier call reaches every later token through the cache, so for MoE models a
+    differing token after one is within the precision of a discrete choice, as a failing call's positions
+    after one are in judge_call.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
+        onnx: the OrtRunner.
+        manifest: the artifact's manifest (its eos_token_id ends both runs).
+        prompt: the seeded prompt's token ids.
+        settings: the verification's settings (greedy_tokens).
+        profile: the profile whose logits tolerance defines a near-tie.
+        explain_routing: for MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
+            (exporter.verify.checks.routing.greedy_choices), which compares the expert choices of the two runs
+            up to a differing token that is no near-tie of the reference's logits; None: no such comparison.
+    """
     eos = manifest.config.eos_token_id
     trace = reference.greedy(prompt, settings.greedy_tokens, eos)
     try:
@@ -539,9 +603,19 @@ def run_sweep(
     """Every (batch, new tokens, past) of the grid with ragged left padding: each side prefills the past
     with prefill.onnx (or starts from an empty cache) and decodes the new tokens on top of its own cache.
 
-    For MoE models (explain_routing, see judge_call) a failing call whose routers chose other experts at
-    near-ties is judged at the positions that choice did not reach; after such a flip in the past's prefill,
-    ONNX Runtime decodes on the reference's cache."""
+    For MoE models a failing call whose routers chose other experts at near-ties is judged at the positions
+    that choice did not reach; after such a flip in the past's prefill, ONNX Runtime decodes on the
+    reference's cache.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
+        onnx: the OrtRunner.
+        manifest: the artifact's manifest (the grid fits its max_position_embeddings).
+        profile: the tolerances that judge each case.
+        health: the scan that ONNX Runtime's outputs are added to.
+        rng: the generator the token ids are drawn from.
+        explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+    """
     cases = []
     vocab = manifest.config.vocab_size
     grid = sweep_grid(manifest.config.max_position_embeddings)

@@ -43,7 +43,15 @@ def _pair(b: str, a: str) -> str:
 
 
 def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, profile) -> Comparison:
-    """The prefill batch once more on the same session; any difference is nondeterminism."""
+    """The prefill batch once more on the same session; any difference is nondeterminism.
+
+    Args:
+        onnx: the OrtRunner that ran the batch first.
+        manifest: the artifact's manifest.
+        batch: the prompt batch (prompt_batch).
+        first: ONNX Runtime's outputs of the first run.
+        profile: the tolerances that judge the difference.
+    """
     again = onnx.prefill(prefill_feeds(manifest, batch))
     return aggregate(
         f"{onnx.provider} repeat run of {PREFILL_BATCH}",
@@ -52,8 +60,14 @@ def repeat_run(onnx: OrtRunner, manifest: Manifest, batch: dict, first: dict, pr
 
 
 def cross_providers(outputs: dict[str, dict], dtype: str, overrides: Overrides, mask: np.ndarray) -> list[Comparison]:
-    """Every pair of providers on the prefill batch (attention mask `mask`), with the looser of their two
-    profiles."""
+    """Every pair of providers on the prefill batch, with the looser of their two profiles.
+
+    Args:
+        outputs: each provider's prefill outputs, in the order the providers were given.
+        dtype: the artifact's dtype, which picks the profiles.
+        overrides: tolerance terms in place of the profiles'.
+        mask: the prefill batch's attention mask: only real positions are judged.
+    """
     rows = []
     for a, b in itertools.combinations(outputs, 2):
         rows += compare_outputs(_pair(b, a), outputs[b], outputs[a], _looser(dtype, a, b, overrides), mask)
@@ -81,8 +95,21 @@ def check_companion(companion: Path | Artifact, manifest: Manifest) -> Artifact:
 
 
 def companion_for(companion: Path | Artifact, dtype: str, config=None, source: dict | None = None) -> Artifact:
-    """A float16 export of the model of an artifact of `dtype`, `config` and weights `source` (each None: not
-    known yet, not compared); `export-onnx run` checks so before its export, the engine after it."""
+    """A float16 export of the model of the artifact it accompanies; `export-onnx run` checks so before its
+    export, the engine after it.
+
+    Args:
+        companion: the float16 companion, an Artifact or its folder's path.
+        dtype: the verified artifact's dtype, which must be float32.
+        config: the verified artifact's model config, which the companion's must equal; None: not known yet,
+            not compared.
+        source: the verified artifact's weights source (manifest "source"), which the companion's must match
+            where both identify their weights; None: not known yet, not compared.
+
+    Raises:
+        InputError: the companion is no float16 export of the same model and weights, or the artifact is
+            not float32.
+    """
     if dtype != "float32":
         raise InputError(f"`fp16_companion` needs a float32 artifact to verify; this one is {dtype}")
     artifact = read_companion(companion)
@@ -123,6 +150,18 @@ def attribute(
     companion: Artifact | None,
     overrides: Overrides,
 ) -> Attribution:
+    """The attribution chain of a float32 artifact's error (see the module docstring), as far as the
+    providers and the companion allow; what is missing is said in `skipped`.
+
+    Args:
+        reports: each provider's report (the CPU's comparisons and decode curve make the export legs).
+        outputs: each provider's prefill outputs.
+        cross: cross_providers' rows, whose CUDA-vs-CPU logits row is the provider leg.
+        manifest: the verified artifact's manifest.
+        batch: the prompt batch (prompt_batch).
+        companion: the float16 companion artifact for the precision leg, run on CUDA; None: no such leg.
+        overrides: tolerance terms in place of the profiles'.
+    """
     legs: list[AttributionLeg] = []
     missing = []
     cpu = next((r for r in reports if r.provider == CPU), None)

@@ -217,9 +217,20 @@ def _loss_terms(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 def routing_agreement(
     reference_routing: dict, probe: RouterProbe, onnx_feeds: dict, valid: np.ndarray, tolerance
 ) -> CallRouting:
-    """Expert choices of one call, each side on its own inputs: did the two route some real token (`valid`,
-    (B, T)) differently, and only at near-ties and where one reached? `reference_routing` is
-    {layer: (scores, ids)} of the reference's call, `probe` a RouterProbe of the graph that ran it."""
+    """Expert choices of one call, each side on its own inputs: did the two route some real token differently,
+    and only at near-ties and where one reached?
+
+    Args:
+        reference_routing: {layer: (scores, ids)} of the reference's call; empty: no routers recorded.
+        probe: a RouterProbe of the graph that ran the call.
+        onnx_feeds: ONNX Runtime's feeds of the call, run again through the probe.
+        valid: (B, T), 1 at the call's real tokens.
+        tolerance: the Tolerance whose bound on the reference's k-th router score makes a near-tie.
+
+    Returns:
+        The CallRouting: the agreement (not measured when either side's routers are missing) and the
+        positions a differing choice reached.
+    """
     valid = np.asarray(valid) == 1
     if not reference_routing or not probe.complete:
         return CallRouting(
@@ -257,14 +268,26 @@ def greedy_choices(
 ) -> ExpertAgreement:
     """Expert choices of a greedy run up to the token where the two sides' runs differ.
 
-    `reference_calls` holds the reference run's routing per call ({layer: (scores, ids)}): the prompt, then
-    each chosen token fed back, call i choosing token i. `shared` is the tokens both sides chose before
-    they differed. ONNX Runtime's calls are replayed through decode.onnx as OrtRunner.start and step ran
-    them (`onnx` an OrtRunner, `probe` a RouterProbe of decode.onnx), on its own cache. A difference at a
-    router near-tie in one call reaches every later call through the cache, so the differing token is
-    explained when the first call whose routers differ does so at near-ties only (or at tokens an earlier
-    layer's difference reached, as in one call of judge_call); the differences of the calls after it are
-    its consequences."""
+    ONNX Runtime's calls are replayed through decode.onnx as OrtRunner.start and step ran them, on its own
+    cache. A difference at a router near-tie in one call reaches every later call through the cache, so the
+    differing token is explained when the first call whose routers differ does so at near-ties only (or at
+    tokens an earlier layer's difference reached, as in one call of judge_call); the differences of the
+    calls after it are its consequences.
+
+    Args:
+        reference_calls: the reference run's routing per call ({layer: (scores, ids)}): the prompt, then each
+            chosen token fed back, call i choosing token i.
+        onnx: the OrtRunner whose decode.onnx replays the calls.
+        probe: a RouterProbe of decode.onnx.
+        manifest: the artifact's manifest.
+        prompt: the prompt's token ids.
+        shared: the tokens both sides chose before they differed.
+        tolerance: the Tolerance that makes a near-tie of router scores.
+
+    Returns:
+        The ExpertAgreement over the calls up to the differing token; not measured when the graph's routers
+        were not found or the reference's were not recorded.
+    """
     calls = len(shared) + 1  # the last one chose the differing token
     if not probe.complete or len(reference_calls) < calls:
         what = (
@@ -312,10 +335,20 @@ def check_expert_choice(
 ) -> ExpertAgreement | None:
     """Expert choices on the prefill batch and then on decode steps fed the reference's own cache.
 
-    `reference` is a RecordedReference (the PyTorch model's calls, or a golden bundle's), which hands
-    out each call's router choices; `decode_tokens` a list of (B, n) token arrays. Both sides get
-    identical inputs at every step, so this measures the graphs' routing alone. None for models
-    without routers.
+    Both sides get identical inputs at every step, so this judges the graphs' routing alone.
+
+    Args:
+        reference: a RecordedReference (the PyTorch model's calls, or a golden bundle's), which hands out each
+            call's router choices.
+        artifact: the artifact whose graphs are probed for their routers.
+        provider: the provider the probes run on.
+        batch: the prompt batch (prompt_batch).
+        decode_tokens: the decode steps' new tokens, a list of (B, n) token arrays.
+        tolerance: the Tolerance that makes a near-tie of router scores.
+
+    Returns:
+        The ExpertAgreement (not measured when the graphs' routers are not found), or None for models
+        without routers.
     """
     manifest = artifact.manifest
     layers = manifest.cache.num_layers

@@ -180,9 +180,19 @@ def _first_failure(
 def probe_reference(
     graph: DebugGraph, values: dict, module_outputs: dict, tolerance: Tolerance, mask: np.ndarray, call: str
 ) -> ProbeResult:
-    """`values`: the debug graph's outputs on `call`; `module_outputs`: reference module path (or graph output
-    name) -> output array on the same call; `mask`: the call's attention mask, whose padded positions are not
-    judged."""
+    """The first graph value, in graph order, that differs from the reference module output it is matched to.
+
+    Args:
+        graph: the debug copy that exposes every value.
+        values: the debug graph's outputs on `call`.
+        module_outputs: reference module path (or graph output name) -> output array on the same call.
+        tolerance: the Tolerance each matched value must meet.
+        mask: the call's attention mask, whose padded positions are not judged.
+        call: the inputs it ran on, as the result names them ("the prefill batch").
+
+    Returns:
+        The ProbeResult; nothing is compared when the graph carries no module scopes.
+    """
     if not graph.has_scopes:
         return ProbeResult(
             "reference",
@@ -223,8 +233,17 @@ def probe_reference(
 def probe_between(
     graph: DebugGraph, values: dict, baseline: dict, tolerance: Tolerance, mode: str, mask: np.ndarray, call: str
 ) -> ProbeResult:
-    """Every value of one run against the same value of another run of the same debug graph on `call`, at the
-    real positions of its attention mask `mask`."""
+    """Every value of one run against the same value of another run of the same debug graph on `call`.
+
+    Args:
+        graph: the debug copy that exposes every value.
+        values: the graph's outputs on one run (one provider's).
+        baseline: its outputs on the other run, the reference side.
+        tolerance: the Tolerance each value must meet.
+        mode: the comparison's name ("<provider> vs <provider>").
+        mask: the call's attention mask: only real positions are judged.
+        call: the inputs it ran on, as the result names them.
+    """
     pairs = [
         (n.index, n.module, o, values[o], baseline[o])
         for n in graph.nodes

@@ -100,13 +100,18 @@ def _hides_positions(dim: Dim, names: frozenset[str]) -> bool:
 def real_elements(
     dims: tuple[Dim, ...], shape: tuple[int, ...], axes: PositionAxes, mask: np.ndarray
 ) -> np.ndarray | None:
-    """compare's `valid` (of the value's rank) for a value of `shape` whose value_info declares `dims`, in a
-    call whose attention mask is `mask` (B, L); None when its real positions are unknown.
+    """compare's `valid` (of the value's rank) for one graph value; None when its real positions are unknown.
 
     An element is real when each of its position axes indexes a real token of its row: an axis of size n
     covers the mask's last n positions (the queries of a call after a past). A value without a batch axis
     (a causal mask) or without a position axis cannot depend on a row's padding, so it is judged whole, as
     every value is when nothing is padded.
+
+    Args:
+        dims: the dims the value's value_info declares (symbolic names, sizes, or None where unknown).
+        shape: the value's actual shape.
+        axes: the graph's names for the batch axis and the token positions.
+        mask: the call's attention mask (B, L).
     """
     whole = np.ones((1,) * len(dims), bool)
     if np.all(np.asarray(mask) == 1):

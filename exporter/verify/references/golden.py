@@ -90,6 +90,20 @@ def _identity(manifest: Manifest) -> dict:
 
 
 class RecordedReference:
+    """A reference that records its backing's calls, or replays a recording (a bundle loaded from disk).
+
+    Args:
+        backing: the live reference to call and record (a TorchRunner); None replays the recording alone, and a
+            call it does not hold is a GoldenMismatch.
+        calls: the recorded calls, in order: (kind, token feeds, stored outputs), a decode call's presents
+            holding only their new positions.
+        greedy: the recorded greedy runs, by (prompt, max_new_tokens, eos).
+        source: the name reports give the reference; "" takes the backing's.
+        routing: per recorded call, {layer: (router scores, chosen expert ids)}; None: no routers recorded.
+        module_outputs: per graph ("prefill", "decode"), the token feeds of one call and the reference's module
+            outputs on it, for the probe.
+    """
+
     def __init__(
         self,
         backing=None,
@@ -192,8 +206,22 @@ class RecordedReference:
     def save(
         self, folder: Path, manifest: Manifest, settings: ParitySettings, overrides: Overrides, versions: dict
     ) -> Path:
-        """Write the recording as a bundle, with the settings and tolerance overrides it was judged with;
-        `versions` are those of the reference side (e.g. torch)."""
+        """Write the recording as a bundle, with the settings and tolerance overrides it was judged with.
+
+        Args:
+            folder: the bundle's folder, made when missing; an older bundle there is replaced whole, or kept
+                whole when the save fails.
+            manifest: the recorded artifact's manifest, whose config, dtype and hashes tie the bundle to it.
+            settings: the verification's settings the calls were made with.
+            overrides: the tolerance overrides the recording was judged with, which a replay applies.
+            versions: those of the reference side (e.g. torch).
+
+        Returns:
+            The folder.
+
+        Raises:
+            OutputPathError: the bundle cannot be written.
+        """
         folder = Path(folder)
         arrays, calls = {}, []
         for index, ((kind, tokens, outputs), routing) in enumerate(zip(self.calls, self.routing)):

@@ -109,8 +109,17 @@ class TorchRunner:
 def reference_greedy(
     model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None
 ) -> GreedyTrace:
-    """MiniMind-style greedy decoding with the model's own KV cache and default positions: the new ids, and the
-    float32 logits each was chosen from."""
+    """MiniMind-style greedy decoding with the model's own KV cache and default positions.
+
+    Args:
+        model: the PyTorch reference.
+        prompt_ids: the prompt, one row of token ids.
+        max_new_tokens: the most tokens to choose, at least 1.
+        eos_token_id: the id that ends the run (included in the ids); None: it runs to max_new_tokens.
+
+    Returns:
+        The GreedyTrace: the new ids, and the float32 logits each was chosen from.
+    """
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     new_ids: list[int] = []
     logits = []

@@ -76,7 +76,18 @@ def _finite(value):
 def write_reports(
     report: VerifyReport, json_path: Path | None = None, junit_path: Path | None = None, html_path: Path | None = None
 ) -> None:
-    """The requested reports of a verification's verdict; see _write."""
+    """The requested reports of a verification's verdict, each written whole or not at all.
+
+    Args:
+        report: the verification's report.
+        json_path: where to write the JSON report; None: none.
+        junit_path: where to write the JUnit XML report; None: none.
+        html_path: where to write the HTML report; None: none.
+
+    Raises:
+        OutputPathError: a report cannot be written; the others are written all the same, and what an earlier
+            run left at the failed path is removed.
+    """
     _write(
         [
             ("json_path", json_path, lambda: json_text(report.to_dict()) + "\n"),
@@ -90,8 +101,17 @@ def write_error_reports(
     error: dict, json_path: Path | None = None, junit_path: Path | None = None, html_path: Path | None = None
 ) -> None:
     """The requested reports of a verification that stopped with an error, so that none left by an earlier run
-    passes for this one's verdict: `error` is the document the CLI prints under --json,
-    {"error": {"kind": ..., "message": ...}, "exit_code": N}."""
+    passes for this one's verdict.
+
+    Args:
+        error: the document the CLI prints under --json, {"error": {"kind": ..., "message": ...}, "exit_code": N}.
+        json_path: where to write the JSON report; None: none.
+        junit_path: where to write the JUnit XML report; None: none.
+        html_path: where to write the HTML report; None: none.
+
+    Raises:
+        OutputPathError: a report cannot be written (as write_reports).
+    """
     kind, message = error["error"]["kind"], error["error"]["message"]
     _write(
         [

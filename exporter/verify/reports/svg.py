@@ -58,7 +58,17 @@ def _legend(labels: list[str]) -> list[str]:
 
 
 def line_chart(title: str, xlabel: str, series: dict[str, list[float]], css_class: str = "plot") -> str:
-    """One line per series over x = 0..n-1, log10 y."""
+    """One line per series over x = 0..n-1, log10 y.
+
+    Args:
+        title: the chart's title, which also says how many values are not finite and not drawn.
+        xlabel: the x axis's label.
+        series: label -> y values; exact zeros are drawn at the axis floor.
+        css_class: the svg element's class.
+
+    Returns:
+        The chart as an inline <svg> element.
+    """
     values = [v for ys in series.values() for v in ys]
     low, high = _range(values)
     parts = _frame(_titled(title, values), xlabel, low, high, css_class)
@@ -87,7 +97,19 @@ def bar_chart(
     log_y: bool = True,
     css_class: str = "plot",
 ) -> str:
-    """Grouped bars, one group per label; log10 y (or linear counts)."""
+    """Grouped bars, one group per label; log10 y (or linear counts).
+
+    Args:
+        title: the chart's title, which also says how many values are not finite and not drawn.
+        xlabel: the x axis's label.
+        labels: one per group, the x axis's tick labels.
+        series: series name -> one value per label.
+        log_y: a log10 y axis; False: linear, from 0 to the largest value.
+        css_class: the svg element's class.
+
+    Returns:
+        The chart as an inline <svg> element.
+    """
     values = [v for ys in series.values() for v in ys]
     title = _titled(title, values)
     if log_y:

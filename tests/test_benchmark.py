@@ -224,9 +224,9 @@ def test_genai_gets_the_thread_count_of_every_side(benchmark, artifact_fp32, mon
     asked = []
 
     class Recording(GenaiGenerator):
-        def __init__(self, folder, manifest=None, threads=0):
+        def __init__(self, artifact, threads=0):
             asked.append(threads)
-            super().__init__(folder, manifest, threads)
+            super().__init__(artifact, threads)
 
     monkeypatch.setattr(exporter.runtime.genai, "GenaiGenerator", Recording)
     benchmark.genai_tasks(artifact_fp32, 1)

@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from exporter.artifact.folder import Artifact
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
@@ -574,10 +575,9 @@ def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifa
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "labels": ids}
     logits = {}
     for name, folder in (("file", artifact_fp32), ("zeroed", zeroed)):
-        weights = SharedWeightMap(folder, manifest)
+        weights = SharedWeightMap(Artifact(folder, manifest))
         session = load_session(
-            artifact_fp32,
-            manifest,
+            Artifact(artifact_fp32, manifest),
             manifest.prefill,
             session_options(SessionSettings(), "prefill.onnx", weights, spin=False),
             [CPU],

@@ -214,7 +214,7 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     profile = profile_for("float32", "cpu")
     assert all(i.passed for i in invariants.check_invariants(Artifact(artifact_copy, manifest), runner, batch, profile))
     assert invariants.identical_weights(Artifact(artifact_copy, manifest)).detail == (
-        "15 distinct weight tensors in the weights file and 10 floating initializers inline, equal by content"
+        "15 distinct weight tensors in the weights file and 10 floating initializers inline, the same in both graphs"
     )
     shifted = _DecodeLogitsShifted(runner)
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed

@@ -136,11 +136,11 @@ def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifa
         ({"genai": "no"}, InputError, r"genai must be None, True or False, got 'no' \(str\)"),
         ({"providers": 5}, ProviderError, "providers must be a provider name or a list of them, got 5"),
         ({"providers": []}, ProviderError, r"providers is empty; pass e.g. \['cpu'\], or None"),
-        ({"fp16_companion": 5}, InputError, "an artifact folder is a path .* got 5"),
+        ({"fp16_companion": 5}, InputError, r"an artifact is an Artifact or an artifact folder's path .* got 5"),
     ):
         with pytest.raises(error, match=message):
             verify_artifact(artifact_fp32, tiny_model, **kwargs)
-    with pytest.raises(ArtifactError, match=r"an artifact folder is a path \(str or Path\), got None"):
+    with pytest.raises(InputError, match=r"an artifact is an Artifact or an artifact folder's path .*, got None"):
         verify_artifact(None, tiny_model)
 
 

@@ -18,6 +18,11 @@ from torch import nn
 # std 0.02 with tied embeddings makes greedy decoding repeat one token; ~0.1
 # gives varied, peaked next-token distributions, so token tests mean something.
 DEFAULT_STD = 0.1
+# Norm weights are uniform in [1 - NORM_HALF_WIDTH, 1 + NORM_HALF_WIDTH]. Distinct per channel and per norm, so
+# that a norm applied in another's place (q_norm for k_norm, one layer's for another's), or dropped, changes the
+# outputs: with every norm at one, as upstream initialises them, no comparison could tell. Around one, so that
+# activations keep the scale unit norms give them.
+NORM_HALF_WIDTH = 0.5
 
 
 def _stream(seed: int, name: str) -> np.random.Generator:
@@ -27,8 +32,9 @@ def _stream(seed: int, name: str) -> np.random.Generator:
 
 @torch.no_grad()
 def seeded_init_(model: nn.Module, seed: int = 0, std: float = DEFAULT_STD) -> nn.Module:
-    """Norm weights (1-D weights named *norm*, or of a LayerNorm) are ones; every other tensor
-    (LayerNorm and Linear biases included) is uniform with the given std."""
+    """Norm weights (1-D weights named *norm*, or of a LayerNorm) are uniform around one
+    (1 ± NORM_HALF_WIDTH); every other tensor (LayerNorm and Linear biases included) is uniform with the given
+    std, centred on zero. Each parameter draws from its own stream, keyed by the seed and its name."""
     half_width = std * math.sqrt(3.0)
     layer_norms = {
         f"{name}.weight" if name else "weight"
@@ -37,8 +43,9 @@ def seeded_init_(model: nn.Module, seed: int = 0, std: float = DEFAULT_STD) -> n
     }
     for name, param in model.named_parameters():  # tied parameters are yielded once
         if param.ndim == 1 and name.endswith("weight") and ("norm" in name or name in layer_norms):
-            param.fill_(1.0)
-            continue
-        values = _stream(seed, name).uniform(-half_width, half_width, size=tuple(param.shape))
+            low, high = 1.0 - NORM_HALF_WIDTH, 1.0 + NORM_HALF_WIDTH
+        else:
+            low, high = -half_width, half_width
+        values = _stream(seed, name).uniform(low, high, size=tuple(param.shape))
         param.copy_(torch.from_numpy(values.astype(np.float32)))
     return model

@@ -203,9 +203,10 @@ def moe2_artifact(tmp_path_factory, moe2_model):
     return _export_once(tmp_path_factory, moe2_model, "minimind2-moe-tiny", {"kind": "in-memory"})
 
 
-# Seed 29: the consumer check's greedy tokens include 0, where onnxruntime-genai stops by default when a model
-# has no EOS (the teaching GPT has none), and later its last id 511, where genai_config.json makes it stop.
-GPT_SEED = 29
+# Seed 9260: the consumer check's greedy tokens include 0, where onnxruntime-genai stops by default when a model
+# has no EOS (the teaching GPT has none), and later its last id 511, where genai_config.json makes it stop. Few
+# seeds give both, in that order.
+GPT_SEED = 9260
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,6 @@ from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_
 from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.torch_runner import TorchRunner
-from reference.minimind import RMSNorm
 
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
 CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
@@ -94,20 +93,6 @@ def perturb_weight(folder: Path, module: str, delta: float) -> str:
     digest = sha256_file(folder / manifest.weights_file)
     edit_manifest(folder, lambda data: data["files"][manifest.weights_file].update(sha256=digest))
     return name
-
-
-@torch.no_grad()
-def randomise_norms_(model, seed: int = 0):
-    """Every norm weight to 1 + U(-0.5, 0.5) and every norm bias (LayerNorm) to U(-0.5, 0.5), seeded; returns the
-    model. Seeded weights have every norm weight at one, as upstream initialises them, and then no comparison can
-    tell which norm is applied where (keys normalised with q_norm, a block's two norms swapped)."""
-    generator = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, torch.nn.LayerNorm)):
-            module.weight.copy_(torch.rand(module.weight.shape, generator=generator) + 0.5)
-            if getattr(module, "bias", None) is not None:
-                module.bias.copy_(torch.rand(module.bias.shape, generator=generator) - 0.5)
-    return model
 
 
 def scale_inline_weight(folder: Path, graph_file: str, suffix: str, factor: float) -> str:

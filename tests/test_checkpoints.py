@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import randomise_norms_
 from safetensors.torch import save_file
 
 from exporter.cli import main
@@ -160,7 +159,7 @@ def _rounded(model):
 @pytest.mark.parametrize("preset", MINIMIND_PRESETS)
 @pytest.mark.parametrize("kind", ["pth", "safetensors", "hf-safetensors", "hf-bin", "hf-sharded"])
 def test_minimind_checkpoints_load_exactly_in_every_format(preset, kind, tmp_path):
-    model = randomise_norms_(build_model(get_preset(preset), seed=3))  # norms at one: two swapped would look loaded
+    model = build_model(get_preset(preset), seed=3)  # distinct norms: two swapped would not look loaded
     path = _write(kind, model, tmp_path)
     given = None if kind.startswith("hf") else get_preset(preset)  # .pth/.safetensors carry no config
     loaded, report = load_checkpoint(path, config=given)
@@ -263,7 +262,7 @@ def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path)
     # MiniMind's trainers wrap the compiled model in DDP and save {"model": ..., "optimizer": ..., "epoch": ...}
     # as *_resume.pth: "module._orig_mod." was stripped to "_orig_mod." and refused as no known family's keys,
     # and the resume file as "not a flat state dict".
-    model = randomise_norms_(build_model(get_preset("minimind-3-tiny"), seed=4))
+    model = build_model(get_preset("minimind-3-tiny"), seed=4)
     path = tmp_path / "full_sft_64_resume.pth"
     weights = {prefix + k: v for k, v in _half_state(model).items()}
     torch.save(
@@ -296,7 +295,7 @@ def test_a_dict_of_more_than_a_few_non_tensors_says_there_are_more(tmp_path):
 
 
 def test_teaching_gpt_training_checkpoint_loads_and_drops_its_buffers(tmp_path):
-    model = randomise_norms_(build_model(get_preset("teaching-gpt-tiny"), seed=1))
+    model = build_model(get_preset("teaching-gpt-tiny"), seed=1)
     path = tmp_path / "checkpoint_epoch2.pt"
     checkpoint = _gpt_checkpoint(model)
     checkpoint["model_state_dict"] = {f"_orig_mod.{k}": v for k, v in checkpoint["model_state_dict"].items()}

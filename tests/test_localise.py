@@ -324,8 +324,7 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
 @pytest.fixture(scope="module")
 def decode_fault(artifact_fp32, tiny_model, tmp_path_factory):
     """A copy of the tiny artifact whose decode.onnx alone holds layer 0's q_norm weight x1.05 (each graph carries
-    its norm weights itself; the export keeps one tensor for equal norm weights, so every q_norm and k_norm that
-    reads it, layer 0's keys included, is scaled too), verified with the probe while a golden bundle is recorded."""
+    its small norm weights itself), verified with the probe while a golden bundle is recorded."""
     folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("decode-fault") / "artifact")
     scale_inline_weight(folder, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
     bundle = folder.parent / "golden"
@@ -342,9 +341,9 @@ def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
     assert not cpu.curve[0].logits.passed and cpu.curve[0].logits.needed.scale > 100
     loc = cpu.localisation
     assert (loc.probe.graph, loc.probe.call, loc.probe.first) == ("prefill.onnx", PREFILL_BATCH, None)
-    # the export keeps one tensor for the equal norm weights (every q_norm and k_norm of the seeded model), so
-    # layer 0's keys are scaled too: its present diverges first, at the first decode step, prefill's passing
-    assert (loc.first_layer, loc.where) == (0, "decode step 0 present"), loc
+    # layer 0's q_norm scales its queries alone: layer 0's present (keys and values) agrees, and layer 1's, which
+    # layer 0's attention output feeds, diverges first, at the first decode step, prefill's passing
+    assert (loc.first_layer, loc.where) == (1, "decode step 0 present"), loc
     first = loc.decode_probe.first
     assert (loc.decode_probe.graph, loc.decode_probe.call) == ("decode.onnx", "decode step 0, fed the reference's past")
     assert first.module == "model.layers.0.self_attn.q_norm" and first.op_type == "Mul" and first.needed_scale > 100

@@ -15,12 +15,11 @@ from helpers import (
     assert_close,
     padded_batch_logits,
     random_ids,
-    randomise_norms_,
 )
 
 from reference import ConfigError, MiniMindConfig, MiniMindForCausalLM, build_model, get_preset
-from reference.init import DEFAULT_STD
-from reference.minimind import Attention, apply_rotary, rope_cos_sin, rope_inv_freq
+from reference.init import DEFAULT_STD, NORM_HALF_WIDTH, seeded_init_
+from reference.minimind import Attention, RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq
 
 
 def test_minimind3_has_exactly_the_published_parameter_count():
@@ -37,7 +36,7 @@ def test_minimind3_has_exactly_the_published_parameter_count():
 def test_dense_minimind_equals_a_forward_written_from_the_spec(preset):
     # Left padding on the first row: the mask's -1e9 and the causal mask together.
     config = get_preset(preset)
-    model = randomise_norms_(build_model(config, seed=0))  # with every norm at one, any norm would do anywhere
+    model = build_model(config, seed=0)  # distinct norms: a norm applied in another's place would show
     ids = random_ids(config.vocab_size, 2, 12)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -91,6 +90,28 @@ def test_seeded_weights_derive_from_the_integer_stream_only(tiny_model):
     expected = [np.float32(-half_width + 2 * half_width * (int(r) >> 11) * 2.0**-53) for r in raw]
     actual = dict(tiny_model.named_parameters())[name].detach().flatten()[:5].numpy()
     assert actual.tolist() == expected
+    # a norm weight: [0, 1) -> [1 - w, 1 + w)
+    name = "model.layers.0.self_attn.k_norm.weight"
+    digest = hashlib.sha256(f"0:{name}".encode()).digest()
+    raw = np.random.PCG64(int.from_bytes(digest[:16], "little")).random_raw(5)
+    expected = [np.float32(1 - NORM_HALF_WIDTH + 2 * NORM_HALF_WIDTH * (int(r) >> 11) * 2.0**-53) for r in raw]
+    actual = dict(tiny_model.named_parameters())[name].detach().flatten()[:5].numpy()
+    assert actual.tolist() == expected
+
+
+@pytest.mark.parametrize("preset", ["minimind-3-tiny", "minimind2-moe-tiny", "teaching-gpt-tiny"])
+def test_seeded_norm_weights_are_distinct_and_around_one(preset):
+    """No two norms alike and none at one: a norm applied in another's place, or dropped, changes the outputs."""
+    model = build_model(get_preset(preset), seed=0)
+    norms = {
+        name: module.weight.detach()
+        for name, module in model.named_modules()
+        if isinstance(module, (RMSNorm, torch.nn.LayerNorm))
+    }
+    assert len(norms) >= 5, sorted(norms)
+    for name, weight in norms.items():
+        assert ((weight - 1).abs() <= NORM_HALF_WIDTH).all() and len(weight.unique()) > len(weight) // 2, name
+    assert len({tuple(w[:4].tolist()) for w in norms.values()}) == len(norms)
 
 
 def test_cached_decoding_equals_full_forward_token_by_token_and_in_chunks(tiny_model, tiny_config):
@@ -112,7 +133,7 @@ def test_training_drops_attention_probabilities_then_the_projection_as_upstream(
     # Upstream draws attn_dropout over the (B, H, T, L) probabilities, then resid_dropout over
     # o_proj's output; with one seed the by-hand computation must draw the same two masks.
     cfg = dataclasses.replace(tiny_config, dropout=0.5, attn_implementation=implementation)
-    attention = randomise_norms_(Attention(cfg)).train()  # q_norm and k_norm told apart
+    attention = seeded_init_(Attention(cfg)).train()  # q_norm and k_norm told apart
     b, t, heads, kv_heads, d = 2, 5, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = torch.randn(b, t, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     cos, sin = rope_cos_sin(rope_inv_freq(cfg), torch.arange(t)[None].expand(b, t))

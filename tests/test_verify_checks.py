@@ -213,8 +213,9 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
     assert all(i.passed for i in invariants.check_invariants(Artifact(artifact_copy, manifest), runner, batch, profile))
+    # inline: the 9 norm weights (each distinct), the rotary frequencies and 7 scalars
     assert invariants.identical_weights(Artifact(artifact_copy, manifest)).detail == (
-        "15 distinct weight tensors in the weights file and 10 floating initializers inline, the same in both graphs"
+        "15 distinct weight tensors in the weights file and 17 floating initializers inline, the same in both graphs"
     )
     shifted = _DecodeLogitsShifted(runner)
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed

@@ -64,6 +64,13 @@ class DecoderAdapter(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement forward (see reference/byo.py)")
 
+    def exported_constants(self) -> dict:
+        """The tensors your forward computes from constants alone (no input, no parameter), such as rotary
+        frequencies, by a name of your choosing: an export folds each into an initializer, and the weight audit
+        of verify (exporter/verify/checks/weights.py) matches every initializer to a parameter, a buffer or one
+        of these. None by default; override it if your forward computes such a table."""
+        return {}
+
 
 def output_problems(out, config, batch: int, length: int, with_loss: bool = False, past_length: int = 0) -> list[str]:
     """How a forward's output breaks the contract sizes of `config`, each problem naming the field to fix.

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from exporter.export.pipeline import export_artifact
-from reference import build_model, get_preset
+from reference import MiniMindConfig, build_model, get_preset
 
 TINY = "minimind-3-tiny"
 
@@ -201,6 +201,31 @@ def moe2_model():
 @pytest.fixture(scope="session")
 def moe2_artifact(tmp_path_factory, moe2_model):
     return _export_once(tmp_path_factory, moe2_model, "minimind2-moe-tiny", {"kind": "in-memory"})
+
+
+# minimind-3 (q/k norms, as Qwen3) at hidden size 256 with one attention head of 256: every norm weight, q_norm's
+# and k_norm's included, holds 256 float32 values (1 KiB, INLINE_LIMIT_BYTES in exporter/export/weights.py), so the
+# export stores them in the shared weights file, matched by content as real checkpoints' norms are; the tiny
+# presets' norms stay inline. Two layers, a vocabulary of 512 and an FFN of 256 keep the export as cheap as theirs.
+WIDE = MiniMindConfig(
+    hidden_size=256,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    vocab_size=512,
+    max_position_embeddings=64,
+)
+
+
+@pytest.fixture(scope="session")
+def wide_model():
+    return build_model(WIDE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def wide_artifact(tmp_path_factory, wide_model):
+    return _export_once(tmp_path_factory, wide_model, "minimind-3-wide", {"kind": "in-memory"})
 
 
 # Seed 9260: the consumer check's greedy tokens include 0, where onnxruntime-genai stops by default when a model

@@ -14,7 +14,7 @@ from onnx import numpy_helper
 
 from exporter import TOLERANCES, compare
 from exporter.artifact.folder import Artifact
-from exporter.artifact.manifest import read_manifest, sha256_file
+from exporter.artifact.manifest import file_entries, read_manifest, sha256_file
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
 from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import ParitySettings
@@ -109,6 +109,78 @@ def scale_inline_weight(folder: Path, graph_file: str, suffix: str, factor: floa
     digest = sha256_file(path)
     edit_manifest(folder, lambda data: data["files"][graph_file].update(sha256=digest))
     return tensor.name
+
+
+def graph_weight(model: onnx.ModelProto, module: str) -> onnx.TensorProto:
+    """The one floating initializer of more than one element that the nodes of `module` read (a Linear's matrix,
+    a norm's weight, an embedding table)."""
+    floating = {
+        t.name: t
+        for t in model.graph.initializer
+        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) and np.prod(t.dims) > 1
+    }
+    [name] = {i for node in model.graph.node if module_of(node) == module for i in node.input if i in floating}
+    return floating[name]
+
+
+def _graph_files(folder: Path) -> list[str]:
+    manifest = read_manifest(folder, check_hashes=False)
+    return [manifest.prefill.file, manifest.decode.file]
+
+
+def read_weight(folder: Path, module: str) -> np.ndarray:
+    """The values of the weight that the nodes of `module` read, as prefill.onnx holds it (inline or in the
+    weights file)."""
+    model = onnx.load(str(Path(folder) / _graph_files(folder)[0]), load_external_data=False)
+    tensor = graph_weight(model, module)
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(tensor)
+    onnx.external_data_helper.load_external_data_for_tensor(tensor, str(folder))
+    return numpy_helper.to_array(tensor)
+
+
+def edit_weights(folder: Path, changes: dict) -> None:
+    """Replace the weight that the nodes of each module (a key of `changes`) read by `change(values)`, in both
+    graphs: in the weights file where it lies there (once: both graphs read the same bytes), else inline in each
+    graph; then re-sign the manifest (sizes and sha256 of the files changed)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, check_hashes=False)
+    changed, written = set(), set()
+    for file in _graph_files(folder):
+        model = onnx.load(str(folder / file), load_external_data=False)
+        for module, change in changes.items():
+            tensor = graph_weight(model, module)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                offset = int(next(e.value for e in tensor.external_data if e.key == "offset"))
+                if offset in written:
+                    continue
+                values = np.memmap(
+                    folder / manifest.weights_file, dtype=dtype, mode="r+", offset=offset, shape=tuple(tensor.dims)
+                )
+                values[...] = change(np.array(values))
+                values.flush()
+                written.add(offset)
+                changed.add(manifest.weights_file)
+            else:
+                values = numpy_helper.to_array(tensor)
+                tensor.CopyFrom(numpy_helper.from_array(change(values.copy()).astype(dtype), tensor.name))
+                changed.add(file)
+        if file in changed:
+            onnx.save(model, str(folder / file))
+    edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, sorted(changed))))
+
+
+def edit_graphs(folder: Path, change) -> None:
+    """Apply `change` (a function that edits an onnx.GraphProto in place) to both graphs, without their weights,
+    and re-sign the manifest."""
+    folder = Path(folder)
+    files = _graph_files(folder)
+    for file in files:
+        model = onnx.load(str(folder / file), load_external_data=False)
+        change(model.graph)
+        onnx.save(model, str(folder / file))
+    edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, files)))
 
 
 def random_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -48,17 +48,17 @@ def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(arti
     out = _pytest(tmp_path, "--collect-only", "-q", *(f"--artifacts={folder}" for folder in folders))
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "18 tests collected" in out.stdout
+    assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "20 tests collected" in out.stdout
     assert {i.split("::")[0] for i in ids} == {"a/model/manifest.json", "b/model/manifest.json"}
     with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", f"--artifacts={folders[0]}")
-    assert "test_x.py::test_one" in with_tests.stdout and "10 tests collected" in with_tests.stdout
+    assert "test_x.py::test_one" in with_tests.stdout and "11 tests collected" in with_tests.stdout
     # A repeated --artifacts adds its folders; test files inside a folder are not collected, and a conftest.py
     # there, which pytest would import, is refused before anything runs.
     (folders[0] / "test_extra.py").write_text("def test_extra():\n    pass\n")
     after = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", "test_x.py")  # either order
-    assert "test_x.py::test_one" in after.stdout and "10 tests collected" in after.stdout
+    assert "test_x.py::test_one" in after.stdout and "11 tests collected" in after.stdout
     repeated = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", f"--artifacts={folders[1]}")
-    assert "18 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
+    assert "20 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
     (folders[0] / "conftest.py").write_text("print('code from the artifact folder ran')\n")
     refused = _pytest(tmp_path, "--collect-only", "-q", "-s", f"--artifacts={folders[0]}")
     assert refused.returncode == 4 and "holds a conftest.py, which pytest would run as code" in refused.stderr
@@ -146,7 +146,7 @@ def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_refer
     edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "reference-free invariants only" in out.stdout and "1 passed, 8 skipped" in out.stdout
+    assert "reference-free invariants only" in out.stdout and "1 passed, 9 skipped" in out.stdout
     assert "PASSED mine/manifest.json::invariants" in out.stdout
     assert (
         f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
@@ -204,6 +204,10 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
     assert "the reference model rebuilt from the manifest" in out.stdout
     assert "prefill_and_decode failed on " in out.stdout and "prefill logits max abs" in out.stdout
     assert "FAILED wrong/manifest.json::onnxruntime_genai" in out.stdout  # its tokens are not the reference's
+    # every one of the 24 parameters differs from the other seed's, each named (the first ones in the line)
+    assert (
+        f"weight_audit failed on {folder}: 24 finding(s): model.layers.0.self_attn.q_norm.weight differs" in out.stdout
+    )
     assert "PASSED wrong/manifest.json::invariants" in out.stdout  # the graphs themselves are sound
     assert "SKIPPED" in out.stdout and "a dense model: no expert routing to compare" in out.stdout
 
@@ -288,7 +292,8 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
     ) in out.stdout
     assert (
         f"{folder}::shape_sweep: no shape sweep ran: the golden bundle was recorded with --no-sweep" in out.stdout
-        and "6 passed, 3 skipped" in out.stdout
+        and "6 passed, 4 skipped" in out.stdout  # the weight audit: no model to audit against
+        and f"{folder}::weight_audit: no PyTorch model to audit the weights against" in out.stdout
     ), out.stdout[-3000:]
 
 

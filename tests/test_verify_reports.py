@@ -21,7 +21,12 @@ def test_junit_and_html_reports(full, tmp_path):
     suites = ET.fromstring(render_junit(report))
     cases = suites.findall(".//testcase")
     assert len(cases) >= 36 + 5 and not suites.findall(".//failure")
-    assert {s.get("name") for s in suites} >= {"CPUExecutionProvider float32", "invariants", "attribution"}
+    assert {s.get("name") for s in suites} >= {
+        "CPUExecutionProvider float32",
+        "invariants",
+        "weight audit",
+        "attribution",
+    }
     page = render_html(report)
     assert "Attribution (export / provider / precision)" in page and "<td>export</td>" in page
     for plot in ("decode-curve", "layer-errors", "logit-histogram"):
@@ -170,8 +175,8 @@ def test_html_report_renders_with_its_plots_in_a_headless_browser(full, tmp_path
 
 def test_every_check_of_a_report_can_fail_the_verdict():
     """The overall verdict (exit code 1, pytest's FAILED) reads each check: a report whose only failure is the
-    health scan, the repeat run, the greedy tokens, one sweep case, a provider-vs-provider row or a consumer
-    fails. The checks' own tests build the failing rows; this one proves that they reach the verdict."""
+    health scan, the repeat run, the greedy tokens, one sweep case, the weight audit, a provider-vs-provider row or a
+    consumer fails. The checks' own tests build the failing rows; this one proves that they reach the verdict."""
     from types import SimpleNamespace
 
     from exporter.verify.checks.routing import ExpertAgreement
@@ -227,6 +232,7 @@ def test_every_check_of_a_report_can_fail_the_verdict():
     for name, value in (
         ("reports", [provider(), provider(health=bad)]),
         ("invariants", [ok, bad]),
+        ("weights", bad),
         ("cross", [ok, bad]),
         ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)]),
     ):

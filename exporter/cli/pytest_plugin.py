@@ -336,6 +336,8 @@ def _skip_reason(name: str, report) -> str:
         return "; ".join(unmeasured) if unmeasured else "a dense model: no expert routing to compare"
     if name == "shape_sweep":  # the plugin's own runs sweep: only a golden bundle's recorded settings leave it out
         return "no shape sweep ran: the golden bundle was recorded with --no-sweep"
+    if name == "weight_audit":
+        return f"no PyTorch model to audit the weights against (reference: {report.reference})"
     if name == "providers_agree":
         skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
         return f"one provider ran ({report.reports[0].provider})" + (f"; skipped {skipped}" if skipped else "")
@@ -404,6 +406,9 @@ CHECKS = {
     "invariants": lambda r: (
         all(i.passed for i in r.invariants),
         "; ".join(f"{i.name}: {i.detail}" for i in r.invariants if not i.passed),
+    ),
+    "weight_audit": lambda r: (
+        SKIP if r.weights is None else (r.weights.passed, "; ".join(g.detail for g in r.weights.graphs if not g.passed))
     ),
     "prefill_and_decode": _per_provider(lambda p: _worst(p.comparisons)),
     "greedy": _per_provider(lambda p: (p.greedy.passed, p.greedy.note)),

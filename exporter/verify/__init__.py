@@ -2,7 +2,8 @@
 
 - inputs: seeded feeds and the sweep grid; metrics: pure comparisons; tolerances: profiles with their reasoning;
 - references/: the PyTorch model as a runner (torch_runner) and recorded golden bundles (golden);
-- checks/: prefill, decode steps, greedy and sweep (outputs), invariants, health, MoE routing, providers;
+- checks/: prefill, decode steps, greedy and sweep (outputs), invariants, the weight audit (weights), health, MoE
+  routing, providers;
 - diagnosis/: debug graphs that expose every layer (probe) and the first layer that diverges (localise);
 - results: frozen result objects; reports/: text, JSON, JUnit and HTML writers.
 

@@ -1,7 +1,8 @@
 """verify_artifact: every check of the verification engine on one artifact folder.
 
 The reference is the PyTorch model when one is given (recorded once and
-replayed for the other providers), a golden bundle when one is given (no
+replayed for the other providers; its parameters are also held to the graphs'
+initializers, the weight audit), a golden bundle when one is given (no
 torch), or nothing: then only the reference-free invariants run.
 """
 
@@ -42,6 +43,7 @@ from exporter.verify.checks.routing import (
     greedy_choices,
     routing_agreement,
 )
+from exporter.verify.checks.weights import WeightAudit, audit_weights
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import (
@@ -484,6 +486,14 @@ def _consumers(plan: _Plan, reports: list[ProviderReport]) -> tuple[list[Consume
     return [check_genai(plan.reference, plan.artifact, plan.settings, reports[0].profile, cpu)], {}
 
 
+def _audit(artifact: Artifact, model) -> WeightAudit:
+    log.info("weight audit: every initializer of both graphs against the model's parameters")
+    audit = audit_weights(artifact, model)
+    for finding in audit.findings:
+        log.info("weight audit: %s", finding.describe())
+    return audit
+
+
 def _save_golden(
     reference: RecordedReference,
     destination: Path,
@@ -550,6 +560,7 @@ def verify_artifact(
         artifact, reference, settings = plan.artifact, plan.reference, plan.settings
         folder, manifest = artifact.folder, artifact.manifest
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
+        weights = _audit(artifact, model) if model is not None else None
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         runs = []
         debug = _DebugGraphs(
@@ -587,6 +598,7 @@ def verify_artifact(
         consumers_skipped=consumers_skipped,
         reference=plan.described,
         invariants=invariants,
+        weights=weights,
         cross=cross,
         cross_probes=probes,
         attribution=attribution,

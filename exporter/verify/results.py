@@ -8,6 +8,7 @@ from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
 from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
 from exporter.verify.checks.routing import ExpertAgreement
+from exporter.verify.checks.weights import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
 from exporter.verify.tolerances import AppliedOverrides, Profile
@@ -131,6 +132,7 @@ class VerifyReport:
     consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
     reference: str = ""  # what the ONNX side was compared with; "none" for the invariants alone
     invariants: list[Invariant] = field(default_factory=list)
+    weights: WeightAudit | None = None  # the initializers against the PyTorch model's parameters; None without one
     cross: list[Comparison] = field(default_factory=list)  # provider against provider
     cross_probes: list[ProbeResult] = field(default_factory=list)
     attribution: Attribution | None = None
@@ -146,6 +148,7 @@ class VerifyReport:
             and all(r.passed for r in self.reports)
             and all(c.passed for c in self.consumers)
             and all(i.passed for i in self.invariants)
+            and (self.weights is None or self.weights.passed)
             and all(c.passed for c in self.cross)
         )
 
@@ -163,6 +166,7 @@ class VerifyReport:
             "providers": [r.to_dict() for r in self.reports],
             "skipped": self.skipped,
             "invariants": [i.to_dict() for i in self.invariants],
+            "weight_audit": self.weights.to_dict() if self.weights is not None else None,
             "cross_provider": [c.to_dict() for c in self.cross],
             "cross_provider_probes": [p.to_dict() for p in self.cross_probes],
             "attribution": self.attribution.to_dict() if self.attribution else None,

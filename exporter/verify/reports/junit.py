@@ -1,6 +1,6 @@
-"""JUnit XML: one testsuite per provider (plus invariants, cross-provider checks, the attribution's legs, the
-consumers and what was skipped), one testcase per check, a <failure> with the figures when it fails; CI systems
-show these natively."""
+"""JUnit XML: one testsuite per provider (plus invariants, the weight audit, cross-provider checks, the attribution's
+legs, the consumers and what was skipped), one testcase per check, a <failure> with the figures when it fails; CI
+systems show these natively."""
 
 from __future__ import annotations
 
@@ -77,6 +77,8 @@ def render_junit(report: VerifyReport) -> str:
         _suite(root, f"{p.provider} {p.dtype}", cases)
     if report.invariants:
         _suite(root, "invariants", [(i.name, i.passed, i.detail) for i in report.invariants])
+    if report.weights is not None:
+        _suite(root, "weight audit", [(g.graph, g.passed, g.detail) for g in report.weights.graphs])
     if report.cross:
         _suite(root, "cross-provider", [_comparison(c) for c in report.cross])
     if report.attribution is not None and report.attribution.legs:

@@ -1,8 +1,10 @@
 """The terminal report: one table per provider (its checks, the sweep and health, then notes: greedy, decode curve,
-localisation), then the invariants, providers against each other, attribution and the consumer check."""
+localisation), then the invariants, the weight audit, providers against each other, attribution and the consumer
+check."""
 
 from __future__ import annotations
 
+from exporter.verify.checks.weights import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.metrics import Comparison
 from exporter.verify.results import ProviderReport, VerifyReport
@@ -204,6 +206,17 @@ def probe_notes(p: ProviderReport) -> list[str]:
     return notes
 
 
+def weight_rows(audit) -> list[list[str]]:
+    """Per graph its summary, then each finding (the first SHOWN_FINDINGS, then how many more)."""
+    rows = []
+    for graph in audit.graphs:
+        rows.append([graph.graph, graph.summary, verdict(graph.passed)])
+        rows += [["", f"{f.problem}: {f.detail}", "FAIL"] for f in graph.findings[:SHOWN_FINDINGS]]
+        if len(graph.findings) > SHOWN_FINDINGS:
+            rows.append(["", f"and {len(graph.findings) - SHOWN_FINDINGS} more (the JSON report lists each)", ""])
+    return rows
+
+
 def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list[str]]]]:
     """The whole-report tables (title, header, rows) that every format renders in its own markup."""
     tables = []
@@ -213,6 +226,14 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
                 "reference-free invariants",
                 ["invariant", "detail", "result"],
                 [[i.name, i.detail, verdict(i.passed)] for i in report.invariants],
+            )
+        )
+    if report.weights is not None:
+        tables.append(
+            (
+                "weight audit (every initializer against the PyTorch model's parameters)",
+                ["graph", "detail", "result"],
+                weight_rows(report.weights),
             )
         )
     if report.cross:

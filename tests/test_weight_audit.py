@@ -1,0 +1,202 @@
+"""The weight audit (exporter/verify/checks/weights.py): every family's clean export passes it; each weight fault
+written into a copy of an artifact (its manifest re-signed) fails it, naming the parameter, in float32 and
+float16, inline and in the shared weights file; and verify's verdict and reports carry it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from xml.etree import ElementTree as ET
+
+import numpy as np
+import onnx
+import pytest
+from helpers import edit_graphs, edit_weights, graph_weight, read_weight, run_cli
+from onnx import numpy_helper
+
+from exporter import ParitySettings, verify_artifact
+from exporter.artifact.folder import Artifact
+from exporter.verify.checks.weights import audit_weights
+from exporter.verify.references.model_source import rebuild_reference
+from exporter.verify.reports import format_verify, render_junit
+
+CLEAN = {  # fixture names: artifact, reference model
+    "minimind-3 float32": ("artifact_fp32", "tiny_model"),
+    "minimind-3 float16": ("artifact_fp16", "tiny_model"),
+    "minimind-3 hidden 256, norms in the weights file": ("wide_artifact", "wide_model"),
+    "minimind-3 MoE + YaRN (dense)": ("moe3_dense_artifact", "moe3_dense_model"),
+    "minimind-3 MoE + YaRN float16 (sparse)": ("moe3_artifact_fp16", "moe3_model"),
+    "MiniMind2 MoE (sparse)": ("moe2_artifact", "moe2_model"),
+    "teaching GPT": ("gpt_artifact", "gpt_model"),
+    "seed 001 demo (bring your own)": ("byo_artifact", "byo_adapter"),
+}
+
+
+def _clean(audit, computed_tables: int) -> None:
+    assert audit.passed, [g.detail for g in audit.graphs]
+    for graph in audit.graphs:
+        assert graph.weights == graph.matched > 0 and graph.carried == graph.parameters > 0, graph.summary
+        assert graph.constants == computed_tables, graph.summary
+
+
+@pytest.mark.parametrize("family", CLEAN)
+def test_a_clean_export_of_every_family_passes_the_weight_audit(family, request):
+    artifact, model = (request.getfixturevalue(name) for name in CLEAN[family])
+    audit = audit_weights(Artifact.open(artifact), model)
+    _clean(audit, computed_tables=0 if family.startswith(("teaching", "seed")) else 1)  # minimind: RoPE frequencies
+    prefill = audit.graphs[0]
+    if "float16" in family and "MoE" not in family:  # minimind-3 scales by its norm weights in float32
+        assert prefill.upcast == 2 * 4 + 1, prefill.summary  # per layer two RMSNorms, q_norm, k_norm; the final
+    if family == "teaching GPT":  # untied lm_head and every Linear without Gemm: read transposed by MatMul
+        assert prefill.transposed == 2 * (3 * 4 + 3) + 1, prefill.summary
+
+
+def test_a_minimind2_checkpoint_export_passes_the_weight_audit(minimind2_artifact):
+    """Exported from a float16 .pth through the CLI; the reference is rebuilt from that checkpoint."""
+    artifact = Artifact.open(minimind2_artifact)
+    _clean(audit_weights(artifact, rebuild_reference(minimind2_artifact, artifact.manifest)), computed_tables=1)
+
+
+def _largest(values: np.ndarray) -> tuple:
+    """The index of the element of largest magnitude: one that any relative change moves, float16 included."""
+    return np.unravel_index(int(np.argmax(np.abs(values))), values.shape)
+
+
+def _scaled(index, factor: float):
+    def change(values):
+        values[index if index is not None else _largest(values)] *= factor
+        return values
+
+    return change
+
+
+def _swap(folder, a: str, b: str) -> dict:
+    first, second = read_weight(folder, a), read_weight(folder, b)
+    return {a: lambda _: second, b: lambda _: first}
+
+
+# fault -> (the modules' weights edited, how, the parameters the audit must name)
+FAULTS = {
+    "one channel of a norm x 1.01": (
+        lambda f: {"model.layers.1.post_attention_layernorm": _scaled(5, 1.01)},
+        {"model.layers.1.post_attention_layernorm.weight"},
+    ),
+    "one v_proj weight x 1.05": (
+        lambda f: {"model.layers.0.self_attn.v_proj": _scaled(None, 1.05)},
+        {"model.layers.0.self_attn.v_proj.weight"},
+    ),
+    "one down_proj weight x 1.1": (
+        lambda f: {"model.layers.1.mlp.down_proj": _scaled(None, 1.1)},
+        {"model.layers.1.mlp.down_proj.weight"},
+    ),
+    "one embedding row x 1.01": (
+        lambda f: {"model.embed_tokens": _scaled(7, 1.01)},
+        {"model.embed_tokens.weight"},
+    ),
+    "q_norm <-> k_norm swapped": (
+        lambda f: _swap(f, "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"),
+        {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"},
+    ),
+}
+FAULTED = {  # artifact fixture, its model
+    "float32": ("artifact_fp32", "tiny_model"),
+    "float16": ("artifact_fp16", "tiny_model"),
+    "float32, norms in the weights file": ("wide_artifact", "wide_model"),
+}
+
+
+def _copy(request, tmp_path, kind: str):
+    artifact, model = (request.getfixturevalue(name) for name in FAULTED[kind])
+    return shutil.copytree(artifact, tmp_path / artifact.name), model
+
+
+@pytest.mark.parametrize("kind", FAULTED)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_weight_fault_fails_the_audit_naming_its_parameter(fault, kind, request, tmp_path):
+    folder, model = _copy(request, tmp_path, kind)
+    changes, named = FAULTS[fault]
+    edit_weights(folder, changes(folder))
+    audit = audit_weights(Artifact.open(folder), model)  # opened with every hash checked: the manifest re-signed
+    assert not audit.passed
+    for graph in audit.graphs:  # both graphs read the edited tensor
+        assert {f.parameter for f in graph.findings} == named, graph.detail
+        assert {f.problem for f in graph.findings} == ({"misplaced"} if "swapped" in fault else {"differs"})
+    if fault == "one v_proj weight x 1.05":
+        [finding] = audit.graphs[0].findings
+        assert "1 of " in finding.detail and "× 1.05" in finding.detail, finding.detail
+
+
+def test_the_wide_artifact_keeps_its_norms_in_the_weights_file_and_passes_verify(wide_artifact, wide_model):
+    model = onnx.load(str(wide_artifact / "prefill.onnx"), load_external_data=False)
+    for norm in ("model.layers.0.self_attn.q_norm", "model.layers.1.input_layernorm", "model.norm"):
+        assert graph_weight(model, norm).data_location == onnx.TensorProto.EXTERNAL, norm
+    report = verify_artifact(wide_artifact, wide_model, ["cpu"], ParitySettings(decode_steps=8, sweep=False))
+    assert report.passed, format_verify(report)
+    assert report.weights.passed and report.weights.graphs[0].carried == 2 * 11 + 2  # per layer 11; embedding, norm
+
+
+def test_a_stray_initializer_and_a_dropped_norm_fail_the_audit(artifact_fp32, tiny_model, tmp_path):
+    stray = shutil.copytree(artifact_fp32, tmp_path / "stray")
+    noise = np.random.default_rng(0).uniform(0.5, 1.5, 64).astype(np.float32)  # a norm weight of no layer
+    edit_graphs(stray, lambda graph: graph.initializer.append(numpy_helper.from_array(noise, "stray")))
+    audit = audit_weights(Artifact.open(stray), tiny_model)
+    for graph in audit.graphs:
+        [finding] = graph.findings
+        assert (finding.problem, finding.initializer, finding.parameter) == ("unmatched", "stray", ""), finding
+
+    # The final norm dropped: its Mul reads a one-element 1.0 in place of the weight, which is removed.
+    dropped = shutil.copytree(artifact_fp32, tmp_path / "dropped")
+
+    def drop(graph):
+        name = graph_weight(onnx.ModelProto(graph=graph), "model.norm").name
+        [index] = [i for i, tensor in enumerate(graph.initializer) if tensor.name == name]
+        del graph.initializer[index]
+        graph.initializer.append(numpy_helper.from_array(np.ones((), np.float32), "one"))
+        for node in graph.node:
+            node.input[:] = ["one" if value == name else value for value in node.input]
+
+    edit_graphs(dropped, drop)
+    audit = audit_weights(Artifact.open(dropped), tiny_model)
+    for graph in audit.graphs:
+        [finding] = graph.findings
+        assert (finding.problem, finding.parameter) == ("missing", "model.norm.weight"), finding
+
+
+def test_verify_fails_a_float16_weight_fault_and_every_report_names_the_parameter(artifact_fp16, tmp_path):
+    """A weight off by 5% in a float16 export: the command exits 1, and the text, JSON and JUnit reports name
+    the parameter."""
+    folder = shutil.copytree(artifact_fp16, tmp_path / "fp16")
+    edit_weights(folder, {"model.layers.0.self_attn.v_proj": _scaled(None, 1.05)})
+    junit = tmp_path / "report.xml"
+    result = run_cli(
+        "verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--json", "--junit", junit, "-q"
+    )
+    assert result.exit_code == 1, result.output
+    document = json.loads(result.stdout)
+    audit = document["weight_audit"]
+    assert document["passed"] is False and audit["passed"] is False
+    for graph in audit["graphs"]:
+        [finding] = graph["findings"]
+        assert finding["parameter"] == "model.layers.0.self_attn.v_proj.weight", finding
+    [suite] = [s for s in ET.parse(junit).getroot() if s.get("name") == "weight audit"]
+    assert suite.get("failures") == "2" and "v_proj.weight" in suite.find(".//failure").text
+
+
+def test_the_text_report_shows_the_audit_and_each_finding(full, tiny_model, artifact_fp32, tmp_path):
+    import dataclasses
+
+    report, _ = full
+    text = format_verify(report)
+    assert "weight audit (every initializer against the PyTorch model's parameters)" in text
+    [row] = [line for line in text.splitlines() if line.startswith("prefill.onnx ")]
+    assert row.split()[-1] == "pass" and "24 of 24 parameters carried" in row, row
+    folder = shutil.copytree(artifact_fp32, tmp_path / "fp32")
+    edit_weights(folder, {"model.layers.1.mlp.down_proj": _scaled(None, 1.1)})
+    broken = dataclasses.replace(report, weights=audit_weights(Artifact.open(folder), tiny_model))
+    text = format_verify(broken)
+    assert not broken.passed and text.split("\n")[-1].startswith("overall: FAIL")
+    rows = [line for line in text.splitlines() if "differs: model.layers.1.mlp.down_proj.weight differs" in line]
+    assert len(rows) == 2 and all(row.endswith("FAIL") for row in rows), text
+    suites = ET.fromstring(render_junit(broken))
+    [suite] = [s for s in suites if s.get("name") == "weight audit"]
+    assert suite.get("failures") == "2"

@@ -412,7 +412,7 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
     [
         (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
         (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
-        (["FILE"], "error: output folder FILE is a file; give the path of a folder (--output)"),
+        (["FILE"], "error: output folder FILE is a file; give the path of a folder (`folder`)"),
     ],
     ids=["an unknown option", "two folders", "a file as the folder"],
 )

@@ -287,6 +287,9 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
+    (folder / "manifest.json").write_bytes(manifest.encode() + b"\xff")  # was UnicodeDecodeError, exit 3
+    for command in (["inspect", folder], ["generate", folder, "--prompt-ids", "1"]):
+        refused(run_cli(*command), "manifest.json is unreadable (UnicodeDecodeError")
     refused(
         run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit"
     )
@@ -900,3 +903,58 @@ def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text('{"version": "1.0", ' + (tiny_tokenizer / "tokenizer.json").read_text()[1:])
     assert find_tokenizer(tokenizer, tiny_config.vocab_size).max_id == tiny_config.vocab_size - 1
+
+
+def _undecodable(parent: Path, name: str) -> Path:
+    """parent/name followed by the byte 0xff, which is no UTF-8 (a name Latin-1 tools write); skipped where the file
+    system refuses such a name."""
+    path = parent / os.fsdecode(os.fsencode(name) + b"\xff")
+    try:
+        path.mkdir()
+        path.rmdir()
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    return path
+
+
+def test_an_artifact_path_that_is_no_utf8_is_refused_in_one_line(artifact_fp32, tmp_path):
+    # onnxruntime's binding takes a path as UTF-8 and refused this one as an argument of the wrong type: exit 3.
+    folder = shutil.copytree(artifact_fp32, _undecodable(tmp_path, "art"))
+    fragment = "holds the byte 0xff, which is no UTF-8, and onnx and onnxruntime take only UTF-8 paths; rename it"
+    for command in (
+        ["generate", folder, "--prompt-ids", "1,2"],
+        ["generate", artifact_fp32, "--prompt-ids", "1,2", "--save-optimized", tmp_path / "opt\udcff"],
+        ["verify", folder, "--no-sweep", "--decode-steps", "1"],
+        ["verify", artifact_fp32, "--fp16-companion", folder],
+    ):
+        result = run_cli(*command, "--json")
+        refused(result, fragment)
+        assert "\\xff" in json.loads(result.stdout)["error"]["message"]  # shown as \xff, not a lone surrogate
+    assert not (tmp_path / "opt\udcff").exists()
+    # the library too, where it hands the path to onnxruntime
+    from exporter.artifact.folder import Artifact
+    from exporter.errors import ArtifactError
+    from exporter.runtime.runner import OrtRunner
+
+    with pytest.raises(ArtifactError, match="holds the byte 0xff"):
+        OrtRunner(Artifact.open(folder))
+    # inspect reads the folder in Python, which takes any name the file system does
+    assert run_cli("inspect", folder).exit_code == 0
+
+
+def test_an_export_folder_that_is_no_utf8_is_refused_before_the_export(tmp_path, monkeypatch):
+    # The whole export ran, and then onnx.checker refused the path ("incompatible function arguments"), exit 2.
+    import exporter.export.pipeline
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the export was built")
+
+    monkeypatch.setattr(exporter.export.pipeline, "_build", no_build)
+    output = _undecodable(tmp_path, "out")
+    for command in (["export", "-o", output], ["run", "-o", output], ["export", "-o", output / "artifact"]):
+        refused(
+            run_cli(*command, "--preset", "minimind-3-tiny", "-q"),
+            "holds the byte 0xff, which is no UTF-8, and onnx and onnxruntime take only UTF-8 paths; choose an "
+            "output folder whose path is UTF-8 (--output)",
+        )
+    assert list(tmp_path.iterdir()) == []

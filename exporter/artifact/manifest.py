@@ -198,7 +198,7 @@ def _initializer_problem(manifest: Manifest) -> str | None:
 def listed_files(folder: Path) -> set[str] | None:
     """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
     try:
-        data = json.loads((folder / MANIFEST).read_text())
+        data = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
         if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
             return {MANIFEST, *data["files"]}
     except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
@@ -220,14 +220,14 @@ def load_manifest(folder: Path) -> Manifest:
             f"{folder} has no {MANIFEST}; it is not an artifact folder (export one with 'export-onnx export')"
         )
     try:
-        text = path.read_text()
+        content = path.read_bytes()
     except OSError as exc:  # unreadable to this user: the artifact's files to fix (exit 2), not an internal error
         raise ArtifactError(
             f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
             "files, or re-export the folder"
         ) from None
     try:
-        data = json.loads(text)
+        data = json.loads(content.decode("utf-8"))  # JSON is UTF-8 whatever the locale; a stray byte is damage
         manifest = Manifest.from_dict(data) if isinstance(data, dict) else None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         detail = f"no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"

@@ -31,6 +31,37 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
         ) from None
 
 
+def shown_path(path) -> str:
+    """`path` as a message shows it: a byte of its name that is no UTF-8 as \\xNN, which any terminal and any JSON
+    reader takes (Python holds such a byte as a lone surrogate, which a UTF-8 stream refuses)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+# What to do about a path that is no UTF-8 (check_text_path).
+TEXT_PATH_FIX = "rename it, or reach it by a symbolic link whose path is UTF-8 (ln -s)"
+
+
+def check_text_path(path, what: str, fix: str, error: type[ToolkitError] = ToolkitError) -> None:
+    """`path` is UTF-8 text, as onnx and onnxruntime (and onnxruntime-genai, tokenizers, safetensors) need: their
+    bindings hand the file system the path's UTF-8 encoding, and refuse a name that the file system allows but
+    that is no UTF-8 (a byte such as 0xff, which Python holds as a lone surrogate) as an argument of the wrong type.
+
+    Args:
+        path: the path (str, bytes or os.PathLike).
+        what: what the message calls it ("artifact folder", "--tokenizer").
+        fix: what to do, the message's last clause.
+        error: the ToolkitError subclass raised.
+    """
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{what} {shown_path(path)} holds the byte 0x{raw[exc.start]:02x}, which is no UTF-8, and onnx and "
+            f"onnxruntime take only UTF-8 paths; {fix}"
+        ) from None
+
+
 def check_outside_artifact(path, flag: str, folder) -> None:
     """A path this command writes must not lie in the artifact folder it reads (it would change it), nor in another
     one, whose integrity check would then fail on a file its manifest does not list."""

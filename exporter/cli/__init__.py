@@ -51,7 +51,13 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 
 import click  # after the handlers above, as every import below
 
-from exporter.artifact.paths import check_output_path, check_outside_artifact, read_json_object
+from exporter.artifact.paths import (
+    TEXT_PATH_FIX,
+    check_output_path,
+    check_outside_artifact,
+    check_text_path,
+    read_json_object,
+)
 from exporter.cli.document import error_document
 from exporter.cli.options import (
     PathOption,
@@ -353,7 +359,9 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
             f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
             f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}"
         )
+    check_text_path(folder, "artifact folder", TEXT_PATH_FIX)
     if save_optimized is not None:
+        check_text_path(save_optimized, "--save-optimized", TEXT_PATH_FIX)
         check_output_path(save_optimized, "--save-optimized", folder=True)
         check_outside_artifact(save_optimized, "--save-optimized", folder)
 

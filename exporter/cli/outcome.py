@@ -36,7 +36,7 @@ class ProgressHandler(logging.Handler):
         self.start = time.perf_counter()
 
     def emit(self, record):
-        click.echo(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}", err=True)
+        click.echo(printable(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}"), err=True)
         if record.exc_info:  # --verbose: the traceback of a failure
             click.echo(logging.Formatter().formatException(record.exc_info), err=True)
 
@@ -176,7 +176,7 @@ def missing_dependency(exc: ImportError) -> None:
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
-    message = in_flags(message)
+    message = printable(in_flags(message))
     click.echo(_PREFIX[kind] + message, err=True)
     error = error_document(kind, message, code)
     if state.owed_reports:
@@ -297,11 +297,21 @@ def setup_logging(verbose: bool, quiet: bool) -> None:
         logging.getLogger(library).setLevel(logging.WARNING)
 
 
+# A byte of a path that is no UTF-8, as Python holds it: a lone surrogate, U+DC80 to U+DCFF (PEP 383).
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def printable(text: str) -> str:
+    """`text` with each byte of a path that is no UTF-8 written as \\xNN: a stream that encodes strictly (stdout in
+    a UTF-8 locale, click's test runner) refuses the lone surrogate Python holds it as."""
+    return _ESCAPED_BYTE.sub(lambda match: f"\\x{ord(match[0]) - 0xDC00:02x}", text)
+
+
 def echo_result(text: str, nl: bool = True) -> None:
     """Print (part of) the result on stdout. A stdout that cannot take it (a full disk) is the user's to fix, not an
     internal error: an input error, exit 2. A closed pipe (BrokenPipeError) stays the quiet 141."""
     try:
-        click.echo(text, nl=nl)
+        click.echo(printable(text), nl=nl)
     except BrokenPipeError:
         raise
     except OSError as exc:

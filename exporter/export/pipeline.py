@@ -35,7 +35,7 @@ from exporter.artifact.consumers import write_consumer_files
 from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
-from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done
+from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
@@ -397,6 +397,8 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
 def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
+    # onnx.checker takes the path of the graphs it checks, as UTF-8: the export would be spent before it failed
+    check_text_path(folder, "output folder", "choose an output folder whose path is UTF-8 (`folder`)", OutputPathError)
     try:
         check_output_path(folder, "output folder", folder=True)
     except OutputPathError as exc:  # named as this function's other refusals name it

@@ -958,3 +958,42 @@ def test_an_export_folder_that_is_no_utf8_is_refused_before_the_export(tmp_path,
             "output folder whose path is UTF-8 (--output)",
         )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETPIPE_SZ"), reason="needs Linux's pipe sizes")
+def test_an_interrupt_while_the_json_result_is_written_leaves_it_whole(artifact_fp32):
+    # A SIGINT while the document filled a slow reader's pipe: stdout held the document cut mid-string, then the
+    # error object, which parses as neither. It is now written to its end, and no error object follows it.
+    import array
+    import fcntl
+    import termios
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # the inspect document (13 kB) fills it three times
+    size = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+    command = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "inspect", str(artifact_fp32), "--json"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write_end)
+
+    def unread() -> int:
+        count = array.array("i", [0])
+        fcntl.ioctl(read_end, termios.FIONREAD, count)
+        return count[0]
+
+    deadline = time.monotonic() + 120
+    while unread() < size and command.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert unread() == size, "the document did not fill the pipe"  # the command waits in its write: interrupt it
+    command.send_signal(signal.SIGINT)
+    stdout = b""
+    while chunk := os.read(read_end, 1 << 16):
+        stdout += chunk
+    os.close(read_end)
+    _, stderr = command.communicate(timeout=60)
+    assert command.returncode == 130 and stderr == "interrupted (SIGINT)\n", stderr
+    document = json.loads(stdout)
+    assert document["file_status"]["weights.onnx.data"] == "ok" and "error" not in document

@@ -997,3 +997,16 @@ def test_an_interrupt_while_the_json_result_is_written_leaves_it_whole(artifact_
     assert command.returncode == 130 and stderr == "interrupted (SIGINT)\n", stderr
     document = json.loads(stdout)
     assert document["file_status"]["weights.onnx.data"] == "ok" and "error" not in document
+
+
+def test_inspect_of_a_folder_an_export_killed_in_its_swap_points_to_the_artifact_moved_aside(artifact_fp32, tmp_path):
+    # kill -9 between the swap's two renames: inspect said only "does not exist".
+    folder = tmp_path / "art"
+    aside = shutil.copytree(artifact_fp32, tmp_path / ".art.old-999999-abc" / "art")
+    hint = f"an export stopped while swapping it left the earlier artifact in {aside}: move it back to {folder}"
+    for command in (["inspect", folder], ["generate", folder, "--prompt-ids", "1"]):
+        refused(run_cli(*command), f"{folder} does not exist; pass an artifact folder written by")
+        refused(run_cli(*command), hint)
+    folder.mkdir()
+    refused(run_cli("inspect", folder), f"{folder} has no manifest.json; it is not an artifact folder")
+    refused(run_cli("inspect", folder), hint)

@@ -680,6 +680,58 @@ def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_pu
     ]
 
 
+def _killed_in_the_swap(artifact_fp32, folder: Path) -> Path:
+    """What an export killed between the swap's two renames leaves: the earlier artifact (a copy of artifact_fp32)
+    moved aside into .NAME.old-PID-*, its own complete build in .NAME.partial-PID-*, and no `folder`."""
+    dead = _dead_pid()
+    aside = shutil.copytree(artifact_fp32, folder.parent / f".{folder.name}.old-{dead}-abc" / folder.name)
+    shutil.copytree(artifact_fp32, folder.parent / f".{folder.name}.partial-{dead}-def")
+    return aside
+
+
+def test_an_export_interrupted_after_a_killed_swap_keeps_the_earlier_artifact(artifact_fp32, tiny_model, tmp_path):
+    # The folder made again (empty) after the kill: the next export removed .art.old-* before building, and a
+    # Ctrl-C during its build left the folder empty, the only complete copy of the earlier artifact deleted.
+    folder = tmp_path / "art"
+    _killed_in_the_swap(artifact_fp32, folder)
+    folder.mkdir()
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_module, "_build", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            export_artifact(tiny_model, folder)
+    assert read_manifest(folder) == read_manifest(artifact_fp32)  # put back, every hash checked
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_an_earlier_artifact_moved_aside_is_removed_only_once_a_new_one_is_in_place(
+    artifact_fp32, tiny_model, tmp_path, monkeypatch
+):
+    # The folder holds another artifact since the kill: the one moved aside is kept while an export builds, and
+    # removed only once that export's artifact is in place.
+    folder = tmp_path / "art"
+    aside = _killed_in_the_swap(artifact_fp32, folder)
+    shutil.copytree(artifact_fp32, folder)
+    (folder / "config.json").unlink()  # damaged: the copy moved aside may be the only complete one
+    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
+    build = export_module._build
+
+    def build_then_check(*args, **kwargs):
+        assert read_manifest(aside) == read_manifest(artifact_fp32)  # still there while the new one is built
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_build", build_then_check)
+    monkeypatch.setattr(  # skip the slow torch export: reuse the graphs
+        export_module, "_torch_export", lambda module, args, names, contract: copy.deepcopy(protos[contract.file])
+    )
+    export_artifact(tiny_model, folder)
+    read_manifest(folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
 def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model, monkeypatch):
     protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
     monkeypatch.setattr(

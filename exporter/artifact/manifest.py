@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -213,11 +214,14 @@ def load_manifest(folder: Path) -> Manifest:
     folder = Path(folder)
     if not folder.is_dir():
         found = "is a file, not a folder" if folder.exists() else "does not exist"
-        raise ArtifactError(f"{folder} {found}; pass an artifact folder written by 'export-onnx export'")
+        raise ArtifactError(
+            f"{folder} {found}; pass an artifact folder written by 'export-onnx export'{_moved_aside_hint(folder)}"
+        )
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(
             f"{folder} has no {MANIFEST}; it is not an artifact folder (export one with 'export-onnx export')"
+            + _moved_aside_hint(folder)
         )
     try:
         content = path.read_bytes()
@@ -238,6 +242,24 @@ def load_manifest(folder: Path) -> Manifest:
     if problem:
         raise ArtifactError(f"{path} is inconsistent: {problem}; re-export the folder")
     return manifest
+
+
+def _moved_aside_hint(folder: Path) -> str:
+    """Where an export killed in its swap (between moving the earlier artifact aside, into the hidden sibling
+    .NAME.old-*, and moving the new one in) left the artifact that was at `folder`, as a message's last clause;
+    '' when no such folder is there."""
+    try:
+        pattern = f".{glob.escape(folder.name)}.old-*/{glob.escape(folder.name)}/{MANIFEST}"
+        found = sorted(folder.parent.glob(pattern))
+    except (OSError, ValueError):  # a parent this user may not read; a path without a name
+        found = []
+    if not found or not folder.name:
+        return ""
+    aside = found[-1].parent
+    return (
+        f"; an export stopped while swapping it left the earlier artifact in {aside}: move it back to {folder}, "
+        "or export there again, which puts it back first"
+    )
 
 
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:

@@ -469,21 +469,43 @@ def _process_running(pid: int) -> bool:
     return True
 
 
-def _clear_interrupted(folder: Path) -> None:
-    """Remove the hidden folders that an export stopped where no cleanup could run (SIGKILL, SIGHUP, a power cut)
-    left beside `folder`; those of a running export are left alone. One killed between the two renames of the
-    swap had moved the earlier artifact aside: that artifact is put back first."""
+def _clear_interrupted(folder: Path) -> list[Path]:
+    """Clear the hidden folders that an export stopped where no cleanup could run (SIGKILL, SIGHUP, a power cut)
+    left beside `folder`; those of a running export are left alone. One killed between the two renames of the swap
+    had moved the earlier artifact aside, into .NAME.old-*: that artifact is put back first where `folder` is
+    missing or an empty folder (made since). Returns the .NAME.old-* folders that still hold something (an earlier
+    artifact whose place another has taken), which the caller removes only once its new artifact is in place: what
+    may be the only complete copy is never deleted before another is."""
     pattern = re.compile(rf"\.{re.escape(folder.name)}\.(partial|old)-(\d+)-[^/]+")
-    for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.*-*"):
+    kept = []
+    for leftover in sorted(folder.parent.glob(f".{glob.escape(folder.name)}.*-*")):
         match = pattern.fullmatch(leftover.name)
         if match is None or _process_running(int(match[2])):
             continue
-        if match[1] == "old" and (leftover / folder.name).is_dir() and not os.path.lexists(folder):
-            os.rename(leftover / folder.name, folder)
-            log.warning("put back %s, which an interrupted export had moved aside to %s", folder.name, leftover.name)
-        shutil.rmtree(leftover, ignore_errors=True)
-        if not leftover.exists():
-            log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
+        if match[1] == "old" and (leftover / folder.name).is_dir():
+            if _vacant(folder):
+                if os.path.lexists(folder):
+                    folder.rmdir()
+                os.rename(leftover / folder.name, folder)
+                log.warning("put back %s, which an interrupted export moved aside to %s", folder.name, leftover.name)
+            else:
+                kept.append(leftover)
+                continue
+        _remove_leftover(leftover, folder)
+    return kept
+
+
+def _vacant(folder: Path) -> bool:
+    """Nothing at `folder`, or an empty folder (no link): where an artifact moved aside can be put back."""
+    if not os.path.lexists(folder):
+        return True
+    return folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
+
+
+def _remove_leftover(leftover: Path, folder: Path) -> None:
+    shutil.rmtree(leftover, ignore_errors=True)
+    if not leftover.exists():
+        log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
 
 
 def _move_into_place(built: Path, folder: Path) -> None:
@@ -635,7 +657,7 @@ def export_artifact(
     with parents_removed_unless_done(folder):
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
-            _clear_interrupted(folder)
+            moved_aside = _clear_interrupted(folder)
             built = _hidden_sibling(folder, "partial")
         except OSError as exc:
             raise _write_failed(folder, exc) from None
@@ -646,6 +668,8 @@ def export_artifact(
             manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
             with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
                 _move_into_place(built, folder)
+            for leftover in moved_aside:  # earlier artifacts, once this one is in place
+                _remove_leftover(leftover, folder)
         except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
             raise _write_failed(folder, exc) from None
         finally:

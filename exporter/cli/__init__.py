@@ -556,11 +556,13 @@ def generate(
 def inspect(folder, as_json, quiet, verbose):
     """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
 
-    A damaged folder (a file missing, or not the size or sha256 its manifest lists, or a graph without the
-    inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line
+    A damaged folder (a file missing, or not the size or sha256 its manifest lists, a graph without the
+    inputs, outputs or opset its manifest lists, or a consumer config giving other ids or sizes than its
+    manifest's model config) is shown too, then exits 2; an unreadable manifest is a one-line
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.consumers import sidecar_differences
     from exporter.artifact.folder import graph_state
     from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
     from exporter.cli.export_report import format_inspect
@@ -571,6 +573,9 @@ def inspect(folder, as_json, quiet, verbose):
         for contract in (manifest.prefill, manifest.decode):
             if status.get(contract.file) == "ok":  # intact bytes, which a re-listed hash does not make the right graph
                 status[contract.file] = graph_state(folder / contract.file, manifest, contract)
+        for name, differences in sidecar_differences(folder, manifest).items():
+            if status.get(name) == "ok":  # intact bytes, which a re-listed hash does not make the model's ids
+                status[name] = ", ".join(differences)
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong

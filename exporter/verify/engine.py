@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
+from exporter.artifact.consumers import GENAI_CONFIG, check_sidecars, genai_eos_token_id, genai_unsupported
 from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, config_differences, unchanged_while_read
 from exporter.artifact.paths import check_outside_artifact
@@ -420,6 +420,7 @@ def _plan(
         )
     artifact = open_artifact(artifact)  # first: it refuses a folder that is no path
     folder, manifest = artifact.folder, artifact.manifest
+    check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] would verify nothing, and the report would fail
@@ -541,7 +542,8 @@ def verify_artifact(
         InputError: a model of another family or config, both model and golden, golden_save without a model.
         ProviderError: a provider that is unknown or not available.
         ConsumerError: genai=True where the onnxruntime-genai check cannot run.
-        ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one.
+        ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one; a consumer config
+            giving other ids or sizes than the manifest's model config is damage too.
     """
     start = time.perf_counter()
     folder = artifact.folder if isinstance(artifact, Artifact) else artifact

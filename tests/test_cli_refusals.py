@@ -1010,3 +1010,59 @@ def test_inspect_of_a_folder_an_export_killed_in_its_swap_points_to_the_artifact
     folder.mkdir()
     refused(run_cli("inspect", folder), f"{folder} has no manifest.json; it is not an artifact folder")
     refused(run_cli("inspect", folder), hint)
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that blocks (a read of a FIFO no one writes) after 60 s, rather than hang the suite."""
+
+    def blocked(signum, frame):
+        raise AssertionError("blocked reading a file")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _special_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A file the option readers must refuse without reading it all (or waiting on it), and the refusal's words."""
+    if kind == "device":
+        return Path("/dev/zero"), "is a device, not a regular file: reading it may never end"
+    if kind == "fifo":
+        path = tmp_path / "pipe.json"
+        os.mkfifo(path)
+        return path, "is a FIFO (a named pipe), not a regular file: reading it would wait for a writer"
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as file:
+        file.truncate((16 << 20) + 1)  # sparse: no disk spent
+    return path, "holds more than 16 MiB, the most this reads of it"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(), reason="needs FIFOs and /dev/zero")
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_an_option_file_that_is_no_regular_file_or_too_large_is_refused_unread(artifact_fp32, tmp_path, alarm, kind):
+    # --config /dev/zero and --tolerances /dev/zero read until memory ran out (MemoryError, exit 3); a FIFO blocked.
+    path, reason = _special_file(tmp_path, kind)
+    out = tmp_path / "out"
+    refused(
+        run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", path, "-o", out, "-q"),
+        f"--config {path} {reason}; pass a JSON object of config fields",
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--tolerances", path, "-q"),
+        f"tolerance file {path} {reason}; give a JSON or .toml file",
+    )
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_checkpoint_that_is_a_fifo_is_refused_rather_than_waited_on(tmp_path, alarm):
+    # `--checkpoint` naming a FIFO blocked silently, waiting for a writer.
+    fifo = tmp_path / "model.pth"
+    os.mkfifo(fifo)
+    refused(
+        run_cli("export", "--checkpoint", fifo, "-o", tmp_path / "out", "-q"),
+        f"checkpoint {fifo} is no regular file (a FIFO, a device or a socket), which would be read without end",
+    )

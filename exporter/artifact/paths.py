@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 import tomllib
 from collections.abc import Callable
@@ -214,6 +215,44 @@ def _refuse_repeated_keys(pairs: list) -> dict:
     return data
 
 
+# The most bytes read_json_file reads of a file. A config or tolerance file holds a few dozen fields (kilobytes): a
+# file far past that is a mistake (a device such as /dev/zero, a weights file given as a config), which is refused
+# at this size rather than read into memory until it runs out.
+JSON_FILE_LIMIT = 16 << 20
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.0f} MiB" if count >= 1 << 20 else f"{count} bytes"
+
+
+class _NotReadable(Exception):
+    """A file that _read_bounded refuses, with why."""
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file at `path` (through links), at most `limit` of them.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        _NotReadable: it is no regular file (a FIFO, whose open and read would wait for a writer; a device, which
+            may never end), or it holds more than `limit` bytes; its message is a predicate ("is a FIFO ...").
+    """
+    # O_NONBLOCK: opening a FIFO would wait for a writer before fstat could refuse it; a regular file ignores it
+    handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(handle, "rb") as file:
+        mode = os.fstat(handle).st_mode
+        if stat.S_ISFIFO(mode):
+            raise _NotReadable("is a FIFO (a named pipe), not a regular file: reading it would wait for a writer")
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            raise _NotReadable("is a device, not a regular file: reading it may never end")
+        if not stat.S_ISREG(mode):
+            raise _NotReadable("is not a regular file")
+        content = file.read(limit + 1)
+    if len(content) > limit:
+        raise _NotReadable(f"holds more than {_size(limit)}, the most this reads of it")
+    return content
+
+
 def read_json_object(
     path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
 ) -> dict:
@@ -235,7 +274,13 @@ def read_json_object(
 
 
 def read_json_file(
-    path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
+    path: Path,
+    error: type[ToolkitError],
+    what: str,
+    fix: str,
+    toml: bool = False,
+    repeated_keys: bool = False,
+    limit: int = JSON_FILE_LIMIT,
 ) -> tuple[bytes, dict]:
     """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them.
 
@@ -246,6 +291,7 @@ def read_json_file(
         fix: what to do, the message's last clause.
         toml: read a file whose name ends in .toml as TOML.
         repeated_keys: take a key given twice at its last value rather than refuse it.
+        limit: the most bytes the file may hold; a file that is no regular file is refused too.
 
     Returns:
         (the file's bytes, the object they hold).
@@ -253,7 +299,12 @@ def read_json_file(
     path = Path(path)
     kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
     try:
-        content = path.read_bytes()
+        content = _read_bounded(path, limit)
+    except _NotReadable as exc:
+        raise error(f"{what} {path} {exc}; {fix}") from None
+    except OSError as exc:
+        raise error(f"{what} {path} is not a readable {kind} file ({exc.strerror or exc}); {fix}") from None
+    try:
         text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
         data = (
             tomllib.loads(text)

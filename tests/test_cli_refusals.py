@@ -1066,3 +1066,23 @@ def test_a_checkpoint_that_is_a_fifo_is_refused_rather_than_waited_on(tmp_path, 
         run_cli("export", "--checkpoint", fifo, "-o", tmp_path / "out", "-q"),
         f"checkpoint {fifo} is no regular file (a FIFO, a device or a socket), which would be read without end",
     )
+
+
+def test_a_weights_file_linked_from_outside_the_folder_is_damage_to_inspect_as_to_verify(artifact_fp32, tmp_path):
+    # inspect called the link ok, while onnxruntime (generate, verify) refuses weights read from outside the folder.
+    folder = shutil.copytree(artifact_fp32, tmp_path / "art")
+    outside = tmp_path / "elsewhere.data"
+    (folder / "weights.onnx.data").rename(outside)
+    (folder / "weights.onnx.data").symlink_to(outside)
+    state = f"a link out of the folder (to {outside}), where onnxruntime refuses to read weights"
+    fix = "copy the file into the folder in place of the link (cp --remove-destination TARGET LINK)"
+    result = run_cli("inspect", folder, "--json")
+    refused(result, f"{folder} is damaged: weights.onnx.data: {state}; {fix}")
+    assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == state
+    for command in (["generate", folder, "--prompt-ids", "1"], ["verify", folder, "--no-sweep"]):
+        refused(run_cli(*command), f"{folder}: weights.onnx.data is {state}; {fix}")
+    (folder / "weights.onnx.data").unlink()  # a link that stays inside the folder is read as the file
+    (folder / "data").mkdir()
+    outside.rename(folder / "data" / "w")
+    (folder / "weights.onnx.data").symlink_to(Path("data") / "w")
+    assert run_cli("inspect", folder).exit_code == 0

@@ -586,8 +586,58 @@ def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, gra
         return out
 
     monkeypatch.setattr(OrtRunner, graph, broken)
-    with pytest.raises(ExportFailed, match=match.format(last=last)):
+    with pytest.raises(ExportFailed, match=match.format(last=last)) as info:
         export_module._smoke_run(artifact_fp32, manifest)
+    assert "export float32" not in str(info.value)  # it is a float32 export
+
+
+@pytest.mark.parametrize(
+    "dtype, value, match",
+    [
+        (
+            "float32",
+            float("nan"),
+            "weight model.layers.1.mlp.down_proj.weight holds NaN or Inf, .*; check the checkpoint",
+        ),
+        ("float32", float("inf"), "weight model.layers.1.mlp.down_proj.weight holds NaN or Inf"),
+        (
+            "float16",
+            1e6,
+            r"weight model.layers.1.mlp.down_proj.weight holds values beyond float16's range \(\|x\| > 65504\), "
+            r'.*; export float32 \(`dtype="float32"`\)',
+        ),
+    ],
+)
+def test_weights_that_are_not_finite_are_refused_before_the_export(
+    tiny_model, tmp_path, monkeypatch, dtype, value, match
+):
+    # A NaN checkpoint was refused by the smoke run, after both exports (~30 s), suggesting "(or export float32)"
+    # for a float32 export too.
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = value
+    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    with pytest.raises(InputError, match=match) as info:
+        export_artifact(model, tmp_path / "art", dtype=dtype)
+    assert dtype == "float16" or "float32" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_holding_nan_is_refused_by_the_cli_before_the_export(tiny_model, tmp_path, monkeypatch):
+    from helpers import run_cli
+
+    state = {name: tensor.clone() for name, tensor in tiny_model.state_dict().items()}
+    state["model.norm.weight"][3] = float("nan")
+    torch.save(state, tmp_path / "nan.pth")
+    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    result = run_cli(
+        "export", "--checkpoint", tmp_path / "nan.pth", "--preset", "minimind-3-tiny", "-o", tmp_path / "a"
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        "error: weight model.norm.weight holds NaN or Inf, which every output the graphs compute from it would "
+        "hold; check the checkpoint (a diverged training run, or a damaged file)"
+    )
 
 
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):

@@ -273,6 +273,9 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
         raise ArtifactError(
             f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; re-export the folder"
         )
+    linked = [f"{name} is {state}" for name, state in status.items() if state.startswith(LINKED_OUT)]
+    if linked:
+        raise ArtifactError(f"{folder}: {'; '.join(linked)}; {LINKED_OUT_FIX}")
     resized = [f"{name} is {state}" for name, state in status.items() if state != "ok"]
     if resized:
         raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
@@ -324,6 +327,14 @@ def _folder_identity(folder) -> tuple | None:
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
+def _inside(path: Path, folder) -> bool:
+    """Whether `path`, through its links, lies inside `folder` (itself resolved)."""
+    try:
+        return Path(folder).resolve() in path.resolve().parents
+    except (OSError, RuntimeError):  # a loop of links: is_file said it is a file, so it cannot be one
+        return False
+
+
 def _replaced(folder) -> ArtifactError:
     return ArtifactError(
         f"{folder} was replaced while it was read (an export into it meanwhile?), so what was read "
@@ -332,16 +343,23 @@ def _replaced(folder) -> ArtifactError:
 
 
 UNREADABLE = "unreadable"
+LINKED_OUT = "a link out of the folder"
+# What to do about a weights file LINKED_OUT.
+LINKED_OUT_FIX = "copy the file into the folder in place of the link (cp --remove-destination TARGET LINK)"
 
 
 def file_status(folder: Path, manifest: Manifest, hashes: bool = True) -> dict:
-    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or, with hashes,
-    "sha256 differs" or "unreadable (why)"; what inspect shows of a damaged folder."""
+    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further), for the weights
+    file "a link out of the folder (to T), ..." or, with hashes, "sha256 differs" or "unreadable (why)"; what
+    inspect shows of a damaged folder, and what read_manifest refuses."""
     status = {}
     for name, entry in manifest.files.items():
         path = Path(folder) / name
         if not path.is_file():
             status[name] = "missing"
+        elif name == manifest.weights_file and not _inside(path, folder):
+            # onnxruntime reads a graph's external data only from within the graph's folder (through links too)
+            status[name] = f"{LINKED_OUT} (to {path.resolve()}), where onnxruntime refuses to read weights"
         elif path.stat().st_size != entry["bytes"]:
             status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
         elif not hashes:

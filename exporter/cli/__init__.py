@@ -564,7 +564,14 @@ def inspect(folder, as_json, quiet, verbose):
     setup_logging(verbose, quiet)
     from exporter.artifact.consumers import sidecar_differences
     from exporter.artifact.folder import graph_state
-    from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
+    from exporter.artifact.manifest import (
+        LINKED_OUT,
+        LINKED_OUT_FIX,
+        UNREADABLE,
+        file_status,
+        load_manifest,
+        unchanged_while_read,
+    )
     from exporter.cli.export_report import format_inspect
 
     with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
@@ -582,6 +589,8 @@ def inspect(folder, as_json, quiet, verbose):
         fix = (
             "let this user read the artifact's files, or re-export the folder"
             if any(state.startswith(UNREADABLE) for state in damaged.values())
+            else LINKED_OUT_FIX
+            if any(state.startswith(LINKED_OUT) for state in damaged.values())
             else "re-export the folder"
         )
         message = (

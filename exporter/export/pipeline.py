@@ -265,10 +265,11 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
                 f"length {length}; expected {(batch, length, vocab)}"
             )
         if not np.isfinite(out["logits"]).all():
+            # the weights were finite in this dtype (_check_finite_weights): the activations overflowed
+            fix = "check the checkpoint, or export float32" if manifest.dtype == "float16" else "check the checkpoint"
             raise ExportFailed(
                 f"smoke run: prefill gave non-finite logits (NaN or Inf) for batch {batch}, length "
-                f"{length}: the weights hold NaN/Inf or overflow {manifest.dtype}; check the "
-                "checkpoint (or export float32)"
+                f"{length}: the activations overflow {manifest.dtype}; {fix}"
             )
         decode_feeds = {
             "input_ids": ids[:, :1],
@@ -392,6 +393,27 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
         return copy.deepcopy(model, memo={id(t): t for t in tensors}).eval()
     return copy.deepcopy(model).to(dtype).eval()
+
+
+def _check_finite_weights(model: torch.nn.Module, exported: torch.nn.Module, dtype: str) -> None:
+    """InputError naming the first weight that holds NaN or Inf in `model`, or that `exported` (its copy in the
+    export's dtype) holds beyond that dtype's range: the graphs would compute NaN, which only the smoke run after
+    both exports would find. Parameters only: a buffer may hold -inf by design (a causal mask)."""
+    originals = dict(model.named_parameters())
+    for name, weight in exported.named_parameters():
+        if not weight.is_floating_point() or bool(torch.isfinite(weight).all()):
+            continue
+        original = originals.get(name, weight)
+        if original.dtype != weight.dtype and bool(torch.isfinite(original).all()):
+            limit = torch.finfo(weight.dtype).max
+            raise InputError(
+                f"weight {name} holds values beyond {dtype}'s range (|x| > {limit:g}), which become Inf in a "
+                f'{dtype} export; export float32 (`dtype="float32"`), or scale the weights'
+            )
+        raise InputError(
+            f"weight {name} holds NaN or Inf, which every output the graphs compute from it would hold; check "
+            "the checkpoint (a diverged training run, or a damaged file)"
+        )
 
 
 def _prepare_destination(folder: Path) -> None:
@@ -651,7 +673,9 @@ def export_artifact(
     _prepare_destination(folder)
     tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, config.vocab_size)
     start = time.perf_counter()
-    model = _copy_for_export(model, TORCH_DTYPES[dtype])
+    exported = _copy_for_export(model, TORCH_DTYPES[dtype])
+    _check_finite_weights(model, exported, dtype)  # before the exports, which take the time
+    model = exported
     share_tied_table(model)
 
     with parents_removed_unless_done(folder):

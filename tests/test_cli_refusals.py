@@ -629,14 +629,14 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
         "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files",
     )
     monkeypatch.setattr(exporter.artifact.manifest, "sha256_file", real_sha256)
-    real_read_text = pathlib.Path.read_text
+    real_read_bytes = pathlib.Path.read_bytes
 
-    def read_text(path, *args, **kwargs):
+    def read_bytes(path, *args, **kwargs):
         if path.name == "manifest.json":
             raise denied
-        return real_read_text(path, *args, **kwargs)
+        return real_read_bytes(path, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
     for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
 

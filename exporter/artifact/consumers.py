@@ -19,6 +19,7 @@ from pathlib import Path
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
+from exporter.artifact.paths import json_type
 from exporter.artifact.tokenizer import TOKENIZER, TokenizerSource, copy_tokenizer, minimal_tokenizer_config
 from exporter.errors import ArtifactError, first_line
 
@@ -399,7 +400,11 @@ def sidecar_differences(folder: Path, manifest: Manifest) -> dict[str, list[str]
     for name, document in documents.items():
         fields = _SIDECAR_FIELDS[name]
         if not isinstance(document, dict):
-            reason = first_line(document, 120) if isinstance(document, Exception) else "not a JSON object"
+            reason = (
+                f"{type(document).__name__}: {first_line(document, 120)}"
+                if isinstance(document, Exception)
+                else f"a JSON {json_type(document)}"
+            )
             found[name] = [f"is no JSON object ({reason})"]
             continue
         shown = {path: (_shown(_field(document, path)), _shown(_field(expected[name], path))) for path in fields}

@@ -420,7 +420,6 @@ def _plan(
         )
     artifact = open_artifact(artifact)  # first: it refuses a folder that is no path
     folder, manifest = artifact.folder, artifact.manifest
-    check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     if model is not None:
         _check_model(model, manifest)
     if providers is not None and not providers:  # [] would verify nothing, and the report would fail
@@ -441,6 +440,7 @@ def _plan(
         genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
+    check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     return _Plan(
         artifact,
         chosen,

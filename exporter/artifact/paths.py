@@ -43,9 +43,9 @@ TEXT_PATH_FIX = "rename it, or reach it by a symbolic link whose path is UTF-8 (
 
 
 def check_text_path(path, what: str, fix: str, error: type[ToolkitError] = ToolkitError) -> None:
-    """`path` is UTF-8 text, as onnx and onnxruntime (and onnxruntime-genai, tokenizers, safetensors) need: their
-    bindings hand the file system the path's UTF-8 encoding, and refuse a name that the file system allows but
-    that is no UTF-8 (a byte such as 0xff, which Python holds as a lone surrogate) as an argument of the wrong type.
+    """`path` is UTF-8 text, as onnx, onnxruntime and onnxruntime-genai need: their bindings hand the file system
+    the path's UTF-8 encoding, and refuse a name that the file system allows but that is no UTF-8 (a byte such as
+    0xff, which Python holds as a lone surrogate) as an argument of the wrong type.
 
     Args:
         path: the path (str, bytes or os.PathLike).

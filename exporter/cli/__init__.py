@@ -51,7 +51,13 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 
 import click  # after the handlers above, as every import below
 
-from exporter.artifact.paths import check_output_path, check_outside_artifact, read_json_object
+from exporter.artifact.paths import (
+    TEXT_PATH_FIX,
+    check_output_path,
+    check_outside_artifact,
+    check_text_path,
+    read_json_object,
+)
 from exporter.cli.document import error_document
 from exporter.cli.options import (
     PathOption,
@@ -353,7 +359,9 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
             f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
             f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}"
         )
+    check_text_path(folder, "artifact folder", TEXT_PATH_FIX)
     if save_optimized is not None:
+        check_text_path(save_optimized, "--save-optimized", TEXT_PATH_FIX)
         check_output_path(save_optimized, "--save-optimized", folder=True)
         check_outside_artifact(save_optimized, "--save-optimized", folder)
 
@@ -548,13 +556,22 @@ def generate(
 def inspect(folder, as_json, quiet, verbose):
     """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
 
-    A damaged folder (a file missing, or not the size or sha256 its manifest lists, or a graph without the
-    inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line
+    A damaged folder (a file missing, or not the size or sha256 its manifest lists, a graph without the
+    inputs, outputs or opset its manifest lists, or a consumer config giving other ids or sizes than its
+    manifest's model config) is shown too, then exits 2; an unreadable manifest is a one-line
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.consumers import sidecar_differences
     from exporter.artifact.folder import graph_state
-    from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
+    from exporter.artifact.manifest import (
+        LINKED_OUT,
+        LINKED_OUT_FIX,
+        UNREADABLE,
+        file_status,
+        load_manifest,
+        unchanged_while_read,
+    )
     from exporter.cli.export_report import format_inspect
 
     with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
@@ -563,12 +580,17 @@ def inspect(folder, as_json, quiet, verbose):
         for contract in (manifest.prefill, manifest.decode):
             if status.get(contract.file) == "ok":  # intact bytes, which a re-listed hash does not make the right graph
                 status[contract.file] = graph_state(folder / contract.file, manifest, contract)
+        for name, differences in sidecar_differences(folder, manifest).items():
+            if status.get(name) == "ok":  # intact bytes, which a re-listed hash does not make the model's ids
+                status[name] = ", ".join(differences)
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
         fix = (
             "let this user read the artifact's files, or re-export the folder"
             if any(state.startswith(UNREADABLE) for state in damaged.values())
+            else LINKED_OUT_FIX
+            if any(state.startswith(LINKED_OUT) for state in damaged.values())
             else "re-export the folder"
         )
         message = (

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from exporter.artifact.consumers import GENAI_CONFIG, genai_unsupported
 from exporter.artifact.folder import Artifact, open_artifact
+from exporter.artifact.paths import TEXT_PATH_FIX, check_text_path
 from exporter.errors import ArtifactError, ConsumerError, first_line
 from exporter.runtime.runner import check_prompt
 
@@ -68,6 +69,7 @@ class GenaiGenerator:
                 f"{folder} has no {GENAI_CONFIG}; re-export it with this toolkit to run it in onnxruntime-genai"
             )
         self.model_type = genai_model_type(self.folder)
+        check_text_path(folder, "artifact folder", TEXT_PATH_FIX, ArtifactError)
         try:
             config = og.Config(str(self.folder))
             config.clear_providers()  # the CPU

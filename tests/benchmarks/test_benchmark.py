@@ -22,7 +22,7 @@ from helpers import edit_manifest
 
 from exporter.runtime.sessions import cuda_unusable
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime.py"
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,7 @@ def check_genai_sampling(sampling: SamplingConfig) -> None:
         )
     if sampling.repetition_penalty != 1.0:
         raise InputError(
-            f"repetition_penalty (--repetition-penalty) {sampling.repetition_penalty} is applied by our runtime "
+            f"`repetition_penalty` {sampling.repetition_penalty} is applied by our runtime "
             "only (onnxruntime-genai's penalty is not held to MiniMind's rule); use 1, or generate with OrtRunner"
         )
     if isinstance(sampling.seed, (tuple, list)) and len(sampling.seed) != 1:

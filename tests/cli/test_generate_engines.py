@@ -213,11 +213,11 @@ def test_genai_generator_refuses_what_genai_cannot_do_as_our_runtime_does(artifa
     from exporter.errors import InputError
 
     generator = GenaiGenerator(artifact_fp32)
-    with pytest.raises(InputError, match=r"repetition_penalty \(--repetition-penalty\) 1.3 is applied by our runtime"):
+    with pytest.raises(InputError, match=r"`repetition_penalty` 1.3 is applied by our runtime"):
         generator.generate([5, 6], 4, SamplingConfig(repetition_penalty=1.3))
     with pytest.raises(InputError, match="one prompt at a time: give one seed, not 2"):
         generator.stream([5, 6], 4, SamplingConfig(do_sample=True, seed=(1, 2)))
-    with pytest.raises(InputError, match=r"stop ids \(stop_ids, --stop-id\) \[512\] are not token ids"):
+    with pytest.raises(InputError, match=r"stop ids \(`stop_ids`\) \[512\] are not token ids"):
         generator.stream([5, 6], 4, stop_ids=[512])
     assert generator.generate([5, 6], 3, SamplingConfig(do_sample=True, seed=(4,))).new_ids == (
         generator.generate([5, 6], 3, SamplingConfig(do_sample=True, seed=4)).new_ids

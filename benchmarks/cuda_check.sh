@@ -119,7 +119,7 @@ else
     # test_parity: both artifacts against the reference on CUDA, default providers (cpu + cuda);
     # test_runtime: an absent CUDA (simulated) and one that cannot start (skips where it starts)
     step pytest-cuda 180 "$PY" -m pytest -q -rs -p no:cacheprovider "$(JUNIT pytest-cuda)" \
-        tests/test_parity.py tests/test_runtime.py -k "cuda or default_providers"
+        tests/verify/test_parity.py tests/runtime/test_runtime.py -k "cuda or default_providers"
 fi
 
 # ---------------------------------------------------------------------------------------------- 3. export, verify, plugin

@@ -251,6 +251,11 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .pth/.safetensors file or a model folder")
+    if not (path.is_dir() or path.is_file()):  # a FIFO's read waits for a writer, a device's may never end
+        raise CheckpointError(
+            f"checkpoint {path} is no regular file (a FIFO, a device or a socket), which would be read without end "
+            "or wait for a writer; pass a .pth/.safetensors file or a model folder"
+        )
     if path.is_dir():
         state, config, fmt = _read_folder(path)
     elif path.suffix == ".safetensors":

@@ -1,8 +1,12 @@
 """Shared fixtures: tiny seeded models and artifacts exported once per test session.
 
-A dynamo export costs 15-40 s even for a tiny model, so each artifact is
+A dynamo export is the slow step even for a tiny model, so each artifact is
 built once and shared; tests that modify an artifact work on a copy. The
 float32 artifact carries a tiny tokenizer built here (nothing is downloaded).
+
+The folders mirror the packages: artifact/, export/, runtime/, verify/, cli/ for exporter's layers, and
+reference_models/ for reference/ (a folder named reference here, on sys.path as this one is, would shadow the
+package as a namespace package in the subprocesses that inherit the path).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
-from exporter.artifact.tokenizer import TokenizerSource, copy_tokenizer, minimal_tokenizer_config
+from exporter.artifact.paths import json_type
+from exporter.artifact.tokenizer import TOKENIZER, TokenizerSource, copy_tokenizer, minimal_tokenizer_config
+from exporter.errors import ArtifactError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -320,4 +322,110 @@ def _warn_of_genai_tokenizer_limits(tokenizer: TokenizerSource, sizes: ModelSize
             GENAI_CONFIG,
             stop_id,
             tokenizer.tokens[stop_id],
+        )
+
+
+# The fields of each consumer's config that carry the model's ids and sizes, as dotted paths: what the consumer
+# stops at, pads with and sizes its cache and search by. Edited and listed again in the manifest, its hash cannot
+# tell: an eos_token_id changed in genai_config.json made onnxruntime-genai stop at another token. The other fields
+# are not compared: sampling defaults and session options are the consumer's settings, not the model's, and the
+# model type is the toolkit's choice of the consumer's defaults (consumer_types), which another version of it may
+# make otherwise; the consumer check runs the folder with the type it names.
+_SIDECAR_FIELDS = {
+    GENAI_CONFIG: (
+        "model.context_length",
+        "model.vocab_size",
+        "model.bos_token_id",
+        "model.eos_token_id",
+        "model.pad_token_id",
+        "model.decoder.filename",
+        "model.decoder.head_size",
+        "model.decoder.hidden_size",
+        "model.decoder.num_attention_heads",
+        "model.decoder.num_key_value_heads",
+        "model.decoder.num_hidden_layers",
+        "search.max_length",
+    ),
+    HF_CONFIG: (*_HF_FIELDS, "head_dim", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"),
+    GENERATION_CONFIG: ("bos_token_id", "eos_token_id", "pad_token_id", "max_length"),
+}
+_ABSENT = object()
+
+
+def _field(document, path: str):
+    for key in path.split("."):
+        if not isinstance(document, dict) or key not in document:
+            return _ABSENT
+        document = document[key]
+    return document
+
+
+def _shown(value) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value)
+
+
+def sidecar_differences(folder: Path, manifest: Manifest) -> dict[str, list[str]]:
+    """Where the consumer configs the manifest lists (genai_config.json, config.json, generation_config.json) give
+    ids or sizes other than the manifest's model config does, by file: ["eos_token_id is 5, the manifest's
+    config gives 2", ...]; a file that is no JSON object is one difference. The pad id comes from the tokenizer
+    the export was given, when it names one, which the manifest does not record: where a tokenizer is listed, the
+    pad id need only lie in the vocabulary and be the same in every file; otherwise it is the EOS id, as the
+    export writes it.
+
+    Args:
+        folder: the artifact folder, whose listed files are read.
+        manifest: its manifest.
+    """
+    documents = {}
+    for name in _SIDECAR_FIELDS:
+        if name not in manifest.files:
+            continue
+        try:
+            documents[name] = json.loads((Path(folder) / name).read_bytes().decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            documents[name] = exc
+    if not documents:
+        return {}
+    pads = {
+        _field(document, "model.pad_token_id" if name == GENAI_CONFIG else "pad_token_id")
+        for name, document in documents.items()
+        if isinstance(document, dict)
+    }
+    pad = next(iter(pads)) if TOKENIZER in manifest.files and len(pads) == 1 else None
+    in_vocabulary = isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < manifest.config.vocab_size
+    sizes = ModelSizes.of(manifest, pad if in_vocabulary else None)
+    expected = {GENAI_CONFIG: genai_config(manifest, sizes), HF_CONFIG: hf_config(manifest, sizes)}
+    expected[GENERATION_CONFIG] = generation_config(sizes)
+    found = {}
+    for name, document in documents.items():
+        fields = _SIDECAR_FIELDS[name]
+        if not isinstance(document, dict):
+            reason = (
+                f"{type(document).__name__}: {first_line(document, 120)}"
+                if isinstance(document, Exception)
+                else f"a JSON {json_type(document)}"
+            )
+            found[name] = [f"is no JSON object ({reason})"]
+            continue
+        shown = {path: (_shown(_field(document, path)), _shown(_field(expected[name], path))) for path in fields}
+        differences = [
+            f"{path} is {given}, the manifest's config gives {wanted}"
+            for path, (given, wanted) in shown.items()
+            if given != wanted  # as JSON: an id of 2.0 is no id 2
+        ]
+        if differences:
+            found[name] = differences
+    return found
+
+
+def check_sidecars(folder: Path, manifest: Manifest) -> None:
+    """ArtifactError, in one line, where a consumer config gives ids or sizes other than the manifest's config
+    (sidecar_differences): a consumer would run the graphs as another model, and verifying the graphs alone could
+    not tell."""
+    differences = sidecar_differences(folder, manifest)
+    if differences:
+        named = "; ".join(f"{name}: {', '.join(problems[:3])}" for name, problems in differences.items())
+        raise ArtifactError(
+            f"{folder} holds consumer configs that disagree with its manifest ({named}); undo the edit or "
+            "re-export the folder"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -198,7 +199,7 @@ def _initializer_problem(manifest: Manifest) -> str | None:
 def listed_files(folder: Path) -> set[str] | None:
     """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
     try:
-        data = json.loads((folder / MANIFEST).read_text())
+        data = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
         if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
             return {MANIFEST, *data["files"]}
     except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
@@ -213,21 +214,24 @@ def load_manifest(folder: Path) -> Manifest:
     folder = Path(folder)
     if not folder.is_dir():
         found = "is a file, not a folder" if folder.exists() else "does not exist"
-        raise ArtifactError(f"{folder} {found}; pass an artifact folder written by 'export-onnx export'")
+        raise ArtifactError(
+            f"{folder} {found}; pass an artifact folder written by 'export-onnx export'{_moved_aside_hint(folder)}"
+        )
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(
             f"{folder} has no {MANIFEST}; it is not an artifact folder (export one with 'export-onnx export')"
+            + _moved_aside_hint(folder)
         )
     try:
-        text = path.read_text()
+        content = path.read_bytes()
     except OSError as exc:  # unreadable to this user: the artifact's files to fix (exit 2), not an internal error
         raise ArtifactError(
             f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
             "files, or re-export the folder"
         ) from None
     try:
-        data = json.loads(text)
+        data = json.loads(content.decode("utf-8"))  # JSON is UTF-8 whatever the locale; a stray byte is damage
         manifest = Manifest.from_dict(data) if isinstance(data, dict) else None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         detail = f"no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
@@ -238,6 +242,24 @@ def load_manifest(folder: Path) -> Manifest:
     if problem:
         raise ArtifactError(f"{path} is inconsistent: {problem}; re-export the folder")
     return manifest
+
+
+def _moved_aside_hint(folder: Path) -> str:
+    """Where an export killed in its swap (between moving the earlier artifact aside, into the hidden sibling
+    .NAME.old-*, and moving the new one in) left the artifact that was at `folder`, as a message's last clause;
+    '' when no such folder is there."""
+    try:
+        pattern = f".{glob.escape(folder.name)}.old-*/{glob.escape(folder.name)}/{MANIFEST}"
+        found = sorted(folder.parent.glob(pattern))
+    except (OSError, ValueError):  # a parent this user may not read; a path without a name
+        found = []
+    if not found or not folder.name:
+        return ""
+    aside = found[-1].parent
+    return (
+        f"; an export stopped while swapping it left the earlier artifact in {aside}: move it back to {folder}, "
+        "or export there again, which puts it back first"
+    )
 
 
 def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
@@ -251,6 +273,9 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
         raise ArtifactError(
             f"{folder} lacks {len(missing)} file(s) its manifest lists: {', '.join(missing)}; re-export the folder"
         )
+    linked = [f"{name} is {state}" for name, state in status.items() if state.startswith(LINKED_OUT)]
+    if linked:
+        raise ArtifactError(f"{folder}: {'; '.join(linked)}; {LINKED_OUT_FIX}")
     resized = [f"{name} is {state}" for name, state in status.items() if state != "ok"]
     if resized:
         raise ArtifactError(f"{folder}: {'; '.join(resized)} (truncated or modified); re-export the folder")
@@ -302,6 +327,14 @@ def _folder_identity(folder) -> tuple | None:
     return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
+def _inside(path: Path, folder) -> bool:
+    """Whether `path`, through its links, lies inside `folder` (itself resolved)."""
+    try:
+        return Path(folder).resolve() in path.resolve().parents
+    except (OSError, RuntimeError):  # a loop of links: is_file said it is a file, so it cannot be one
+        return False
+
+
 def _replaced(folder) -> ArtifactError:
     return ArtifactError(
         f"{folder} was replaced while it was read (an export into it meanwhile?), so what was read "
@@ -310,16 +343,23 @@ def _replaced(folder) -> ArtifactError:
 
 
 UNREADABLE = "unreadable"
+LINKED_OUT = "a link out of the folder"
+# What to do about a weights file LINKED_OUT.
+LINKED_OUT_FIX = "copy the file into the folder in place of the link (cp --remove-destination TARGET LINK)"
 
 
 def file_status(folder: Path, manifest: Manifest, hashes: bool = True) -> dict:
-    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further) or, with hashes,
-    "sha256 differs" or "unreadable (why)"; what inspect shows of a damaged folder."""
+    """Each listed file's state, by name: "ok", "missing", "N bytes, not M" (not read further), for the weights
+    file "a link out of the folder (to T), ..." or, with hashes, "sha256 differs" or "unreadable (why)"; what
+    inspect shows of a damaged folder, and what read_manifest refuses."""
     status = {}
     for name, entry in manifest.files.items():
         path = Path(folder) / name
         if not path.is_file():
             status[name] = "missing"
+        elif name == manifest.weights_file and not _inside(path, folder):
+            # onnxruntime reads a graph's external data only from within the graph's folder (through links too)
+            status[name] = f"{LINKED_OUT} (to {path.resolve()}), where onnxruntime refuses to read weights"
         elif path.stat().st_size != entry["bytes"]:
             status[name] = f"{path.stat().st_size} bytes, not {entry['bytes']}"
         elif not hashes:

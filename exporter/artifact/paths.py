@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 import tomllib
 from collections.abc import Callable
@@ -28,6 +29,37 @@ def check_output_path(path: Path, option: str, folder: bool) -> None:
     except OSError as exc:  # a parent this user may not search: Path.exists raised PermissionError, exit 3
         raise OutputPathError(
             f"{option} {path} cannot be reached ({exc.strerror or exc}); choose another path"
+        ) from None
+
+
+def shown_path(path) -> str:
+    """`path` as a message shows it: a byte of its name that is no UTF-8 as \\xNN, which any terminal and any JSON
+    reader takes (Python holds such a byte as a lone surrogate, which a UTF-8 stream refuses)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+# What to do about a path that is no UTF-8 (check_text_path).
+TEXT_PATH_FIX = "rename it, or reach it by a symbolic link whose path is UTF-8 (ln -s)"
+
+
+def check_text_path(path, what: str, fix: str, error: type[ToolkitError] = ToolkitError) -> None:
+    """`path` is UTF-8 text, as onnx, onnxruntime and onnxruntime-genai need: their bindings hand the file system
+    the path's UTF-8 encoding, and refuse a name that the file system allows but that is no UTF-8 (a byte such as
+    0xff, which Python holds as a lone surrogate) as an argument of the wrong type.
+
+    Args:
+        path: the path (str, bytes or os.PathLike).
+        what: what the message calls it ("artifact folder", "--tokenizer").
+        fix: what to do, the message's last clause.
+        error: the ToolkitError subclass raised.
+    """
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{what} {shown_path(path)} holds the byte 0x{raw[exc.start]:02x}, which is no UTF-8, and onnx and "
+            f"onnxruntime take only UTF-8 paths; {fix}"
         ) from None
 
 
@@ -183,6 +215,44 @@ def _refuse_repeated_keys(pairs: list) -> dict:
     return data
 
 
+# The most bytes read_json_file reads of a file. A config or tolerance file holds a few dozen fields (kilobytes): a
+# file far past that is a mistake (a device such as /dev/zero, a weights file given as a config), which is refused
+# at this size rather than read into memory until it runs out.
+JSON_FILE_LIMIT = 16 << 20
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.0f} MiB" if count >= 1 << 20 else f"{count} bytes"
+
+
+class _NotReadable(Exception):
+    """A file that _read_bounded refuses, with why."""
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file at `path` (through links), at most `limit` of them.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        _NotReadable: it is no regular file (a FIFO, whose open and read would wait for a writer; a device, which
+            may never end), or it holds more than `limit` bytes; its message is a predicate ("is a FIFO ...").
+    """
+    # O_NONBLOCK: opening a FIFO would wait for a writer before fstat could refuse it; a regular file ignores it
+    handle = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(handle, "rb") as file:
+        mode = os.fstat(handle).st_mode
+        if stat.S_ISFIFO(mode):
+            raise _NotReadable("is a FIFO (a named pipe), not a regular file: reading it would wait for a writer")
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            raise _NotReadable("is a device, not a regular file: reading it may never end")
+        if not stat.S_ISREG(mode):
+            raise _NotReadable("is not a regular file")
+        content = file.read(limit + 1)
+    if len(content) > limit:
+        raise _NotReadable(f"holds more than {_size(limit)}, the most this reads of it")
+    return content
+
+
 def read_json_object(
     path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
 ) -> dict:
@@ -204,7 +274,13 @@ def read_json_object(
 
 
 def read_json_file(
-    path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
+    path: Path,
+    error: type[ToolkitError],
+    what: str,
+    fix: str,
+    toml: bool = False,
+    repeated_keys: bool = False,
+    limit: int = JSON_FILE_LIMIT,
 ) -> tuple[bytes, dict]:
     """read_json_object's object with the bytes it was read from, for a caller that hashes or copies them.
 
@@ -215,6 +291,7 @@ def read_json_file(
         fix: what to do, the message's last clause.
         toml: read a file whose name ends in .toml as TOML.
         repeated_keys: take a key given twice at its last value rather than refuse it.
+        limit: the most bytes the file may hold; a file that is no regular file is refused too.
 
     Returns:
         (the file's bytes, the object they hold).
@@ -222,7 +299,12 @@ def read_json_file(
     path = Path(path)
     kind = "TOML" if toml and path.suffix == ".toml" else "JSON"
     try:
-        content = path.read_bytes()
+        content = _read_bounded(path, limit)
+    except _NotReadable as exc:
+        raise error(f"{what} {path} {exc}; {fix}") from None
+    except OSError as exc:
+        raise error(f"{what} {path} is not a readable {kind} file ({exc.strerror or exc}); {fix}") from None
+    try:
         text = content.decode("utf-8")  # JSON and TOML are UTF-8 whatever the locale
         data = (
             tomllib.loads(text)

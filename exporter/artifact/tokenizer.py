@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# The most bytes of a tokenizer.json read: the vocabularies of published tokenizers take tens of MiB of JSON, far
+# more than a settings file (JSON_FILE_LIMIT); a file past this is no tokenizer, and is refused before it fills memory.
+TOKENIZER_FILE_LIMIT = 256 << 20
 # transformers' generic class for a tokenizer.json; onnxruntime-genai tokenises like `tokenizers` with it.
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
@@ -155,6 +158,7 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
         "tokenizer",
         "pass a tokenizer.json written by the tokenizers library",
         repeated_keys=True,
+        limit=TOKENIZER_FILE_LIMIT,
     )
     tokens = _tokens(tokenizer, data)
     loaded = _load(tokenizer, content)

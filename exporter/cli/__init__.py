@@ -51,7 +51,13 @@ for _signum, _handler in _BEFORE_IMPORTS.items():
 
 import click  # after the handlers above, as every import below
 
-from exporter.artifact.paths import check_output_path, check_outside_artifact, read_json_object
+from exporter.artifact.paths import (
+    TEXT_PATH_FIX,
+    check_output_path,
+    check_outside_artifact,
+    check_text_path,
+    read_json_object,
+)
 from exporter.cli.document import error_document
 from exporter.cli.options import (
     PathOption,
@@ -75,7 +81,7 @@ from exporter.cli.outcome import (
     missing_dependency,
     setup_logging,
 )
-from exporter.errors import TORCH_INSTALL_HINT, ToolkitError, torch_import_error
+from exporter.errors import TORCH_INSTALL_HINT, ConsumerError, ToolkitError, torch_import_error
 
 try:
     import onnxruntime  # noqa: F401  every command runs it: a deployment set up with --no-deps may lack it
@@ -353,9 +359,54 @@ def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save
             f"{', '.join(sampling_flags)} only shape{'s' if one else ''} sampling, and without "
             f"--sample the decoding is greedy; add --sample, or drop {'it' if one else 'them'}"
         )
+    check_text_path(folder, "artifact folder", TEXT_PATH_FIX)
     if save_optimized is not None:
+        check_text_path(save_optimized, "--save-optimized", TEXT_PATH_FIX)
         check_output_path(save_optimized, "--save-optimized", folder=True)
         check_outside_artifact(save_optimized, "--save-optimized", folder)
+
+
+ENGINES = ("ort", "genai")
+
+
+def _check_engine_options(engine, batch, repetition_penalty, ignore_eos, provider, prompt_chunk, save_optimized):
+    """--engine genai refused, before anything is read, with each option onnxruntime-genai's loop cannot honour (it
+    runs one prompt on the CPU, the prompt in one call, with sessions and an EOS of its own), and where
+    onnxruntime-genai does not import."""
+    if engine != "genai":
+        return
+    from exporter.runtime.genai import INSTALL_HINT, genai_version
+    from exporter.runtime.sessions import CPU, provider_name
+
+    refusals = (
+        (batch > 1, f"a batch ({batch} prompts): it runs one prompt at a time", "give one --prompt-ids or --prompt"),
+        (
+            repetition_penalty != 1.0,
+            f"--repetition-penalty {repetition_penalty}: it has no penalty held to MiniMind's rule",
+            "drop --repetition-penalty",
+        ),
+        (ignore_eos, "--ignore-eos: it always stops at the model's eos", "drop --ignore-eos"),
+        (provider_name(provider) != CPU, f"--provider {provider}: it runs on the CPU here", "drop --provider"),
+        (prompt_chunk is not None, "--prompt-chunk: it runs the prompt in one call", "drop --prompt-chunk"),
+        (save_optimized is not None, "--save-optimized: it saves no optimised graphs", "drop --save-optimized"),
+    )
+    for refused, what, fix in refusals:
+        if refused:
+            raise click.UsageError(f"--engine genai cannot honour {what}; {fix}, or use --engine ort")
+    if genai_version() is None:
+        raise ConsumerError(
+            f"--engine genai needs onnxruntime-genai, which does not import here; {INSTALL_HINT}, or use --engine ort"
+        )
+
+
+def _genai_generator(artifact, threads):
+    """The artifact loaded in onnxruntime-genai for --engine genai; where it cannot be, the reason and the way out."""
+    from exporter.runtime.genai import GenaiGenerator
+
+    try:
+        return GenaiGenerator(artifact, threads)
+    except ConsumerError as exc:
+        raise ConsumerError(f"--engine genai: {exc}; or use --engine ort") from None
 
 
 def _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer) -> tuple:
@@ -469,6 +520,14 @@ def _print_stream(steps, text_tokenizer) -> None:
     metavar="DIR",
     help="Also save the graphs as ONNX Runtime optimised them, into DIR.",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(ENGINES),
+    default="ort",
+    show_default=True,
+    help="ort: our runtime on ONNX Runtime. genai: onnxruntime-genai's own loop on the same folder (CPU, one "
+    "prompt; no --repetition-penalty, --ignore-eos, --prompt-chunk or --save-optimized).",
+)
 @common_options
 @handle_errors
 def generate(
@@ -489,6 +548,7 @@ def generate(
     threads,
     prompt_chunk,
     save_optimized,
+    engine,
     as_json,
     quiet,
     verbose,
@@ -496,10 +556,12 @@ def generate(
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
     Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json; --prompt - reads it from
-    stdin). Without --sample the decoding is greedy. Every prompt and option is checked before the model loads.
-    FOLDER defaults to artifacts/minimind-3.
+    stdin). Without --sample the decoding is greedy. --engine genai runs the same folder through
+    onnxruntime-genai's generation loop instead (one prompt, on the CPU; its own sampler). Every prompt and
+    option is checked before the model loads. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.consumers import genai_eos_token_id
     from exporter.artifact.folder import Artifact
     from exporter.artifact.manifest import unchanged_while_read
     from exporter.runtime.generation import SamplingConfig, check_request, generate, stream
@@ -507,6 +569,9 @@ def generate(
     from exporter.runtime.sessions import SessionSettings, check_provider
 
     _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized)
+    _check_engine_options(
+        engine, len(prompt_ids) + len(prompts), repetition_penalty, ignore_eos, provider, prompt_chunk, save_optimized
+    )
     provider = check_provider(provider)
     settings = SessionSettings(
         intra_op_threads=threads,
@@ -525,15 +590,32 @@ def generate(
             repetition_penalty=repetition_penalty,
             seed=seed,
         )
-        eos = None if ignore_eos else config.eos_token_id
+        if engine == "genai":  # its own EOS: the model's, or for a model without one the id genai_config.json names
+            eos = genai_eos_token_id(config.eos_token_id, config.vocab_size)
+        else:
+            eos = None if ignore_eos else config.eos_token_id
         check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
-        runner = OrtRunner(artifact, provider, settings=settings)
-    if len(batch) == 1 and not as_json:  # printed as it comes, one step at a time
+        if engine == "genai":
+            generator = _genai_generator(artifact, threads)
+        else:
+            runner = OrtRunner(artifact, provider, settings=settings)
+    if engine == "genai":
+        [prompt] = batch
+        if not as_json:  # printed as it comes, one token at a time
+            steps = generator.stream(prompt, max_new_tokens, sampling, stop_ids)
+            _print_stream(([token] for token in steps), text_tokenizer)
+            return
+        results = [generator.generate(prompt, max_new_tokens, sampling, stop_ids)]
+    elif len(batch) == 1 and not as_json:  # printed as it comes, one step at a time
         _print_stream(stream(runner, batch, max_new_tokens, sampling, eos, stop_ids), text_tokenizer)
         return
-    results = generate(runner, batch, max_new_tokens, sampling, eos, stop_ids)  # a lone greedy row: steps in C
+    else:
+        results = generate(runner, batch, max_new_tokens, sampling, eos, stop_ids)
     decoded = [text_tokenizer.decode(result.new_ids) if text_tokenizer else None for result in results]
-    rows = [{**result.to_dict(), **({"text": t} if t is not None else {})} for result, t in zip(results, decoded)]
+    rows = [
+        {**result.to_dict(), "engine": engine, **({"text": t} if t is not None else {})}
+        for result, t in zip(results, decoded)
+    ]
     emit(
         rows,
         as_json,
@@ -548,13 +630,22 @@ def generate(
 def inspect(folder, as_json, quiet, verbose):
     """Show an artifact's I/O contract, file sizes, hashes, the versions that wrote it, and each file's state.
 
-    A damaged folder (a file missing, or not the size or sha256 its manifest lists, or a graph without the
-    inputs, outputs or opset its manifest lists) is shown too, then exits 2; an unreadable manifest is a one-line
+    A damaged folder (a file missing, or not the size or sha256 its manifest lists, a graph without the
+    inputs, outputs or opset its manifest lists, or a consumer config giving other ids or sizes than its
+    manifest's model config) is shown too, then exits 2; an unreadable manifest is a one-line
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.consumers import sidecar_differences
     from exporter.artifact.folder import graph_state
-    from exporter.artifact.manifest import UNREADABLE, file_status, load_manifest, unchanged_while_read
+    from exporter.artifact.manifest import (
+        LINKED_OUT,
+        LINKED_OUT_FIX,
+        UNREADABLE,
+        file_status,
+        load_manifest,
+        unchanged_while_read,
+    )
     from exporter.cli.export_report import format_inspect
 
     with unchanged_while_read(folder):  # an export swapping it meanwhile is no damage
@@ -563,12 +654,17 @@ def inspect(folder, as_json, quiet, verbose):
         for contract in (manifest.prefill, manifest.decode):
             if status.get(contract.file) == "ok":  # intact bytes, which a re-listed hash does not make the right graph
                 status[contract.file] = graph_state(folder / contract.file, manifest, contract)
+        for name, differences in sidecar_differences(folder, manifest).items():
+            if status.get(name) == "ok":  # intact bytes, which a re-listed hash does not make the model's ids
+                status[name] = ", ".join(differences)
     result = {**manifest.to_dict(), "file_status": status}
     damaged = {name: state for name, state in status.items() if state != "ok"}
     if damaged:  # shown all the same: inspect is what a user reaches for when something is wrong
         fix = (
             "let this user read the artifact's files, or re-export the folder"
             if any(state.startswith(UNREADABLE) for state in damaged.values())
+            else LINKED_OUT_FIX
+            if any(state.startswith(LINKED_OUT) for state in damaged.values())
             else "re-export the folder"
         )
         message = (

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from exporter.artifact.paths import check_output_path, check_outside_artifact
+from exporter.artifact.paths import TEXT_PATH_FIX, check_output_path, check_outside_artifact, check_text_path
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
@@ -269,6 +269,10 @@ def verification_plan(
         raise ToolkitError(
             f"--tolerances given {len(options.tolerance_files)} times; give one file (it may hold every kind)"
         )
+    if planned is None:  # read by onnxruntime only after the reference is built; `run` refuses its --output itself
+        check_text_path(folder, "artifact folder", TEXT_PATH_FIX)
+    if options.fp16_companion is not None:
+        check_text_path(options.fp16_companion, "--fp16-companion", TEXT_PATH_FIX)
     tolerance_file = options.tolerance_files[0] if options.tolerance_files else None
     overrides = parse_overrides(options.atol, options.rtol, options.peak, tolerance_file)
     settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)

@@ -36,7 +36,7 @@ class ProgressHandler(logging.Handler):
         self.start = time.perf_counter()
 
     def emit(self, record):
-        click.echo(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}", err=True)
+        click.echo(printable(f"[{time.perf_counter() - self.start:6.1f}s] {record.getMessage()}"), err=True)
         if record.exc_info:  # --verbose: the traceback of a failure
             click.echo(logging.Formatter().formatException(record.exc_info), err=True)
 
@@ -176,7 +176,7 @@ def missing_dependency(exc: ImportError) -> None:
 
 
 def _fail(kind: str, message: str, code: int, as_json: bool) -> None:
-    message = in_flags(message)
+    message = printable(in_flags(message))
     click.echo(_PREFIX[kind] + message, err=True)
     error = error_document(kind, message, code)
     if state.owed_reports:
@@ -297,11 +297,21 @@ def setup_logging(verbose: bool, quiet: bool) -> None:
         logging.getLogger(library).setLevel(logging.WARNING)
 
 
+# A byte of a path that is no UTF-8, as Python holds it: a lone surrogate, U+DC80 to U+DCFF (PEP 383).
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def printable(text: str) -> str:
+    """`text` with each byte of a path that is no UTF-8 written as \\xNN: a stream that encodes strictly (stdout in
+    a UTF-8 locale, click's test runner) refuses the lone surrogate Python holds it as."""
+    return _ESCAPED_BYTE.sub(lambda match: f"\\x{ord(match[0]) - 0xDC00:02x}", text)
+
+
 def echo_result(text: str, nl: bool = True) -> None:
     """Print (part of) the result on stdout. A stdout that cannot take it (a full disk) is the user's to fix, not an
     internal error: an input error, exit 2. A closed pipe (BrokenPipeError) stays the quiet 141."""
     try:
-        click.echo(text, nl=nl)
+        click.echo(printable(text), nl=nl)
     except BrokenPipeError:
         raise
     except OSError as exc:
@@ -310,8 +320,36 @@ def echo_result(text: str, nl: bool = True) -> None:
 
 
 def emit(result, as_json: bool, text: str) -> None:
-    """Print the command's result (JSON with --json), which an error after it must not follow with another."""
+    """Print the command's result (JSON with --json), whole: a SIGINT or SIGTERM while it is written (a slow reader
+    holds the write in a full pipe) is held back until the last byte is out, and then stops the command, whose
+    error no second document follows. Cut, a JSON document with an error object after it would parse as neither.
+    A reader that stops reading holds the command until it reads again or goes (a Ctrl-C in a terminal stops the
+    reader too, and the write ends in a closed pipe, exit 141)."""
     from exporter.verify.reports import json_text
 
-    echo_result(json_text(result) if as_json else text)
-    state.result_printed = True
+    document = json_text(result) if as_json else text
+    with signals_deferred():
+        _write_whole(document + "\n")
+        state.result_printed = True
+
+
+def _write_whole(text: str) -> None:
+    """Write `text` to stdout's file descriptor to its last byte, as echo_result fails. Python's buffered stdout is
+    not used for it: a signal that cuts short a write into a full pipe loses the rest of its buffer, silently. A
+    stdout without a descriptor (a test runner's) is written as echo_result writes."""
+    stream = sys.stdout
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, OSError):  # None, closed, or io.UnsupportedOperation
+        echo_result(text, nl=False)
+        return
+    data = memoryview(printable(text).encode(stream.encoding or "utf-8", "backslashreplace"))
+    try:
+        stream.flush()  # what echo_result wrote before (generate's streamed tokens) goes first
+        while data:
+            data = data[os.write(fd, data) :]  # a pipe may take part; an interrupted write resumes (PEP 475)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        sys.stdout = open(os.devnull, "w")  # nor may the error object, or the flush at exit, write there again
+        raise ToolkitError(f"cannot write the result to stdout ({exc.strerror or exc})") from None

@@ -35,7 +35,7 @@ from exporter.artifact.consumers import write_consumer_files
 from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
-from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done
+from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
@@ -265,10 +265,11 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
                 f"length {length}; expected {(batch, length, vocab)}"
             )
         if not np.isfinite(out["logits"]).all():
+            # the weights were finite in this dtype (_check_finite_weights): the activations overflowed
+            fix = "check the checkpoint, or export float32" if manifest.dtype == "float16" else "check the checkpoint"
             raise ExportFailed(
                 f"smoke run: prefill gave non-finite logits (NaN or Inf) for batch {batch}, length "
-                f"{length}: the weights hold NaN/Inf or overflow {manifest.dtype}; check the "
-                "checkpoint (or export float32)"
+                f"{length}: the activations overflow {manifest.dtype}; {fix}"
             )
         decode_feeds = {
             "input_ids": ids[:, :1],
@@ -394,9 +395,32 @@ def _copy_for_export(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return copy.deepcopy(model).to(dtype).eval()
 
 
+def _check_finite_weights(model: torch.nn.Module, exported: torch.nn.Module, dtype: str) -> None:
+    """InputError naming the first weight that holds NaN or Inf in `model`, or that `exported` (its copy in the
+    export's dtype) holds beyond that dtype's range: the graphs would compute NaN, which only the smoke run after
+    both exports would find. Parameters only: a buffer may hold -inf by design (a causal mask)."""
+    originals = dict(model.named_parameters())
+    for name, weight in exported.named_parameters():
+        if not weight.is_floating_point() or bool(torch.isfinite(weight).all()):
+            continue
+        original = originals.get(name, weight)
+        if original.dtype != weight.dtype and bool(torch.isfinite(original).all()):
+            limit = torch.finfo(weight.dtype).max
+            raise InputError(
+                f"weight {name} holds values beyond {dtype}'s range (|x| > {limit:g}), which become Inf in a "
+                f'{dtype} export; export float32 (`dtype="float32"`), or scale the weights'
+            )
+        raise InputError(
+            f"weight {name} holds NaN or Inf, which every output the graphs compute from it would hold; check "
+            "the checkpoint (a diverged training run, or a damaged file)"
+        )
+
+
 def _prepare_destination(folder: Path) -> None:
     """Refuse a destination that cannot be written, or whose replacement would lose what this toolkit did not
     write: before the export runs, so that nothing is spent on an export that cannot land."""
+    # onnx.checker takes the path of the graphs it checks, as UTF-8: the export would be spent before it failed
+    check_text_path(folder, "output folder", "choose an output folder whose path is UTF-8 (`folder`)", OutputPathError)
     try:
         check_output_path(folder, "output folder", folder=True)
     except OutputPathError as exc:  # named as this function's other refusals name it
@@ -467,21 +491,43 @@ def _process_running(pid: int) -> bool:
     return True
 
 
-def _clear_interrupted(folder: Path) -> None:
-    """Remove the hidden folders that an export stopped where no cleanup could run (SIGKILL, SIGHUP, a power cut)
-    left beside `folder`; those of a running export are left alone. One killed between the two renames of the
-    swap had moved the earlier artifact aside: that artifact is put back first."""
+def _clear_interrupted(folder: Path) -> list[Path]:
+    """Clear the hidden folders that an export stopped where no cleanup could run (SIGKILL, SIGHUP, a power cut)
+    left beside `folder`; those of a running export are left alone. One killed between the two renames of the swap
+    had moved the earlier artifact aside, into .NAME.old-*: that artifact is put back first where `folder` is
+    missing or an empty folder (made since). Returns the .NAME.old-* folders that still hold something (an earlier
+    artifact whose place another has taken), which the caller removes only once its new artifact is in place: what
+    may be the only complete copy is never deleted before another is."""
     pattern = re.compile(rf"\.{re.escape(folder.name)}\.(partial|old)-(\d+)-[^/]+")
-    for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.*-*"):
+    kept = []
+    for leftover in sorted(folder.parent.glob(f".{glob.escape(folder.name)}.*-*")):
         match = pattern.fullmatch(leftover.name)
         if match is None or _process_running(int(match[2])):
             continue
-        if match[1] == "old" and (leftover / folder.name).is_dir() and not os.path.lexists(folder):
-            os.rename(leftover / folder.name, folder)
-            log.warning("put back %s, which an interrupted export had moved aside to %s", folder.name, leftover.name)
-        shutil.rmtree(leftover, ignore_errors=True)
-        if not leftover.exists():
-            log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
+        if match[1] == "old" and (leftover / folder.name).is_dir():
+            if _vacant(folder):
+                if os.path.lexists(folder):
+                    folder.rmdir()
+                os.rename(leftover / folder.name, folder)
+                log.warning("put back %s, which an interrupted export moved aside to %s", folder.name, leftover.name)
+            else:
+                kept.append(leftover)
+                continue
+        _remove_leftover(leftover, folder)
+    return kept
+
+
+def _vacant(folder: Path) -> bool:
+    """Nothing at `folder`, or an empty folder (no link): where an artifact moved aside can be put back."""
+    if not os.path.lexists(folder):
+        return True
+    return folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
+
+
+def _remove_leftover(leftover: Path, folder: Path) -> None:
+    shutil.rmtree(leftover, ignore_errors=True)
+    if not leftover.exists():
+        log.warning("removed %s, left beside %s by an interrupted export", leftover.name, folder.name)
 
 
 def _move_into_place(built: Path, folder: Path) -> None:
@@ -627,13 +673,15 @@ def export_artifact(
     _prepare_destination(folder)
     tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, config.vocab_size)
     start = time.perf_counter()
-    model = _copy_for_export(model, TORCH_DTYPES[dtype])
+    exported = _copy_for_export(model, TORCH_DTYPES[dtype])
+    _check_finite_weights(model, exported, dtype)  # before the exports, which take the time
+    model = exported
     share_tied_table(model)
 
     with parents_removed_unless_done(folder):
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
-            _clear_interrupted(folder)
+            moved_aside = _clear_interrupted(folder)
             built = _hidden_sibling(folder, "partial")
         except OSError as exc:
             raise _write_failed(folder, exc) from None
@@ -644,6 +692,8 @@ def export_artifact(
             manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
             with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
                 _move_into_place(built, folder)
+            for leftover in moved_aside:  # earlier artifacts, once this one is in place
+                _remove_leftover(leftover, folder)
         except OSError as exc:  # a full disk, a name too long for the hidden sibling: the user's to fix
             raise _write_failed(folder, exc) from None
         finally:

@@ -1,19 +1,24 @@
 """onnxruntime-genai as a consumer of an artifact folder: its own generation loop over decode.onnx.
 
 The folder is loaded as it is (genai_config.json beside the graph), on the
-CPU. onnxruntime-genai stops at EOS and leaves the EOS token out of what it
-returns; our runtime and the reference keep it. A model without an EOS still
-stops in genai, at the id consumers.genai_eos_token_id names.
+CPU. onnxruntime-genai stops at EOS and leaves the EOS token out of its
+sequence (`greedy` returns that sequence); our runtime and the reference keep
+it. `stream` and `generate` read each token as genai picks it, the EOS
+included, so that they end as our runtime's generation does. A model without
+an EOS still stops in genai, at the id consumers.genai_eos_token_id names.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
-from exporter.artifact.consumers import GENAI_CONFIG, genai_unsupported
+from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.artifact.folder import Artifact, open_artifact
-from exporter.errors import ArtifactError, ConsumerError, first_line
+from exporter.artifact.paths import TEXT_PATH_FIX, check_text_path
+from exporter.errors import ArtifactError, ConsumerError, InputError, first_line
+from exporter.runtime.generation import Generation, SamplingConfig, check_request
 from exporter.runtime.runner import check_prompt
 
 INSTALL_HINT = "pip install onnxruntime-genai"
@@ -68,6 +73,7 @@ class GenaiGenerator:
                 f"{folder} has no {GENAI_CONFIG}; re-export it with this toolkit to run it in onnxruntime-genai"
             )
         self.model_type = genai_model_type(self.folder)
+        check_text_path(folder, "artifact folder", TEXT_PATH_FIX, ArtifactError)
         try:
             config = og.Config(str(self.folder))
             config.clear_providers()  # the CPU
@@ -79,16 +85,77 @@ class GenaiGenerator:
             raise ConsumerError(f"onnxruntime-genai could not load {folder}: {first_line(exc)}") from exc
         self._og = og
 
-    def greedy_search(self, max_length: int, stop_at_eos: bool = True):
-        """A new onnxruntime-genai Generator doing greedy search on this model, for sequences of up to
-        `max_length` tokens, prompt included; the caller appends the prompt and steps it. Without
-        `stop_at_eos` it never picks EOS and runs to max_length (a benchmark times a fixed number of steps)."""
+    @property
+    def eos_token_id(self) -> int:
+        """The id onnxruntime-genai stops at (genai_config.json's): the model's EOS, or the last id for a model
+        without one."""
+        config = self.manifest.config
+        return genai_eos_token_id(config.eos_token_id, config.vocab_size)
+
+    def search(self, max_length: int, sampling: SamplingConfig = SamplingConfig(), stop_at_eos: bool = True):
+        """A new onnxruntime-genai Generator on this model, for sequences of up to `max_length` tokens, prompt
+        included: greedy, or sampled by genai's own sampler with `sampling`'s temperature, top-k, top-p and
+        seed; the caller appends the prompt and steps it. Without `stop_at_eos` it never picks EOS and runs to
+        max_length (a benchmark times a fixed number of steps)."""
+        check_genai_sampling(sampling)
         options = {"do_sample": False, "num_beams": 1, "max_length": max_length}
+        if sampling.do_sample:
+            options.update(
+                do_sample=True,
+                temperature=float(sampling.temperature),
+                # genai reads a top_k of 0 as "keep all" too; the vocabulary says it without relying on that
+                top_k=int(sampling.top_k) or self.manifest.config.vocab_size,
+                top_p=float(sampling.top_p),
+                random_seed=int(sampling.seeds(1)[0]),
+            )
         if not stop_at_eos:
             options["min_length"] = max_length  # below min_length genai masks EOS out of the choice
         params = self._og.GeneratorParams(self.model)
         params.set_search_options(**options)
         return self._og.Generator(self.model, params)
+
+    def greedy_search(self, max_length: int, stop_at_eos: bool = True):
+        """`search` without sampling."""
+        return self.search(max_length, stop_at_eos=stop_at_eos)
+
+    def stream(
+        self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop_ids=()
+    ) -> Iterator[int]:
+        """An iterator yielding each new token as genai picks it. It ends after genai's EOS (`eos_token_id`) or
+        a stop id, either yielded, or after `max_new_tokens`. Everything is checked here, before anything runs."""
+        prompt, stops = self._check(prompt_ids, max_new_tokens, sampling, stop_ids)
+        return self._steps(prompt, max_new_tokens, sampling, stops)
+
+    def generate(
+        self, prompt_ids, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop_ids=()
+    ) -> Generation:
+        """Generate to the end (as `stream` does): the row as our runtime's `generate` gives it, the stop id
+        included."""
+        prompt, stops = self._check(prompt_ids, max_new_tokens, sampling, stop_ids)
+        result = Generation(prompt)
+        for token in self._steps(prompt, max_new_tokens, sampling, stops):
+            result.add(token, stops)
+        return result
+
+    def _check(self, prompt_ids, max_new_tokens, sampling, stop_ids) -> tuple[list[int], set[int]]:
+        check_genai_sampling(sampling)
+        [prompt], stops = check_request(
+            self.manifest.config, [prompt_ids], max_new_tokens, sampling, self.eos_token_id, stop_ids
+        )
+        return prompt, stops
+
+    def _steps(self, prompt: list[int], max_new_tokens: int, sampling, stops: set[int]) -> Iterator[int]:
+        if max_new_tokens == 0:
+            return
+        generator = self.search(len(prompt) + max_new_tokens, sampling)
+        generator.append_tokens(prompt)
+        for _ in range(max_new_tokens):
+            generator.generate_next_token()
+            # the token just picked, which get_sequence leaves out where it is genai's EOS
+            token = int(generator.get_next_tokens()[0])
+            yield token
+            if token in stops or generator.is_done():
+                return
 
     def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
         """New token ids, greedy; stops at EOS, which onnxruntime-genai leaves out."""
@@ -100,6 +167,24 @@ class GenaiGenerator:
         while not generator.is_done():
             generator.generate_next_token()
         return [int(token) for token in generator.get_sequence(0)[len(ids) :]]
+
+
+def check_genai_sampling(sampling: SamplingConfig) -> None:
+    """InputError for what onnxruntime-genai's search cannot do as our runtime does: MiniMind's repetition
+    penalty (genai has a penalty of its own, not held to that rule here) and a seed per row (genai runs one
+    row)."""
+    if not isinstance(sampling, SamplingConfig):
+        raise InputError(
+            f"sampling must be a SamplingConfig, got {type(sampling).__name__}; "
+            "write e.g. SamplingConfig(do_sample=True, top_p=0.9)"
+        )
+    if sampling.repetition_penalty != 1.0:
+        raise InputError(
+            f"`repetition_penalty` {sampling.repetition_penalty} is applied by our runtime "
+            "only (onnxruntime-genai's penalty is not held to MiniMind's rule); use 1, or generate with OrtRunner"
+        )
+    if isinstance(sampling.seed, (tuple, list)) and len(sampling.seed) != 1:
+        raise InputError(f"onnxruntime-genai generates one prompt at a time: give one seed, not {len(sampling.seed)}")
 
 
 def genai_greedy(folder: Path, prompt_ids, max_new_tokens: int) -> list[int]:

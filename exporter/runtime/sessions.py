@@ -22,7 +22,13 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.paths import folder_lock, parents_removed_unless_done, uninterrupted
+from exporter.artifact.paths import (
+    TEXT_PATH_FIX,
+    check_text_path,
+    folder_lock,
+    parents_removed_unless_done,
+    uninterrupted,
+)
 from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
 
 log = logging.getLogger(__name__)
@@ -168,6 +174,7 @@ class SessionSettings:
                 raise InputError(
                     f"optimized_model_dir must be a folder path (str or Path), got {self.optimized_model_dir!r}"
                 )
+            check_text_path(self.optimized_model_dir, "`optimized_model_dir`", TEXT_PATH_FIX, InputError)
             object.__setattr__(self, "optimized_model_dir", Path(self.optimized_model_dir))  # frozen dataclass
 
 
@@ -315,6 +322,7 @@ def graph_session(
         provider: the provider to run on, checked (check_provider).
         settings: the session settings.
     """
+    check_text_path(folder, "artifact folder", TEXT_PATH_FIX, ArtifactError)
     options = session_options(settings, graph_file, weights)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return _new_session(model, options, session_providers(check_provider(provider)))
@@ -408,9 +416,11 @@ def load_session(
         staging: where the optimised graph that `options` asks for is saved first (optimized_graphs_saved).
 
     Raises:
-        ArtifactError: the graph is not the one the manifest describes, or onnxruntime cannot load it.
+        ArtifactError: the graph is not the one the manifest describes, or onnxruntime cannot load it (or take
+            the folder's path).
         OutputPathError: the optimised graph cannot be saved.
     """
+    check_text_path(artifact.folder, "artifact folder", TEXT_PATH_FIX, ArtifactError)
     artifact.graph(contract)  # onnxruntime names neither a missing input nor another opset
     path = artifact.path(contract.file)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
+from exporter.artifact.consumers import GENAI_CONFIG, check_sidecars, genai_eos_token_id, genai_unsupported
 from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, config_differences, unchanged_while_read
 from exporter.artifact.paths import check_outside_artifact
@@ -442,6 +442,7 @@ def _plan(
         genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
+    check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     return _Plan(
         artifact,
         chosen,
@@ -551,7 +552,8 @@ def verify_artifact(
         InputError: a model of another family or config, both model and golden, golden_save without a model.
         ProviderError: a provider that is unknown or not available.
         ConsumerError: genai=True where the onnxruntime-genai check cannot run.
-        ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one.
+        ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one; a consumer config
+            giving other ids or sizes than the manifest's model config is damage too.
     """
     start = time.perf_counter()
     folder = artifact.folder if isinstance(artifact, Artifact) else artifact

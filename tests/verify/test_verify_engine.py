@@ -272,12 +272,18 @@ def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32,
 
     listed = read_manifest(artifact_fp32, check_hashes=False).files
     manifest_reads, hashed, parsed = collections.Counter(), collections.Counter(), collections.Counter()
-    read_text, sha256_file, load = pathlib.Path.read_text, manifest_module.sha256_file, folder_module.onnx.load
+    read_text, read_bytes = pathlib.Path.read_text, pathlib.Path.read_bytes
+    sha256_file, load = manifest_module.sha256_file, folder_module.onnx.load
 
     def counted_read_text(path, *args, **kwargs):
         if path.name == "manifest.json":
             manifest_reads[str(path)] += 1
         return read_text(path, *args, **kwargs)
+
+    def counted_read_bytes(path):
+        if path.name == "manifest.json":
+            manifest_reads[str(path)] += 1
+        return read_bytes(path)
 
     def counted_sha256(path):
         hashed[pathlib.Path(path).name] += 1
@@ -288,6 +294,7 @@ def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32,
         return load(path, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "read_text", counted_read_text)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", counted_read_bytes)
     monkeypatch.setattr(manifest_module, "sha256_file", counted_sha256)
     monkeypatch.setattr(folder_module.onnx, "load", counted_load)
     result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep")

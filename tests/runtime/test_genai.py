@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -207,6 +208,52 @@ def test_an_edited_genai_config_is_refused_by_its_hash(artifact_copy):
     (artifact_copy / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError, match="genai_config.json"):
         GenaiGenerator(artifact_copy)
+
+
+def _relisted(folder, name: str, change) -> None:
+    """Apply `change` to the JSON document `name` in `folder`, and list its new hash and size in the manifest."""
+    path = folder / name
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    edit_manifest(folder, lambda m: m["files"][name].update(sha256=sha256_file(path), bytes=path.stat().st_size))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "difference"),
+    [
+        (
+            "genai_config.json",
+            lambda c: c["model"].update(eos_token_id=5),
+            "genai_config.json: model.eos_token_id is 5, the manifest's config gives 2",
+        ),
+        (
+            "genai_config.json",
+            lambda c: c["model"]["decoder"].pop("num_key_value_heads"),
+            "model.decoder.num_key_value_heads is absent, the manifest's config gives 2",
+        ),
+        (
+            "config.json",
+            lambda c: c.update(num_hidden_layers=3),
+            "num_hidden_layers is 3, the manifest's config gives 2",
+        ),
+        ("generation_config.json", lambda c: c.update(eos_token_id=2.0), "eos_token_id is 2.0, the manifest's config"),
+        ("generation_config.json", lambda c: c.update(pad_token_id=512), "pad_token_id is 512, the manifest's"),
+    ],
+)
+def test_a_consumer_config_giving_other_ids_or_sizes_is_damage_though_listed_again(
+    artifact_copy, tiny_model, name, change, difference
+):
+    # genai_config.json with eos_token_id 5 (the model's is 2), its hash listed again in the manifest, passed
+    # verify: onnxruntime-genai then stopped at another token than the model's, which the graphs' checks cannot see.
+    _relisted(artifact_copy, name, change)
+    with pytest.raises(ArtifactError, match=re.escape(difference)):
+        verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False)
+    result = CliRunner().invoke(main, ["verify", str(artifact_copy), "--no-genai", "-q"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "disagree with its manifest" in result.stderr and difference in result.stderr
+    result = CliRunner().invoke(main, ["inspect", str(artifact_copy), "--json"])
+    assert result.exit_code == 2 and difference.split(": ")[-1] in json.loads(result.stdout)["file_status"][name]
 
 
 def test_a_folder_without_genai_config_is_a_clear_error(artifact_copy, tmp_path):

@@ -245,7 +245,7 @@ def test_a_bundle_of_another_format_version_is_refused(full, artifact_fp32, tmp_
         with pytest.raises(
             ToolkitError,
             match=f"is format 'minimind-onnx-golden' v{version}, expected "
-            f"'minimind-onnx-golden' v4; {way_out} with golden_save",
+            f"'minimind-onnx-golden' v4; {way_out} with `golden_save`",
         ):
             load_bundle(old, manifest)
 

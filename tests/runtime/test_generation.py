@@ -399,7 +399,7 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
     with pytest.raises(
         OutputPathError,
         match=r"cannot save the optimised graph decode.optimized.onnx in .*"
-        r"--save-optimized",
+        r"\(`optimized_model_dir`\)",
     ):
         OrtRunner(artifact_fp32, settings=SessionSettings(optimized_model_dir=folder))
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden folder left

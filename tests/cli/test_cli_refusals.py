@@ -287,6 +287,9 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
+    (folder / "manifest.json").write_bytes(manifest.encode() + b"\xff")  # was UnicodeDecodeError, exit 3
+    for command in (["inspect", folder], ["generate", folder, "--prompt-ids", "1"]):
+        refused(run_cli(*command), "manifest.json is unreadable (UnicodeDecodeError")
     refused(
         run_cli("export", "--preset", "minimind-3-tiny", "-o", folder, "-q"), "holds no manifest.json of this toolkit"
     )
@@ -626,14 +629,14 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
         "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files",
     )
     monkeypatch.setattr(exporter.artifact.manifest, "sha256_file", real_sha256)
-    real_read_text = pathlib.Path.read_text
+    real_read_bytes = pathlib.Path.read_bytes
 
-    def read_text(path, *args, **kwargs):
+    def read_bytes(path, *args, **kwargs):
         if path.name == "manifest.json":
             raise denied
-        return real_read_text(path, *args, **kwargs)
+        return real_read_bytes(path, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
     for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
 
@@ -900,3 +903,186 @@ def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text('{"version": "1.0", ' + (tiny_tokenizer / "tokenizer.json").read_text()[1:])
     assert find_tokenizer(tokenizer, tiny_config.vocab_size).max_id == tiny_config.vocab_size - 1
+
+
+def _undecodable(parent: Path, name: str) -> Path:
+    """parent/name followed by the byte 0xff, which is no UTF-8 (a name Latin-1 tools write); skipped where the file
+    system refuses such a name."""
+    path = parent / os.fsdecode(os.fsencode(name) + b"\xff")
+    try:
+        path.mkdir()
+        path.rmdir()
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    return path
+
+
+def test_an_artifact_path_that_is_no_utf8_is_refused_in_one_line(artifact_fp32, tmp_path):
+    # onnxruntime's binding takes a path as UTF-8 and refused this one as an argument of the wrong type: exit 3.
+    folder = shutil.copytree(artifact_fp32, _undecodable(tmp_path, "art"))
+    fragment = "holds the byte 0xff, which is no UTF-8, and onnx and onnxruntime take only UTF-8 paths; rename it"
+    for command in (
+        ["generate", folder, "--prompt-ids", "1,2"],
+        ["generate", artifact_fp32, "--prompt-ids", "1,2", "--save-optimized", tmp_path / "opt\udcff"],
+        ["verify", folder, "--no-sweep", "--decode-steps", "1"],
+        ["verify", artifact_fp32, "--fp16-companion", folder],
+    ):
+        result = run_cli(*command, "--json")
+        refused(result, fragment)
+        assert "\\xff" in json.loads(result.stdout)["error"]["message"]  # shown as \xff, not a lone surrogate
+    assert not (tmp_path / "opt\udcff").exists()
+    # the library too, where it hands the path to onnxruntime
+    from exporter.artifact.folder import Artifact
+    from exporter.errors import ArtifactError
+    from exporter.runtime.runner import OrtRunner
+
+    with pytest.raises(ArtifactError, match="holds the byte 0xff"):
+        OrtRunner(Artifact.open(folder))
+    # inspect reads the folder in Python, which takes any name the file system does
+    assert run_cli("inspect", folder).exit_code == 0
+
+
+def test_an_export_folder_that_is_no_utf8_is_refused_before_the_export(tmp_path, monkeypatch):
+    # The whole export ran, and then onnx.checker refused the path ("incompatible function arguments"), exit 2.
+    import exporter.export.pipeline
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the export was built")
+
+    monkeypatch.setattr(exporter.export.pipeline, "_build", no_build)
+    output = _undecodable(tmp_path, "out")
+    for command in (["export", "-o", output], ["run", "-o", output], ["export", "-o", output / "artifact"]):
+        refused(
+            run_cli(*command, "--preset", "minimind-3-tiny", "-q"),
+            "holds the byte 0xff, which is no UTF-8, and onnx and onnxruntime take only UTF-8 paths; choose an "
+            "output folder whose path is UTF-8 (--output)",
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_SETPIPE_SZ"), reason="needs Linux's pipe sizes")
+def test_an_interrupt_while_the_json_result_is_written_leaves_it_whole(artifact_fp32):
+    # A SIGINT while the document filled a slow reader's pipe: stdout held the document cut mid-string, then the
+    # error object, which parses as neither. It is now written to its end, and no error object follows it.
+    import array
+    import fcntl
+    import termios
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # the inspect document (13 kB) fills it three times
+    size = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+    command = subprocess.Popen(
+        [sys.executable, "-m", "exporter.cli", "inspect", str(artifact_fp32), "--json"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(write_end)
+
+    def unread() -> int:
+        count = array.array("i", [0])
+        fcntl.ioctl(read_end, termios.FIONREAD, count)
+        return count[0]
+
+    deadline = time.monotonic() + 120
+    while unread() < size and command.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert unread() == size, "the document did not fill the pipe"  # the command waits in its write: interrupt it
+    command.send_signal(signal.SIGINT)
+    stdout = b""
+    while chunk := os.read(read_end, 1 << 16):
+        stdout += chunk
+    os.close(read_end)
+    _, stderr = command.communicate(timeout=60)
+    assert command.returncode == 130 and stderr == "interrupted (SIGINT)\n", stderr
+    document = json.loads(stdout)
+    assert document["file_status"]["weights.onnx.data"] == "ok" and "error" not in document
+
+
+def test_inspect_of_a_folder_an_export_killed_in_its_swap_points_to_the_artifact_moved_aside(artifact_fp32, tmp_path):
+    # kill -9 between the swap's two renames: inspect said only "does not exist".
+    folder = tmp_path / "art"
+    aside = shutil.copytree(artifact_fp32, tmp_path / ".art.old-999999-abc" / "art")
+    hint = f"an export stopped while swapping it left the earlier artifact in {aside}: move it back to {folder}"
+    for command in (["inspect", folder], ["generate", folder, "--prompt-ids", "1"]):
+        refused(run_cli(*command), f"{folder} does not exist; pass an artifact folder written by")
+        refused(run_cli(*command), hint)
+    folder.mkdir()
+    refused(run_cli("inspect", folder), f"{folder} has no manifest.json; it is not an artifact folder")
+    refused(run_cli("inspect", folder), hint)
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that blocks (a read of a FIFO no one writes) after 60 s, rather than hang the suite."""
+
+    def blocked(signum, frame):
+        raise AssertionError("blocked reading a file")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _special_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A file the option readers must refuse without reading it all (or waiting on it), and the refusal's words."""
+    if kind == "device":
+        return Path("/dev/zero"), "is a device, not a regular file: reading it may never end"
+    if kind == "fifo":
+        path = tmp_path / "pipe.json"
+        os.mkfifo(path)
+        return path, "is a FIFO (a named pipe), not a regular file: reading it would wait for a writer"
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as file:
+        file.truncate((16 << 20) + 1)  # sparse: no disk spent
+    return path, "holds more than 16 MiB, the most this reads of it"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(), reason="needs FIFOs and /dev/zero")
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_an_option_file_that_is_no_regular_file_or_too_large_is_refused_unread(artifact_fp32, tmp_path, alarm, kind):
+    # --config /dev/zero and --tolerances /dev/zero read until memory ran out (MemoryError, exit 3); a FIFO blocked.
+    path, reason = _special_file(tmp_path, kind)
+    out = tmp_path / "out"
+    refused(
+        run_cli("export", "--checkpoint", tmp_path / "model.pth", "--config", path, "-o", out, "-q"),
+        f"--config {path} {reason}; pass a JSON object of config fields",
+    )
+    refused(
+        run_cli("verify", artifact_fp32, "--tolerances", path, "-q"),
+        f"tolerance file {path} {reason}; give a JSON or .toml file",
+    )
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_checkpoint_that_is_a_fifo_is_refused_rather_than_waited_on(tmp_path, alarm):
+    # `--checkpoint` naming a FIFO blocked silently, waiting for a writer.
+    fifo = tmp_path / "model.pth"
+    os.mkfifo(fifo)
+    refused(
+        run_cli("export", "--checkpoint", fifo, "-o", tmp_path / "out", "-q"),
+        f"checkpoint {fifo} is no regular file (a FIFO, a device or a socket), which would be read without end",
+    )
+
+
+def test_a_weights_file_linked_from_outside_the_folder_is_damage_to_inspect_as_to_verify(artifact_fp32, tmp_path):
+    # inspect called the link ok, while onnxruntime (generate, verify) refuses weights read from outside the folder.
+    folder = shutil.copytree(artifact_fp32, tmp_path / "art")
+    outside = tmp_path / "elsewhere.data"
+    (folder / "weights.onnx.data").rename(outside)
+    (folder / "weights.onnx.data").symlink_to(outside)
+    state = f"a link out of the folder (to {outside}), where onnxruntime refuses to read weights"
+    fix = "copy the file into the folder in place of the link (cp --remove-destination TARGET LINK)"
+    result = run_cli("inspect", folder, "--json")
+    refused(result, f"{folder} is damaged: weights.onnx.data: {state}; {fix}")
+    assert json.loads(result.stdout)["file_status"]["weights.onnx.data"] == state
+    for command in (["generate", folder, "--prompt-ids", "1"], ["verify", folder, "--no-sweep"]):
+        refused(run_cli(*command), f"{folder}: weights.onnx.data is {state}; {fix}")
+    (folder / "weights.onnx.data").unlink()  # a link that stays inside the folder is read as the file
+    (folder / "data").mkdir()
+    outside.rename(folder / "data" / "w")
+    (folder / "weights.onnx.data").symlink_to(Path("data") / "w")
+    assert run_cli("inspect", folder).exit_code == 0

@@ -412,7 +412,7 @@ def test_consumer_configs_take_query_heads_and_hidden_size_from_the_spec_and_ins
     [
         (["--bogus"], "error: unrecognized arguments: --bogus (see 'byo_seed001.py --help')"),
         (["a", "b"], "error: unrecognized arguments: b (see 'byo_seed001.py --help')"),
-        (["FILE"], "error: output folder FILE is a file; give the path of a folder (--output)"),
+        (["FILE"], "error: output folder FILE is a file; give the path of a folder (`folder`)"),
     ],
     ids=["an unknown option", "two folders", "a file as the folder"],
 )
@@ -424,7 +424,7 @@ def test_the_bring_your_own_example_given_a_wrong_command_line_says_why_in_one_l
 
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    script = Path(__file__).resolve().parent.parent / "examples" / "byo_seed001.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "byo_seed001.py"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["byo_seed001.py", *[str(a_file) if a == "FILE" else a for a in argv]])
     with pytest.raises(SystemExit) as exit_:

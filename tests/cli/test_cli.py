@@ -395,7 +395,7 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     )
     assert [code for code, _ in without_torch] == [0, 0, 0, 2, 2], without_torch  # a deployment with onnxruntime only
     assert without_torch[3][1].startswith("error: verifying against the reference model needs PyTorch")
-    assert "--golden DIR" in without_torch[3][1] and without_torch[4][1].startswith("error: exporting needs PyTorch")
+    assert "(--golden)" in without_torch[3][1] and without_torch[4][1].startswith("error: exporting needs PyTorch")
     result = run_cli(
         "verify",
         cli_artifact,
@@ -616,7 +616,7 @@ def test_generate_json_says_whether_a_row_stopped(cli_artifact):
         return json.loads(result.stdout)
 
     [free] = rows()
-    assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped": False}
+    assert free == {"prompt_ids": [1, 17, 230], "new_ids": free["new_ids"], "stopped": False, "engine": "ort"}
     assert len(free["new_ids"]) == 6
     stop = free["new_ids"][2]
     [stopped] = rows("--stop-id", str(stop))
@@ -664,8 +664,9 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
     free = row("--ignore-eos")["new_ids"]
     eos = free[3]  # a token the model emits, made its eos
     edit_manifest(folder, lambda manifest: manifest["model"]["config"].update(eos_token_id=eos))
-    assert row() == {"prompt_ids": [1, 17, 230], "new_ids": free[: free.index(eos) + 1], "stopped": True}
-    assert row("--ignore-eos") == {"prompt_ids": [1, 17, 230], "new_ids": free, "stopped": False}
+    stopped = {"prompt_ids": [1, 17, 230], "new_ids": free[: free.index(eos) + 1], "stopped": True, "engine": "ort"}
+    assert row() == stopped
+    assert row("--ignore-eos") == {"prompt_ids": [1, 17, 230], "new_ids": free, "stopped": False, "engine": "ort"}
 
 
 @pytest.mark.parametrize(

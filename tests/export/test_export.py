@@ -586,8 +586,58 @@ def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, gra
         return out
 
     monkeypatch.setattr(OrtRunner, graph, broken)
-    with pytest.raises(ExportFailed, match=match.format(last=last)):
+    with pytest.raises(ExportFailed, match=match.format(last=last)) as info:
         export_module._smoke_run(artifact_fp32, manifest)
+    assert "export float32" not in str(info.value)  # it is a float32 export
+
+
+@pytest.mark.parametrize(
+    "dtype, value, match",
+    [
+        (
+            "float32",
+            float("nan"),
+            "weight model.layers.1.mlp.down_proj.weight holds NaN or Inf, .*; check the checkpoint",
+        ),
+        ("float32", float("inf"), "weight model.layers.1.mlp.down_proj.weight holds NaN or Inf"),
+        (
+            "float16",
+            1e6,
+            r"weight model.layers.1.mlp.down_proj.weight holds values beyond float16's range \(\|x\| > 65504\), "
+            r'.*; export float32 \(`dtype="float32"`\)',
+        ),
+    ],
+)
+def test_weights_that_are_not_finite_are_refused_before_the_export(
+    tiny_model, tmp_path, monkeypatch, dtype, value, match
+):
+    # A NaN checkpoint was refused by the smoke run, after both exports (~30 s), suggesting "(or export float32)"
+    # for a float32 export too.
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = value
+    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    with pytest.raises(InputError, match=match) as info:
+        export_artifact(model, tmp_path / "art", dtype=dtype)
+    assert dtype == "float16" or "float32" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_holding_nan_is_refused_by_the_cli_before_the_export(tiny_model, tmp_path, monkeypatch):
+    from helpers import run_cli
+
+    state = {name: tensor.clone() for name, tensor in tiny_model.state_dict().items()}
+    state["model.norm.weight"][3] = float("nan")
+    torch.save(state, tmp_path / "nan.pth")
+    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    result = run_cli(
+        "export", "--checkpoint", tmp_path / "nan.pth", "--preset", "minimind-3-tiny", "-o", tmp_path / "a"
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        "error: weight model.norm.weight holds NaN or Inf, which every output the graphs compute from it would "
+        "hold; check the checkpoint (a diverged training run, or a damaged file)"
+    )
 
 
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):
@@ -678,6 +728,58 @@ def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_pu
         f".artx.partial-{dead}-jkl",
         "art",
     ]
+
+
+def _killed_in_the_swap(artifact_fp32, folder: Path) -> Path:
+    """What an export killed between the swap's two renames leaves: the earlier artifact (a copy of artifact_fp32)
+    moved aside into .NAME.old-PID-*, its own complete build in .NAME.partial-PID-*, and no `folder`."""
+    dead = _dead_pid()
+    aside = shutil.copytree(artifact_fp32, folder.parent / f".{folder.name}.old-{dead}-abc" / folder.name)
+    shutil.copytree(artifact_fp32, folder.parent / f".{folder.name}.partial-{dead}-def")
+    return aside
+
+
+def test_an_export_interrupted_after_a_killed_swap_keeps_the_earlier_artifact(artifact_fp32, tiny_model, tmp_path):
+    # The folder made again (empty) after the kill: the next export removed .art.old-* before building, and a
+    # Ctrl-C during its build left the folder empty, the only complete copy of the earlier artifact deleted.
+    folder = tmp_path / "art"
+    _killed_in_the_swap(artifact_fp32, folder)
+    folder.mkdir()
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_module, "_build", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            export_artifact(tiny_model, folder)
+    assert read_manifest(folder) == read_manifest(artifact_fp32)  # put back, every hash checked
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_an_earlier_artifact_moved_aside_is_removed_only_once_a_new_one_is_in_place(
+    artifact_fp32, tiny_model, tmp_path, monkeypatch
+):
+    # The folder holds another artifact since the kill: the one moved aside is kept while an export builds, and
+    # removed only once that export's artifact is in place.
+    folder = tmp_path / "art"
+    aside = _killed_in_the_swap(artifact_fp32, folder)
+    shutil.copytree(artifact_fp32, folder)
+    (folder / "config.json").unlink()  # damaged: the copy moved aside may be the only complete one
+    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
+    build = export_module._build
+
+    def build_then_check(*args, **kwargs):
+        assert read_manifest(aside) == read_manifest(artifact_fp32)  # still there while the new one is built
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_build", build_then_check)
+    monkeypatch.setattr(  # skip the slow torch export: reuse the graphs
+        export_module, "_torch_export", lambda module, args, names, contract: copy.deepcopy(protos[contract.file])
+    )
+    export_artifact(tiny_model, folder)
+    read_manifest(folder)
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
 
 
 def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model, monkeypatch):

@@ -6,6 +6,7 @@ working as the runtime changes under it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ from helpers import edit_manifest
 
 from exporter.runtime.sessions import cuda_unusable
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime.py"
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +74,24 @@ def test_bad_arguments_and_folders_are_refused_before_any_worker_starts(tmp_path
         assert "CUDAExecutionProvider cannot run here" in out.stderr
 
 
-def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32):
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+COMMITTED_RESULTS = SCRIPT.parent / "RESULTS.md"
+
+
+def _state(path: Path):
+    """A file's bytes and modification time, or None where it is absent."""
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+def test_a_short_run_on_a_tiny_artifact_reports_every_figure(artifact_fp32, tmp_path):
+    committed = _state(COMMITTED_RESULTS)
+    results = tmp_path / "RESULTS.md"
+    command = [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "2", "--json"]
+    out = subprocess.run([*command, "--results", str(results)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert _state(COMMITTED_RESULTS) == committed  # a test run never replaces the committed results
     report = json.loads(out.stdout)
+    assert report["results_file"] == str(results)
+    _assert_results_file(results.read_text(), report)
     for side in ("onnxruntime", "pytorch"):
         figures = report[side]
         assert figures["prefill_128_ms"] > 0 and figures["peak_rss_mb"] > 0
@@ -448,3 +458,112 @@ def test_cuda_check_stops_with_exit_4_where_a_core_import_fails(tmp_path):
     assert "CUDA_CHECK: core imports failed: onnxruntime," in out.stdout
     assert "import exporter.cli: FAILED" in out.stdout
     assert "command not found" not in out.stdout + out.stderr
+
+
+def _assert_results_file(text: str, report: dict) -> None:
+    """RESULTS.md holds the date, the machine, the versions, the command line and the figures of `report`."""
+    import platform
+
+    env = report["environment"]
+    assert text.startswith("# Runtime benchmark results\n")
+    assert f"| date | {env['date']} |" in text and env["date"].endswith("UTC")
+    assert f"| CPU | {benchmark_cpu()} |" in text and env["cpu"] == benchmark_cpu()
+    assert f"| cores | {os.cpu_count()} logical, " in text
+    assert f"| python | {platform.python_version()} |" in text
+    for name in ("torch", "onnxruntime", "numpy"):
+        assert f"| {name} | {importlib.metadata.version(name)} |" in text, name
+    genai = importlib.util.find_spec("onnxruntime_genai")
+    assert (
+        f"| onnxruntime-genai | {importlib.metadata.version('onnxruntime-genai') if genai else 'not installed'} |"
+        in (text)
+    )
+    assert f"| command | `{env['command']}` |" in text and "runtime.py" in env["command"]
+    ours, torch_, ratios = report["onnxruntime"], report["pytorch"], report["ratios"]
+    genai_figures = report["onnxruntime_genai"]
+    decode = (
+        f"| decode tokens/s (128 steps) | {ours['decode_tokens_per_s']:.1f} | {torch_['decode_tokens_per_s']:.1f} |"
+    )
+    assert decode in text
+    assert f"| prefill 128 tokens (ms) | {ours['prefill_128_ms']:.1f} |" in text
+    assert f"| peak RSS (MB) | {ours['peak_rss_mb']:.1f} | {torch_['peak_rss_mb']:.1f} |" in text
+    q1, q3 = report["ratio_quartiles"]["decode"]
+    assert f"| ours / PyTorch, decode tokens/s | {ratios['decode']:.2f}x | {q1:.2f}–{q3:.2f} |" in text
+    if genai_figures:
+        q1, q3 = report["ratio_quartiles"]["ours_to_genai"]
+        assert f"| ours / genai, decode tokens/s | {ratios['ours_to_genai']:.2f}x | {q1:.2f}–{q3:.2f} |" in text
+    floor = report["floor"]
+    assert f"| {floor['weight_mb']:.1f} | {floor['read_gb_per_s']:.1f} | {floor['floor_step_ms']:.2f} |" in text
+    assert f"| ours decode step / weight-read floor | {ratios['decode_step_to_floor']:.2f}x |" in text
+
+
+def benchmark_cpu() -> str:
+    """The first processor's model name, family, model and stepping, read here apart from the script."""
+    with open("/proc/cpuinfo") as f:
+        block = f.read().split("\n\n")[0]
+    fields = dict(
+        (key.strip(), value.strip()) for key, _, value in (line.partition(":") for line in block.splitlines())
+    )
+    ids = ", ".join(f"{key} {fields[key]}" for key in ("cpu family", "model", "stepping"))
+    return f"{fields['model name']} ({ids})"
+
+
+def test_results_are_written_where_asked_and_not_at_all_with_no_results(
+    benchmark, artifact_fp32, tmp_path, monkeypatch
+):
+    # The default path is the committed benchmarks/RESULTS.md: pointed at a temporary file here.
+    default = tmp_path / "default" / "RESULTS.md"
+    default.parent.mkdir()
+    monkeypatch.setattr(benchmark, "DEFAULT_RESULTS", default)
+    report = _made_up_report(benchmark, rounds=1)
+    monkeypatch.setattr(benchmark, "measure", lambda args: dict(report))
+    monkeypatch.setattr(benchmark, "ensure_artifact", lambda folder: None)
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--artifact", str(artifact_fp32), "--json", *args])
+        benchmark.run()
+
+    run("--no-results")
+    assert not default.exists()
+    elsewhere = tmp_path / "elsewhere.md"
+    run("--results", str(elsewhere))
+    assert not default.exists() and elsewhere.is_file()
+    run()
+    text = default.read_text()
+
+    def figures(text):  # all but the lines that differ between two runs of one report: when, and how invoked
+        return [line for line in text.splitlines() if not line.startswith(("| date |", "| command |"))]
+
+    assert figures(text) == figures(elsewhere.read_text())
+    assert "| command | `" in text and "--results" not in text.split("| command |")[1].splitlines()[0]
+    assert "| rounds | 1 (in turns;" in text and "| provider, threads | cpu, each library default |" in text
+    assert not list(default.parent.glob(".*.tmp"))  # written whole, then renamed into place
+
+
+def test_a_results_path_that_cannot_be_written_is_refused_before_any_worker_starts(tmp_path):
+    for path, fragment in (
+        (tmp_path, "is a folder; give a file path"),
+        (tmp_path / "missing" / "RESULTS.md", "does not exist; create it or write elsewhere"),
+    ):
+        out = subprocess.run(
+            [sys.executable, str(SCRIPT), "--artifact", str(tmp_path / "typo"), "--results", str(path), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr[-2000:]
+        assert json.loads(out.stdout)["error"]["kind"] == "input"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--results", str(tmp_path / "r.md"), "--no-results"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr
+
+
+def test_the_results_file_lists_every_figure_of_a_made_up_report(benchmark):
+    report = _made_up_report(benchmark, rounds=3)
+    report["environment"] = benchmark.environment([str(SCRIPT), "--rounds", "3"])
+    text = benchmark.format_results(report)
+    _assert_results_file(text, report)
+    assert "| onnxruntime-genai | " in text and "| ours / genai, decode tokens/s | — | — |" in text  # no genai side

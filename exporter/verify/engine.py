@@ -158,7 +158,7 @@ def _expert_choice(
         rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
         for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]
     ]
-    return check_expert_choice(reference, artifact, provider, batch, steps, profile.logits)
+    return check_expert_choice(reference, artifact, provider, batch, steps, profile.kv)
 
 
 class _RoutingExplainer:
@@ -167,7 +167,7 @@ class _RoutingExplainer:
     router probe is built at its first use."""
 
     def __init__(self, reference: RecordedReference, onnx: OrtRunner, manifest: Manifest, profile: Profile):
-        self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.logits
+        self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.kv
         self._probes: dict[str, RouterProbe] = {}
 
     def _probe(self, graph: str) -> RouterProbe:

@@ -18,21 +18,29 @@ TOP_K = 5
 
 @dataclass(frozen=True)
 class Tolerance:
-    """An element passes when |actual - expected| <= atol + rtol * |expected| + peak * max|expected|.
+    """An element passes when |actual - expected| <= atol + rtol * |expected| + peak * max|expected of its row|.
 
     The first two terms are numpy.allclose. `peak` scales with the largest
-    magnitude in the tensor: rounding errors of a dot product or a norm are set
-    by the magnitude of what was summed, so an output near zero inherits an
-    absolute error from its large neighbours that no elementwise rtol covers.
+    magnitude in the element's row: rounding errors of a dot product or a norm are
+    set by the magnitude of what was summed, so an output near zero inherits an
+    absolute error from its large neighbours that no elementwise rtol covers. The
+    row is what one computation produced (ROW_AXES: one position's logits, one kv
+    head's keys or values), not the whole tensor: a peak taken over every position
+    and head would let a head or a position of small magnitude be off by a share
+    of the largest one's size, which its own rounding never explains.
     """
 
     atol: float
     rtol: float
     peak: float = 0.0
 
-    def allowed(self, expected: np.ndarray) -> np.ndarray:
+    def allowed(self, expected: np.ndarray, peaks: np.ndarray | None = None) -> np.ndarray:
+        """The bound per element of `expected`; `peaks`: each element's row peak (row_peaks), None: the
+        tensor's peak for every element."""
         magnitude = _finite_magnitude(expected)
-        return self.atol + self.rtol * magnitude + self.peak * (magnitude.max() if magnitude.size else 0.0)
+        if peaks is None:
+            peaks = magnitude.max() if magnitude.size else 0.0
+        return self.atol + self.rtol * magnitude + self.peak * peaks
 
     def to_dict(self) -> dict:
         return {"atol": self.atol, "rtol": self.rtol, "peak": self.peak}
@@ -58,6 +66,7 @@ class Needed:
 
 
 NOTHING_NEEDED = Needed(0.0, 0.0, 0.0)
+NOTHING_COMPARED = "nothing compared: no position was left to judge"
 
 
 @dataclass(frozen=True)
@@ -93,19 +102,43 @@ class Comparison:
         }
 
 
+# The trailing axes of one row, over which a Tolerance's peak is taken, per comparison kind: logits
+# (B, T, V) per position; presents (B, kv_heads, L, head_dim) per kv head, over its positions; a layer's
+# activations (B, T, hidden) per position. The loss is one number.
+ROW_AXES = {"logits": 1, "kv": 2, "activation": 1}
+
+
 def _finite_magnitude(expected: np.ndarray) -> np.ndarray:
     """|expected| with NaN and infinities as 0: one infinite value must not make every bound infinite."""
     return np.abs(np.where(np.isfinite(expected), expected, 0.0))
 
 
-def _needed(diff: np.ndarray, expected: np.ndarray, tolerance: Tolerance) -> Needed:
+def row_peaks(expected: np.ndarray, kind: str, judged: np.ndarray | None = None) -> np.ndarray:
+    """Each element's row peak: the largest finite |expected| among the judged elements of its row (ROW_AXES
+    of `kind`; the whole tensor for a kind without rows), broadcast to `expected`'s shape.
+
+    Args:
+        expected: the reference's values.
+        kind: the comparison kind, a key of ROW_AXES or another (one row).
+        judged: elements judged, of `expected`'s shape; the others (padding) do not raise a row's peak.
+    """
     magnitude = _finite_magnitude(expected)
-    peak = tolerance.peak * magnitude.max()
+    if judged is not None:
+        magnitude = np.where(judged, magnitude, 0.0)
+    axes = ROW_AXES.get(kind)
+    if axes is None or magnitude.ndim < axes or not magnitude.size:
+        return np.full(magnitude.shape, magnitude.max() if magnitude.size else 0.0)
+    return np.broadcast_to(magnitude.max(axis=tuple(range(-axes, 0)), keepdims=True), magnitude.shape)
+
+
+def _needed(diff: np.ndarray, expected: np.ndarray, tolerance: Tolerance, peaks: np.ndarray) -> Needed:
+    magnitude = _finite_magnitude(expected)
+    peak = tolerance.peak * peaks
     atol = float(np.max(diff - tolerance.rtol * magnitude - peak))
     rest = diff - tolerance.atol - peak
     with np.errstate(divide="ignore", invalid="ignore"):
         rtol = np.where(rest > 0, rest / magnitude, 0.0)  # inf where the expected value is 0
-        scale = np.where(diff > 0, diff / tolerance.allowed(expected), 0.0)
+        scale = np.where(diff > 0, diff / tolerance.allowed(expected, peaks), 0.0)
     return Needed(max(atol, 0.0), float(np.max(rtol)), float(np.max(scale)))
 
 
@@ -227,16 +260,17 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
         valid = np.asarray(valid, bool)
         judged = np.broadcast_to(valid.reshape(valid.shape + (1,) * (actual.ndim - valid.ndim)), actual.shape)
     llm = logits_metrics(actual, expected, None if judged is None else judged[..., 0]) if kind == "logits" else {}
+    peaks = row_peaks(expected, kind, judged)
     if judged is not None:
-        actual, expected = actual[judged], expected[judged]
-    if actual.size == 0:
-        return Comparison(name, kind, 0.0, 0.0, 0.0, tolerance, True)
+        actual, expected, peaks = actual[judged], expected[judged], peaks[judged]
+    if actual.size == 0:  # every position left out: nothing was compared, which proves nothing
+        return Comparison(name, kind, 0.0, 0.0, 0.0, tolerance, False, NOTHING_COMPARED)
     both_nan = np.isnan(actual) & np.isnan(expected)
     same_non_finite = both_nan | (np.isinf(expected) & (actual == expected))
     diff = np.where(same_non_finite, 0.0, np.abs(actual - expected))
     diff = np.where(np.isnan(diff), np.inf, diff)  # NaN on one side only, or infinities that differ
     rel = diff / np.maximum(np.abs(np.where(same_non_finite, 1.0, expected)), np.finfo(np.float32).tiny)
-    passed = bool(np.all(diff <= tolerance.allowed(expected)))
+    passed = bool(np.all(diff <= tolerance.allowed(expected, peaks)))
     if kind == "loss" and not both_nan.all():
         llm = loss_metrics(actual, expected)
     cosine = (
@@ -253,7 +287,7 @@ def _compare(name: str, kind: str, actual, expected, tolerance: Tolerance, valid
         tolerance,
         passed,
         cosine=cosine,
-        needed=_needed(diff, expected, tolerance),
+        needed=_needed(diff, expected, tolerance, peaks),
         llm=llm,
     )
 

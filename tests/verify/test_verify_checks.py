@@ -17,7 +17,7 @@ from exporter.runtime.runner import OrtRunner
 from exporter.verify.checks import invariants
 from exporter.verify.checks import outputs as checks
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
-from exporter.verify.metrics import compare, real_queries
+from exporter.verify.metrics import NOTHING_COMPARED, compare, real_queries
 from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.tolerances import Overrides, profile_for
 
@@ -51,9 +51,14 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
         return reached
 
     tie = ExpertAgreement(True, 10, 9, 1, "1 of 10 differ, 1 explained")
-    assert all(c.passed and c.routing_near_tie for c in sweep(tie, everything))
+    # a flip that reached every position leaves nothing to judge: no pass
+    assert all(not c.passed and c.routing_near_tie for c in sweep(tie, everything))
+    assert all(c.logits.worst == NOTHING_COMPARED for c in sweep(tie, everything))
     cases = sweep(tie, last_token)
-    assert [c.passed for c in cases] == [c.new_tokens == 1 for c in cases]  # a single new token: all reached
+    assert not any(c.passed for c in cases)
+    # a single new token: every position reached, none left to judge, which is no pass; more: the fault fails
+    assert [c.logits.worst == NOTHING_COMPARED for c in cases] == [c.new_tokens == 1 for c in cases]
+    assert all(c.logits.needed.scale > 1 for c in cases if c.new_tokens > 1)
     assert all(c.routing_near_tie and c.routing[0].excluded == c.batch for c in cases)
     for other in (
         ExpertAgreement(True, 10, 9, 0, "not a tie"),
@@ -80,7 +85,8 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
         scores = np.array([tie if token == layer0_tie else clear for token in range(4)])
         flipped = [np.isin(np.arange(4), flips).astype(np.int64)[:, None] for flips in ([layer0_flip], layer1_flips)]
         reference = {0: (scores, reference_ids), 1: (np.array([clear] * 4), reference_ids)}
-        result = _compare_choices(reference, dict(enumerate(flipped)), valid, tolerance)
+        onnx = {layer: (reference[layer][0], ids) for layer, ids in enumerate(flipped)}
+        result = _compare_choices(reference, onnx, valid, tolerance)
         return (result.pairs, result.agreeing, result.explained), result.reached.tolist()
 
     # token (0, 0) flips at a near-tie; at layer 1 it and the next token of its row follow
@@ -94,10 +100,65 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     assert count(0, -1, []) == ((8, 8, 0), [[False, False], [False, False]])
 
 
+def _one_token_choice(scores, reference_expert: int, onnx_expert: int, onnx_scores=None, tolerance=None):
+    from exporter.verify.checks.routing import _agreement, _compare_choices
+    from exporter.verify.metrics import Tolerance
+
+    scores = np.array([scores])
+    onnx_scores = scores if onnx_scores is None else np.array([onnx_scores])
+    count = _compare_choices(
+        {0: (scores, np.array([[reference_expert]]))},
+        {0: (onnx_scores, np.array([[onnx_expert]]))},
+        np.ones((1, 1), dtype=bool),
+        tolerance or Tolerance(1e-2, 0.0),
+    )
+    return _agreement([count])
+
+
+def test_a_flip_is_excused_only_between_experts_tied_with_the_reference_choice():
+    """Scores [0.30, 0.295, 0.25, 0.155], top-1, a bound of 0.01: the reference's expert 0 and expert 1 are
+    tied, so ONNX choosing 1 is a near-tie; choosing expert 3 (0.145 below) is a fault, however close the
+    reference's own first and second scores are."""
+    scores = [0.30, 0.295, 0.25, 0.155]
+    tied = _one_token_choice(scores, 0, 1)
+    assert (tied.explained, tied.near_ties) == (1, 1) and tied.passed is False  # 1 of 1 pairs: over the cap
+    far = _one_token_choice(scores, 0, 3)
+    assert (far.explained, far.near_ties) == (0, 0) and not far.passed
+    assert _one_token_choice(scores, 0, 0).passed
+
+
+def test_router_scores_off_their_bound_fail_without_any_flip():
+    """The same choice on both sides, but one score off by 0.02 where the bound is 0.01 + 0: a router fault
+    that moves scores without (yet) changing a choice."""
+    agree = _one_token_choice([0.6, 0.2, 0.2], 0, 0, [0.6, 0.18, 0.22])
+    assert agree.agreeing == 1 and agree.score_scale == pytest.approx(2.0) and not agree.passed
+    within = _one_token_choice([0.6, 0.2, 0.2], 0, 0, [0.6, 0.195, 0.205])
+    assert within.score_scale == pytest.approx(0.5) and within.passed
+
+
+def test_near_tie_flips_are_capped_and_nothing_compared_is_no_pass():
+    from exporter.verify.checks.routing import MAX_NEAR_TIE_SHARE, ExpertAgreement
+
+    # one tie flip in 8 pairs: at the cap, passes; two: over it
+    assert ExpertAgreement(True, 8, 7, 1, "", near_ties=1, score_scale=0.1).passed
+    assert not ExpertAgreement(True, 8, 6, 2, "", near_ties=2, score_scale=0.1).passed
+    assert 1 / 8 <= MAX_NEAR_TIE_SHARE < 2 / 8
+    assert not ExpertAgreement(True, 0, 0, 0, "nothing").passed
+
+
+def test_a_comparison_left_with_no_position_fails():
+    from exporter.verify.metrics import Tolerance
+
+    values = np.ones((1, 2, 3))
+    result = compare("x", "logits", values, values, Tolerance(0, 0, 1e-3), valid=np.zeros((1, 2), bool))
+    assert not result.passed and result.worst == NOTHING_COMPARED
+    assert compare("x", "logits", values, values, Tolerance(0, 0, 1e-3), valid=np.ones((1, 2), bool)).passed
+
+
 class _DecodeFlipsAt:
-    """An OrtRunner whose decode call `at` (counting from 0) returns logits and layer 1's key moved by 1 at
-    its new positions, as a token routed to another expert would: a difference the next steps inherit
-    through the cache."""
+    """An OrtRunner whose decode call `at` (counting from 0) returns row 0's logits and layer 1's key moved by
+    1 at its new positions, as a token of that row routed to another expert would: a difference the next steps
+    inherit through the cache."""
 
     def __init__(self, inner, at: int):
         self.inner, self.at, self.calls = inner, at, 0
@@ -111,9 +172,10 @@ class _DecodeFlipsAt:
         if self.calls - 1 != self.at:
             return outputs
         key = self.inner.manifest.cache.present(1, "key")
-        moved = outputs[key].copy()
-        moved[:, :, -feeds["input_ids"].shape[1] :] += 1
-        return {**outputs, "logits": outputs["logits"] + 1, key: moved}
+        moved, logits = outputs[key].copy(), outputs["logits"].copy()
+        moved[0, :, -feeds["input_ids"].shape[1] :] += 1
+        logits[0] += 1
+        return {**outputs, "logits": logits, key: moved}
 
 
 def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cache(runner, tiny_model):
@@ -131,7 +193,9 @@ def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cac
     def decode(agreement):
         def explain(graph, onnx_feeds, valid):
             asked.append(graph)
-            return CallRouting(agreement, np.ones(np.shape(valid), dtype=bool))
+            reached = np.zeros(np.shape(valid), dtype=bool)
+            reached[0] = True  # row 0's flip reaches its own positions, none of the other rows'
+            return CallRouting(agreement, reached)
 
         return check_decode(
             TorchRunner(tiny_model, manifest),
@@ -523,8 +587,8 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     strict = profile_for("float32", CPU)
     looser = dataclasses.replace(strict.logits, peak=strict.logits.peak + 4 * 2.0**-11)
     monkeypatch.setitem(tolerances.PROFILES, ("float32", CUDA), dataclasses.replace(strict, logits=looser, kv=looser))
-    peak = np.abs(cpu["logits"]).max()
-    tf32 = {**cpu, "logits": cpu["logits"] + np.float32(2 * 2.0**-11 * peak)}
+    peak = np.abs(cpu["logits"]).max(axis=-1, keepdims=True)  # each position's peak: its logits' own bound
+    tf32 = {**cpu, "logits": cpu["logits"] + (2 * 2.0**-11 * peak).astype(np.float32)}
     assert not compare("cpu", "logits", tf32["logits"], cpu["logits"], strict.logits).passed
     assert all(c.passed for c in cross_providers({CPU: cpu, CUDA: tf32}, "float32", Overrides(), mask))
     assert all(c.passed for c in cross_providers({CUDA: tf32, CPU: cpu}, "float32", Overrides(), mask))

@@ -102,13 +102,27 @@ def test_logits_are_judged_at_real_queries_only_and_a_real_fault_still_fails():
     failed = compare("logits", "logits", real_differs, expected, tol, valid=queries)
     assert not failed.passed and failed.max_abs == pytest.approx(0.01)
     assert failed.needed.scale == pytest.approx(0.01 / 6e-3)
-    # nor does a large value at a padded position widen the peak bound of the real ones (1e-3 x 1e6 would)
+    # nor does a large value at another position widen the peak bound of a real one (1e-3 x 1e6 would): each
+    # position's logits are held to their own peak, judged or not
     large_padding = expected.copy()
     large_padding[0, 0] = 1e6
-    assert compare("logits", "logits", large_padding + (real_differs - expected), large_padding, tol).passed
-    assert not compare(
-        "logits", "logits", large_padding + (real_differs - expected), large_padding, tol, valid=queries
-    ).passed
+    faulty = large_padding + (real_differs - expected)
+    assert not compare("logits", "logits", faulty, large_padding, tol).passed
+    assert not compare("logits", "logits", faulty, large_padding, tol, valid=queries).passed
+    assert compare("logits", "logits", faulty, large_padding, Tolerance(0.0, 0.0, 2e-3)).passed  # 0.01 < 2e-3 x 6
+
+
+def test_a_kv_head_of_small_magnitude_is_held_to_its_own_peak():
+    """Presents (B, kv_heads, L, head_dim): head 1 is a hundred times smaller than head 0. A 5% error in head 1
+    is far below the bound a whole-tensor peak would give (1e-3 x 100), and beyond its own (1e-3 x 1)."""
+    expected = np.stack([np.full((3, 4), 100.0), np.ones((3, 4))])[None]  # (1, 2, 3, 4)
+    actual = expected.copy()
+    actual[0, 1] *= 1.05
+    assert not compare("present", "kv", actual, expected, Tolerance(0.0, 0.0, 1e-3)).passed
+    actual = expected.copy()
+    actual[0, 1] += 0.5e-3  # within head 1's own bound
+    actual[0, 0] += 0.05  # within head 0's
+    assert compare("present", "kv", actual, expected, Tolerance(0.0, 0.0, 1e-3)).passed
 
 
 def test_presents_are_judged_at_real_keys_in_every_head():

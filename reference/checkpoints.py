@@ -829,9 +829,18 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     else:
         config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
-    _check_sizes(path, loader, state, config, source)
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    state = _fitted_state(path, loader, config, state, report)
+    try:
+        _check_sizes(path, loader, state, config, source)
+        state = _fitted_state(path, loader, config, state, report)
+    except CheckpointError as exc:
+        if source != "inferred" or not Path(path).is_dir():
+            raise
+        # A Transformers folder's tensors carry MiniMind's names, so without config.json it was read as MiniMind.
+        raise CheckpointError(
+            f"{exc} (no config.json in the folder: a Hugging Face folder of model_type "
+            f"{', '.join(HF_MODEL_TYPES)} needs its config.json)"
+        ) from None
     # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
     for name, value in assumed.items():
         log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)

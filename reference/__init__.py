@@ -7,6 +7,7 @@ Runtime side reads them); the model classes load torch on first use.
 from reference.configs import DecoderSpec
 from reference.errors import CheckpointError, ConfigError, ContextLengthError, ModelError
 from reference.families import FAMILIES, build_model, family_of, get_family
+from reference.hf_decoder_config import HFDecoderConfig, RopeScaling
 from reference.minimind_config import MiniMindConfig, YarnScaling
 from reference.presets import DEFAULT_PRESET, PRESETS, get_preset
 from reference.teaching_gpt_config import TeachingGPTConfig
@@ -16,6 +17,7 @@ _TORCH_EXPORTS = {
     "DecoderAdapter": "reference.byo",
     "check_adapter": "reference.byo",
     "MiniMindForCausalLM": "reference.minimind",
+    "HFDecoderForCausalLM": "reference.hf_decoder",
     "TeachingGPT": "reference.teaching_gpt",
     "seeded_init_": "reference.init",
 }
@@ -38,9 +40,12 @@ __all__ = [
     "DecoderAdapter",
     "DecoderSpec",
     "FAMILIES",
+    "HFDecoderConfig",
+    "HFDecoderForCausalLM",
     "MiniMindConfig",
     "MiniMindForCausalLM",
     "PRESETS",
+    "RopeScaling",
     "ModelError",
     "TeachingGPT",
     "TeachingGPTConfig",

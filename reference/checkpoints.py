@@ -4,7 +4,9 @@ Formats read:
 - MiniMind `.pth` files of either generation, dense or MoE: a flat state dict,
   usually float16 (`full_sft_768.pth`, `pretrain_512.pth`, `full_sft_640_moe.pth`);
 - Transformers-format folders: `config.json` plus `model.safetensors` (preferred),
-  sharded safetensors with `model.safetensors.index.json`, or `pytorch_model.bin`;
+  sharded safetensors with `model.safetensors.index.json`, or `pytorch_model.bin`; a config.json of
+  model_type llama, mistral, qwen2 or qwen3 loads into the hf-decoder family (reference/hf_decoder.py),
+  one of model_type minimind (or none) into MiniMind;
 - a single `.safetensors` file;
 - the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
   it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped);
@@ -49,6 +51,8 @@ import torch
 
 from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
+from reference.hf_decoder_config import MODEL_TYPES as HF_MODEL_TYPES
+from reference.hf_decoder_config import translate_hf_config
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
 from reference.presets import PRESETS
 
@@ -230,6 +234,12 @@ def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
             raise CheckpointError(
                 f"{index}: weight_map must map tensor names to shard files in {folder}; "
                 f"got {outside[:3] or 'no shards'}"
+            )
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{index} names {len(missing)} shard file(s) missing from {folder} "
+                f"({', '.join(missing[:SHOWN])}); copy every shard the index lists"
             )
         state = {}
         for shard in shards:
@@ -584,10 +594,60 @@ class TeachingGPTCheckpoints:
         return kept
 
 
+class HFDecoderCheckpoints:
+    """Transformers folders of model_type llama, mistral, qwen2 or qwen3: chosen by config.json's model_type (the
+    tensors' names are MiniMind's too), every size read from config.json (reference.hf_decoder_config)."""
+
+    family = "hf-decoder"
+
+    @staticmethod
+    def claims(state: dict) -> bool:
+        return False  # never by the keys alone: see _loader_for
+
+    @staticmethod
+    def translate(data: dict) -> dict:
+        return translate_hf_config(data)
+
+    @staticmethod
+    def infer(state: dict, base: dict) -> tuple[dict, dict]:
+        return {}, {}  # config.json gives every field; the fit check holds it to the tensors
+
+    @staticmethod
+    def visible_sizes(state: dict, config) -> dict:
+        """As MiniMindCheckpoints.visible_sizes: the layers and the embedding table."""
+        sizes = {"num_hidden_layers": _span(state, r"model\.layers\.(\d+)\.", "model.layers.")}
+        table = "model.embed_tokens.weight" if "model.embed_tokens.weight" in state else "lm_head.weight"
+        return {**sizes, **_table_sizes(state, table, ("vocab_size", "hidden_size"))}
+
+    @staticmethod
+    def prepare(state: dict, model, report: LoadReport) -> dict:
+        """Drop the rotary tables older Transformers saved (`...rotary_emb.inv_freq`: the reference computes them),
+        and let either key of a tied head provide both."""
+        kept = {}
+        for key, value in state.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                report.dropped.append(key)
+            else:
+                kept[key] = value
+        return MiniMindCheckpoints.prepare(kept, model, report)
+
+
 LOADERS = (MiniMindCheckpoints, TeachingGPTCheckpoints)
+KNOWN_MODEL_TYPES = (*HF_MODEL_TYPES, "minimind")
 
 
-def _loader_for(state: dict, path):
+def _loader_for(state: dict, path, config_json: dict | None = None, config=None):
+    """The loader of a Hugging Face decoder when config.json (or the given config fields) names its model_type or
+    the given config is one; else the one whose keys the tensors hold."""
+    model_type = config_json.get("model_type") if config_json is not None else None
+    named = model_type in HF_MODEL_TYPES if config is None else family_of(config).name == HFDecoderCheckpoints.family
+    if named:
+        return HFDecoderCheckpoints
+    if config is None and isinstance(model_type, str) and model_type not in KNOWN_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(KNOWN_MODEL_TYPES)} (another decoder exports as your own, reference/byo.py)"
+        )
     for loader in LOADERS:
         if loader.claims(state):
             return loader
@@ -763,15 +823,24 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     _check_arguments(config, config_data)
     state, config_json, fmt = read_checkpoint(path)
     config_json = config_data if config_data is not None else config_json
-    loader = _loader_for(state, path)
+    loader = _loader_for(state, path, config_json, config)
     if config is not None:
         config, source, assumed = _given_config(path, loader, config), "given", {}
     else:
         config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
         source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
-    _check_sizes(path, loader, state, config, source)
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    state = _fitted_state(path, loader, config, state, report)
+    try:
+        _check_sizes(path, loader, state, config, source)
+        state = _fitted_state(path, loader, config, state, report)
+    except CheckpointError as exc:
+        if source != "inferred" or not Path(path).is_dir():
+            raise
+        # A Transformers folder's tensors carry MiniMind's names, so without config.json it was read as MiniMind.
+        raise CheckpointError(
+            f"{exc} (no config.json in the folder: a Hugging Face folder of model_type "
+            f"{', '.join(HF_MODEL_TYPES)} needs its config.json)"
+        ) from None
     # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
     for name, value in assumed.items():
         log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)

@@ -35,6 +35,7 @@ _JSON_TYPES = {
     "str": (str,),
     "None": (type(None),),
     "YarnScaling": (dict,),
+    "RopeScaling": (dict,),
 }
 
 
@@ -48,7 +49,8 @@ def check_field_types(cls, data: dict, prefix: str = "") -> None:
         allowed = tuple(t for name in names for t in _JSON_TYPES.get(name, (object,)))
         wrong = not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
         if wrong:
-            shown = " or ".join("an object of YaRN fields" if name == "YarnScaling" else name for name in names)
+            nested = {"YarnScaling": "an object of YaRN fields", "RopeScaling": "an object of rope scaling fields"}
+            shown = " or ".join(nested.get(name, name) for name in names)
             raise ConfigError(f"config field {prefix}{field.name} must be {shown}, got {value!r}")
 
 

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from reference.configs import DecoderSpec
 from reference.errors import ConfigError
+from reference.hf_decoder_config import HFDecoderConfig
 from reference.minimind_config import MiniMindConfig
 from reference.teaching_gpt_config import TeachingGPTConfig
 
@@ -74,6 +75,8 @@ FAMILIES: dict[str, Family] = {
     for family in (
         Family("minimind", MiniMindConfig, "reference.minimind:MiniMindForCausalLM"),
         Family("teaching-gpt", TeachingGPTConfig, "reference.teaching_gpt:TeachingGPT"),
+        # llama, mistral, qwen2 and qwen3 from a Transformers folder (config.model_type says which)
+        Family("hf-decoder", HFDecoderConfig, "reference.hf_decoder:HFDecoderForCausalLM"),
         Family("custom", DecoderSpec, None),
     )
 }

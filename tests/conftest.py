@@ -298,3 +298,13 @@ def minimind2_artifact(tmp_path_factory, minimind2_checkpoint):
     )
     assert result.exit_code == 0, result.output
     return folder
+
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory):
+    """model_type -> a tiny Transformers folder of that type, written by transformers (tests/hf_folders.py)."""
+    pytest.importorskip("transformers")
+    from hf_folders import MODEL_TYPES, hf_folder
+
+    root = tmp_path_factory.mktemp("hf")
+    return {model_type: hf_folder(model_type, root / model_type) for model_type in MODEL_TYPES}

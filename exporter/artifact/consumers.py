@@ -55,6 +55,7 @@ class FamilyTypes:
 # - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it
 #   would not compute anyway, so they are "decoder" there (the generic type), and their generation's
 #   type for Optimum, which reads only the sizes.
+# - A Hugging Face decoder (llama, mistral, qwen2, qwen3) keeps its own model_type in both.
 # - The teaching GPT (learned positions, LayerNorm) and bring-your-own decoders: "decoder" in genai;
 #   Optimum's types for learned-position models (gpt2) expect other input names, so Optimum gets llama,
 #   which it uses only to size the cache.
@@ -63,6 +64,8 @@ def consumer_types(manifest: Manifest) -> FamilyTypes:
     if manifest.family == "minimind":
         attention = "qwen3" if config.version == 3 else "llama"
         return FamilyTypes(genai="decoder" if config.use_moe else attention, hf=attention)
+    if manifest.family == "hf-decoder":  # its own Transformers type, which both consumers know
+        return FamilyTypes(genai=config.model_type, hf=config.model_type)
     if manifest.family in ("teaching-gpt", "custom"):
         return FamilyTypes(genai="decoder", hf="llama")
     reason = f"model family {manifest.family!r} has no consumer types in exporter.artifact.consumers.consumer_types"

@@ -62,6 +62,8 @@ from exporter.verify.references.golden import (
     load_bundle,
 )
 from exporter.verify.references.model_source import SourcedModel
+from exporter.verify.references.transformers_reference import FAMILY as HF_FAMILY
+from exporter.verify.references.transformers_reference import check_transformers, transformers_skip_reason
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
 
@@ -399,6 +401,7 @@ class _Plan:
     settings: ParitySettings  # a golden replay's are its bundle's; fitted to the model's context
     applied: AppliedOverrides
     genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
+    transformers_skipped: str | None  # why Transformers is not compared; "" when it is; None: not an HF artifact
 
 
 def _plan(
@@ -443,6 +446,13 @@ def _plan(
         if genai_skipped and genai:  # before any work, as the caller asked for the check
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
+    transformers_skipped = None
+    if manifest.family == HF_FAMILY:
+        transformers_skipped = (
+            transformers_skip_reason(manifest)
+            if model is not None
+            else "compared beside the PyTorch reference only, not with a golden bundle or the invariants alone"
+        )
     return _Plan(
         artifact,
         chosen,
@@ -453,6 +463,7 @@ def _plan(
         settings.fit(manifest.config.max_position_embeddings),
         applied,
         genai_skipped,
+        transformers_skipped,
     )
 
 
@@ -493,6 +504,17 @@ def _audit(artifact: Artifact, model) -> WeightAudit:
     for finding in audit.findings:
         log.info("weight audit: %s", finding.describe())
     return audit
+
+
+def _independent(plan: _Plan, onnx: OrtRunner | None, batch: dict, settings: ParitySettings, overrides: Overrides):
+    """Transformers' model of the artifact's folder against ONNX Runtime on the first provider, or why not
+    ({reference: reason}); neither for an artifact not exported from a Hugging Face folder."""
+    if plan.transformers_skipped is None:
+        return [], {}
+    if plan.transformers_skipped or onnx is None:
+        return [], {"transformers": plan.transformers_skipped or "no provider ran"}
+    profile = overrides.apply(profile_for(plan.artifact.manifest.dtype, onnx.provider))
+    return [check_transformers(onnx, plan.artifact.manifest, batch, settings, profile)], {}
 
 
 def _save_golden(
@@ -590,6 +612,7 @@ def verify_artifact(
             attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
         )
         consumers, consumers_skipped = _consumers(plan, reports)
+        independent, independent_skipped = _independent(plan, first_runner, batch, settings, overrides)
     if golden_save is not None:
         _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
     return VerifyReport(
@@ -598,6 +621,8 @@ def verify_artifact(
         skipped=plan.skipped,
         consumers=consumers,
         consumers_skipped=consumers_skipped,
+        independent=independent,
+        independent_skipped=independent_skipped,
         reference=plan.described,
         invariants=invariants,
         weights=weights,

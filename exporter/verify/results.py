@@ -101,6 +101,30 @@ class ConsumerReport:
 
 
 @dataclass(frozen=True)
+class IndependentReport:
+    """ONNX Runtime against a reference the toolkit did not write (Transformers' own model of the folder the
+    artifact was exported from): the prefill batch and the decode steps, as against the PyTorch reference."""
+
+    reference: str  # name and version, e.g. "transformers 5.25.0"
+    provider: str  # the ONNX Runtime provider compared
+    source: str  # what the reference loaded (the checkpoint folder)
+    comparisons: list[Comparison]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.comparisons)
+
+    def to_dict(self) -> dict:
+        return {
+            "reference": self.reference,
+            "provider": self.provider,
+            "source": self.source,
+            "passed": self.passed,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+        }
+
+
+@dataclass(frozen=True)
 class AttributionLeg:
     cause: str  # "export", "provider" or "precision"
     covers: str  # the graph and the inputs compared, e.g. "prefill.onnx, the prefill batch"
@@ -130,6 +154,8 @@ class VerifyReport:
     skipped: dict[str, str] = field(default_factory=dict)  # provider -> reason
     consumers: list[ConsumerReport] = field(default_factory=list)
     consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
+    independent: list[IndependentReport] = field(default_factory=list)  # independent references compared
+    independent_skipped: dict[str, str] = field(default_factory=dict)  # independent reference -> why not
     reference: str = ""  # what the ONNX side was compared with; "none" for the invariants alone
     invariants: list[Invariant] = field(default_factory=list)
     weights: WeightAudit | None = None  # the initializers against the PyTorch model's parameters; None without one
@@ -147,6 +173,7 @@ class VerifyReport:
             checked
             and all(r.passed for r in self.reports)
             and all(c.passed for c in self.consumers)
+            and all(r.passed for r in self.independent)
             and all(i.passed for i in self.invariants)
             and (self.weights is None or self.weights.passed)
             and all(c.passed for c in self.cross)
@@ -172,4 +199,6 @@ class VerifyReport:
             "attribution": self.attribution.to_dict() if self.attribution else None,
             "consumers": [c.to_dict() for c in self.consumers],
             "consumers_skipped": self.consumers_skipped,
+            "independent_references": [r.to_dict() for r in self.independent],
+            "independent_references_skipped": self.independent_skipped,
         }

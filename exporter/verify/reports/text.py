@@ -280,6 +280,15 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
                 rows + ([["skipped", a.skipped, "", "", ""]] if a.skipped else []),
             )
         )
+    for independent in report.independent:
+        tables.append(
+            (
+                f"independent reference: ONNX Runtime ({independent.provider}) against {independent.reference} "
+                f"loading {independent.source}",
+                HEADER,
+                [comparison_row(c) for c in independent.comparisons],
+            )
+        )
     return tables
 
 
@@ -298,5 +307,6 @@ def format_verify(report: VerifyReport) -> str:
             "compared: onnxruntime-genai leaves it out)"
         )
     blocks += [f"consumer {consumer}: skipped ({reason})" for consumer, reason in report.consumers_skipped.items()]
+    blocks += [f"independent reference {name}: skipped ({why})" for name, why in report.independent_skipped.items()]
     blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f} s")
     return "\n\n".join(blocks)

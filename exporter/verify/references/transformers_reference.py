@@ -1,0 +1,137 @@
+"""Transformers as an independent reference: the model `AutoModelForCausalLM` loads from the Hugging Face folder an
+artifact was exported from, against ONNX Runtime on the verification's prefill batch and decode steps.
+
+The toolkit's own reference (reference/hf_decoder.py) is what the graphs are exported from, so a mistake in it
+would be exported and pass every other check; Transformers' modeling code is written by others, so agreeing with
+it too shows the artifact computes the released model. Runs only when transformers imports, the artifact's
+family is hf-decoder and its checkpoint folder is unchanged; transformers is imported lazily, as torch is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from exporter.artifact.contract import KV_KINDS
+from exporter.artifact.manifest import Manifest
+from exporter.verify.checks.health import HealthScan
+from exporter.verify.checks.outputs import check_decode, check_prefill
+from exporter.verify.inputs import ParitySettings
+from exporter.verify.results import IndependentReport
+from exporter.verify.tolerances import Profile
+
+log = logging.getLogger(__name__)
+
+NAME = "transformers"
+FAMILY = "hf-decoder"  # the family whose artifacts come from a folder transformers loads
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, or None when it does not import."""
+    try:
+        import transformers
+    except Exception:  # absent, or broken against this torch: either way no reference here
+        return None
+    return transformers.__version__
+
+
+def transformers_skip_reason(manifest: Manifest) -> str:
+    """Why Transformers cannot serve as the artifact's independent reference here; "" when it can."""
+    source = manifest.source
+    if manifest.family != FAMILY or source.get("kind") != "checkpoint":
+        return f"the artifact was not exported from a Hugging Face folder (family {manifest.family})"
+    if transformers_version() is None:
+        return "transformers is not installed (pip install 'transformers>=5')"
+    from reference.checkpoints import checkpoint_change
+
+    change = checkpoint_change(source["path"], source.get("sha256"))
+    if change:
+        return f"its checkpoint {source['path']} {change}"
+    return ""
+
+
+class TransformersRunner:
+    """Transformers' model of a folder behind the named-feed interface of TorchRunner (prefill, decode)."""
+
+    name = NAME
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # the CLI's progress lines are the verification's own
+        self.manifest = manifest
+        dtype = {"float32": torch.float32, "float16": torch.float16}[manifest.dtype]
+        # float32 weights cast to the artifact's dtype, as the export casts them; eager attention: written out
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        self.model = model.to(dtype).eval()
+        # the cache's keyword and output field: `cache` in recent transformers 5 releases, `past_key_values` before
+        parameters = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+
+    def _call(self, feeds: dict, past=None) -> dict:
+        import torch
+
+        labels = feeds.get("labels")
+        kwargs = {self._cache_arg: past} if past is not None else {}
+        with torch.no_grad():
+            out = self.model(
+                input_ids=torch.from_numpy(feeds["input_ids"]),
+                attention_mask=torch.from_numpy(feeds["attention_mask"]),
+                position_ids=torch.from_numpy(feeds["position_ids"]),
+                labels=torch.from_numpy(labels) if labels is not None else None,
+                use_cache=True,
+                **kwargs,
+            )
+        cache = getattr(out, "cache", None)
+        cache = out.past_key_values if cache is None else cache
+        result = {"logits": out.logits.float().numpy()}
+        for layer in range(self.manifest.cache.num_layers):
+            stored = cache.layers[layer]
+            for kind, tensor in zip(KV_KINDS, (stored.keys, stored.values)):
+                result[self.manifest.cache.present(layer, kind)] = tensor.numpy()  # (B, Hkv, L, D), as the graphs
+        if out.loss is not None:
+            result["loss"] = np.float32(out.loss.item())
+        return result
+
+    def prefill(self, feeds: dict) -> dict:
+        return self._call(feeds)
+
+    def decode(self, feeds: dict) -> dict:
+        import torch
+        from transformers import DynamicCache
+
+        cache, names = DynamicCache(), self.manifest.cache
+        for layer in range(names.num_layers):
+            key, value = (torch.from_numpy(feeds[names.past(layer, kind)]) for kind in KV_KINDS)
+            cache.update(key, value, layer)
+        return self._call(feeds, cache)
+
+
+def check_transformers(
+    onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile
+) -> IndependentReport:
+    """ONNX Runtime (`onnx`, an OrtRunner) against Transformers' model of the artifact's checkpoint folder: the
+    prefill batch (logits, presents, loss) and the decode steps, judged by `profile` as the PyTorch reference is.
+
+    Args:
+        onnx: the OrtRunner of the provider compared.
+        manifest: the artifact's manifest, whose source names the folder.
+        batch: the prompt batch the providers were verified on.
+        settings: the verification's settings (decode steps, seed).
+        profile: the tolerances of that provider.
+    """
+    folder = Path(manifest.source["path"])
+    log.info("independent reference: transformers loading %s", folder)
+    runner = TransformersRunner(folder, manifest)
+    health = HealthScan(manifest.dtype)  # the providers' checks report ONNX Runtime's health; not again here
+    prefill, _ = check_prefill(runner, onnx, manifest, batch, profile, health)
+    decode, _ = check_decode(
+        runner, onnx, manifest, batch, settings, profile, health, np.random.default_rng(settings.seed + 1)
+    )
+    comparisons = prefill.comparisons + decode.comparisons
+    return IndependentReport(f"{NAME} {transformers_version()}", onnx.provider, str(folder), comparisons)

@@ -1,0 +1,97 @@
+"""export-onnx on Hugging Face folders: export, then verify against the toolkit's reference and transformers'; and
+the folders it refuses, each with one line and nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from helpers import assert_one_line_error, run_cli
+
+pytest.importorskip("transformers")
+
+# Two exports cover every difference between the four types' math (each export costs two dynamo graphs):
+# qwen3 has the q/k norms, yarn, head_dim 32 != hidden / heads and a tied head; llama the biases of every
+# projection and of the MLP, llama3 rope, an untied head and sharded weights. qwen2's and mistral's math is
+# a subset of theirs, held to transformers in tests/reference_models/test_hf_decoder.py.
+EXPORTED = ("qwen3", "llama")
+
+
+@pytest.fixture(scope="module", params=EXPORTED)
+def exported(request, hf_folders, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf-export") / request.param
+    result = run_cli("export", "--checkpoint", hf_folders[request.param], "-o", folder, "-q")
+    assert result.exit_code == 0, result.output
+    return request.param, folder
+
+
+def test_an_exported_folder_verifies_against_the_reference_and_transformers(exported, tmp_path):
+    model_type, folder = exported
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["model"]["family"] == "hf-decoder"
+    assert manifest["model"]["config"]["model_type"] == model_type
+    assert manifest["model"]["source"]["kind"] == "checkpoint"
+    report = tmp_path / "report.json"
+    result = run_cli("verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--report-json", report, "-q")
+    assert result.exit_code == 0, result.output
+    assert "independent reference: ONNX Runtime (CPUExecutionProvider) against transformers" in result.stdout
+    data = json.loads(report.read_text())
+    assert data["passed"] and data["reference"] == "pytorch model"
+    (independent,) = data["independent_references"]
+    assert independent["reference"].startswith("transformers ") and independent["passed"]
+    names = [c["name"] for c in independent["comparisons"]]
+    assert names[:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
+    assert any(name.startswith("decode logits") for name in names)
+    assert all(c["max_abs"] <= c["tolerance"]["peak"] or c["passed"] for c in independent["comparisons"])
+
+
+def _copy(hf_folders, model_type, tmp_path):
+    return shutil.copytree(hf_folders[model_type], tmp_path / f"bad-{model_type}")
+
+
+def _config(folder, **changes):
+    data = {**json.loads((folder / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+def _refused(folder, tmp_path, fragment):
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("export", "--checkpoint", folder, "-o", out, "-q"), 2, fragment)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [folder.name]
+
+
+def test_a_folder_without_config_json_is_refused(hf_folders, tmp_path):
+    folder = _copy(hf_folders, "qwen2", tmp_path)
+    (folder / "config.json").unlink()
+    _refused(folder, tmp_path, "no config.json in the folder: a Hugging Face folder of model_type")
+
+
+def test_a_folder_without_weights_is_refused(hf_folders, tmp_path):
+    folder = _copy(hf_folders, "qwen3", tmp_path)
+    (folder / "model.safetensors").unlink()
+    _refused(folder, tmp_path, "holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def test_a_shard_missing_from_the_index_is_refused(hf_folders, tmp_path):
+    folder = _copy(hf_folders, "llama", tmp_path)
+    (folder / "model-00002-of-00014.safetensors").unlink()
+    _refused(folder, tmp_path, "names 1 shard file(s) missing")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes", "fragment"),
+    [
+        ("qwen3", {"num_hidden_layers": 3}, "num_hidden_layers is 3 but the checkpoint holds 2"),
+        ("qwen3", {"intermediate_size": 128}, "does not fit the hf-decoder config"),
+        ("qwen3", {"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
+        ("qwen3", {"num_experts": 4}, "num_experts (4) describes a mixture of experts"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        ("mistral", {"sliding_window": 1024}, "sliding_window (1024) is shorter than max_position_embeddings (4096)"),
+    ],
+)
+def test_a_config_the_reference_cannot_honour_is_refused(hf_folders, tmp_path, model_type, changes, fragment):
+    folder = _copy(hf_folders, model_type, tmp_path)
+    _config(folder, **changes)
+    _refused(folder, tmp_path, fragment)

@@ -48,7 +48,7 @@ _U = FP16_UNIT_ROUNDOFF
 _U32 = FP32_UNIT_ROUNDOFF
 # float32 on the CPU: both sides compute in float32 with different kernels and summation orders, so each
 # carries float32's own rounding error and they differ by up to about the sum of the two. That error is
-# set by the magnitudes summed, so it is bounded in units of the tensor's peak (u = 2^-24): the PyTorch
+# set by the magnitudes summed, so it is bounded in units of the row's peak (u = 2^-24): the PyTorch
 # reference in float32 against itself in float64 stays within ~140u of the logits' peak on the presets
 # (docs/verification.md). Allowed: 512u of the peak (~2x the sum of two such errors) and nothing else; for
 # logits peaking at 12 that is 3.7e-4, still 3 orders of magnitude below what a wrong graph gives (a wrong
@@ -71,7 +71,7 @@ _CPU_FP32 = Profile(
 # float16: every stored activation is rounded to 11 significant bits and the two sides round at different
 # points (ONNX Runtime's CPU provider upcasts many ops to float32, PyTorch keeps float16), so their
 # difference is as large as float16's own loss against float32, about 7u of the logits' peak
-# (docs/verification.md). Allowed: 16u of the tensor's peak plus 4u elementwise. The loss is computed in
+# (docs/verification.md). Allowed: 16u of the row's peak (metrics.ROW_AXES) plus 4u elementwise. The loss is computed in
 # float32 from float16 logits; its error averages over positions: 2e-3 + 4u|x|.
 _FP16_ACTIVATIONS = Tolerance(1e-3, 4 * _U, 16 * _U)
 _CPU_FP16 = Profile(

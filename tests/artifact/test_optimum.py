@@ -1,12 +1,23 @@
-"""Hugging Face Optimum's ORTModelForCausalLM loads an artifact folder as it is.
+"""Hugging Face Optimum's ORTModelForCausalLM loads an artifact folder as it is, and its greedy tokens equal our
+runtime's.
 
-Optimum's current release (optimum-onnx 0.1.0) needs transformers < 4.58, so
-this module runs only where `optimum.onnxruntime` imports; run it in its own
-environment with the one-liner in the README ("Deploy with ...").
+Optimum's current release (optimum-onnx 0.1.0) needs transformers < 4.58, which the test extra's transformers
+(the independent reference of Hugging Face folders) is not, so Optimum runs in a virtual environment of its own:
+the interpreter named by EXPORT_ONNX_OPTIMUM_PYTHON, else `.venv-optimum` at the repository's root, built here
+on first use from OPTIMUM_REQUIREMENTS (about a minute; later runs reuse it). tests/artifact/optimum_worker.py runs
+there, once for the whole module, on the folders the session's fixtures exported.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime
 import pytest
 from helpers import CONSUMER_PROMPTS
 
@@ -15,71 +26,102 @@ from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.references.torch_runner import reference_greedy
 
-try:
-    import torch
-    from optimum.onnxruntime import ORTModelForCausalLM
-    from transformers import AutoTokenizer
-except ImportError as exc:  # not installed, or a transformers >= 4.58 that breaks optimum at import
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    pytest.skip(
-        f"optimum.onnxruntime does not import here ({type(exc).__name__}: {first_line}); its current "
-        "release needs transformers<4.58: run this test in its own environment (README, 'Deploy with "
-        "onnxruntime-genai / Optimum')",
-        allow_module_level=True,
-    )
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("optimum_worker.py")
+OPTIMUM_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers==4.57.6",
+    "optimum-onnx==0.1.0",
+    f"onnxruntime=={onnxruntime.__version__}",
+)
+FAMILIES = ["moe3_dense_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact", "minimind2_artifact"]
+TEXT = "kalo mine ruto savi"
 
 
-def _load(folder):
-    return ORTModelForCausalLM.from_pretrained(folder, file_name="decode.onnx", use_cache=True)
+def _optimum_python() -> Path:
+    """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be."""
+    given = os.environ.get("EXPORT_ONNX_OPTIMUM_PYTHON")
+    python = Path(given) if given else ROOT / ".venv-optimum" / "bin" / "python"
+    if not given and not python.exists():
+        venv = python.parents[1]
+        steps = (
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
+        )
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
+            if done.returncode:
+                shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
+    probe = subprocess.run([str(python), "-c", "import optimum.onnxruntime"], capture_output=True, text=True)
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"optimum.onnxruntime does not import in {python} ({last})")
+    return python
+
+
+@pytest.fixture(scope="module")
+def optimum(request):
+    """Optimum's answers for this module's folders: {"generate": {(fixture, prompt index): ids}, "text": {...}}."""
+    python = _optimum_python()
+    runs = []
+    for name in ["artifact_fp32", "artifact_fp16", *FAMILIES]:
+        folder = request.getfixturevalue(name)
+        vocab = read_manifest(folder).config.vocab_size
+        tokens = 24 if name in FAMILIES else 40
+        for index, prompt in enumerate(CONSUMER_PROMPTS):  # the seed 001 demo has 256 ids
+            runs.append(
+                (
+                    (name, index),
+                    {"folder": str(folder), "prompt": [t % vocab for t in prompt], "max_new_tokens": tokens},
+                )
+            )
+    texts = [{"folder": str(request.getfixturevalue("artifact_fp32")), "text": TEXT, "max_new_tokens": 12}]
+    document = json.dumps({"generate": [run for _, run in runs], "texts": texts})
+    done = subprocess.run([str(python), str(WORKER)], input=document, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout)
+    return {"generate": dict(zip((key for key, _ in runs), answer["generate"])), "text": answer["texts"][0]}
+
+
+def _ours(folder, prompt, tokens):
+    config = read_manifest(folder).config
+    return generate_greedy(OrtRunner(folder), prompt, tokens, config.eos_token_id).new_ids
 
 
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
-def test_optimum_tokens_equal_our_runtime_and_the_reference(request, tiny_model, artifact):
+def test_optimum_tokens_equal_our_runtime_and_the_reference(request, optimum, tiny_model, artifact):
     folder = request.getfixturevalue(artifact)
     manifest = read_manifest(folder)
-    eos = manifest.config.eos_token_id
-    model = _load(folder)
-    runner = OrtRunner(folder)
-    for prompt in CONSUMER_PROMPTS:
-        optimum = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :].tolist()
-        ours = generate_greedy(runner, prompt, 40, eos).new_ids
-        assert optimum == ours  # Optimum keeps a final EOS, as we do
+    for index, prompt in enumerate(CONSUMER_PROMPTS):
+        ours = _ours(folder, prompt, 40)
+        assert optimum["generate"][(artifact, index)] == ours  # Optimum keeps a final EOS, as we do
         assert len(set(ours)) > 5, "degenerate output makes token equality meaningless"
         if manifest.dtype == "float32":
-            assert ours == reference_greedy(tiny_model, prompt, 40, eos).ids
+            assert ours == reference_greedy(tiny_model, prompt, 40, manifest.config.eos_token_id).ids
     read_manifest(folder)  # Optimum left the folder as it was (every hash still matches)
 
 
-def test_optimum_generates_text_with_the_artifacts_tokenizer(artifact_fp32):
+def test_optimum_generates_text_with_the_artifacts_tokenizer(optimum, artifact_fp32):
     from tokenizers import Tokenizer
 
-    text = "kalo mine ruto savi"
     ours = Tokenizer.from_file(str(artifact_fp32 / "tokenizer.json"))
-    tokenizer = AutoTokenizer.from_pretrained(artifact_fp32)
-    inputs = tokenizer(text, return_tensors="pt")
-    assert inputs.input_ids[0].tolist() == ours.encode(text).ids
-    out = _load(artifact_fp32).generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs.input_ids.shape[1] :]
-    manifest = read_manifest(artifact_fp32)
-    expected = generate_greedy(
-        OrtRunner(artifact_fp32), ours.encode(text).ids, 12, manifest.config.eos_token_id
-    ).new_ids
-    assert out.tolist() == expected
-    assert tokenizer.decode(out) == ours.decode(expected)
+    ids = ours.encode(TEXT).ids
+    assert optimum["text"]["ids"] == ids
+    expected = _ours(artifact_fp32, ids, 12)
+    assert optimum["text"]["new"] == expected
+    assert optimum["text"]["decoded"] == ours.decode(expected)
 
 
-@pytest.mark.parametrize(
-    "artifact", ["moe3_dense_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact", "minimind2_artifact"]
-)
-def test_optimum_runs_every_family(request, artifact):
+@pytest.mark.parametrize("artifact", FAMILIES)
+def test_optimum_runs_every_family(request, optimum, artifact):
     """Optimum reads only the sizes from config.json; its tokens equal our runtime's for every family."""
     folder = request.getfixturevalue(artifact)
-    config = read_manifest(folder).config
-    eos = config.eos_token_id
-    model, runner = _load(folder), OrtRunner(folder)
+    vocab = read_manifest(folder).config.vocab_size
     seen = set()
-    for prompt in ([t % config.vocab_size for t in p] for p in CONSUMER_PROMPTS):  # the seed 001 demo has 256 ids
-        optimum = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
-        ours = generate_greedy(runner, prompt, 24, eos).new_ids
-        assert optimum == ours
+    for index, prompt in enumerate(CONSUMER_PROMPTS):
+        ours = _ours(folder, [t % vocab for t in prompt], 24)
+        assert optimum["generate"][(artifact, index)] == ours
         seen |= set(ours)
     assert len(seen) > 3, "degenerate output makes token equality meaningless"

@@ -143,7 +143,7 @@ def byo_example():
     return _load_example("byo_seed001")
 
 
-def _moe3_yarn_model(dispatch: str):
+def moe3_yarn_model(dispatch: str):
     """minimind-3 MoE (4 experts, top-1) with YaRN on (original max 16 positions), so that one export proves
     both the MoE graph and rope scaling beyond the original window."""
     import dataclasses
@@ -168,13 +168,13 @@ def _moe3_yarn_model(dispatch: str):
 @pytest.fixture(scope="session")
 def moe3_model():
     """minimind-3 MoE + YaRN, sparse dispatch: the reference of the float16 export."""
-    return _moe3_yarn_model("sparse")
+    return moe3_yarn_model("sparse")
 
 
 @pytest.fixture(scope="session")
 def moe3_dense_model():
     """minimind-3 MoE + YaRN, dense dispatch: the reference of the float32 export."""
-    return _moe3_yarn_model("dense")
+    return moe3_yarn_model("dense")
 
 
 def _export_once(tmp_path_factory, model, name: str, source: dict):

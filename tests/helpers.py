@@ -171,6 +171,27 @@ def edit_weights(folder: Path, changes: dict) -> None:
     edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, sorted(changed))))
 
 
+def largest(values: np.ndarray) -> tuple:
+    """The index of the element of largest magnitude: one that any relative change moves, float16 included."""
+    return np.unravel_index(int(np.argmax(np.abs(values))), values.shape)
+
+
+def scaled(index, factor: float):
+    """An edit_weights change: the element (or slice) at `index` times `factor`; None: the largest element."""
+
+    def change(values):
+        values[index if index is not None else largest(values)] *= factor
+        return values
+
+    return change
+
+
+def swapped(folder: Path, a: str, b: str) -> dict:
+    """edit_weights changes that exchange the weights the nodes of modules `a` and `b` read."""
+    first, second = read_weight(folder, a), read_weight(folder, b)
+    return {a: lambda _: second, b: lambda _: first}
+
+
 def edit_graphs(folder: Path, change) -> None:
     """Apply `change` (a function that edits an onnx.GraphProto in place) to both graphs, without their weights,
     and re-sign the manifest."""

@@ -11,7 +11,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 import onnx
 import pytest
-from helpers import edit_graphs, edit_weights, graph_weight, read_weight, run_cli
+from helpers import edit_graphs, edit_weights, graph_weight, run_cli, scaled, swapped
 from onnx import numpy_helper
 
 from exporter import ParitySettings, verify_artifact
@@ -57,44 +57,26 @@ def test_a_minimind2_checkpoint_export_passes_the_weight_audit(minimind2_artifac
     _clean(audit_weights(artifact, rebuild_reference(minimind2_artifact, artifact.manifest)), computed_tables=1)
 
 
-def _largest(values: np.ndarray) -> tuple:
-    """The index of the element of largest magnitude: one that any relative change moves, float16 included."""
-    return np.unravel_index(int(np.argmax(np.abs(values))), values.shape)
-
-
-def _scaled(index, factor: float):
-    def change(values):
-        values[index if index is not None else _largest(values)] *= factor
-        return values
-
-    return change
-
-
-def _swap(folder, a: str, b: str) -> dict:
-    first, second = read_weight(folder, a), read_weight(folder, b)
-    return {a: lambda _: second, b: lambda _: first}
-
-
 # fault -> (the modules' weights edited, how, the parameters the audit must name)
 FAULTS = {
     "one channel of a norm x 1.01": (
-        lambda f: {"model.layers.1.post_attention_layernorm": _scaled(5, 1.01)},
+        lambda f: {"model.layers.1.post_attention_layernorm": scaled(5, 1.01)},
         {"model.layers.1.post_attention_layernorm.weight"},
     ),
     "one v_proj weight x 1.05": (
-        lambda f: {"model.layers.0.self_attn.v_proj": _scaled(None, 1.05)},
+        lambda f: {"model.layers.0.self_attn.v_proj": scaled(None, 1.05)},
         {"model.layers.0.self_attn.v_proj.weight"},
     ),
     "one down_proj weight x 1.1": (
-        lambda f: {"model.layers.1.mlp.down_proj": _scaled(None, 1.1)},
+        lambda f: {"model.layers.1.mlp.down_proj": scaled(None, 1.1)},
         {"model.layers.1.mlp.down_proj.weight"},
     ),
     "one embedding row x 1.01": (
-        lambda f: {"model.embed_tokens": _scaled(7, 1.01)},
+        lambda f: {"model.embed_tokens": scaled(7, 1.01)},
         {"model.embed_tokens.weight"},
     ),
     "q_norm <-> k_norm swapped": (
-        lambda f: _swap(f, "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"),
+        lambda f: swapped(f, "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"),
         {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"},
     ),
 }
@@ -166,7 +148,7 @@ def test_verify_fails_a_float16_weight_fault_and_every_report_names_the_paramete
     """A weight off by 5% in a float16 export: the command exits 1, and the text, JSON and JUnit reports name
     the parameter."""
     folder = shutil.copytree(artifact_fp16, tmp_path / "fp16")
-    edit_weights(folder, {"model.layers.0.self_attn.v_proj": _scaled(None, 1.05)})
+    edit_weights(folder, {"model.layers.0.self_attn.v_proj": scaled(None, 1.05)})
     junit = tmp_path / "report.xml"
     result = run_cli(
         "verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--json", "--junit", junit, "-q"
@@ -191,7 +173,7 @@ def test_the_text_report_shows_the_audit_and_each_finding(full, tiny_model, arti
     [row] = [line for line in text.splitlines() if line.startswith("prefill.onnx ")]
     assert row.split()[-1] == "pass" and "24 of 24 parameters carried" in row, row
     folder = shutil.copytree(artifact_fp32, tmp_path / "fp32")
-    edit_weights(folder, {"model.layers.1.mlp.down_proj": _scaled(None, 1.1)})
+    edit_weights(folder, {"model.layers.1.mlp.down_proj": scaled(None, 1.1)})
     broken = dataclasses.replace(report, weights=audit_weights(Artifact.open(folder), tiny_model))
     text = format_verify(broken)
     assert not broken.passed and text.split("\n")[-1].startswith("overall: FAIL")

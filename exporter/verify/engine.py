@@ -22,7 +22,12 @@ from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, available_parity_providers, check_parity_providers
+from exporter.runtime.sessions import (
+    CPU,
+    available_parity_providers,
+    check_parity_providers,
+    check_quantized_provider,
+)
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants
 from exporter.verify.checks.outputs import (
@@ -457,6 +462,9 @@ def _plan(
     if providers is not None and not providers:  # [] would verify nothing, and the report would fail
         raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
+    if manifest.quantization is not None:  # before any work: a provider without the kernel cannot run the artifact
+        for provider in chosen:
+            check_quantized_provider(provider, manifest)
     if golden_save is not None:
         if model is None:  # a golden bundle comes without one (see above)
             raise InputError(

@@ -107,11 +107,12 @@ def matmul_nbits_unusable(provider: str, bits: int) -> str | None:
         ir_version=9,
     )
     options = plain_session_options()
-    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if provider != CPU:  # the provider alone, not the CPU provider behind it (onnxruntime refuses both at once)
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ort.InferenceSession(model.SerializeToString(), options, providers=session_providers(provider))
+            ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
     except Exception as exc:  # noqa: BLE001 -- any failure to place the node there is the answer
         return f"no {bits}-bit MatMulNBits kernel on {provider} ({first_line(exc, 160)})"
     return None

@@ -15,7 +15,9 @@ from tests.helpers import assert_one_line_error, run_cli
 def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
     replayed_export(monkeypatch, artifact_fp32)
     out = tmp_path / "int4"
-    result = run_cli("export", "--preset", "minimind-3-tiny", "--dtype", "int4", "--block-size", "16", "-o", out, "--json")
+    result = run_cli(
+        "export", "--preset", "minimind-3-tiny", "--dtype", "int4", "--block-size", "16", "-o", out, "--json"
+    )
     assert result.exit_code == 0, result.output
     exported = json.loads(result.stdout)
     assert exported["dtype"] == "int4" and exported["quantization"]["block_size"] == 16

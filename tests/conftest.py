@@ -308,3 +308,35 @@ def hf_folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {model_type: hf_folder(model_type, root / model_type) for model_type in MODEL_TYPES}
+
+
+def replayed_export(monkeypatch, float_artifact):
+    """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (loaded with their weights):
+    what the dynamo export of the same model gives, without its ~30 s per graph. Quantized exports of the tiny
+    model go through everything else: quantization, the shared weights file, the checks and the smoke run."""
+    import onnx
+
+    import exporter.export.pipeline as pipeline
+
+    graphs = {name: onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
+
+    def replay(module, args, names, contract):
+        model = onnx.ModelProto()
+        model.CopyFrom(graphs[contract.file])
+        return model
+
+    monkeypatch.setattr(pipeline, "_torch_export", replay)
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory, tiny_model, artifact_fp32):
+    """{"int4": folder, "int8": folder}: the tiny model quantized (block 32), exported once per session."""
+    folders = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        replayed_export(monkeypatch, artifact_fp32)
+        for scheme in ("int4", "int8"):
+            folders[scheme] = tmp_path_factory.mktemp(f"artifact-{scheme}") / TINY
+            export_artifact(
+                tiny_model, folders[scheme], dtype=scheme, source={"kind": "seeded", "preset": TINY, "seed": 0}
+            )
+    return folders

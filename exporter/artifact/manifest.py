@@ -22,6 +22,7 @@ from exporter.artifact.contract import (
     prefill_contract,
 )
 from exporter.artifact.paths import json_type
+from exporter.artifact.quantization import FLOAT_DTYPE, Quantization
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict, family_of
@@ -62,6 +63,13 @@ class Manifest:
     initializers: dict  # graph file -> [{"name", "offset", "length", "dtype", "shape"}] in weights_file
     versions: dict
     files: dict  # name -> {"bytes", "sha256"}
+    # weight-only quantization (MatMulNBits); None: a float artifact, as every manifest written before the field
+    quantization: Quantization | None = None
+
+    @property
+    def precision(self) -> str:
+        """What the artifact holds its weights in: the quantization scheme ("int4", "int8"), else the dtype."""
+        return self.quantization.scheme if self.quantization is not None else self.dtype
 
     @property
     def family(self) -> str:
@@ -92,6 +100,8 @@ class Manifest:
             "weights": {"file": self.weights_file, "initializers": self.initializers},
             "versions": self.versions,
             "files": self.files,
+            # written only when set: a float artifact's manifest is what readers before the field read
+            **({"quantization": self.quantization.to_dict()} if self.quantization is not None else {}),
         }
 
     def write(self, folder: Path) -> None:
@@ -116,6 +126,7 @@ class Manifest:
             initializers=data["weights"]["initializers"],
             versions=data["versions"],
             files=data["files"],
+            quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
         )
 
 
@@ -123,6 +134,10 @@ def _inconsistency(manifest: Manifest) -> str | None:
     """What in a parsed manifest cannot be right (an edit by hand, a damaged file), or None."""
     if manifest.dtype not in DTYPES:
         return f"dtype {manifest.dtype!r} is none of {', '.join(DTYPES)}"
+    if manifest.quantization is not None:
+        problem = manifest.quantization.problem()
+        if problem or manifest.dtype != FLOAT_DTYPE:
+            return problem or f"a quantized artifact computes in {FLOAT_DTYPE}, not {manifest.dtype}"
     config, dtype = manifest.config, manifest.dtype
     expected = (
         prefill_contract(config, dtype, manifest.with_loss),

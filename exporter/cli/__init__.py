@@ -153,7 +153,7 @@ def _require_torch(purpose: str) -> None:
         )
 
 
-def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None):
+def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None, quantize=None):
     _require_torch("exporting")
     from exporter.export.pipeline import (
         check_destination,
@@ -164,7 +164,13 @@ def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=Non
     check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
     sourced = _model_and_source(preset, seed, checkpoint, config_path)
     return sourced.model, export_artifact(
-        sourced.model, folder, dtype=dtype, with_loss=not no_loss, source=sourced.source, tokenizer=tokenizer
+        sourced.model,
+        folder,
+        dtype=dtype,
+        with_loss=not no_loss,
+        source=sourced.source,
+        tokenizer=tokenizer,
+        **(quantize or {}),
     )
 
 
@@ -201,6 +207,9 @@ def run(
     seed,
     output,
     dtype,
+    block_size,
+    accuracy_level,
+    lm_head,
     no_loss,
     tokenizer,
     providers,
@@ -224,7 +233,8 @@ def run(
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
-    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
+    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
         report,
@@ -239,13 +249,29 @@ def run(
 @export_options
 @common_options
 @handle_errors
-def export(preset, checkpoint, config_path, seed, output, dtype, no_loss, tokenizer, as_json, quiet, verbose):
+def export(
+    preset,
+    checkpoint,
+    config_path,
+    seed,
+    output,
+    dtype,
+    block_size,
+    accuracy_level,
+    lm_head,
+    no_loss,
+    tokenizer,
+    as_json,
+    quiet,
+    verbose,
+):
     """Export prefill.onnx, decode.onnx, one shared weights file, manifest.json, and the configs that let
     onnxruntime-genai and Optimum load the folder as it is."""
     setup_logging(verbose, quiet)
     from exporter.cli.export_report import format_export
 
-    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path)
+    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
     emit(exported.to_dict(), as_json, format_export(exported))
 
 

@@ -21,10 +21,22 @@ def _files_table(files: dict, status: dict | None = None) -> str:
     return _table(["file", "size", "sha256"] + (["status"] if status else []), rows)
 
 
+def _quantized(manifest) -> str:
+    q = manifest.quantization
+    if q is None:
+        return ""
+    kept = "; ".join(q.kept_float) or "nothing"
+    return (
+        f"{q.matrices} weight matrices as {q.bits}-bit MatMulNBits blocks of {q.block_size} (accuracy level "
+        f"{q.accuracy_level}, lm_head {q.lm_head}): {q.float_bytes / 1e6:.2f} MB float32 -> "
+        f"{q.quantized_bytes / 1e6:.2f} MB ({q.ratio:.2f}x); kept float: {kept}\n"
+    )
+
+
 def format_export(result: ExportResult) -> str:
     return (
-        f"exported {result.folder} ({result.manifest.dtype}) in {result.seconds:.1f} s, "
-        f"{result.bytes / 1e6:.1f} MB\n" + _files_table(result.manifest.files)
+        f"exported {result.folder} ({result.manifest.precision}) in {result.seconds:.1f} s, "
+        f"{result.bytes / 1e6:.1f} MB\n" + _quantized(result.manifest) + _files_table(result.manifest.files)
     )
 
 
@@ -59,7 +71,7 @@ def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
             else []
         ),
         f"  weights from: {describe_source(manifest.source)}",
-        f"  dtype {manifest.dtype}, opset {manifest.opset}, weights file {manifest.weights_file}",
+        f"  dtype {manifest.precision}, opset {manifest.opset}, weights file {manifest.weights_file}",
         "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
     ]
     for contract in (manifest.prefill, manifest.decode):

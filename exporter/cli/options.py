@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from exporter.artifact.paths import TEXT_PATH_FIX, check_output_path, check_outside_artifact, check_text_path
+from exporter.artifact.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_LM_HEAD, LM_HEAD
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
@@ -81,10 +82,33 @@ def export_options(func):
         ),
         click.option(
             "--dtype",
-            type=click.Choice(["float32", "float16"]),
+            type=click.Choice(["float32", "float16", "int4", "int8"]),
             default="float32",
             show_default=True,
-            help="Precision of the weights and activations.",
+            help="Precision of the weights and activations; int4/int8 quantize the MatMul weights only "
+            "(onnxruntime MatMulNBits), activations and cache stay float32.",
+        ),
+        click.option(
+            "--block-size",
+            type=int,
+            default=DEFAULT_BLOCK_SIZE,
+            show_default=True,
+            help="int4/int8: weights per quantization scale (a power of two >= 16 dividing the hidden size).",
+        ),
+        click.option(
+            "--accuracy-level",
+            type=int,
+            default=0,
+            show_default=True,
+            help="int4/int8: MatMulNBits accuracy_level (0 float32 math; 4 int8 math on the CPU, faster, less exact).",
+        ),
+        click.option(
+            "--lm-head",
+            type=click.Choice(list(LM_HEAD)),
+            default=DEFAULT_LM_HEAD,
+            show_default=True,
+            help="int4/int8: an untied lm_head's weights at 8 bits, float, or the same bits as the rest "
+            "(a tied one stays float with the embedding).",
         ),
         click.option(
             "--no-loss", is_flag=True, help="Drop the labels input and loss output of prefill.onnx (inference-only)."

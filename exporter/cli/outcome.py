@@ -117,6 +117,9 @@ _PREFIX = {"usage": "error: ", "input": "error: ", "internal": "internal error: 
 FLAGS = {
     "folder": "--output",
     "dtype": "--dtype",
+    "block_size": "--block-size",
+    "accuracy_level": "--accuracy-level",
+    "lm_head": "--lm-head",
     "provider": "--provider",
     "providers": "--provider",
     "intra_op_threads": "--threads",

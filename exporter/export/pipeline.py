@@ -36,10 +36,19 @@ from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layou
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
+from exporter.artifact.quantization import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LM_HEAD,
+    FLOAT_DTYPE,
+    SCHEMES,
+    Quantization,
+    requested_scheme,
+)
 from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
 from exporter.export.graphs import DecodeGraph, PrefillGraph, share_tied_table
+from exporter.export.quantize import quantize_graphs
 from exporter.export.weights import write_shared_weights
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.verify.references.model_source import SourcedModel
@@ -65,7 +74,8 @@ class ExportResult:
     def to_dict(self) -> dict:
         return {
             "folder": str(self.folder),
-            "dtype": self.manifest.dtype,
+            "dtype": self.manifest.precision,
+            **({"quantization": q.to_dict()} if (q := self.manifest.quantization) is not None else {}),
             "seconds": round(self.seconds, 2),
             "bytes": self.bytes,
             "files": self.manifest.files,
@@ -583,7 +593,14 @@ def _write_failed(folder: Path, exc: OSError) -> OutputPathError:
 
 
 def _build(
-    model: torch.nn.Module, config, dtype: str, with_loss: bool, source: dict, tokenizer_source, built: Path
+    model: torch.nn.Module,
+    config,
+    dtype: str,
+    with_loss: bool,
+    source: dict,
+    tokenizer_source,
+    built: Path,
+    quantization: Quantization | None = None,
 ) -> Manifest:
     """Both graphs, the weights file they share, the consumers' files and the manifest, written into the empty
     folder `built` and checked there (onnx.checker, a smoke run in onnxruntime)."""
@@ -595,6 +612,10 @@ def _build(
         prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
         args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
         decode_model = _torch_export(DecodeGraph(model), args, names, decode)
+    if quantization is not None:  # before the weights are written: both graphs' blocks are then stored once
+        prefill_model, decode_model, quantization = quantize_graphs(
+            prefill_model, decode_model, quantization, config.vocab_size
+        )
     shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
     log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors, shared.bytes / 1e6)
     for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
@@ -615,6 +636,7 @@ def _build(
         initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
         versions={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         files={},
+        quantization=quantization,
     )
     files = [prefill.file, decode.file, WEIGHTS_FILE, *write_consumer_files(built, manifest, tokenizer_source)]
     manifest = dataclasses.replace(manifest, files=file_entries(built, files))
@@ -634,6 +656,10 @@ def export_artifact(
     with_loss: bool = True,
     source: dict | None = None,
     tokenizer: Path | None = None,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = 0,
+    lm_head: str = DEFAULT_LM_HEAD,
 ) -> ExportResult:
     """Export `model` as an artifact folder.
 
@@ -646,13 +672,18 @@ def export_artifact(
             signature with a list-of-(k, v) cache. It is copied for export, never changed.
         folder: the output folder (str or Path): absent, empty, or an artifact of this toolkit holding only
             the files its manifest lists.
-        dtype: the graphs' float type, one of DTYPES ("float32", "float16").
+        dtype: the graphs' float type, one of DTYPES ("float32", "float16"), or a weight-only quantization scheme
+            ("int4", "int8": MatMul weights in onnxruntime's MatMulNBits blocks, activations and cache float32).
         with_loss: give prefill.onnx a `labels` input and a `loss` output.
         source: where the weights came from, as manifest.json records it: a dict of JSON values with a
             "kind"; None: {"kind": "in-memory"}.
         tokenizer: a tokenizer.json, or a folder holding one and optionally tokenizer_config.json; checked
             against the model's vocabulary and copied into the artifact, for text generation in every
             consumer.
+        block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
+        accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4: int8 math on the CPU).
+        lm_head: for "int4"/"int8", an untied lm_head's weights: "int8" (default), "float", or "same" (the scheme's
+            bits). A tied lm_head stays float with the embedding table, which is never quantized.
 
     Returns:
         The ExportResult: the folder as given, the manifest, the time taken and the artifact's bytes.
@@ -662,11 +693,13 @@ def export_artifact(
         OutputPathError: the folder cannot be written or replaced.
         ExportFailed: torch.onnx or a post-export check failed.
     """
-    if dtype not in DTYPES:
-        raise InputError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPES and dtype not in SCHEMES:
+        raise InputError(f"dtype {dtype!r} is not supported; choose one of {', '.join([*DTYPES, *SCHEMES])}")
     _check_arguments(model, folder, with_loss)
     # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
+    quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head)
+    dtype = FLOAT_DTYPE if quantization is not None else dtype  # what the graphs compute in
     source = {"kind": "in-memory"} if source is None else source
     _check_source(source)
     shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent
@@ -689,7 +722,7 @@ def export_artifact(
         os.umask(umask)
         try:
             built.chmod(0o777 & ~umask)  # mkdtemp makes it private; the artifact should not be
-            manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built)
+            manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built, quantization)
             with folder_lock(folder.parent):  # a second export to this folder swaps its result in before or after
                 _move_into_place(built, folder)
             for leftover in moved_aside:  # earlier artifacts, once this one is in place

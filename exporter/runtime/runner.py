@@ -25,6 +25,7 @@ from exporter.runtime.sessions import (
     SessionSettings,
     SharedWeightMap,
     check_provider,
+    check_quantized_provider,
     is_integer,
     load_session,
     optimized_graphs_saved,
@@ -227,6 +228,7 @@ class OrtRunner:
             self.artifact = open_artifact(artifact, check_hashes=check_hashes)
             self.folder, self.manifest = self.artifact.folder, self.artifact.manifest
             self.provider = check_provider(provider)
+            check_quantized_provider(self.provider, self.manifest)
             providers = session_providers(self.provider)
             self._weights = SharedWeightMap(self.artifact)  # must outlive the sessions
             prefill, decode = self.manifest.prefill, self.manifest.decode

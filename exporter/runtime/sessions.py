@@ -67,6 +67,57 @@ def check_provider(name: str) -> str:
     return full
 
 
+def check_quantized_provider(provider: str, manifest) -> None:
+    """ProviderError when `provider` (a full name) has no MatMulNBits kernel of the artifact's bits: its session
+    would run those nodes on the CPU provider behind it, copying activations back and forth, unverified under the
+    provider's name. Nothing for a float artifact, nor on the CPU provider, which has the kernel for 4 and 8 bits."""
+    quantization = manifest.quantization
+    if quantization is None or provider == CPU:
+        return
+    bits = sorted({quantization.bits, 8} if quantization.lm_head == "int8" else {quantization.bits})
+    for reason in filter(None, (matmul_nbits_unusable(provider, b) for b in bits)):
+        raise ProviderError(
+            f"{provider} cannot run this {quantization.scheme} artifact: {reason}; run it on the CPU (`provider`), "
+            "or export it as float32 for this provider"
+        )
+
+
+@functools.cache
+def matmul_nbits_unusable(provider: str, bits: int) -> str | None:
+    """Why `provider` cannot run a float32 MatMulNBits node of `bits` bits itself, or None: one such node in a session
+    that may not fall back to the CPU provider tells."""
+    k = n = 32
+    blob = k * bits // 8
+    node = onnx.helper.make_node(
+        "MatMulNBits", ["a", "b", "scales"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=k
+    )
+    graph = onnx.helper.make_graph(
+        [node],
+        "matmul_nbits_probe",
+        [onnx.helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1, k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, n])],
+        [
+            onnx.numpy_helper.from_array(np.zeros((n, 1, blob), np.uint8), "b"),
+            onnx.numpy_helper.from_array(np.ones(n, np.float32), "scales"),
+        ],
+    )
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)],
+        ir_version=9,
+    )
+    options = plain_session_options()
+    if provider != CPU:  # the provider alone, not the CPU provider behind it (onnxruntime refuses both at once)
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+    except Exception as exc:  # noqa: BLE001 -- any failure to place the node there is the answer
+        return f"no {bits}-bit MatMulNBits kernel on {provider} ({first_line(exc, 160)})"
+    return None
+
+
 def cuda_unusable() -> str | None:
     """Why the CUDA provider cannot run here, or None when it can."""
     return _cuda_start_failure(tuple(ort.get_available_providers()))

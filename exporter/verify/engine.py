@@ -22,7 +22,12 @@ from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, available_parity_providers, check_parity_providers
+from exporter.runtime.sessions import (
+    CPU,
+    available_parity_providers,
+    check_parity_providers,
+    check_quantized_provider,
+)
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants
 from exporter.verify.checks.outputs import (
@@ -35,6 +40,7 @@ from exporter.verify.checks.outputs import (
     run_sweep,
 )
 from exporter.verify.checks.providers import attribute, check_companion, cross_providers, repeat_run
+from exporter.verify.checks.quality import QualityReport, check_quality
 from exporter.verify.checks.routing import (
     CallRouting,
     ExpertAgreement,
@@ -65,9 +71,14 @@ from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.transformers_reference import FAMILY as HF_FAMILY
 from exporter.verify.references.transformers_reference import check_transformers, transformers_skip_reason
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
-from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for
+from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
 
 log = logging.getLogger(__name__)
+
+# Why the token-equality checks of other consumers and references do not run on a quantized artifact.
+QUANTIZED_SKIP = (
+    "a quantized artifact's tokens differ from a float reference's by design; its quality profile judges it"
+)
 
 
 @dataclass(frozen=True)
@@ -260,6 +271,27 @@ def _run_provider(
     return _ProviderRun(report, outputs, values, decode.probe_call)
 
 
+def _run_quality(
+    onnx: OrtRunner, manifest: Manifest, reference, batch: dict, settings: ParitySettings
+) -> QualityReport:
+    """A quantized artifact on one provider: its quality profile's distributional checks, in place of parity."""
+    reference.rewind()
+    profile = quality_profile_for(manifest.precision)
+    report = check_quality(
+        reference, onnx, manifest, batch, settings, profile, np.random.default_rng(settings.seed + 1)
+    )
+    for check in report.failures:
+        log.info(
+            "%s: %s %.4g is beyond %s %.4g",
+            onnx.provider,
+            check.threshold.metric,
+            check.value,
+            check.threshold.bound,
+            check.threshold.limit,
+        )
+    return report
+
+
 def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
     if genai_version() is None:
         return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
@@ -430,6 +462,9 @@ def _plan(
     if providers is not None and not providers:  # [] would verify nothing, and the report would fail
         raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
     chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
+    if manifest.quantization is not None:  # before any work: a provider without the kernel cannot run the artifact
+        for provider in chosen:
+            check_quantized_provider(provider, manifest)
     if golden_save is not None:
         if model is None:  # a golden bundle comes without one (see above)
             raise InputError(
@@ -438,9 +473,19 @@ def _plan(
         check_outside_artifact(golden_save, "`golden_save`", folder)
         check_golden_destination(golden_save, manifest)
     companion = None if fp16_companion is None else check_companion(fp16_companion, manifest)
+    if manifest.quantization is not None and (golden is not None or golden_save is not None or companion):
+        raise InputError(
+            f"{folder} is quantized ({manifest.precision}): it is judged by its quality profile against the PyTorch "
+            "model, which golden bundles and the float16 companion do not serve; drop `golden`, `golden_save` and "
+            "`fp16_companion`"
+        )
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
+    elif manifest.quantization is not None:
+        genai_skipped = QUANTIZED_SKIP
+        if genai:
+            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     else:
         genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
         if genai_skipped and genai:  # before any work, as the caller asked for the check
@@ -449,7 +494,9 @@ def _plan(
     transformers_skipped = None
     if manifest.family == HF_FAMILY:
         transformers_skipped = (
-            transformers_skip_reason(manifest)
+            QUANTIZED_SKIP
+            if manifest.quantization is not None
+            else transformers_skip_reason(manifest)
             if model is not None
             else "compared beside the PyTorch reference only, not with a golden bundle or the invariants alone"
         )
@@ -586,28 +633,38 @@ def verify_artifact(
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
         weights = _audit(artifact, model) if model is not None else None
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
-        runs = []
-        debug = _DebugGraphs(
-            DebugGraph(artifact, manifest.prefill),
-            DebugGraph(artifact, manifest.decode) if settings.probe else None,
+        runs, quality = [], []
+        quantized = manifest.quantization is not None
+        debug = (
+            None
+            if quantized
+            else _DebugGraphs(
+                DebugGraph(artifact, manifest.prefill),
+                DebugGraph(artifact, manifest.decode) if settings.probe else None,
+            )
         )
         first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in plan.providers:
                 onnx = OrtRunner(artifact, provider)
                 first_runner = first_runner or onnx
-                runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
+                if quantized:
+                    quality.append(_run_quality(onnx, manifest, reference, batch, settings))
+                else:
+                    runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
         reports = [run.report for run in runs]
         outputs = {run.report.provider: run.outputs for run in runs}
         values = {run.report.provider: run.values for run in runs}
         invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
+        # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
+        # same quantized weights: float32's rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
         invariants = check_invariants(
             artifact, first_runner or OrtRunner(artifact, invariant_provider), batch, invariant_profile
         )
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
-        probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe else []
+        probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []
         attribution = (
             attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
         )
@@ -618,6 +675,7 @@ def verify_artifact(
     return VerifyReport(
         folder=str(folder),
         reports=reports,
+        quality=quality,
         skipped=plan.skipped,
         consumers=consumers,
         consumers_skipped=consumers_skipped,

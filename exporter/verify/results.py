@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
 from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
+from exporter.verify.checks.quality import QualityReport
 from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.checks.weights import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult
@@ -151,6 +152,7 @@ class Attribution:
 class VerifyReport:
     folder: str
     reports: list[ProviderReport]
+    quality: list[QualityReport] = field(default_factory=list)  # a quantized artifact's, in place of `reports`
     skipped: dict[str, str] = field(default_factory=dict)  # provider -> reason
     consumers: list[ConsumerReport] = field(default_factory=list)
     consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
@@ -168,10 +170,11 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        checked = bool(self.reports) or (self.reference == "none" and bool(self.invariants))
+        checked = bool(self.reports) or bool(self.quality) or (self.reference == "none" and bool(self.invariants))
         return (
             checked
             and all(r.passed for r in self.reports)
+            and all(q.passed for q in self.quality)
             and all(c.passed for c in self.consumers)
             and all(r.passed for r in self.independent)
             and all(i.passed for i in self.invariants)
@@ -191,6 +194,7 @@ class VerifyReport:
             "settings": self.settings,
             "tolerance_overrides": self.tolerance_overrides.to_dict(),
             "providers": [r.to_dict() for r in self.reports],
+            **({"quality": [q.to_dict() for q in self.quality]} if self.quality else {}),
             "skipped": self.skipped,
             "invariants": [i.to_dict() for i in self.invariants],
             "weight_audit": self.weights.to_dict() if self.weights is not None else None,

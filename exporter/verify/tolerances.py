@@ -261,3 +261,135 @@ TOLERANCES = {
     for (dtype, provider), profile in PROFILES.items()
     if provider == CPU
 }
+
+
+# ------------------------------------------------------------------------------------- quantized artifacts
+#
+# A weight-only quantized artifact (manifest `quantization`) cannot meet a float32 profile: rounding every weight to
+# 4 or 8 bits moves the logits by far more than float32's rounding, by design. It is judged instead by how far its
+# next-token distributions lie from the float32 PyTorch reference's, with the statistics llama.cpp's
+# `perplexity --kl-divergence` reports for its quantization types (mean and 99th-percentile KL divergence per token,
+# "same top p", the change in perplexity), plus the top-5 overlap, the change of the log-probability the reference
+# gives its own top token, and how many greedy tokens agree. The anchors are llama.cpp's published figures for
+# 7-8B models on wikitext (its perplexity README and the KL tables of its quantization pull requests):
+# Q8_0 (8 bits, blocks of 32, one scale) mean KL ~5e-4 to 1e-3, 99% KL ~5e-3 to 1e-2, same top ~98.5-99.5%,
+# ΔPPL ~+0.01-0.1%; Q4_0/Q4_1 (4 bits, blocks of 32; Q4_1 with a minimum, as our asymmetric blocks) mean KL
+# ~0.03-0.07, 99% KL ~0.3-0.6, same top ~90-93%, ΔPPL ~+2-6%. Our int8 and int4 are those block formats (round to
+# nearest, block 32 by default), so each limit is the anchor's worse end with a margin of about 2-5x for the
+# spread between models and texts: a correct export of a normal model lies well inside, while a broken one (a scale
+# or zero point off, a block misaligned, the wrong matrix) moves the distributions by O(1) nats.
+
+
+@dataclass(frozen=True)
+class QualityThreshold:
+    """One distributional metric's limit: `metric` must be <= `limit` ("at most") or >= it ("at least")."""
+
+    metric: str
+    limit: float
+    bound: str  # "at most" or "at least"
+    why: str
+
+    def holds(self, value: float) -> bool:
+        return value <= self.limit if self.bound == "at most" else value >= self.limit
+
+    def to_dict(self) -> dict:
+        return {"metric": self.metric, "limit": self.limit, "bound": self.bound, "why": self.why}
+
+
+@dataclass(frozen=True)
+class QualityProfile:
+    """The distributional limits of one quantization scheme, with their reasoning."""
+
+    name: str
+    thresholds: tuple[QualityThreshold, ...]
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "thresholds": [t.to_dict() for t in self.thresholds], "why": self.why}
+
+
+_QUALITY_WHY = (
+    "weight-only {scheme}: judged by distributional distance from the float32 PyTorch reference, anchored on "
+    "llama.cpp's perplexity --kl-divergence figures for {anchor} (limits = the anchor's worse end x2-5)"
+)
+GREEDY_QUALITY_TOKENS = 64  # the greedy run of a quality profile, fitted to the model's positions
+# Top-1 agreement, top-5 overlap and the greedy run measure how often the quantization flips the reference's choice,
+# which depends on how decisive the reference is as much as on the quantization: at a near-tie any perturbation
+# flips it. llama.cpp's "same top p" is measured on trained models over real text, where most positions are
+# decisive. They are judged here at the positions where the reference's top token leads the runner-up by at least
+# DECISIVE_MARGIN nats (1.65x its probability): int4's measured |Δ log p| of the top token is ~0.15 nats (tiny
+# random model, block 32), so two tokens' log-probabilities drifting independently differ by ~0.2; 0.5 nats is
+# ~2.5 of those, beyond which a flip is the export's doing rather than a coin toss. A randomly initialised model is
+# nearly uniform (top token ~2% on 512 tokens, median margin ~0.18 nats): with fewer than MIN_DECISIVE_POSITIONS
+# decisive positions these checks are reported as not judged, and KL and ΔNLL alone judge it.
+DECISIVE_MARGIN = 0.5
+MIN_DECISIVE_POSITIONS = 16
+
+QUALITY_PROFILES: dict[str, QualityProfile] = {
+    "int8": QualityProfile(
+        "int8 quality",
+        (
+            QualityThreshold("kl_mean", 5e-3, "at most", "Q8_0: mean KL 5e-4..1e-3; x5"),
+            QualityThreshold("kl_p99", 5e-2, "at most", "Q8_0: 99% KL 5e-3..1e-2; x5"),
+            QualityThreshold(
+                "top1_agreement_decisive", 0.97, "at least", "Q8_0: same top p 98.5-99.5%; 1.5 points lower"
+            ),
+            QualityThreshold(
+                "top5_overlap_decisive", 0.97, "at least", "as top-1, at positions whose 5th token leads the 6th"
+            ),
+            QualityThreshold(
+                "top_logprob_delta_mean",
+                0.045,
+                "at most",
+                "|Δ log p| of the reference's top token; of the order of sqrt(2 x mean KL) for small shifts: "
+                "sqrt(2 x 1e-3) at Q8_0's worse end",
+            ),
+            QualityThreshold(
+                "nll_delta", 0.01, "at most", "Q8_0: ΔPPL +0.01..0.1%; 1% perplexity (0.01 nats) is 10x that"
+            ),
+            QualityThreshold(
+                "greedy_agreement",
+                0.25,
+                "at least",
+                "share of the 64 greedy tokens equal before the first difference; with same top p ~99% per step, "
+                "an expected first flip after ~100 tokens, yet one near-tie ends it early: a quarter",
+            ),
+        ),
+        _QUALITY_WHY.format(scheme="int8 (8-bit blocks of 32, scale + zero point)", anchor="Q8_0"),
+    ),
+    "int4": QualityProfile(
+        "int4 quality",
+        (
+            QualityThreshold("kl_mean", 0.15, "at most", "Q4_0/Q4_1: mean KL 0.03..0.07; x2-5"),
+            QualityThreshold("kl_p99", 1.5, "at most", "Q4_0/Q4_1: 99% KL 0.3..0.6; x2.5-5"),
+            QualityThreshold(
+                "top1_agreement_decisive", 0.85, "at least", "Q4_0/Q4_1: same top p 90-93%; 5 points lower"
+            ),
+            QualityThreshold(
+                "top5_overlap_decisive", 0.85, "at least", "as top-1, at positions whose 5th token leads the 6th"
+            ),
+            QualityThreshold(
+                "top_logprob_delta_mean",
+                0.25,
+                "at most",
+                "|Δ log p| of the reference's top token; of the order of sqrt(2 x mean KL) for small shifts: "
+                "sqrt(2 x 0.03) at Q4's better end, as the top token moves less than the tail",
+            ),
+            QualityThreshold("nll_delta", 0.10, "at most", "Q4_0/Q4_1: ΔPPL +2..6%; 10% perplexity (0.1 nats)"),
+            QualityThreshold(
+                "greedy_agreement",
+                1 / 16,
+                "at least",
+                "share of the 64 greedy tokens equal before the first difference; with same top p ~90% per step "
+                "the first flip is expected after ~10 tokens, so only the first few (4 of 64) are required",
+            ),
+        ),
+        _QUALITY_WHY.format(scheme="int4 (4-bit blocks of 32, scale + zero point)", anchor="Q4_0/Q4_1"),
+    ),
+}
+
+
+def quality_profile_for(scheme: str) -> QualityProfile:
+    """The quality profile of a quantization scheme ("int4", "int8"); the provider does not change it: the
+    quantization's error dwarfs any provider's rounding."""
+    return QUALITY_PROFILES[scheme]

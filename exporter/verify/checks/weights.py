@@ -29,6 +29,14 @@ more: the copies lie at most 4ε apart, relative (TABLE_RTOL). Held in float16, 
 to float16 values at most one float16 ulp apart. A wrong base, dimension or scaling moves the frequencies by far
 more.
 
+In a quantized artifact (manifest `quantization`), each MatMulNBits node holds a projection as blocks of `bits`-bit
+integers, a float32 scale and a zero point per block: it cannot equal its parameter bit for bit. Its blocks are
+dequantized, (q - zero_point) * scale, and each element held to its parameter within its block's scale: rounding to
+nearest moves a weight by at most half a step, and the zero point, itself rounded to an integer and clamped, can
+shift a block's range by half a step more, so one step (the scale) bounds a correct block (QUANT_SLACK adds float32's
+rounding of the product). A scale, zero point or block off, or another matrix in its place, moves most elements by
+several steps.
+
 Not audited, because they are no weights:
 - integer and boolean initializers: the graph's shapes, axes, indices and integer fill values;
 - floating initializers of one element: the exporter's scalars (norm epsilons, the exponent 2, the attention
@@ -53,6 +61,7 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
+from exporter.artifact.quantization import QUANTIZED_OP
 from exporter.verify.diagnosis.probe import FLOAT_TYPES, module_of
 
 # How many findings of one graph the report lists in full; the rest are counted.
@@ -60,6 +69,9 @@ SHOWN_FINDINGS = 8
 # A computed table's elements match within this relative difference of the reference's, and held in float16 within
 # one float16 ulp more (the module's docstring derives it).
 TABLE_RTOL = 4 * float(np.finfo(np.float32).eps)
+# A dequantized element lies within its block's scale of its parameter (the module's docstring), plus float32's
+# rounding of (q - zero_point) * scale, relative.
+QUANT_SLACK = 4 * float(np.finfo(np.float32).eps)
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class GraphAudit:
     parameters: int  # reference tensors this graph must carry
     carried: int  # of those, the ones an initializer carries
     findings: tuple[WeightFinding, ...] = ()
+    quantized: int = 0  # MatMulNBits matrices, each within its blocks' scales of a parameter
 
     @property
     def passed(self) -> bool:
@@ -116,9 +129,13 @@ class GraphAudit:
         return (
             f"{self.matched} of {self.weights} weight initializers equal their reference tensor exactly "
             f"({self.transposed} transposed, {self.upcast} float16 values held in float32, {self.constants} "
-            f"computed tables); {self.carried} of {self.parameters} parameters carried; {self.scalars} one-element "
-            f"and {self.integers} integer initializers not audited"
+            f"computed tables{self._quantized_clause}); {self.carried} of {self.parameters} parameters carried; "
+            f"{self.scalars} one-element and {self.integers} integer initializers not audited"
         )
+
+    @property
+    def _quantized_clause(self) -> str:
+        return f"; {self.quantized} quantized matrices within their blocks' scales" if self.quantized else ""
 
     @property
     def detail(self) -> str:
@@ -142,6 +159,7 @@ class GraphAudit:
             "integers": self.integers,
             "parameters": self.parameters,
             "carried": self.carried,
+            "quantized": self.quantized,
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -435,7 +453,11 @@ def audit_graph(
     references, export_dtype = index.references, index.export_dtype
     scalars = integers = 0
     audited: list[_Initializer] = []
+    blocks = [node for node in graph.node if node.op_type == QUANTIZED_OP]
+    held_in_blocks = {name for node in blocks for name in node.input[1:]}
     for tensor in graph.initializer:
+        if tensor.name in held_in_blocks:
+            continue
         if tensor.data_type not in FLOAT_TYPES:
             integers += 1
             continue
@@ -474,6 +496,13 @@ def audit_graph(
             carried.update(id(ref) for ref, _ in hits if _placed(init.readers, ref.owners, any_reader=True))
             continue
         findings.append(_finding(file, init, hits, references, export_dtype, named))
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    quantized = 0
+    for node in blocks:
+        found = _audit_blocks(artifact, node, initializers, weights, references, carried, named, file)
+        quantized += found is None
+        if found is not None:
+            findings.append(found)
     for reference in references:
         if reference.required and id(reference) not in carried and id(reference) not in named:
             findings.append(
@@ -498,6 +527,80 @@ def audit_graph(
         parameters=len(required),
         carried=sum(id(r) in carried for r in required),
         findings=tuple(findings),
+        quantized=quantized,
+    )
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None):
+    """A MatMulNBits node's weight as (N, K) float64 (the Linear weight's (out, in) layout), and each element's
+    block scale, of the same shape."""
+    n, k = _attribute(node, "N", 0), _attribute(node, "K", 0)
+    bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
+    blocks = -(-k // block)
+    raw = b.reshape(n, blocks, -1)
+    if bits == 4:
+        q = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(n, blocks, -1)[:, :, :block]
+    else:
+        q = raw[:, :, :block]
+    scale = scales.reshape(n, blocks).astype(np.float64)
+    if zero_points is None:
+        zero = np.full((n, blocks), 2 ** (bits - 1), np.float64)
+    elif bits == 4:
+        packed = zero_points.reshape(n, -1)
+        zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
+    else:
+        zero = zero_points.reshape(n, blocks).astype(np.float64)
+    weight = (q.astype(np.float64) - zero[:, :, None]) * scale[:, :, None]
+    return weight.reshape(n, -1)[:, :k], np.repeat(scale, block, axis=1)[:, :k]
+
+
+def _audit_blocks(artifact, node, initializers, weights, references, carried: set, named: set, file: str):
+    """A MatMulNBits node's blocks against the parameter of their shape that each element lies within its block's
+    scale of; None when one does (it is then carried), else the finding."""
+    arrays = []
+    for name in list(node.input[1:4]) + [""] * (4 - len(node.input)):
+        if not name:
+            arrays.append(None)
+            continue
+        array, problem = _read(artifact, initializers[name], weights) if name in initializers else (None, "missing")
+        if array is None:
+            return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
+        arrays.append(array)
+    weight, scale = dequantize_blocks(node, *arrays)
+    reach = scale * (1 + QUANT_SLACK) + QUANT_SLACK * np.abs(weight)
+    best = None
+    for reference in references:
+        if reference.tensor.ndim != 2 or tuple(reference.tensor.shape) != weight.shape:
+            continue
+        expected = reference.tensor.float().cpu().numpy().astype(np.float64)
+        excess = np.abs(weight - expected) / np.where(scale > 0, scale, np.inf)
+        beyond = int((np.abs(weight - expected) > reach).sum())
+        if not beyond:
+            carried.add(id(reference))
+            return None
+        if best is None or beyond < best[1]:
+            best = (reference, beyond, float(excess.max()))
+    if best is None:
+        return WeightFinding(
+            file,
+            "unmatched",
+            "",
+            node.input[1],
+            f"quantized matrix {node.input[1]} {list(weight.shape)} of {node.name} matches no parameter's shape",
+        )
+    reference, beyond, worst = best
+    named.add(id(reference))
+    return WeightFinding(
+        file,
+        "differs",
+        reference.names[0],
+        node.input[1],
+        f"{reference.name} differs in the quantized blocks {node.input[1]} of {node.name}: {beyond} of "
+        f"{weight.size} dequantized elements lie beyond their block's scale, the worst by {worst:.3g} scales",
     )
 
 

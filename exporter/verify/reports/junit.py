@@ -58,6 +58,19 @@ def _comparison(c, name: str | None = None) -> tuple[str, bool, str]:
 def render_junit(report: VerifyReport) -> str:
     # Times per check are not measured apart: the whole verification's time is on <testsuites>.
     root = ET.Element("testsuites", name=_xml_text(f"verify {report.folder}"), time=f"{report.seconds:.3f}")
+    for q in report.quality:
+        _suite(
+            root,
+            f"{q.provider} {q.scheme} quality",
+            [
+                (
+                    c.threshold.metric,
+                    c.passed,
+                    f"{c.value} {c.threshold.bound} {c.threshold.limit}; {c.note or c.threshold.why}",
+                )
+                for c in q.checks
+            ],
+        )
     for p in report.reports:
         cases = [_comparison(c) for c in p.comparisons]
         cases.append(("greedy tokens", p.greedy.passed, p.greedy.note))

@@ -292,10 +292,40 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
     return tables
 
 
+def _figure(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def format_quality(q) -> str:
+    """A quantized artifact's quality checks on one provider: each metric, its limit and why, then the other figures."""
+    rows = [
+        [
+            c.threshold.metric,
+            _figure(c.value),
+            f"{c.threshold.bound} {c.threshold.limit:.4g}",
+            verdict(c.passed) + (" (excused)" if c.excused else ""),
+            c.note or c.threshold.why,
+        ]
+        for c in q.checks
+    ]
+    m = q.metrics
+    other = (
+        f"  {m['positions']} positions: KL median {_figure(m['kl_median'])}, max {_figure(m['kl_max'])}; top-1 "
+        f"agreement over all {_figure(m['top1_agreement'])}, top-5 overlap {_figure(m['top5_overlap'])}; NLL "
+        f"reference {_figure(m['nll_reference'])}, artifact {_figure(m['nll_onnx'])}, perplexity ratio "
+        f"{_figure(m['perplexity_ratio'])}; greedy {m['greedy_match']}/{m['greedy_tokens']} tokens agree"
+    )
+    return (
+        f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}\n"
+        f"  {q.profile.why}\n{table(['metric', 'value', 'limit', 'verdict', 'why'], rows)}\n{other}"
+    )
+
+
 def format_verify(report: VerifyReport) -> str:
     overrides = report.tolerance_overrides.describe()
     blocks = [f"reference: {report.reference}" + (f"\ntolerance overrides: {overrides}" if overrides else "")]
     blocks += [_provider(p) for p in report.reports]
+    blocks += [format_quality(q) for q in report.quality]
     blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
     blocks += [f"{title}\n{table(header, rows)}" for title, header, rows in summary_tables(report)]
     for consumer in report.consumers:

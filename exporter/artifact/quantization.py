@@ -1,0 +1,138 @@
+"""Weight-only quantization as the manifest records it: the scheme an export applied, and its checks.
+
+A quantized artifact keeps float32 activations and a float32 cache (manifest `dtype` "float32"); its MatMul
+weights are stored as onnxruntime's MatMulNBits blocks (`bits` per weight, one float32 scale and one zero point per
+`block_size` consecutive weights along the reduced axis). The manifest's optional `quantization` field says so; a
+manifest without it is a float artifact, as every manifest written before the field existed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.errors import InputError
+
+SCHEMES = {"int4": 4, "int8": 8}  # the --dtype values that quantize, and their bits
+FLOAT_DTYPE = "float32"  # what a quantized artifact computes in, and what its cache holds
+DEFAULT_BLOCK_SIZE = 32
+MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float32 math), 4 int8 math on the CPU
+LM_HEAD = ("float", "int8", "same")  # the lm_head's weights: kept float, at 8 bits, or at the scheme's bits
+DEFAULT_LM_HEAD = "int8"
+QUANTIZED_OP = "MatMulNBits"
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The scheme of a quantized artifact (manifest.json's `quantization`).
+
+    scheme: "int4" or "int8"; bits: 4 or 8 (the lm_head may carry 8 under int4: `lm_head`);
+    block_size: weights per scale; accuracy_level: MatMulNBits' (0: float32 math);
+    symmetric: False, each block has a zero point; lm_head: "float", "int8" or "same" as asked;
+    kept_float: the modules whose weights stay float, with why; matrices: weight matrices quantized;
+    float_bytes: their float32 bytes before; quantized_bytes: their blocks, scales and zero points after.
+    """
+
+    scheme: str
+    bits: int
+    block_size: int
+    accuracy_level: int
+    lm_head: str
+    symmetric: bool = False
+    kept_float: tuple[str, ...] = ()
+    matrices: int = 0
+    float_bytes: int = 0
+    quantized_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """The quantized matrices' bytes over their float32 bytes."""
+        return self.quantized_bytes / self.float_bytes if self.float_bytes else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "scheme": self.scheme,
+            "op": QUANTIZED_OP,
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "accuracy_level": self.accuracy_level,
+            "symmetric": self.symmetric,
+            "lm_head": self.lm_head,
+            "kept_float": list(self.kept_float),
+            "matrices": self.matrices,
+            "float_bytes": self.float_bytes,
+            "quantized_bytes": self.quantized_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Quantization:
+        return cls(
+            scheme=data["scheme"],
+            bits=data["bits"],
+            block_size=data["block_size"],
+            accuracy_level=data["accuracy_level"],
+            lm_head=data["lm_head"],
+            symmetric=data.get("symmetric", False),
+            kept_float=tuple(data.get("kept_float", ())),
+            matrices=data.get("matrices", 0),
+            float_bytes=data.get("float_bytes", 0),
+            quantized_bytes=data.get("quantized_bytes", 0),
+        )
+
+    def problem(self) -> str | None:
+        """What in a manifest's record cannot be right, or None."""
+        if self.scheme not in SCHEMES or self.bits != SCHEMES[self.scheme]:
+            return f"quantization scheme {self.scheme!r} with {self.bits!r} bits is none of {_schemes()}"
+        if block_size_problem(self.block_size):
+            return f"quantization.{block_size_problem(self.block_size)}"
+        if self.accuracy_level not in ACCURACY_LEVELS or self.lm_head not in LM_HEAD:
+            return f"quantization accuracy_level {self.accuracy_level!r} or lm_head {self.lm_head!r} is unknown"
+        return None
+
+
+def _schemes() -> str:
+    return ", ".join(f"{name} ({bits} bits)" for name, bits in SCHEMES.items())
+
+
+def block_size_problem(block_size) -> str | None:
+    """Why `block_size` is no MatMulNBits block size, or None."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        return f"block_size is {block_size!r}, not an integer"
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= {MIN_BLOCK_SIZE}, which MatMulNBits requires"
+    return None
+
+
+def requested_scheme(
+    dtype: str, hidden_size: int, block_size: int, accuracy_level: int, lm_head: str
+) -> Quantization | None:
+    """The scheme `export_artifact`'s arguments ask for (None for a float dtype), or InputError naming the argument.
+
+    A block size must divide the hidden size: every projection reads the hidden state, so a block that does not
+    divide it would straddle two rows' worth of padding in each of them (MatMulNBits pads K up to a whole block),
+    storing and computing zeros."""
+    if dtype not in SCHEMES:
+        return None
+    problem = block_size_problem(block_size)
+    if problem:
+        raise InputError(f"{problem}; choose e.g. 32 (`block_size`)")
+    if hidden_size % block_size:
+        raise InputError(
+            f"block_size {block_size} does not divide the model's hidden size {hidden_size}; choose a power of two "
+            f"that does, e.g. {_largest_divisor(hidden_size)} (`block_size`)"
+        )
+    if accuracy_level not in ACCURACY_LEVELS or isinstance(accuracy_level, bool):
+        raise InputError(
+            f"accuracy_level {accuracy_level!r} is none of {', '.join(map(str, ACCURACY_LEVELS))} "
+            "(0: float32 math; 4: int8 math on the CPU) (`accuracy_level`)"
+        )
+    if lm_head not in LM_HEAD:
+        raise InputError(f"lm_head {lm_head!r} is none of {', '.join(LM_HEAD)} (`lm_head`)")
+    return Quantization(dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head)
+
+
+def _largest_divisor(hidden_size: int) -> int:
+    size = MIN_BLOCK_SIZE
+    while hidden_size % (size * 2) == 0 and size < 128:
+        size *= 2
+    return size

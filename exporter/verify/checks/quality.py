@@ -1,0 +1,237 @@
+"""The quality check of a weight-only quantized artifact: its next-token distributions against the reference's.
+
+The same calls as the parity checks (exporter.verify.checks.outputs): the prefill batch, then `decode_steps`
+single-token steps and one 3-token chunk with each side feeding its own present back as past, then a greedy run.
+Each real position's two distributions give a KL divergence KL(reference || artifact), whether their argmax and
+top-5 agree, and how far the log-probability of the reference's top token moved; the prefill graph's own loss gives
+ΔNLL and the perplexity ratio; the greedy run, how many tokens agree from the start. The limits and their reasoning
+are in exporter.verify.tolerances (QUALITY_PROFILES); the statistics are llama.cpp's `perplexity --kl-divergence`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from exporter.artifact.manifest import Manifest
+from exporter.runtime.generation import NonFiniteLogits, generate_greedy
+from exporter.runtime.runner import presents_as_past
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, next_tokens, prefill_feeds
+from exporter.verify.metrics import TOP_K, log_softmax, match_length
+from exporter.verify.tolerances import (
+    DECISIVE_MARGIN,
+    GREEDY_QUALITY_TOKENS,
+    MIN_DECISIVE_POSITIONS,
+    QualityProfile,
+    QualityThreshold,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QualityCheck:
+    """One metric against its threshold; `note` says why it was not judged (value None) or what excused it."""
+
+    threshold: QualityThreshold
+    value: float | None
+    note: str = ""
+    excused: bool = False
+
+    @property
+    def passed(self) -> bool:
+        if self.value is None or self.excused:
+            return True
+        return math.isfinite(self.value) and self.threshold.holds(self.value)
+
+    def to_dict(self) -> dict:
+        return {**self.threshold.to_dict(), "value": self.value, "passed": self.passed, "note": self.note}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QualityReport:
+    """One provider's quantized artifact against the float32 reference."""
+
+    provider: str
+    scheme: str
+    profile: QualityProfile
+    checks: tuple[QualityCheck, ...]
+    metrics: dict  # every figure, the judged ones and the others (kl_max, kl_median, perplexity_ratio, ...)
+    greedy_reference: list[int]
+    greedy_onnx: list[int]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    @property
+    def failures(self) -> list[QualityCheck]:
+        return [c for c in self.checks if not c.passed]
+
+    def to_dict(self) -> dict:
+        return {
+            "provider": self.provider,
+            "scheme": self.scheme,
+            "passed": self.passed,
+            "profile": self.profile.to_dict(),
+            "checks": [c.to_dict() for c in self.checks],
+            "metrics": self.metrics,
+            "greedy": {"reference_ids": self.greedy_reference, "onnx_ids": self.greedy_onnx},
+        }
+
+
+def token_statistics(actual: np.ndarray, expected: np.ndarray) -> dict:
+    """Per-position figures of two logits arrays (N, V), in float64: KL(expected || actual), argmax agreement,
+    top-5 overlap, |Δ log p| of the expected's top token."""
+    log_q = log_softmax(np.asarray(actual, np.float64))
+    log_p = log_softmax(np.asarray(expected, np.float64))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    top = log_p.argmax(-1)
+    k = min(TOP_K, log_p.shape[-1])
+    top_p, top_q = np.argpartition(-log_p, k - 1, -1)[:, :k], np.argpartition(-log_q, k - 1, -1)[:, :k]
+    rows = np.arange(len(top))
+    ranked = -np.sort(-log_p[:, : log_p.shape[-1]], axis=-1)[:, : k + 1]
+    return {
+        # how far the reference's k-th token leads its (k+1)-th: how decisive its top-1 and top-k sets are
+        "margin": ranked[:, 0] - ranked[:, 1] if ranked.shape[1] > 1 else np.full(len(top), np.inf),
+        "margin_k": ranked[:, k - 1] - ranked[:, k] if ranked.shape[1] > k else np.full(len(top), np.inf),
+        "kl": np.maximum(kl, 0.0),  # a float64 sum of a true KL of ~1e-17 can round below zero
+        "top1": log_q.argmax(-1) == top,
+        "top5": np.array([len(set(a) & set(b)) / k for a, b in zip(top_p, top_q)]),
+        "top_delta": np.abs(log_q[rows, top] - log_p[rows, top]),
+    }
+
+
+def _real(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    return logits.reshape(-1, logits.shape[-1])[np.asarray(valid, bool).reshape(-1)]
+
+
+def check_quality(
+    reference,
+    onnx,
+    manifest: Manifest,
+    batch: dict,
+    settings: ParitySettings,
+    profile: QualityProfile,
+    rng: np.random.Generator,
+) -> QualityReport:
+    """The distributional figures of `onnx` (an OrtRunner on a quantized artifact) against `reference`.
+
+    Args:
+        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
+        onnx: the OrtRunner.
+        manifest: the artifact's manifest (quantized).
+        batch: the prompt batch (prompt_batch), whose labels the loss is computed from.
+        settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
+        profile: the limits.
+        rng: the generator of the decode steps' new token ids.
+    """
+    pairs = []  # (actual, expected) logits of the real positions
+    feeds = prefill_feeds(manifest, batch)
+    ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
+    mask = batch["attention_mask"]
+    pairs.append((_real(ort_out["logits"], mask), _real(ref_out["logits"], mask)))
+    nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
+    log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
+    for length in [1] * settings.decode_steps + [FINAL_CHUNK]:
+        step_feeds, mask = next_tokens(manifest, mask, length, rng)
+        ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
+        ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
+        pairs.append(
+            (
+                ort_out["logits"].reshape(-1, ort_out["logits"].shape[-1]),
+                ref_out["logits"].reshape(-1, ref_out["logits"].shape[-1]),
+            )
+        )
+    stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
+    tokens = min(
+        GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(greedy_prompt_of(manifest, settings))
+    )
+    prompt = greedy_prompt_of(manifest, settings)
+    log.info("%s: greedy generation of %d tokens", onnx.provider, tokens)
+    trace = reference.greedy(prompt, tokens, manifest.config.eos_token_id)
+    try:
+        actual = generate_greedy(onnx, prompt, tokens, manifest.config.eos_token_id).new_ids
+    except NonFiniteLogits:
+        actual = []
+    agreed = match_length(actual, trace.ids)
+    decisive = stats["margin"] >= DECISIVE_MARGIN
+    decisive_k = stats["margin_k"] >= DECISIVE_MARGIN
+    judged = int(decisive.sum()) >= MIN_DECISIVE_POSITIONS
+    judged_k = int(decisive_k.sum()) >= MIN_DECISIVE_POSITIONS
+    greedy_margin = None  # the reference's top-1 margin where the two greedy runs part
+    if agreed < min(len(actual), len(trace.ids)):
+        greedy_margin = float(
+            token_statistics(trace.logits[agreed : agreed + 1], trace.logits[agreed : agreed + 1])["margin"][0]
+        )
+    metrics = {
+        "positions": int(len(stats["kl"])),
+        "kl_mean": float(stats["kl"].mean()),
+        "kl_median": float(np.median(stats["kl"])),
+        "kl_p99": float(np.percentile(stats["kl"], 99)),
+        "kl_max": float(stats["kl"].max()),
+        "top1_agreement": float(stats["top1"].mean()),
+        "top5_overlap": float(stats["top5"].mean()),
+        "decisive_positions": int(decisive.sum()),
+        "top1_agreement_decisive": float(stats["top1"][decisive].mean()) if judged else None,
+        "decisive_top5_positions": int(decisive_k.sum()),
+        "top5_overlap_decisive": float(stats["top5"][decisive_k].mean()) if judged_k else None,
+        "top_logprob_delta_mean": float(stats["top_delta"].mean()),
+        "top_logprob_delta_max": float(stats["top_delta"].max()),
+        "nll_reference": None if nll is None else nll[1],
+        "nll_onnx": None if nll is None else nll[0],
+        "nll_delta": None if nll is None else nll[0] - nll[1],
+        "perplexity_ratio": None if nll is None else float(np.exp(nll[0] - nll[1])),
+        "greedy_tokens": len(trace.ids),
+        "greedy_match": agreed,
+        # a reference that stops at EOS early gives fewer tokens: all of them agreeing is full agreement
+        "greedy_agreement": agreed / len(trace.ids) if trace.ids else 1.0,
+        "greedy_divergence_margin": greedy_margin,
+    }
+    checks = tuple(_check(t, metrics, nll is not None) for t in profile.thresholds)
+    return QualityReport(
+        provider=onnx.provider,
+        scheme=manifest.precision,
+        profile=profile,
+        checks=checks,
+        metrics=metrics,
+        greedy_reference=list(trace.ids),
+        greedy_onnx=list(actual),
+    )
+
+
+def _check(threshold: QualityThreshold, metrics: dict, has_loss: bool) -> QualityCheck:
+    value = metrics.get(threshold.metric)
+    if threshold.metric == "nll_delta" and not has_loss:
+        return QualityCheck(threshold, None, "not judged: exported without labels, no loss output")
+    if value is None:
+        return QualityCheck(
+            threshold,
+            None,
+            f"not judged: fewer than {MIN_DECISIVE_POSITIONS} of {metrics['positions']} positions have the "
+            f"reference's top-1 (or 5th) token {DECISIVE_MARGIN} nats above the next (top-1: "
+            f"{metrics['decisive_positions']}, top-5: {metrics['decisive_top5_positions']}): the reference "
+            "is nearly uniform (random weights?); KL and ΔNLL judge it",
+        )
+    margin = metrics["greedy_divergence_margin"]
+    if threshold.metric == "greedy_agreement" and not threshold.holds(value) and margin is not None:
+        if margin < DECISIVE_MARGIN:
+            return QualityCheck(
+                threshold,
+                float(value),
+                f"the runs part at token {metrics['greedy_match']}, where the reference's top token leads by "
+                f"{margin:.3g} nats (< {DECISIVE_MARGIN}): a near-tie, excused",
+                excused=True,
+            )
+    return QualityCheck(threshold, float(value))
+
+
+def greedy_prompt_of(manifest: Manifest, settings: ParitySettings) -> list[int]:
+    """The greedy run's prompt: check_greedy's, from the same seed."""
+    return greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))

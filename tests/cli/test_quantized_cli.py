@@ -1,0 +1,52 @@
+"""export --dtype int4 and generate on the result; quantization refusals exit 2 with one line, writing nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exporter.errors import ProviderError
+from exporter.runtime import sessions
+from tests.conftest import replayed_export
+from tests.helpers import assert_one_line_error, run_cli
+
+
+def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
+    replayed_export(monkeypatch, artifact_fp32)
+    out = tmp_path / "int4"
+    result = run_cli(
+        "export", "--preset", "minimind-3-tiny", "--dtype", "int4", "--block-size", "16", "-o", out, "--json"
+    )
+    assert result.exit_code == 0, result.output
+    exported = json.loads(result.stdout)
+    assert exported["dtype"] == "int4" and exported["quantization"]["block_size"] == 16
+    result = run_cli("generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)[0]["new_ids"]) == 5
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "fragment"),
+    [
+        (["--dtype", "int3"], 2, "int3"),
+        (["--dtype", "int4", "--block-size", "24"], 2, "not a power of two"),
+        (["--dtype", "int4", "--block-size", "128"], 2, "does not divide the model's hidden size"),
+    ],
+)
+def test_bad_quantization_exits_2(tmp_path, flags, code, fragment):
+    out = tmp_path / "out"
+    result = run_cli("export", "--preset", "minimind-3-tiny", "-o", out, *flags)
+    assert_one_line_error(result, code, fragment)
+    assert not out.exists() and not any(tmp_path.iterdir())
+
+
+def test_a_provider_without_the_kernel_is_refused(monkeypatch, quantized):
+    from exporter.artifact.folder import Artifact
+
+    manifest = Artifact.open(quantized["int4"]).manifest
+    assert sessions.matmul_nbits_unusable(sessions.CPU, 4) is None
+    sessions.check_quantized_provider(sessions.CPU, manifest)  # the CPU provider has it
+    monkeypatch.setattr(sessions, "matmul_nbits_unusable", lambda provider, bits: f"no {bits}-bit kernel")
+    with pytest.raises(ProviderError, match="cannot run this int4 artifact: no 4-bit kernel"):
+        sessions.check_quantized_provider(sessions.CUDA, manifest)

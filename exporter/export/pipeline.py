@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime
 import torch
 from torch.export import Dim
@@ -40,8 +41,9 @@ from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
 from exporter.export.graphs import DecodeGraph, PrefillGraph, share_tied_table
-from exporter.export.weights import write_shared_weights
+from exporter.export.weights import SharedWeightsWriter
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.runtime.sessions import SessionSettings
 from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.torch_runner import TORCH_DTYPES
 from exporter.verify.tolerances import profile_for
@@ -130,7 +132,9 @@ def _quiet_loggers(*names):
             logger.setLevel(level)
 
 
-def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx.ModelProto:
+def _torch_export(module, args, argument_names, contract: GraphContract) -> ir.Model:
+    """The graph torch.onnx builds (optimised), its weights still in memory: the caller moves them out
+    (SharedWeightsWriter.add) before anything serialises it, which would copy every one of them."""
     log.info("exporting %s with torch.onnx (dynamo)", contract.file)
     start = time.perf_counter()
     noise = io.StringIO()
@@ -153,7 +157,6 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
                 output_names=contract.output_names,
                 dynamic_shapes=_dynamic_shapes(contract, argument_names),
             )
-            model = program.model_proto
     except Exception as exc:  # torch.onnx raises many unrelated types; report them as one failure
         log.debug("torch.onnx output:\n%s", noise.getvalue())
         cause = _root_cause(exc)
@@ -162,6 +165,12 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
             f"{_ANSI.sub('', first_line(cause))}{_raising_line(cause)}"
         ) from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
+    return program.model
+
+
+def _finish(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
+    """The exported graph (its weights already references into the shared file) made ours: trace metadata
+    stripped, RMSNorms in their fusable form, the contract's axis names set and linted."""
     _strip_trace_metadata(model)
     _rsqrt_as_division(model)
     problems = name_axes(model, contract)
@@ -248,7 +257,9 @@ def _rsqrt_as_division(model: onnx.ModelProto) -> None:
 
 def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
-    runner = OrtRunner(Artifact(folder, manifest), "cpu")  # the files just written: not hashed again
+    # The files just written, not hashed again; unprepacked, so that both sessions read the one mapping of the
+    # weights (a prepacked decode.onnx holds a copy of its own, beside the model the export still holds).
+    runner = OrtRunner(Artifact(folder, manifest), "cpu", settings=SessionSettings(prepack_weights=False))
     tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size
     rng = np.random.default_rng(0)
@@ -589,13 +600,16 @@ def _build(
     folder `built` and checked there (onnx.checker, a smoke run in onnxruntime)."""
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)
-    with torch.no_grad():
+    # Each graph's weights go to the shared file as soon as it is exported: the decode export never runs beside
+    # the prefill graph's weights, and no graph is ever serialised with its weights inside.
+    with torch.no_grad(), SharedWeightsWriter(built, WEIGHTS_FILE) as weights:
         args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
         _check_forward(model, config, args, with_loss)
-        prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
+        prefill_graph = weights.add(_torch_export(PrefillGraph(model, with_loss), args, names, prefill))
+        prefill_model = _finish(prefill_graph, prefill)
         args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
-        decode_model = _torch_export(DecodeGraph(model), args, names, decode)
-    shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
+        decode_model = _finish(weights.add(_torch_export(DecodeGraph(model), args, names, decode)), decode)
+    shared = weights.result
     log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors, shared.bytes / 1e6)
     for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
         onnx.save_model(proto, built / contract.file)

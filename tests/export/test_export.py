@@ -412,11 +412,11 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
         lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
     )
 
-    def disk_full(models, folder, file_name):  # as a write() fails: no file name in the error
-        (folder / file_name).write_bytes(b"\0" * 4096)
+    def disk_full(writer, model):  # as a write() fails: no file name in the error
+        writer._out.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(export_module, "write_shared_weights", disk_full)
+    monkeypatch.setattr(export_module.SharedWeightsWriter, "add", disk_full)
     before = _tree(artifact_copy)
     with pytest.raises(
         OutputPathError,

@@ -803,12 +803,28 @@ def _fitted_state(path, loader, config, state: dict, report: LoadReport) -> dict
 
 
 def _loaded_model(family_name: str, config, state: dict, report: LoadReport):
-    """The model built for real with the tensors in float32 (the report counts the ones converted)."""
-    model = get_family(family_name).model_type()(config)
+    """The model with the tensors in float32 (the report counts the ones converted): built on the meta device and
+    given the state's own tensors (`assign`), so that a float32 checkpoint is held once, as read, with no random
+    initialisation and no copy; a model the state leaves anything unset in is built for real instead."""
     for value in state.values():
         if value.dtype != torch.float32:
             report.converted[_dtype_name(value)] = report.converted.get(_dtype_name(value), 0) + 1
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    with torch.device("meta"):
+        model = get_family(family_name).model_type()(config)
+    # Parameters shared between modules (a tied head) are one object; assign gives each module its own.
+    shared = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.load_state_dict(state, assign=True)
+    for names in shared.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):  # a buffer no checkpoint holds
+        model = get_family(family_name).model_type()(config)
+        model.load_state_dict(state)
     return model.eval()
 
 

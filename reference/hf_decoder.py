@@ -177,6 +177,12 @@ class HFDecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def exported_constants(self) -> dict[str, torch.Tensor]:
+        """The tensors the forward computes from the config alone, which an export folds into initializers: the
+        rotary inverse frequencies, scaled as the rope type scales them (float32 in any dtype). The weight audit
+        holds such initializers to these."""
+        return {"rotary inverse frequencies": rope_inv_freq(self.config)}
+
     def forward(
         self,
         input_ids,

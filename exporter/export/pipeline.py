@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime
 import torch
 from torch.export import Dim
@@ -49,8 +50,9 @@ from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathE
 from exporter.export import LIBRARY_LOGGERS
 from exporter.export.graphs import DecodeGraph, PrefillGraph, share_tied_table
 from exporter.export.quantize import quantize_graphs
-from exporter.export.weights import write_shared_weights
+from exporter.export.weights import SharedWeightsWriter
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.runtime.sessions import SessionSettings
 from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.torch_runner import TORCH_DTYPES
 from exporter.verify.tolerances import profile_for
@@ -140,7 +142,9 @@ def _quiet_loggers(*names):
             logger.setLevel(level)
 
 
-def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx.ModelProto:
+def _torch_export(module, args, argument_names, contract: GraphContract) -> ir.Model:
+    """The graph torch.onnx builds (optimised), its weights still in memory: the caller moves them out
+    (SharedWeightsWriter.add) before anything serialises it, which would copy every one of them."""
     log.info("exporting %s with torch.onnx (dynamo)", contract.file)
     start = time.perf_counter()
     noise = io.StringIO()
@@ -163,7 +167,6 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
                 output_names=contract.output_names,
                 dynamic_shapes=_dynamic_shapes(contract, argument_names),
             )
-            model = program.model_proto
     except Exception as exc:  # torch.onnx raises many unrelated types; report them as one failure
         log.debug("torch.onnx output:\n%s", noise.getvalue())
         cause = _root_cause(exc)
@@ -172,6 +175,12 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> onnx
             f"{_ANSI.sub('', first_line(cause))}{_raising_line(cause)}"
         ) from exc
     log.info("exported %s in %.1f s", contract.file, time.perf_counter() - start)
+    return program.model
+
+
+def _finish(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
+    """The exported graph (its weights already references into the shared file) made ours: trace metadata
+    stripped, RMSNorms in their fusable form, the contract's axis names set and linted."""
     _strip_trace_metadata(model)
     _rsqrt_as_division(model)
     problems = name_axes(model, contract)
@@ -258,7 +267,9 @@ def _rsqrt_as_division(model: onnx.ModelProto) -> None:
 
 def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
-    runner = OrtRunner(Artifact(folder, manifest), "cpu")  # the files just written: not hashed again
+    # The files just written, not hashed again; unprepacked, so that both sessions read the one mapping of the
+    # weights (a prepacked decode.onnx holds a copy of its own, beside the model the export still holds).
+    runner = OrtRunner(Artifact(folder, manifest), "cpu", settings=SessionSettings(prepack_weights=False))
     tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size
     rng = np.random.default_rng(0)
@@ -606,17 +617,23 @@ def _build(
     folder `built` and checked there (onnx.checker, a smoke run in onnxruntime)."""
     prefill = prefill_contract(config, dtype, with_loss)
     decode = decode_contract(config, dtype)
-    with torch.no_grad():
+    # Each graph's weights go to the shared file as soon as it is exported: the decode export never runs beside
+    # the prefill graph's weights, and no graph is ever serialised with its weights inside. A quantized export
+    # holds both graphs with their float weights instead, until quantize_graphs has replaced their matrices by
+    # blocks: both graphs' blocks are then stored once.
+    with torch.no_grad(), SharedWeightsWriter(built, WEIGHTS_FILE) as weights:
+        store = ir.serde.serialize_model if quantization is not None else weights.add
         args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
         _check_forward(model, config, args, with_loss)
-        prefill_model = _torch_export(PrefillGraph(model, with_loss), args, names, prefill)
+        prefill_model = _finish(store(_torch_export(PrefillGraph(model, with_loss), args, names, prefill)), prefill)
         args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
-        decode_model = _torch_export(DecodeGraph(model), args, names, decode)
-    if quantization is not None:  # before the weights are written: both graphs' blocks are then stored once
-        prefill_model, decode_model, quantization = quantize_graphs(
-            prefill_model, decode_model, quantization, config.vocab_size
-        )
-    shared = write_shared_weights([prefill_model, decode_model], built, WEIGHTS_FILE)
+        decode_model = _finish(store(_torch_export(DecodeGraph(model), args, names, decode)), decode)
+        if quantization is not None:
+            prefill_model, decode_model, quantization = quantize_graphs(
+                prefill_model, decode_model, quantization, config.vocab_size
+            )
+            prefill_model, decode_model = weights.add(prefill_model), weights.add(decode_model)
+    shared = weights.result
     log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors, shared.bytes / 1e6)
     for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
         onnx.save_model(proto, built / contract.file)

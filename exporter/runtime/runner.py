@@ -240,7 +240,8 @@ class OrtRunner:
                 load_session(
                     self.artifact,
                     decode,
-                    session_options(settings, decode.file, None),
+                    # unprepacked, decode.onnx too reads the one mapping: no second copy of the weights
+                    session_options(settings, decode.file, None if settings.prepack_weights else self._weights),
                     providers,
                     staging,
                 ),

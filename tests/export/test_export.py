@@ -87,12 +87,12 @@ def test_weights_are_stored_once_and_shared_by_both_graphs(artifact_fp32, tiny_m
 
 
 def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path):
-    """write_shared_weights on two hand-made graphs: the same bytes under other names are stored once, other
+    """SharedWeightsWriter on two hand-made graphs: the same bytes under other names are stored once, other
     bytes apart, each at a 4096-byte offset (ONNX Runtime maps them), and every reference reads back its own
     tensor; a tensor under 1 KiB stays inline."""
     from onnx import helper, numpy_helper
 
-    from exporter.export.weights import ALIGNMENT, write_shared_weights
+    from exporter.export.weights import ALIGNMENT, SharedWeightsWriter
 
     rng = np.random.default_rng(0)
     shared, other = rng.standard_normal((3, 100)).astype(np.float32), rng.standard_normal(700).astype(np.float32)
@@ -103,7 +103,10 @@ def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path)
         return helper.make_model(helper.make_graph([], "g", [], [], initializer=inits))
 
     models = [graph({"a.weight": shared, "norm": small}), graph({"folded_0": shared, "b.weight": other})]
-    result = write_shared_weights(models, tmp_path, "w.data")
+    with SharedWeightsWriter(tmp_path, "w.data") as writer:
+        for model in models:
+            writer.add(model)
+    result = writer.result
     assert result.tensors == 2 and [len(table) for table in result.initializers] == [1, 2]
     offsets = {e["name"]: e["offset"] for table in result.initializers for e in table}
     assert offsets["a.weight"] == offsets["folded_0"] != offsets["b.weight"]
@@ -412,11 +415,11 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
         lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
     )
 
-    def disk_full(models, folder, file_name):  # as a write() fails: no file name in the error
-        (folder / file_name).write_bytes(b"\0" * 4096)
+    def disk_full(writer, model):  # as a write() fails: no file name in the error
+        writer._out.write(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(export_module, "write_shared_weights", disk_full)
+    monkeypatch.setattr(export_module.SharedWeightsWriter, "add", disk_full)
     before = _tree(artifact_copy)
     with pytest.raises(
         OutputPathError,

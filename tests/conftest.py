@@ -315,15 +315,16 @@ def replayed_export(monkeypatch, float_artifact):
     what the dynamo export of the same model gives, without its ~30 s per graph. Quantized exports of the tiny
     model go through everything else: quantization, the shared weights file, the checks and the smoke run."""
     import onnx
+    import onnx_ir
 
     import exporter.export.pipeline as pipeline
 
     graphs = {name: onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
 
-    def replay(module, args, names, contract):
+    def replay(module, args, names, contract):  # an onnx_ir model, as torch.onnx returns
         model = onnx.ModelProto()
         model.CopyFrom(graphs[contract.file])
-        return model
+        return onnx_ir.serde.deserialize_model(model)
 
     monkeypatch.setattr(pipeline, "_torch_export", replay)
 

@@ -53,7 +53,7 @@ def cli_artifact(tmp_path_factory):
 def test_no_command_runs_the_default_export_and_verification(monkeypatch):
     from exporter.errors import ToolkitError
 
-    def stop(model, folder, dtype, with_loss, source, tokenizer):
+    def stop(model, folder, dtype, with_loss, source, tokenizer, **quantization):
         raise ToolkitError(f"stopped before exporting {source} ({dtype}, loss {with_loss}) to {folder}")
 
     monkeypatch.setattr("exporter.export.pipeline.export_artifact", stop)
@@ -86,7 +86,7 @@ def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch)
     from exporter.artifact.manifest import read_manifest
     from exporter.export.pipeline import ExportResult
 
-    def exported(model, folder, dtype, with_loss, source, tokenizer):
+    def exported(model, folder, dtype, with_loss, source, tokenizer, **quantization):
         shutil.copytree(artifact_fp32, folder)
         return ExportResult(folder, read_manifest(folder), 0.0, 0)
 
@@ -150,13 +150,16 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:8] == [
+        assert options[:11] == [
             "--preset",
             "--checkpoint",
             "--config",
             "--seed",
             "--output",
             "--dtype",
+            "--block-size",
+            "--accuracy-level",
+            "--lm-head",
             "--no-loss",
             "--tokenizer",
         ], options
@@ -847,7 +850,7 @@ def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypat
 
     from exporter.errors import ToolkitError
 
-    def stopped(model, folder, dtype, with_loss, source, tokenizer):
+    def stopped(model, folder, dtype, with_loss, source, tokenizer, **quantization):
         logging.getLogger("exporter.export.pipeline").info("exporting prefill.onnx with torch.onnx (dynamo)")
         raise ToolkitError("stopped after the first progress line")
 
@@ -937,7 +940,7 @@ def test_export_says_what_it_wrote_in_one_line_above_the_files(artifact_fp16, tm
     from exporter.artifact.manifest import read_manifest
     from exporter.export.pipeline import ExportResult
 
-    def exported(model, folder, dtype, with_loss, source, tokenizer):
+    def exported(model, folder, dtype, with_loss, source, tokenizer, **quantization):
         shutil.copytree(artifact_fp16, folder)
         return ExportResult(folder, read_manifest(folder), 2.54, 1_234_567)
 

@@ -352,8 +352,8 @@ def test_a_second_export_to_the_same_folder_waits_for_the_first_ones_swap(tmp_pa
     )
     assert other.stdout.readline() == "swapping\n"
 
-    def build(*args):  # this export's graphs, built while the other swapped its in
-        (args[-1] / "manifest.json").write_text("mine")
+    def build(model, config, dtype, with_loss, source, tokenizer, built, quantization):  # while the other swaps
+        (built / "manifest.json").write_text("mine")
         return types.SimpleNamespace(files={})
 
     monkeypatch.setattr(export_module, "_build", build)

@@ -289,7 +289,10 @@ class SharedWeightMap:
     """
 
     def __init__(self, artifact: Artifact):
-        self._file = np.memmap(artifact.path(artifact.manifest.weights_file), dtype=np.uint8, mode="r")
+        path = artifact.path(artifact.manifest.weights_file)
+        # A model whose every tensor is small enough to stay inline (exporter.export.weights.INLINE_LIMIT_BYTES)
+        # leaves the file empty, which mmap refuses; nothing is read from it then.
+        self._file = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[tuple[int, int], ort.OrtValue] = {}
         self._tables = artifact.manifest.initializers
 

@@ -585,3 +585,19 @@ def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifa
         logits[name] = session.run(["logits"], feed)[0]
     assert np.abs(logits["file"]).max() > 0.01
     np.testing.assert_array_equal(logits["zeroed"], 0)
+
+
+def test_a_weights_file_left_empty_maps_to_no_initializers(artifact_fp32, tmp_path):
+    """A model whose every tensor stays inline in the graphs leaves weights.onnx.data empty (found by the property
+    run: its smallest drawn config); mmap refuses an empty file, so the map must not ask for one."""
+    import dataclasses
+    import shutil
+
+    from exporter.artifact.manifest import read_manifest
+    from exporter.runtime.sessions import SharedWeightMap
+
+    manifest = read_manifest(artifact_fp32)
+    folder = shutil.copytree(artifact_fp32, tmp_path / "inline")
+    (folder / manifest.weights_file).write_bytes(b"")
+    inline = dataclasses.replace(manifest, initializers={file: [] for file in manifest.initializers})
+    assert SharedWeightMap(Artifact(folder, inline)).initializers("prefill.onnx") == ([], [])

@@ -16,6 +16,7 @@ import shutil
 
 import onnxruntime as ort
 import pytest
+from helpers import replayed_export
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from exporter.export.pipeline import export_artifact
@@ -308,25 +309,6 @@ def hf_folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {model_type: hf_folder(model_type, root / model_type) for model_type in MODEL_TYPES}
-
-
-def replayed_export(monkeypatch, float_artifact):
-    """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (loaded with their weights):
-    what the dynamo export of the same model gives, without its ~30 s per graph. Quantized exports of the tiny
-    model go through everything else: quantization, the shared weights file, the checks and the smoke run."""
-    import onnx
-    import onnx_ir
-
-    import exporter.export.pipeline as pipeline
-
-    graphs = {name: onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
-
-    def replay(module, args, names, contract):  # an onnx_ir model, as torch.onnx returns
-        model = onnx.ModelProto()
-        model.CopyFrom(graphs[contract.file])
-        return onnx_ir.serde.deserialize_model(model)
-
-    monkeypatch.setattr(pipeline, "_torch_export", replay)
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import assert_one_line_error, replayed_export, run_cli
 
 from exporter.errors import ProviderError
 from exporter.runtime import sessions
-from tests.conftest import replayed_export
-from tests.helpers import assert_one_line_error, run_cli
 
 
 def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):

@@ -193,20 +193,8 @@ class HFDecoderForCausalLM(nn.Module):
         labels=None,
         position_ids=None,
     ) -> CausalLMOutput:
-        """The shared forward contract (reference/byo.py).
-
-        Args:
-            input_ids: (B, T) new token ids.
-            attention_mask: (B, P+T), 1 for a token, 0 for left padding; None: no padding.
-            past_key_values: per layer (k, v), each (B, P, Hkv, D); None: no cache.
-            use_cache: return the presents as past_key_values.
-            logits_to_keep: the last positions to compute logits for; 0: every position.
-            labels: (B, T) targets of the shifted cross entropy (-100 ignored); None: no loss.
-            position_ids: (B, T) positions of the new tokens; None: P .. P+T-1 for every row.
-
-        Raises:
-            ContextLengthError: P + T exceeds max_position_embeddings.
-        """
+        """The shared forward contract (reference/byo.py), arguments as MiniMindForCausalLM.forward documents them;
+        the aux loss is zero (no experts)."""
         hidden, presents = self.model(input_ids, attention_mask, past_key_values, position_ids)
         logits = self.lm_head(hidden[:, -logits_to_keep:, :])  # -0 keeps every position
         loss = shifted_cross_entropy(logits, labels) if labels is not None else None

@@ -155,6 +155,29 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -> dict:
+    """Per-position figures of two logits arrays (N, V), in float64: KL(expected || actual), argmax agreement,
+    top-k overlap ("top5", k capped at the vocabulary), |Δ log p| of the expected's top token, and how far the
+    expected's top-1 and k-th tokens lead the next ("margin", "margin_k")."""
+    log_q = log_softmax(np.asarray(actual, np.float64))
+    log_p = log_softmax(np.asarray(expected, np.float64))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    top = log_p.argmax(-1)
+    k = min(k, log_p.shape[-1])
+    top_p, top_q = np.argpartition(-log_p, k - 1, -1)[:, :k], np.argpartition(-log_q, k - 1, -1)[:, :k]
+    rows = np.arange(len(top))
+    ranked = -np.sort(-log_p, axis=-1)[:, : k + 1]
+    return {
+        # how far the reference's k-th token leads its (k+1)-th: how decisive its top-1 and top-k sets are
+        "margin": ranked[:, 0] - ranked[:, 1] if ranked.shape[1] > 1 else np.full(len(top), np.inf),
+        "margin_k": ranked[:, k - 1] - ranked[:, k] if ranked.shape[1] > k else np.full(len(top), np.inf),
+        "kl": np.maximum(kl, 0.0),  # a float64 sum of a true KL of ~1e-17 can round below zero
+        "top1": log_q.argmax(-1) == top,
+        "top5": np.array([len(set(a) & set(b)) / k for a, b in zip(top_p, top_q)]),
+        "top_delta": np.abs(log_q[rows, top] - log_p[rows, top]),
+    }
+
+
 def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None, k: int = TOP_K) -> dict:
     """LLM-level agreement over the positions where `valid` is true.
 
@@ -177,17 +200,12 @@ def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray |
         a, e = a[keep], e[keep]
     if not len(e):
         return {}
-    k = min(k, vocab)
-    top_a = np.argpartition(-a, k - 1, axis=-1)[:, :k]
-    top_e = np.argpartition(-e, k - 1, axis=-1)[:, :k]
-    overlap = [len(set(x) & set(y)) / k for x, y in zip(top_a, top_e)]
-    log_p, log_q = log_softmax(e), log_softmax(a)
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    stats = token_statistics(a, e, k)
     return {
-        "top1_agreement": float(np.mean(a.argmax(-1) == e.argmax(-1))),
-        "topk_overlap": float(np.mean(overlap)),
-        "kl_mean": float(np.mean(kl)),
-        "kl_max": float(np.max(kl)),
+        "top1_agreement": float(np.mean(stats["top1"])),
+        "topk_overlap": float(np.mean(stats["top5"])),
+        "kl_mean": float(np.mean(stats["kl"])),
+        "kl_max": float(np.max(stats["kl"])),
         "positions": int(len(e)),
     }
 

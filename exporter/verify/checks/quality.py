@@ -20,7 +20,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import presents_as_past
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, next_tokens, prefill_feeds
-from exporter.verify.metrics import TOP_K, log_softmax, match_length
+from exporter.verify.metrics import match_length, token_statistics
 from exporter.verify.tolerances import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
@@ -84,28 +84,6 @@ class QualityReport:
             "metrics": self.metrics,
             "greedy": {"reference_ids": self.greedy_reference, "onnx_ids": self.greedy_onnx},
         }
-
-
-def token_statistics(actual: np.ndarray, expected: np.ndarray) -> dict:
-    """Per-position figures of two logits arrays (N, V), in float64: KL(expected || actual), argmax agreement,
-    top-5 overlap, |Δ log p| of the expected's top token."""
-    log_q = log_softmax(np.asarray(actual, np.float64))
-    log_p = log_softmax(np.asarray(expected, np.float64))
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
-    top = log_p.argmax(-1)
-    k = min(TOP_K, log_p.shape[-1])
-    top_p, top_q = np.argpartition(-log_p, k - 1, -1)[:, :k], np.argpartition(-log_q, k - 1, -1)[:, :k]
-    rows = np.arange(len(top))
-    ranked = -np.sort(-log_p[:, : log_p.shape[-1]], axis=-1)[:, : k + 1]
-    return {
-        # how far the reference's k-th token leads its (k+1)-th: how decisive its top-1 and top-k sets are
-        "margin": ranked[:, 0] - ranked[:, 1] if ranked.shape[1] > 1 else np.full(len(top), np.inf),
-        "margin_k": ranked[:, k - 1] - ranked[:, k] if ranked.shape[1] > k else np.full(len(top), np.inf),
-        "kl": np.maximum(kl, 0.0),  # a float64 sum of a true KL of ~1e-17 can round below zero
-        "top1": log_q.argmax(-1) == top,
-        "top5": np.array([len(set(a) & set(b)) / k for a, b in zip(top_p, top_q)]),
-        "top_delta": np.abs(log_q[rows, top] - log_p[rows, top]),
-    }
 
 
 def _real(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:

@@ -228,24 +228,18 @@ MUTANTS = [
         probe=_layer(1) + "input_layernorm",
         parameters=frozenset({"model.layers.1.input_layernorm.weight"}),
     ),
-    Mutant(
-        "one head of layer 0's o_proj x 1.05 (float32)",
-        "float32",
-        _one_head_of_o_proj(layer=0, head=2, factor=1.05),
-        first_layer=1,
-        fault_in="in layer 0's query path, attention, output projection or MLP",
-        probe=_layer(0) + "self_attn.o_proj",
-        parameters=frozenset({"model.layers.0.self_attn.o_proj.weight"}),
-    ),
-    Mutant(
-        "one head of layer 0's o_proj x 1.05 (float16)",
-        "float16",
-        _one_head_of_o_proj(layer=0, head=2, factor=1.05),
-        first_layer=1,
-        fault_in="in layer 0's query path, attention, output projection or MLP",
-        probe=_layer(0) + "self_attn.o_proj",
-        parameters=frozenset({"model.layers.0.self_attn.o_proj.weight"}),
-        cli=True,
+    *(
+        Mutant(
+            f"one head of layer 0's o_proj x 1.05 ({dtype})",
+            dtype,
+            _one_head_of_o_proj(layer=0, head=2, factor=1.05),
+            first_layer=1,
+            fault_in="in layer 0's query path, attention, output projection or MLP",
+            probe=_layer(0) + "self_attn.o_proj",
+            parameters=frozenset({"model.layers.0.self_attn.o_proj.weight"}),
+            cli=dtype == "float16",  # the float16 one through the command line
+        )
+        for dtype in ("float32", "float16")
     ),
     Mutant(
         f"rotary cos/sin of position {ROTARY_POSITION} are position {ROTARY_POSITION + 1}'s",

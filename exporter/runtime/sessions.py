@@ -382,6 +382,22 @@ def graph_session(
     return _new_session(model, options, session_providers(check_provider(provider)))
 
 
+def file_session(path: Path, provider: str, settings: SessionSettings = SessionSettings()) -> ort.InferenceSession:
+    """A session on a graph file outside any artifact (a folder another exporter wrote), with this process's
+    thread-pool rules; its weights are read by onnxruntime from beside it.
+
+    Raises:
+        ArtifactError: onnxruntime cannot load the graph.
+        ProviderError: the provider is unknown or not available.
+    """
+    check_text_path(path.parent, "graph folder", TEXT_PATH_FIX, ArtifactError)
+    options = session_options(settings, path.name, None)
+    try:
+        return _new_session(str(path), options, session_providers(check_provider(provider)))
+    except _LOAD_ERRORS as exc:
+        raise load_failure(path, exc) from None
+
+
 @contextlib.contextmanager
 def optimized_graphs_saved(folder: Path | None):
     """Yields the hidden folder in `folder` where the sessions made in the block save their optimised graphs (pass

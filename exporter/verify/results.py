@@ -158,6 +158,9 @@ class VerifyReport:
     consumers_skipped: dict[str, str] = field(default_factory=dict)  # consumer -> reason
     independent: list[IndependentReport] = field(default_factory=list)  # independent references compared
     independent_skipped: dict[str, str] = field(default_factory=dict)  # independent reference -> why not
+    # check -> why it could not run on this folder (a foreign graph has no loss, say): never counted as passed
+    not_checked: dict[str, str] = field(default_factory=dict)
+    writer: dict = field(default_factory=dict)  # a foreign folder's writer and contract (ForeignGraph.to_dict)
     reference: str = ""  # what the ONNX side was compared with; "none" for the invariants alone
     invariants: list[Invariant] = field(default_factory=list)
     weights: WeightAudit | None = None  # the initializers against the PyTorch model's parameters; None without one
@@ -205,4 +208,6 @@ class VerifyReport:
             "consumers_skipped": self.consumers_skipped,
             "independent_references": [r.to_dict() for r in self.independent],
             "independent_references_skipped": self.independent_skipped,
+            **({"foreign": self.writer} if self.writer else {}),
+            "not_checked": self.not_checked,
         }

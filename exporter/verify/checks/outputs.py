@@ -599,6 +599,7 @@ def run_sweep(
     health: HealthScan,
     rng: np.random.Generator,
     explain_routing=None,
+    left_padded: bool = True,
 ) -> list[SweepCase]:
     """Every (batch, new tokens, past) of the grid with ragged left padding: each side prefills the past
     with prefill.onnx (or starts from an empty cache) and decodes the new tokens on top of its own cache.
@@ -615,13 +616,15 @@ def run_sweep(
         health: the scan that ONNX Runtime's outputs are added to.
         rng: the generator the token ids are drawn from.
         explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+        left_padded: the rows ragged (ragged_mask); False: every row unpadded, for a graph whose attention takes
+            rows as right-padded (exporter.artifact.foreign).
     """
     cases = []
     vocab = manifest.config.vocab_size
     grid = sweep_grid(manifest.config.max_position_embeddings)
     progress = _Progress("sweep shapes", len(grid))
     for batch, new, past in grid:
-        mask = ragged_mask(batch, past, new)
+        mask = ragged_mask(batch, past, new) if left_padded else np.ones((batch, past + new), dtype=np.int64)
         ids = rng.integers(0, vocab, (batch, past + new), dtype=np.int64)
         label = f"sweep b{batch} n{new} p{past}"
         flips = []

@@ -18,7 +18,7 @@ import numpy as np
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.outputs import check_decode, check_prefill
+from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.results import IndependentReport
 from exporter.verify.tolerances import Profile
@@ -54,7 +54,7 @@ def transformers_skip_reason(manifest: Manifest) -> str:
 
 
 class TransformersRunner:
-    """Transformers' model of a folder behind the named-feed interface of TorchRunner (prefill, decode)."""
+    """Transformers' model of a folder behind the named-feed interface of TorchRunner (prefill, decode, greedy)."""
 
     name = NAME
 
@@ -87,8 +87,7 @@ class TransformersRunner:
                 use_cache=True,
                 **kwargs,
             )
-        cache = getattr(out, "cache", None)
-        cache = out.past_key_values if cache is None else cache
+        cache = self._cache_of(out)
         result = {"logits": out.logits.float().numpy()}
         for layer in range(self.manifest.cache.num_layers):
             stored = cache.layers[layer]
@@ -98,8 +97,30 @@ class TransformersRunner:
             result["loss"] = np.float32(out.loss.item())
         return result
 
+    @staticmethod
+    def _cache_of(out):
+        cache = getattr(out, "cache", None)
+        return out.past_key_values if cache is None else cache
+
     def prefill(self, feeds: dict) -> dict:
         return self._call(feeds)
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> GreedyTrace:
+        """Greedy decoding on transformers' own cache and default positions, as reference_greedy decodes."""
+        import torch
+
+        new_ids: list[int] = []
+        logits = []
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+            while True:
+                token = int(out.logits[0, -1].argmax())
+                new_ids.append(token)
+                logits.append(out.logits[0, -1].float().numpy())
+                if token == eos_token_id or len(new_ids) == max_new_tokens:
+                    return GreedyTrace(new_ids, np.stack(logits))
+                cache = {self._cache_arg: self._cache_of(out)}
+                out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **cache)
 
     def decode(self, feeds: dict) -> dict:
         import torch

@@ -144,6 +144,7 @@ def render_html(report: VerifyReport) -> str:
     parts += [
         f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped, **report.consumers_skipped}.items()
     ]
+    parts += [f"<p>{escape(k)}: not checked ({escape(v)})</p>" for k, v in report.not_checked.items()]
     parts += [
         f"<h2>{escape(title.capitalize())}</h2>{_table(header, rows)}" for title, header, rows in summary_tables(report)
     ]

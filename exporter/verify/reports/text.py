@@ -324,6 +324,8 @@ def format_quality(q) -> str:
 def format_verify(report: VerifyReport) -> str:
     overrides = report.tolerance_overrides.describe()
     blocks = [f"reference: {report.reference}" + (f"\ntolerance overrides: {overrides}" if overrides else "")]
+    if report.writer:
+        blocks.append(f"written by {report.writer['writer']}: {report.writer['contract']}")
     blocks += [_provider(p) for p in report.reports]
     blocks += [format_quality(q) for q in report.quality]
     blocks += [f"{provider}: skipped ({reason})" for provider, reason in report.skipped.items()]
@@ -338,5 +340,11 @@ def format_verify(report: VerifyReport) -> str:
         )
     blocks += [f"consumer {consumer}: skipped ({reason})" for consumer, reason in report.consumers_skipped.items()]
     blocks += [f"independent reference {name}: skipped ({why})" for name, why in report.independent_skipped.items()]
+    if report.not_checked:
+        blocks.append(
+            "\n".join(
+                ["not checked (never counted as passed):"] + [f"  {c}: {w}" for c, w in report.not_checked.items()]
+            )
+        )
     blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f} s")
     return "\n\n".join(blocks)

@@ -1,0 +1,293 @@
+"""Folders this toolkit did not write: Optimum's (`model.onnx` beside Transformers' `config.json`) and
+onnxruntime-genai's model builder's (`model.onnx` beside `genai_config.json`), read as one graph serving as prefill
+and as decode, and mapped onto the toolkit's contract so that the verification engine runs on them unchanged.
+
+What each writer's graph takes and gives, as read here:
+
+- inputs `input_ids` (int64), `attention_mask` (int32 or int64), `position_ids` (int64; the builder's graphs derive
+  the positions from the mask and take none), and the past `past_key_values.N.key` / `.value`, (batch, kv heads,
+  past, head dim), the head dimension fixed (Optimum) or symbolic (the builder);
+- outputs `logits` and the presents `present.N.key` / `.value`; no loss;
+- the builder names its past and present tensors in genai_config.json (`%d` for the layer), which is followed.
+
+The model config (sizes, positions, tokens) comes from the Hugging Face folder the graph was exported from, whose
+sizes must agree with the graph's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from exporter.artifact.contract import KV_KINDS, cache_layout, decode_contract, prefill_contract
+from exporter.artifact.manifest import MANIFEST, Manifest
+from exporter.artifact.quantization import FLOAT_DTYPE, QUANTIZED_OP, SCHEMES, Quantization
+from exporter.errors import ArtifactError, InputError, first_line
+from reference.errors import ConfigError
+from reference.families import DecoderConfig, config_from_dict
+from reference.hf_decoder_config import translate_hf_config
+
+OPTIMUM = "Optimum"
+BUILDER = "onnxruntime-genai model builder"
+GENAI_CONFIG = "genai_config.json"
+HF_CONFIG = "config.json"
+GRAPH = "model.onnx"
+# Optimum's names, and the builder's unless its genai_config.json says otherwise
+PAST = "past_key_values.{layer}.{kind}"
+PRESENT = "present.{layer}.{kind}"
+# The attention operator that takes each row's length from the mask and its tokens to start at the row's first slot.
+RIGHT_PADDED_ATTENTION = "GroupQueryAttention"
+_ELEMENT_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64",
+}
+EXPECTED = (
+    "inputs input_ids, attention_mask, optionally position_ids, past_key_values.N.key/.value and outputs logits, "
+    "present.N.key/.value (as Optimum's text-generation-with-past and onnxruntime-genai's builder write them)"
+)
+
+
+@dataclass(frozen=True)
+class ForeignGraph:
+    """One foreign graph and how it maps onto the toolkit's contract.
+
+    writer: OPTIMUM or BUILDER; file: the graph's file name in `folder`; past / present: its cache names, with
+    `{layer}` and `{kind}` ("key", "value"); mask_dtype: what attention_mask it takes (int32 or int64);
+    position_ids: whether it takes them; left_padding: whether a left-padded row is computed as the reference
+    computes it (not by an attention that takes rows as right-padded); dtype: its cache's and logits' dtype;
+    scheme: "int4" / "int8" for MatMulNBits weights, else None; quantization: that scheme as a manifest records it;
+    layers: the cache's layers; kv_heads, head_dim and vocab_size: the graph's fixed sizes, None where its axis is
+    symbolic; opset: its default-domain opset.
+    """
+
+    folder: Path
+    writer: str
+    file: str
+    past: str
+    present: str
+    mask_dtype: str
+    position_ids: bool
+    left_padding: bool
+    dtype: str
+    scheme: str | None
+    quantization: Quantization | None
+    layers: int
+    kv_heads: int | None
+    head_dim: int | None
+    vocab_size: int | None
+    opset: int
+
+    @property
+    def contract_name(self) -> str:
+        """The contract it follows, in words (what inspect shows)."""
+        positions = "position_ids" if self.position_ids else "positions derived from the mask"
+        padding = "left padding" if self.left_padding else "right padding only"
+        precision = self.scheme or self.dtype
+        return (
+            f"one graph for prefill and decode; attention_mask {self.mask_dtype}; {positions}; {padding}; "
+            f"past {self.past.format(layer='N', kind='key')}, present {self.present.format(layer='N', kind='key')}; "
+            f"{precision}; no loss"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "writer": self.writer,
+            "graph": self.file,
+            "contract": self.contract_name,
+            "mask_dtype": self.mask_dtype,
+            "position_ids": self.position_ids,
+            "left_padding": self.left_padding,
+            "dtype": self.dtype,
+            "precision": self.scheme or self.dtype,
+            "layers": self.layers,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "opset": self.opset,
+        }
+
+
+def foreign_writer(folder: Path) -> str | None:
+    """Who wrote `folder`, when it is a foreign folder (no manifest.json of ours, a config of one of the writers):
+    BUILDER or OPTIMUM; None otherwise."""
+    folder = Path(folder)
+    if (folder / MANIFEST).exists() or not folder.is_dir():
+        return None
+    if (folder / GENAI_CONFIG).is_file():
+        return BUILDER
+    if (folder / HF_CONFIG).is_file() or (folder / GRAPH).is_file():
+        return OPTIMUM
+    return None
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({first_line(exc, 200)}); export the folder again") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} holds no JSON object; export the folder again")
+    return data
+
+
+def _builder_names(folder: Path) -> tuple[str, str, str]:
+    """The graph file and its past and present key patterns, from genai_config.json."""
+    decoder = _json(folder / GENAI_CONFIG).get("model", {}).get("decoder", {})
+    names = {**decoder.get("inputs", {}), **decoder.get("outputs", {})}
+
+    def pattern(key: str, default: str) -> str:
+        given = names.get(key)
+        return given.replace("%d", "{layer}").replace(".key", ".{kind}") if isinstance(given, str) else default
+
+    return decoder.get("filename", GRAPH), pattern("past_key_names", PAST), pattern("present_key_names", PRESENT)
+
+
+def _tensor(value: onnx.ValueInfoProto) -> tuple[str | None, list]:
+    tensor = value.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim]
+    return _ELEMENT_TYPES.get(tensor.elem_type), dims
+
+
+def _quantization(model: onnx.ModelProto) -> Quantization | None:
+    """The MatMulNBits scheme of the graph's weights: the bits most of them carry; None without any."""
+    nodes = [n for n in model.graph.node if n.op_type == QUANTIZED_OP]
+    if not nodes:
+        return None
+    attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    bits = Counter(a.get("bits", 4) for a in attributes).most_common(1)[0][0]
+    scheme = next(name for name, b in SCHEMES.items() if b == bits)
+    return Quantization(
+        scheme=scheme,
+        bits=bits,
+        block_size=int(attributes[0].get("block_size", 0)),
+        accuracy_level=int(attributes[0].get("accuracy_level", 0)),
+        lm_head="same",
+        matrices=len(nodes),
+    )
+
+
+def read_foreign(folder: Path) -> ForeignGraph:
+    """The foreign graph of `folder`, its I/O mapped onto the toolkit's contract.
+
+    Raises:
+        ArtifactError: the folder is no foreign folder, holds no graph, or its graph follows no contract read here
+            (the message names what was expected and what was found).
+    """
+    folder = Path(folder)
+    writer = foreign_writer(folder)
+    if writer is None:
+        raise ArtifactError(
+            f"{folder} is neither an artifact of this toolkit nor a folder written by Optimum or onnxruntime-genai's "
+            f"builder (no {MANIFEST}, {GENAI_CONFIG} or {HF_CONFIG}); pass one of those"
+        )
+    file, past, present = _builder_names(folder) if writer == BUILDER else (GRAPH, PAST, PRESENT)
+    path = folder / file
+    if not path.is_file():
+        raise ArtifactError(f"{folder} was written by {writer} but holds no graph {file}; export it again")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError) as exc:
+        raise ArtifactError(f"{path} is no ONNX model ({first_line(exc, 200)}); export it again") from None
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = {v.name: _tensor(v) for v in model.graph.input if v.name not in initializers}
+    outputs = {v.name: _tensor(v) for v in model.graph.output}
+    layers = sum(1 for name in inputs if re.fullmatch(past.format(layer=r"\d+", kind="key").replace(".", r"\."), name))
+    names = [past.format(layer=i, kind=k) for i in range(layers) for k in KV_KINDS]
+    expected_inputs = {"input_ids", "attention_mask", *names}
+    expected_outputs = {"logits", *(present.format(layer=i, kind=k) for i in range(layers) for k in KV_KINDS)}
+    mask_dtype = inputs.get("attention_mask", (None,))[0]
+    if (
+        not layers
+        or set(inputs) - {"position_ids"} != expected_inputs
+        or set(outputs) != expected_outputs
+        or mask_dtype not in ("int32", "int64")
+        or inputs["input_ids"][0] != "int64"
+    ):
+        found = f"inputs {sorted(inputs)[:6]}, outputs {sorted(outputs)[:4]}, attention_mask {mask_dtype}"
+        raise ArtifactError(f"{path} follows no contract this toolkit reads: expected {EXPECTED}; found {found}")
+    dtype, cache_dims = inputs[names[0]]
+    logits_dims = outputs["logits"][1]
+    quantization = _quantization(model)
+    return ForeignGraph(
+        folder=folder,
+        writer=writer,
+        file=file,
+        past=past,
+        present=present,
+        mask_dtype=mask_dtype,
+        position_ids="position_ids" in inputs,
+        left_padding=not any(n.op_type == RIGHT_PADDED_ATTENTION for n in model.graph.node),
+        dtype=dtype,
+        scheme=quantization.scheme if quantization else None,
+        quantization=quantization,
+        layers=layers,
+        kv_heads=cache_dims[1] if len(cache_dims) == 4 and isinstance(cache_dims[1], int) else None,
+        head_dim=cache_dims[3] if len(cache_dims) == 4 and isinstance(cache_dims[3], int) else None,
+        vocab_size=logits_dims[2] if len(logits_dims) == 3 and isinstance(logits_dims[2], int) else None,
+        opset=next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0),
+    )
+
+
+def reference_config(folder: Path) -> DecoderConfig:
+    """The model config of the Hugging Face folder a foreign graph was exported from (its config.json).
+
+    Raises:
+        InputError: no config.json there, or one this toolkit cannot read as a decoder's.
+    """
+    path = Path(folder) / HF_CONFIG
+    if not path.is_file():
+        raise InputError(f"{folder} holds no {HF_CONFIG}; pass the Hugging Face folder the graph was exported from")
+    try:
+        return config_from_dict("hf-decoder", translate_hf_config(_json(path)))
+    except (ConfigError, ArtifactError) as exc:
+        raise InputError(f"{path} cannot serve as the reference's config: {first_line(exc, 300)}") from None
+
+
+def check_sizes(graph: ForeignGraph, config: DecoderConfig, reference: Path) -> None:
+    """The graph's sizes against the reference folder's config.
+
+    Raises:
+        InputError: naming each size that differs.
+    """
+    sizes = {
+        "num_hidden_layers": (graph.layers, config.num_hidden_layers),
+        "num_key_value_heads": (graph.kv_heads, config.num_key_value_heads),
+        "head_dim": (graph.head_dim, config.head_dim),
+        "vocab_size": (graph.vocab_size, config.vocab_size),
+    }
+    differ = [f"{k} (graph {g}, config {c})" for k, (g, c) in sizes.items() if g is not None and g != c]
+    if differ:
+        raise InputError(
+            f"{reference}/{HF_CONFIG} does not match {graph.folder / graph.file}: {', '.join(differ)}; pass the "
+            "Hugging Face folder the graph was exported from (`reference`)"
+        )
+
+
+def foreign_manifest(graph: ForeignGraph, config: DecoderConfig, reference: Path) -> Manifest:
+    """The manifest the engine reads for a foreign graph: the toolkit's contract without the loss, both graphs
+    being the one file, the cache in the graph's dtype (a quantized graph computes in float32). Written nowhere:
+    the folder stays as its writer left it."""
+    dtype = FLOAT_DTYPE if graph.quantization is not None else graph.dtype
+    prefill, decode = prefill_contract(config, dtype, with_loss=False), decode_contract(config, dtype)
+    return Manifest(
+        config=config,
+        source={"kind": "foreign", "writer": graph.writer, "reference": str(reference)},
+        dtype=dtype,
+        opset=graph.opset,
+        prefill=replace(prefill, file=graph.file),
+        decode=replace(decode, file=graph.file),
+        cache=cache_layout(config, dtype),
+        weights_file="",
+        initializers={},
+        versions={},
+        files={},
+        quantization=graph.quantization,
+    )

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
+import pytest
 import torch
 from onnx import numpy_helper
 
@@ -25,6 +29,38 @@ CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306
 
 # Verification settings that keep a verify_artifact test short: 2 decode steps, no sweep, the probe on.
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, probe=True)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIMUM_REQUIREMENTS = (
+    "torch==2.13.0",
+    "transformers==4.57.6",
+    "optimum-onnx==0.1.0",
+    f"onnxruntime=={onnxruntime.__version__}",
+)
+
+
+def optimum_python() -> Path:
+    """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be."""
+    given = os.environ.get("EXPORT_ONNX_OPTIMUM_PYTHON")
+    python = Path(given) if given else ROOT / ".venv-optimum" / "bin" / "python"
+    if not given and not python.exists():
+        venv = python.parents[1]
+        steps = (
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
+        )
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
+            if done.returncode:
+                shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
+    probe = subprocess.run([str(python), "-c", "import optimum.onnxruntime"], capture_output=True, text=True)
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"optimum.onnxruntime does not import in {python} ({last})")
+    return python
 
 
 def run_cli(*args):

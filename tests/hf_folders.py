@@ -57,13 +57,14 @@ CASES = {
 MODEL_TYPES = tuple(CASES)
 
 
-def hf_model(model_type: str, seed: int = 0):
+def hf_model(model_type: str, seed: int = 0, **changes):
     """Transformers' model of the case, every weight drawn again (seeded): matrices and biases uniform with std
     ~0.1, norm weights uniform in [0.5, 1.5]. Transformers initialises biases at zero and norms at one, and then
-    no comparison could tell a bias or a norm left out or applied in the wrong place."""
+    no comparison could tell a bias or a norm left out or applied in the wrong place. `changes` replace fields of
+    the case's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **COMMON, **CASES[model_type])
+    config = AutoConfig.for_model(model_type, **{**COMMON, **CASES[model_type], **changes})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -191,7 +191,11 @@ def read_foreign(folder: Path) -> ForeignGraph:
     file, past, present = _builder_names(folder) if writer == BUILDER else (GRAPH, PAST, PRESENT)
     path = folder / file
     if not path.is_file():
-        raise ArtifactError(f"{folder} was written by {writer} but holds no graph {file}; export it again")
+        raise ArtifactError(
+            f"{folder} holds no graph {file} ({writer} writes one beside its "
+            f"{GENAI_CONFIG if writer == BUILDER else HF_CONFIG}); "
+            "pass the folder it exported into, or export it again"
+        )
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError) as exc:

@@ -81,7 +81,7 @@ from exporter.cli.outcome import (
     missing_dependency,
     setup_logging,
 )
-from exporter.errors import TORCH_INSTALL_HINT, ConsumerError, ToolkitError, torch_import_error
+from exporter.errors import TORCH_INSTALL_HINT, ConsumerError, InputError, ToolkitError, torch_import_error
 
 try:
     import onnxruntime  # noqa: F401  every command runs it: a deployment set up with --no-deps may lack it
@@ -289,9 +289,17 @@ def export(
     "the tolerance overrides it was recorded with; --atol, --rtol, --peak and --tolerances "
     "replace its terms one by one.",
 )
+@click.option(
+    "--reference",
+    type=PathOption(),
+    default=None,
+    metavar="HF_FOLDER",
+    help="For a folder Optimum or onnxruntime-genai's builder wrote: the Hugging Face folder it was exported "
+    "from, whose model transformers loads as the reference.",
+)
 @common_options
 @handle_errors
-def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options):
+def verify(folder, providers, genai, golden, reference, as_json, quiet, verbose, **options):
     """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
     greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
     providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
@@ -302,9 +310,14 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
     artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.foreign import foreign_writer
     from exporter.verify.reports import format_verify
 
     options = VerifyOptions(**options)
+    writer = foreign_writer(folder)
+    if writer is not None or reference is not None:
+        _verify_foreign(folder, writer, reference, providers, genai, golden, options, as_json)
+        return
     if golden is not None:
         context = click.get_current_context()
         flags = {"decode_steps": "--decode-steps", "sweep": "--sweep/--no-sweep", "golden_save": "--golden-save"}
@@ -319,6 +332,38 @@ def verify(folder, providers, genai, golden, as_json, quiet, verbose, **options)
             )
     plan = verification_plan(folder, providers, genai, options, golden)
     report = run_verification(folder, providers, genai, options, plan, golden=golden)
+    finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
+
+
+def _verify_foreign(folder, writer, reference, providers, genai, golden, options, as_json) -> None:
+    """verify of a folder another exporter wrote, against transformers' model of --reference."""
+    from exporter.verify.foreign import verify_foreign
+    from exporter.verify.reports import format_verify
+
+    if writer is None:
+        raise click.UsageError(
+            f"--reference is for a folder Optimum or onnxruntime-genai's builder wrote; {folder} is none "
+            "(an artifact of this toolkit rebuilds its reference from its manifest): drop --reference"
+        )
+    if reference is None:
+        raise InputError(
+            f"{folder} was written by {writer}, not by this toolkit: pass --reference HF_FOLDER, the Hugging Face "
+            "folder it was exported from"
+        )
+    given = [
+        flag
+        for flag, value in (
+            ("--golden", golden),
+            ("--golden-save", options.golden_save),
+            ("--fp16-companion", options.fp16_companion),
+            ("--genai", genai),
+        )
+        if value
+    ]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} cannot serve a folder {writer} wrote; drop it")
+    overrides, settings, _ = verification_plan(folder, providers, genai, options)
+    report = verify_foreign(folder, reference, list(providers) or None, settings, overrides)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 
 
@@ -662,6 +707,13 @@ def inspect(folder, as_json, quiet, verbose):
     error. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.foreign import foreign_writer, read_foreign
+
+    if foreign_writer(folder) is not None:
+        graph = read_foreign(folder)
+        shown = graph.to_dict()
+        emit(shown, as_json, "\n".join(f"{key}: {value}" for key, value in shown.items()))
+        return
     from exporter.artifact.consumers import sidecar_differences
     from exporter.artifact.folder import graph_state
     from exporter.artifact.manifest import (

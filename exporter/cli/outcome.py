@@ -136,6 +136,7 @@ FLAGS = {
     "golden_save": "--golden-save",
     "fp16_companion": "--fp16-companion",
     "probe": "--probe",
+    "reference": "--reference",
     "atol": "--atol",
     "rtol": "--rtol",
     "peak": "--peak",

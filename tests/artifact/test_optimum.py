@@ -11,60 +11,26 @@ there, once for the whole module, on the folders the session's fixtures exported
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import onnxruntime
 import pytest
-from helpers import CONSUMER_PROMPTS
+from helpers import CONSUMER_PROMPTS, optimum_python
 
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.references.torch_runner import reference_greedy
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("optimum_worker.py")
-OPTIMUM_REQUIREMENTS = (
-    "torch==2.13.0",
-    "transformers==4.57.6",
-    "optimum-onnx==0.1.0",
-    f"onnxruntime=={onnxruntime.__version__}",
-)
 FAMILIES = ["moe3_dense_artifact", "moe2_artifact", "gpt_artifact", "byo_artifact", "minimind2_artifact"]
 TEXT = "kalo mine ruto savi"
-
-
-def _optimum_python() -> Path:
-    """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be."""
-    given = os.environ.get("EXPORT_ONNX_OPTIMUM_PYTHON")
-    python = Path(given) if given else ROOT / ".venv-optimum" / "bin" / "python"
-    if not given and not python.exists():
-        venv = python.parents[1]
-        steps = (
-            [sys.executable, "-m", "venv", str(venv)],
-            [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
-        )
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
-            if done.returncode:
-                shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
-                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
-    probe = subprocess.run([str(python), "-c", "import optimum.onnxruntime"], capture_output=True, text=True)
-    if probe.returncode:
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"optimum.onnxruntime does not import in {python} ({last})")
-    return python
 
 
 @pytest.fixture(scope="module")
 def optimum(request):
     """Optimum's answers for this module's folders: {"generate": {(fixture, prompt index): ids}, "text": {...}}."""
-    python = _optimum_python()
+    python = optimum_python()
     runs = []
     for name in ["artifact_fp32", "artifact_fp16", *FAMILIES]:
         folder = request.getfixturevalue(name)

@@ -1,0 +1,160 @@
+"""Folders other exporters wrote, verified against transformers: onnxruntime-genai's builder (float32, int4) and
+Optimum (float32, in its own environment, see helpers.optimum_python), a damaged graph, and the bad inputs.
+
+One tiny Qwen3 folder with the default rope (the builder cannot read the yarn parameters transformers 5 writes),
+exported once per writer for the module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import assert_one_line_error, optimum_python, run_cli
+from hf_folders import hf_model, save_folder
+from onnx import numpy_helper
+
+from exporter.verify.foreign import verify_foreign
+from exporter.verify.inputs import ParitySettings
+
+QUICK = ParitySettings(decode_steps=4, greedy_tokens=8, sweep=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    model = hf_model("qwen3", rope_scaling=None, max_position_embeddings=2048)
+    return save_folder(model, "qwen3", tmp_path_factory.mktemp("foreign") / "qwen3")
+
+
+def _builder(source: Path, precision: str, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"builder-{precision}")
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(source), "-i", str(source)]
+    command += ["-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out / "cache")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.rmtree(out / "cache", ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def builder_fp32(qwen3, tmp_path_factory) -> Path:
+    return _builder(qwen3, "fp32", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def builder_int4(qwen3, tmp_path_factory) -> Path:
+    return _builder(qwen3, "int4", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def optimum_fp32(qwen3, tmp_path_factory) -> Path:
+    cli = optimum_python().parent / "optimum-cli"
+    out = tmp_path_factory.mktemp("optimum")
+    command = [str(cli), "export", "onnx", "--model", str(qwen3), "--task", "text-generation-with-past", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_builder_fp32_passes_every_check_it_can_run(builder_fp32, qwen3):
+    report = verify_foreign(builder_fp32, qwen3, ["cpu"], ParitySettings(decode_steps=4, greedy_tokens=8))
+    assert report.passed, report.to_dict()
+    (provider,) = report.reports
+    assert provider.profile.name.startswith("float32") and provider.greedy.match_length == 8
+    assert provider.sweep and all(case.passed for case in provider.sweep)
+    assert [i.name for i in report.invariants] == ["prefill(all) == prefill(first k) + decode(rest)"]
+    # the builder's attention takes rows as right-padded: said, never counted as passed
+    assert report.settings["left_padding"] == 0 and "left-padded rows" in report.not_checked
+    assert {"loss", "weight audit"} <= set(report.not_checked)
+    assert report.writer["writer"] == "onnxruntime-genai model builder" and report.writer["head_dim"] is None
+
+
+def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
+    report = verify_foreign(builder_int4, qwen3, ["cpu"], QUICK)
+    assert report.passed and not report.reports
+    (quality,) = report.quality
+    assert quality.scheme == "int4" and quality.profile.name.startswith("int4")
+    kl = next(c for c in quality.checks if c.threshold.metric == "kl_mean")
+    assert 0 < kl.value <= kl.threshold.limit  # quantized: a distance, within the profile's limit
+
+
+def test_optimum_fp32_verifies_through_the_cli(optimum_fp32, qwen3, tmp_path):
+    junit = tmp_path / "report.xml"
+    result = run_cli(
+        "verify",
+        optimum_fp32,
+        "--reference",
+        qwen3,
+        "--decode-steps",
+        "4",
+        "--no-sweep",
+        "--junit",
+        junit,
+        "--json",
+        "-q",
+    )
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["passed"] and document["foreign"]["writer"] == "Optimum"
+    assert document["foreign"]["position_ids"] and document["foreign"]["left_padding"]
+    assert [i["name"] for i in document["invariants"]][1] == "padded row == same sequence alone"
+    assert "loss" in document["not_checked"] and 'name="loss"' in junit.read_text()
+
+
+def test_a_damaged_foreign_graph_fails(builder_fp32, qwen3, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(builder_fp32, damaged)
+    model = onnx.load(str(damaged / "model.onnx"))
+    weight = next(t for t in model.graph.initializer if "layers.1" in t.name and "o_proj" in t.name)
+    array = numpy_helper.to_array(weight)
+    weight.CopyFrom(numpy_helper.from_array((array * np.float32(1.05)).astype(array.dtype), weight.name))
+    onnx.save(model, str(damaged / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    result = run_cli("verify", damaged, "--reference", qwen3, "--decode-steps", "2", "--no-sweep", "-q")
+    assert result.exit_code == 1, result.output
+    assert "prefill logits" in result.stdout and "overall: FAIL" in result.stdout
+
+
+def test_inspect_names_the_writer_and_the_contract(builder_fp32):
+    result = run_cli("inspect", builder_fp32)
+    assert result.exit_code == 0, result.output
+    assert "writer: onnxruntime-genai model builder" in result.stdout
+    assert "positions derived from the mask; right padding only" in result.stdout
+
+
+def _files(folder: Path) -> list:
+    return sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
+
+
+def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
+    before = _files(builder_fp32)
+    assert_one_line_error(run_cli("verify", builder_fp32), 2, "pass --reference HF_FOLDER")
+    no_graph = tmp_path / "no-graph"
+    no_graph.mkdir()
+    shutil.copy(qwen3 / "config.json", no_graph)
+    assert_one_line_error(run_cli("verify", no_graph, "--reference", qwen3), 2, "holds no graph model.onnx")
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    shutil.copy(qwen3 / "config.json", unknown)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    onnx.save(onnx.helper.make_model(graph), str(unknown / "model.onnx"))
+    assert_one_line_error(
+        run_cli("verify", unknown, "--reference", qwen3), 2, "follows no contract this toolkit reads: expected inputs"
+    )
+    other = tmp_path / "other-config"
+    other.mkdir()
+    config = json.loads((qwen3 / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    assert_one_line_error(
+        run_cli("verify", builder_fp32, "--reference", other), 2, "num_hidden_layers (graph 2, config 3)"
+    )
+    assert _files(builder_fp32) == before  # nothing written into the folder

@@ -7,6 +7,7 @@ exported once per writer for the module."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from onnx import numpy_helper
 
 from exporter.verify.foreign import verify_foreign
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.reports.html import render_html
+from exporter.verify.reports.junit import render_junit
+from exporter.verify.reports.text import format_verify
 
 QUICK = ParitySettings(decode_steps=4, greedy_tokens=8, sweep=False)
 
@@ -81,6 +85,14 @@ def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
     assert quality.scheme == "int4" and quality.profile.name.startswith("int4")
     kl = next(c for c in quality.checks if c.threshold.metric == "kl_mean")
     assert 0 < kl.value <= kl.threshold.limit  # quantized: a distance, within the profile's limit
+    # no loss output: ΔNLL is not judged, and no report calls it passed
+    nll = next(c for c in quality.checks if c.threshold.metric == "nll_delta")
+    assert not nll.judged and nll.to_dict()["passed"] is None
+    (row,) = [line for line in format_verify(report).splitlines() if line.lstrip().startswith("nll_delta")]
+    assert "not judged" in row and " pass " not in row
+    assert re.search(r'name="nll_delta"[^>]*>\s*<skipped', render_junit(report))
+    html = render_html(report)
+    assert "quality profile int4" in html and html.count("not judged") >= 2  # verdict cell and its reason
 
 
 def test_optimum_fp32_verifies_through_the_cli(optimum_fp32, qwen3, tmp_path):

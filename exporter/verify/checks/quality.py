@@ -42,13 +42,20 @@ class QualityCheck:
     excused: bool = False
 
     @property
+    def judged(self) -> bool:
+        """Whether there was a value to judge; one not judged fails nothing and is reported as not judged."""
+        return self.value is not None
+
+    @property
     def passed(self) -> bool:
-        if self.value is None or self.excused:
+        if not self.judged or self.excused:
             return True
         return math.isfinite(self.value) and self.threshold.holds(self.value)
 
     def to_dict(self) -> dict:
-        return {**self.threshold.to_dict(), "value": self.value, "passed": self.passed, "note": self.note}
+        """`passed` is None where the metric was not judged (`note` says why)."""
+        passed = self.passed if self.judged else None
+        return {**self.threshold.to_dict(), "value": self.value, "passed": passed, "note": self.note}
 
 
 @dataclass(frozen=True, kw_only=True)

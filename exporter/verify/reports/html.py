@@ -10,9 +10,13 @@ from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.reports.svg import bar_chart, line_chart
 from exporter.verify.reports.text import (
     HEADER,
+    QUALITY_HEADER,
     comparison_row,
     experts_verdict,
     probe_notes,
+    quality_figures,
+    quality_rows,
+    quality_title,
     routing_notes,
     summary_tables,
     verdict,
@@ -129,6 +133,13 @@ def _provider(p: ProviderReport) -> str:
     )
 
 
+def _quality(q) -> str:
+    return (
+        f'<section class="quality"><h2>{escape(quality_title(q))}</h2><p>{escape(q.profile.why)}</p>'
+        f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p></section>"
+    )
+
+
 def render_html(report: VerifyReport) -> str:
     overall = "PASS" if report.passed else "FAIL"
     parts = [
@@ -141,6 +152,7 @@ def render_html(report: VerifyReport) -> str:
     overrides = report.tolerance_overrides.describe()
     parts += [f"<p>tolerance overrides: {escape(overrides)}</p>"] if overrides else []
     parts += [_provider(p) for p in report.reports]
+    parts += [_quality(q) for q in report.quality]
     parts += [
         f"<p>{escape(k)}: skipped ({escape(v)})</p>" for k, v in {**report.skipped, **report.consumers_skipped}.items()
     ]

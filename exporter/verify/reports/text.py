@@ -296,29 +296,48 @@ def _figure(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def format_quality(q) -> str:
-    """A quantized artifact's quality checks on one provider: each metric, its limit and why, then the other figures."""
-    rows = [
+def quality_verdict(check) -> str:
+    """A quality metric's verdict: "not judged" where there was no value to judge, never "pass"."""
+    if not check.judged:
+        return "not judged"
+    return verdict(check.passed) + (" (excused)" if check.excused else "")
+
+
+QUALITY_HEADER = ["metric", "value", "limit", "verdict", "why"]
+
+
+def quality_rows(q) -> list[list[str]]:
+    """A quantized artifact's quality checks on one provider: each metric, its limit, its verdict and why."""
+    return [
         [
             c.threshold.metric,
             _figure(c.value),
             f"{c.threshold.bound} {c.threshold.limit:.4g}",
-            verdict(c.passed) + (" (excused)" if c.excused else ""),
+            quality_verdict(c),
             c.note or c.threshold.why,
         ]
         for c in q.checks
     ]
+
+
+def quality_figures(q) -> str:
+    """The quality figures no threshold judges, in one line."""
     m = q.metrics
-    other = (
-        f"  {m['positions']} positions: KL median {_figure(m['kl_median'])}, max {_figure(m['kl_max'])}; top-1 "
+    return (
+        f"{m['positions']} positions: KL median {_figure(m['kl_median'])}, max {_figure(m['kl_max'])}; top-1 "
         f"agreement over all {_figure(m['top1_agreement'])}, top-5 overlap {_figure(m['top5_overlap'])}; NLL "
         f"reference {_figure(m['nll_reference'])}, artifact {_figure(m['nll_onnx'])}, perplexity ratio "
         f"{_figure(m['perplexity_ratio'])}; greedy {m['greedy_match']}/{m['greedy_tokens']} tokens agree"
     )
-    return (
-        f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}\n"
-        f"  {q.profile.why}\n{table(['metric', 'value', 'limit', 'verdict', 'why'], rows)}\n{other}"
-    )
+
+
+def quality_title(q) -> str:
+    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}"
+
+
+def format_quality(q) -> str:
+    """A quantized artifact's quality checks on one provider, then the other figures."""
+    return f"{quality_title(q)}\n  {q.profile.why}\n{table(QUALITY_HEADER, quality_rows(q))}\n  {quality_figures(q)}"
 
 
 def format_verify(report: VerifyReport) -> str:

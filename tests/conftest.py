@@ -16,13 +16,43 @@ import shutil
 
 import onnxruntime as ort
 import pytest
-from helpers import replayed_export
+from helpers import replayed_export, shared_folder
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from exporter.export.pipeline import export_artifact
 from reference import MiniMindConfig, build_model, get_preset
 
 TINY = "minimind-3-tiny"
+
+
+# Session-scoped fixtures that hold objects rather than folders: shared_folder cannot hand them to other workers,
+# so the tests using them are kept on one worker (see pytest_collection_modifyitems).
+IN_MEMORY_SESSION_FIXTURES = ("full",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup (pyproject's addopts), the tests that share a module-scoped fixture (per
+    parameter of it) or one of IN_MEMORY_SESSION_FIXTURES run on one worker, so that each is built once; every other
+    test goes to whichever worker is free. Runs before xdist's own hook, which reads the marks."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        shared = []
+        for name in item.fixturenames:
+            definitions = info.name2fixturedefs.get(name)
+            if not definitions:
+                continue
+            key = f"{name}={params[name]}" if name in params else name
+            if definitions[-1].scope == "module":
+                shared.append(f"{item.module.__name__}.{key}")
+            elif name in IN_MEMORY_SESSION_FIXTURES:
+                shared.append(key)
+        if shared:  # xdist takes the text after the last "@" of a node id for the group: no "@" or "]" in it
+            group = "+".join(sorted(shared)).replace("@", "_").replace("]", "_")
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +108,11 @@ def tiny_tokenizer(tmp_path_factory, tiny_config):
 
 
 def _export(tmp_path_factory, model, dtype, tokenizer=None):
-    folder = tmp_path_factory.mktemp(f"artifact-{dtype}") / TINY
-    export_artifact(
-        model, folder, dtype=dtype, source={"kind": "seeded", "preset": TINY, "seed": 0}, tokenizer=tokenizer
-    )
-    return folder
+    def build(root):
+        source = {"kind": "seeded", "preset": TINY, "seed": 0}
+        export_artifact(model, root / TINY, dtype=dtype, source=source, tokenizer=tokenizer)
+
+    return shared_folder(tmp_path_factory, f"artifact-{dtype}", build) / TINY
 
 
 @pytest.fixture(scope="session")
@@ -178,10 +208,11 @@ def moe3_dense_model():
     return moe3_yarn_model("dense")
 
 
-def _export_once(tmp_path_factory, model, name: str, source: dict):
-    folder = tmp_path_factory.mktemp(name) / name
-    export_artifact(model, folder, source=source)
-    return folder
+def _export_once(tmp_path_factory, model, name: str, source: dict, dtype: str = "float32"):
+    def build(root):
+        export_artifact(model, root / name, dtype=dtype, source=source)
+
+    return shared_folder(tmp_path_factory, f"{name}-{dtype}", build) / name
 
 
 @pytest.fixture(scope="session")
@@ -192,9 +223,8 @@ def moe3_dense_artifact(tmp_path_factory, moe3_dense_model):
 @pytest.fixture(scope="session")
 def moe3_artifact_fp16(tmp_path_factory, moe3_model):
     """float16 too: ONNX Runtime's CPU provider lacks some float16 kernels (a scatter-add did not run)."""
-    folder = tmp_path_factory.mktemp("moe3-fp16") / "minimind-3-moe-yarn-tiny-float16"
-    export_artifact(moe3_model, folder, dtype="float16", source={"kind": "in-memory"})
-    return folder
+    name = "minimind-3-moe-yarn-tiny-float16"
+    return _export_once(tmp_path_factory, moe3_model, name, {"kind": "in-memory"}, dtype="float16")
 
 
 @pytest.fixture(scope="session")
@@ -280,25 +310,14 @@ def minimind2_artifact(tmp_path_factory, minimind2_checkpoint):
 
     from exporter.cli import main
 
-    folder = tmp_path_factory.mktemp("minimind2") / "minimind2-tiny"
-    config = folder.parent / "config.json"
-    config.write_text(json.dumps({"num_attention_heads": 4, "max_position_embeddings": 256}))
-    result = CliRunner().invoke(
-        main,
-        [
-            "export",
-            "--checkpoint",
-            str(minimind2_checkpoint),
-            "--config",
-            str(config),
-            "-o",
-            str(folder),
-            "-q",
-            "--json",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    return folder
+    def build(root):
+        config = root / "config.json"
+        config.write_text(json.dumps({"num_attention_heads": 4, "max_position_embeddings": 256}))
+        args = ["export", "--checkpoint", str(minimind2_checkpoint), "--config", str(config)]
+        result = CliRunner().invoke(main, [*args, "-o", str(root / "minimind2-tiny"), "-q", "--json"])
+        assert result.exit_code == 0, result.output
+
+    return shared_folder(tmp_path_factory, "minimind2", build) / "minimind2-tiny"
 
 
 @pytest.fixture(scope="session")
@@ -314,12 +333,13 @@ def hf_folders(tmp_path_factory):
 @pytest.fixture(scope="session")
 def quantized(tmp_path_factory, tiny_model, artifact_fp32):
     """{"int4": folder, "int8": folder}: the tiny model quantized (block 32), exported once per session."""
-    folders = {}
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        replayed_export(monkeypatch, artifact_fp32)
-        for scheme in ("int4", "int8"):
-            folders[scheme] = tmp_path_factory.mktemp(f"artifact-{scheme}") / TINY
-            export_artifact(
-                tiny_model, folders[scheme], dtype=scheme, source={"kind": "seeded", "preset": TINY, "seed": 0}
-            )
-    return folders
+
+    def build(root):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, artifact_fp32)
+            for scheme in ("int4", "int8"):
+                source = {"kind": "seeded", "preset": TINY, "seed": 0}
+                export_artifact(tiny_model, root / scheme / TINY, dtype=scheme, source=source)
+
+    root = shared_folder(tmp_path_factory, "quantized", build)
+    return {scheme: root / scheme / TINY for scheme in ("int4", "int8")}

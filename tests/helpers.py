@@ -8,12 +8,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 import onnxruntime
 import pytest
 import torch
+from filelock import FileLock
 from onnx import numpy_helper
 
 from exporter import TOLERANCES, compare
@@ -40,27 +42,60 @@ OPTIMUM_REQUIREMENTS = (
 )
 
 
+def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that `build(folder)` fills once per test run (`folder` exists and is empty when it is called).
+
+    Alone, a fresh temporary folder. Under pytest-xdist, every worker of the run gets the same one, under the run's
+    base temporary folder: the first worker to ask builds it while a file lock holds the others, who then read it.
+    A build that raises leaves no mark, so the next worker to ask builds it again (and meets the same error).
+    Callers must not modify the folder (copy it first), as with any session-scoped fixture.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    folder, built = root / name, root / f"{name}.built"
+    with FileLock(str(root / f"{name}.lock")):
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder
+
+
 def optimum_python() -> Path:
-    """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be."""
+    """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be.
+
+    A file lock beside the environment makes test processes running at once (pytest-xdist) build it once."""
     given = os.environ.get("EXPORT_ONNX_OPTIMUM_PYTHON")
     python = Path(given) if given else ROOT / ".venv-optimum" / "bin" / "python"
-    if not given and not python.exists():
-        venv = python.parents[1]
-        steps = (
-            [sys.executable, "-m", "venv", str(venv)],
-            [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
-        )
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
-            if done.returncode:
-                shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
-                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
+    if not given:
+        with FileLock(str(python.parents[1]) + ".lock"):
+            _build_optimum_venv(python)
     probe = subprocess.run([str(python), "-c", "import optimum.onnxruntime"], capture_output=True, text=True)
     if probe.returncode:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"optimum.onnxruntime does not import in {python} ({last})")
     return python
+
+
+def _build_optimum_venv(python: Path) -> None:
+    if python.exists():
+        return
+    venv = python.parents[1]
+    steps = (
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
+    )
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
+        if done.returncode:
+            shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
 
 
 def run_cli(*args):

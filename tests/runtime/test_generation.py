@@ -14,7 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from exporter.artifact import paths
 from exporter.cli import main
+from exporter.cli.outcome import signals_deferred
 from exporter.errors import InputError, OutputPathError
 from exporter.runtime.generation import SamplingConfig, generate, generate_greedy, process_logits, stream
 from exporter.runtime.runner import OrtRunner
@@ -224,7 +226,7 @@ def test_a_folder_in_place_of_the_runner_is_refused_with_the_fix(artifact_fp32, 
     # was AttributeError: 'PosixPath' object has no attribute 'manifest'
     with pytest.raises(
         InputError,
-        match=r"^runner must be an OrtRunner, got PosixPath\(.*\); make one with "
+        match=r"^runner must be an OrtRunner, got PosixPath\(.*; make one with "
         r"OrtRunner\(folder\)",
     ):
         call(artifact_fp32, [[1, 2]], 3)
@@ -505,6 +507,8 @@ def test_a_signal_between_the_moves_of_the_optimised_graph_keeps_a_matched_pair(
             os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(os, "replace", replace_then_signal)
+    # The deferral the CLI installs (begin_command), whether or not a command ran earlier in this process.
+    monkeypatch.setattr(paths, "_uninterrupted", signals_deferred)
     # SIGTERM as the CLI routes it, SIGINT as at a terminal, were pytest started with `&` (ignoring it)
     handlers = {signum: signal.signal(signum, signal.default_int_handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -155,13 +155,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def kl_divergence(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """KL(softmax(expected) || softmax(actual)) in nats per row of two logits arrays (N, V), in float64."""
+    return _kl(log_softmax(np.asarray(actual, np.float64)), log_softmax(np.asarray(expected, np.float64)))
+
+
+def _kl(log_q: np.ndarray, log_p: np.ndarray) -> np.ndarray:
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    return np.maximum(kl, 0.0)  # a float64 sum of a true KL of ~1e-17 can round below zero
+
+
 def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -> dict:
     """Per-position figures of two logits arrays (N, V), in float64: KL(expected || actual), argmax agreement,
     top-k overlap ("top5", k capped at the vocabulary), |Δ log p| of the expected's top token, and how far the
     expected's top-1 and k-th tokens lead the next ("margin", "margin_k")."""
     log_q = log_softmax(np.asarray(actual, np.float64))
     log_p = log_softmax(np.asarray(expected, np.float64))
-    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
     top = log_p.argmax(-1)
     k = min(k, log_p.shape[-1])
     top_p, top_q = np.argpartition(-log_p, k - 1, -1)[:, :k], np.argpartition(-log_q, k - 1, -1)[:, :k]
@@ -171,7 +180,7 @@ def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -
         # how far the reference's k-th token leads its (k+1)-th: how decisive its top-1 and top-k sets are
         "margin": ranked[:, 0] - ranked[:, 1] if ranked.shape[1] > 1 else np.full(len(top), np.inf),
         "margin_k": ranked[:, k - 1] - ranked[:, k] if ranked.shape[1] > k else np.full(len(top), np.inf),
-        "kl": np.maximum(kl, 0.0),  # a float64 sum of a true KL of ~1e-17 can round below zero
+        "kl": _kl(log_q, log_p),
         "top1": log_q.argmax(-1) == top,
         "top5": np.array([len(set(a) & set(b)) / k for a, b in zip(top_p, top_q)]),
         "top_delta": np.abs(log_q[rows, top] - log_p[rows, top]),

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
 import onnx
 
 from exporter.artifact.manifest import file_entries
+from exporter.verify import engine
+from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import ParitySettings
-from exporter.verify.reports import format_verify
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings
+from exporter.verify.reports import format_verify, json_text, render_html
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 
@@ -57,3 +60,107 @@ def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     assert not report.passed
     assert not report.weights.passed and name in report.weights.findings[0].detail
     assert not report.quality[0].passed  # the distributions moved too: decisive top-1 and |Δ log p|
+
+
+def test_kl_by_position_against_closed_forms():
+    # two-token distributions: KL(p || q) = sum p log(p / q), worked out from the probabilities themselves
+    uniform, skewed = np.log([1.0, 1.0]), np.log([3.0, 1.0])  # softmax: (1/2, 1/2) and (3/4, 1/4)
+    kl_uniform_skewed = 0.5 * np.log(0.5 / 0.75) + 0.5 * np.log(0.5 / 0.25)  # = ln(4/3) / 2
+    kl_skewed_uniform = 0.75 * np.log(0.75 / 0.5) + 0.25 * np.log(0.25 / 0.5)  # the other direction
+    nan = np.full(2, np.nan)  # a padded position's logits: arbitrary, never read
+    # prefill (B=2, L=3), left-padded: column 0 is padding in both rows, column 1 in row 0
+    expected = np.array([[nan, nan, uniform], [nan, uniform, uniform]])
+    actual = np.array([[nan, nan, uniform + 5.0], [nan, skewed, skewed]])  # a shifted row is the same distribution
+    valid = np.array([[False, False, True], [False, True, True]])
+    # decode (B=2, L=2): the reference (expected) is the first distribution of KL(reference || artifact)
+    expected_step = np.array([[np.log([3.0, 1.0]), uniform], [np.log([3.0, 1.0]), np.log([3.0, 1.0])]])
+    actual_step = np.array([[uniform, skewed], [uniform, uniform]])
+    series = kl_by_position([(actual, expected, valid), (actual_step, expected_step, np.ones((2, 2), bool))])
+    assert series[0] is None and len(series) == 5
+    want = [kl_uniform_skewed, kl_uniform_skewed / 2, kl_skewed_uniform, (kl_uniform_skewed + kl_skewed_uniform) / 2]
+    np.testing.assert_allclose(series[1:], want, rtol=1e-12)
+    assert abs(kl_uniform_skewed - kl_skewed_uniform) > 0.01  # the direction is tested, not only the size
+
+
+class _Recording:
+    """A runner whose prefill and decode calls check_quality makes are recorded: (attention mask, logits)."""
+
+    def __init__(self, runner):
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "calls", [])
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name, value):  # the greedy run sets the cache of the runner itself
+        setattr(self._runner, name, value)
+
+    def prefill(self, feeds):
+        out = self._runner.prefill(feeds)
+        self.calls.append((feeds["attention_mask"], out["logits"]))
+        return out
+
+    def decode(self, feeds):
+        out = self._runner.decode(feeds)
+        self.calls.append((feeds["attention_mask"], out["logits"]))
+        return out
+
+
+def _kl_by_column(mask, actual, expected):
+    """Mean KL(reference || artifact) of each column over the rows real there, independently of the code."""
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    p, q = softmax(expected.astype(np.float64)), softmax(actual.astype(np.float64))
+    kl = np.where(p > 0, p * np.log(np.where(p > 0, p, 1) / q), 0.0).sum(-1)  # (B, L)
+    real = mask[:, mask.shape[1] - kl.shape[1] :] == 1
+    return list(np.ma.masked_array(kl, ~real).mean(axis=0).filled(np.nan))
+
+
+def test_kl_by_position_is_reported_and_plotted(quantized, tiny_model, monkeypatch):
+    recorded = {}
+
+    def recording_check(reference, onnx_runner, *args):
+        recorded["reference"], recorded["onnx"] = _Recording(reference), _Recording(onnx_runner)
+        return check_quality(recorded["reference"], recorded["onnx"], *args)
+
+    check_quality = engine.check_quality
+    monkeypatch.setattr(engine, "check_quality", recording_check)
+    report = verify_artifact(
+        quantized["int4"], tiny_model, ["cpu"], ParitySettings(decode_steps=4, sweep=False), genai=False
+    )
+    (quality,) = report.quality
+    prompt, steps = report.settings["prompt_length"], report.settings["decode_steps"]
+    series = quality.kl_by_position
+    assert quality.prefill_positions == prompt and len(series) == prompt + steps + FINAL_CHUNK
+
+    ref_calls, ort_calls = recorded["reference"].calls, recorded["onnx"].calls
+    assert len(ref_calls) == len(ort_calls) == 1 + steps + 1  # the prefill, the single steps, the final chunk
+    want = [
+        v for (mask, actual), (_, expected) in zip(ort_calls, ref_calls) for v in _kl_by_column(mask, actual, expected)
+    ]
+    assert len(want) == len(series) and all(v is not None for v in series)  # row 1 is never padded
+    np.testing.assert_allclose(series, want, rtol=1e-6, atol=1e-12)
+    assert max(series) > 0 and quality.metrics["kl_max"] >= max(series)
+
+    document = json.loads(json_text(report.to_dict()))["quality"][0]["kl_by_position"]
+    assert len(document["prefill"]) == prompt and len(document["decode"]) == steps + FINAL_CHUNK
+    np.testing.assert_allclose(document["prefill"] + document["decode"], want, rtol=5e-4)
+
+    page = render_html(report)
+    (svg,) = re.findall(r'<svg class="plot kl-by-position".*?</svg>', page, re.S)
+    points = re.findall(r'<circle class="point" cx="([\d.]+)" cy="([\d.]+)"[^>]*><title>(\w+) (\d+): ', svg)
+    assert [int(x) for *_, x in points] == list(range(len(series)))  # one point per position, in order
+    assert {kind for _, _, kind, x in points if int(x) < prompt} == {"prefill"}
+    assert {kind for _, _, kind, x in points if int(x) >= prompt} == {"decode"}
+    heights = [float(cy) for _, cy, _, _ in points]  # SVG y grows downwards: the largest KL is drawn highest
+    assert heights.index(min(heights)) == int(np.argmax(series))
+    limit = next(c.threshold.limit for c in quality.checks if c.threshold.metric == "kl_mean")
+    assert f"mean KL limit: {limit:.4g}" in svg and 'class="rule"' in svg
+    assert ">position</text>" in svg and ">KL (nats)</text>" in svg
+
+    worst = int(np.argmax(series))
+    line = f"KL by position: max {max(series):.4g} nats at position {worst}"
+    assert line in format_verify(report) and line in page

@@ -6,6 +6,7 @@ Each real position's two distributions give a KL divergence KL(reference || arti
 top-5 agree, and how far the log-probability of the reference's top token moved; the prefill graph's own loss gives
 ΔNLL and the perplexity ratio; the greedy run, how many tokens agree from the start. The limits and their reasoning
 are in exporter.verify.tolerances (QUALITY_PROFILES); the statistics are llama.cpp's `perplexity --kl-divergence`.
+The KL is also kept per position of the sequence (kl_by_position), for the reports' plot of where it grows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import presents_as_past
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, next_tokens, prefill_feeds
-from exporter.verify.metrics import match_length, token_statistics
+from exporter.verify.metrics import kl_divergence, match_length, token_statistics
 from exporter.verify.tolerances import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
@@ -60,7 +61,15 @@ class QualityCheck:
 
 @dataclass(frozen=True, kw_only=True)
 class QualityReport:
-    """One provider's quantized artifact against the float32 reference."""
+    """One provider's quantized artifact against the float32 reference.
+
+    `kl_by_position` is the mean KL(reference || artifact), in nats, at each position of the sequence the checks
+    ran: first the `prefill_positions` columns of the left-padded prompt batch (position i is column i, which is an
+    unpadded row's position id), then one per token of the decode calls, in order (the single-token steps, then
+    the final chunk's tokens), positions prefill_positions, prefill_positions + 1, ... Each value is the mean over
+    the batch rows holding a real token there; None where no row does (a column of padding only), NaN where a
+    distribution was not finite. to_dict writes it as {"prefill": [...], "decode": [...]}, 4 significant digits.
+    """
 
     provider: str
     scheme: str
@@ -69,6 +78,8 @@ class QualityReport:
     metrics: dict  # every figure, the judged ones and the others (kl_max, kl_median, perplexity_ratio, ...)
     greedy_reference: list[int]
     greedy_onnx: list[int]
+    kl_by_position: tuple[float | None, ...] = ()
+    prefill_positions: int = 0
 
     @property
     def passed(self) -> bool:
@@ -90,7 +101,38 @@ class QualityReport:
             "checks": [c.to_dict() for c in self.checks],
             "metrics": self.metrics,
             "greedy": {"reference_ids": self.greedy_reference, "onnx_ids": self.greedy_onnx},
+            "kl_by_position": {
+                "prefill": [_rounded(v) for v in self.kl_by_position[: self.prefill_positions]],
+                "decode": [_rounded(v) for v in self.kl_by_position[self.prefill_positions :]],
+            },
         }
+
+
+def _rounded(value: float | None) -> float | None:
+    """4 significant digits: a KL is read on a log scale (NaN and Inf stay, which JSON writes as null)."""
+    return None if value is None else float(f"{value:.4g}")
+
+
+def kl_by_position(calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[float | None]:
+    """The mean KL(expected || actual) in nats at each position of a sequence of calls.
+
+    Args:
+        calls: (actual, expected, valid) per call, in the order of the sequence: logits (B, L, V) of the artifact
+            and of the reference, and (B, L), true where the row holds a real token (padding is left out).
+
+    Returns:
+        One value per position, each call's L in turn: the mean over the rows valid there; None where none is.
+    """
+    series: list[float | None] = []
+    for actual, expected, valid in calls:
+        valid = np.asarray(valid, bool)
+        vocab = expected.shape[-1]
+        keep = valid.reshape(-1)
+        kl = np.zeros(valid.shape)
+        kl[valid] = kl_divergence(actual.reshape(-1, vocab)[keep], expected.reshape(-1, vocab)[keep])
+        counts = valid.sum(axis=0)
+        series += [float(total / n) if n else None for total, n in zip(kl.sum(axis=0), counts)]
+    return series
 
 
 def _real(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -116,12 +158,18 @@ def check_quality(
         settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
         profile: the limits.
         rng: the generator of the decode steps' new token ids.
+
+    Returns:
+        The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
+        of the prefill batch and of the decode calls (kl_by_position; its contract is QualityReport's).
     """
     pairs = []  # (actual, expected) logits of the real positions
+    calls = []  # (actual, expected, valid) logits of each call, for kl_by_position
     feeds = prefill_feeds(manifest, batch)
     ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
     mask = batch["attention_mask"]
     pairs.append((_real(ort_out["logits"], mask), _real(ref_out["logits"], mask)))
+    calls.append((ort_out["logits"], ref_out["logits"], np.asarray(mask) == 1))
     nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
     log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
     for length in [1] * settings.decode_steps + [FINAL_CHUNK]:
@@ -134,6 +182,7 @@ def check_quality(
                 ref_out["logits"].reshape(-1, ref_out["logits"].shape[-1]),
             )
         )
+        calls.append((ort_out["logits"], ref_out["logits"], np.ones(ort_out["logits"].shape[:2], bool)))
     stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
     tokens = min(
         GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(greedy_prompt_of(manifest, settings))
@@ -188,6 +237,8 @@ def check_quality(
         metrics=metrics,
         greedy_reference=list(trace.ids),
         greedy_onnx=list(actual),
+        kl_by_position=tuple(kl_by_position(calls)),
+        prefill_positions=int(np.asarray(batch["attention_mask"]).shape[1]),
     )
 
 

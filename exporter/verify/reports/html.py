@@ -1,18 +1,19 @@
 """A self-contained HTML page (inline CSS and SVG, no scripts, nothing fetched): the verdicts, the tables
-of the text report, and per provider three plots: error per decode step, error per layer, and the
-histogram of |logit differences|."""
+of the text report, per provider three plots: error per decode step, error per layer, and the
+histogram of |logit differences|, and for a quantized artifact the mean KL by position."""
 
 from __future__ import annotations
 
 from html import escape
 
 from exporter.verify.inputs import PREFILL_BATCH
-from exporter.verify.reports.svg import bar_chart, line_chart
+from exporter.verify.reports.svg import bar_chart, line_chart, points_chart
 from exporter.verify.reports.text import (
     HEADER,
     QUALITY_HEADER,
     comparison_row,
     experts_verdict,
+    kl_position_summary,
     probe_notes,
     quality_figures,
     quality_rows,
@@ -133,10 +134,31 @@ def _provider(p: ProviderReport) -> str:
     )
 
 
+def _kl_plot(q) -> str:
+    """The mean KL at each position (QualityReport.kl_by_position), prefill and decode apart, with the profile's
+    limit of the mean KL as a dashed line; positions without a real token are not drawn."""
+    if not q.kl_by_position:
+        return ""
+    points = [(i, v) for i, v in enumerate(q.kl_by_position) if v is not None]
+    limits = {"mean KL limit": c.threshold.limit for c in q.checks if c.threshold.metric == "kl_mean"}
+    chart = points_chart(
+        "Mean KL(reference || artifact) by position",
+        "position",
+        "KL (nats)",
+        {
+            "prefill": [(i, v) for i, v in points if i < q.prefill_positions],
+            "decode": [(i, v) for i, v in points if i >= q.prefill_positions],
+        },
+        limits,
+        "plot kl-by-position",
+    )
+    return f"{chart}<p>{escape(kl_position_summary(q))}</p>"
+
+
 def _quality(q) -> str:
     return (
         f'<section class="quality"><h2>{escape(quality_title(q))}</h2><p>{escape(q.profile.why)}</p>'
-        f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p></section>"
+        f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p>{_kl_plot(q)}</section>"
     )
 
 

@@ -1,4 +1,4 @@
-"""Small inline SVG charts (no plotting library, no JavaScript): lines and bars on a log10 y axis, which
+"""Small inline SVG charts (no plotting library, no JavaScript): lines, bars and points on a log10 y axis, which
 suits errors spanning orders of magnitude."""
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ def _log(y: float) -> float:
     return math.log10(max(y, FLOOR))
 
 
-def _frame(title: str, xlabel: str, low: float, high: float, css_class: str, log_axis: bool = True) -> list[str]:
+def _frame(
+    title: str, xlabel: str, low: float, high: float, css_class: str, log_axis: bool = True, ylabel: str = ""
+) -> list[str]:
+    middle = (TOP + HEIGHT - BOTTOM) / 2
     parts = [
         f'<svg class="{css_class}" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
         f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{escape(title)}">',
@@ -25,6 +28,11 @@ def _frame(title: str, xlabel: str, low: float, high: float, css_class: str, log
         f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - RIGHT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>',
         f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{HEIGHT - BOTTOM}" stroke="#333"/>',
     ]
+    if ylabel:
+        parts.append(
+            f'<text x="12" y="{middle:.1f}" transform="rotate(-90 12 {middle:.1f})" text-anchor="middle" '
+            f'font-size="11">{escape(ylabel)}</text>'
+        )
     for exponent in range(math.floor(low), math.ceil(high) + 1) if log_axis else ():
         y = _y(exponent, low, high)
         parts.append(
@@ -141,3 +149,63 @@ def bar_chart(
             f'font-size="10">{escape(labels[i])}</text>'
         )
     return "\n".join(parts + (_legend(list(series)) if len(series) > 1 else []) + ["</svg>"])
+
+
+def points_chart(
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, list[tuple[int, float]]],
+    rules: dict[str, float] | None = None,
+    css_class: str = "plot",
+) -> str:
+    """Lines with a marker at each point, log10 y, each series over its own x values; dashed horizontal rules.
+
+    Args:
+        title: the chart's title, which also says how many values are not finite and not drawn.
+        xlabel: the x axis's label.
+        ylabel: the y axis's label.
+        series: label -> (x, y) points, x ascending; a series may cover a different x range than another.
+        rules: label -> y of a horizontal reference line (a limit), drawn dashed across the chart.
+        css_class: the svg element's class.
+
+    Returns:
+        The chart as an inline <svg> element: one <circle class="point"> per finite point.
+    """
+    rules = rules or {}
+    values = [y for points in series.values() for _, y in points]
+    low, high = _range(values + list(rules.values()))
+    xs = [x for points in series.values() for x, _ in points] or [0]
+    first, last = min(xs), max(xs)
+
+    def at(x: float) -> float:
+        return LEFT + (x - first) / max(last - first, 1) * (WIDTH - LEFT - RIGHT)
+
+    parts = _frame(_titled(title, values), xlabel, low, high, css_class, ylabel=ylabel)
+    for label, limit in rules.items():
+        y = _y(_log(limit), low, high)
+        parts.append(
+            f'<line class="rule" x1="{LEFT}" y1="{y:.1f}" x2="{WIDTH - RIGHT}" y2="{y:.1f}" stroke="#555" '
+            f'stroke-dasharray="5 3"><title>{escape(label)}: {limit:.4g}</title></line>'
+            f'<text x="{WIDTH - RIGHT - 2}" y="{y - 3:.1f}" text-anchor="end" font-size="10" fill="#555">'
+            f"{escape(label)} {limit:.4g}</text>"
+        )
+    for i, (label, points) in enumerate(series.items()):
+        colour = COLOURS[i % len(COLOURS)]
+        finite = [(x, y) for x, y in points if math.isfinite(y)]
+        path = " ".join(f"{at(x):.1f},{_y(_log(y), low, high):.1f}" for x, y in finite)
+        parts.append(
+            f'<polyline class="series" fill="none" stroke="{colour}" stroke-width="1.5" points="{path}">'
+            f"<title>{escape(label)}</title></polyline>"
+        )
+        parts += [
+            f'<circle class="point" cx="{at(x):.1f}" cy="{_y(_log(y), low, high):.1f}" r="2.5" fill="{colour}">'
+            f"<title>{escape(label)} {x}: {y:.3g}</title></circle>"
+            for x, y in finite
+        ]
+    ticks = {first, last} | {points[0][0] for points in series.values() if points}
+    for tick in sorted(ticks):
+        parts.append(
+            f'<text x="{at(tick):.1f}" y="{HEIGHT - BOTTOM + 14}" text-anchor="middle" font-size="10">{tick}</text>'
+        )
+    return "\n".join(parts + _legend(list(series)) + ["</svg>"])

@@ -4,6 +4,8 @@ check."""
 
 from __future__ import annotations
 
+import math
+
 from exporter.verify.checks.weights import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.metrics import Comparison
@@ -331,13 +333,32 @@ def quality_figures(q) -> str:
     )
 
 
+def kl_position_summary(q) -> str:
+    """Where the mean KL by position (QualityReport.kl_by_position) peaks, in one line; "" without a series."""
+    known = [(v, i) for i, v in enumerate(q.kl_by_position) if v is not None and math.isfinite(v)]
+    if not known:
+        return ""
+    value, position = max(known)
+    phase = "prefill" if position < q.prefill_positions else "decode"
+    decode = len(q.kl_by_position) - q.prefill_positions
+    hidden = sum(v is not None and not math.isfinite(v) for v in q.kl_by_position)
+    return (
+        f"KL by position: max {value:.4g} nats at position {position} ({phase}) of {q.prefill_positions} prefill "
+        f"and {decode} decode positions" + (f"; {hidden} not finite" if hidden else "")
+    )
+
+
 def quality_title(q) -> str:
     return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}"
 
 
 def format_quality(q) -> str:
     """A quantized artifact's quality checks on one provider, then the other figures."""
-    return f"{quality_title(q)}\n  {q.profile.why}\n{table(QUALITY_HEADER, quality_rows(q))}\n  {quality_figures(q)}"
+    summary = kl_position_summary(q)
+    return (
+        f"{quality_title(q)}\n  {q.profile.why}\n{table(QUALITY_HEADER, quality_rows(q))}\n  {quality_figures(q)}"
+        + (f"\n  {summary}" if summary else "")
+    )
 
 
 def format_verify(report: VerifyReport) -> str:

@@ -7,7 +7,7 @@ distribution flips its top token at any perturbation).
 The text is the one every machine has: the Python standard library's own top-level modules (Lib/*.py, sorted by
 name). Every 16th file (sorted index 8, 24, ...) is held out; the rest train a byte-level BPE tokenizer
 (`tokenizers`, 2048 ids, MiniMind's special tokens at MiniMind's ids) and the model (hidden 128, 4 layers, 4 heads,
-2 kv heads: ~1.15M parameters), on random 256-token windows drawn from one seeded generator, with AdamW and a cosine
+2 kv heads: ~1.15M parameters), on random 128-token windows drawn from one seeded generator, with AdamW and a cosine
 schedule. The stdlib differs between Python patch versions, so fixture.json records the version, every file used
 (name and sha256) and the corpus's sha256: the same version and seed give the same corpus, tokenizer and batches;
 the weights are the same on the same torch build and thread count (float reductions depend on both).
@@ -47,10 +47,10 @@ CONFIG = MiniMindConfig(
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=256,  # the training window: positions past it were never seen
+    max_position_embeddings=128,  # the training window: positions past it were never seen
 )
-SEQ_LEN, BATCH = 256, 4
-PEAK_LR, MIN_LR, WARMUP, WEIGHT_DECAY = 3e-3, 3e-4, 40, 0.1
+SEQ_LEN, BATCH = 128, 16  # 128-token windows train ~1.5x faster per token on the CPU than 256
+PEAK_LR, MIN_LR, WARMUP, WEIGHT_DECAY = 3e-3, 3e-4, 20, 0.1
 EVAL_WINDOWS = 32
 
 

@@ -7,10 +7,12 @@ import shutil
 
 import numpy as np
 import onnx
+import pytest
 
 from exporter.artifact.manifest import file_entries
+from exporter.errors import InputError
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import ParitySettings
+from exporter.verify.inputs import ParitySettings, text_windows
 from exporter.verify.reports import format_verify
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
@@ -57,3 +59,10 @@ def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     assert not report.passed
     assert not report.weights.passed and name in report.weights.findings[0].detail
     assert not report.quality[0].passed  # the distributions moved too: decisive top-1 and |Δ log p|
+
+
+def test_text_windows_spread_over_the_text():
+    rows = text_windows(list(range(100)), 3, 10)
+    assert rows[:, 0].tolist() == [0, 45, 90] and rows[2].tolist() == list(range(90, 100))
+    with pytest.raises(InputError, match="fewer than the 10"):
+        text_windows([1, 2, 3], 2, 10)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+from pathlib import Path
 
 import onnxruntime as ort
 import pytest
@@ -328,6 +329,34 @@ def hf_folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {model_type: hf_folder(model_type, root / model_type) for model_type in MODEL_TYPES}
+
+
+TRAINED = Path(__file__).resolve().parent / "fixtures" / "minimind-3-stdlib"
+
+
+@pytest.fixture(scope="session")
+def trained_model():
+    """The trained fixture (benchmarks/train_fixture.py) as its checkpoint loads: a SourcedModel (model, source)."""
+    from exporter.verify.references.model_source import checkpoint_model
+
+    return checkpoint_model(TRAINED)
+
+
+@pytest.fixture(scope="session")
+def trained_artifacts(tmp_path_factory, trained_model):
+    """{"float32", "int8", "int4"}: the trained fixture with its tokenizer, exported once (one dynamo export per
+    session) and quantized (block 32) from those same graphs."""
+    model, source = trained_model.model, trained_model.source
+
+    def build(root):
+        export_artifact(model, root / "float32", dtype="float32", source=source, tokenizer=TRAINED)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, root / "float32")
+            for scheme in ("int8", "int4"):
+                export_artifact(model, root / scheme, dtype=scheme, source=source, tokenizer=TRAINED)
+
+    root = shared_folder(tmp_path_factory, "trained", build)
+    return {scheme: root / scheme for scheme in ("float32", "int8", "int4")}
 
 
 @pytest.fixture(scope="session")

@@ -71,15 +71,20 @@ class ParitySettings:
         return dataclasses.replace(self, decode_steps=steps, greedy_tokens=greedy)
 
 
-def prompt_batch(manifest: Manifest, settings: ParitySettings, rng: np.random.Generator) -> dict:
+def prompt_batch(
+    manifest: Manifest, settings: ParitySettings, rng: np.random.Generator, ids: np.ndarray | None = None
+) -> dict:
     """A left-padded batch with labels holding -100 on padding, on each row's first real token and on a few
-    other real tokens.
+    other real tokens; its ids drawn from `rng`, or `ids` (batch, prompt_length) when given (a text's).
 
     The loss predicts token t from position t - 1, so the first real token of a padded row would be
     predicted from a padded position, whose output verification does not judge (nothing reads it); the
     first token of an unpadded row is never a target anyway."""
     b, t = settings.batch, settings.prompt_length
-    input_ids = rng.integers(0, manifest.config.vocab_size, (b, t), dtype=np.int64)
+    if ids is None:
+        input_ids = rng.integers(0, manifest.config.vocab_size, (b, t), dtype=np.int64)
+    else:
+        input_ids = np.asarray(ids, dtype=np.int64).reshape(b, t)
     mask = np.ones((b, t), dtype=np.int64)
     mask[0, : settings.left_padding] = 0
     predicted_from_real = np.pad(mask[:, :-1], ((0, 0), (1, 0))) == 1
@@ -97,7 +102,9 @@ def prefill_feeds(manifest: Manifest, batch: dict) -> dict:
     return {name: batch[name] for name in manifest.prefill.input_names}
 
 
-def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.random.Generator) -> tuple[dict, np.ndarray]:
+def next_tokens(
+    manifest: Manifest, mask: np.ndarray, length: int, rng: np.random.Generator, ids: np.ndarray | None = None
+) -> tuple[dict, np.ndarray]:
     """Feeds of `length` new tokens on top of a cache covering `mask`.
 
     Args:
@@ -105,17 +112,37 @@ def next_tokens(manifest: Manifest, mask: np.ndarray, length: int, rng: np.rando
         mask: (B, L), the attention mask the cache covers.
         length: how many new tokens per row.
         rng: the generator the new ids are drawn from.
+        ids: (B, length) the new ids, in place of drawn ones (a text's continuation); None: drawn.
 
     Returns:
         The feeds (input_ids, attention_mask, position_ids), and the mask extended by the new tokens.
     """
-    tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], length), dtype=np.int64)
+    if ids is None:
+        tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], length), dtype=np.int64)
+    else:
+        tokens = np.asarray(ids, dtype=np.int64).reshape(mask.shape[0], length)
     mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
     return {
         "input_ids": tokens,
         "attention_mask": mask,
         "position_ids": position_ids_from_mask(mask, mask.shape[1] - length),
     }, mask
+
+
+def text_windows(ids, rows: int, length: int) -> np.ndarray:
+    """(rows, length): `rows` windows of `length` consecutive ids of a tokenized text, spread evenly over it.
+
+    Raises:
+        InputError: the text has fewer than `length` ids.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(ids) < length:
+        raise InputError(
+            f"the text gives {len(ids)} tokens, fewer than the {length} each row of the run reads (prompt, decode "
+            "steps and the final chunk); give a longer text or fewer decode steps"
+        )
+    starts = np.linspace(0, len(ids) - length, rows).astype(np.int64)
+    return np.stack([ids[s : s + length] for s in starts])
 
 
 def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:

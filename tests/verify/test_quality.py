@@ -8,12 +8,14 @@ import shutil
 
 import numpy as np
 import onnx
+import pytest
 
 from exporter.artifact.manifest import file_entries
+from exporter.errors import InputError
 from exporter.verify import engine
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, text_windows
 from exporter.verify.reports import format_verify, json_text, render_html
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
@@ -164,3 +166,10 @@ def test_kl_by_position_is_reported_and_plotted(quantized, tiny_model, monkeypat
     worst = int(np.argmax(series))
     line = f"KL by position: max {max(series):.4g} nats at position {worst}"
     assert line in format_verify(report) and line in page
+
+
+def test_text_windows_spread_over_the_text():
+    rows = text_windows(list(range(100)), 3, 10)
+    assert rows[:, 0].tolist() == [0, 45, 90] and rows[2].tolist() == list(range(90, 100))
+    with pytest.raises(InputError, match="fewer than the 10"):
+        text_windows([1, 2, 3], 2, 10)

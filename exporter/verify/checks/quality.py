@@ -20,7 +20,16 @@ import numpy as np
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import presents_as_past
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, greedy_prompt, next_tokens, prefill_feeds
+from exporter.verify.inputs import (
+    FINAL_CHUNK,
+    GREEDY_PROMPT_LENGTH,
+    ParitySettings,
+    greedy_prompt,
+    next_tokens,
+    prefill_feeds,
+    prompt_batch,
+    text_windows,
+)
 from exporter.verify.metrics import kl_divergence, match_length, token_statistics
 from exporter.verify.tolerances import (
     DECISIVE_MARGIN,
@@ -147,8 +156,13 @@ def check_quality(
     settings: ParitySettings,
     profile: QualityProfile,
     rng: np.random.Generator,
+    text_ids=None,
 ) -> QualityReport:
     """The distributional figures of `onnx` (an OrtRunner on a quantized artifact) against `reference`.
+
+    Random ids put a trained model out of its distribution; with `text_ids` (a tokenized text) every row of the
+    batch is a window of that text, the decode steps feed its continuation and the greedy run starts from its
+    first ids, so that the figures are measured where the model is used.
 
     Args:
         reference: the reference (TorchRunner or a golden bundle's RecordedReference).
@@ -158,11 +172,19 @@ def check_quality(
         settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
         profile: the limits.
         rng: the generator of the decode steps' new token ids.
+        text_ids: the ids of a text to read the batch, the decode steps and the greedy prompt from; None: random
+            ids (the batch given, `rng`'s steps, the parity checks' greedy prompt).
 
     Returns:
         The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
         of the prefill batch and of the decode calls (kl_by_position; its contract is QualityReport's).
     """
+    continuation = None
+    if text_ids is not None:
+        steps = [1] * settings.decode_steps + [FINAL_CHUNK]
+        rows = text_windows(text_ids, settings.batch, settings.prompt_length + sum(steps))
+        batch = prompt_batch(manifest, settings, rng, rows[:, : settings.prompt_length])
+        continuation = rows[:, settings.prompt_length :]
     pairs = []  # (actual, expected) logits of the real positions
     calls = []  # (actual, expected, valid) logits of each call, for kl_by_position
     feeds = prefill_feeds(manifest, batch)
@@ -172,8 +194,11 @@ def check_quality(
     calls.append((ort_out["logits"], ref_out["logits"], np.asarray(mask) == 1))
     nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
     log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
+    read = 0
     for length in [1] * settings.decode_steps + [FINAL_CHUNK]:
-        step_feeds, mask = next_tokens(manifest, mask, length, rng)
+        ids = None if continuation is None else continuation[:, read : read + length]
+        step_feeds, mask = next_tokens(manifest, mask, length, rng, ids)
+        read += length
         ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
         ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
         pairs.append(
@@ -184,10 +209,11 @@ def check_quality(
         )
         calls.append((ort_out["logits"], ref_out["logits"], np.ones(ort_out["logits"].shape[:2], bool)))
     stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
-    tokens = min(
-        GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(greedy_prompt_of(manifest, settings))
-    )
-    prompt = greedy_prompt_of(manifest, settings)
+    if text_ids is None:
+        prompt = greedy_prompt_of(manifest, settings)
+    else:
+        prompt = [int(i) for i in np.asarray(text_ids).reshape(-1)[:GREEDY_PROMPT_LENGTH]]
+    tokens = min(GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(prompt))
     log.info("%s: greedy generation of %d tokens", onnx.provider, tokens)
     trace = reference.greedy(prompt, tokens, manifest.config.eos_token_id)
     try:

@@ -56,8 +56,11 @@ def _name_nodes(model: onnx.ModelProto) -> None:
 def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, include: list[str]) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    if not include:  # the quantizer reads an empty list as "every node"
+    if not include:
         return model
+    # onnxruntime's quantizer takes a node listed in nodes_to_include *or* of a type in op_types_to_quantize: the
+    # include list widens, never narrows. Every other MatMul is therefore excluded by name, which it honours first.
+    exclude = [node.name for node in model.graph.node if node.op_type == "MatMul" and node.name not in include]
     config = DefaultWeightOnlyQuantConfig(
         block_size=scheme.block_size,
         is_symmetric=scheme.symmetric,
@@ -65,7 +68,7 @@ def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, incl
         bits=bits,
         op_types_to_quantize=("MatMul",),
     )
-    quantizer = MatMulNBitsQuantizer(model, nodes_to_include=include, algo_config=config)
+    quantizer = MatMulNBitsQuantizer(model, nodes_to_include=include, nodes_to_exclude=exclude, algo_config=config)
     noise = io.StringIO()
     with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
         quantizer.process()

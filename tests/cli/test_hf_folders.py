@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import onnx
 import pytest
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, replayed_export, run_cli
 
 pytest.importorskip("transformers")
 
@@ -44,6 +45,38 @@ def test_an_exported_folder_verifies_against_the_reference_and_transformers(expo
     assert names[:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
     assert any(name.startswith("decode logits") for name in names)
     assert all(c["max_abs"] <= c["tolerance"]["peak"] or c["passed"] for c in independent["comparisons"])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_an_exported_folder_quantizes_and_is_judged_by_its_quality_profile(
+    exported, hf_folders, scheme, monkeypatch, tmp_path
+):
+    # The model type's own float32 graphs (replayed, not exported again) quantized weight-only, generated from, and
+    # verified against the float32 reference with the quality profile of the scheme.
+    model_type, folder = exported
+    replayed_export(monkeypatch, folder)
+    out = tmp_path / scheme
+    result = run_cli("export", "--checkpoint", hf_folders[model_type], "--dtype", scheme, "-o", out, "-q", "--json")
+    assert result.exit_code == 0, result.output
+    quantization = json.loads(result.stdout)["quantization"]
+    assert quantization["scheme"] == scheme and quantization["lm_head"] == "int8"
+    # every projection at the scheme's bits; an untied head (llama's) at 8 bits, the default; a tied one stays float
+    prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    vocab = json.loads((folder / "manifest.json").read_text())["model"]["config"]["vocab_size"]
+    bits = {}
+    for node in prefill.graph.node:
+        if node.op_type == "MatMulNBits":
+            attributes = {a.name: a.i for a in node.attribute}
+            bits.setdefault("head" if attributes["N"] == vocab else "body", set()).add(attributes["bits"])
+    assert bits["body"] == {int(scheme[3:])}, bits
+    assert bits.get("head") == ({8} if model_type == "llama" else None), bits
+    result = run_cli("generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json")
+    assert result.exit_code == 0 and len(json.loads(result.stdout)[0]["new_ids"]) == 4, result.output
+    report = tmp_path / "report.json"
+    result = run_cli("verify", out, "--decode-steps", "4", "--no-sweep", "--no-genai", "--report-json", report, "-q")
+    data = json.loads(report.read_text())
+    [quality] = data["quality"]
+    assert result.exit_code == 0 and data["passed"] and quality["scheme"] == scheme, result.output
 
 
 def _copy(hf_folders, model_type, tmp_path):

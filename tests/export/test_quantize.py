@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import onnx
 import pytest
+from helpers import edit_manifest
 from onnx import numpy_helper
 
 from exporter.artifact.folder import Artifact
@@ -70,3 +72,17 @@ def test_dequantized_blocks_lie_within_a_scale(quantized, tiny_model):
     audit = audit_weights(Artifact.open(quantized["int4"]), tiny_model)
     assert audit.passed, [f.describe() for f in audit.findings]
     assert all(g.quantized == 14 and g.carried == g.parameters for g in audit.graphs)
+
+
+def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized, tiny_model, tmp_path):
+    # An int8 artifact whose manifest says int4: its 8-bit blocks still lie within their scales of the parameters,
+    # so only the scheme check tells it from the int4 artifact it claims to be (an export once wrote such a thing).
+    from exporter.verify.checks.weights import audit_weights
+
+    folder = shutil.copytree(quantized["int8"], tmp_path / "labelled-int4")
+    edit_manifest(folder, lambda manifest: manifest["quantization"].update(scheme="int4", bits=4))
+    audit = audit_weights(Artifact.open(folder), tiny_model)
+    findings = [f for f in audit.findings if f.problem == "scheme"]
+    assert not audit.passed and len(findings) == len(audit.findings) == 28, [f.describe() for f in audit.findings]
+    expected = "a projection, holds 8-bit blocks of 32, but the manifest records int4 with 4-bit blocks of 32"
+    assert expected in findings[0].detail, findings[0].detail

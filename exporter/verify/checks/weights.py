@@ -35,7 +35,8 @@ dequantized, (q - zero_point) * scale, and each element held to its parameter wi
 nearest moves a weight by at most half a step, and the zero point, itself rounded to an integer and clamped, can
 shift a block's range by half a step more, so one step (the scale) bounds a correct block (QUANT_SLACK adds float32's
 rounding of the product). A scale, zero point or block off, or another matrix in its place, moves most elements by
-several steps.
+several steps. Blocks of more bits than recorded would pass that test, so each node's bits and block size are also
+held to the manifest's scheme (the lm_head to its `lm_head` option).
 
 Not audited, because they are no weights:
 - integer and boolean initializers: the graph's shapes, axes, indices and integer fill values;
@@ -80,7 +81,8 @@ class WeightFinding:
 
     problem: "differs" (the initializer read where `parameter` belongs holds other values), "misplaced" (it holds
     another reference tensor, named in the detail), "unmatched" (it matches no reference tensor), "missing" (no
-    initializer carries `parameter`), "unreadable" (its data cannot be read from the artifact).
+    initializer carries `parameter`), "unreadable" (its data cannot be read from the artifact), "scheme" (a quantized
+    matrix's bits or block size are not those the manifest's quantization records).
     """
 
     graph: str
@@ -503,6 +505,9 @@ def audit_graph(
         quantized += found is None
         if found is not None:
             findings.append(found)
+        found = _audit_scheme(artifact.manifest, node, file)
+        if found is not None:
+            findings.append(found)
     for reference in references:
         if reference.required and id(reference) not in carried and id(reference) not in named:
             findings.append(
@@ -556,6 +561,30 @@ def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, z
         zero = zero_points.reshape(n, blocks).astype(np.float64)
     weight = (q.astype(np.float64) - zero[:, :, None]) * scale[:, :, None]
     return weight.reshape(n, -1)[:, :k], np.repeat(scale, block, axis=1)[:, :k]
+
+
+def _audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | None:
+    """A MatMulNBits node's bits and block size against the scheme the manifest records: the lm_head (the matrix of
+    vocabulary width) at the bits its `lm_head` option gives, every other matrix at the scheme's; None when they
+    agree. Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact
+    from the one it claims to be."""
+    scheme = manifest.quantization
+    if scheme is None:
+        return WeightFinding(file, "scheme", "", node.input[1], f"{node.name} is quantized, but the manifest is float")
+    head = _attribute(node, "N", 0) == manifest.config.vocab_size
+    expected = {"int8": 8, "same": scheme.bits}.get(scheme.lm_head) if head else scheme.bits
+    bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
+    if (bits, block) == (expected, scheme.block_size):
+        return None
+    role = f"the lm_head (lm_head {scheme.lm_head})" if head else "a projection"
+    return WeightFinding(
+        file,
+        "scheme",
+        "",
+        node.input[1],
+        f"{node.name}, {role}, holds {bits}-bit blocks of {block}, but the manifest records {scheme.scheme} with "
+        f"{expected}-bit blocks of {scheme.block_size} for it",
+    )
 
 
 def _audit_blocks(artifact, node, initializers, weights, references, carried: set, named: set, file: str):

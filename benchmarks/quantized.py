@@ -1,0 +1,570 @@
+"""Quantized exports benchmark: float32, int8 and int4 of minimind-3 side by side, and our int4 against
+onnxruntime-genai's builder int4 of the same Hugging Face folders.
+
+1. minimind-3 (seeded weights; --quick: minimind-3-tiny) exported in float32 (torch.onnx), then in int8 and int4
+   from those same graphs (block 32, --accuracy-level, default 4: int8 math on the CPU). Artifact bytes per
+   precision; prefill and decode timed in turns with benchmarks/runtime.py's workers (same prompts, steps,
+   warm-up, rounds; ratios are medians of per-round ratios) against PyTorch float32; the int4 weight-read floor.
+2. Two Qwen3 folders: the trained fixture (tests/fixtures/minimind-3-stdlib) written as a Qwen3ForCausalLM
+   (its logits checked against the toolkit's reference first), and export_sizes.py's random-weight
+   minimind-3-qwen3 folder (--quick: a tiny one). Each is exported by us (`export-onnx export --checkpoint
+   FOLDER --dtype int4`) and by the builder (`-p int4 -e cpu`), verified with `export-onnx verify` (the
+   builder's with `--reference FOLDER`), and decoded in turns: ours with our runtime, the builder's with
+   onnxruntime-genai.
+
+Writes benchmarks/QUANTIZED-RESULTS.md (or --results PATH; not with --no-results): a generated file.
+
+    python benchmarks/quantized.py [--rounds N] [--accuracy-level 0|1|2|3|4] [--quick] [--json]
+        [--results PATH | --no-results] [--work DIR]
+
+Exit codes: 0 done, 1 a step failed, 2 bad arguments, 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import runtime as rt  # noqa: E402
+from export_sizes import SIZES, Size, build_folder, cached_folder, our_env  # noqa: E402
+from foreign import export_command  # noqa: E402
+
+ROOT = HERE.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "minimind-3-stdlib"
+DEFAULT_WORK = ROOT / "artifacts" / "quantized"
+DEFAULT_RESULTS = HERE / "QUANTIZED-RESULTS.md"
+PRECISIONS = ("float32", "int8", "int4")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "amx_tile")
+QUALITY = ("kl_mean", "kl_p99", "top1_agreement", "nll_delta")
+TINY_QWEN3 = Size(
+    "qwen3-tiny",
+    dict(
+        SIZES["minimind-3-qwen3"].config,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        max_window_layers=2,
+    ),
+    "a tiny qwen3 folder (--quick)",
+)
+FIXTURE_POSITIONS = 512  # the fixture's 128 positions leave no room for the decode run (16 + 128 + 1)
+TARGETS = {
+    "int4_size": 0.2,  # int4 artifact bytes / float32 at most
+    "int4_decode": 3.0,  # int4 / float32 decode tokens/s at least
+    "int4_floor": 1.3,  # int4 decode step / its weight-read floor at most
+    "int4_prefill": 1.5,  # PyTorch float32 / int4 prefill 512 ms at least (VNNI/AMX CPUs)
+}
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def cpu_flags() -> list[str]:
+    """The VNNI/AMX flags of the first processor in /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    present = set(line.partition(":")[2].split())
+                    return [flag for flag in VNNI_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def run_step(what: str, command: list[str]) -> None:
+    done = subprocess.run(command, env=our_env(), capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise StepFailed(f"{what} failed (exit {done.returncode}): {tail}")
+
+
+class StepFailed(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def builder_tasks(folder: Path) -> dict:
+    """onnxruntime-genai on the builder's folder (which has no manifest for runtime.genai_tasks): the same greedy
+    decode as runtime.genai_tasks, EOS masked (min_length) so every run takes DECODE_STEPS steps."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    ids = rt.prompt(rt.PROMPT_FOR_DECODE, vocab)[0].tolist()
+
+    def decode_run():
+        length = len(ids) + 1 + rt.DECODE_STEPS
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, num_beams=1, max_length=length, min_length=length)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        generator.generate_next_token()  # picks from the prompt's logits
+        begin = rt.time.perf_counter()
+        for _ in range(rt.DECODE_STEPS):
+            generator.generate_next_token()
+        return rt.DECODE_STEPS / (rt.time.perf_counter() - begin)
+
+    return {"decode": decode_run}
+
+
+def serve_worker(kind: str, folder: Path) -> None:
+    rt.serve(
+        {
+            "ort": lambda: rt.ort_tasks(folder, "cpu", 0),
+            "ort-decode": lambda: {"decode": rt.ort_tasks(folder, "cpu", 0)["decode"]},
+            "torch": lambda: rt.torch_tasks(folder, 0, "cpu"),
+            "bandwidth": lambda: rt.bandwidth_tasks(0),
+            "builder": lambda: builder_tasks(folder),
+        }[kind]()
+    )
+
+
+def in_turns(workers: dict[str, tuple[str, Path | None]], rounds: int) -> dict:
+    """runtime.run_in_turns, its worker processes started as this script (which serves runtime's tasks and the
+    builder's)."""
+    args = {name: ["--worker", kind, "--folder", str(folder or ".")] for name, (kind, folder) in workers.items()}
+    with mock.patch.object(rt, "__file__", str(Path(__file__).resolve())):
+        figures, _ = rt.run_in_turns(args, rounds)
+    return figures
+
+
+# ----------------------------------------------------------------------------- 1. float32, int8, int4
+
+
+def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str, Path]:
+    from quality import replayed
+
+    import exporter.export.pipeline as pipeline
+    from exporter.verify.references.model_source import seeded_model
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node otherwise
+    seeded = seeded_model(preset)
+    folders = {p: work / preset / p for p in PRECISIONS}
+    progress(f"{preset}: exporting float32 (torch.onnx)")
+    pipeline.export_artifact(seeded.model, folders["float32"], dtype="float32", source=seeded.source)
+    with replayed(folders["float32"]):
+        for scheme in PRECISIONS[1:]:
+            progress(f"{preset}: exporting {scheme} from the float32 graphs")
+            pipeline.export_artifact(
+                seeded.model, folders[scheme], dtype=scheme, source=seeded.source, accuracy_level=accuracy_level
+            )
+    return folders
+
+
+def measure_precisions(folders: dict[str, Path], rounds: int, flags: list[str], accuracy_level: int) -> dict:
+    from exporter.artifact.manifest import read_manifest
+
+    workers = {p: ("ort", folders[p]) for p in PRECISIONS}
+    workers.update(pytorch=("torch", folders["float32"]), bandwidth=("bandwidth", None))
+    progress(f"timing {', '.join(workers)} in turns ({rounds} rounds)")
+    figures = in_turns(workers, rounds)
+    manifest = read_manifest(folders["int4"], check_hashes=False)
+    weights = (folders["int4"] / manifest.weights_file).stat().st_size
+    floor_tps = [gb * 1e9 / weights for gb in figures["bandwidth"]["bandwidth"]]
+    out = {"precisions": {}, "ratios": {}, "quartiles": {}}
+
+    def ratio(name, numerators, denominators):
+        out["ratios"][name], out["quartiles"][name] = rt.ratio_summary(numerators, denominators)
+
+    for p in (*PRECISIONS, "pytorch"):
+        side = {"bytes": folder_bytes(folders[p]) if p in folders else None}
+        for task, values in figures[p].items():
+            side[task.replace(" ", "_")] = statistics.median(values)
+        out["precisions"][p] = side
+    f32 = out["precisions"]["float32"]["bytes"]
+    for p in PRECISIONS:
+        out["precisions"][p]["bytes_to_float32"] = out["precisions"][p]["bytes"] / f32
+    ratio("int4_to_float32_decode", figures["int4"]["decode"], figures["float32"]["decode"])
+    ratio("int8_to_float32_decode", figures["int8"]["decode"], figures["float32"]["decode"])
+    ratio("int4_step_to_floor", floor_tps, figures["int4"]["decode"])
+    if "prefill 512" in figures["int4"]:
+        ratio("pytorch_to_int4_prefill_512", figures["pytorch"]["prefill 512"], figures["int4"]["prefill 512"])
+    out["floor"] = {
+        "int4_weight_bytes": weights,
+        "read_gb_per_s": statistics.median(figures["bandwidth"]["bandwidth"]),
+        "floor_step_ms": 1000 / statistics.median(floor_tps),
+    }
+    out["accuracy_level"] = accuracy_level
+    out["vnni_flags"] = flags
+    return out
+
+
+# ----------------------------------------------------------------------------- 2. ours against the builder
+
+
+def fixture_qwen3_folder(work: Path) -> tuple[Path, float]:
+    """The trained fixture as a Qwen3ForCausalLM folder (same parameter names), its logits checked against the
+    toolkit's reference; returns the folder and the largest absolute logit difference."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from exporter.verify.references.model_source import checkpoint_model
+
+    reference = checkpoint_model(FIXTURE).model.eval()
+    c = reference.config
+    fields = dict(
+        model_type="qwen3",
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=max(c.max_position_embeddings, FIXTURE_POSITIONS),
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        rope_scaling=None,
+        attention_bias=False,
+        tie_word_embeddings=c.tie_word_embeddings,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=c.num_hidden_layers,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+    )
+    config = Qwen3Config(**{k: v for k, v in fields.items() if k != "model_type"})
+    model = Qwen3ForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(reference.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise StepFailed(f"the fixture's weights do not fit Qwen3ForCausalLM: missing {missing}, extra {unexpected}")
+    model.tie_weights()
+    ids = torch.from_numpy(rt.prompt(64, c.vocab_size))
+    with torch.inference_mode():
+        diff = float((model(ids).logits - reference(ids).logits).abs().max())
+        scale = float(reference(ids).logits.abs().max())
+    if diff > 1e-4 * max(1.0, scale):
+        raise StepFailed(f"the Qwen3 model of the fixture differs from the reference by {diff:.3g} (logits)")
+    folder = work / "folders" / "fixture-qwen3"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    # transformers 4's config layout (rope_theta at the top), as export_sizes.build_folder writes it
+    published = {"architectures": ["Qwen3ForCausalLM"], **fields, "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(published, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, folder / name)
+    return folder, diff
+
+
+def random_qwen3_folder(work: Path, quick: bool) -> Path:
+    if not quick:
+        return cached_folder(SIZES["minimind-3-qwen3"], work)
+    folder = work / "folders" / TINY_QWEN3.name
+    if not folder.is_dir():
+        build_folder(TINY_QWEN3, folder)
+    return folder
+
+
+def quality_of(report: Path) -> dict:
+    """The quality figures of a verify report's JSON (its metrics, as benchmarks/foreign.py's `rows` reads the
+    checks), the quality profile's verdict, and the overall verdict with the names of the checks that failed."""
+    document = json.loads(report.read_text())
+    if "error" in document:
+        return {"verdict": f"error: {document['error']['message']}"}
+    failed = [i["name"] for i in document.get("invariants", []) if i.get("passed") is False]
+    for provider in document.get("providers", [])[:1]:
+        failed += [c["name"] for c in provider.get("comparisons", []) if c.get("passed") is False]
+    found = {"verdict": "PASS" if document.get("passed") else "FAIL: " + "; ".join(failed or ["see the report"])}
+    for quality in document.get("quality", [])[:1]:
+        found.update(quality["metrics"])
+        found["quality_verdict"] = "pass" if quality["passed"] else "FAIL"
+    if found.get("perplexity_ratio") is None and found.get("nll_delta") is not None:
+        found["perplexity_ratio"] = math.exp(found["nll_delta"])  # exp(ΔNLL)
+    return found
+
+
+def matmulnbits_levels(folder: Path) -> list[int]:
+    """The accuracy_level attributes of the MatMulNBits nodes of a folder's graphs."""
+    import onnx
+
+    levels = set()
+    for graph in folder.glob("*.onnx"):
+        for node in onnx.load(str(graph), load_external_data=False).graph.node:
+            if node.op_type == "MatMulNBits":
+                levels.update(a.i for a in node.attribute if a.name == "accuracy_level")
+    return sorted(levels)
+
+
+def against_builder(name: str, folder: Path, work: Path, rounds: int, accuracy_level: int, quick: bool) -> dict:
+    out_dir = work / "vs-builder" / name
+    ours, builder = out_dir / "ours-int4", out_dir / "builder-int4"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    verify_flags = ["--no-sweep", "--no-genai", "--provider", "cpu", "-q"] + (["--decode-steps", "4"] * quick)
+    progress(f"{name}: our int4 export")
+    run_step(
+        f"{name}: our int4 export",
+        [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(ours)]
+        + ["--dtype", "int4", "--accuracy-level", str(accuracy_level), "-q"],
+    )
+    progress(f"{name}: the builder's int4 export")
+    run_step(f"{name}: the builder's int4 export", export_command("builder int4", folder, builder, Path(".")))
+    result = {}
+    for side, artifact, extra in (("ours", ours, []), ("builder", builder, ["--reference", str(folder)])):
+        progress(f"{name}: verifying {side}")
+        report = out_dir / f"{side}.json"
+        command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--report-json", str(report)]
+        subprocess.run(command + verify_flags + extra, env=our_env(), capture_output=True)
+        if not report.is_file():
+            raise StepFailed(f"{name}: verify of {side} wrote no report")
+        result[side] = quality_of(report) | {
+            "bytes": folder_bytes(artifact),
+            "accuracy_levels": matmulnbits_levels(artifact),
+        }
+    progress(f"{name}: decode in turns ({rounds} rounds)")
+    figures = in_turns({"ours": ("ort-decode", ours), "builder": ("builder", builder)}, rounds)
+    for side in ("ours", "builder"):
+        result[side]["decode_tokens_per_s"] = statistics.median(figures[side]["decode"])
+    median, quartiles = rt.ratio_summary(figures["ours"]["decode"], figures["builder"]["decode"])
+    result["ours_to_builder_decode"], result["ours_to_builder_decode_quartiles"] = median, quartiles
+    return result
+
+
+# ----------------------------------------------------------------------------- targets and output
+
+
+def targets(report: dict) -> list[tuple[str, str, str]]:
+    """(target, measured, MET / MISSED / n/a and why)."""
+    p, ratios = report["precisions"], report["precisions"]["ratios"]
+
+    def verdict(ok: bool) -> str:
+        return "MET" if ok else "MISSED"
+
+    size = p["precisions"]["int4"]["bytes_to_float32"]
+    rows = [
+        (f"int4 bytes ≤ {TARGETS['int4_size']}× float32", f"{size:.3f}×", verdict(size <= TARGETS["int4_size"])),
+        (
+            f"int4 decode ≥ {TARGETS['int4_decode']}× float32",
+            f"{ratios['int4_to_float32_decode']:.2f}×",
+            verdict(ratios["int4_to_float32_decode"] >= TARGETS["int4_decode"]),
+        ),
+        (
+            f"int4 decode step ≤ {TARGETS['int4_floor']}× weight-read floor",
+            f"{ratios['int4_step_to_floor']:.2f}×",
+            verdict(ratios["int4_step_to_floor"] <= TARGETS["int4_floor"]),
+        ),
+    ]
+    label = f"int4 prefill 512 ≥ {TARGETS['int4_prefill']}× faster than PyTorch float32"
+    speedup = ratios.get("pytorch_to_int4_prefill_512")
+    if speedup is None:
+        rows.append((label, "—", "n/a: the model has fewer than 513 positions"))
+    elif not p["vnni_flags"]:
+        rows.append(
+            (
+                label,
+                f"{speedup:.2f}×",
+                "n/a: no avx512_vnni / avx_vnni / amx on this CPU (MatMulNBits accuracy level 4 computes in int8)",
+            )
+        )
+    elif p["accuracy_level"] != 4:
+        rows.append((label, f"{speedup:.2f}×", f"n/a: accuracy level {p['accuracy_level']} computes in float32"))
+    else:
+        rows.append((label, f"{speedup:.2f}×", verdict(speedup >= TARGETS["int4_prefill"])))
+    for name, result in report["builder"].items():
+        if "error" in result:
+            rows.append((f"{name}: ours ≥ builder", "—", f"MISSED: {result['error']}"))
+            continue
+        ours, theirs = result["ours"], result["builder"]
+        try:
+            ok = ours["kl_mean"] <= theirs["kl_mean"] and ours["top1_agreement"] >= theirs["top1_agreement"]
+            shown = (
+                f"mean KL {ours['kl_mean']:.3g} vs {theirs['kl_mean']:.3g}, "
+                f"top-1 {ours['top1_agreement']:.3f} vs {theirs['top1_agreement']:.3f}"
+            )
+            rows.append((f"{name}: ours ≥ builder in quality", shown, verdict(ok)))
+        except (KeyError, TypeError):
+            rows.append((f"{name}: ours ≥ builder in quality", "—", "MISSED: a quality figure is missing"))
+        speed = result["ours_to_builder_decode"]
+        rows.append((f"{name}: ours ≥ builder in decode speed", f"{speed:.2f}×", verdict(speed >= 1.0)))
+    return rows
+
+
+def _f(value, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.{-digits}g}" if digits < 0 else f"{value:.{digits}f}"  # digits < 0: significant ones
+
+
+def tables(report: dict) -> list[str]:
+    p = report["precisions"]
+    lines = [
+        "## minimind precisions",
+        "",
+        f"Model `{report['preset']}`, seeded weights; int8/int4 block 32, accuracy level {p['accuracy_level']}.",
+        "",
+        "| | bytes | × float32 | prefill 128 (ms) | prefill 512 (ms) | decode tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in (*PRECISIONS, "pytorch"):
+        side = p["precisions"][name]
+        label = "PyTorch float32" if name == "pytorch" else f"ours {name}"
+        lines.append(
+            f"| {label} | {side['bytes'] or '—'} | {_f(side.get('bytes_to_float32'), 3)} | "
+            f"{_f(side.get('prefill_128'))} | {_f(side.get('prefill_512'))} | {_f(side.get('decode'))} |"
+        )
+    floor = p["floor"]
+    lines += ["", "| ratio | median | q1–q3 |", "|---|---|---|"]
+    for name, value in p["ratios"].items():
+        q = p["quartiles"][name]
+        lines.append(f"| {name} | {value:.2f} | {q[0]:.2f}–{q[1]:.2f} |")
+    lines += [
+        "",
+        f"int4 weight-read floor: {floor['int4_weight_bytes'] / 1e6:.1f} MB weights / "
+        f"{floor['read_gb_per_s']:.1f} GB/s = {floor['floor_step_ms']:.3f} ms per step.",
+        "",
+        "## Ours against onnxruntime-genai's builder (int4)",
+        "",
+        "| folder | export | bytes | MatMulNBits accuracy level | mean KL | p99 KL | top-1 | perplexity ratio "
+        "| quality profile | verify verdict | decode tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in report["builder"].items():
+        if "error" in result:
+            lines.append(f"| {name} | — | — | — | — | — | — | — | — | {result['error']} | — |")
+            continue
+        for side in ("ours", "builder"):
+            r = result[side]
+            lines.append(
+                f"| {name} | {side} | {r['bytes']} | {', '.join(map(str, r['accuracy_levels'])) or '—'} | "
+                f"{_f(r.get('kl_mean'), -3)} | {_f(r.get('kl_p99'), -3)} | {_f(r.get('top1_agreement'), 3)} | "
+                f"{_f(r.get('perplexity_ratio'), 4)} | {r.get('quality_verdict', '—')} | {r['verdict']} | "
+                f"{_f(r['decode_tokens_per_s'])} |"
+            )
+        q = result["ours_to_builder_decode_quartiles"]
+        lines.append(
+            f"| {name} | ours / builder decode | | | | | | | | | {result['ours_to_builder_decode']:.2f}× "
+            f"({q[0]:.2f}–{q[1]:.2f}) |"
+        )
+    lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {v} |" for t, m, v in targets(report)]
+    if report.get("notes"):
+        lines += ["", *[f"- {note}" for note in report["notes"]]]
+    return lines
+
+
+def format_results(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# Quantized exports benchmark results",
+        "",
+        "Generated by `benchmarks/quantized.py`; do not edit.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| date | {env['date']} |",
+        f"| CPU | {env['cpu']} |",
+        f"| CPU flags (VNNI/AMX) | {', '.join(report['precisions']['vnni_flags']) or 'none'} |",
+        f"| cores | {env['cpus']} logical, {env['usable_cpus']} usable |",
+        *(f"| {name} | {version or 'not installed'} |" for name, version in env["versions"].items()),
+        f"| command | `{env['command']}` |",
+        f"| rounds | {report['rounds']} (in turns; figures: medians of the rounds; ratios: medians of the "
+        "per-round ratios, q1–q3 their quartiles) |",
+        "",
+        *tables(report),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    try:
+        run()
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT)", file=sys.stderr)
+        sys.exit(130)
+
+
+def run() -> None:
+    parser = rt._Parser(description=__doc__.splitlines()[0], epilog=__doc__.splitlines()[-1])
+    parser.add_argument("--rounds", type=rt._at_least(1), default=3, help="rounds in turns (default 3)")
+    parser.add_argument(
+        "--accuracy-level",
+        type=rt._at_least(0, 4),
+        default=4,
+        help="MatMulNBits accuracy_level of our int8/int4 exports (default 4: int8 math on the CPU, as the builder's)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny models, 1 round")
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"work folder (default {DEFAULT_WORK})")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    results = parser.add_mutually_exclusive_group()
+    results.add_argument("--results", type=Path, default=DEFAULT_RESULTS, metavar="PATH")
+    results.add_argument("--no-results", action="store_true", help="write no results file")
+    parser.add_argument(
+        "--worker", choices=["ort", "ort-decode", "torch", "bandwidth", "builder"], help=argparse.SUPPRESS
+    )
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        serve_worker(args.worker, args.folder)
+        return
+    import importlib.util
+
+    from exporter.errors import ToolkitError
+
+    results_path = None if args.no_results else args.results
+    rounds = 1 if args.quick else args.rounds
+    try:
+        if results_path is not None:
+            rt.check_results_path(results_path)
+        if not importlib.util.find_spec("onnxruntime_genai"):
+            raise StepFailed("onnxruntime-genai is not installed: the builder comparison needs it")
+        preset = "minimind-3-tiny" if args.quick else "minimind-3"
+        args.work.mkdir(parents=True, exist_ok=True)
+        flags = cpu_flags()
+        folders = export_precisions(preset, args.work, args.accuracy_level)
+        report = {"preset": preset, "rounds": rounds, "quick": args.quick, "notes": []}
+        report["precisions"] = measure_precisions(folders, rounds, flags, args.accuracy_level)
+        fixture, diff = fixture_qwen3_folder(args.work)
+        report["notes"].append(
+            f"fixture as Qwen3ForCausalLM: largest logit difference from the toolkit's reference {diff:.3g}; "
+            f"its max_position_embeddings raised to {FIXTURE_POSITIONS} for the decode run (rope unchanged)"
+        )
+        random_name = TINY_QWEN3.name if args.quick else "minimind-3-qwen3"
+        report["builder"] = {}
+        for name, folder in (("fixture (trained)", fixture), (f"{random_name} (random)", None)):
+            folder = folder or random_qwen3_folder(args.work, args.quick)
+            try:
+                report["builder"][name] = against_builder(
+                    name.split()[0], folder, args.work, rounds, args.accuracy_level, args.quick
+                )
+            except StepFailed as exc:
+                progress(f"error: {exc}")
+                report["builder"][name] = {"error": str(exc)}
+    except ToolkitError as exc:
+        rt.fail("input", str(exc), 2, args.json)
+    except (StepFailed, rt.WorkerFailed) as exc:
+        rt.fail("worker", str(exc), 1, args.json)
+    report["environment"] = rt.environment(sys.argv)
+    text = format_results(report)
+    if results_path is not None:
+        results_path.write_text(text)
+        report["results_file"] = rt.shown_path(results_path)
+    print(json.dumps(report, indent=1, default=str) if args.json else "\n".join(tables(report)))
+
+
+if __name__ == "__main__":
+    main()

@@ -26,34 +26,29 @@ from reference import MiniMindConfig, build_model, get_preset
 TINY = "minimind-3-tiny"
 
 
-# Session-scoped fixtures that hold objects rather than folders: shared_folder cannot hand them to other workers,
-# so the tests using them are kept on one worker (see pytest_collection_modifyitems).
-IN_MEMORY_SESSION_FIXTURES = ("full",)
+# Modules whose module-scoped fixtures are costly (an export, a verification, Optimum's or the builder's run): under
+# pytest-xdist each runs whole on one worker, so that those fixtures are built once; every other test goes alone to
+# whichever worker is free (pytest_xdist_make_scheduler). Grouped by module because xdist's own xdist_group marks
+# reach its scheduler through the node id, which pytest 9 no longer lets a plugin change.
+ONE_WORKER_MODULES = (
+    "tests/artifact/test_optimum.py",
+    "tests/runtime/test_genai.py",
+    "tests/cli/test_cli.py",
+    "tests/cli/test_hf_folders.py",
+    "tests/verify/test_foreign.py",
+    "tests/verify/test_localise.py",
+)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup (pyproject's addopts), the tests that share a module-scoped fixture (per
-    parameter of it) or one of IN_MEMORY_SESSION_FIXTURES run on one worker, so that each is built once; every other
-    test goes to whichever worker is free. Runs before xdist's own hook, which reads the marks."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        params = item.callspec.params if hasattr(item, "callspec") else {}
-        shared = []
-        for name in item.fixturenames:
-            definitions = info.name2fixturedefs.get(name)
-            if not definitions:
-                continue
-            key = f"{name}={params[name]}" if name in params else name
-            if definitions[-1].scope == "module":
-                shared.append(f"{item.module.__name__}.{key}")
-            elif name in IN_MEMORY_SESSION_FIXTURES:
-                shared.append(key)
-        if shared:  # xdist takes the text after the last "@" of a node id for the group: no "@" or "]" in it
-            group = "+".join(sorted(shared)).replace("@", "_").replace("]", "_")
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleWhereCostly(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModuleWhereCostly(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -101,11 +96,13 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory, tiny_config):
     """A folder holding only tokenizer.json (the export writes tokenizer_config.json), vocab = the model's."""
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tokenizer = build_tokenizer(tiny_config.vocab_size)
-    assert tokenizer.get_vocab_size() == tiny_config.vocab_size
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
+
+    def build(folder):  # shared by the workers, as the artifact that records it as its tokenizer's source
+        tokenizer = build_tokenizer(tiny_config.vocab_size)
+        assert tokenizer.get_vocab_size() == tiny_config.vocab_size
+        tokenizer.save(str(folder / "tokenizer.json"))
+
+    return shared_folder(tmp_path_factory, "tokenizer", build)
 
 
 def _export(tmp_path_factory, model, dtype, tokenizer=None):
@@ -296,10 +293,11 @@ def minimind2_checkpoint(tmp_path_factory):
     """A MiniMind2 (dense) checkpoint as users hold them: a float16 .pth state dict without a config."""
     import torch
 
-    model = build_model(get_preset("minimind2-tiny"), seed=0)
-    path = tmp_path_factory.mktemp("ckpt") / "full_sft_64.pth"
-    torch.save({k: v.half() for k, v in model.state_dict().items()}, path)
-    return path
+    def build(root):  # shared by the workers: minimind2_artifact's manifest records this path as its source
+        model = build_model(get_preset("minimind2-tiny"), seed=0)
+        torch.save({k: v.half() for k, v in model.state_dict().items()}, root / "full_sft_64.pth")
+
+    return shared_folder(tmp_path_factory, "ckpt", build) / "full_sft_64.pth"
 
 
 @pytest.fixture(scope="session")
@@ -327,8 +325,12 @@ def hf_folders(tmp_path_factory):
     pytest.importorskip("transformers")
     from hf_folders import MODEL_TYPES, hf_folder
 
-    root = tmp_path_factory.mktemp("hf")
-    return {model_type: hf_folder(model_type, root / model_type) for model_type in MODEL_TYPES}
+    def build(root):  # shared by the workers: an export records its folder's path as its source
+        for model_type in MODEL_TYPES:
+            hf_folder(model_type, root / model_type)
+
+    root = shared_folder(tmp_path_factory, "hf", build)
+    return {model_type: root / model_type for model_type in MODEL_TYPES}
 
 
 TRAINED = Path(__file__).resolve().parent / "fixtures" / "minimind-3-stdlib"

@@ -35,6 +35,7 @@ from export_sizes import (  # noqa: E402
     Run,
     cached_folder,
     environment,
+    environment_rows,
     optimum_versions,
     our_env,
     run_command,
@@ -190,13 +191,7 @@ def section(size: str, run_info: dict, results: dict, why: dict) -> str:
         f"<!-- size: {size} -->",
         f"## {size}",
         "",
-        "| | |",
-        "|---|---|",
-        f"| date | {env['date']} |",
-        f"| machine | {env['cpu']}, {env['cpus']} cores, {env['memory_gb']:.0f} GB |",
-        f"| load average at start | {env['load']} |",
-        *(f"| {name} | {version} |" for name, version in env["versions"].items()),
-        f"| command | `{run_info['command']}` |",
+        *environment_rows(env, run_info["command"]),
         "",
         f"One {size} folder ({SIZES[size].about}, {run_info['parameters'] / 1e6:.1f}M parameters, random weights, "
         f"float32), exported by each tool and verified on the CPU provider with `export-onnx verify {flags}`: the "

@@ -24,6 +24,7 @@ from exporter.export.pipeline import export_artifact
 from reference import MiniMindConfig, build_model, get_preset
 
 TINY = "minimind-3-tiny"
+TINY_SOURCE = {"kind": "seeded", "preset": TINY, "seed": 0}
 
 
 # Modules whose module-scoped fixtures are costly (an export, a verification, Optimum's or the builder's run): under
@@ -105,22 +106,14 @@ def tiny_tokenizer(tmp_path_factory, tiny_config):
     return shared_folder(tmp_path_factory, "tokenizer", build)
 
 
-def _export(tmp_path_factory, model, dtype, tokenizer=None):
-    def build(root):
-        source = {"kind": "seeded", "preset": TINY, "seed": 0}
-        export_artifact(model, root / TINY, dtype=dtype, source=source, tokenizer=tokenizer)
-
-    return shared_folder(tmp_path_factory, f"artifact-{dtype}", build) / TINY
-
-
 @pytest.fixture(scope="session")
 def artifact_fp32(tmp_path_factory, tiny_model, tiny_tokenizer):
-    return _export(tmp_path_factory, tiny_model, "float32", tiny_tokenizer)
+    return _export_once(tmp_path_factory, tiny_model, TINY, TINY_SOURCE, tokenizer=tiny_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def artifact_fp16(tmp_path_factory, tiny_model):
-    return _export(tmp_path_factory, tiny_model, "float16")
+    return _export_once(tmp_path_factory, tiny_model, TINY, TINY_SOURCE, dtype="float16")
 
 
 @pytest.fixture(scope="module")
@@ -206,9 +199,11 @@ def moe3_dense_model():
     return moe3_yarn_model("dense")
 
 
-def _export_once(tmp_path_factory, model, name: str, source: dict, dtype: str = "float32"):
+def _export_once(tmp_path_factory, model, name: str, source: dict, dtype: str = "float32", tokenizer=None):
+    """`model` exported once per run (shared by the workers) to a folder named `name`."""
+
     def build(root):
-        export_artifact(model, root / name, dtype=dtype, source=source)
+        export_artifact(model, root / name, dtype=dtype, source=source, tokenizer=tokenizer)
 
     return shared_folder(tmp_path_factory, f"{name}-{dtype}", build) / name
 
@@ -369,8 +364,7 @@ def quantized(tmp_path_factory, tiny_model, artifact_fp32):
         with pytest.MonkeyPatch.context() as monkeypatch:
             replayed_export(monkeypatch, artifact_fp32)
             for scheme in ("int4", "int8"):
-                source = {"kind": "seeded", "preset": TINY, "seed": 0}
-                export_artifact(tiny_model, root / scheme / TINY, dtype=scheme, source=source)
+                export_artifact(tiny_model, root / scheme / TINY, dtype=scheme, source=TINY_SOURCE)
 
     root = shared_folder(tmp_path_factory, "quantized", build)
     return {scheme: root / scheme / TINY for scheme in ("int4", "int8")}

@@ -179,9 +179,9 @@ def check_quality(
         The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
         of the prefill batch and of the decode calls (kl_by_position; its contract is QualityReport's).
     """
+    steps = [1] * settings.decode_steps + [FINAL_CHUNK]  # the decode calls' lengths
     continuation = None
     if text_ids is not None:
-        steps = [1] * settings.decode_steps + [FINAL_CHUNK]
         rows = text_windows(text_ids, settings.batch, settings.prompt_length + sum(steps))
         batch = prompt_batch(manifest, settings, rng, rows[:, : settings.prompt_length])
         continuation = rows[:, settings.prompt_length :]
@@ -195,7 +195,7 @@ def check_quality(
     nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
     log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
     read = 0
-    for length in [1] * settings.decode_steps + [FINAL_CHUNK]:
+    for length in steps:
         ids = None if continuation is None else continuation[:, read : read + length]
         step_feeds, mask = next_tokens(manifest, mask, length, rng, ids)
         read += length

@@ -120,13 +120,7 @@ def builder_tasks(folder: Path) -> dict:
         length = len(ids) + 1 + rt.DECODE_STEPS
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, num_beams=1, max_length=length, min_length=length)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        generator.generate_next_token()  # picks from the prompt's logits
-        begin = rt.time.perf_counter()
-        for _ in range(rt.DECODE_STEPS):
-            generator.generate_next_token()
-        return rt.DECODE_STEPS / (rt.time.perf_counter() - begin)
+        return rt.genai_decode_rate(og.Generator(model, params), ids)
 
     return {"decode": decode_run}
 

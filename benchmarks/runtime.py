@@ -179,14 +179,7 @@ def genai_tasks(artifact: Path, threads: int) -> dict:
 
     def decode_run():
         run = generator.greedy_search(len(decode_ids) + 1 + DECODE_STEPS, stop_at_eos=False)
-        run.append_tokens(decode_ids)
-        # The first call only picks a token from the prompt's logits; each later one runs the model
-        # on the token before, then picks: DECODE_STEPS model runs, as in ort_decode_run.
-        run.generate_next_token()
-        begin = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            run.generate_next_token()
-        return DECODE_STEPS / (time.perf_counter() - begin)
+        return genai_decode_rate(run, decode_ids)
 
     tasks = {
         f"prefill {n}": (lambda ids=prompt(n, vocab)[0].tolist(): prefill_ms(ids))
@@ -194,6 +187,19 @@ def genai_tasks(artifact: Path, threads: int) -> dict:
     }
     tasks["decode"] = decode_run
     return tasks
+
+
+def genai_decode_rate(run, prompt_ids: list[int]) -> float:
+    """Tokens/s of DECODE_STEPS greedy steps of an onnxruntime-genai generator (`run`, room for the prompt, one
+    token more and the steps) after `prompt_ids`. The first generate_next_token only picks a token from the prompt's
+    logits; each later one runs the model on the token before, then picks: DECODE_STEPS model runs, as in
+    ort_decode_run."""
+    run.append_tokens(prompt_ids)
+    run.generate_next_token()
+    begin = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        run.generate_next_token()
+    return DECODE_STEPS / (time.perf_counter() - begin)
 
 
 def bandwidth_tasks(threads: int) -> dict:

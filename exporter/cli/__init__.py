@@ -153,7 +153,7 @@ def _require_torch(purpose: str) -> None:
         )
 
 
-def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None, quantize=None):
+def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None, settings=None):
     _require_torch("exporting")
     from exporter.export.pipeline import (
         check_destination,
@@ -170,7 +170,7 @@ def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=Non
         with_loss=not no_loss,
         source=sourced.source,
         tokenizer=tokenizer,
-        **(quantize or {}),
+        **(settings or {}),
     )
 
 
@@ -210,6 +210,7 @@ def run(
     block_size,
     accuracy_level,
     lm_head,
+    trace_all_layers,
     no_loss,
     tokenizer,
     providers,
@@ -233,8 +234,13 @@ def run(
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
-    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
-    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
+    settings = {
+        "block_size": block_size,
+        "accuracy_level": accuracy_level,
+        "lm_head": lm_head,
+        "trace_all_layers": trace_all_layers,
+    }
+    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
         report,
@@ -259,6 +265,7 @@ def export(
     block_size,
     accuracy_level,
     lm_head,
+    trace_all_layers,
     no_loss,
     tokenizer,
     as_json,
@@ -270,8 +277,13 @@ def export(
     setup_logging(verbose, quiet)
     from exporter.cli.export_report import format_export
 
-    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
-    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
+    settings = {
+        "block_size": block_size,
+        "accuracy_level": accuracy_level,
+        "lm_head": lm_head,
+        "trace_all_layers": trace_all_layers,
+    }
+    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     emit(exported.to_dict(), as_json, format_export(exported))
 
 

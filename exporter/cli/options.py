@@ -111,12 +111,6 @@ def export_options(func):
             "(a tied one stays float with the embedding).",
         ),
         click.option(
-            "--trace-all-layers",
-            is_flag=True,
-            help="Trace every layer with torch.onnx. By default a model whose layers repeat is traced three layers "
-            "deep and its graph grown to its depth: the same graph in a fraction of the time.",
-        ),
-        click.option(
             "--no-loss", is_flag=True, help="Drop the labels input and loss output of prefill.onnx (inference-only)."
         ),
         click.option(
@@ -125,6 +119,12 @@ def export_options(func):
             default=None,
             help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
             "artifact for text generation; its ids must fit the model's vocabulary.",
+        ),
+        click.option(
+            "--trace-all-layers",
+            is_flag=True,
+            help="Trace every layer with torch.onnx. By default a model whose layers repeat is traced three layers "
+            "deep and its graph grown to its depth: the same graph in a fraction of the time.",
         ),
     ]
     for option in reversed(options):

@@ -150,7 +150,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:11] == [
+        assert options[:12] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -162,6 +162,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--lm-head",
             "--no-loss",
             "--tokenizer",
+            "--trace-all-layers",
         ], options
 
 

@@ -212,6 +212,8 @@ class OrtRunner:
         provider: "cpu" or "cuda" (or onnxruntime's full provider name).
         check_hashes: check every file's sha256 when `artifact` is a path.
         settings: the sessions' settings (threads, optimisation, prompt chunk).
+        weights: the artifact's weights file as another user of it mapped it (SharedWeightMap), so that all of them
+            read one mapping: two mappings of a file are resident twice. None: a mapping of its own.
     """
 
     def __init__(
@@ -220,6 +222,7 @@ class OrtRunner:
         provider: str = "cpu",
         check_hashes: bool = True,
         settings: SessionSettings = SessionSettings(),
+        weights: SharedWeightMap | None = None,
     ):
         _check_runner_arguments(artifact, check_hashes, settings)
         folder = artifact.folder if isinstance(artifact, Artifact) else Path(artifact)
@@ -230,7 +233,7 @@ class OrtRunner:
             self.provider = check_provider(provider)
             check_quantized_provider(self.provider, self.manifest)
             providers = session_providers(self.provider)
-            self._weights = SharedWeightMap(self.artifact)  # must outlive the sessions
+            self._weights = SharedWeightMap.of(self.artifact, weights)  # must outlive the sessions
             prefill, decode = self.manifest.prefill, self.manifest.decode
             self.cache_device = "cuda" if self.provider == CUDA else "cpu"
             past_of = _past_name_of_present(self.manifest.cache)

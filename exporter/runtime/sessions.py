@@ -290,11 +290,24 @@ class SharedWeightMap:
 
     def __init__(self, artifact: Artifact):
         path = artifact.path(artifact.manifest.weights_file)
+        self.path = path
         # A model whose every tensor is small enough to stay inline (exporter.export.weights.INLINE_LIMIT_BYTES)
         # leaves the file empty, which mmap refuses; nothing is read from it then.
         self._file = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[tuple[int, int], ort.OrtValue] = {}
         self._tables = artifact.manifest.initializers
+
+    @classmethod
+    def of(cls, artifact: Artifact, shared: SharedWeightMap | None) -> SharedWeightMap:
+        """`shared`, a mapping of this artifact's weights file that another session reads, or a new one (None)."""
+        if shared is None:
+            return cls(artifact)
+        if not isinstance(shared, SharedWeightMap) or shared.path != artifact.path(artifact.manifest.weights_file):
+            raise InputError(
+                f"weights must be a SharedWeightMap of {artifact.folder}'s own weights file, got {shared!r:.80}; "
+                "pass SharedWeightMap(artifact) or None (`weights`)"
+            )
+        return shared
 
     def initializers(self, graph_file: str) -> tuple[list[str], list[ort.OrtValue]]:
         names, values = [], []

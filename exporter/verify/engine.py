@@ -24,6 +24,8 @@ from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_typ
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import (
     CPU,
+    SessionSettings,
+    SharedWeightMap,
     available_parity_providers,
     check_parity_providers,
     check_quantized_provider,
@@ -553,13 +555,20 @@ def _audit(artifact: Artifact, model) -> WeightAudit:
     return audit
 
 
-def _independent(plan: _Plan, onnx: OrtRunner | None, batch: dict, settings: ParitySettings, overrides: Overrides):
+def _independent(
+    plan: _Plan, weights: SharedWeightMap, batch: dict, settings: ParitySettings, overrides: Overrides
+) -> tuple[list, dict]:
     """Transformers' model of the artifact's folder against ONNX Runtime on the first provider, or why not
-    ({reference: reason}); neither for an artifact not exported from a Hugging Face folder."""
+    ({reference: reason}); neither for an artifact not exported from a Hugging Face folder.
+
+    Run before the providers' runs, on sessions of its own that read the weights in place, unprepacked, and are
+    closed when it returns: transformers' model and decode.onnx's prepacked weights are never resident together,
+    and the two checks between them run both of MLAS's layouts of the weights."""
     if plan.transformers_skipped is None:
         return [], {}
-    if plan.transformers_skipped or onnx is None:
-        return [], {"transformers": plan.transformers_skipped or "no provider ran"}
+    if plan.transformers_skipped:
+        return [], {"transformers": plan.transformers_skipped}
+    onnx = OrtRunner(plan.artifact, plan.providers[0], settings=SessionSettings(prepack_weights=False), weights=weights)
     profile = overrides.apply(profile_for(plan.artifact.manifest.dtype, onnx.provider))
     return [check_transformers(onnx, plan.artifact.manifest, batch, settings, profile)], {}
 
@@ -633,20 +642,22 @@ def verify_artifact(
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
         weights = _audit(artifact, model) if model is not None else None
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
+        mapping = SharedWeightMap(artifact)  # every session below reads it: one resident copy of the file
+        independent, independent_skipped = _independent(plan, mapping, batch, settings, overrides)
         runs, quality = [], []
         quantized = manifest.quantization is not None
         debug = (
             None
             if quantized
             else _DebugGraphs(
-                DebugGraph(artifact, manifest.prefill),
-                DebugGraph(artifact, manifest.decode) if settings.probe else None,
+                DebugGraph(artifact, manifest.prefill, mapping),
+                DebugGraph(artifact, manifest.decode, mapping) if settings.probe else None,
             )
         )
         first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in plan.providers:
-                onnx = OrtRunner(artifact, provider)
+                onnx = OrtRunner(artifact, provider, weights=mapping)
                 first_runner = first_runner or onnx
                 if quantized:
                     quality.append(_run_quality(onnx, manifest, reference, batch, settings))
@@ -661,7 +672,7 @@ def verify_artifact(
         # same quantized weights: float32's rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
         invariants = check_invariants(
-            artifact, first_runner or OrtRunner(artifact, invariant_provider), batch, invariant_profile
+            artifact, first_runner or OrtRunner(artifact, invariant_provider, weights=mapping), batch, invariant_profile
         )
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []
@@ -669,7 +680,6 @@ def verify_artifact(
             attribute(reports, outputs, cross, manifest, batch, plan.companion, overrides) if reports else None
         )
         consumers, consumers_skipped = _consumers(plan, reports)
-        independent, independent_skipped = _independent(plan, first_runner, batch, settings, overrides)
     if golden_save is not None:
         _save_golden(reference, golden_save, manifest, settings, overrides, batch, runs[0].decode_call)
     return VerifyReport(

@@ -601,3 +601,38 @@ def test_a_weights_file_left_empty_maps_to_no_initializers(artifact_fp32, tmp_pa
     (folder / manifest.weights_file).write_bytes(b"")
     inline = dataclasses.replace(manifest, initializers={file: [] for file in manifest.initializers})
     assert SharedWeightMap(Artifact(folder, inline)).initializers("prefill.onnx") == ([], [])
+
+
+def _mappings_of(path) -> int:
+    """How many mappings of the file this process holds (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip().endswith(str(path)))
+
+
+def test_runners_given_one_weight_map_map_the_file_once(artifact_fp32):
+    """Every session of a verification reads one SharedWeightMap: a mapping of the weights file is resident once
+    per mapping, so each map of its own would add the weights' size to the process again."""
+    from exporter.runtime.sessions import SharedWeightMap
+
+    artifact = Artifact.open(artifact_fp32)
+    path = artifact.path(artifact.manifest.weights_file).resolve()
+    shared = SharedWeightMap(artifact)
+    before = _mappings_of(path)
+    given = OrtRunner(artifact, weights=shared)
+    added_given = _mappings_of(path) - before
+    own = OrtRunner(artifact)
+    added_own = _mappings_of(path) - before - added_given
+    assert added_own == added_given + 1
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "labels": ids}
+    np.testing.assert_array_equal(given.prefill(feeds)["logits"], own.prefill(feeds)["logits"])
+
+
+def test_a_weight_map_of_another_artifact_is_refused(artifact_fp32, tmp_path):
+    import shutil
+
+    from exporter.runtime.sessions import SharedWeightMap
+
+    other = Artifact.open(shutil.copytree(artifact_fp32, tmp_path / "copy"))
+    with pytest.raises(InputError, match=r"weights must be a SharedWeightMap of .*\(`weights`\)"):
+        OrtRunner(Artifact.open(artifact_fp32), weights=SharedWeightMap(other))

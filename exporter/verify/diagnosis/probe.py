@@ -147,7 +147,10 @@ def mask_fed_values(graph: onnx.GraphProto) -> frozenset[str]:
 
 
 class DebugGraph:
-    def __init__(self, artifact: Artifact, contract: GraphContract):
+    """One of an artifact's graphs with every float value it computes exposed as an output; its sessions read
+    `weights` (SharedWeightMap.of: the artifact's one mapping, or their own)."""
+
+    def __init__(self, artifact: Artifact, contract: GraphContract, weights: SharedWeightMap | None = None):
         model = artifact.graph(contract)
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
@@ -172,7 +175,7 @@ class DebugGraph:
         self._model = model.SerializeToString()
         self._folder = artifact.folder
         self.graph_file = contract.file
-        self._weights = SharedWeightMap(artifact)
+        self._weights = SharedWeightMap.of(artifact, weights)
         self._sessions: dict = {}
 
     def run(self, feeds: dict, provider: str = "cpu") -> dict[str, np.ndarray]:

@@ -24,7 +24,6 @@ so does a model that is not one of the families laid out as `model.model.layers`
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import hashlib
@@ -37,7 +36,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporter.verify.diagnosis.probe import SCOPES_KEY
+from exporter.verify.diagnosis.probe import SCOPES_KEY, parse_scopes
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +178,8 @@ def _signature(layer: nn.Module) -> list:
 
 
 def _layer_of(node: ir.Node) -> int | None:
-    scopes = node.metadata_props.get(SCOPES_KEY)
-    if scopes is None:
-        return None
-    try:
-        entries = ast.literal_eval(scopes)
-    except (ValueError, SyntaxError):
-        return None
     prefix = LAYERS_SCOPE + "."
-    for entry in entries:
+    for entry in parse_scopes(node.metadata_props.get(SCOPES_KEY)) or []:
         if isinstance(entry, str) and entry.startswith(prefix) and entry[len(prefix) :].isdigit():
             return int(entry[len(prefix) :])
     return None

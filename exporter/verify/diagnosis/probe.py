@@ -48,18 +48,26 @@ class NodeInfo:
     module: str  # module path inside the exported model ('' when unknown or at its root)
 
 
+def parse_scopes(entry: str | None) -> list[str] | None:
+    """torch.onnx's name scopes of a node (its SCOPES_KEY metadata, a Python list literal), or None where the node
+    has none or they do not parse."""
+    if entry is None:
+        return None
+    try:
+        scopes = ast.literal_eval(entry)
+    except (ValueError, SyntaxError):
+        return None
+    return scopes if isinstance(scopes, list) else None
+
+
 def module_of(node: onnx.NodeProto) -> str | None:
     """The reference module path of a node from torch.onnx's name scopes, e.g. 'model.layers.1.self_attn.k_proj'.
 
     The scopes run from the exported wrapper ('') through its child holding the model ('model') down to the op
     itself (last), so the module is the second to last scope with the wrapper's child stripped.
     """
-    entry = next((p.value for p in node.metadata_props if p.key == SCOPES_KEY), None)
-    if entry is None:
-        return None
-    try:
-        scopes = ast.literal_eval(entry)
-    except (ValueError, SyntaxError):
+    scopes = parse_scopes(next((p.value for p in node.metadata_props if p.key == SCOPES_KEY), None))
+    if scopes is None:
         return None
     if len(scopes) < 3:
         return ""

@@ -18,7 +18,7 @@ versions, the command line, the figures and the targets.
 A command that would use more memory than --max-rss-gb is stopped (sampled every 0.2 s) and reported as such;
 each size has a per-tool skip list where a tool is known not to fit this machine (SIZES).
 
-    .venv/bin/python benchmarks/export_sizes.py [--sizes NAME,...] [--tools ours,optimum,builder] [--verify]
+    .venv/bin/python benchmarks/export_sizes.py [--sizes NAME,...] [--tools ours,optimum,builder] [--verify] [--dtype D]
         [--work DIR] [--json] [--results PATH | --no-results]
 
 Exit codes: 0 done, 1 a command failed, 2 bad arguments, 130 interrupted (Ctrl-C).
@@ -122,6 +122,53 @@ SIZES = {
                 eos_token_id=2,
             ),
             "24 layers x 1024 (Qwen3-0.6B's attention, minimind-3's MLP width and vocabulary)",
+        ),
+        Size(
+            "smollm2-360m",
+            dict(  # HuggingFaceTB/SmolLM2-360M config.json
+                model_type="llama",
+                vocab_size=49152,
+                hidden_size=960,
+                intermediate_size=2560,
+                num_hidden_layers=32,
+                num_attention_heads=15,
+                num_key_value_heads=5,
+                hidden_act="silu",
+                max_position_embeddings=8192,
+                rms_norm_eps=1e-5,
+                rope_theta=100000.0,
+                rope_scaling=None,
+                attention_bias=False,
+                mlp_bias=False,
+                tie_word_embeddings=True,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+            "HuggingFaceTB/SmolLM2-360M's config",
+        ),
+        Size(
+            "qwen2.5-0.5b",
+            dict(  # Qwen/Qwen2.5-0.5B config.json
+                model_type="qwen2",
+                vocab_size=151936,
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                hidden_act="silu",
+                max_position_embeddings=32768,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                rope_scaling=None,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                sliding_window=None,
+                max_window_layers=24,
+                bos_token_id=151643,
+                eos_token_id=151643,
+            ),
+            "Qwen/Qwen2.5-0.5B's config (q/k/v biases)",
         ),
         Size("qwen3-0.6b", _QWEN3_0_6B, "Qwen/Qwen3-0.6B's config"),
         Size(
@@ -344,9 +391,12 @@ def our_env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
 
 
-def tool_command(tool: str, folder: Path, out: Path, optimum_venv: Path) -> list[str]:
+def tool_command(tool: str, folder: Path, out: Path, optimum_venv: Path, dtype: str = "float32") -> list[str]:
     if tool == "ours":
-        return [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(out)]
+        return [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(out)] + [
+            "--dtype",
+            dtype,
+        ]
     if tool == "optimum":
         cli = optimum_venv / "bin" / "optimum-cli"
         return [str(cli), "export", "onnx", "--model", str(folder), "--task", "text-generation-with-past", str(out)]
@@ -432,6 +482,11 @@ def measure_size(size: Size, args) -> dict:
     outputs = args.work / "out" / size.name
     runs, checked, consumers = {}, {}, {}
     for tool in args.tools:
+        if tool != "ours" and args.dtype != "float32":
+            runs[tool] = Run(
+                tool, note=f"not measured: this {args.dtype} run exports ours only"
+            )
+            continue
         if tool in size.skip:
             runs[tool] = Run(tool, note=f"not measured: {size.skip[tool]}")
             continue
@@ -446,7 +501,7 @@ def measure_size(size: Size, args) -> dict:
         shutil.rmtree(out.with_name(out.name + "-cache"), ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"{size.name}: {tool}", file=sys.stderr)
-        command = tool_command(tool, folder, out, args.optimum_venv)
+        command = tool_command(tool, folder, out, args.optimum_venv, args.dtype)
         runs[tool] = run_command(tool, command, our_env(), args.max_rss, OUR_PHASES if tool == "ours" else None)
         runs[tool].command = shlex.join(command)
         shutil.rmtree(out.with_name(out.name + "-cache"), ignore_errors=True)
@@ -505,6 +560,8 @@ def _s(value) -> str:
 
 def targets(report: dict) -> list[str]:
     lines = []
+    if report["dtype"] != "float32":  # the targets are float32's
+        return ["| all | the targets are set for float32 exports | — | not measured in this run |"]
     for entry in report["sizes"]:
         name, r = entry["size"], entry["ratios"]
         if name in RSS_TARGET_SIZES:
@@ -562,7 +619,7 @@ def environment_rows(env: dict, command: str) -> list[str]:
 def format_results(report: dict) -> str:
     env = report["environment"]
     lines = [
-        "# Export cost by model size",
+        f"# Export cost by model size ({report['dtype']})",
         "",
         "Generated by `benchmarks/export_sizes.py` on every full run; do not edit.",
         "",
@@ -708,6 +765,12 @@ def main(argv: list[str]) -> None:
         help="comma-separated exporters to run (default ours,optimum,builder)",
     )
     parser.add_argument("--verify", action="store_true", help="also time our verify of our artifact")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="our export's dtype (default float32); float16 runs ours alone, writing EXPORT-RESULTS-FLOAT16.md",
+    )
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"folders and outputs (default {DEFAULT_WORK})")
     parser.add_argument("--keep", action="store_true", help="keep the exported artifacts under --work/out")
     parser.add_argument("--optimum-venv", type=Path, default=DEFAULT_OPTIMUM_VENV, help="venv with optimum-cli")
@@ -727,9 +790,16 @@ def main(argv: list[str]) -> None:
     args.max_rss = int(args.max_rss_gb * 1e9)
     env = environment(argv)
     env["versions"].update(optimum_versions(args.optimum_venv))
-    report = {"environment": env, "tools": [*args.tools, *(["verify"] if args.verify else [])], "sizes": []}
+    report = {
+        "environment": env,
+        "dtype": args.dtype,
+        "tools": [*args.tools, *(["verify"] if args.verify else [])],
+        "sizes": [],
+    }
     for name in args.sizes:
         report["sizes"].append(measure_size(SIZES[name], args))
+    if args.dtype != "float32" and args.results == DEFAULT_RESULTS:
+        args.results = DEFAULT_RESULTS.with_name(f"EXPORT-RESULTS-{args.dtype.upper()}.md")
     results_path = None if args.no_results else args.results
     report["results_file"] = None if results_path is None else str(results_path)
     if results_path is not None:

@@ -185,6 +185,30 @@ def _layer_of(node: ir.Node) -> int | None:
     return None
 
 
+def _layers_of(graph: ir.Graph) -> dict[int, int]:
+    """The layer of each node that lies in one ({id(node): layer}): by its scopes, or, for a node the optimiser
+    made without any (a Cast it split off), by its neighbours where all of them that lie in a layer lie in the
+    same one."""
+    layers = {id(node): layer for node in graph if (layer := _layer_of(node)) is not None}
+    unplaced = [node for node in graph if id(node) not in layers and SCOPES_KEY not in node.metadata_props]
+    while unplaced:
+        still = []
+        for node in unplaced:
+            around = {
+                layers.get(id(value.producer())) for value in node.inputs if value is not None and value.producer()
+            }
+            around |= {layers.get(id(user)) for value in node.outputs for user, _ in value.uses()}
+            around.discard(None)
+            if len(around) == 1:
+                layers[id(node)] = around.pop()
+            else:
+                still.append(node)
+        if len(still) == len(unplaced):
+            break
+        unplaced = still
+    return layers
+
+
 def _relabel(text: str, layer: int) -> str:
     return re.sub(r"(?<=layers\.)2\b", str(layer), text)
 
@@ -194,10 +218,11 @@ class _Expansion:
         self.template = template
         self.graph = graph
         self.nodes: list[list[ir.Node]] = [[] for _ in range(TRACED_LAYERS)]
+        layers = _layers_of(graph)
         for node in graph:
             if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()):
                 raise NotRepeatable(f"node {node.name} holds a subgraph")
-            layer = _layer_of(node)
+            layer = layers.get(id(node))
             if layer is not None and layer >= TRACED_LAYERS:
                 raise NotRepeatable(f"the graph holds layer {layer}, beyond the {TRACED_LAYERS} traced")
             if layer is not None:

@@ -29,7 +29,7 @@ from exporter.runtime.sessions import (
     check_quantized_provider,
 )
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.invariants import check_invariants
+from exporter.verify.checks.invariants import check_invariants, float32_matmul_settings
 from exporter.verify.checks.outputs import (
     DecodeCall,
     GreedyResult,
@@ -658,11 +658,15 @@ def verify_artifact(
         invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
         # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
-        # same quantized weights: float32's rounding bounds those differences as in a float32 artifact
+        # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
+        # rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
-        invariants = check_invariants(
-            artifact, first_runner or OrtRunner(artifact, invariant_provider), batch, invariant_profile
-        )
+        matched = float32_matmul_settings(manifest)
+        if matched is not None:
+            invariant_runner = OrtRunner(artifact, invariant_provider, settings=matched)
+        else:
+            invariant_runner = first_runner or OrtRunner(artifact, invariant_provider)
+        invariants = check_invariants(artifact, invariant_runner, batch, invariant_profile)
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []
         attribution = (

@@ -9,14 +9,20 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from helpers import edit_manifest
+from onnx import helper, numpy_helper
 
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries
 from exporter.errors import InputError
+from exporter.runtime.runner import OrtRunner
 from exporter.verify import engine
+from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE, split_prefill
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, text_windows
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prompt_batch, text_windows
 from exporter.verify.reports import format_verify, json_text, render_html
+from exporter.verify.tolerances import profile_for
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 
@@ -62,6 +68,54 @@ def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     assert not report.passed
     assert not report.weights.passed and name in report.weights.findings[0].detail
     assert not report.quality[0].passed  # the distributions moved too: decisive top-1 and |Δ log p|
+
+
+NUMERIC_INVARIANTS = ("prefill(all) == prefill(first k) + decode(rest)", "decode(past 0) == prefill")
+
+
+def _decode_logits_scaled(folder, factor: float) -> None:
+    """decode.onnx alone multiplies its logits by `factor`; the manifest re-signed."""
+    path = folder / "decode.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    [node] = [n for n in model.graph.node if "logits" in n.output]
+    node.output[list(node.output).index("logits")] = "unscaled_logits"
+    model.graph.node.append(helper.make_node("Mul", ["unscaled_logits", "logits_factor"], ["logits"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), "logits_factor"))
+    onnx.save(model, str(path))
+    edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, ["decode.onnx"])))
+
+
+def _invariants(folder) -> dict:
+    report = verify_artifact(folder, None, ["cpu"], ParitySettings(sweep=False), genai=False)
+    return {i.name: i for i in report.invariants}
+
+
+def test_a_level_4_export_passes_its_invariants_where_its_runner_would_not(quantized):
+    folder = quantized["int4-level4"]
+    invariants = _invariants(folder)
+    assert all(i.passed for i in invariants.values()), [i.detail for i in invariants.values()]
+    for name in (*NUMERIC_INVARIANTS, "padded row == same sequence alone"):
+        assert FLOAT32_MATMUL_NOTE in invariants[name].detail, invariants[name].detail
+    assert "MatMulNBits" not in _invariants(quantized["int4"])["decode(past 0) == prefill"].detail  # level 0
+    # the verification's runner: prefill.onnx unprepacked (MatMulNBits in float32), decode.onnx prepacked (int8
+    # activations at level 4), which differ by the activation quantization, far beyond float32's rounding
+    artifact = Artifact.open(folder)
+    settings = ParitySettings()
+    batch = prompt_batch(artifact.manifest, settings, np.random.default_rng(settings.seed))
+    mixed = split_prefill(OrtRunner(artifact), artifact.manifest, batch, profile_for("float32"), k=7)
+    assert not mixed.passed and max(c.needed.scale for c in mixed.comparisons) > 100, mixed.detail
+
+
+def test_a_decode_fault_fails_the_invariants_at_level_4(quantized, tmp_path):
+    folder = shutil.copytree(quantized["int4-level4"], tmp_path / "int4-level4")
+    _decode_logits_scaled(folder, 1.001)
+    invariants = _invariants(folder)
+    for name in NUMERIC_INVARIANTS:
+        [logits] = [c for c in invariants[name].comparisons if c.name.endswith("logits")]
+        # 1e-3 of the logits' peak: 33x float32's bound, yet within the ~1000x a bound covering the int8
+        # activations of one graph against float32 in the other would need
+        assert not invariants[name].passed and 10 < logits.needed.scale < 100, invariants[name].detail
+    assert invariants["padded row == same sequence alone"].passed  # prefill.onnx alone, unchanged
 
 
 def test_kl_by_position_against_closed_forms():

@@ -172,4 +172,11 @@ def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
     assert_one_line_error(
         run_cli("verify", builder_fp32, "--reference", other), 2, "num_hidden_layers (graph 2, config 3)"
     )
+    text = tmp_path / "text.txt"
+    text.write_text("a text to read", encoding="utf-8")
+    assert_one_line_error(
+        run_cli("verify", builder_fp32, "--reference", qwen3, "--quality-text", text),
+        2,
+        "--quality-text cannot serve a folder onnxruntime-genai model builder wrote",
+    )
     assert _files(builder_fp32) == before  # nothing written into the folder

@@ -20,7 +20,7 @@ from exporter.verify import engine
 from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE, split_prefill
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prompt_batch, text_windows
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prompt_batch, text_windows
 from exporter.verify.reports import format_verify, json_text, render_html
 from exporter.verify.tolerances import profile_for
 
@@ -220,6 +220,18 @@ def test_kl_by_position_is_reported_and_plotted(quantized, tiny_model, monkeypat
     worst = int(np.argmax(series))
     line = f"KL by position: max {max(series):.4g} nats at position {worst}"
     assert line in format_verify(report) and line in page
+
+
+def test_quality_text_refusals_of_the_api(quantized, tiny_model, tmp_path):
+    folder, settings = quantized["int4"], ParitySettings(decode_steps=4, sweep=False)
+    text = tmp_path / "text.txt"
+    text.write_text("kalo mine ruto " * 20, encoding="utf-8")
+    with pytest.raises(InputError, match="no model is given; pass the model"):
+        verify_artifact(folder, None, ["cpu"], settings, genai=False, quality_text=text)
+    with pytest.raises(InputError, match=r"`quality_text` ids gives 18 tokens, fewer than the 19 each of the 2"):
+        verify_artifact(folder, tiny_model, ["cpu"], settings, quality_text=QualityText("ids", np.arange(18)))
+    with pytest.raises(InputError, match="quality_text is a text file's path or a QualityText, got list"):
+        verify_artifact(folder, tiny_model, ["cpu"], settings, quality_text=[1, 2, 3])
 
 
 def test_text_windows_spread_over_the_text():

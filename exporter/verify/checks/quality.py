@@ -24,11 +24,13 @@ from exporter.verify.inputs import (
     FINAL_CHUNK,
     GREEDY_PROMPT_LENGTH,
     ParitySettings,
+    QualityText,
     greedy_prompt,
     next_tokens,
     prefill_feeds,
     prompt_batch,
     text_windows,
+    window_length,
 )
 from exporter.verify.metrics import kl_divergence, match_length, token_statistics
 from exporter.verify.tolerances import (
@@ -78,6 +80,8 @@ class QualityReport:
     the final chunk's tokens), positions prefill_positions, prefill_positions + 1, ... Each value is the mean over
     the batch rows holding a real token there; None where no row does (a column of padding only), NaN where a
     distribution was not finite. to_dict writes it as {"prefill": [...], "decode": [...]}, 4 significant digits.
+
+    `text` is the text the checks read (None: seeded random ids); to_dict writes it as "input".
     """
 
     provider: str
@@ -89,6 +93,7 @@ class QualityReport:
     greedy_onnx: list[int]
     kl_by_position: tuple[float | None, ...] = ()
     prefill_positions: int = 0
+    text: QualityText | None = None
 
     @property
     def passed(self) -> bool:
@@ -106,6 +111,7 @@ class QualityReport:
             "provider": self.provider,
             "scheme": self.scheme,
             "passed": self.passed,
+            "input": {"kind": "random ids"} if self.text is None else {"kind": "text", **self.text.to_dict()},
             "profile": self.profile.to_dict(),
             "checks": [c.to_dict() for c in self.checks],
             "metrics": self.metrics,
@@ -156,11 +162,11 @@ def check_quality(
     settings: ParitySettings,
     profile: QualityProfile,
     rng: np.random.Generator,
-    text_ids=None,
+    text: QualityText | None = None,
 ) -> QualityReport:
     """The distributional figures of `onnx` (an OrtRunner on a quantized artifact) against `reference`.
 
-    Random ids put a trained model out of its distribution; with `text_ids` (a tokenized text) every row of the
+    Random ids put a trained model out of its distribution; with `text` (a tokenized text) every row of the
     batch is a window of that text, the decode steps feed its continuation and the greedy run starts from its
     first ids, so that the figures are measured where the model is used.
 
@@ -172,8 +178,8 @@ def check_quality(
         settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
         profile: the limits.
         rng: the generator of the decode steps' new token ids.
-        text_ids: the ids of a text to read the batch, the decode steps and the greedy prompt from; None: random
-            ids (the batch given, `rng`'s steps, the parity checks' greedy prompt).
+        text: a text to read the batch, the decode steps and the greedy prompt from; None: random ids (the
+            batch given, `rng`'s steps, the parity checks' greedy prompt).
 
     Returns:
         The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
@@ -181,8 +187,8 @@ def check_quality(
     """
     steps = [1] * settings.decode_steps + [FINAL_CHUNK]  # the decode calls' lengths
     continuation = None
-    if text_ids is not None:
-        rows = text_windows(text_ids, settings.batch, settings.prompt_length + sum(steps))
+    if text is not None:
+        rows = text_windows(text.ids, settings.batch, window_length(settings))
         batch = prompt_batch(manifest, settings, rng, rows[:, : settings.prompt_length])
         continuation = rows[:, settings.prompt_length :]
     pairs = []  # (actual, expected) logits of the real positions
@@ -209,10 +215,10 @@ def check_quality(
         )
         calls.append((ort_out["logits"], ref_out["logits"], np.ones(ort_out["logits"].shape[:2], bool)))
     stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
-    if text_ids is None:
+    if text is None:
         prompt = greedy_prompt_of(manifest, settings)
     else:
-        prompt = [int(i) for i in np.asarray(text_ids).reshape(-1)[:GREEDY_PROMPT_LENGTH]]
+        prompt = [int(i) for i in text.ids[:GREEDY_PROMPT_LENGTH]]
     tokens = min(GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(prompt))
     log.info("%s: greedy generation of %d tokens", onnx.provider, tokens)
     trace = reference.greedy(prompt, tokens, manifest.config.eos_token_id)
@@ -265,6 +271,7 @@ def check_quality(
         greedy_onnx=list(actual),
         kl_by_position=tuple(kl_by_position(calls)),
         prefill_positions=int(np.asarray(batch["attention_mask"]).shape[1]),
+        text=text,
     )
 
 

@@ -21,6 +21,7 @@ from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE, split_prefill
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prompt_batch, text_windows
+from exporter.verify.metrics import token_statistics
 from exporter.verify.reports import format_verify, json_text, render_html
 from exporter.verify.tolerances import profile_for
 
@@ -129,13 +130,21 @@ def test_kl_by_position_against_closed_forms():
     actual = np.array([[nan, nan, uniform + 5.0], [nan, skewed, skewed]])  # a shifted row is the same distribution
     valid = np.array([[False, False, True], [False, True, True]])
     # decode (B=2, L=2): the reference (expected) is the first distribution of KL(reference || artifact)
-    expected_step = np.array([[np.log([3.0, 1.0]), uniform], [np.log([3.0, 1.0]), np.log([3.0, 1.0])]])
+    expected_step = np.array([[skewed, uniform], [skewed, skewed]])
     actual_step = np.array([[uniform, skewed], [uniform, uniform]])
-    series = kl_by_position([(actual, expected, valid), (actual_step, expected_step, np.ones((2, 2), bool))])
+    step_valid = np.ones((2, 2), bool)
+    # the per-token KLs as check_quality computes them: token_statistics of each call's real positions, in order
+    kl = token_statistics(
+        np.concatenate([actual[valid], actual_step[step_valid]]),
+        np.concatenate([expected[valid], expected_step[step_valid]]),
+    )["kl"]
+    series = kl_by_position(kl, [valid, step_valid])
     assert series[0] is None and len(series) == 5
     want = [kl_uniform_skewed, kl_uniform_skewed / 2, kl_skewed_uniform, (kl_uniform_skewed + kl_skewed_uniform) / 2]
     np.testing.assert_allclose(series[1:], want, rtol=1e-12)
     assert abs(kl_uniform_skewed - kl_skewed_uniform) > 0.01  # the direction is tested, not only the size
+    with pytest.raises(ValueError, match="kl holds 7 tokens, the valid masks 8"):
+        kl_by_position(kl, [valid, np.ones((2, 2), bool), np.ones((1, 1), bool)])
 
 
 class _Recording:

@@ -483,9 +483,7 @@ def measure_size(size: Size, args) -> dict:
     runs, checked, consumers = {}, {}, {}
     for tool in args.tools:
         if tool != "ours" and args.dtype != "float32":
-            runs[tool] = Run(
-                tool, note=f"not measured: this {args.dtype} run exports ours only"
-            )
+            runs[tool] = Run(tool, note=f"not measured: this {args.dtype} run exports ours only")
             continue
         if tool in size.skip:
             runs[tool] = Run(tool, note=f"not measured: {size.skip[tool]}")

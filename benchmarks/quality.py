@@ -29,7 +29,7 @@ import exporter.export.pipeline as pipeline  # noqa: E402
 from exporter.artifact.folder import Artifact  # noqa: E402
 from exporter.runtime.runner import OrtRunner  # noqa: E402
 from exporter.verify.checks.quality import check_quality  # noqa: E402
-from exporter.verify.inputs import ParitySettings, prompt_batch  # noqa: E402
+from exporter.verify.inputs import ParitySettings, QualityText, prompt_batch  # noqa: E402
 from exporter.verify.references.model_source import checkpoint_model  # noqa: E402
 from exporter.verify.references.torch_runner import TorchRunner  # noqa: E402
 from exporter.verify.tolerances import quality_profile_for  # noqa: E402
@@ -77,7 +77,7 @@ def exports(model, source: dict, root: Path) -> dict[str, Path]:
     return folders
 
 
-def measure(model, folder: Path, scheme: str, settings: ParitySettings, text_ids) -> dict:
+def measure(model, folder: Path, scheme: str, settings: ParitySettings, text: QualityText | None) -> dict:
     artifact = Artifact.open(folder)
     rng = np.random.default_rng(settings.seed)
     batch = prompt_batch(artifact.manifest, settings, rng)
@@ -89,7 +89,7 @@ def measure(model, folder: Path, scheme: str, settings: ParitySettings, text_ids
         settings,
         quality_profile_for(scheme),
         np.random.default_rng(settings.seed + 1),
-        text_ids=text_ids,
+        text=text,
     )
     metrics = dict(report.metrics)
     metrics["decisive_share"] = metrics["decisive_positions"] / metrics["positions"]
@@ -124,14 +124,15 @@ def main() -> None:
         "random": (build_model(config, seed=0), {"kind": "in-memory"}),
     }
     tokenizer = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
-    text_ids = tokenizer.encode((FIXTURE / "heldout.txt").read_text()).ids
+    heldout = FIXTURE / "heldout.txt"
+    heldout_text = QualityText(str(heldout), np.asarray(tokenizer.encode(heldout.read_text()).ids))
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for name, (model, source) in models.items():
             folders = exports(model, source, Path(work) / name)
             for scheme in SCHEMES:
-                for text, ids in (("random ids", None), ("held-out text", text_ids)):
-                    results[(name, text, scheme)] = measure(model, folders[scheme], scheme, settings, ids)
+                for text, read in (("random ids", None), ("held-out text", heldout_text)):
+                    results[(name, text, scheme)] = measure(model, folders[scheme], scheme, settings, read)
                     print(f"{name} {text} {scheme}: {results[(name, text, scheme)]}", file=sys.stderr)
     body = table(results)
     RESULTS.write_text(

@@ -357,14 +357,26 @@ def trained_artifacts(tmp_path_factory, trained_model):
 
 
 @pytest.fixture(scope="session")
-def quantized(tmp_path_factory, tiny_model, artifact_fp32):
-    """{"int4": folder, "int8": folder}: the tiny model quantized (block 32), exported once per session."""
+def quantized(tmp_path_factory, tiny_model, artifact_fp32, tiny_tokenizer):
+    """{"int4": folder, "int8": folder, "int4-level4": folder}: the tiny model quantized (block 32), exported once per
+    session; "int4-level4" at MatMulNBits' accuracy level 4 (int8 activations on the CPU), the others at 0; "int4"
+    carries the tiny tokenizer, the others none."""
+    levels = {"int4": 0, "int8": 0, "int4-level4": 4}
 
     def build(root):
         with pytest.MonkeyPatch.context() as monkeypatch:
             replayed_export(monkeypatch, artifact_fp32)
-            for scheme in ("int4", "int8"):
-                export_artifact(tiny_model, root / scheme / TINY, dtype=scheme, source=TINY_SOURCE)
+            for name, level in levels.items():
+                scheme = name.partition("-")[0]
+                tokenizer = tiny_tokenizer if name == "int4" else None
+                export_artifact(
+                    tiny_model,
+                    root / name / TINY,
+                    dtype=scheme,
+                    source=TINY_SOURCE,
+                    tokenizer=tokenizer,
+                    accuracy_level=level,
+                )
 
     root = shared_folder(tmp_path_factory, "quantized", build)
-    return {scheme: root / scheme / TINY for scheme in ("int4", "int8")}
+    return {name: root / name / TINY for name in levels}

@@ -309,9 +309,18 @@ def export(
     help="For a folder Optimum or onnxruntime-genai's builder wrote: the Hugging Face folder it was exported "
     "from, whose model transformers loads as the reference.",
 )
+@click.option(
+    "--quality-text",
+    type=PathOption(),
+    default=None,
+    metavar="FILE",
+    help="For a quantized artifact: a UTF-8 text file, tokenized with the artifact's tokenizer.json, whose "
+    "windows the quality check reads in place of seeded random ids (the batch rows, the decode steps' "
+    "continuation, the greedy prompt).",
+)
 @common_options
 @handle_errors
-def verify(folder, providers, genai, golden, reference, as_json, quiet, verbose, **options):
+def verify(folder, providers, genai, golden, reference, quality_text, as_json, quiet, verbose, **options):
     """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
     greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
     providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
@@ -328,7 +337,7 @@ def verify(folder, providers, genai, golden, reference, as_json, quiet, verbose,
     options = VerifyOptions(**options)
     writer = foreign_writer(folder)
     if writer is not None or reference is not None:
-        _verify_foreign(folder, writer, reference, providers, genai, golden, options, as_json)
+        _verify_foreign(folder, writer, reference, providers, genai, golden, quality_text, options, as_json)
         return
     if golden is not None:
         context = click.get_current_context()
@@ -342,12 +351,12 @@ def verify(folder, providers, genai, golden, reference, as_json, quiet, verbose,
             raise click.UsageError(
                 f"--golden replays the checks recorded in the bundle, with its settings; drop {', '.join(given)}"
             )
-    plan = verification_plan(folder, providers, genai, options, golden)
+    plan = verification_plan(folder, providers, genai, options, golden, quality_text=quality_text)
     report = run_verification(folder, providers, genai, options, plan, golden=golden)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 
 
-def _verify_foreign(folder, writer, reference, providers, genai, golden, options, as_json) -> None:
+def _verify_foreign(folder, writer, reference, providers, genai, golden, quality_text, options, as_json) -> None:
     """verify of a folder another exporter wrote, against transformers' model of --reference."""
     from exporter.verify.foreign import verify_foreign
     from exporter.verify.reports import format_verify
@@ -369,12 +378,13 @@ def _verify_foreign(folder, writer, reference, providers, genai, golden, options
             ("--golden-save", options.golden_save),
             ("--fp16-companion", options.fp16_companion),
             ("--genai", genai),
+            ("--quality-text", quality_text),
         )
         if value
     ]
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot serve a folder {writer} wrote; drop it")
-    overrides, settings, _ = verification_plan(folder, providers, genai, options)
+    overrides, settings, *_ = verification_plan(folder, providers, genai, options)
     report = verify_foreign(folder, reference, list(providers) or None, settings, overrides)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 

@@ -270,6 +270,7 @@ def verification_plan(
     options: VerifyOptions,
     golden: Path | None = None,
     planned: tuple | None = None,
+    quality_text: Path | None = None,
 ):
     """The verification's options, each checked before anything runs (for `run`, before the export).
 
@@ -282,10 +283,12 @@ def verification_plan(
         planned: for `run`, the (dtype, config, source) of the artifact about to be exported
             (_planned_artifact in exporter/cli/__init__.py), which --fp16-companion is held to before the export
             (the engine checks it again after); None: the companion is only read here.
+        quality_text: verify's --quality-text file, read here with the artifact's tokenizer (the artifact's
+            manifest read without its hashes, which the verification checks), so that a refusal writes nothing.
 
     Returns:
-        (overrides, settings, companion): the tolerance overrides, the ParitySettings and the companion read
-        (or None), as run_verification takes them.
+        (overrides, settings, companion, text): the tolerance overrides, the ParitySettings, the companion read
+        (or None) and the QualityText of --quality-text (or None), as run_verification takes them.
     """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
     from exporter.runtime.sessions import check_parity_providers
@@ -343,8 +346,14 @@ def verification_plan(
             companion = read_companion(options.fp16_companion)
         else:
             companion = companion_for(options.fp16_companion, *planned)
+    text = None
+    if quality_text is not None:
+        from exporter.artifact.manifest import read_manifest
+        from exporter.verify.inputs import read_quality_text
+
+        text = read_quality_text(quality_text, read_manifest(folder, check_hashes=False), folder, settings)
     outcome.state.owed_reports = options.report_paths()
-    return overrides, settings, companion
+    return overrides, settings, companion, text
 
 
 def finish_verification(report, options: VerifyOptions, result: dict, as_json: bool, text: str) -> None:
@@ -394,7 +403,7 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
     from exporter.verify.references.golden import misplaced_bundle_hint
     from exporter.verify.references.model_source import reference_for
 
-    overrides, settings, companion = plan
+    overrides, settings, companion, text = plan
     with unchanged_while_read(folder):  # from the manifest on, as verify_artifact is from its own start
         try:
             artifact = Artifact.open(folder)  # once: it hashes every file, the weights included
@@ -412,4 +421,5 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
             golden_save=options.golden_save,
             overrides=overrides,
             fp16_companion=companion,
+            quality_text=text,
         )

@@ -17,7 +17,7 @@ from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.foreign import ForeignGraph
 from exporter.artifact.manifest import Manifest
 from exporter.errors import GraphRunError, InputError, first_line
-from exporter.runtime.sessions import check_provider, file_session
+from exporter.runtime.sessions import SessionSettings, check_provider, file_session
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
 
@@ -29,13 +29,20 @@ class ForeignRunner:
         graph: the foreign graph (read_foreign).
         manifest: its manifest for the engine (foreign_manifest), whose names the feeds and outputs carry.
         provider: "cpu" or "cuda".
+        settings: the session's settings.
     """
 
-    def __init__(self, graph: ForeignGraph, manifest: Manifest, provider: str = "cpu"):
+    def __init__(
+        self,
+        graph: ForeignGraph,
+        manifest: Manifest,
+        provider: str = "cpu",
+        settings: SessionSettings = SessionSettings(),
+    ):
         self.graph, self.manifest = graph, manifest
         self.artifact = None  # no artifact folder: what needs one (debug copies, the weight audit) does not run
         self.provider = check_provider(provider)
-        self.session = file_session(graph.folder / graph.file, self.provider)
+        self.session = file_session(graph.folder / graph.file, self.provider, settings)
         cache = manifest.cache
         layers = range(cache.num_layers)
         self._past = {cache.past(i, k): graph.past.format(layer=i, kind=k) for i in layers for k in KV_KINDS}

@@ -9,6 +9,7 @@ torch), or nothing: then only the reference-free invariants run.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,7 +32,7 @@ from exporter.runtime.sessions import (
     check_quantized_provider,
 )
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.invariants import check_invariants
+from exporter.verify.checks.invariants import check_invariants, float32_matmul_settings
 from exporter.verify.checks.outputs import (
     DecodeCall,
     GreedyResult,
@@ -58,9 +59,12 @@ from exporter.verify.inputs import (
     FINAL_CHUNK,
     PREFILL_BATCH,
     ParitySettings,
+    QualityText,
+    check_quality_text,
     greedy_prompt,
     prefill_feeds,
     prompt_batch,
+    read_quality_text,
 )
 from exporter.verify.references.golden import (
     GoldenBundle,
@@ -274,13 +278,14 @@ def _run_provider(
 
 
 def _run_quality(
-    onnx: OrtRunner, manifest: Manifest, reference, batch: dict, settings: ParitySettings
+    onnx: OrtRunner, manifest: Manifest, reference, batch: dict, settings: ParitySettings, text: QualityText | None
 ) -> QualityReport:
-    """A quantized artifact on one provider: its quality profile's distributional checks, in place of parity."""
+    """A quantized artifact on one provider: its quality profile's distributional checks, in place of parity, on
+    seeded random ids or on `text`."""
     reference.rewind()
     profile = quality_profile_for(manifest.precision)
     report = check_quality(
-        reference, onnx, manifest, batch, settings, profile, np.random.default_rng(settings.seed + 1)
+        reference, onnx, manifest, batch, settings, profile, np.random.default_rng(settings.seed + 1), text
     )
     for check in report.failures:
         log.info(
@@ -436,6 +441,7 @@ class _Plan:
     applied: AppliedOverrides
     genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
     transformers_skipped: str | None  # why Transformers is not compared; "" when it is; None: not an HF artifact
+    quality_text: QualityText | None  # what the quality check reads in place of random ids
 
 
 def _plan(
@@ -448,6 +454,7 @@ def _plan(
     golden_save,
     overrides,
     fp16_companion,
+    quality_text,
 ) -> _Plan:
     """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
     reference chosen, before any check runs."""
@@ -482,6 +489,7 @@ def _plan(
             "`fp16_companion`"
         )
     reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
+    text = _quality_text(quality_text, manifest, folder, settings, reference)
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
     elif manifest.quantization is not None:
@@ -513,7 +521,27 @@ def _plan(
         applied,
         genai_skipped,
         transformers_skipped,
+        text,
     )
+
+
+def _quality_text(quality_text, manifest: Manifest, folder: Path, settings: ParitySettings, reference):
+    """verify_artifact's `quality_text` read (a path) or checked (a QualityText), None without one."""
+    if quality_text is None:
+        return None
+    if not isinstance(quality_text, (QualityText, str, os.PathLike)):
+        raise InputError(
+            f"quality_text is a text file's path or a QualityText, got {type(quality_text).__name__} (`quality_text`)"
+        )
+    if reference is None and manifest.quantization is not None:
+        raise InputError(
+            "`quality_text` is read by the quality check against the PyTorch model, and no model is given; pass "
+            "the model (`model`), or drop `quality_text` to check the invariants alone"
+        )
+    if isinstance(quality_text, QualityText):
+        check_quality_text(quality_text, manifest, folder, settings)
+        return quality_text
+    return read_quality_text(quality_text, manifest, folder, settings)
 
 
 def _probes_between(
@@ -601,6 +629,7 @@ def verify_artifact(
     golden_save: Path | None = None,
     overrides: Overrides = Overrides(),
     fp16_companion: Path | Artifact | None = None,
+    quality_text: Path | QualityText | None = None,
 ) -> VerifyReport:
     """Every check of the verification engine on one artifact, against the PyTorch model, a golden bundle, or
     (with neither) the reference-free invariants alone.
@@ -622,12 +651,19 @@ def verify_artifact(
         overrides: tolerance terms in place of the profiles' (exporter.verify.tolerances.parse_overrides).
         fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA
             attribution.
+        quality_text: for a quantized artifact, a text its quality check reads in place of seeded random ids: a
+            UTF-8 file, tokenized with the artifact's tokenizer.json, or the QualityText read_quality_text made;
+            the batch rows are windows of it (exporter.verify.inputs.text_windows), the decode steps its
+            continuation.
 
     Returns:
         The VerifyReport; `passed` is the verdict.
 
     Raises:
-        InputError: a model of another family or config, both model and golden, golden_save without a model.
+        InputError: a model of another family or config, both model and golden, golden_save without a model;
+            quality_text for a float artifact, for one without a tokenizer.json, without a model, or not readable
+            UTF-8 text, or too short for one window.
+        TokenizerError: quality_text given, and the artifact's tokenizer.json does not fit the model.
         ProviderError: a provider that is unknown or not available.
         ConsumerError: genai=True where the onnxruntime-genai check cannot run.
         ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one; a consumer config
@@ -636,7 +672,9 @@ def verify_artifact(
     start = time.perf_counter()
     folder = artifact.folder if isinstance(artifact, Artifact) else artifact
     with unchanged_while_read(folder):  # an export into it meanwhile: no report on a mix of two artifacts
-        plan = _plan(artifact, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion)
+        plan = _plan(
+            artifact, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, quality_text
+        )
         artifact, reference, settings = plan.artifact, plan.reference, plan.settings
         folder, manifest = artifact.folder, artifact.manifest
         overrides = plan.applied.overrides  # a replay's: the bundle's, each given term in its place
@@ -660,7 +698,7 @@ def verify_artifact(
                 onnx = OrtRunner(artifact, provider, weights=mapping)
                 first_runner = first_runner or onnx
                 if quantized:
-                    quality.append(_run_quality(onnx, manifest, reference, batch, settings))
+                    quality.append(_run_quality(onnx, manifest, reference, batch, settings, plan.quality_text))
                 else:
                     runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
         reports = [run.report for run in runs]
@@ -669,11 +707,15 @@ def verify_artifact(
         invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
         # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
-        # same quantized weights: float32's rounding bounds those differences as in a float32 artifact
+        # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
+        # rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
-        invariants = check_invariants(
-            artifact, first_runner or OrtRunner(artifact, invariant_provider, weights=mapping), batch, invariant_profile
-        )
+        matched = float32_matmul_settings(manifest)
+        if matched is not None:
+            invariant_runner = OrtRunner(artifact, invariant_provider, settings=matched, weights=mapping)
+        else:
+            invariant_runner = first_runner or OrtRunner(artifact, invariant_provider, weights=mapping)
+        invariants = check_invariants(artifact, invariant_runner, batch, invariant_profile)
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []
         attribution = (

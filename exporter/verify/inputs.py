@@ -1,15 +1,19 @@
 """Seeded inputs that real generation produces: left-padded batches, position ids that skip the
-padding, labels with ignored targets, token chunks for decode steps, and the shape sweep grid."""
+padding, labels with ignored targets, token chunks for decode steps, and the shape sweep grid; and a text's
+windows, which the quality check of a quantized artifact reads in their place (QualityText)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from exporter.artifact.manifest import Manifest
+from exporter.artifact.paths import shown_path
+from exporter.artifact.tokenizer import TOKENIZER, load_tokenizer
 from exporter.errors import InputError, check_flag
 from exporter.runtime.runner import position_ids_from_mask
 from exporter.runtime.sessions import is_integer
@@ -139,10 +143,90 @@ def text_windows(ids, rows: int, length: int) -> np.ndarray:
     if len(ids) < length:
         raise InputError(
             f"the text gives {len(ids)} tokens, fewer than the {length} each row of the run reads (prompt, decode "
-            "steps and the final chunk); give a longer text or fewer decode steps"
+            "steps and the final chunk); give a longer text or fewer decode steps (`decode_steps`)"
         )
     starts = np.linspace(0, len(ids) - length, rows).astype(np.int64)
     return np.stack([ids[s : s + length] for s in starts])
+
+
+def window_length(settings: ParitySettings) -> int:
+    """The ids each row of the quality check reads from a text: the prompt, the decode steps and the final chunk."""
+    return settings.prompt_length + settings.decode_steps + FINAL_CHUNK
+
+
+@dataclass(frozen=True)
+class QualityText:
+    """A tokenized text that the quality check of a quantized artifact reads in place of random ids.
+
+    source: where the ids came from, as the reports name it (the file as given); ids: the text's token ids.
+    """
+
+    source: str
+    ids: np.ndarray = field(compare=False, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "tokens": int(len(self.ids))}
+
+
+def _quantized_only(manifest: Manifest, folder: Path) -> None:
+    if manifest.quantization is None:
+        raise InputError(
+            f"`quality_text` feeds the quality check of a quantized artifact; {folder} is {manifest.precision}, judged "
+            "by parity with its reference on seeded random ids: drop `quality_text`"
+        )
+
+
+def check_quality_text(text: QualityText, manifest: Manifest, folder: Path, settings: ParitySettings) -> None:
+    """InputError unless `text` can feed the quality check of the artifact at `folder`: a quantized artifact (a
+    float one is judged by parity, on random ids), and at least one window of ids for `settings` fitted to the
+    model's positions."""
+    _quantized_only(manifest, folder)
+    settings = settings.fit(manifest.config.max_position_embeddings)
+    length = window_length(settings)
+    if len(text.ids) < length:
+        raise InputError(
+            f"`quality_text` {text.source} gives {len(text.ids)} tokens, fewer than the {length} each of the "
+            f"{settings.batch} windows reads (a {settings.prompt_length}-token prompt, {settings.decode_steps} decode "
+            f"steps and a {FINAL_CHUNK}-token chunk); give a longer text or fewer decode steps (`decode_steps`)"
+        )
+
+
+def read_quality_text(path, manifest: Manifest, folder: Path, settings: ParitySettings) -> QualityText:
+    """A UTF-8 text file tokenized with the artifact's tokenizer.json, checked to feed its quality check
+    (check_quality_text).
+
+    Args:
+        path: the text file.
+        manifest: the artifact's manifest.
+        folder: the artifact's folder, which holds the tokenizer.json its manifest lists.
+        settings: the verification's settings, whose prompt and decode steps each window reads.
+
+    Raises:
+        InputError: a float artifact, one without a tokenizer, a file that cannot be read or is not UTF-8, a text
+            too short for one window.
+        TokenizerError: the artifact's tokenizer.json cannot be read or does not fit the model.
+    """
+    source = shown_path(path)
+    _quantized_only(manifest, folder)
+    if TOKENIZER not in manifest.files:
+        raise InputError(
+            f"`quality_text` is tokenized with the artifact's {TOKENIZER}, and {folder} has none; export it with a "
+            "tokenizer (`tokenizer`), or verify without `quality_text`"
+        )
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"`quality_text` {source}: {exc.strerror or exc}; give a UTF-8 text file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"`quality_text` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
+        ) from None
+    tokenizer = load_tokenizer(Path(folder) / TOKENIZER, manifest.config.vocab_size)
+    quality_text = QualityText(source, np.asarray(tokenizer.encode(text).ids, dtype=np.int64))
+    check_quality_text(quality_text, manifest, folder, settings)
+    return quality_text
 
 
 def greedy_prompt(manifest: Manifest, rng: np.random.Generator) -> list[int]:

@@ -155,11 +155,6 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def kl_divergence(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """KL(softmax(expected) || softmax(actual)) in nats per row of two logits arrays (N, V), in float64."""
-    return _kl(log_softmax(np.asarray(actual, np.float64)), log_softmax(np.asarray(expected, np.float64)))
-
-
 def _kl(log_q: np.ndarray, log_p: np.ndarray) -> np.ndarray:
     kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
     return np.maximum(kl, 0.0)  # a float64 sum of a true KL of ~1e-17 can round below zero

@@ -1,14 +1,18 @@
-"""export --dtype int4 and generate on the result; quantization refusals exit 2 with one line, writing nothing."""
+"""export --dtype int4 and generate on the result, verify --quality-text; quantization refusals and bad quality texts
+exit 2 with one line, writing nothing."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from helpers import assert_one_line_error, replayed_export, run_cli
+from tokenizers import Tokenizer
 
 from exporter.errors import ProviderError
 from exporter.runtime import sessions
+from exporter.verify import engine
 
 
 def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
@@ -49,3 +53,64 @@ def test_a_provider_without_the_kernel_is_refused(monkeypatch, quantized):
     monkeypatch.setattr(sessions, "matmul_nbits_unusable", lambda provider, bits: f"no {bits}-bit kernel")
     with pytest.raises(ProviderError, match="cannot run this int4 artifact: no 4-bit kernel"):
         sessions.check_quantized_provider(sessions.CUDA, manifest)
+
+
+# words of the tiny tokenizer's corpus (tests/conftest.py build_tokenizer)
+TEXT = "kalo mine ruto savi depo gufe lomi neru tosa vide pogu feka " * 8
+QUICK_VERIFY = ("--provider", "cpu", "--decode-steps", "4", "--no-sweep", "--no-genai")
+
+
+def test_verify_reads_a_quality_text(quantized, tmp_path, monkeypatch):
+    folder, text, report = quantized["int4"], tmp_path / "text.txt", tmp_path / "report.json"
+    text.write_text(TEXT, encoding="utf-8")
+    read = []
+
+    def recording(*args):
+        read.append(args[-1])
+        return run_quality(*args)
+
+    run_quality = engine._run_quality
+    monkeypatch.setattr(engine, "_run_quality", recording)
+    result = run_cli("verify", folder, "--quality-text", text, *QUICK_VERIFY, "--report-json", report)
+    assert result.exit_code == 0, result.output
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids
+    assert len(read) == 1 and np.array_equal(read[0].ids, ids)  # the artifact's tokenizer's ids of the text
+    assert f"input: text {text} ({len(ids)} tokens; each batch row a window of it)" in result.stdout
+    [quality] = json.loads(report.read_text())["quality"]
+    assert quality["input"] == {"kind": "text", "source": str(text), "tokens": len(ids)}
+
+
+def test_verify_without_a_quality_text_reads_random_ids(quantized, tmp_path):
+    report = tmp_path / "report.json"
+    result = run_cli("verify", quantized["int4"], *QUICK_VERIFY, "--report-json", report)
+    assert result.exit_code == 0, result.output
+    assert "input: seeded random ids" in result.stdout
+    assert json.loads(report.read_text())["quality"][0]["input"] == {"kind": "random ids"}
+
+
+@pytest.mark.parametrize(
+    ("artifact", "text", "fragment"),
+    [
+        ("int4", None, "No such file or directory; give a UTF-8 text file"),
+        ("int4", "folder", "Is a directory; give a UTF-8 text file"),
+        ("int4", b"kalo \xff mine", "is not UTF-8 text (invalid start byte at byte 5); give UTF-8 text"),
+        ("int4", "kalo mine", "tokens, fewer than the 19 each of the 2 windows reads (a 12-token prompt, 4 decode"),
+        ("int8", TEXT, "is tokenized with the artifact's tokenizer.json, and"),
+        ("float32", TEXT, "is float32, judged by parity with its reference on seeded random ids: drop --quality-text"),
+    ],
+)
+def test_a_bad_quality_text_exits_2_writing_nothing(quantized, artifact_fp32, tmp_path, artifact, text, fragment):
+    folder = artifact_fp32 if artifact == "float32" else quantized[artifact]
+    path = tmp_path / "text.txt"
+    if text == "folder":
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text, encoding="utf-8")
+    before = set(tmp_path.iterdir())
+    report = tmp_path / "report.json"
+    result = run_cli("verify", folder, "--quality-text", path, *QUICK_VERIFY, "--report-json", report)
+    assert_one_line_error(result, 2, fragment)
+    assert result.stderr.startswith(f"error: --quality-text {path}") or artifact != "int4", result.stderr
+    assert set(tmp_path.iterdir()) == before  # no report, error or otherwise

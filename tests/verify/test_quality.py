@@ -9,14 +9,21 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from helpers import edit_manifest
+from onnx import helper, numpy_helper
 
+from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries
 from exporter.errors import InputError
+from exporter.runtime.runner import OrtRunner
 from exporter.verify import engine
+from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE, split_prefill
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, text_windows
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prompt_batch, text_windows
+from exporter.verify.metrics import token_statistics
 from exporter.verify.reports import format_verify, json_text, render_html
+from exporter.verify.tolerances import profile_for
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 
@@ -64,6 +71,54 @@ def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     assert not report.quality[0].passed  # the distributions moved too: decisive top-1 and |Δ log p|
 
 
+NUMERIC_INVARIANTS = ("prefill(all) == prefill(first k) + decode(rest)", "decode(past 0) == prefill")
+
+
+def _decode_logits_scaled(folder, factor: float) -> None:
+    """decode.onnx alone multiplies its logits by `factor`; the manifest re-signed."""
+    path = folder / "decode.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    [node] = [n for n in model.graph.node if "logits" in n.output]
+    node.output[list(node.output).index("logits")] = "unscaled_logits"
+    model.graph.node.append(helper.make_node("Mul", ["unscaled_logits", "logits_factor"], ["logits"]))
+    model.graph.initializer.append(numpy_helper.from_array(np.array(factor, np.float32), "logits_factor"))
+    onnx.save(model, str(path))
+    edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, ["decode.onnx"])))
+
+
+def _invariants(folder) -> dict:
+    report = verify_artifact(folder, None, ["cpu"], ParitySettings(sweep=False), genai=False)
+    return {i.name: i for i in report.invariants}
+
+
+def test_a_level_4_export_passes_its_invariants_where_its_runner_would_not(quantized):
+    folder = quantized["int4-level4"]
+    invariants = _invariants(folder)
+    assert all(i.passed for i in invariants.values()), [i.detail for i in invariants.values()]
+    for name in (*NUMERIC_INVARIANTS, "padded row == same sequence alone"):
+        assert FLOAT32_MATMUL_NOTE in invariants[name].detail, invariants[name].detail
+    assert "MatMulNBits" not in _invariants(quantized["int4"])["decode(past 0) == prefill"].detail  # level 0
+    # the verification's runner: prefill.onnx unprepacked (MatMulNBits in float32), decode.onnx prepacked (int8
+    # activations at level 4), which differ by the activation quantization, far beyond float32's rounding
+    artifact = Artifact.open(folder)
+    settings = ParitySettings()
+    batch = prompt_batch(artifact.manifest, settings, np.random.default_rng(settings.seed))
+    mixed = split_prefill(OrtRunner(artifact), artifact.manifest, batch, profile_for("float32"), k=7)
+    assert not mixed.passed and max(c.needed.scale for c in mixed.comparisons) > 100, mixed.detail
+
+
+def test_a_decode_fault_fails_the_invariants_at_level_4(quantized, tmp_path):
+    folder = shutil.copytree(quantized["int4-level4"], tmp_path / "int4-level4")
+    _decode_logits_scaled(folder, 1.001)
+    invariants = _invariants(folder)
+    for name in NUMERIC_INVARIANTS:
+        [logits] = [c for c in invariants[name].comparisons if c.name.endswith("logits")]
+        # 1e-3 of the logits' peak: 33x float32's bound, yet within the ~1000x a bound covering the int8
+        # activations of one graph against float32 in the other would need
+        assert not invariants[name].passed and 10 < logits.needed.scale < 100, invariants[name].detail
+    assert invariants["padded row == same sequence alone"].passed  # prefill.onnx alone, unchanged
+
+
 def test_kl_by_position_against_closed_forms():
     # two-token distributions: KL(p || q) = sum p log(p / q), worked out from the probabilities themselves
     uniform, skewed = np.log([1.0, 1.0]), np.log([3.0, 1.0])  # softmax: (1/2, 1/2) and (3/4, 1/4)
@@ -75,13 +130,21 @@ def test_kl_by_position_against_closed_forms():
     actual = np.array([[nan, nan, uniform + 5.0], [nan, skewed, skewed]])  # a shifted row is the same distribution
     valid = np.array([[False, False, True], [False, True, True]])
     # decode (B=2, L=2): the reference (expected) is the first distribution of KL(reference || artifact)
-    expected_step = np.array([[np.log([3.0, 1.0]), uniform], [np.log([3.0, 1.0]), np.log([3.0, 1.0])]])
+    expected_step = np.array([[skewed, uniform], [skewed, skewed]])
     actual_step = np.array([[uniform, skewed], [uniform, uniform]])
-    series = kl_by_position([(actual, expected, valid), (actual_step, expected_step, np.ones((2, 2), bool))])
+    step_valid = np.ones((2, 2), bool)
+    # the per-token KLs as check_quality computes them: token_statistics of each call's real positions, in order
+    kl = token_statistics(
+        np.concatenate([actual[valid], actual_step[step_valid]]),
+        np.concatenate([expected[valid], expected_step[step_valid]]),
+    )["kl"]
+    series = kl_by_position(kl, [valid, step_valid])
     assert series[0] is None and len(series) == 5
     want = [kl_uniform_skewed, kl_uniform_skewed / 2, kl_skewed_uniform, (kl_uniform_skewed + kl_skewed_uniform) / 2]
     np.testing.assert_allclose(series[1:], want, rtol=1e-12)
     assert abs(kl_uniform_skewed - kl_skewed_uniform) > 0.01  # the direction is tested, not only the size
+    with pytest.raises(ValueError, match="kl holds 7 tokens, the valid masks 8"):
+        kl_by_position(kl, [valid, np.ones((2, 2), bool), np.ones((1, 1), bool)])
 
 
 class _Recording:
@@ -166,6 +229,18 @@ def test_kl_by_position_is_reported_and_plotted(quantized, tiny_model, monkeypat
     worst = int(np.argmax(series))
     line = f"KL by position: max {max(series):.4g} nats at position {worst}"
     assert line in format_verify(report) and line in page
+
+
+def test_quality_text_refusals_of_the_api(quantized, tiny_model, tmp_path):
+    folder, settings = quantized["int4"], ParitySettings(decode_steps=4, sweep=False)
+    text = tmp_path / "text.txt"
+    text.write_text("kalo mine ruto " * 20, encoding="utf-8")
+    with pytest.raises(InputError, match="no model is given; pass the model"):
+        verify_artifact(folder, None, ["cpu"], settings, genai=False, quality_text=text)
+    with pytest.raises(InputError, match=r"`quality_text` ids gives 18 tokens, fewer than the 19 each of the 2"):
+        verify_artifact(folder, tiny_model, ["cpu"], settings, quality_text=QualityText("ids", np.arange(18)))
+    with pytest.raises(InputError, match="quality_text is a text file's path or a QualityText, got list"):
+        verify_artifact(folder, tiny_model, ["cpu"], settings, quality_text=[1, 2, 3])
 
 
 def test_text_windows_spread_over_the_text():

@@ -18,7 +18,7 @@ from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.verify.checks.quality import check_quality
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import ParitySettings
+from exporter.verify.inputs import ParitySettings, QualityText
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 from exporter.verify.reports import format_verify
 from exporter.verify.tolerances import quality_profile_for
@@ -107,7 +107,7 @@ def test_quantized_quality_on_heldout_text(trained_artifacts, trained_model, hel
         TEXT_SETTINGS,
         profile,
         np.random.default_rng(0),
-        text_ids=heldout_ids,
+        text=QualityText("heldout.txt", np.asarray(heldout_ids)),
     )
     assert report.passed, [c.to_dict() for c in report.failures]
     assert all(check.judged for check in report.checks), [c.to_dict() for c in report.checks]

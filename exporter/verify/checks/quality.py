@@ -24,13 +24,15 @@ from exporter.verify.inputs import (
     FINAL_CHUNK,
     GREEDY_PROMPT_LENGTH,
     ParitySettings,
+    QualityText,
     greedy_prompt,
     next_tokens,
     prefill_feeds,
     prompt_batch,
     text_windows,
+    window_length,
 )
-from exporter.verify.metrics import kl_divergence, match_length, token_statistics
+from exporter.verify.metrics import match_length, token_statistics
 from exporter.verify.tolerances import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
@@ -78,6 +80,8 @@ class QualityReport:
     the final chunk's tokens), positions prefill_positions, prefill_positions + 1, ... Each value is the mean over
     the batch rows holding a real token there; None where no row does (a column of padding only), NaN where a
     distribution was not finite. to_dict writes it as {"prefill": [...], "decode": [...]}, 4 significant digits.
+
+    `text` is the text the checks read (None: seeded random ids); to_dict writes it as "input".
     """
 
     provider: str
@@ -89,6 +93,7 @@ class QualityReport:
     greedy_onnx: list[int]
     kl_by_position: tuple[float | None, ...] = ()
     prefill_positions: int = 0
+    text: QualityText | None = None
 
     @property
     def passed(self) -> bool:
@@ -106,6 +111,7 @@ class QualityReport:
             "provider": self.provider,
             "scheme": self.scheme,
             "passed": self.passed,
+            "input": {"kind": "random ids"} if self.text is None else {"kind": "text", **self.text.to_dict()},
             "profile": self.profile.to_dict(),
             "checks": [c.to_dict() for c in self.checks],
             "metrics": self.metrics,
@@ -122,25 +128,26 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else float(f"{value:.4g}")
 
 
-def kl_by_position(calls: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[float | None]:
-    """The mean KL(expected || actual) in nats at each position of a sequence of calls.
+def kl_by_position(kl: np.ndarray, valid: list[np.ndarray]) -> list[float | None]:
+    """The mean KL in nats at each position of a sequence of calls, from the KL of each real token.
 
     Args:
-        calls: (actual, expected, valid) per call, in the order of the sequence: logits (B, L, V) of the artifact
-            and of the reference, and (B, L), true where the row holds a real token (padding is left out).
+        kl: (N,) the KL of each real token: each call's in turn, a call's in row-major order of its `valid`
+            (token_statistics' "kl" of the logits taken at those positions, in that order).
+        valid: per call, (B, L), true where the row holds a real token (padding is left out); N true in all.
 
     Returns:
         One value per position, each call's L in turn: the mean over the rows valid there; None where none is.
     """
+    masks = [np.asarray(mask, bool) for mask in valid]
+    bounds = np.cumsum([0, *(int(mask.sum()) for mask in masks)])  # each call's tokens are kl[bounds[i]:bounds[i+1]]
+    if bounds[-1] != len(kl):
+        raise ValueError(f"kl holds {len(kl)} tokens, the valid masks {bounds[-1]}")
     series: list[float | None] = []
-    for actual, expected, valid in calls:
-        valid = np.asarray(valid, bool)
-        vocab = expected.shape[-1]
-        keep = valid.reshape(-1)
-        kl = np.zeros(valid.shape)
-        kl[valid] = kl_divergence(actual.reshape(-1, vocab)[keep], expected.reshape(-1, vocab)[keep])
-        counts = valid.sum(axis=0)
-        series += [float(total / n) if n else None for total, n in zip(kl.sum(axis=0), counts)]
+    for mask, start, end in zip(masks, bounds, bounds[1:]):
+        grid = np.zeros(mask.shape)
+        grid[mask] = kl[start:end]  # boolean indexing is row-major: the tokens' order
+        series += [float(total / n) if n else None for total, n in zip(grid.sum(axis=0), mask.sum(axis=0))]
     return series
 
 
@@ -156,11 +163,11 @@ def check_quality(
     settings: ParitySettings,
     profile: QualityProfile,
     rng: np.random.Generator,
-    text_ids=None,
+    text: QualityText | None = None,
 ) -> QualityReport:
     """The distributional figures of `onnx` (an OrtRunner on a quantized artifact) against `reference`.
 
-    Random ids put a trained model out of its distribution; with `text_ids` (a tokenized text) every row of the
+    Random ids put a trained model out of its distribution; with `text` (a tokenized text) every row of the
     batch is a window of that text, the decode steps feed its continuation and the greedy run starts from its
     first ids, so that the figures are measured where the model is used.
 
@@ -172,8 +179,8 @@ def check_quality(
         settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
         profile: the limits.
         rng: the generator of the decode steps' new token ids.
-        text_ids: the ids of a text to read the batch, the decode steps and the greedy prompt from; None: random
-            ids (the batch given, `rng`'s steps, the parity checks' greedy prompt).
+        text: a text to read the batch, the decode steps and the greedy prompt from; None: random ids (the
+            batch given, `rng`'s steps, the parity checks' greedy prompt).
 
     Returns:
         The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
@@ -181,17 +188,17 @@ def check_quality(
     """
     steps = [1] * settings.decode_steps + [FINAL_CHUNK]  # the decode calls' lengths
     continuation = None
-    if text_ids is not None:
-        rows = text_windows(text_ids, settings.batch, settings.prompt_length + sum(steps))
+    if text is not None:
+        rows = text_windows(text.ids, settings.batch, window_length(settings))
         batch = prompt_batch(manifest, settings, rng, rows[:, : settings.prompt_length])
         continuation = rows[:, settings.prompt_length :]
     pairs = []  # (actual, expected) logits of the real positions
-    calls = []  # (actual, expected, valid) logits of each call, for kl_by_position
+    valid = []  # (B, L) of each call, true at its real positions: where `pairs` took them, for kl_by_position
     feeds = prefill_feeds(manifest, batch)
     ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
     mask = batch["attention_mask"]
     pairs.append((_real(ort_out["logits"], mask), _real(ref_out["logits"], mask)))
-    calls.append((ort_out["logits"], ref_out["logits"], np.asarray(mask) == 1))
+    valid.append(np.asarray(mask) == 1)
     nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
     log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
     read = 0
@@ -207,12 +214,12 @@ def check_quality(
                 ref_out["logits"].reshape(-1, ref_out["logits"].shape[-1]),
             )
         )
-        calls.append((ort_out["logits"], ref_out["logits"], np.ones(ort_out["logits"].shape[:2], bool)))
+        valid.append(np.ones(ort_out["logits"].shape[:2], bool))
     stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
-    if text_ids is None:
+    if text is None:
         prompt = greedy_prompt_of(manifest, settings)
     else:
-        prompt = [int(i) for i in np.asarray(text_ids).reshape(-1)[:GREEDY_PROMPT_LENGTH]]
+        prompt = [int(i) for i in text.ids[:GREEDY_PROMPT_LENGTH]]
     tokens = min(GREEDY_QUALITY_TOKENS, manifest.config.max_position_embeddings - len(prompt))
     log.info("%s: greedy generation of %d tokens", onnx.provider, tokens)
     trace = reference.greedy(prompt, tokens, manifest.config.eos_token_id)
@@ -263,8 +270,9 @@ def check_quality(
         metrics=metrics,
         greedy_reference=list(trace.ids),
         greedy_onnx=list(actual),
-        kl_by_position=tuple(kl_by_position(calls)),
+        kl_by_position=tuple(kl_by_position(stats["kl"], valid)),
         prefill_positions=int(np.asarray(batch["attention_mask"]).shape[1]),
+        text=text,
     )
 
 

@@ -16,6 +16,7 @@ from exporter.verify.reports.text import (
     kl_position_summary,
     probe_notes,
     quality_figures,
+    quality_input,
     quality_rows,
     quality_title,
     routing_notes,
@@ -158,6 +159,7 @@ def _kl_plot(q) -> str:
 def _quality(q) -> str:
     return (
         f'<section class="quality"><h2>{escape(quality_title(q))}</h2><p>{escape(q.profile.why)}</p>'
+        f"<p>{escape(quality_input(q))}</p>"
         f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p>{_kl_plot(q)}</section>"
     )
 

@@ -348,6 +348,13 @@ def kl_position_summary(q) -> str:
     )
 
 
+def quality_input(q) -> str:
+    """What the quality checks read: the text, or seeded random ids."""
+    if q.text is None:
+        return "input: seeded random ids"
+    return f"input: text {q.text.source} ({len(q.text.ids)} tokens; each batch row a window of it)"
+
+
 def quality_title(q) -> str:
     return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}"
 
@@ -356,8 +363,8 @@ def format_quality(q) -> str:
     """A quantized artifact's quality checks on one provider, then the other figures."""
     summary = kl_position_summary(q)
     return (
-        f"{quality_title(q)}\n  {q.profile.why}\n{table(QUALITY_HEADER, quality_rows(q))}\n  {quality_figures(q)}"
-        + (f"\n  {summary}" if summary else "")
+        f"{quality_title(q)}\n  {q.profile.why}\n  {quality_input(q)}\n{table(QUALITY_HEADER, quality_rows(q))}\n"
+        f"  {quality_figures(q)}" + (f"\n  {summary}" if summary else "")
     )
 
 

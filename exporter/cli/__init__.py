@@ -210,6 +210,7 @@ def run(
     block_size,
     accuracy_level,
     lm_head,
+    embedding,
     no_loss,
     tokenizer,
     providers,
@@ -233,7 +234,12 @@ def run(
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
-    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
+    quantize = {
+        "block_size": block_size,
+        "accuracy_level": accuracy_level,
+        "lm_head": lm_head,
+        "embedding": embedding,
+    }
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
@@ -259,6 +265,7 @@ def export(
     block_size,
     accuracy_level,
     lm_head,
+    embedding,
     no_loss,
     tokenizer,
     as_json,
@@ -270,7 +277,12 @@ def export(
     setup_logging(verbose, quiet)
     from exporter.cli.export_report import format_export
 
-    quantize = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head}
+    quantize = {
+        "block_size": block_size,
+        "accuracy_level": accuracy_level,
+        "lm_head": lm_head,
+        "embedding": embedding,
+    }
     _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, quantize)
     emit(exported.to_dict(), as_json, format_export(exported))
 

@@ -120,6 +120,7 @@ FLAGS = {
     "block_size": "--block-size",
     "accuracy_level": "--accuracy-level",
     "lm_head": "--lm-head",
+    "embedding": "--embedding",
     "provider": "--provider",
     "providers": "--provider",
     "intra_op_threads": "--threads",

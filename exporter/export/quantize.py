@@ -9,13 +9,13 @@ quantizer takes.
 
 The token embedding is quantized at the bits `Quantization.embedding` asks (or left float) as onnxruntime's
 GatherBlockQuantized, whose uint8 layout is MatMulNBits': its rows are the blocks the quantizer's own
-`qbits_block_quant` makes of the transposed table, as for a lm_head. The quantizer's Gather path is not used: it
+`qbits_block_quant` makes of the transposed table, as for an lm_head. The quantizer's Gather path is not used: it
 writes int4 tensors, which need opset 21 (the artifact is opset 20), and takes no 8 bits. A tied table at the
-lm_head's bits therefore gets the lm_head's bytes, which the weights file stores once for both (exporter.export.
-weights matches by content). GatherBlockQuantized gives zeros for an id outside the table, where the float graph's
-Gather fails (exporter.export.graphs: ids are sent past the table so that Gather fails on them), so the ids first go
-through a Gather of the table's row numbers: it passes every id in [0, vocab) unchanged and fails on the others as
-the float graph does.
+lm_head's bits therefore gets the lm_head's bytes, which the weights file stores once for both
+(exporter.export.weights matches by content). GatherBlockQuantized gives zeros for an id outside the table, where
+the float graph's Gather fails (exporter.export.graphs: ids are sent past the table so that Gather fails on them),
+so the ids first go through a Gather of the table's row numbers: it passes every id in [0, vocab) unchanged and
+fails on the others as the float graph does.
 
 The quantizer is deterministic (the same weights give the same bytes), so prefill and decode, which hold the same
 weights, get identical quantized initializers and still share one weights file by content; `quantize_graphs`

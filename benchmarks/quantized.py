@@ -2,7 +2,8 @@
 onnxruntime-genai's builder int4 of the same Hugging Face folders.
 
 1. minimind-3 (seeded weights; --quick: minimind-3-tiny) exported in float32 (torch.onnx), then in int8 and int4
-   from those same graphs (block 32, --accuracy-level, default 4: int8 math on the CPU). Artifact bytes per
+   from those same graphs (block 32, --accuracy-level, default 4: int8 math on the CPU; the lm_head and the
+   token embedding at the export's defaults, which the tables name). Artifact bytes per
    precision; prefill and decode timed in turns with benchmarks/runtime.py's workers (same prompts, steps,
    warm-up, rounds; ratios are medians of per-round ratios) against PyTorch float32; the int4 weight-read floor.
 2. Two Qwen3 folders: the trained fixture (tests/fixtures/minimind-3-stdlib) written as a Qwen3ForCausalLM
@@ -203,6 +204,7 @@ def measure_precisions(folders: dict[str, Path], rounds: int, flags: list[str], 
         "floor_step_ms": 1000 / statistics.median(floor_tps),
     }
     out["accuracy_level"] = accuracy_level
+    out["lm_head"], out["embedding"] = manifest.quantization.lm_head, manifest.quantization.embedding
     out["vnni_flags"] = flags
     return out
 
@@ -409,7 +411,8 @@ def tables(report: dict) -> list[str]:
     lines = [
         "## minimind precisions",
         "",
-        f"Model `{report['preset']}`, seeded weights; int8/int4 block 32, accuracy level {p['accuracy_level']}.",
+        f"Model `{report['preset']}`, seeded weights; int8/int4 block 32, accuracy level {p['accuracy_level']}, "
+        f"lm_head {p['lm_head']}, embedding {p['embedding']}.",
         "",
         "| | bytes | × float32 | prefill 128 (ms) | prefill 512 (ms) | decode tokens/s |",
         "|---|---|---|---|---|---|",

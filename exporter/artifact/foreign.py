@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from exporter.artifact.contract import KV_KINDS, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.manifest import MANIFEST, Manifest
-from exporter.artifact.quantization import FLOAT_DTYPE, QUANTIZED_OP, SCHEMES, Quantization
+from exporter.artifact.quantization import FLOAT_DTYPE, GATHER_OP, QUANTIZED_OP, SCHEMES, Quantization
 from exporter.errors import ArtifactError, InputError, first_line
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict
@@ -170,6 +170,7 @@ def _quantization(model: onnx.ModelProto) -> Quantization | None:
         block_size=int(attributes[0].get("block_size", 0)),
         accuracy_level=int(attributes[0].get("accuracy_level", 0)),
         lm_head="same",
+        embedding="same" if any(n.op_type == GATHER_OP for n in model.graph.node) else "float",
         matrices=len(nodes),
     )
 

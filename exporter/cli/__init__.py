@@ -153,6 +153,17 @@ def _require_torch(purpose: str) -> None:
         )
 
 
+def _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers) -> dict:
+    """export_artifact's keyword arguments beyond the model, folder, dtype, loss and tokenizer."""
+    return {
+        "block_size": block_size,
+        "accuracy_level": accuracy_level,
+        "lm_head": lm_head,
+        "embedding": embedding,
+        "trace_all_layers": trace_all_layers,
+    }
+
+
 def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None, settings=None):
     _require_torch("exporting")
     from exporter.export.pipeline import (
@@ -210,6 +221,7 @@ def run(
     block_size,
     accuracy_level,
     lm_head,
+    embedding,
     trace_all_layers,
     no_loss,
     tokenizer,
@@ -234,12 +246,7 @@ def run(
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
-    settings = {
-        "block_size": block_size,
-        "accuracy_level": accuracy_level,
-        "lm_head": lm_head,
-        "trace_all_layers": trace_all_layers,
-    }
+    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
@@ -265,6 +272,7 @@ def export(
     block_size,
     accuracy_level,
     lm_head,
+    embedding,
     trace_all_layers,
     no_loss,
     tokenizer,
@@ -277,12 +285,7 @@ def export(
     setup_logging(verbose, quiet)
     from exporter.cli.export_report import format_export
 
-    settings = {
-        "block_size": block_size,
-        "accuracy_level": accuracy_level,
-        "lm_head": lm_head,
-        "trace_all_layers": trace_all_layers,
-    }
+    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers)
     _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     emit(exported.to_dict(), as_json, format_export(exported))
 

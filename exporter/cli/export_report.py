@@ -27,8 +27,8 @@ def _quantized(manifest) -> str:
         return ""
     kept = "; ".join(q.kept_float) or "nothing"
     return (
-        f"{q.matrices} weight matrices as {q.bits}-bit MatMulNBits blocks of {q.block_size} (accuracy level "
-        f"{q.accuracy_level}, lm_head {q.lm_head}): {q.float_bytes / 1e6:.2f} MB float32 -> "
+        f"{q.matrices} weight matrices as {q.bits}-bit blocks of {q.block_size} (accuracy level "
+        f"{q.accuracy_level}, lm_head {q.lm_head}, embedding {q.embedding}): {q.float_bytes / 1e6:.2f} MB float32 -> "
         f"{q.quantized_bytes / 1e6:.2f} MB ({q.ratio:.2f}x); kept float: {kept}\n"
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from exporter.artifact.paths import TEXT_PATH_FIX, check_output_path, check_outside_artifact, check_text_path
-from exporter.artifact.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_LM_HEAD, LM_HEAD
+from exporter.artifact.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_EMBEDDING, DEFAULT_LM_HEAD, TABLE_CHOICES
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
@@ -104,11 +104,18 @@ def export_options(func):
         ),
         click.option(
             "--lm-head",
-            type=click.Choice(list(LM_HEAD)),
+            type=click.Choice(list(TABLE_CHOICES)),
             default=DEFAULT_LM_HEAD,
             show_default=True,
-            help="int4/int8: an untied lm_head's weights at 8 bits, float, or the same bits as the rest "
-            "(a tied one stays float with the embedding).",
+            help="int4/int8: the lm_head's weights (tied or not) at 8 bits, float, or the same bits as the rest.",
+        ),
+        click.option(
+            "--embedding",
+            type=click.Choice(list(TABLE_CHOICES)),
+            default=DEFAULT_EMBEDDING,
+            show_default=True,
+            help="int4/int8: the token embedding's weights at 8 bits, float, or the same bits as the rest "
+            "(GatherBlockQuantized); a tied table at the lm_head's bits is stored once.",
         ),
         click.option(
             "--no-loss", is_flag=True, help="Drop the labels input and loss output of prefill.onnx (inference-only)."

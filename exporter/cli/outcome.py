@@ -120,6 +120,7 @@ FLAGS = {
     "block_size": "--block-size",
     "accuracy_level": "--accuracy-level",
     "lm_head": "--lm-head",
+    "embedding": "--embedding",
     "trace_all_layers": "--trace-all-layers",
     "provider": "--provider",
     "providers": "--provider",

@@ -39,6 +39,7 @@ from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_
 from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.quantization import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
     FLOAT_DTYPE,
     SCHEMES,
@@ -698,6 +699,7 @@ def export_artifact(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = 0,
     lm_head: str = DEFAULT_LM_HEAD,
+    embedding: str = DEFAULT_EMBEDDING,
     trace_all_layers: bool = False,
 ) -> ExportResult:
     """Export `model` as an artifact folder.
@@ -712,7 +714,8 @@ def export_artifact(
         folder: the output folder (str or Path): absent, empty, or an artifact of this toolkit holding only
             the files its manifest lists.
         dtype: the graphs' float type, one of DTYPES ("float32", "float16"), or a weight-only quantization scheme
-            ("int4", "int8": MatMul weights in onnxruntime's MatMulNBits blocks, activations and cache float32).
+            ("int4", "int8": MatMul weights in onnxruntime's MatMulNBits blocks, the token embedding in its
+            GatherBlockQuantized rows, activations and cache float32).
         with_loss: give prefill.onnx a `labels` input and a `loss` output.
         source: where the weights came from, as manifest.json records it: a dict of JSON values with a
             "kind"; None: {"kind": "in-memory"}.
@@ -721,8 +724,14 @@ def export_artifact(
             consumer.
         block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
         accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4: int8 math on the CPU).
-        lm_head: for "int4"/"int8", an untied lm_head's weights: "int8" (default), "float", or "same" (the scheme's
-            bits). A tied lm_head stays float with the embedding table, which is never quantized.
+        lm_head: for "int4"/"int8", the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the
+            scheme's bits). The vocabulary-wide projection is the most sensitive one: its error moves every logit.
+        embedding: for "int4"/"int8", the token embedding's weights, as onnxruntime's GatherBlockQuantized: "int8"
+            (default), "float", or "same". Its rows are read once per token, so their bits cost no compute and 8 bits
+            cost little size, while a float table can outweigh the quantized rest (Qwen3-0.6B's is 0.26x of its
+            float32 bytes); onnxruntime-genai's builder keeps an untied embedding float and llama.cpp's Q4_K_M keeps
+            a tied one at 6 bits, both above the 4 bits of the projections. A tied table at the same bits as the
+            lm_head is stored once, read by both.
         trace_all_layers: trace every layer with torch.onnx. By default a model whose layers repeat is traced three
             layers deep and its graph grown to its depth (exporter/export/layer_template.py), which takes a fraction
             of the time and gives the same graph.
@@ -741,7 +750,7 @@ def export_artifact(
     check_flag("trace_all_layers", trace_all_layers)
     # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
-    quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head)
+    quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head, embedding)
     dtype = FLOAT_DTYPE if quantization is not None else dtype  # what the graphs compute in
     source = {"kind": "in-memory"} if source is None else source
     _check_source(source)

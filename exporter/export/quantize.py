@@ -2,14 +2,24 @@
 
 onnxruntime's own quantizer (`MatMulNBitsQuantizer` with its `DefaultWeightOnlyQuantConfig`: round to nearest,
 asymmetric blocks) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits node reading
-`bits`-bit blocks, a float32 scale per block and a zero point per block. Nothing else is touched: the embedding
-is a Gather (it stays float), and a tied lm_head is a Gemm on the embedding table (it stays float with it). An
-untied lm_head is a MatMul like any projection: it is quantized at the scheme's bits, at 8 bits, or excluded, as
-`Quantization.lm_head` asks.
+`bits`-bit blocks, a float32 scale per block and a zero point per block. The lm_head is quantized at the scheme's
+bits, at 8 bits, or left float, as `Quantization.lm_head` asks; a tied lm_head, exported as a Gemm on the embedding
+table (exporter.export.graphs), is first rewritten as a MatMul on a transposed copy of the table, the form the
+quantizer takes.
+
+The token embedding is quantized at the bits `Quantization.embedding` asks (or left float) as onnxruntime's
+GatherBlockQuantized, whose uint8 layout is MatMulNBits': its rows are the blocks the quantizer's own
+`qbits_block_quant` makes of the transposed table, as for an lm_head. The quantizer's Gather path is not used: it
+writes int4 tensors, which need opset 21 (the artifact is opset 20), and takes no 8 bits. A tied table at the
+lm_head's bits therefore gets the lm_head's bytes, which the weights file stores once for both
+(exporter.export.weights matches by content). GatherBlockQuantized gives zeros for an id outside the table, where
+the float graph's Gather fails (exporter.export.graphs: ids are sent past the table so that Gather fails on them),
+so the ids first go through a Gather of the table's row numbers: it passes every id in [0, vocab) unchanged and
+fails on the others as the float graph does.
 
 The quantizer is deterministic (the same weights give the same bytes), so prefill and decode, which hold the same
-weights, get identical quantized initializers and still share one weights file by content
-(exporter.export.weights); `quantize_graphs` checks that they do.
+weights, get identical quantized initializers and still share one weights file by content; `quantize_graphs`
+checks that they do.
 """
 
 from __future__ import annotations
@@ -22,13 +32,20 @@ import logging
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
-from exporter.artifact.quantization import QUANTIZED_OP, Quantization
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, Quantization, block_inputs
 from exporter.errors import ExportFailed
 from exporter.verify.diagnosis.probe import module_of
 
 log = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+TOKEN_IDS = "input_ids"  # the graph input the token embedding reads (exporter.artifact.contract)
+
+
+def _float_matrix(tensor: onnx.TensorProto | None) -> bool:
+    return tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT
 
 
 def _constant_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
@@ -37,7 +54,7 @@ def _constant_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx
     found = []
     for node in model.graph.node:
         tensor = initializers.get(node.input[1]) if node.op_type == "MatMul" and node.domain == "" else None
-        if tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT:
+        if _float_matrix(tensor):
             found.append((node, tensor))
     return found
 
@@ -51,6 +68,83 @@ def _name_nodes(model: onnx.ModelProto) -> None:
             while node.name in used:
                 node.name += "_"
             used.add(node.name)
+
+
+def _attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _tied_heads(model: onnx.ModelProto, vocab_size: int) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
+    """The Gemm(hidden, table, transB=1) nodes on a (vocab, hidden) float32 initializer: a tied lm_head
+    (exporter.export.graphs), with its table."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        table = initializers.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
+        attributes = _attributes(node)
+        plain = attributes.get("transB") == 1 and not attributes.get("transA") and attributes.get("alpha", 1.0) == 1
+        if _float_matrix(table) and table.dims[0] == vocab_size and plain:
+            found.append((node, table))
+    return found
+
+
+def _tied_heads_as_matmuls(model: onnx.ModelProto, vocab_size: int) -> dict[str, str]:
+    """Rewrite each tied lm_head Gemm(hidden, table, transB=1) as MatMul(hidden, table^T) on a transposed copy of
+    the table, under the Gemm's name, the form the quantizer takes; returns {transposed copy: table}. Done only
+    where the lm_head is to be quantized: a float graph keeps the Gemm, which reads the table the embedding
+    shares, without a second copy."""
+    copies: dict[str, str] = {}
+    for node, table in _tied_heads(model, vocab_size):
+        name = f"{table.name}_transposed"
+        if name not in copies:
+            transposed = np.ascontiguousarray(numpy_helper.to_array(table).T)
+            model.graph.initializer.append(numpy_helper.from_array(transposed, name))
+            copies[name] = table.name
+        matmul = helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name)
+        matmul.metadata_props.extend(node.metadata_props)
+        _replace_node(model, node, [matmul])
+    return copies
+
+
+def _replace_node(model: onnx.ModelProto, node: onnx.NodeProto, new: list[onnx.NodeProto]) -> None:
+    """`new` in `node`'s place, in order (the graph's nodes stay topologically sorted)."""
+    index = list(model.graph.node).index(node)
+    model.graph.node.remove(node)
+    for offset, replacement in enumerate(new):
+        model.graph.node.insert(index + offset, replacement)
+
+
+def _reads(model: onnx.ModelProto, value: str, graph_input: str) -> bool:
+    """Whether `value` is `graph_input` or computed from it."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    seen, pending = set(), [value]
+    while pending:
+        name = pending.pop()
+        if name == graph_input:
+            return True
+        if name in seen or name not in producers:
+            continue
+        seen.add(name)
+        pending.extend(producers[name].input)
+    return False
+
+
+def _table_gathers(model: onnx.ModelProto, vocab_size: int) -> tuple[list, list]:
+    """The Gathers on a 2-D float32 initializer: (the token embedding's, as (node, table): a vocab_size-row table read
+    at ids computed from input_ids; every other one, e.g. a learned position table)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    tokens, others = [], []
+    for node in model.graph.node:
+        table = initializers.get(node.input[0]) if node.op_type == "Gather" and node.domain == "" else None
+        if not _float_matrix(table):
+            continue
+        token = (
+            table.dims[0] == vocab_size
+            and not _attributes(node).get("axis")
+            and _reads(model, node.input[1], TOKEN_IDS)
+        )
+        (tokens if token else others).append((node, table))
+    return tokens, others
 
 
 def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, include: list[str]) -> onnx.ModelProto:
@@ -75,61 +169,125 @@ def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, incl
     return quantizer.model.model
 
 
+def _quantize_embedding(
+    model: onnx.ModelProto, node: onnx.NodeProto, table: onnx.TensorProto, bits: int, scheme: Quantization
+) -> None:
+    """Replace the token embedding's Gather by GatherBlockQuantized on `bits`-bit rows of `table`, behind the Gather
+    of row numbers that fails on ids outside the table (the module's docstring)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits)
+    # MatMulNBits blocks of the (hidden, vocab) matrix: per vocab row, its blocks along the hidden axis
+    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(
+        np.ascontiguousarray(numpy_helper.to_array(table).T)
+    )
+    rows = table.dims[0]
+    prefix = f"{table.name}_rows_Q{bits}"
+    tensors = [
+        numpy_helper.from_array(packed.reshape(rows, -1), prefix),
+        numpy_helper.from_array(np.arange(rows, dtype=np.int64), f"{table.name}_row_ids"),
+        numpy_helper.from_array(scales, f"{prefix}_scales"),
+    ]
+    if not scheme.symmetric:
+        tensors.append(numpy_helper.from_array(zero_points, f"{prefix}_zero_points"))
+    data, row_ids, *quantization = (t.name for t in tensors)
+    checked = f"{node.output[0]}_checked_ids"
+    guard = helper.make_node("Gather", [row_ids, node.input[1]], [checked], name=f"{node.name}_ids_in_table", axis=0)
+    lookup = helper.make_node(
+        GATHER_OP,
+        [data, checked, *quantization],
+        list(node.output),
+        name=f"{node.name}_Q{bits}",
+        domain=MS_DOMAIN,
+        bits=bits,
+        block_size=scheme.block_size,
+        gather_axis=0,
+        quantize_axis=1,
+    )
+    for new in (guard, lookup):
+        new.metadata_props.extend(node.metadata_props)
+    _replace_node(model, node, [guard, lookup])
+    model.graph.initializer.extend(tensors)
+    if not any(entry.domain == MS_DOMAIN for entry in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+
+
+def _drop_unread_initializers(model: onnx.ModelProto) -> None:
+    """Drop the initializers no node reads any more: a tied table once both its readers are quantized."""
+    read = {name for node in model.graph.node for name in node.input}
+    kept = [t for t in model.graph.initializer if t.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def _digest(tensor: onnx.TensorProto) -> str:
+    return hashlib.sha256(tensor.raw_data or numpy_helper.to_array(tensor).tobytes()).hexdigest()
+
+
 def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int) -> tuple[onnx.ModelProto, dict]:
-    """One graph quantized; with what stayed float and the bytes before and after."""
+    """One graph quantized; with what stayed float, the matrices quantized and their bytes before and after."""
     _name_nodes(model)
+    head_bits = scheme.bits_for(scheme.lm_head)
+    embedding_bits = scheme.bits_for(scheme.embedding)
+    tied = bool(_tied_heads(model, vocab_size))
+    copies = _tied_heads_as_matmuls(model, vocab_size) if head_bits is not None else {}
     matmuls = _constant_matmuls(model)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
-    float_bytes = sum(int(np.prod(t.dims)) * 4 for _, t in matmuls)
-    tables = {t.name for t in model.graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT}
+    tokens, others = _table_gathers(model, vocab_size)
+    # float32 bytes of each quantized source matrix, by name: a tied table quantized for both counts once
+    sources = {copies.get(t.name, t.name): int(np.prod(t.dims)) * 4 for n, t in matmuls if n.name in body}
     kept = [
-        f"{module_of(n) or n.name} (a Gather: onnxruntime's quantizer takes MatMul weights only)"
-        for n in model.graph.node
-        if n.op_type == "Gather" and n.input[0] in tables
+        f"{module_of(n) or n.name} (a Gather not on the token ids: only the token embedding is quantized)"
+        for n, _ in others
     ]
-    if any(node.op_type == "Gemm" for node in model.graph.node):
-        kept += ["lm_head (a Gemm on the tied embedding table, which stays float with the embedding)"]
-    if heads and scheme.lm_head == "float":
-        kept += ["lm_head (asked: lm_head float)"]
-        float_bytes -= sum(int(np.prod(t.dims)) * 4 for n, t in matmuls if n.name in heads)
-    head_bits = {"float": None, "int8": 8, "same": scheme.bits}[scheme.lm_head]
+    if head_bits is None:
+        kept += ["lm_head (asked: lm_head float)"] if heads or tied else []
+    else:
+        sources.update({copies.get(t.name, t.name): int(np.prod(t.dims)) * 4 for n, t in matmuls if n.name in heads})
+    if embedding_bits is None:
+        kept += [f"{module_of(n) or n.name} (asked: embedding float)" for n, _ in tokens]
+    else:
+        sources.update({t.name: int(np.prod(t.dims)) * 4 for _, t in tokens})
+        for node, table in tokens:
+            _quantize_embedding(model, node, table, embedding_bits, scheme)
     if heads and head_bits is not None and head_bits != scheme.bits:
         model = _run_quantizer(model, head_bits, scheme, heads)
-        heads = []
     model = _run_quantizer(model, scheme.bits, scheme, body + (heads if head_bits == scheme.bits else []))
+    _drop_unread_initializers(model)
     left = {node.name for node, _ in _constant_matmuls(model)}
-    quantized = [n for n in model.graph.node if n.op_type == QUANTIZED_OP]
-    initializers = {t.name: t for t in model.graph.initializer}
-    quantized_bytes = sum(
-        len(initializers[name].raw_data) or numpy_helper.to_array(initializers[name]).nbytes
-        for node in quantized
-        for name in node.input[1:]
-        if name in initializers
-    )
-    unexpected = sorted(left & set(body))
+    unexpected = sorted(left & set(body + (heads if head_bits is not None else [])))
     if unexpected:
         raise ExportFailed(f"onnxruntime's quantizer left {len(unexpected)} MatMul weight(s) float: {unexpected[:3]}")
-    return model, {"kept_float": kept, "matrices": len(quantized), "float": float_bytes, "quantized": quantized_bytes}
+    initializers = {t.name: t for t in model.graph.initializer}
+    quantized = [n for n in model.graph.node if n.op_type in QUANTIZED_OPS]
+    # by content: a tied table at one bits is the same blocks for both nodes, stored once
+    blocks = {_digest(initializers[name]): initializers[name] for n in quantized for name in block_inputs(n)}
+    matrices = {_digest(initializers[block_inputs(n)[0]]) for n in quantized}
+    quantized_bytes = sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in blocks.values())
+    return model, {
+        "kept_float": kept,
+        "matrices": len(matrices),
+        "float": sum(sources.values()),
+        "quantized": quantized_bytes,
+    }
 
 
 def _quantized_keys(model: onnx.ModelProto) -> set[tuple]:
     initializers = {t.name: t for t in model.graph.initializer}
-    keys = set()
-    for node in model.graph.node:
-        if node.op_type == QUANTIZED_OP:
-            for name in node.input[1:]:
-                tensor = initializers[name]
-                data = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
-                keys.add((tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest()))
-    return keys
+    return {
+        (initializers[name].data_type, tuple(initializers[name].dims), _digest(initializers[name]))
+        for node in model.graph.node
+        if node.op_type in QUANTIZED_OPS
+        for name in block_inputs(node)
+    }
 
 
 def quantize_graphs(
     prefill: onnx.ModelProto, decode: onnx.ModelProto, scheme: Quantization, vocab_size: int
 ) -> tuple[onnx.ModelProto, onnx.ModelProto, Quantization]:
-    """Both graphs with their MatMul weights quantized as `scheme` asks, and the scheme with what was done
-    (matrices, bytes, what stayed float).
+    """Both graphs with their MatMul weights (and the token embedding, unless kept float) quantized as `scheme`
+    asks, and the scheme with what was done (matrices, bytes, what stayed float).
 
     Raises:
         ExportFailed: the quantizer failed, left a projection float, or gave the two graphs different blocks.
@@ -147,10 +305,12 @@ def quantize_graphs(
             "report this with the model's config"
         )
     log.info(
-        "quantized %d weight matrices to %s (block %d): %.2f MB float32 -> %.2f MB",
+        "quantized %d weight matrices to %s (block %d; lm_head %s, embedding %s): %.2f MB float32 -> %.2f MB",
         done["matrices"],
         scheme.scheme,
         scheme.block_size,
+        scheme.lm_head,
+        scheme.embedding,
         done["float"] / 1e6,
         done["quantized"] / 1e6,
     )

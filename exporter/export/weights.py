@@ -2,8 +2,10 @@
 
 The dynamo exporter folds weight transposes into new initializers whose names
 differ between separately exported graphs, so tensors are matched by content
-(dtype, shape, bytes), not by name. Each distinct tensor is written once; every
-graph's initializer points at the same offset.
+(dtype and bytes), not by name. Each distinct content is written once; every
+initializer holding it points at the same offset, with its own shape: a tied
+table quantized once is read as MatMulNBits' (vocab, blocks, bytes) and as
+GatherBlockQuantized's (vocab, blocks x bytes).
 
 Graphs are added one at a time, as each export finishes (SharedWeightsWriter):
 a graph's weights go to the file and leave memory before the next graph is
@@ -33,7 +35,7 @@ ALIGNMENT = 4096
 class SharedWeights:
     file: str
     bytes: int
-    tensors: int  # distinct tensors in the file
+    tensors: int  # distinct contents in the file
     # Per model (in the order given): its external initializers as
     # {"name", "offset", "length", "dtype", "shape"}, so a runtime can map the file
     # once and hand both sessions the same memory.
@@ -82,9 +84,9 @@ class SharedWeightsWriter:
         self._out.close()
         self.result = SharedWeights(self.file_name, size, len(self._offsets), self._tables)
 
-    def _place(self, dtype: int, dims: tuple, data) -> tuple[int, int]:
+    def _place(self, dtype: int, data) -> tuple[int, int]:
         """(offset, length) of these bytes in the file, written at the next aligned offset unless already there."""
-        key = (dtype, dims, hashlib.sha256(data).digest())
+        key = (dtype, hashlib.sha256(data).digest())
         if key not in self._offsets:
             out = self._out
             offset = -out.tell() % ALIGNMENT + out.tell()
@@ -108,7 +110,7 @@ class SharedWeightsWriter:
                 data = _proto_bytes(tensor)
                 if len(data) < INLINE_LIMIT_BYTES:
                     continue
-                offset, length = self._place(tensor.data_type, tuple(tensor.dims), data)
+                offset, length = self._place(tensor.data_type, data)
                 _point_at(tensor, self.file_name, offset, length)
                 table.append(self._entry(tensor.name, tensor.data_type, tuple(tensor.dims), offset, length))
             return model
@@ -117,7 +119,7 @@ class SharedWeightsWriter:
             if tensor is None or isinstance(tensor, ir.ExternalTensor) or tensor.nbytes < INLINE_LIMIT_BYTES:
                 continue
             dims = tuple(tensor.shape.numpy())
-            offset, length = self._place(tensor.dtype.value, dims, _ir_bytes(tensor))
+            offset, length = self._place(tensor.dtype.value, _ir_bytes(tensor))
             value.const_value = ir.ExternalTensor(
                 self.file_name, offset, length, tensor.dtype, shape=tensor.shape, name=value.name
             )

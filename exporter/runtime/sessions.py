@@ -74,7 +74,7 @@ def check_quantized_provider(provider: str, manifest) -> None:
     quantization = manifest.quantization
     if quantization is None or provider == CPU:
         return
-    bits = sorted({quantization.bits, 8} if quantization.lm_head == "int8" else {quantization.bits})
+    bits = sorted({quantization.bits, quantization.bits_for(quantization.lm_head) or quantization.bits})
     for reason in filter(None, (matmul_nbits_unusable(provider, b) for b in bits)):
         raise ProviderError(
             f"{provider} cannot run this {quantization.scheme} artifact: {reason}; run it on the CPU (`provider`), "
@@ -294,7 +294,8 @@ class SharedWeightMap:
         # A model whose every tensor is small enough to stay inline (exporter.export.weights.INLINE_LIMIT_BYTES)
         # leaves the file empty, which mmap refuses; nothing is read from it then.
         self._file = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
-        self._values: dict[tuple[int, int], ort.OrtValue] = {}
+        # by place and form: the export stores equal bytes once, which two initializers may read in two shapes
+        self._values: dict[tuple, ort.OrtValue] = {}
         self._tables = artifact.manifest.initializers
 
     @classmethod
@@ -312,7 +313,7 @@ class SharedWeightMap:
     def initializers(self, graph_file: str) -> tuple[list[str], list[ort.OrtValue]]:
         names, values = [], []
         for entry in self._tables[graph_file]:
-            key = (entry["offset"], entry["length"])
+            key = (entry["offset"], entry["length"], entry["dtype"], tuple(entry["shape"]))
             if key not in self._values:
                 dtype = np.dtype(entry["dtype"])
                 view = np.frombuffer(

@@ -150,7 +150,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:12] == [
+        assert options[:13] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -160,6 +160,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--block-size",
             "--accuracy-level",
             "--lm-head",
+            "--embedding",
             "--no-loss",
             "--tokenizer",
             "--trace-all-layers",

@@ -59,17 +59,23 @@ def test_an_exported_folder_quantizes_and_is_judged_by_its_quality_profile(
     result = run_cli("export", "--checkpoint", hf_folders[model_type], "--dtype", scheme, "-o", out, "-q", "--json")
     assert result.exit_code == 0, result.output
     quantization = json.loads(result.stdout)["quantization"]
-    assert quantization["scheme"] == scheme and quantization["lm_head"] == "int8"
-    # every projection at the scheme's bits; an untied head (llama's) at 8 bits, the default; a tied one stays float
+    assert (quantization["scheme"], quantization["lm_head"], quantization["embedding"]) == (scheme, "int8", "int8")
+    # every projection at the scheme's bits; the head, tied (qwen3's) or not (llama's), and the embedding at 8 bits,
+    # the defaults; a tied table is one set of blocks, read by both
     prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
     vocab = json.loads((folder / "manifest.json").read_text())["model"]["config"]["vocab_size"]
-    bits = {}
+    offsets = {t.name: {e.key: e.value for e in t.external_data}.get("offset") for t in prefill.graph.initializer}
+    bits, tables = {}, {}
     for node in prefill.graph.node:
+        attributes = {a.name: a.i for a in node.attribute}
         if node.op_type == "MatMulNBits":
-            attributes = {a.name: a.i for a in node.attribute}
-            bits.setdefault("head" if attributes["N"] == vocab else "body", set()).add(attributes["bits"])
-    assert bits["body"] == {int(scheme[3:])}, bits
-    assert bits.get("head") == ({8} if model_type == "llama" else None), bits
+            role = "head" if attributes["N"] == vocab else "body"
+            bits.setdefault(role, set()).add(attributes["bits"])
+            tables[role] = offsets[node.input[1]]
+        elif node.op_type == "GatherBlockQuantized":
+            bits["embedding"], tables["embedding"] = {attributes["bits"]}, offsets[node.input[0]]
+    assert bits == {"body": {int(scheme[3:])}, "head": {8}, "embedding": {8}}, bits
+    assert (tables["head"] == tables["embedding"]) == (model_type == "qwen3"), tables
     result = run_cli("generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json")
     assert result.exit_code == 0 and len(json.loads(result.stdout)[0]["new_ids"]) == 4, result.output
     report = tmp_path / "report.json"

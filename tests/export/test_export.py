@@ -87,9 +87,9 @@ def test_weights_are_stored_once_and_shared_by_both_graphs(artifact_fp32, tiny_m
 
 
 def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path):
-    """SharedWeightsWriter on two hand-made graphs: the same bytes under other names are stored once, other
-    bytes apart, each at a 4096-byte offset (ONNX Runtime maps them), and every reference reads back its own
-    tensor; a tensor under 1 KiB stays inline."""
+    """SharedWeightsWriter on two hand-made graphs: the same bytes under other names, or in another shape, are
+    stored once, other bytes apart, each at a 4096-byte offset (ONNX Runtime maps them), and every reference reads
+    back its own tensor; a tensor under 1 KiB stays inline."""
     from onnx import helper, numpy_helper
 
     from exporter.export.weights import ALIGNMENT, SharedWeightsWriter
@@ -102,17 +102,18 @@ def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path)
         inits = [numpy_helper.from_array(value, name) for name, value in tensors.items()]
         return helper.make_model(helper.make_graph([], "g", [], [], initializer=inits))
 
-    models = [graph({"a.weight": shared, "norm": small}), graph({"folded_0": shared, "b.weight": other})]
+    second = {"folded_0": shared, "b.weight": other, "rows": shared.reshape(6, 50)}
+    models = [graph({"a.weight": shared, "norm": small}), graph(second)]
     with SharedWeightsWriter(tmp_path, "w.data") as writer:
         for model in models:
             writer.add(model)
     result = writer.result
-    assert result.tensors == 2 and [len(table) for table in result.initializers] == [1, 2]
+    assert result.tensors == 2 and [len(table) for table in result.initializers] == [1, 3]
     offsets = {e["name"]: e["offset"] for table in result.initializers for e in table}
-    assert offsets["a.weight"] == offsets["folded_0"] != offsets["b.weight"]
+    assert offsets["a.weight"] == offsets["folded_0"] == offsets["rows"] != offsets["b.weight"]
     assert all(offset % ALIGNMENT == 0 for offset in offsets.values())
     assert result.bytes == (tmp_path / "w.data").stat().st_size < 2 * ALIGNMENT + other.nbytes
-    for model, expected in zip(models, [{"a.weight": shared, "norm": small}, {"folded_0": shared, "b.weight": other}]):
+    for model, expected in zip(models, [{"a.weight": shared, "norm": small}, second]):
         onnx.load_external_data_for_model(model, str(tmp_path))
         for tensor in model.graph.initializer:
             np.testing.assert_array_equal(numpy_helper.to_array(tensor), expected[tensor.name])

@@ -1,52 +1,260 @@
-"""--dtype int4 / int8: weight-only MatMulNBits quantization of the exported graphs."""
+"""--dtype int4 / int8: weight-only quantization of the exported graphs: MatMulNBits projections and lm_head (tied
+or not), the token embedding as GatherBlockQuantized, both graphs sharing one weights file."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
-from helpers import edit_manifest
-from onnx import numpy_helper
+from conftest import TINY_SOURCE
+from helpers import CONSUMER_PROMPTS, edit_manifest, replayed_export, shared_folder
+from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
-from exporter.errors import InputError
+from exporter.errors import ArtifactError, GraphRunError, InputError
 from exporter.export.pipeline import export_artifact
+from exporter.runtime.genai import genai_greedy
+from exporter.runtime.generation import generate_greedy
+from exporter.runtime.runner import OrtRunner
 from exporter.verify.checks.invariants import identical_weights
 
+EPS = float(np.finfo(np.float32).eps)
+# int4 exports of the tiny (tied) model under other lm_head / embedding choices than the defaults (int8, int8)
+CHOICES = {"same": ("same", "same"), "split": ("int8", "same"), "float": ("float", "float")}
 
-def _blocks(folder, graph):
-    """Each MatMulNBits node's quantized inputs, as (dtype, shape, bytes), in node order."""
-    model = onnx.load(str(folder / graph))
-    initializers = {t.name: t for t in model.graph.initializer}
+
+@pytest.fixture(scope="session")
+def choices(tmp_path_factory, tiny_model, artifact_fp32):
+    """{name: folder} of CHOICES, and "default": the int4 export with the default choices."""
+
+    def build(root):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, artifact_fp32)
+            for name, (lm_head, embedding) in CHOICES.items():
+                export_artifact(
+                    tiny_model, root / name, dtype="int4", source=TINY_SOURCE, lm_head=lm_head, embedding=embedding
+                )
+
+    root = shared_folder(tmp_path_factory, "quantized-choices", build)
+    return {name: root / name for name in CHOICES}
+
+
+def _folder(name, quantized, choices):
+    return quantized["int4"] if name == "default" else choices[name]
+
+
+def _attributes(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _quantized_nodes(folder, graph="prefill.onnx"):
+    """(op type, bits, rows) of each quantized node: rows N of a MatMulNBits node, the table's rows of a
+    GatherBlockQuantized node."""
+    model = onnx.load(str(folder / graph), load_external_data=False)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        attributes = _attributes(node)
+        if node.op_type == "MatMulNBits":
+            found.append(("MatMulNBits", attributes["bits"], attributes["N"]))
+        elif node.op_type == "GatherBlockQuantized":
+            found.append(("GatherBlockQuantized", attributes["bits"], dims[node.input[0]][0]))
+    return sorted(found)
+
+
+def _block_bytes(k: int, n: int, bits: int, block: int = 32) -> int:
+    """Bytes of a (K, N) weight in MatMulNBits' layout (onnxruntime's contrib operator spec): N x ceil(K / block)
+    blocks of block x bits / 8 bytes, a float32 scale per block, and the blocks' zero points packed per row."""
+    blocks = math.ceil(k / block)
+    return n * blocks * block * bits // 8 + n * blocks * 4 + n * math.ceil(blocks * bits / 8)
+
+
+def _projections(model) -> list[tuple[int, int]]:
+    """(in, out) of every Linear inside the decoder layers (the lm_head is not one of them)."""
     return [
-        tuple(
-            (t.data_type, tuple(t.dims), numpy_helper.to_array(t).tobytes()) for t in map(initializers.get, n.input[1:])
-        )
-        for n in model.graph.node
-        if n.op_type == "MatMulNBits"
+        tuple(m.weight.shape[::-1])
+        for name, m in model.named_modules()
+        if name.startswith("model.layers.") and hasattr(m, "weight") and m.weight.ndim == 2
     ]
 
 
-@pytest.mark.parametrize(("scheme", "bits", "largest_ratio"), [("int4", 4, 0.3), ("int8", 8, 0.35)])
-def test_quantized_export_shrinks_and_shares(quantized, artifact_fp32, scheme, bits, largest_ratio):
+def _held(folder) -> tuple[int, list]:
+    """Bytes of the distinct tensors (by content) that both graphs' quantized nodes read: blocks, scales and zero
+    points; and the shapes of every float (vocabulary, hidden) table or transposed copy left in either graph."""
+    contents, tables = {}, []
+    for graph in ("prefill.onnx", "decode.onnx"):
+        model = onnx.load(str(folder / graph))
+        arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        for node in model.graph.node:
+            if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+                held = node.input[1:4] if node.op_type == "MatMulNBits" else [node.input[0], *node.input[2:4]]
+                contents.update({arrays[name].tobytes(): arrays[name].nbytes for name in held if name})
+        tables += [a.shape for a in arrays.values() if a.dtype == np.float32 and a.shape in ((512, 64), (64, 512))]
+    return sum(contents.values()), tables
+
+
+# ----------------------------------------------------------------------------- what the graphs hold
+
+
+@pytest.mark.parametrize(("scheme", "bits"), [("int4", 4), ("int8", 8)])
+def test_default_export_quantizes_projections_lm_head_and_embedding_once(quantized, tiny_model, scheme, bits):
     folder = quantized[scheme]
     manifest = json.loads((folder / "manifest.json").read_text())
     q = manifest["quantization"]
     assert manifest["dtype"] == "float32" and manifest["cache"]["dtype"] == "float32"
-    assert (q["scheme"], q["bits"], q["block_size"], q["op"]) == (scheme, bits, 32, "MatMulNBits")
-    # 2 layers x (q, k, v, o, gate, up, down); the tied lm_head (a Gemm on the embedding table) and the embedding
-    # (a Gather) stay float
-    assert q["matrices"] == 14 and any("tied" in kept for kept in q["kept_float"])
-    # measured: int4 0.16 (4 bits + a float32 scale and a 4-bit zero point per 32 weights), int8 0.29
-    assert q["quantized_bytes"] <= largest_ratio * q["float_bytes"]
-    float_weights = (artifact_fp32 / "weights.onnx.data").stat().st_size
-    assert (folder / "weights.onnx.data").stat().st_size < float_weights
-    # both graphs carry the same blocks, byte for byte, stored once
-    prefill, decode = _blocks(folder, "prefill.onnx"), _blocks(folder, "decode.onnx")
-    assert len(prefill) == 14 and sorted(prefill) == sorted(decode)
+    assert (q["scheme"], q["bits"], q["block_size"], q["lm_head"], q["embedding"]) == (scheme, bits, 32, "int8", "int8")
+    vocab, hidden = tiny_model.model.embed_tokens.weight.shape
+    projections = _projections(tiny_model)
+    assert len(projections) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    # the tied table is the lm_head's 8-bit MatMulNBits and the embedding's 8-bit GatherBlockQuantized, stored once
+    expected = sorted(
+        [("MatMulNBits", bits, n) for _, n in projections]
+        + [("MatMulNBits", 8, vocab), ("GatherBlockQuantized", 8, vocab)]
+    )
+    assert _quantized_nodes(folder) == _quantized_nodes(folder, "decode.onnx") == expected
+    table = _block_bytes(hidden, vocab, 8)
+    assert q["quantized_bytes"] == sum(_block_bytes(k, n, bits) for k, n in projections) + table
+    assert q["float_bytes"] == 4 * (sum(k * n for k, n in projections) + vocab * hidden)
+    assert q["matrices"] == 15 and q["kept_float"] == []
+    assert _held(folder) == (q["quantized_bytes"], [])  # the tied table once, and no float copy of it left
     assert identical_weights(Artifact.open(folder)).passed
+
+
+def test_each_lm_head_and_embedding_choice_gives_its_nodes_and_bytes(choices, tiny_model):
+    vocab, hidden = tiny_model.model.embed_tokens.weight.shape
+    projections = _projections(tiny_model)
+    body = sum(_block_bytes(k, n, 4) for k, n in projections)
+    nodes = sorted(("MatMulNBits", 4, n) for _, n in projections)
+    cases = {
+        # one 4-bit table read by both
+        "same": ([("MatMulNBits", 4, vocab), ("GatherBlockQuantized", 4, vocab)], _block_bytes(hidden, vocab, 4)),
+        # two tables: the lm_head at 8 bits, the embedding at 4
+        "split": (
+            [("MatMulNBits", 8, vocab), ("GatherBlockQuantized", 4, vocab)],
+            _block_bytes(hidden, vocab, 8) + _block_bytes(hidden, vocab, 4),
+        ),
+        "float": ([], 0),
+    }
+    for name, (table_nodes, table_bytes) in cases.items():
+        folder = choices[name]
+        q = json.loads((folder / "manifest.json").read_text())["quantization"]
+        assert (q["lm_head"], q["embedding"]) == CHOICES[name]
+        assert _quantized_nodes(folder) == sorted(nodes + table_nodes), name
+        assert _held(folder) == (q["quantized_bytes"], [(vocab, hidden)] * 2 * (name == "float")), name
+        assert q["quantized_bytes"] == body + table_bytes, name
+    kept = json.loads((choices["float"] / "manifest.json").read_text())["quantization"]["kept_float"]
+    assert kept == ["lm_head (asked: lm_head float)", "model.embed_tokens (asked: embedding float)"]
+    graph = onnx.load(str(choices["float"] / "decode.onnx"), load_external_data=False)
+    assert {"Gemm", "Gather"} <= {n.op_type for n in graph.graph.node}  # the float graph's tied head and lookup
+
+
+@pytest.mark.parametrize("name", ["default", "same"])
+def test_a_tied_table_at_one_bits_is_stored_once_for_both_readers(name, quantized, choices):
+    folder = _folder(name, quantized, choices)
+    for graph in ("prefill.onnx", "decode.onnx"):
+        model = onnx.load(str(folder / graph), load_external_data=False)
+        where = {t.name: {e.key: e.value for e in t.external_data}.get("offset") for t in model.graph.initializer}
+        (head,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and _attributes(n)["N"] == 512]
+        (lookup,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+        # blocks, scales, zero points: the same bytes in the file, read in MatMulNBits' and in the lookup's shapes
+        assert [where[i] for i in head.input[1:4]] == [where[lookup.input[0]], *map(where.get, lookup.input[2:4])]
+
+
+# ----------------------------------------------------------------------------- what onnxruntime computes
+
+
+def _run_with(folder, extra_outputs: list[str], feeds: dict) -> list[np.ndarray]:
+    """prefill.onnx run by onnxruntime with `extra_outputs` (intermediate values) made graph outputs."""
+    model = onnx.load(str(folder / "prefill.onnx"))
+    model.graph.output.extend(
+        helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in extra_outputs
+    )
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["logits", *extra_outputs], feeds)
+
+
+def _feeds(ids: np.ndarray) -> dict:
+    b, t = ids.shape
+    positions = np.broadcast_to(np.arange(t), (b, t)).copy()
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions, "labels": ids}
+
+
+def _initializer(folder, name):
+    model = onnx.load(str(folder / "prefill.onnx"))
+    return next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+
+
+@pytest.mark.parametrize(("name", "bits"), [("default", 8), ("same", 4)])
+def test_the_quantized_tied_head_gives_the_float_logits_within_half_a_step_per_weight(
+    name, bits, quantized, choices, tiny_model
+):
+    # Each weight lies within half its block's step of the float weight (round to nearest, a zero point inside the
+    # block's range), so a logit h . w lies within sum_i |h_i| step_i / 2 of h . w_float, plus float32's rounding
+    # of the H-term sums (H eps of sum |h_i w_i| bounds it).
+    folder = _folder(name, quantized, choices)
+    model = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
+    (head,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and _attributes(n)["N"] == 512]
+    assert _attributes(head)["bits"] == bits
+    ids = np.array([[1, 17, 230, 4, 99, 511]])
+    logits, hidden = _run_with(folder, [head.input[0]], _feeds(ids))
+    table = tiny_model.model.embed_tokens.weight.detach().double().numpy()  # (vocab, hidden), the head's weight
+    steps = np.repeat(_initializer(folder, head.input[2]).reshape(table.shape[0], -1), 32, axis=1).astype(np.float64)
+    h = hidden.reshape(-1, table.shape[1]).astype(np.float64)
+    error = np.abs(logits.reshape(h.shape[0], -1) - h @ table.T)
+    bound = np.abs(h) @ steps.T / 2 + table.shape[1] * EPS * (np.abs(h) @ np.abs(table).T)
+    assert (error <= bound).all(), float((error / bound).max())
+    assert error.max() > 0  # the head is no longer the float table
+
+
+@pytest.mark.parametrize(("name", "bits"), [("default", 8), ("same", 4)])
+def test_the_quantized_embedding_rows_lie_within_half_a_step_of_the_float_rows(
+    name, bits, quantized, choices, tiny_model
+):
+    folder = _folder(name, quantized, choices)
+    model = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
+    (lookup,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert _attributes(lookup)["bits"] == bits
+    table = tiny_model.model.embed_tokens.weight.detach().double().numpy()
+    ids = np.arange(table.shape[0]).reshape(2, -1)  # every row once, at positions the model has
+    _, rows = _run_with(folder, [lookup.output[0]], _feeds(ids))
+    steps = np.repeat(_initializer(folder, lookup.input[2]), 32, axis=1).astype(np.float64)
+    # half a step (rounding to nearest within the block's range), plus float32's rounding of q / step + zero point
+    # (2^bits eps in steps) and of the dequantized product (eps relative)
+    bound = steps * (0.5 + 2**bits * EPS) + EPS * np.abs(table)
+    error = np.abs(rows.reshape(table.shape) - table)
+    assert (error <= bound).all(), float((error / bound).max())
+    assert error.max() > 0
+
+
+def test_ids_outside_the_vocabulary_still_fail_in_the_quantized_lookup(quantized):
+    # GatherBlockQuantized gives a row of zeros for an id outside its table; the Gather of row numbers before it
+    # fails as the float graph's Gather does, for a negative id (sent past the table) and one past the table
+    runner = OrtRunner(quantized["int4"])
+    for bad in (-1, 512):
+        ids = np.array([[3, bad]])
+        with pytest.raises(GraphRunError, match=r"prefill.onnx \(.*Gather.*\); check the inputs \(an id or label"):
+            runner.prefill(_feeds(ids))
+        one = np.ones((1, 1), np.int64)
+        with pytest.raises(GraphRunError, match=r"decode.onnx \(.*Gather"):
+            runner.decode(
+                {"input_ids": bad * one, "attention_mask": one, "position_ids": 0 * one, **runner.empty_past(1)}
+            )
+
+
+def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(quantized, tiny_model):
+    eos = tiny_model.config.eos_token_id
+    prompt = CONSUMER_PROMPTS[0]
+    ours = generate_greedy(OrtRunner(quantized["int4"]), prompt, 16, eos).new_ids
+    genai = genai_greedy(quantized["int4"], prompt, 16)
+    assert genai == (ours[:-1] if ours and ours[-1] == eos else ours)
+
+
+# ----------------------------------------------------------------------------- refusals and the audit
 
 
 @pytest.mark.parametrize(
@@ -57,7 +265,8 @@ def test_quantized_export_shrinks_and_shares(quantized, artifact_fp32, scheme, b
         ({"dtype": "int4", "block_size": 8}, "not a power of two >= 16"),
         ({"dtype": "int4", "block_size": 128}, "does not divide the model's hidden size 64"),
         ({"dtype": "int8", "accuracy_level": 7}, "accuracy_level 7"),
-        ({"dtype": "int8", "lm_head": "int2"}, "lm_head 'int2'"),
+        ({"dtype": "int8", "lm_head": "int2"}, r"lm_head 'int2' is none of float, int8, same .*\(`lm_head`\)"),
+        ({"dtype": "int4", "embedding": "int4"}, r"embedding 'int4' is none of float, int8, same .*\(`embedding`\)"),
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):
@@ -66,17 +275,20 @@ def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_pat
     assert not any(tmp_path.iterdir())
 
 
-def test_dequantized_blocks_lie_within_a_scale(quantized, tiny_model):
+@pytest.mark.parametrize("name", ["default", *CHOICES])
+def test_dequantized_blocks_lie_within_a_scale(name, quantized, choices, tiny_model):
     from exporter.verify.checks.weights import audit_weights
 
-    audit = audit_weights(Artifact.open(quantized["int4"]), tiny_model)
+    folder = _folder(name, quantized, choices)
+    audit = audit_weights(Artifact.open(folder), tiny_model)
     assert audit.passed, [f.describe() for f in audit.findings]
-    assert all(g.quantized == 14 and g.carried == g.parameters for g in audit.graphs)
+    assert all(g.quantized == len(_quantized_nodes(folder)) and g.carried == g.parameters for g in audit.graphs)
 
 
 def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized, tiny_model, tmp_path):
     # An int8 artifact whose manifest says int4: its 8-bit blocks still lie within their scales of the parameters,
     # so only the scheme check tells it from the int4 artifact it claims to be (an export once wrote such a thing).
+    # Its lm_head and embedding are at 8 bits under either scheme (their default, int8): the 14 projections differ.
     from exporter.verify.checks.weights import audit_weights
 
     folder = shutil.copytree(quantized["int8"], tmp_path / "labelled-int4")
@@ -86,3 +298,45 @@ def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized
     assert not audit.passed and len(findings) == len(audit.findings) == 28, [f.describe() for f in audit.findings]
     expected = "a projection, holds 8-bit blocks of 32, but the manifest records int4 with 4-bit blocks of 32"
     assert expected in findings[0].detail, findings[0].detail
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            lambda q: q.update(embedding="same"),
+            "the embedding (embedding same), holds 8-bit blocks of 32, but the manifest records int4 with 4-bit "
+            "blocks of 32 for it",
+        ),
+        (  # a manifest written before the field: its embedding was float
+            lambda q: q.pop("embedding"),
+            "the embedding (embedding float), holds 8-bit blocks of 32, but the manifest records int4 with float "
+            "weights for it",
+        ),
+        (
+            lambda q: q.update(lm_head="float"),
+            "the lm_head (lm_head float), holds 8-bit blocks of 32, but the manifest records int4 with float weights",
+        ),
+    ],
+)
+def test_an_embedding_or_lm_head_other_than_recorded_fails_the_audit(quantized, tiny_model, tmp_path, change, expected):
+    from exporter.verify.checks.weights import audit_weights
+
+    folder = shutil.copytree(quantized["int4"], tmp_path / "relabelled")
+    edit_manifest(folder, lambda manifest: change(manifest["quantization"]))
+    audit = audit_weights(Artifact.open(folder), tiny_model)
+    assert not audit.passed and len(audit.findings) == 2  # one node in each graph
+    assert all(f.problem == "scheme" and expected in f.detail for f in audit.findings), audit.findings[0].detail
+
+
+def test_a_manifest_without_the_embedding_field_reads_as_a_float_embedding(choices, tiny_model, tmp_path):
+    from exporter.verify.checks.weights import audit_weights
+
+    folder = shutil.copytree(choices["float"], tmp_path / "older")
+    edit_manifest(folder, lambda manifest: manifest["quantization"].pop("embedding"))
+    artifact = Artifact.open(folder)
+    assert artifact.manifest.quantization.embedding == "float"
+    assert audit_weights(artifact, tiny_model).passed
+    edit_manifest(folder, lambda manifest: manifest["quantization"].update(embedding="int3"))
+    with pytest.raises(ArtifactError, match=r"quantization embedding 'int3' is none of float, int8, same"):
+        Artifact.open(folder)

@@ -29,14 +29,15 @@ more: the copies lie at most 4ε apart, relative (TABLE_RTOL). Held in float16, 
 to float16 values at most one float16 ulp apart. A wrong base, dimension or scaling moves the frequencies by far
 more.
 
-In a quantized artifact (manifest `quantization`), each MatMulNBits node holds a projection as blocks of `bits`-bit
-integers, a float32 scale and a zero point per block: it cannot equal its parameter bit for bit. Its blocks are
-dequantized, (q - zero_point) * scale, and each element held to its parameter within its block's scale: rounding to
-nearest moves a weight by at most half a step, and the zero point, itself rounded to an integer and clamped, can
-shift a block's range by half a step more, so one step (the scale) bounds a correct block (QUANT_SLACK adds float32's
-rounding of the product). A scale, zero point or block off, or another matrix in its place, moves most elements by
-several steps. Blocks of more bits than recorded would pass that test, so each node's bits and block size are also
-held to the manifest's scheme (the lm_head to its `lm_head` option).
+In a quantized artifact (manifest `quantization`), each MatMulNBits node holds a projection, and a
+GatherBlockQuantized node the token embedding, as blocks of `bits`-bit integers, a float32 scale and a zero point per
+block: it cannot equal its parameter bit for bit. Its blocks are dequantized, (q - zero_point) * scale, and each
+element held to its parameter within its block's scale: rounding to nearest moves a weight by at most half a step,
+and the zero point, itself rounded to an integer and clamped, can shift a block's range by half a step more, so one
+step (the scale) bounds a correct block (QUANT_SLACK adds float32's rounding of the product). A scale, zero point or
+block off, or another matrix in its place, moves most elements by several steps. Blocks of more bits than recorded
+would pass that test, so each node's bits and block size are also held to the manifest's scheme (the lm_head to its
+`lm_head` option, the embedding to its `embedding` option).
 
 Not audited, because they are no weights:
 - integer and boolean initializers: the graph's shapes, axes, indices and integer fill values;
@@ -62,7 +63,7 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QUANTIZED_OP
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, block_inputs
 from exporter.verify.diagnosis.probe import FLOAT_TYPES, module_of
 
 # How many findings of one graph the report lists in full; the rest are counted.
@@ -119,7 +120,7 @@ class GraphAudit:
     parameters: int  # reference tensors this graph must carry
     carried: int  # of those, the ones an initializer carries
     findings: tuple[WeightFinding, ...] = ()
-    quantized: int = 0  # MatMulNBits matrices, each within its blocks' scales of a parameter
+    quantized: int = 0  # MatMulNBits and GatherBlockQuantized matrices, each within its blocks' scales of a parameter
 
     @property
     def passed(self) -> bool:
@@ -455,8 +456,8 @@ def audit_graph(
     references, export_dtype = index.references, index.export_dtype
     scalars = integers = 0
     audited: list[_Initializer] = []
-    blocks = [node for node in graph.node if node.op_type == QUANTIZED_OP]
-    held_in_blocks = {name for node in blocks for name in node.input[1:]}
+    blocks = [node for node in graph.node if node.op_type in QUANTIZED_OPS]
+    held_in_blocks = {name for node in blocks for name in block_inputs(node)}
     for tensor in graph.initializer:
         if tensor.name in held_in_blocks:
             continue
@@ -540,11 +541,19 @@ def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None):
-    """A MatMulNBits node's weight as (N, K) float64 (the Linear weight's (out, in) layout), and each element's
-    block scale, of the same shape."""
-    n, k = _attribute(node, "N", 0), _attribute(node, "K", 0)
+def _layout(node: onnx.NodeProto, b: np.ndarray) -> tuple[int, int, int, int]:
+    """(N, K, bits, block_size) of a MatMulNBits node, or of a GatherBlockQuantized node's rows (N rows of K
+    elements: its blocks are MatMulNBits', flattened per row)."""
     bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
+    if node.op_type == QUANTIZED_OP:
+        return _attribute(node, "N", 0), _attribute(node, "K", 0), bits, block
+    return b.shape[0], b.shape[-1] * 8 // bits, bits, block
+
+
+def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None):
+    """A MatMulNBits or GatherBlockQuantized node's weight as (N, K) float64 (the Linear weight's (out, in) layout,
+    the embedding's (vocab, hidden)), and each element's block scale, of the same shape."""
+    n, k, bits, block = _layout(node, b)
     blocks = -(-k // block)
     raw = b.reshape(n, blocks, -1)
     if bits == 4:
@@ -564,42 +573,47 @@ def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, z
 
 
 def _audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | None:
-    """A MatMulNBits node's bits and block size against the scheme the manifest records: the lm_head (the matrix of
-    vocabulary width) at the bits its `lm_head` option gives, every other matrix at the scheme's; None when they
-    agree. Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact
-    from the one it claims to be."""
-    scheme = manifest.quantization
+    """A quantized node's bits and block size against the scheme the manifest records: the embedding (the
+    GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
+    vocabulary width) at those of its `lm_head` option, every other matrix at the scheme's; None when they agree.
+    Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact from the
+    one it claims to be."""
+    scheme, held = manifest.quantization, block_inputs(node)[0]
     if scheme is None:
-        return WeightFinding(file, "scheme", "", node.input[1], f"{node.name} is quantized, but the manifest is float")
-    head = _attribute(node, "N", 0) == manifest.config.vocab_size
-    expected = {"int8": 8, "same": scheme.bits}.get(scheme.lm_head) if head else scheme.bits
+        return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
+    if node.op_type == GATHER_OP:
+        role, choice = "the embedding", ("embedding", scheme.embedding)
+    elif _attribute(node, "N", 0) == manifest.config.vocab_size:
+        role, choice = "the lm_head", ("lm_head", scheme.lm_head)
+    else:
+        role, choice = "a projection", None
+    expected = scheme.bits_for(choice[1]) if choice else scheme.bits
     bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
     if (bits, block) == (expected, scheme.block_size):
         return None
-    role = f"the lm_head (lm_head {scheme.lm_head})" if head else "a projection"
+    asked = f" ({choice[0]} {choice[1]})" if choice else ""
+    recorded = f"{expected}-bit blocks of {scheme.block_size}" if expected else "float weights"
     return WeightFinding(
         file,
         "scheme",
         "",
-        node.input[1],
-        f"{node.name}, {role}, holds {bits}-bit blocks of {block}, but the manifest records {scheme.scheme} with "
-        f"{expected}-bit blocks of {scheme.block_size} for it",
+        held,
+        f"{node.name}, {role}{asked}, holds {bits}-bit blocks of {block}, but the manifest records {scheme.scheme} "
+        f"with {recorded} for it",
     )
 
 
 def _audit_blocks(artifact, node, initializers, weights, references, carried: set, named: set, file: str):
-    """A MatMulNBits node's blocks against the parameter of their shape that each element lies within its block's
+    """A quantized node's blocks against the parameter of their shape that each element lies within its block's
     scale of; None when one does (it is then carried), else the finding."""
+    names = block_inputs(node)
     arrays = []
-    for name in list(node.input[1:4]) + [""] * (4 - len(node.input)):
-        if not name:
-            arrays.append(None)
-            continue
+    for name in names:
         array, problem = _read(artifact, initializers[name], weights) if name in initializers else (None, "missing")
         if array is None:
             return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
         arrays.append(array)
-    weight, scale = dequantize_blocks(node, *arrays)
+    weight, scale = dequantize_blocks(node, *arrays, *[None] * (3 - len(arrays)))
     reach = scale * (1 + QUANT_SLACK) + QUANT_SLACK * np.abs(weight)
     best = None
     for reference in references:
@@ -618,8 +632,8 @@ def _audit_blocks(artifact, node, initializers, weights, references, carried: se
             file,
             "unmatched",
             "",
-            node.input[1],
-            f"quantized matrix {node.input[1]} {list(weight.shape)} of {node.name} matches no parameter's shape",
+            names[0],
+            f"quantized matrix {names[0]} {list(weight.shape)} of {node.name} matches no parameter's shape",
         )
     reference, beyond, worst = best
     named.add(id(reference))
@@ -627,8 +641,8 @@ def _audit_blocks(artifact, node, initializers, weights, references, carried: se
         file,
         "differs",
         reference.names[0],
-        node.input[1],
-        f"{reference.name} differs in the quantized blocks {node.input[1]} of {node.name}: {beyond} of "
+        names[0],
+        f"{reference.name} differs in the quantized blocks {names[0]} of {node.name}: {beyond} of "
         f"{weight.size} dequantized elements lie beyond their block's scale, the worst by {worst:.3g} scales",
     )
 

@@ -339,9 +339,9 @@ def test_unreadable_manifest_is_refused(artifact_copy):
 def test_prefill_session_reads_the_weights_in_place(runner):
     weights = runner._weights
     table = runner.manifest.initializers["prefill.onnx"]
-    assert len(weights._values) == len({(e["offset"], e["length"]) for e in table})
+    assert len(weights._values) == len({(e["offset"], e["length"], e["dtype"], tuple(e["shape"])) for e in table})
     base = weights._file.ctypes.data
-    for (offset, _), value in weights._values.items():
+    for (offset, *_), value in weights._values.items():
         assert value.data_ptr() == base + offset  # a view into the one mapping, not a copy
     assert runner.prefill_session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
 

@@ -432,13 +432,19 @@ def _generated(command: list[str], stdin: str | None = None) -> list[int] | str:
 def consumer_tokens(artifact: Path, optimum_venv: Path) -> dict:
     """Greedy tokens of our runtime, onnxruntime-genai and Optimum's ORTModelForCausalLM on our artifact, each
     from the same prompt, and how many of the first CONSUMER_TOKENS agree with ours (a consumer may stop earlier
-    at the eos token)."""
+    at the eos token); where the export found that Optimum cannot run the artifact, its reason."""
+    from exporter.artifact.consumers import optimum_unsupported
+    from exporter.artifact.manifest import read_manifest
+
     ids = ",".join(map(str, CONSUMER_PROMPT))
     generate = [sys.executable, "-m", "exporter.cli", "generate", str(artifact), "--prompt-ids", ids, "--json", "-q"]
     tokens = {"ours": _generated([*generate, "--max-new-tokens", str(CONSUMER_TOKENS)])}
     tokens["genai"] = _generated([*generate, "--max-new-tokens", str(CONSUMER_TOKENS), "--engine", "genai"])
     python = optimum_venv / "bin" / "python"
-    if python.is_file():
+    unsupported = optimum_unsupported(read_manifest(artifact, check_hashes=False))
+    if unsupported:
+        tokens["optimum"] = f"cannot run this artifact: {unsupported}"
+    elif python.is_file():
         run = {"folder": str(artifact), "prompt": CONSUMER_PROMPT, "max_new_tokens": CONSUMER_TOKENS}
         request = {"generate": [run]}
         tokens["optimum"] = _generated([str(python), str(OPTIMUM_WORKER)], json.dumps(request))

@@ -17,6 +17,8 @@ Correctness rests on checks, not on assumptions about the model:
   of its own layer at the same place, the layer before's output, its own past, its own weight under the same
   derivation, or one shared value). Layer 0 is not compared: the optimiser may have kept there what all layers
   share. Whatever leaves layer 2 must be a present or the output layer 3 would read.
+- The layers never traced are held to the traced ones by what they compute besides their weights (`_signature`:
+  each submodule's class, plain attributes and buffers), compared before anything is traced.
 
 Where a check fails, `expand` returns None with the reason in the log and the caller traces the whole model;
 so does a model that is not one of the families laid out as `model.model.layers`.

@@ -366,13 +366,14 @@ class _Expansion:
             for user, slot in value.uses()
             if self.layer_of_node.get(id(user)) != 2
         ]
-        new_inputs, new_outputs, new_nodes = [], [], []
+        kinds = [[self._kind(value, 2) for value in node.inputs] for node in second]  # the same in every clone
+        new_inputs: dict[str, ir.Value] = {}
+        new_outputs, new_nodes = [], []
         for layer in range(TRACED_LAYERS, template.num_layers):
             made: dict[int, ir.Value] = {}
-            for node in second:
+            for node, node_kinds in zip(second, kinds):
                 inputs = []
-                for value in node.inputs:
-                    kind = self._kind(value, 2)
+                for value, kind in zip(node.inputs, node_kinds):
                     if kind[0] == "own":
                         inputs.append(made[id(value)])
                     elif kind[0] == "previous":
@@ -410,7 +411,7 @@ class _Expansion:
         for user, slot, value in readers:
             user.replace_input_with(slot, last[id(value)])
         graph.extend(new_nodes)
-        for values, new in ((graph.inputs, new_inputs), (graph.outputs, new_outputs)):
+        for values, new in ((graph.inputs, list(new_inputs.values())), (graph.outputs, new_outputs)):
             ordered = self._in_layer_order([*values, *new])
             values.clear()
             values.extend(ordered)
@@ -444,15 +445,14 @@ class _Expansion:
                 per_layer = []
         return ordered
 
-    def _past(self, layer: int, value: ir.Value, new_inputs: list) -> ir.Value:
+    def _past(self, layer: int, value: ir.Value, new_inputs: dict[str, ir.Value]) -> ir.Value:
+        """Layer `layer`'s graph input standing for layer 2's past `value`, made once ({name: input})."""
         io = _PER_LAYER_IO.fullmatch(value.name)
         name = f"{io[1]}.{layer}.{io[3]}"
-        for made in new_inputs:
-            if made.name == name:
-                return made
-        made = ir.Value(name=name, shape=value.shape.copy() if value.shape is not None else None, type=value.type)
-        new_inputs.append(made)
-        return made
+        if name not in new_inputs:
+            shape = value.shape.copy() if value.shape is not None else None
+            new_inputs[name] = ir.Value(name=name, shape=shape, type=value.type)
+        return new_inputs[name]
 
     def _weight(self, layer: int, derivation: _Derivation, value: ir.Value) -> ir.Value:
         key = (layer, value.name)

@@ -54,7 +54,7 @@ from exporter.export.layer_template import LayerTemplate
 from exporter.export.quantize import quantize_graphs
 from exporter.export.weights import SharedWeightsWriter
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
-from exporter.runtime.sessions import SessionSettings
+from exporter.runtime.sessions import checking_settings
 from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.torch_runner import TORCH_DTYPES
 from exporter.verify.tolerances import profile_for
@@ -290,7 +290,8 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
     # The files just written, not hashed again; unprepacked, so that both sessions read the one mapping of the
     # weights (a prepacked decode.onnx holds a copy of its own, beside the model the export still holds).
-    runner = OrtRunner(Artifact(folder, manifest), "cpu", settings=SessionSettings(prepack_weights=False))
+    settings = dataclasses.replace(checking_settings(manifest.dtype), prepack_weights=False)
+    runner = OrtRunner(Artifact(folder, manifest), "cpu", settings=settings)
     tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size
     rng = np.random.default_rng(0)

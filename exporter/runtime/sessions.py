@@ -204,6 +204,11 @@ class SessionSettings:
     # save the optimised graphs here (inspection, faster reloads); a str becomes a Path
     optimized_model_dir: Path | None = None
     prompt_chunk: int = 128  # prompt tokens per decode.onnx call in OrtRunner.start; 0: all at once
+    # The CPU provider has no float16 MatMul: it computes a float16 graph in float32. True (onnxruntime's default):
+    # each session casts every float16 weight to a float32 copy once, at load, and keeps it (fast calls; twice the
+    # float16 bytes per session). False: each call casts them again and returns the memory when it ends (no copy
+    # between calls; the same products of the same float32 weights, unpacked: they differ by float32 rounding).
+    float16_weights_cast_once: bool = True
 
     def __post_init__(self):
         if self.optimization not in GRAPH_OPTIMIZATION:
@@ -218,7 +223,7 @@ class SessionSettings:
             raise InputError(
                 f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), got {self.prompt_chunk!r}"
             )
-        for name in ("prepack_weights", "shared_thread_pool"):
+        for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once"):
             check_flag(name, getattr(self, name))
         if self.optimized_model_dir is not None:
             if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
@@ -228,6 +233,19 @@ class SessionSettings:
             check_text_path(self.optimized_model_dir, "`optimized_model_dir`", TEXT_PATH_FIX, InputError)
             object.__setattr__(self, "optimized_model_dir", Path(self.optimized_model_dir))  # frozen dataclass
 
+
+def checking_settings(dtype: str) -> SessionSettings:
+    """The settings of sessions that check an artifact of `dtype` (verification, the export's smoke run), which
+    hold several sessions at once: a float16 artifact's weights are cast in each call and read in place from the
+    one mapping (SessionSettings.float16_weights_cast_once; nothing is left to prepack), so that no session keeps a
+    float32 copy of them. A float32 or quantized artifact's get the defaults."""
+    if dtype == "float16":
+        return SessionSettings(prepack_weights=False, float16_weights_cast_once=False)
+    return SessionSettings()
+
+
+# onnxruntime's name of the optimiser pass that folds a Cast of a float16 initializer into a float32 initializer
+FLOAT16_WEIGHT_FOLDING = "FuseFp16InitializerToFp32NodeTransformer"
 
 GRAPH_OPTIMIZATION = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -363,6 +381,11 @@ def session_options(
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights is not None or not settings.prepack_weights:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if not settings.float16_weights_cast_once:
+        # the pass that turns each Cast of a float16 weight into a float32 initializer; without the arena, the
+        # casts' outputs are freed when the call ends instead of being kept for the next one
+        options.add_session_config_entry("optimization.disable_specified_optimizers", FLOAT16_WEIGHT_FOLDING)
+        options.enable_cpu_mem_arena = False
     if settings.optimized_model_dir is not None:  # written aside first, see optimized_graphs_saved
         stem = Path(graph_file).stem
         options.optimized_model_filepath = str(settings.optimized_model_dir / f"{stem}.optimized.onnx")

@@ -30,6 +30,7 @@ from exporter.runtime.sessions import (
     available_parity_providers,
     check_parity_providers,
     check_quantized_provider,
+    checking_settings,
 )
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float32_matmul_settings
@@ -584,7 +585,12 @@ def _audit(artifact: Artifact, model) -> WeightAudit:
 
 
 def _independent(
-    plan: _Plan, weights: SharedWeightMap, batch: dict, settings: ParitySettings, overrides: Overrides
+    plan: _Plan,
+    weights: SharedWeightMap,
+    sessions: SessionSettings,
+    batch: dict,
+    settings: ParitySettings,
+    overrides: Overrides,
 ) -> tuple[list, dict]:
     """Transformers' model of the artifact's folder against ONNX Runtime on the first provider, or why not
     ({reference: reason}); neither for an artifact not exported from a Hugging Face folder.
@@ -596,7 +602,8 @@ def _independent(
         return [], {}
     if plan.transformers_skipped:
         return [], {"transformers": plan.transformers_skipped}
-    onnx = OrtRunner(plan.artifact, plan.providers[0], settings=SessionSettings(prepack_weights=False), weights=weights)
+    unpacked = replace(sessions, prepack_weights=False)
+    onnx = OrtRunner(plan.artifact, plan.providers[0], settings=unpacked, weights=weights)
     profile = overrides.apply(profile_for(plan.artifact.manifest.dtype, onnx.provider))
     return [check_transformers(onnx, plan.artifact.manifest, batch, settings, profile)], {}
 
@@ -681,21 +688,22 @@ def verify_artifact(
         weights = _audit(artifact, model) if model is not None else None
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         mapping = SharedWeightMap(artifact)  # every session below reads it: one resident copy of the file
-        independent, independent_skipped = _independent(plan, mapping, batch, settings, overrides)
+        sessions = checking_settings(manifest.dtype)
+        independent, independent_skipped = _independent(plan, mapping, sessions, batch, settings, overrides)
         runs, quality = [], []
         quantized = manifest.quantization is not None
         debug = (
             None
             if quantized
             else _DebugGraphs(
-                DebugGraph(artifact, manifest.prefill, mapping),
-                DebugGraph(artifact, manifest.decode, mapping) if settings.probe else None,
+                DebugGraph(artifact, manifest.prefill, mapping, sessions),
+                DebugGraph(artifact, manifest.decode, mapping, sessions) if settings.probe else None,
             )
         )
         first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
             for provider in plan.providers:
-                onnx = OrtRunner(artifact, provider, weights=mapping)
+                onnx = OrtRunner(artifact, provider, settings=sessions, weights=mapping)
                 first_runner = first_runner or onnx
                 if quantized:
                     quality.append(_run_quality(onnx, manifest, reference, batch, settings, plan.quality_text))
@@ -714,7 +722,9 @@ def verify_artifact(
         if matched is not None:
             invariant_runner = OrtRunner(artifact, invariant_provider, settings=matched, weights=mapping)
         else:
-            invariant_runner = first_runner or OrtRunner(artifact, invariant_provider, weights=mapping)
+            invariant_runner = first_runner or OrtRunner(
+                artifact, invariant_provider, settings=sessions, weights=mapping
+            )
         invariants = check_invariants(artifact, invariant_runner, batch, invariant_profile)
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []

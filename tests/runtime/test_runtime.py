@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -425,7 +428,7 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
     """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
     from exporter.runtime.sessions import SessionSettings
 
-    for name in ("prepack_weights", "shared_thread_pool"):
+    for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once"):
         for value in ("no", "false", "False", 0, None):
             with pytest.raises(InputError, match=f"{name} must be True or False, got"):
                 SessionSettings(**{name: value})
@@ -558,6 +561,40 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
         assert _config_entry(session, prepack) == "1"
     assert _config_entry(runner.prefill_session, spin) == "0"
     assert _config_entry(runner.decode_session, spin) is None
+
+
+def _float32_elements(graph: Path) -> int:
+    model = onnx.load(graph, load_external_data=False)
+    return sum(int(np.prod(t.dims)) for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT)
+
+
+def test_checking_sessions_of_a_float16_artifact_keep_no_float32_copy_of_its_weights(artifact_fp16, tmp_path):
+    """The CPU provider computes a float16 graph in float32. By default each session folds a float32 copy of every
+    weight into its graph at load; the sessions that check an artifact (checking_settings, several at once) cast in
+    each call instead, which the graphs onnxruntime optimised show, and compute the same values: both run the same
+    float32 products of the same weights, in another order, and differ by float32 rounding carried through the
+    graph's float16 activations, which the float16 profile (float16 against the float32 reference) bounds."""
+    from exporter.runtime.sessions import SessionSettings, checking_settings
+    from exporter.verify.metrics import compare_outputs
+    from exporter.verify.tolerances import profile_for
+
+    artifact = Artifact.open(artifact_fp16)
+    weights = sum(int(np.prod(e["shape"])) for e in artifact.manifest.initializers["prefill.onnx"])
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
+    outputs = {}
+    for name, settings in (("once", SessionSettings()), ("per call", checking_settings("float16"))):
+        saved = tmp_path / name
+        runner = OrtRunner(artifact, settings=dataclasses.replace(settings, optimized_model_dir=saved))
+        outputs[name] = (runner.prefill({**feeds, "labels": ids}), runner.decode({**feeds, **runner.empty_past(1)}))
+        folded = [_float32_elements(saved / f"{graph}.optimized.onnx") for graph in ("prefill", "decode")]
+        if name == "once":
+            assert min(folded) >= weights * 0.9, (folded, weights)
+        else:
+            assert max(folded) < weights * 0.01, (folded, weights)
+    for call, (once, per_call) in enumerate(zip(outputs["once"], outputs["per call"])):
+        for row in compare_outputs(f"call {call}", per_call, once, profile_for("float16"), np.ones_like(ids)):
+            assert row.passed, row
 
 
 def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifact_fp32, tmp_path):

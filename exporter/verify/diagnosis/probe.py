@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.runtime.sessions import SharedWeightMap, graph_session
+from exporter.runtime.sessions import SessionSettings, SharedWeightMap, graph_session
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
@@ -158,7 +158,13 @@ class DebugGraph:
     """One of an artifact's graphs with every float value it computes exposed as an output; its sessions read
     `weights` (SharedWeightMap.of: the artifact's one mapping, or their own)."""
 
-    def __init__(self, artifact: Artifact, contract: GraphContract, weights: SharedWeightMap | None = None):
+    def __init__(
+        self,
+        artifact: Artifact,
+        contract: GraphContract,
+        weights: SharedWeightMap | None = None,
+        settings: SessionSettings = SessionSettings(),
+    ):
         model = artifact.graph(contract)
         types = {v.name: v for v in model.graph.value_info}
         declared = {o.name for o in model.graph.output}
@@ -184,13 +190,14 @@ class DebugGraph:
         self._folder = artifact.folder
         self.graph_file = contract.file
         self._weights = SharedWeightMap.of(artifact, weights)
+        self._settings = settings
         self._sessions: dict = {}
 
     def run(self, feeds: dict, provider: str = "cpu") -> dict[str, np.ndarray]:
         """Every exposed value (and the graph's own outputs) by tensor name."""
         if provider not in self._sessions:
             self._sessions[provider] = graph_session(
-                self._model, self._folder, self.graph_file, self._weights, provider
+                self._model, self._folder, self.graph_file, self._weights, provider, self._settings
             )
         session = self._sessions[provider]
         names = [o.name for o in session.get_outputs()]

@@ -27,6 +27,7 @@ Exit codes: 0 done, 1 a command failed, 2 bad arguments, 130 interrupted (Ctrl-C
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import hashlib
@@ -218,7 +219,7 @@ def build_folder(size: Size, folder: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(size.config)
+    fields = copy.deepcopy(size.config)  # transformers writes into nested fields (rope_theta into rope_scaling)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

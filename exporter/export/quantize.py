@@ -3,9 +3,9 @@
 onnxruntime's own quantizer (`MatMulNBitsQuantizer` with its `DefaultWeightOnlyQuantConfig`: round to nearest,
 asymmetric blocks) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits node reading
 `bits`-bit blocks, a float32 scale per block and a zero point per block. The lm_head is quantized at the scheme's
-bits, at 8 bits, or left float, as `Quantization.lm_head` asks; a tied lm_head, exported as a Gemm on the embedding
-table (exporter.export.graphs), is first rewritten as a MatMul on a transposed copy of the table, the form the
-quantizer takes.
+bits, at 8 bits, or left float, as `Quantization.lm_head` asks. A Linear that torch.onnx wrote as a Gemm (a tied
+lm_head on the embedding table, exporter.export.graphs; a MoE expert on its tokens) is first rewritten as a MatMul
+on a transposed copy of its weight, the form the quantizer takes; a MoE router stays float.
 
 The token embedding is quantized at the bits `Quantization.embedding` asks (or left float) as onnxruntime's
 GatherBlockQuantized, whose uint8 layout is MatMulNBits': its rows are the blocks the quantizer's own
@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from exporter.artifact.contract import ROUTER_SCOPE
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, Quantization, block_inputs
 from exporter.errors import ExportFailed
 from exporter.verify.diagnosis.probe import module_of
@@ -74,32 +75,39 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _tied_heads(model: onnx.ModelProto, vocab_size: int) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
-    """The Gemm(hidden, table, transB=1) nodes on a (vocab, hidden) float32 initializer: a tied lm_head
-    (exporter.export.graphs), with its table."""
+def _linear_gemms(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
+    """The Gemm(x, W, transB=1) nodes (no bias, alpha 1) on a 2-D float32 initializer: a Linear on a 2-D input as
+    torch.onnx writes it (a tied lm_head, exporter.export.graphs; a MoE expert or router on its tokens)."""
     initializers = {t.name: t for t in model.graph.initializer}
     found = []
     for node in model.graph.node:
-        table = initializers.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
+        weight = initializers.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
         attributes = _attributes(node)
         plain = attributes.get("transB") == 1 and not attributes.get("transA") and attributes.get("alpha", 1.0) == 1
-        if _float_matrix(table) and table.dims[0] == vocab_size and plain:
-            found.append((node, table))
+        if _float_matrix(weight) and plain:
+            found.append((node, weight))
     return found
 
 
-def _tied_heads_as_matmuls(model: onnx.ModelProto, vocab_size: int) -> dict[str, str]:
-    """Rewrite each tied lm_head Gemm(hidden, table, transB=1) as MatMul(hidden, table^T) on a transposed copy of
-    the table, under the Gemm's name, the form the quantizer takes; returns {transposed copy: table}. Done only
-    where the lm_head is to be quantized: a float graph keeps the Gemm, which reads the table the embedding
-    shares, without a second copy."""
+def _is_router(node: onnx.NodeProto) -> bool:
+    return ROUTER_SCOPE.search(module_of(node) or "") is not None
+
+
+def _gemms_as_matmuls(model: onnx.ModelProto, vocab_size: int, head: bool) -> dict[str, str]:
+    """Rewrite each Linear Gemm(x, W, transB=1) as MatMul(x, W^T) on a transposed copy of W, under the Gemm's name,
+    the form the quantizer takes; returns {transposed copy: W}. Not rewritten: a MoE router (its scores pick the
+    experts, which a rounded weight could flip; llama.cpp keeps routers float too), and the tied lm_head unless
+    `head` (it is to be quantized): a float head keeps the Gemm, which reads the table the embedding shares,
+    without a second copy."""
     copies: dict[str, str] = {}
-    for node, table in _tied_heads(model, vocab_size):
-        name = f"{table.name}_transposed"
+    for node, weight in _linear_gemms(model):
+        if _is_router(node) or (weight.dims[0] == vocab_size and not head):
+            continue
+        name = f"{weight.name}_transposed"
         if name not in copies:
-            transposed = np.ascontiguousarray(numpy_helper.to_array(table).T)
+            transposed = np.ascontiguousarray(numpy_helper.to_array(weight).T)
             model.graph.initializer.append(numpy_helper.from_array(transposed, name))
-            copies[name] = table.name
+            copies[name] = weight.name
         matmul = helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name)
         matmul.metadata_props.extend(node.metadata_props)
         _replace_node(model, node, [matmul])
@@ -229,8 +237,8 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     _name_nodes(model)
     head_bits = scheme.bits_for(scheme.lm_head)
     embedding_bits = scheme.bits_for(scheme.embedding)
-    tied = bool(_tied_heads(model, vocab_size))
-    copies = _tied_heads_as_matmuls(model, vocab_size) if head_bits is not None else {}
+    tied = any(weight.dims[0] == vocab_size for _, weight in _linear_gemms(model))
+    copies = _gemms_as_matmuls(model, vocab_size, head=head_bits is not None)
     matmuls = _constant_matmuls(model)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
@@ -241,6 +249,8 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
         f"{module_of(n) or n.name} (a Gather not on the token ids: only the token embedding is quantized)"
         for n, _ in others
     ]
+    routers = [node for node, _ in _linear_gemms(model) if _is_router(node)]
+    kept += [f"{module_of(node)} (a MoE router: its scores pick the experts)" for node in routers]
     if head_bits is None:
         kept += ["lm_head (asked: lm_head float)"] if heads or tied else []
     else:

@@ -340,3 +340,29 @@ def test_a_manifest_without_the_embedding_field_reads_as_a_float_embedding(choic
     edit_manifest(folder, lambda manifest: manifest["quantization"].update(embedding="int3"))
     with pytest.raises(ArtifactError, match=r"quantization embedding 'int3' is none of float, int8, same"):
         Artifact.open(folder)
+
+
+def test_a_moe_export_quantizes_every_expert_and_keeps_its_routers_float(moe3_model, tmp_path):
+    """torch.onnx writes an expert's Linear on its tokens as a Gemm, which the quantizer does not take: each is
+    rewritten as a MatMul and quantized. A router stays float (its scores pick the experts) and the manifest says so;
+    the weight audit finds every expert's blocks within their scales of its parameters."""
+    from exporter.artifact.contract import ROUTER_SCOPE
+    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.diagnosis.probe import module_of
+
+    folder = export_artifact(moe3_model, tmp_path / "moe-int4", dtype="int4", source={"kind": "in-memory"}).folder
+    config, artifact = moe3_model.config, Artifact.open(folder)
+    for graph in ("prefill.onnx", "decode.onnx"):
+        model = onnx.load(str(folder / graph), load_external_data=False)
+        floats = {t.name for t in model.graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT}
+        float_gemms = [module_of(n) for n in model.graph.node if n.op_type == "Gemm" and n.input[1] in floats]
+        assert len(float_gemms) == config.num_hidden_layers and all(ROUTER_SCOPE.search(m) for m in float_gemms)
+        experts = [n for n in model.graph.node if n.op_type == "MatMulNBits" and ".experts." in n.input[1]]
+        assert len(experts) == config.num_hidden_layers * config.num_experts * 3, graph
+    kept = artifact.manifest.quantization.kept_float
+    assert len(kept) == config.num_hidden_layers and all("a MoE router" in k for k in kept), kept
+    audit = audit_weights(artifact, moe3_model)
+    assert audit.passed, [f.describe() for f in audit.findings]
+    ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "labels": ids}
+    assert np.isfinite(OrtRunner(artifact).prefill(feeds)["logits"]).all()

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from exporter.artifact.contract import ROUTER_SCOPE
 from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.runtime.sessions import plain_session_options, session_providers
@@ -33,8 +34,6 @@ from exporter.verify.metrics import log_softmax
 
 if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model
     import torch
-
-ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 
 
 @contextlib.contextmanager

@@ -373,3 +373,11 @@ def replayed_export(monkeypatch, float_artifact):
         return onnx_ir.serde.deserialize_model(model)
 
     monkeypatch.setattr(pipeline, "_torch_export", replay)
+
+
+def config_entry(session, key: str) -> str | None:
+    """A session's configuration entry, None where it has none."""
+    try:
+        return session.get_session_options().get_session_config_entry(key)
+    except RuntimeError:  # onnxruntime: "SessionOptions does not have configuration with key"
+        return None

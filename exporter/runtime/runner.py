@@ -205,7 +205,9 @@ class OrtRunner:
     while generating. prefill.onnx reads the weights file in place through a shared
     read-only mapping and no prepacking, so it adds no copy of its own; its pages become
     resident only when prefill() runs. (A second prepacked session would double the
-    weights: onnxruntime's Python API cannot share prepacked buffers.)
+    weights: onnxruntime's Python API cannot share prepacked buffers.) A quantized
+    artifact's prefill.onnx prepacks as decode.onnx does: MatMulNBits computes at its
+    accuracy level only prepacked, and the copy is the quantized bytes.
 
     Args:
         artifact: an opened Artifact (not read again), or an artifact folder's path, opened here.
@@ -254,10 +256,13 @@ class OrtRunner:
                 self.cache_device,
             )
             self.decode_session = self._decode.session
+            # A quantized prefill.onnx prepacks too (its copy is the quantized bytes): unprepacked, MatMulNBits
+            # computes in float32 whatever its accuracy level, which no consumer runs.
+            prepack_prefill = settings.prepack_weights and self.manifest.quantization is not None
             self.prefill_session = load_session(
                 self.artifact,
                 prefill,
-                session_options(settings, prefill.file, self._weights, spin=False),
+                session_options(settings, prefill.file, None if prepack_prefill else self._weights, spin=False),
                 providers,
                 staging,
             )

@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from conftest import TINY_SOURCE
-from helpers import CONSUMER_PROMPTS, edit_manifest, replayed_export, shared_folder
+from helpers import CONSUMER_PROMPTS, config_entry, edit_manifest, replayed_export, shared_folder
 from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
@@ -366,3 +366,23 @@ def test_a_moe_export_quantizes_every_expert_and_keeps_its_routers_float(moe3_mo
     ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "labels": ids}
     assert np.isfinite(OrtRunner(artifact).prefill(feeds)["logits"]).all()
+
+
+def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quantized):
+    """MatMulNBits computes in int8 (level 4) only in a prepacked session, and in float32 otherwise: the runner's
+    prefill.onnx prepacks a quantized artifact as its decode.onnx does, so both graphs compute what every consumer
+    runs, and agree on the same prompt within float32's rounding (unprepacked, prefill differed from decode by the
+    activations' int8 rounding)."""
+    from exporter.runtime.sessions import CPU
+    from exporter.verify.metrics import compare_outputs
+    from exporter.verify.tolerances import profile_for
+
+    runner = OrtRunner(quantized["int4-level4"])
+    assert config_entry(runner.prefill_session, "session.disable_prepacking") is None
+    ids = np.array([[5, 9, 100, 3, 77, 12]], dtype=np.int64)
+    mask = np.ones_like(ids)
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(ids.shape[1])[None]}
+    prefill = runner.prefill({**feeds, "labels": ids})
+    decode = runner.decode({**feeds, **runner.empty_past(1)})
+    for row in compare_outputs("prefill vs decode", prefill, decode, profile_for("float32", CPU), mask):
+        assert row.passed, row

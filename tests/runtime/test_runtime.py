@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import config_entry
 
 from exporter.artifact.folder import Artifact
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
@@ -533,13 +534,6 @@ def test_a_graph_with_a_renamed_input_or_output_is_not_the_graph_its_manifest_de
     assert graph_state(artifact_fp32 / "decode.onnx", manifest, manifest.decode) == "ok"
 
 
-def _config_entry(session, key: str) -> str | None:
-    try:
-        return session.get_session_options().get_session_config_entry(key)
-    except RuntimeError:  # onnxruntime: "SessionOptions does not have configuration with key"
-        return None
-
-
 def test_session_settings_reach_both_sessions(artifact_fp32):
     """Threads, optimisation level and prepacking as asked; the prefill session's threads do not spin (they
     took the cores from the decode step after it), decode's do; defaults: decode prepacks, prefill never does
@@ -548,8 +542,8 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
 
     spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
     default = OrtRunner(artifact_fp32)
-    assert _config_entry(default.decode_session, prepack) is None
-    assert _config_entry(default.prefill_session, prepack) == "1"
+    assert config_entry(default.decode_session, prepack) is None
+    assert config_entry(default.prefill_session, prepack) == "1"
     runner = OrtRunner(
         artifact_fp32, settings=SessionSettings(intra_op_threads=1, optimization="basic", prepack_weights=False)
     )
@@ -558,9 +552,9 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
         assert options.intra_op_num_threads == 1
         assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         assert not options.enable_mem_pattern  # never reused as the cache grows; it cost 69 MB of peak RSS
-        assert _config_entry(session, prepack) == "1"
-    assert _config_entry(runner.prefill_session, spin) == "0"
-    assert _config_entry(runner.decode_session, spin) is None
+        assert config_entry(session, prepack) == "1"
+    assert config_entry(runner.prefill_session, spin) == "0"
+    assert config_entry(runner.decode_session, spin) is None
 
 
 def _float32_elements(graph: Path) -> int:

@@ -35,21 +35,21 @@ from exporter.verify.metrics import Comparison, compare_outputs, real_queries
 from exporter.verify.tolerances import Profile
 
 # onnxruntime's CPU MatMulNBits at accuracy level 4 quantizes its float32 input A to int8 per block of `block_size`
-# along K (symmetric, scale max|a|/127, round to nearest) and multiplies it with the quantized weights in integers,
-# but only in its kernel for prepacked weights; a session that does not prepack (OrtRunner's prefill.onnx, which reads
-# the weights file in place) dequantizes the weights and multiplies in float32, whatever the level. Every other level
-# computes in float32 for float32 inputs. Measured (int4, block 32; minimind-3-tiny, the trained fixture, the
-# minimind-3 preset): each MatMulNBits output equals Q8(A) @ W prepacked and A @ W unprepacked within float32
-# rounding, and the two differ with the RMS of uniform rounding, sqrt(sum over blocks of s^2/12 sum w^2) (measured
-# 0.97-1.01x of it): 0.6-1.5% of a row's peak per node, 0.7-6% of the logits' peak after the last layer (0.05-0.7).
-# OrtRunner's prefill (float32) against its decode (int8 activations) thus differs by the activation quantization,
-# 200-1800x the float32 profile; a bound that wide would pass decode-only faults such as every logit x1.001 (33x
-# the float32 bound). Int8 activations on both sides bound nothing tighter: the rounding is discontinuous, so the
-# float32 rounding differences of another batch shape flip single int8 codes by a whole step, and each flip spreads
-# (a padded row against the same sequence alone, minimind-3 preset: one code differs at layer 2's down_proj input,
-# 614 at layer 3's, the logits by 0.17). Unprepacked, both graphs compute A @ W in float32, continuous in A, so the
-# float32 profile holds as for a float32 artifact (split and past 0 bit-identical on the three models, a padded row
-# within 0.05x of the bound); the int8 arithmetic itself is judged by the quality profile on the decode steps.
+# along K (symmetric, scale max|a|/127, round to nearest) and multiplies it with the quantized weights in integers, but
+# only in its kernel for prepacked weights; a session that does not prepack (one that reads the weights file in place)
+# dequantizes the weights and multiplies in float32, whatever the level. Every other level computes in float32 for
+# float32 inputs. Measured (int4, block 32; minimind-3-tiny, the trained fixture, the minimind-3 preset): each
+# MatMulNBits output equals Q8(A) @ W prepacked and A @ W unprepacked within float32 rounding, and the two differ with
+# the RMS of uniform rounding, sqrt(sum over blocks of s^2/12 sum w^2) (measured 0.97-1.01x of it): 0.6-1.5% of a row's
+# peak per node, 0.7-6% of the logits' peak after the last layer (0.05-0.7). An unprepacked graph (float32) against a
+# prepacked one (int8 activations) thus differs by the activation quantization, 200-1800x the float32 profile; a bound
+# that wide would pass decode-only faults such as every logit x1.001 (33x the float32 bound). Int8 activations on both
+# sides bound nothing tighter: the rounding is discontinuous, so the float32 rounding differences of another batch shape
+# flip single int8 codes by a whole step, and each flip spreads (a padded row against the same sequence alone,
+# minimind-3 preset: one code differs at layer 2's down_proj input, 614 at layer 3's, the logits by 0.17). Unprepacked,
+# both graphs compute A @ W in float32, continuous in A, so the float32 profile holds as for a float32 artifact (split
+# and past 0 bit-identical on the three models, a padded row within 0.05x of the bound); the int8 arithmetic itself is
+# judged by the quality profile.
 INT8_ACTIVATIONS_LEVEL = 4
 FLOAT32_MATMUL_NOTE = "MatMulNBits unprepacked in both graphs, in float32"
 

@@ -207,7 +207,9 @@ class OrtRunner:
     resident only when prefill() runs. (A second prepacked session would double the
     weights: onnxruntime's Python API cannot share prepacked buffers.) A quantized
     artifact's prefill.onnx prepacks as decode.onnx does: MatMulNBits computes at its
-    accuracy level only prepacked, and the copy is the quantized bytes.
+    accuracy level only prepacked, and the copy is the quantized bytes. Given a map that
+    other sessions keep resident (`weights`, a verification's), a prepacking session
+    reads that map too and holds its prepacked copy alone.
 
     Args:
         artifact: an opened Artifact (not read again), or an artifact folder's path, opened here.
@@ -236,6 +238,10 @@ class OrtRunner:
             check_quantized_provider(self.provider, self.manifest)
             providers = session_providers(self.provider)
             self._weights = SharedWeightMap.of(self.artifact, weights)  # must outlive the sessions
+            # A map the caller gave is kept resident by its other sessions: a session that prepacks reads it too, and
+            # holds only its prepacked copy. Without one, a prepacking session loads the weights itself, and
+            # onnxruntime frees what it prepacked, so that generating keeps one copy.
+            shared = weights is not None
             prefill, decode = self.manifest.prefill, self.manifest.decode
             self.cache_device = "cuda" if self.provider == CUDA else "cpu"
             past_of = _past_name_of_present(self.manifest.cache)
@@ -246,7 +252,12 @@ class OrtRunner:
                     self.artifact,
                     decode,
                     # unprepacked, decode.onnx too reads the one mapping: no second copy of the weights
-                    session_options(settings, decode.file, None if settings.prepack_weights else self._weights),
+                    session_options(
+                        settings,
+                        decode.file,
+                        self._weights if shared or not settings.prepack_weights else None,
+                        prepack=settings.prepack_weights,
+                    ),
                     providers,
                     staging,
                 ),
@@ -262,7 +273,13 @@ class OrtRunner:
             self.prefill_session = load_session(
                 self.artifact,
                 prefill,
-                session_options(settings, prefill.file, None if prepack_prefill else self._weights, spin=False),
+                session_options(
+                    settings,
+                    prefill.file,
+                    self._weights if shared or not prepack_prefill else None,
+                    spin=False,
+                    prepack=prepack_prefill,
+                ),
                 providers,
                 staging,
             )

@@ -344,7 +344,11 @@ class SharedWeightMap:
 
 
 def session_options(
-    settings: SessionSettings, graph_file: str, weights: SharedWeightMap | None, spin: bool = True
+    settings: SessionSettings,
+    graph_file: str,
+    weights: SharedWeightMap | None,
+    spin: bool = True,
+    prepack: bool = False,
 ) -> ort.SessionOptions:
     """Options for one session.
 
@@ -352,10 +356,11 @@ def session_options(
         settings: the session settings (optimisation level, threads, prepacking, where to save the optimised graph).
         graph_file: the graph's file name in the artifact (e.g. "decode.onnx"): picks its initializers from
             `weights` and names its saved optimised graph.
-        weights: the shared mapping to read the weights from in place, unpacked; None: the session reads them
-            itself.
+        weights: the shared mapping to read the weights from in place; None: the session reads them itself.
         spin: whether idle intra-op threads spin; False for a session whose threads would otherwise take the
             cores from the session called next.
+        prepack: let MLAS prepack the weights (a copy of them in its own layout, made at load; of `weights` too,
+            which stay mapped); False computes from the weights as they are.
     """
     options = ort.SessionOptions()
     if weights is not None:
@@ -379,7 +384,7 @@ def session_options(
         options.intra_op_num_threads = settings.intra_op_threads
         if not spin:  # idle threads that spin take the cores from the session called next
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if weights is not None or not settings.prepack_weights:
+    if not prepack:
         options.add_session_config_entry("session.disable_prepacking", "1")
     if not settings.float16_weights_cast_once:
         # the pass that turns each Cast of a float16 weight into a float32 initializer; without the arena, the
@@ -428,7 +433,7 @@ def file_session(path: Path, provider: str, settings: SessionSettings = SessionS
         ProviderError: the provider is unknown or not available.
     """
     check_text_path(path.parent, "graph folder", TEXT_PATH_FIX, ArtifactError)
-    options = session_options(settings, path.name, None)
+    options = session_options(settings, path.name, None, prepack=settings.prepack_weights)
     try:
         return _new_session(str(path), options, session_providers(check_provider(provider)))
     except _LOAD_ERRORS as exc:

@@ -238,10 +238,16 @@ class OrtRunner:
             check_quantized_provider(self.provider, self.manifest)
             providers = session_providers(self.provider)
             self._weights = SharedWeightMap.of(self.artifact, weights)  # must outlive the sessions
-            # A map the caller gave is kept resident by its other sessions: a session that prepacks reads it too, and
-            # holds only its prepacked copy. Without one, a prepacking session loads the weights itself, and
-            # onnxruntime frees what it prepacked, so that generating keeps one copy.
             shared = weights is not None
+
+            def options(graph: GraphContract, prepack: bool, spin: bool = True):
+                # An unprepacked session reads the one mapping: no copy of the weights of its own. A map the caller
+                # gave is kept resident by its other sessions: a prepacking session reads it too and holds only its
+                # prepacked copy. Without one, a prepacking session loads the weights itself, and onnxruntime frees
+                # what it prepacked, so that generating keeps one copy.
+                mapped = self._weights if shared or not prepack else None
+                return session_options(settings, graph.file, mapped, spin=spin, prepack=prepack)
+
             prefill, decode = self.manifest.prefill, self.manifest.decode
             self.cache_device = "cuda" if self.provider == CUDA else "cpu"
             past_of = _past_name_of_present(self.manifest.cache)
@@ -251,13 +257,7 @@ class OrtRunner:
                 load_session(
                     self.artifact,
                     decode,
-                    # unprepacked, decode.onnx too reads the one mapping: no second copy of the weights
-                    session_options(
-                        settings,
-                        decode.file,
-                        self._weights if shared or not settings.prepack_weights else None,
-                        prepack=settings.prepack_weights,
-                    ),
+                    options(decode, prepack=settings.prepack_weights),
                     providers,
                     staging,
                 ),
@@ -273,13 +273,7 @@ class OrtRunner:
             self.prefill_session = load_session(
                 self.artifact,
                 prefill,
-                session_options(
-                    settings,
-                    prefill.file,
-                    self._weights if shared or not prepack_prefill else None,
-                    spin=False,
-                    prepack=prepack_prefill,
-                ),
+                options(prefill, prepack=prepack_prefill, spin=False),
                 providers,
                 staging,
             )

@@ -93,14 +93,16 @@ def _is_router(node: onnx.NodeProto) -> bool:
     return ROUTER_SCOPE.search(module_of(node) or "") is not None
 
 
-def _gemms_as_matmuls(model: onnx.ModelProto, vocab_size: int, head: bool) -> dict[str, str]:
-    """Rewrite each Linear Gemm(x, W, transB=1) as MatMul(x, W^T) on a transposed copy of W, under the Gemm's name,
-    the form the quantizer takes; returns {transposed copy: W}. Not rewritten: a MoE router (its scores pick the
-    experts, which a rounded weight could flip; llama.cpp keeps routers float too), and the tied lm_head unless
-    `head` (it is to be quantized): a float head keeps the Gemm, which reads the table the embedding shares,
+def _gemms_as_matmuls(
+    model: onnx.ModelProto, gemms: list[tuple[onnx.NodeProto, onnx.TensorProto]], vocab_size: int, head: bool
+) -> dict[str, str]:
+    """Rewrite each of the Linear `gemms` (_linear_gemms) as MatMul(x, W^T) on a transposed copy of W, under the
+    Gemm's name, the form the quantizer takes; returns {transposed copy: W}. Not rewritten: a MoE router (its scores
+    pick the experts, which a rounded weight could flip; llama.cpp keeps routers float too), and the tied lm_head
+    unless `head` (it is to be quantized): a float head keeps the Gemm, which reads the table the embedding shares,
     without a second copy."""
     copies: dict[str, str] = {}
-    for node, weight in _linear_gemms(model):
+    for node, weight in gemms:
         if _is_router(node) or (weight.dims[0] == vocab_size and not head):
             continue
         name = f"{weight.name}_transposed"
@@ -237,8 +239,10 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     _name_nodes(model)
     head_bits = scheme.bits_for(scheme.lm_head)
     embedding_bits = scheme.bits_for(scheme.embedding)
-    tied = any(weight.dims[0] == vocab_size for _, weight in _linear_gemms(model))
-    copies = _gemms_as_matmuls(model, vocab_size, head=head_bits is not None)
+    gemms = _linear_gemms(model)
+    tied = any(weight.dims[0] == vocab_size for _, weight in gemms)
+    routers = [node for node, _ in gemms if _is_router(node)]  # left as they are by the rewrite below
+    copies = _gemms_as_matmuls(model, gemms, vocab_size, head=head_bits is not None)
     matmuls = _constant_matmuls(model)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
@@ -249,7 +253,6 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
         f"{module_of(n) or n.name} (a Gather not on the token ids: only the token embedding is quantized)"
         for n, _ in others
     ]
-    routers = [node for node, _ in _linear_gemms(model) if _is_router(node)]
     kept += [f"{module_of(node)} (a MoE router: its scores pick the experts)" for node in routers]
     if head_bits is None:
         kept += ["lm_head (asked: lm_head float)"] if heads or tied else []

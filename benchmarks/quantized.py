@@ -232,6 +232,15 @@ def kernel_bounds(folders: dict[str, Path], floor_step_ms: float) -> dict:
     return found
 
 
+def weight_read_floor(folder: Path, bandwidths: list[float]) -> tuple[int, list[float]]:
+    """The bytes of the weights file of the artifact in `folder`, and the tokens/s of a decode step that did nothing
+    but read them once, at each measured read bandwidth (GB/s): the weight-read floor."""
+    from exporter.artifact.manifest import read_manifest
+
+    weights = (folder / read_manifest(folder, check_hashes=False).weights_file).stat().st_size
+    return weights, [gb * 1e9 / weights for gb in bandwidths]
+
+
 def measure_precisions(folders: dict[str, Path], rounds: int, flags: list[str], accuracy_level: int) -> dict:
     from exporter.artifact.manifest import read_manifest
 
@@ -240,8 +249,7 @@ def measure_precisions(folders: dict[str, Path], rounds: int, flags: list[str], 
     progress(f"timing {', '.join(workers)} in turns ({rounds} rounds)")
     figures = in_turns(workers, rounds)
     manifest = read_manifest(folders["int4"], check_hashes=False)
-    weights = (folders["int4"] / manifest.weights_file).stat().st_size
-    floor_tps = [gb * 1e9 / weights for gb in figures["bandwidth"]["bandwidth"]]
+    weights, floor_tps = weight_read_floor(folders["int4"], figures["bandwidth"]["bandwidth"])
     out = {"precisions": {}, "ratios": {}, "quartiles": {}}
 
     def ratio(name, numerators, denominators):
@@ -289,11 +297,7 @@ def real_size_decode(work: Path, rounds: int, accuracy_level: int, quick: bool) 
     workers = {p: ("ort-decode", out) for p, out in folders.items()} | {"bandwidth": ("bandwidth", None)}
     progress(f"{size.name}: decode in turns ({rounds} rounds)")
     figures = in_turns(workers, rounds)
-    from exporter.artifact.manifest import read_manifest
-
-    manifest = read_manifest(folders["int4"], check_hashes=False)
-    weights = (folders["int4"] / manifest.weights_file).stat().st_size
-    floor_tps = [gb * 1e9 / weights for gb in figures["bandwidth"]["bandwidth"]]
+    weights, floor_tps = weight_read_floor(folders["int4"], figures["bandwidth"]["bandwidth"])
     out = {"name": size.name, "precisions": {}, "ratios": {}, "quartiles": {}}
     for p, artifact in folders.items():
         out["precisions"][p] = {"bytes": folder_bytes(artifact), "decode": statistics.median(figures[p]["decode"])}

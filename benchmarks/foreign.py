@@ -90,8 +90,9 @@ def rows(document: dict) -> dict[str, str]:
     for invariant in document.get("invariants", []):
         found[f"invariant: {invariant['name']}"] = VERDICT[invariant["passed"]]
     for reference in document.get("independent_references", []):
+        against = "against transformers" if reference["provider"] else "pytorch reference against transformers"
         for c in reference["comparisons"]:
-            found[f"against transformers: {c['name']}"] = f"{_figure(c['max_abs'])} {VERDICT[c['passed']]}"
+            found[f"{against}: {c['name']}"] = f"{_figure(c['max_abs'])} {VERDICT[c['passed']]}"
     audit = document.get("weight_audit")
     if audit:
         found["weight audit"] = VERDICT[audit["passed"]]

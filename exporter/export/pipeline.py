@@ -288,9 +288,10 @@ def _rsqrt_as_division(model: onnx.ModelProto) -> None:
 
 def _smoke_run(folder: Path, manifest: Manifest) -> None:
     """Run both graphs at sizes other than the tracing example, including 1-token and past-0 cases."""
-    # The files just written, not hashed again; unprepacked, so that both sessions read the one mapping of the
-    # weights (a prepacked decode.onnx holds a copy of its own, beside the model the export still holds).
-    settings = dataclasses.replace(checking_settings(manifest.dtype), prepack_weights=False)
+    # The files just written, not hashed again; unprepacked whatever the precision, so that both sessions read the
+    # one mapping of the weights (a prepacked decode.onnx holds a copy of its own, beside the model the export
+    # still holds).
+    settings = dataclasses.replace(checking_settings(manifest), prepack_weights=False)
     runner = OrtRunner(Artifact(folder, manifest), "cpu", settings=settings)
     tolerance = profile_for(manifest.dtype).logits
     vocab = manifest.config.vocab_size

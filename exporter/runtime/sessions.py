@@ -22,6 +22,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
+from exporter.artifact.manifest import Manifest
 from exporter.artifact.paths import (
     TEXT_PATH_FIX,
     check_text_path,
@@ -234,14 +235,18 @@ class SessionSettings:
             object.__setattr__(self, "optimized_model_dir", Path(self.optimized_model_dir))  # frozen dataclass
 
 
-def checking_settings(dtype: str) -> SessionSettings:
-    """The settings of sessions that check an artifact of `dtype` (verification, the export's smoke run), which
-    hold several sessions at once: a float16 artifact's weights are cast in each call and read in place from the
-    one mapping (SessionSettings.float16_weights_cast_once; nothing is left to prepack), so that no session keeps a
-    float32 copy of them. A float32 or quantized artifact's get the defaults."""
-    if dtype == "float16":
-        return SessionSettings(prepack_weights=False, float16_weights_cast_once=False)
-    return SessionSettings()
+def checking_settings(manifest: Manifest) -> SessionSettings:
+    """The settings of sessions that check the artifact of `manifest` (verification, the export's smoke run), which
+    hold several sessions at once beside the PyTorch model: each session reads the weights in place from the one
+    mapping and keeps no copy of its own, so that ONNX Runtime holds one copy of them however many sessions check.
+
+    A float32 artifact's sessions are unprepacked (a prepacked decode.onnx would keep MLAS's packed copy beside the
+    mapping; the two layouts differ by float32 rounding alone), and a float16 artifact's weights are cast in each
+    call (SessionSettings.float16_weights_cast_once). A quantized artifact's get the defaults: MatMulNBits
+    prepacked is the kernel that computes at its accuracy level, which unprepacked would not check."""
+    if manifest.quantization is not None:
+        return SessionSettings()
+    return SessionSettings(prepack_weights=False, float16_weights_cast_once=manifest.dtype != "float16")
 
 
 # onnxruntime's name of the optimiser pass that folds a Cast of a float16 initializer into a float32 initializer

@@ -25,7 +25,6 @@ from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_typ
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import (
     CPU,
-    SessionSettings,
     SharedWeightMap,
     available_parity_providers,
     check_parity_providers,
@@ -585,27 +584,17 @@ def _audit(artifact: Artifact, model) -> WeightAudit:
 
 
 def _independent(
-    plan: _Plan,
-    weights: SharedWeightMap,
-    sessions: SessionSettings,
-    batch: dict,
-    settings: ParitySettings,
-    overrides: Overrides,
+    plan: _Plan, onnx: OrtRunner, batch: dict, settings: ParitySettings, overrides: Overrides
 ) -> tuple[list, dict]:
-    """Transformers' model of the artifact's folder against ONNX Runtime on the first provider, or why not
-    ({reference: reason}); neither for an artifact not exported from a Hugging Face folder.
-
-    Run before the providers' runs, on sessions of its own that read the weights in place, unprepacked, and are
-    closed when it returns: transformers' model and decode.onnx's prepacked weights are never resident together,
-    and the two checks between them run both of MLAS's layouts of the weights."""
+    """Transformers' model of the artifact's folder against the toolkit's reference and against ONNX Runtime on
+    the first provider (`onnx`), or why not ({reference: reason}); neither for an artifact not exported from a
+    Hugging Face folder. Run before the providers' runs, which replay the reference's calls it recorded."""
     if plan.transformers_skipped is None:
         return [], {}
     if plan.transformers_skipped:
         return [], {"transformers": plan.transformers_skipped}
-    unpacked = replace(sessions, prepack_weights=False)
-    onnx = OrtRunner(plan.artifact, plan.providers[0], settings=unpacked, weights=weights)
     profile = overrides.apply(profile_for(plan.artifact.manifest.dtype, onnx.provider))
-    return [check_transformers(onnx, plan.artifact.manifest, batch, settings, profile)], {}
+    return check_transformers(plan.reference, onnx, plan.artifact.manifest, batch, settings, profile), {}
 
 
 def _save_golden(
@@ -688,8 +677,9 @@ def verify_artifact(
         weights = _audit(artifact, model) if model is not None else None
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         mapping = SharedWeightMap(artifact)  # every session below reads it: one resident copy of the file
-        sessions = checking_settings(manifest.dtype)
-        independent, independent_skipped = _independent(plan, mapping, sessions, batch, settings, overrides)
+        sessions = checking_settings(manifest)
+        first_runner = OrtRunner(artifact, plan.providers[0], settings=sessions, weights=mapping)
+        independent, independent_skipped = _independent(plan, first_runner, batch, settings, overrides)
         runs, quality = [], []
         quantized = manifest.quantization is not None
         debug = (
@@ -700,11 +690,9 @@ def verify_artifact(
                 DebugGraph(artifact, manifest.decode, mapping, sessions) if settings.probe else None,
             )
         )
-        first_runner = None  # kept for the invariants: loading the sessions again costs seconds
         if reference is not None:
-            for provider in plan.providers:
-                onnx = OrtRunner(artifact, provider, settings=sessions, weights=mapping)
-                first_runner = first_runner or onnx
+            for index, provider in enumerate(plan.providers):
+                onnx = first_runner if index == 0 else OrtRunner(artifact, provider, settings=sessions, weights=mapping)
                 if quantized:
                     quality.append(_run_quality(onnx, manifest, reference, batch, settings, plan.quality_text))
                 else:
@@ -712,19 +700,18 @@ def verify_artifact(
         reports = [run.report for run in runs]
         outputs = {run.report.provider: run.outputs for run in runs}
         values = {run.report.provider: run.values for run in runs}
-        invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
+        invariant_provider = first_runner.provider  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
         # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
         # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
         # rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
         matched = float32_matmul_settings(manifest)
-        if matched is not None:
-            invariant_runner = OrtRunner(artifact, invariant_provider, settings=matched, weights=mapping)
-        else:
-            invariant_runner = first_runner or OrtRunner(
-                artifact, invariant_provider, settings=sessions, weights=mapping
-            )
+        invariant_runner = (
+            first_runner
+            if matched is None
+            else OrtRunner(artifact, invariant_provider, settings=matched, weights=mapping)
+        )
         invariants = check_invariants(artifact, invariant_runner, batch, invariant_profile)
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []

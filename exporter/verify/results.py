@@ -103,13 +103,19 @@ class ConsumerReport:
 
 @dataclass(frozen=True)
 class IndependentReport:
-    """ONNX Runtime against a reference the toolkit did not write (Transformers' own model of the folder the
-    artifact was exported from): the prefill batch and the decode steps, as against the PyTorch reference."""
+    """ONNX Runtime, or the toolkit's PyTorch reference, against a reference the toolkit did not write
+    (Transformers' own model of the folder the artifact was exported from): the prefill batch and the decode
+    steps, as against the PyTorch reference."""
 
     reference: str  # name and version, e.g. "transformers 5.25.0"
-    provider: str  # the ONNX Runtime provider compared
+    provider: str | None  # the ONNX Runtime provider compared; None: the toolkit's PyTorch reference was
     source: str  # what the reference loaded (the checkpoint folder)
     comparisons: list[Comparison]
+
+    @property
+    def compared(self) -> str:
+        """What was compared with the independent reference, in words."""
+        return f"ONNX Runtime ({self.provider})" if self.provider else "the pytorch reference"
 
     @property
     def passed(self) -> bool:
@@ -118,6 +124,7 @@ class IndependentReport:
     def to_dict(self) -> dict:
         return {
             "reference": self.reference,
+            "compared": self.compared,
             "provider": self.provider,
             "source": self.source,
             "passed": self.passed,

@@ -27,7 +27,31 @@ def exported(request, hf_folders, tmp_path_factory):
     return request.param, folder
 
 
-def test_an_exported_folder_verifies_against_the_reference_and_transformers(exported, tmp_path):
+def test_an_exported_folder_verifies_against_the_reference_and_transformers(exported, tmp_path, monkeypatch):
+    import weakref
+
+    from exporter.runtime.runner import OrtRunner
+    from exporter.verify.references.transformers_reference import TransformersRunner
+
+    # transformers' model is released once its calls are recorded: no ONNX Runtime call sees it alive, so that the
+    # mapping ONNX Runtime reads and transformers' copy of the weights are never resident together
+    loaded, alive_at_onnx_calls = [], []
+    load = TransformersRunner.__init__
+
+    def recording_load(self, *args):
+        load(self, *args)
+        loaded.append(weakref.ref(self.model))
+
+    def watched(call):
+        def run(self, feeds):
+            alive_at_onnx_calls.append(any(model() is not None for model in loaded))
+            return call(self, feeds)
+
+        return run
+
+    monkeypatch.setattr(TransformersRunner, "__init__", recording_load)
+    monkeypatch.setattr(OrtRunner, "prefill", watched(OrtRunner.prefill))
+    monkeypatch.setattr(OrtRunner, "decode", watched(OrtRunner.decode))
     model_type, folder = exported
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["model"]["family"] == "hf-decoder"
@@ -36,15 +60,19 @@ def test_an_exported_folder_verifies_against_the_reference_and_transformers(expo
     report = tmp_path / "report.json"
     result = run_cli("verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--report-json", report, "-q")
     assert result.exit_code == 0, result.output
+    assert len(loaded) == 1 and alive_at_onnx_calls and not any(alive_at_onnx_calls)
     assert "independent reference: ONNX Runtime (CPUExecutionProvider) against transformers" in result.stdout
+    assert "independent reference: the pytorch reference against transformers" in result.stdout
     data = json.loads(report.read_text())
     assert data["passed"] and data["reference"] == "pytorch model"
-    (independent,) = data["independent_references"]
-    assert independent["reference"].startswith("transformers ") and independent["passed"]
-    names = [c["name"] for c in independent["comparisons"]]
-    assert names[:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
-    assert any(name.startswith("decode logits") for name in names)
-    assert all(c["max_abs"] <= c["tolerance"]["peak"] or c["passed"] for c in independent["comparisons"])
+    onnx_side, reference_side = data["independent_references"]
+    assert (onnx_side["provider"], reference_side["provider"]) == ("CPUExecutionProvider", None)
+    for independent in (onnx_side, reference_side):
+        assert independent["reference"].startswith("transformers ") and independent["passed"]
+        names = [c["name"] for c in independent["comparisons"]]
+        assert names[:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
+        assert any(name.startswith("decode logits") for name in names)
+        assert all(c["max_abs"] <= c["tolerance"]["peak"] or c["passed"] for c in independent["comparisons"])
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

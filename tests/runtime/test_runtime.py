@@ -577,7 +577,7 @@ def test_checking_sessions_of_a_float16_artifact_keep_no_float32_copy_of_its_wei
     ids = np.array([[5, 9, 100, 3]], dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
     outputs = {}
-    for name, settings in (("once", SessionSettings()), ("per call", checking_settings("float16"))):
+    for name, settings in (("once", SessionSettings()), ("per call", checking_settings(artifact.manifest))):
         saved = tmp_path / name
         runner = OrtRunner(artifact, settings=dataclasses.replace(settings, optimized_model_dir=saved))
         outputs[name] = (runner.prefill({**feeds, "labels": ids}), runner.decode({**feeds, **runner.empty_past(1)}))

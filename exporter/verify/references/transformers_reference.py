@@ -9,6 +9,7 @@ family is hf-decoder and its checkpoint folder is unchanged; transformers is imp
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 from pathlib import Path
@@ -20,6 +21,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
+from exporter.verify.references.golden import RecordedReference
 from exporter.verify.results import IndependentReport
 from exporter.verify.tolerances import Profile
 
@@ -134,25 +136,50 @@ class TransformersRunner:
 
 
 def check_transformers(
-    onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile
-) -> IndependentReport:
-    """ONNX Runtime (`onnx`, an OrtRunner) against Transformers' model of the artifact's checkpoint folder: the
-    prefill batch (logits, presents, loss) and the decode steps, judged by `profile` as the PyTorch reference is.
+    reference, onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile
+) -> list[IndependentReport]:
+    """The toolkit's PyTorch reference, then ONNX Runtime (`onnx`, an OrtRunner), against Transformers' model of
+    the artifact's checkpoint folder: the prefill batch (logits, presents, loss) and the decode steps, judged by
+    `profile` as the PyTorch reference is.
+
+    Transformers' calls are recorded while it is compared with the toolkit's reference, and its model is released
+    before ONNX Runtime runs against the recording: at most two of the three copies of the weights (the toolkit's
+    model, Transformers', the mapping ONNX Runtime reads) are resident at once.
 
     Args:
+        reference: the toolkit's PyTorch reference (a RecordedReference of a TorchRunner), which records these
+            calls for the providers' runs to replay.
         onnx: the OrtRunner of the provider compared.
         manifest: the artifact's manifest, whose source names the folder.
-        batch: the prompt batch the providers were verified on.
+        batch: the prompt batch the providers are verified on.
         settings: the verification's settings (decode steps, seed).
         profile: the tolerances of that provider.
+
+    Returns:
+        [ONNX Runtime against Transformers, the toolkit's reference against Transformers].
     """
     folder = Path(manifest.source["path"])
     log.info("independent reference: transformers loading %s", folder)
-    runner = TransformersRunner(folder, manifest)
-    health = HealthScan(manifest.dtype)  # the providers' checks report ONNX Runtime's health; not again here
-    prefill, _ = check_prefill(runner, onnx, manifest, batch, profile, health)
-    decode, _ = check_decode(
-        runner, onnx, manifest, batch, settings, profile, health, np.random.default_rng(settings.seed + 1)
-    )
-    comparisons = prefill.comparisons + decode.comparisons
-    return IndependentReport(f"{NAME} {transformers_version()}", onnx.provider, str(folder), comparisons)
+    transformers = RecordedReference(TransformersRunner(folder, manifest))
+
+    def against(compared) -> list:
+        transformers.rewind()
+        reference.rewind()
+        health = HealthScan(manifest.dtype)  # the providers' checks report ONNX Runtime's health; not again here
+        prefill, _ = check_prefill(transformers, compared, manifest, batch, profile, health)
+        decode, _ = check_decode(
+            transformers, compared, manifest, batch, settings, profile, health, np.random.default_rng(settings.seed + 1)
+        )
+        return prefill.comparisons + decode.comparisons
+
+    log.info("independent reference: the pytorch reference against transformers")
+    reference_rows = against(reference)
+    transformers.backing = None  # recorded: its model is released before ONNX Runtime reads the weights
+    gc.collect()
+    log.info("independent reference: %s against transformers", onnx.provider)
+    onnx_rows = against(onnx)
+    version = f"{NAME} {transformers_version()}"
+    return [
+        IndependentReport(version, onnx.provider, str(folder), onnx_rows),
+        IndependentReport(version, None, str(folder), reference_rows),
+    ]

@@ -103,7 +103,11 @@ def render_junit(report: VerifyReport) -> str:
     if report.consumers:
         _suite(root, "consumers", [(c.consumer, c.passed, c.greedy.note) for c in report.consumers])
     for independent in report.independent:
-        _suite(root, f"against {independent.reference}", [_comparison(c) for c in independent.comparisons])
+        _suite(
+            root,
+            f"{independent.compared} against {independent.reference}",
+            [_comparison(c) for c in independent.comparisons],
+        )
     skipped = {**report.skipped, **report.consumers_skipped, **report.not_checked}
     if skipped:
         suite = ET.SubElement(

@@ -285,7 +285,7 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
     for independent in report.independent:
         tables.append(
             (
-                f"independent reference: ONNX Runtime ({independent.provider}) against {independent.reference} "
+                f"independent reference: {independent.compared} against {independent.reference} "
                 f"loading {independent.source}",
                 HEADER,
                 [comparison_row(c) for c in independent.comparisons],

@@ -663,6 +663,40 @@ def test_runners_given_one_weight_map_map_the_file_once(artifact_fp32):
     np.testing.assert_array_equal(given.decode(step)["logits"], own.decode(step)["logits"])  # both prepacked
 
 
+def test_a_float32_artifact_is_checked_unprepacked_and_agrees_with_its_prepacked_decode(artifact_fp32):
+    """Verification reads a float32 artifact's weights in place in every session (checking_settings), where
+    generate and the consumers prepack decode.onnx: MLAS's two layouts of the same weights run the same float32
+    products in another order, so their outputs differ by float32 rounding alone, which the float32 profile (ONNX
+    Runtime against the float32 reference) bounds; a wrong packed layout would be off by the weights' scale."""
+    from exporter.runtime.runner import presents_as_past
+    from exporter.runtime.sessions import SharedWeightMap, checking_settings
+    from exporter.verify.metrics import compare_outputs
+    from exporter.verify.tolerances import profile_for
+
+    artifact = Artifact.open(artifact_fp32)
+    shared = SharedWeightMap(artifact)
+    checking = OrtRunner(artifact, settings=checking_settings(artifact.manifest), weights=shared)
+    assert config_entry(checking.decode_session, "session.disable_prepacking") == "1"
+    prepacked = OrtRunner(artifact, weights=shared)
+    assert config_entry(prepacked.decode_session, "session.disable_prepacking") is None
+    ids = np.array([[5, 9, 100, 3], [7, 1, 2, 8]], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(4), (2, 1))}
+    past = presents_as_past(artifact.manifest, checking.prefill({**feeds, "labels": ids}))
+    step = {
+        "input_ids": ids[:, :2],
+        "attention_mask": np.ones((2, 6), np.int64),
+        "position_ids": feeds["position_ids"][:, :2] + 4,
+    }
+    rows = compare_outputs(
+        "decode",
+        checking.decode({**step, **past}),
+        prepacked.decode({**step, **past}),
+        profile_for("float32"),
+        step["attention_mask"],
+    )
+    assert rows and all(row.passed for row in rows), rows
+
+
 def test_a_weight_map_of_another_artifact_is_refused(artifact_fp32, tmp_path):
     import shutil
 

@@ -358,21 +358,22 @@ def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: 
 
 def replayed_export(monkeypatch, float_artifact):
     """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (loaded with their weights):
-    what the dynamo export of the same model gives, without its ~30 s per graph. Quantized exports of the tiny
-    model go through everything else: quantization, the shared weights file, the checks and the smoke run."""
+    what the dynamo export of the same model gives, without its trace. Quantized exports of the tiny model go
+    through everything else: quantization, the shared weights file, the checks and the smoke run."""
     import onnx
     import onnx_ir
 
     import exporter.export.pipeline as pipeline
 
-    graphs = {name: onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
+    graphs = [onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")]
 
-    def replay(module, args, names, contract):  # an onnx_ir model, as torch.onnx returns
-        model = onnx.ModelProto()
-        model.CopyFrom(graphs[contract.file])
-        return onnx_ir.serde.deserialize_model(model)
+    def replay(model, template, dtype, with_loss, store, contracts):  # each graph as store makes it from torch.onnx's
+        copies = [onnx.ModelProto() for _ in graphs]
+        for copy, graph in zip(copies, graphs):
+            copy.CopyFrom(graph)
+        return tuple(store(onnx_ir.serde.deserialize_model(copy)) for copy in copies)
 
-    monkeypatch.setattr(pipeline, "_torch_export", replay)
+    monkeypatch.setattr(pipeline, "_traced_graphs", replay)
 
 
 def config_entry(session, key: str) -> str | None:

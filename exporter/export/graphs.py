@@ -87,42 +87,19 @@ def _flatten_presents(presents):
     return flat
 
 
-class PrefillGraph(nn.Module):
-    """input_ids, attention_mask, position_ids[, labels] -> logits, present.*[, loss]."""
+class DecodeGraph(nn.Module):
+    """input_ids, attention_mask, position_ids, past_key_values.*[, labels] -> logits, present.*[, loss].
+
+    The one program both graphs are cut from (exporter/export/pipeline.py): decode.onnx without the loss, and
+    prefill.onnx with an empty past in place of the past inputs.
+    """
 
     def __init__(self, model: nn.Module, with_loss: bool):
         super().__init__()
         self.model = model
         self.with_loss = with_loss
 
-    def forward(self, input_ids, attention_mask, position_ids, labels=None):
-        """The prompt on an empty past.
-
-        Args:
-            input_ids: (B, T) token ids; a negative id fails in the embedding's Gather.
-            attention_mask: (B, T), 1 for a token, 0 for left padding.
-            position_ids: (B, T), the k-th real token of a row at position k.
-            labels: (B, T) targets for the shifted loss (IGNORE_INDEX masks a position); used only with_loss.
-
-        Returns:
-            (logits, present key and value of each layer as (B, Hkv, T, D)[, loss]).
-        """
-        input_ids = negative_past_the_table(input_ids, self.model.config.vocab_size)
-        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-        outputs = [out.logits, *_flatten_presents(out.past_key_values)]
-        if self.with_loss:
-            outputs.append(masked_shifted_loss(out.logits, labels))
-        return tuple(outputs)
-
-
-class DecodeGraph(nn.Module):
-    """input_ids, attention_mask, position_ids, past_key_values.* -> logits, present.*."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values, labels=None):
         """New tokens on the cache.
 
         Args:
@@ -130,9 +107,10 @@ class DecodeGraph(nn.Module):
             attention_mask: (B, P + T), past and new positions: 1 for a token, 0 for left padding.
             position_ids: (B, T), the new tokens' positions.
             past_key_values: the flat past, key then value of each layer in turn, each (B, Hkv, P, D).
+            labels: (B, T) targets for the shifted loss (IGNORE_INDEX masks a position); used only with_loss.
 
         Returns:
-            (logits, present key and value of each layer as (B, Hkv, P + T, D)).
+            (logits, present key and value of each layer as (B, Hkv, P + T, D)[, loss]).
         """
         pairs = [
             (past_key_values[2 * i].transpose(1, 2), past_key_values[2 * i + 1].transpose(1, 2))
@@ -142,4 +120,7 @@ class DecodeGraph(nn.Module):
         out = self.model(
             input_ids, attention_mask=attention_mask, past_key_values=pairs, position_ids=position_ids, use_cache=True
         )
-        return (out.logits, *_flatten_presents(out.past_key_values))
+        outputs = [out.logits, *_flatten_presents(out.past_key_values)]
+        if self.with_loss:
+            outputs.append(masked_shifted_loss(out.logits, labels))
+        return tuple(outputs)

@@ -29,6 +29,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime
 import torch
+from onnx import helper, numpy_helper
 from torch.export import Dim
 
 from exporter.artifact.axes import name_axes
@@ -49,7 +50,7 @@ from exporter.artifact.quantization import (
 from exporter.artifact.tokenizer import find_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
-from exporter.export.graphs import DecodeGraph, PrefillGraph, share_tied_table
+from exporter.export.graphs import DecodeGraph, share_tied_table
 from exporter.export.layer_template import LayerTemplate
 from exporter.export.quantize import quantize_graphs
 from exporter.export.weights import SharedWeightsWriter
@@ -110,24 +111,26 @@ def _dynamic_shapes(contract: GraphContract, argument_names: list[str]) -> dict:
 
 
 def _example_inputs(config, dtype: torch.dtype, with_loss: bool, past: bool):
+    """The tracing example: a prompt (`past` False), or new tokens on a cache; labels with_loss."""
     generator = torch.Generator().manual_seed(0)
     b, t, p = EXAMPLE_BATCH, EXAMPLE_SEQUENCE, EXAMPLE_PAST
     input_ids = torch.randint(0, config.vocab_size, (b, t), generator=generator)
     total = p + t if past else t
     mask = torch.ones(b, total, dtype=torch.int64)
     position_ids = torch.arange(total - t, total).expand(b, t).contiguous()
+    args, names = [input_ids, mask, position_ids], ["input_ids", "attention_mask", "position_ids"]
     if past:
         cache = cache_layout(config, "")
         kv = [
             torch.randn(b, cache.num_key_value_heads, p, cache.head_dim, generator=generator).to(dtype)
             for _ in range(2 * cache.num_layers)
         ]
-        return (input_ids, mask, position_ids, kv), ["input_ids", "attention_mask", "position_ids", "past_key_values"]
+        args, names = [*args, kv], [*names, "past_key_values"]
     if with_loss:
         labels = input_ids.clone()
         labels[:, 0] = -100
-        return (input_ids, mask, position_ids, labels), ["input_ids", "attention_mask", "position_ids", "labels"]
-    return (input_ids, mask, position_ids), ["input_ids", "attention_mask", "position_ids"]
+        args, names = [*args, labels], [*names, "labels"]
+    return tuple(args), names
 
 
 @contextlib.contextmanager
@@ -180,23 +183,121 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> ir.M
     return program.model
 
 
-def _export_graph(model, template: LayerTemplate | None, dtype: str, with_loss: bool, past: bool) -> ir.Model:
-    """decode.onnx (`past`) or prefill.onnx as torch.onnx builds it, its weights in memory: traced three layers
-    deep and grown to the model's depth where the model's layers repeat (exporter/export/layer_template.py), traced
-    whole otherwise."""
+def traced_contract(config, dtype: str, with_loss: bool) -> GraphContract:
+    """The program traced once for both graphs: decode.onnx's inputs and outputs, and prefill.onnx's labels and
+    loss with_loss."""
+    decode = decode_contract(config, dtype)
+    prefill = prefill_contract(config, dtype, with_loss)
+    extra_inputs = [s for s in prefill.inputs if s.name not in decode.input_names]
+    extra_outputs = [s for s in prefill.outputs if s.name not in decode.output_names]
+    return GraphContract(
+        f"{prefill.file} and {decode.file}", (*decode.inputs, *extra_inputs), (*decode.outputs, *extra_outputs)
+    )
+
+
+def _export_graph(model, template: LayerTemplate | None, dtype: str, with_loss: bool) -> ir.Model:
+    """The program both graphs are cut from (traced_contract) as torch.onnx builds it, its weights in memory:
+    traced three layers deep and grown to the model's depth where the model's layers repeat
+    (exporter/export/layer_template.py), traced whole otherwise."""
     if template is not None:
-        graph = template.expand(_trace(template.short_model, dtype, with_loss, past))
+        graph = template.expand(_trace(template.short_model, dtype, with_loss))
         if graph is not None:
             return graph
-    return _trace(model, dtype, with_loss, past)
+    return _trace(model, dtype, with_loss)
 
 
-def _trace(model, dtype: str, with_loss: bool, past: bool) -> ir.Model:
+def _trace(model, dtype: str, with_loss: bool) -> ir.Model:
     config = family_of(model.config).own_config(model.config)
-    contract = decode_contract(config, dtype) if past else prefill_contract(config, dtype, with_loss)
-    args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past)
-    wrapper = DecodeGraph(model) if past else PrefillGraph(model, with_loss)
-    return _torch_export(wrapper, args, names, contract)
+    contract = traced_contract(config, dtype, with_loss)
+    args, names = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=True)
+    return _torch_export(DecodeGraph(model, with_loss), args, names, contract)
+
+
+def _traced_graphs(model, template, dtype: str, with_loss: bool, store, contracts) -> tuple:
+    """(prefill.onnx, decode.onnx) cut from the one traced program, which `store` made a ModelProto (its weights
+    moved to the shared file, or kept inline for quantization)."""
+    traced = store(_export_graph(model, template, dtype, with_loss))
+    prefill, decode = contracts
+    return _cut(_copy_proto(traced), prefill), _cut(traced, decode)
+
+
+def _cut(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
+    """The graph of `contract` cut from the traced program `model`, in place: only the contract's outputs and what
+    computes them; a past input the contract lacks (prefill.onnx) becomes an empty (B, Hkv, 0, D) tensor, B read
+    from input_ids, so that the graph computes the program on an empty cache."""
+    graph = model.graph
+    outputs = {o.name: o for o in graph.output}
+    inputs = {i.name: i for i in graph.input}
+    del graph.output[:]
+    graph.output.extend(outputs[name] for name in contract.output_names)
+    empty_nodes = []
+    shapes: dict[tuple, str] = {}
+    for name, value in inputs.items():
+        if name in contract.input_names:
+            continue
+        if not name.startswith("past_key_values."):
+            # labels, which the loss reads, and torch.export may read for the batch and sequence sizes it shares
+            # with input_ids (both (batch, sequence) by the contract): those sizes are read from input_ids
+            for node in graph.node:
+                if node.op_type == "Shape" and node.input[0] == name:
+                    node.input[0] = "input_ids"
+            continue
+        tensor = value.type.tensor_type
+        _, heads, _, head_dim = (d.dim_value for d in tensor.shape.dim)
+        key = (tensor.elem_type, heads, head_dim)
+        if key not in shapes:
+            shapes[key] = f"empty_past_{len(shapes)}"
+            batch, sizes = f"{shapes[key]}_batch", f"{shapes[key]}_shape"
+            empty_nodes += [
+                helper.make_node("Shape", ["input_ids"], [batch], start=0, end=1),
+                helper.make_node("Concat", [batch, f"{sizes}_rest"], [sizes], axis=0),
+            ]
+            graph.initializer.append(
+                numpy_helper.from_array(np.array([heads, 0, head_dim], dtype=np.int64), f"{sizes}_rest")
+            )
+            zero = helper.make_tensor("value", tensor.elem_type, [1], [0])
+            empty_nodes.append(helper.make_node("ConstantOfShape", [sizes], [shapes[key]], value=zero))
+        empty_nodes.append(helper.make_node("Identity", [shapes[key]], [name]))
+    nodes = empty_nodes + list(graph.node)
+    needed = set(contract.output_names)
+    kept = []
+    for node in reversed(nodes):  # nodes are in topological order: a node's consumers come after it
+        if any(out in needed for out in node.output):
+            kept.append(node)
+            needed.update(i for i in node.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    del graph.input[:]
+    graph.input.extend(inputs[name] for name in contract.input_names)
+    used = [t for t in graph.initializer if t.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(used)
+    kept_info = [v for v in graph.value_info if v.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    missing = sorted(
+        needed
+        - {i.name for i in graph.input}
+        - {t.name for t in graph.initializer}
+        - {o for n in graph.node for o in n.output}
+    )
+    if missing:
+        raise ExportFailed(
+            f"{contract.file} cannot be cut from the traced program: it would read {', '.join(missing[:5])}"
+        )
+    return model
+
+
+def _copy_proto(model: onnx.ModelProto) -> onnx.ModelProto:
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    return copied
+
+
+def _table_of(model: onnx.ModelProto, table: list[dict]) -> list[dict]:
+    """The entries of the shared file's `table` that `model`'s initializers point at."""
+    names = {t.name for t in model.graph.initializer}
+    return [entry for entry in table if entry["name"] in names]
 
 
 def _finish(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
@@ -354,18 +455,21 @@ def _smoke_run(folder: Path, manifest: Manifest) -> None:
         )
 
 
-def _check_forward(model: torch.nn.Module, config, args, with_loss: bool) -> None:
+def _check_forward(model: torch.nn.Module, config, args, with_loss: bool, dtype: str) -> None:
     """One eager prefill of the tracing example and one cached step after it, their outputs held to the
     config's sizes. A wrong layer count or cache layout otherwise surfaces from the graph lint as outputs out
     of place ("loss has rank 4", "unexpected input/output div_2"), which names neither the field nor the fix;
     a present without the past, as an axis-name clash after both traces; a forward giving no loss for labels,
-    as a KeyError when verifying the export's loss against it."""
+    as a KeyError when verifying the export's loss against it. Then the prefill again on an empty cache
+    (_check_empty_past): prefill.onnx is cut from the cached program."""
     from reference.byo import output_problems
 
     input_ids, attention_mask, position_ids = args[:3]
     labels = args[3] if with_loss else None
     try:
-        out = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, labels=labels)
+        prompt = out = model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, labels=labels
+        )
     except Exception as exc:  # the user's own forward: any type
         raise ExportFailed(
             f"the model's forward failed on a {tuple(input_ids.shape)} example: {type(exc).__name__}: {first_line(exc)}"
@@ -389,6 +493,39 @@ def _check_forward(model: torch.nn.Module, config, args, with_loss: bool) -> Non
         problems = output_problems(out, config, batch, 1, past_length=length)
     if problems:
         raise ExportFailed(f"the model's forward breaks the contract (reference/byo.py): {'; '.join(problems)}")
+    _check_empty_past(model, config, args, prompt.logits, dtype)
+
+
+def _check_empty_past(model: torch.nn.Module, config, args, logits: torch.Tensor, dtype: str) -> None:
+    """The prompt's logits on an empty cache (past length 0) against `logits`, the forward's without a cache:
+    prefill.onnx computes the former. The two run the same products, the cached one concatenating empty tensors,
+    so they differ by the dtype's rounding at most, which the parity profile's logits bound (the verification's
+    own rule for decode with past 0 against prefill); a model that treats an empty cache otherwise (another mask,
+    another position offset) differs at the logits' own scale."""
+    input_ids, attention_mask, position_ids = args[:3]
+    cache = cache_layout(config, "")
+    empty = torch.zeros(input_ids.shape[0], 0, cache.num_key_value_heads, cache.head_dim, dtype=logits.dtype)
+    try:
+        out = model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=[(empty, empty) for _ in range(cache.num_layers)],
+            use_cache=True,
+        )
+    except Exception as exc:
+        raise ExportFailed(
+            f"the model's forward failed on an empty cache (past length 0): {type(exc).__name__}: {first_line(exc)}; "
+            "prefill.onnx computes the prompt on one, so the forward must accept it (reference/byo.py)"
+        ) from exc
+    expected = logits.float().numpy()
+    difference = np.abs(out.logits.float().numpy() - expected)
+    if not np.all(difference <= profile_for(dtype).logits.allowed(expected)):
+        raise ExportFailed(
+            f"the model's forward on an empty cache (past length 0) gives other logits than without a cache "
+            f"(max abs difference {difference.max():.3g}); prefill.onnx computes the prompt on one, so the forward "
+            "must treat an empty cache as none (reference/byo.py)"
+        )
 
 
 def _check_source(source) -> None:
@@ -648,16 +785,23 @@ def _build(
     with torch.no_grad(), SharedWeightsWriter(built, WEIGHTS_FILE) as weights:
         store = ir.serde.serialize_model if quantization is not None else weights.add
         args, _ = _example_inputs(config, TORCH_DTYPES[dtype], with_loss, past=False)
-        _check_forward(model, config, args, with_loss)
+        _check_forward(model, config, args, with_loss, dtype)
         template = None if trace_all_layers else LayerTemplate.for_model(model)
-        prefill_model = _finish(store(_export_graph(model, template, dtype, with_loss, past=False)), prefill)
-        decode_model = _finish(store(_export_graph(model, template, dtype, with_loss, past=True)), decode)
+        graphs = _traced_graphs(model, template, dtype, with_loss, store, (prefill, decode))
+        prefill_model, decode_model = (_finish(graph, contract) for graph, contract in zip(graphs, (prefill, decode)))
         if quantization is not None:
             prefill_model, decode_model, quantization = quantize_graphs(
                 prefill_model, decode_model, quantization, config.vocab_size
             )
             prefill_model, decode_model = weights.add(prefill_model), weights.add(decode_model)
     shared = weights.result
+    # one table per graph added: each graph's own where both were added (quantized), else the program's, which
+    # both graphs were cut from
+    tables = (
+        shared.initializers
+        if len(shared.initializers) == 2
+        else [_table_of(m, shared.initializers[0]) for m in (prefill_model, decode_model)]
+    )
     log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors, shared.bytes / 1e6)
     for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
         onnx.save_model(proto, built / contract.file)
@@ -674,7 +818,7 @@ def _build(
         decode=decode,
         cache=cache_layout(config, dtype),
         weights_file=WEIGHTS_FILE,
-        initializers={prefill.file: shared.initializers[0], decode.file: shared.initializers[1]},
+        initializers={prefill.file: tables[0], decode.file: tables[1]},
         versions={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         files={},
         quantization=quantization,

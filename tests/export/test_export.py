@@ -20,6 +20,7 @@ import onnx
 import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
 import pytest
 import torch
+from helpers import replayed_export
 
 from exporter import TOLERANCES, compare
 from exporter.artifact.axes import lint_axes
@@ -33,7 +34,7 @@ from exporter.runtime import runner as runtime
 from exporter.runtime.runner import OrtRunner, presents_as_past
 from exporter.runtime.sessions import SessionSettings
 from exporter.verify.references.torch_runner import TorchRunner
-from reference import build_model
+from reference import build_model, get_preset
 from reference.minimind import RMSNorm
 
 
@@ -410,12 +411,7 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
     artifact_copy, artifact_fp32, tiny_model, monkeypatch
 ):
     # It was "internal error: OSError: [Errno 28] No space left on device" (exit 3), naming no path.
-    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(
-        export_module,
-        "_torch_export",  # skip the slow torch export: reuse the graphs
-        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
-    )
+    replayed_export(monkeypatch, artifact_fp32)  # skip the slow torch export: reuse the graphs
 
     def disk_full(writer, model):  # as a write() fails: no file name in the error
         writer._out.write(b"\0" * 4096)
@@ -523,12 +519,7 @@ def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouc
     artifact_copy, artifact_fp32, tiny_model, monkeypatch, failure, message
 ):
     """One clear error, the old artifact kept, no temporary folder left."""
-    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(
-        export_module,
-        "_torch_export",  # skip the slow torch export: reuse the graphs
-        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
-    )
+    replayed_export(monkeypatch, artifact_fp32)  # skip the slow torch export: reuse the graphs
 
     def smoke_run(folder, manifest):
         raise failure()
@@ -568,6 +559,31 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(
     else:
         with pytest.raises(ExportFailed, match="decode with past length 0 disagrees with prefill"):
             export_module._smoke_run(folder, read_manifest(folder))
+
+
+@pytest.mark.parametrize("failure", ["other logits", "refused"])
+def test_a_forward_that_treats_an_empty_cache_otherwise_is_refused_before_tracing(tmp_path, monkeypatch, failure):
+    """prefill.onnx is the cached program on an empty cache: a forward whose empty cache is not no cache (logits
+    shifted by one, far past any tolerance; or an error) would export a prefill.onnx other than its own."""
+    model = build_model(get_preset("minimind-3-tiny"))
+    forward = type(model).forward
+
+    class EmptyCacheOtherwise(type(model)):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, **kwargs):
+            if past_key_values is not None and past_key_values[0][0].shape[1] == 0:
+                if failure == "refused":
+                    raise ValueError("an empty cache")
+                out = forward(self, input_ids, attention_mask=attention_mask, **kwargs)
+                out.logits = out.logits + 1
+                return out
+            return forward(self, input_ids, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+
+    model.__class__ = EmptyCacheOtherwise
+    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("traced before the refusal"))
+    match = "gives other logits than without a cache" if failure == "other logits" else "failed on an empty cache"
+    with pytest.raises(ExportFailed, match=match):
+        export_artifact(model, tmp_path / "art")
+    assert not (tmp_path / "art").exists()
 
 
 @pytest.mark.parametrize(
@@ -771,7 +787,6 @@ def test_an_earlier_artifact_moved_aside_is_removed_only_once_a_new_one_is_in_pl
     aside = _killed_in_the_swap(artifact_fp32, folder)
     shutil.copytree(artifact_fp32, folder)
     (folder / "config.json").unlink()  # damaged: the copy moved aside may be the only complete one
-    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
     build = export_module._build
 
     def build_then_check(*args, **kwargs):
@@ -779,21 +794,14 @@ def test_an_earlier_artifact_moved_aside_is_removed_only_once_a_new_one_is_in_pl
         return build(*args, **kwargs)
 
     monkeypatch.setattr(export_module, "_build", build_then_check)
-    monkeypatch.setattr(  # skip the slow torch export: reuse the graphs
-        export_module, "_torch_export", lambda module, args, names, contract: copy.deepcopy(protos[contract.file])
-    )
+    replayed_export(monkeypatch, artifact_fp32)  # skip the slow torch export: reuse the graphs
     export_artifact(tiny_model, folder)
     read_manifest(folder)
     assert [p.name for p in tmp_path.iterdir()] == ["art"]
 
 
 def test_an_export_removes_the_build_folder_a_killed_export_left(artifact_copy, artifact_fp32, tiny_model, monkeypatch):
-    protos = {name: onnx.load(str(artifact_fp32 / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(
-        export_module,
-        "_torch_export",  # skip the slow torch export: reuse the graphs
-        lambda module, args, names, contract: copy.deepcopy(protos[contract.file]),
-    )
+    replayed_export(monkeypatch, artifact_fp32)  # skip the slow torch export: reuse the graphs
     left = artifact_copy.parent / f".{artifact_copy.name}.partial-{_dead_pid()}-x"
     left.mkdir()
     (left / "prefill.onnx").write_bytes(b"half")

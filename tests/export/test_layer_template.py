@@ -57,9 +57,9 @@ def _nodes(graph: ir.Model) -> Counter:
     return Counter((node.domain, node.op_type, module_of(node)) for node in proto.graph.node)
 
 
-def _grown(model, dtype: str, with_loss: bool, past: bool) -> ir.Model:
+def _grown(model, dtype: str, with_loss: bool) -> ir.Model:
     template = LayerTemplate.for_model(model)
-    grown = template.expand(pipeline._trace(template.short_model, dtype, with_loss, past))
+    grown = template.expand(pipeline._trace(template.short_model, dtype, with_loss))
     assert grown is not None  # the traced layers repeat
     return grown
 
@@ -67,12 +67,12 @@ def _grown(model, dtype: str, with_loss: bool, past: bool) -> ir.Model:
 def test_grown_hf_float16_graph_equals_every_layer_traced(tmp_path):
     """qwen3 (q/k norms, a tied head, every weight drawn so that a layer reading another's weights shows) in
     float16, where the optimiser splits Casts off the norms without scopes: placed in their layer by their
-    neighbours. The prefill graph with its loss."""
+    neighbours. The traced program with its loss, on an empty past."""
     folder = save_folder(hf_model("qwen3", num_hidden_layers=LAYERS), "qwen3", tmp_path / "folder")
     model = pipeline._copy_for_export(checkpoint_model(folder).model, torch.float16)
     share_tied_table(model)
-    grown = _grown(model, "float16", with_loss=True, past=False)
-    traced = pipeline._trace(model, "float16", with_loss=True, past=False)
+    grown = _grown(model, "float16", with_loss=True)
+    traced = pipeline._trace(model, "float16", with_loss=True)
     assert [v.name for v in grown.graph.inputs] == [v.name for v in traced.graph.inputs]
     assert [v.name for v in grown.graph.outputs] == [v.name for v in traced.graph.outputs]
     nodes = _nodes(grown)
@@ -93,7 +93,7 @@ def test_grown_moe_decode_graph_computes_the_model():
                 weight.uniform_(0.5, 1.5)
     exported = pipeline._copy_for_export(model, torch.float32)
     share_tied_table(exported)
-    session = _session(_grown(exported, "float32", with_loss=False, past=True))
+    session = _session(_grown(exported, "float32", with_loss=False))
     ids = torch.tensor([[5, 9, 100, 3, 17, 40], [7, 7, 8, 9, 250, 11]])
     with torch.no_grad():
         prompt = model(ids[:, :3], use_cache=True)
@@ -127,7 +127,7 @@ def test_a_traced_graph_whose_layers_differ_is_not_grown(caplog):
     model = pipeline._copy_for_export(build_model(config), torch.float32)
     share_tied_table(model)
     template = LayerTemplate.for_model(model)
-    graph = pipeline._trace(template.short_model, "float32", with_loss=False, past=False)
+    graph = pipeline._trace(template.short_model, "float32", with_loss=False)
     [node] = [n for n in graph.graph if n.op_type == "Softmax" and "layers.2." in n.metadata_props["namespace"]]
     node.attributes["axis"] = ir.AttrInt64("axis", 0)  # layer 2's softmax now differs from layer 1's
     with caplog.at_level("INFO"):

@@ -12,7 +12,7 @@ from helpers import assert_one_line_error, replayed_export, run_cli
 
 pytest.importorskip("transformers")
 
-# Two exports cover every difference between the four types' math (each export costs two dynamo graphs):
+# Two exports cover every difference between the four types' math (each export costs one dynamo trace):
 # qwen3 has the q/k norms, yarn, head_dim 32 != hidden / heads and a tied head; llama the biases of every
 # projection and of the MLP, llama3 rope, an untied head and sharded weights. qwen2's and mistral's math is
 # a subset of theirs, held to transformers in tests/reference_models/test_hf_decoder.py.

@@ -9,10 +9,10 @@ import types
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import replayed_export
 
 from exporter.artifact.consumers import ModelSizes, genai_config, hf_config
 from exporter.artifact.folder import Artifact
@@ -146,7 +146,7 @@ def test_an_unexportable_forward_is_reported_by_its_cause(byo_example, tmp_path)
     with pytest.raises(ExportFailed) as caught:
         export_artifact(adapter, tmp_path / "out")
     message = str(caught.value)
-    assert message.startswith("torch.onnx could not export prefill.onnx: GuardOnDataDependentSymNode: ")
+    assert message.startswith("torch.onnx could not export prefill.onnx and decode.onnx: GuardOnDataDependentSymNode: ")
     assert "data-dependent" in message and "\x1b" not in message and "Next steps" not in message
     # torch names the user's line only far down its message; the one line ends with it.
     assert re.search(
@@ -324,12 +324,7 @@ def test_a_decoder_spec_subclass_exports_as_a_custom_decoder(byo_example, byo_ar
     # describe your own decoder with reference.byo.DecoderSpec".
     _, adapter = _adapter(byo_example)
     adapter.config = MySpec(**dataclasses.asdict(adapter.config))
-    protos = {name: onnx.load(str(byo_artifact / name)) for name in ("prefill.onnx", "decode.onnx")}
-    monkeypatch.setattr(
-        export_module,
-        "_torch_export",  # skip the slow torch export: reuse the graphs
-        lambda module, args, names, contract: protos[contract.file],
-    )
+    replayed_export(monkeypatch, byo_artifact)  # skip the slow torch export: reuse the graphs
     result = export_artifact(adapter, tmp_path / "out")
     manifest = read_manifest(tmp_path / "out")
     assert manifest.family == result.manifest.family == "custom"

@@ -1,6 +1,6 @@
 """Property-based parity: drawn model configs × drawn shapes, each exported correctly, must verify with no failure.
 
-A case is one (config, shape) pair. Exporting is the slow step (a dynamo export per graph), so the configs are
+A case is one (config, shape) pair. Exporting is the slow step (a dynamo trace per export), so the configs are
 drawn by an outer property and each is exported once (`Exports`, keyed by config and weight seed); an inner
 property then draws shapes against that export. Each case prefills a left-padded prompt with labels and
 decodes new tokens on each side's own cache, and compares logits, every present and the loss with the PyTorch

@@ -319,9 +319,8 @@ def _tree_rss(pid: int) -> int:
 # Our export's progress lines (stderr) that open each phase; the first phase starts with the process.
 OUR_PHASES = (
     ("start, imports, checkpoint read, checks", None),
-    ("prefill.onnx: torch.onnx export (three layers, grown)", "exporting prefill.onnx"),
-    ("decode.onnx: torch.onnx export (three layers, grown)", "exporting decode.onnx"),
-    ("checker, consumer files, smoke run, swap", "exported decode.onnx"),
+    ("torch.onnx export of the cached program (three layers)", "exporting prefill.onnx and decode.onnx"),
+    ("grown, weights written, both graphs cut, checker, smoke run, swap", "exported prefill.onnx and decode.onnx"),
 )
 
 
@@ -692,13 +691,15 @@ def format_results(report: dict) -> str:
 
 
 FINDINGS = [
-    "How to read the phases: each torch.onnx export traces three layers (torch.export, its decompositions, the",
-    "translation and the onnxscript optimiser, about 2 s per layer) and grows the graph to the model's depth",
-    "(docs/design.md, Three layers traced), so its time barely depends on the depth; the checkpoint read, the",
-    "weight file, the checker and the smoke run take seconds, in proportion to the weights. Memory: the model is",
-    "held once (read as the safetensors file holds it), each weight the optimiser transposes is derived only when",
-    "it is written to the weights file, and the smoke run maps that file once (docs/design.md, Memory of an",
-    "export). Optimum exports one graph (decode with an empty past serves the prompt); ours are two.",
+    "How to read the phases: the torch.onnx export traces the cached program once, three layers deep (torch.export,",
+    "its decompositions, the translation and the onnxscript optimiser, about 2 s per layer), then grows the graph to",
+    "the model's depth and cuts prefill.onnx and decode.onnx from it (docs/design.md, One trace, two graphs; Three",
+    "layers traced), so its time barely depends on the depth; the checkpoint read, the weight file, the checker and",
+    "the smoke run take seconds, in proportion to the weights. Memory: the model is held once (read as the",
+    "safetensors file holds it), each weight the optimiser transposes is derived only when it is written to the",
+    "weights file, and the smoke run maps that file once (docs/design.md, Memory of an export). Optimum traces one",
+    "graph, with the TorchScript exporter, and serves the prompt with decode on an empty past; ours traces one",
+    "program with dynamo and writes two graphs.",
 ]
 
 

@@ -493,18 +493,20 @@ def _check_forward(model: torch.nn.Module, config, args, with_loss: bool, dtype:
         problems = output_problems(out, config, batch, 1, past_length=length)
     if problems:
         raise ExportFailed(f"the model's forward breaks the contract (reference/byo.py): {'; '.join(problems)}")
-    _check_empty_past(model, config, args, prompt.logits, dtype)
+    _check_empty_past(model, config, args, prompt, dtype)
 
 
-def _check_empty_past(model: torch.nn.Module, config, args, logits: torch.Tensor, dtype: str) -> None:
-    """The prompt's logits on an empty cache (past length 0) against `logits`, the forward's without a cache:
-    prefill.onnx computes the former. The two run the same products, the cached one concatenating empty tensors,
-    so they differ by the dtype's rounding at most, which the parity profile's logits bound (the verification's
-    own rule for decode with past 0 against prefill); a model that treats an empty cache otherwise (another mask,
-    another position offset) differs at the logits' own scale."""
+def _check_empty_past(model: torch.nn.Module, config, args, prompt, dtype: str) -> None:
+    """The prompt's logits on an empty cache (past length 0, in the dtype of the cache the forward returned)
+    against `prompt`'s, the forward's without a cache: prefill.onnx computes the former. The two run the same
+    products, the cached one concatenating empty tensors, so they differ by the dtype's rounding at most, which the
+    parity profile's logits bound (the verification's own rule for decode with past 0 against prefill); a model
+    that treats an empty cache otherwise (another mask, another position offset) differs at the logits' own
+    scale."""
     input_ids, attention_mask, position_ids = args[:3]
     cache = cache_layout(config, "")
-    empty = torch.zeros(input_ids.shape[0], 0, cache.num_key_value_heads, cache.head_dim, dtype=logits.dtype)
+    kept = prompt.past_key_values[0][0].dtype
+    empty = torch.zeros(input_ids.shape[0], 0, cache.num_key_value_heads, cache.head_dim, dtype=kept)
     try:
         out = model(
             input_ids,
@@ -518,7 +520,7 @@ def _check_empty_past(model: torch.nn.Module, config, args, logits: torch.Tensor
             f"the model's forward failed on an empty cache (past length 0): {type(exc).__name__}: {first_line(exc)}; "
             "prefill.onnx computes the prompt on one, so the forward must accept it (reference/byo.py)"
         ) from exc
-    expected = logits.float().numpy()
+    expected = prompt.logits.float().numpy()
     difference = np.abs(out.logits.float().numpy() - expected)
     if not np.all(difference <= profile_for(dtype).logits.allowed(expected)):
         raise ExportFailed(

@@ -294,10 +294,9 @@ def _copy_proto(model: onnx.ModelProto) -> onnx.ModelProto:
     return copied
 
 
-def _table_of(model: onnx.ModelProto, table: list[dict]) -> list[dict]:
-    """The entries of the shared file's `table` that `model`'s initializers point at."""
-    names = {t.name for t in model.graph.initializer}
-    return [entry for entry in table if entry["name"] in names]
+def _table_of(model: onnx.ModelProto, entries: dict[str, dict]) -> list[dict]:
+    """The shared file's entries ({initializer name: entry}) that `model`'s initializers point at, in its order."""
+    return [entries[t.name] for t in model.graph.initializer if t.name in entries]
 
 
 def _finish(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
@@ -797,13 +796,9 @@ def _build(
             )
             prefill_model, decode_model = weights.add(prefill_model), weights.add(decode_model)
     shared = weights.result
-    # one table per graph added: each graph's own where both were added (quantized), else the program's, which
-    # both graphs were cut from
-    tables = (
-        shared.initializers
-        if len(shared.initializers) == 2
-        else [_table_of(m, shared.initializers[0]) for m in (prefill_model, decode_model)]
-    )
+    # the file's entries of every graph added (the traced program, or each quantized graph), read back per graph: a
+    # name stands for one content in both graphs, which were cut from one program
+    entries = {entry["name"]: entry for table in shared.initializers for entry in table}
     log.info("wrote %s: %d tensors, %.1f MB, shared by both graphs", WEIGHTS_FILE, shared.tensors, shared.bytes / 1e6)
     for contract, proto in ((prefill, prefill_model), (decode, decode_model)):
         onnx.save_model(proto, built / contract.file)
@@ -820,7 +815,7 @@ def _build(
         decode=decode,
         cache=cache_layout(config, dtype),
         weights_file=WEIGHTS_FILE,
-        initializers={prefill.file: tables[0], decode.file: tables[1]},
+        initializers={prefill.file: _table_of(prefill_model, entries), decode.file: _table_of(decode_model, entries)},
         versions={"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
         files={},
         quantization=quantization,

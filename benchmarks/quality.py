@@ -56,14 +56,15 @@ SHOWN = (
 @contextmanager
 def replayed(float_folder: Path):
     """export_artifact's torch.onnx step replaced by the float32 artifact's graphs (what it would export again)."""
-    graphs = {name: onnx.load(str(float_folder / name)) for name in ("prefill.onnx", "decode.onnx")}
+    graphs = [onnx.load(str(float_folder / name)) for name in ("prefill.onnx", "decode.onnx")]
 
-    def replay(module, args, names, contract):
-        model = onnx.ModelProto()
-        model.CopyFrom(graphs[contract.file])
-        return onnx_ir.serde.deserialize_model(model)
+    def replay(model, template, dtype, with_loss, store, contracts):  # each graph as store makes it from torch.onnx's
+        copies = [onnx.ModelProto() for _ in graphs]
+        for copy, graph in zip(copies, graphs):
+            copy.CopyFrom(graph)
+        return tuple(store(onnx_ir.serde.deserialize_model(copy)) for copy in copies)
 
-    with mock.patch.object(pipeline, "_torch_export", replay):
+    with mock.patch.object(pipeline, "_traced_graphs", replay):
         yield
 
 

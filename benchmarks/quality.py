@@ -3,10 +3,10 @@ the measurements the quality profiles (exporter/verify/tolerances.py, QUALITY_PR
 
     python benchmarks/quality.py [--batch 8] [--decode-steps 64] [--json]
 
-Each model is exported once in float32 (torch.onnx), then quantized from those graphs (block 32), and judged by
-exporter.verify.checks.quality against its float32 PyTorch model on two inputs: the seeded random ids that
-`export-onnx verify` uses, and the fixture's held-out text (heldout.txt, never trained on). Writes
-benchmarks/QUALITY-RESULTS.md.
+Each model is exported once in float32 (torch.onnx), then quantized from those graphs (block 32, accuracy level
+4: the export's defaults), and judged by exporter.verify.checks.quality against its float32 PyTorch model on two
+inputs: the seeded random ids that `export-onnx verify` uses, and the fixture's held-out text (heldout.txt, never
+trained on). Writes benchmarks/QUALITY-RESULTS.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import exporter.export.pipeline as pipeline  # noqa: E402
 from exporter.artifact.folder import Artifact  # noqa: E402
+from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE  # noqa: E402
 from exporter.runtime.runner import OrtRunner  # noqa: E402
 from exporter.verify.checks.quality import check_quality  # noqa: E402
 from exporter.verify.inputs import ParitySettings, QualityText, prompt_batch  # noqa: E402
@@ -53,9 +54,9 @@ SHOWN = (
 )
 
 
-@contextmanager
-def replayed(float_folder: Path):
-    """export_artifact's torch.onnx step replaced by the float32 artifact's graphs (what it would export again)."""
+def float_graphs(float_folder: Path):
+    """A stand-in for export_artifact's torch.onnx step (pipeline._traced_graphs) that gives the float32 artifact's
+    own graphs, loaded with their weights: what the dynamo export of the same model gives, without its trace."""
     graphs = [onnx.load(str(float_folder / name)) for name in ("prefill.onnx", "decode.onnx")]
 
     def replay(model, template, dtype, with_loss, store, contracts):  # each graph as store makes it from torch.onnx's
@@ -64,7 +65,13 @@ def replayed(float_folder: Path):
             copy.CopyFrom(graph)
         return tuple(store(onnx_ir.serde.deserialize_model(copy)) for copy in copies)
 
-    with mock.patch.object(pipeline, "_traced_graphs", replay):
+    return replay
+
+
+@contextmanager
+def replayed(float_folder: Path):
+    """export_artifact's torch.onnx step replaced by the float32 artifact's graphs (what it would export again)."""
+    with mock.patch.object(pipeline, "_traced_graphs", float_graphs(float_folder)):
         yield
 
 
@@ -140,7 +147,8 @@ def main() -> None:
         "# Quality of int8 and int4 exports: trained fixture vs random weights\n\n"
         f"Written by `python benchmarks/quality.py` (batch {args.batch}, {args.decode_steps} decode steps; "
         f"the model {config.hidden_size} hidden, {config.num_hidden_layers} layers, vocabulary "
-        f"{config.vocab_size}). `decisive positions`: the share whose reference top token leads by >= 0.5 nats, "
+        f"{config.vocab_size}; block {DEFAULT_BLOCK_SIZE}, MatMulNBits accuracy level {DEFAULT_ACCURACY_LEVEL}: "
+        "int8 math on the CPU). `decisive positions`: the share whose reference top token leads by >= 0.5 nats, "
         "where top-1 and top-5 are judged.\n\n" + body + "\n"
     )
     print(body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -357,23 +358,22 @@ def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: 
 
 
 def replayed_export(monkeypatch, float_artifact):
-    """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (loaded with their weights):
-    what the dynamo export of the same model gives, without its trace. Quantized exports of the tiny model go
-    through everything else: quantization, the shared weights file, the checks and the smoke run."""
-    import onnx
-    import onnx_ir
-
+    """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (benchmarks/quality.py's
+    float_graphs): quantized exports of the tiny model go through everything else: quantization, the shared weights
+    file, the checks and the smoke run."""
     import exporter.export.pipeline as pipeline
 
-    graphs = [onnx.load(str(float_artifact / name)) for name in ("prefill.onnx", "decode.onnx")]
+    monkeypatch.setattr(pipeline, "_traced_graphs", _benchmark_quality().float_graphs(float_artifact))
 
-    def replay(model, template, dtype, with_loss, store, contracts):  # each graph as store makes it from torch.onnx's
-        copies = [onnx.ModelProto() for _ in graphs]
-        for copy, graph in zip(copies, graphs):
-            copy.CopyFrom(graph)
-        return tuple(store(onnx_ir.serde.deserialize_model(copy)) for copy in copies)
 
-    monkeypatch.setattr(pipeline, "_traced_graphs", replay)
+@functools.cache
+def _benchmark_quality():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_quality", ROOT / "benchmarks" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def config_entry(session, key: str) -> str | None:

@@ -18,6 +18,10 @@ FLOAT_DTYPE = "float32"  # what a quantized artifact computes in, and what its c
 DEFAULT_BLOCK_SIZE = 32
 MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float32 math), 4 int8 math on the CPU
+# Level 4 by default, as onnxruntime-genai's builder writes int4 for the CPU: onnxruntime's CPU MatMulNBits is fast
+# only there (its float32-math kernels decode a 4-bit minimind-3 slower than the float32 artifact does, see
+# benchmarks/QUANTIZED-RESULTS.md); the quality profile judges what its int8 activations cost. CUDA ignores it.
+DEFAULT_ACCURACY_LEVEL = 4
 # The embedding's or the lm_head's weights: kept float, at 8 bits, or at the scheme's bits.
 TABLE_CHOICES = ("float", "int8", "same")
 DEFAULT_LM_HEAD = "int8"

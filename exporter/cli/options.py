@@ -10,7 +10,13 @@ from pathlib import Path
 import click
 
 from exporter.artifact.paths import TEXT_PATH_FIX, check_output_path, check_outside_artifact, check_text_path
-from exporter.artifact.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_EMBEDDING, DEFAULT_LM_HEAD, TABLE_CHOICES
+from exporter.artifact.quantization import (
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_EMBEDDING,
+    DEFAULT_LM_HEAD,
+    TABLE_CHOICES,
+)
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
@@ -98,9 +104,10 @@ def export_options(func):
         click.option(
             "--accuracy-level",
             type=int,
-            default=0,
+            default=DEFAULT_ACCURACY_LEVEL,
             show_default=True,
-            help="int4/int8: MatMulNBits accuracy_level (0 float32 math; 4 int8 math on the CPU, faster, less exact).",
+            help="int4/int8: MatMulNBits accuracy_level (4: int8 math on the CPU, as onnxruntime-genai's builder; "
+            "0: float32 math, slower than the float32 artifact on the CPU).",
         ),
         click.option(
             "--lm-head",

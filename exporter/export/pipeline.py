@@ -39,6 +39,7 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.quantization import (
+    DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
@@ -840,7 +841,7 @@ def export_artifact(
     tokenizer: Path | None = None,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    accuracy_level: int = 0,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     lm_head: str = DEFAULT_LM_HEAD,
     embedding: str = DEFAULT_EMBEDDING,
     trace_all_layers: bool = False,
@@ -866,7 +867,8 @@ def export_artifact(
             against the model's vocabulary and copied into the artifact, for text generation in every
             consumer.
         block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
-        accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4: int8 math on the CPU).
+        accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8
+            math on the CPU).
         lm_head: for "int4"/"int8", the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the
             scheme's bits). The vocabulary-wide projection is the most sensitive one: its error moves every logit.
         embedding: for "int4"/"int8", the token embedding's weights, as onnxruntime's GatherBlockQuantized: "int8"

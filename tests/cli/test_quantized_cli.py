@@ -30,6 +30,9 @@ def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
     (lookup,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     assert {a.name: a.i for a in lookup.attribute if a.name in ("bits", "block_size")} == {"bits": 4, "block_size": 16}
     assert "Gemm" in {n.op_type for n in graph.node} and q["kept_float"] == ["lm_head (asked: lm_head float)"]
+    # no --accuracy-level: int8 math on the CPU (level 4), recorded and written on every MatMulNBits
+    levels = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert q["accuracy_level"] == 4 and levels == {4}
     result = run_cli("export", "--preset", "minimind-3-tiny", *flags, "-o", tmp_path / "text")
     assert "lm_head float, embedding same" in result.stdout, result.output
     result = run_cli("generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json")

@@ -8,8 +8,9 @@ onnxruntime-genai's builder int4 of the same Hugging Face folders.
    warm-up, rounds; ratios are medians of per-round ratios) against PyTorch float32; the int4 weight-read floor.
 2. The Qwen3-0.6B config (export_sizes.py's random-weight folder; --quick: a tiny one) exported by us in float32
    and int4 from the folder, decoded in turns with the weight-read floor measured beside them.
-3. int4 at block sizes 32, 64 and 128: decode speed on the model of 1 against its float32 (in turns), and quality
-   on the trained fixture's Qwen3 folder of 4 (exported and verified as there).
+3. int4 at block sizes 32, 64 and 128, and at block 32 with float32 math (accuracy level 0): decode speed on the
+   model of 1 against its float32 (in turns), and quality on the trained fixture's Qwen3 folder of 4 (exported and
+   verified as there).
 4. Two Qwen3 folders: the trained fixture (tests/fixtures/minimind-3-stdlib) written as a Qwen3ForCausalLM
    (its logits checked against the toolkit's reference first), and export_sizes.py's random-weight
    minimind-3-qwen3 folder (--quick: a tiny one). Each is exported by us (`export-onnx export --checkpoint
@@ -51,6 +52,7 @@ DEFAULT_WORK = ROOT / "artifacts" / "quantized"
 DEFAULT_RESULTS = HERE / "QUANTIZED-RESULTS.md"
 PRECISIONS = ("float32", "int8", "int4")
 BLOCK_SIZES = (32, 64, 128)  # int4 blocks of the block-size trade-off; 32 is the export's default
+FLOAT_MATH_LEVEL = 0  # MatMulNBits computing in float32: the other side of the accuracy-level trade-off
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "amx_tile")
 QUALITY = ("kl_mean", "kl_p99", "top1_agreement", "nll_delta")
 TINY_QWEN3 = Size(
@@ -156,13 +158,13 @@ def in_turns(workers: dict[str, tuple[str, Path | None]], rounds: int) -> dict:
 # ----------------------------------------------------------------------------- 1. float32, int8, int4
 
 
-def block_name(block: int) -> str:
-    return f"int4 block {block}"
+def variant_name(block: int, level: int) -> str:
+    return f"int4 block {block} level {level}"
 
 
 def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str, Path]:
-    """float32, int8 and int4 (block 32) of `preset`, and int4 at each other of BLOCK_SIZES that divides its hidden
-    size (block_name), the quantized ones from the float32 graphs."""
+    """float32, int8 and int4 (block 32) of `preset` at `accuracy_level`, and the int4 variants of the trade-off
+    table (trade_off_variants, named by variant_name), the quantized ones from the float32 graphs."""
     from quality import replayed
 
     import exporter.export.pipeline as pipeline
@@ -179,18 +181,25 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str,
             pipeline.export_artifact(
                 seeded.model, folders[scheme], dtype=scheme, source=seeded.source, accuracy_level=accuracy_level
             )
-        for block in (b for b in BLOCK_SIZES[1:] if seeded.model.config.hidden_size % b == 0):
-            progress(f"{preset}: exporting int4 block {block} from the float32 graphs")
-            folders[block_name(block)] = work / preset / f"int4-block{block}"
+        for block, level in trade_off_variants(seeded.model.config.hidden_size, accuracy_level)[1:]:
+            progress(f"{preset}: exporting int4 block {block} at accuracy level {level} from the float32 graphs")
+            folders[variant_name(block, level)] = work / preset / f"int4-block{block}-level{level}"
             pipeline.export_artifact(
                 seeded.model,
-                folders[block_name(block)],
+                folders[variant_name(block, level)],
                 dtype="int4",
                 source=seeded.source,
-                accuracy_level=accuracy_level,
+                accuracy_level=level,
                 block_size=block,
             )
     return folders
+
+
+def trade_off_variants(hidden_size: int, accuracy_level: int) -> list[tuple[int, int]]:
+    """(block, accuracy level) of each int4 row of the trade-off table, the precisions' int4 first: each of
+    BLOCK_SIZES that divides `hidden_size` at `accuracy_level`, and block 32 at float32 math unless that is it."""
+    variants = [(block, accuracy_level) for block in BLOCK_SIZES if hidden_size % block == 0]
+    return variants + [(BLOCK_SIZES[0], FLOAT_MATH_LEVEL)] * (accuracy_level != FLOAT_MATH_LEVEL)
 
 
 MATMUL_OPS = ("MatMul", "FusedMatMul", "Gemm", "MatMulNBits")
@@ -469,39 +478,46 @@ def against_builder(name: str, folder: Path, work: Path, rounds: int, accuracy_l
     return result
 
 
-def block_trade_off(folders: dict[str, Path], fixture: Path, work: Path, rounds: int, accuracy_level: int) -> dict:
-    """int4 at each of BLOCK_SIZES: decode speed on the minimind precisions' model (against its float32, in turns)
-    and quality on the trained fixture (its Qwen3 folder exported and verified as in against_builder)."""
-    blocks = {32: folders["int4"]} | {b: folders[block_name(b)] for b in BLOCK_SIZES if block_name(b) in folders}
+def block_trade_off(
+    folders: dict[str, Path], hidden_size: int, fixture: Path, work: Path, rounds: int, accuracy_level: int
+) -> dict:
+    """int4 at each of trade_off_variants: decode speed on the minimind precisions' model (against its float32, in
+    turns) and quality on the trained fixture (its Qwen3 folder exported and verified as in against_builder)."""
+    variants = trade_off_variants(hidden_size, accuracy_level)
+    artifacts = {variants[0]: folders["int4"]} | {v: folders[variant_name(*v)] for v in variants[1:]}
     workers = {"float32": ("ort-decode", folders["float32"])}
-    workers.update({block_name(b): ("ort-decode", folder) for b, folder in blocks.items()})
-    progress(f"int4 block sizes: decode in turns ({rounds} rounds)")
+    workers.update({variant_name(*v): ("ort-decode", folder) for v, folder in artifacts.items()})
+    progress(f"int4 block sizes and accuracy levels: decode in turns ({rounds} rounds)")
     figures = in_turns(workers, rounds)
-    out = {}
-    for block, folder in blocks.items():
-        name = block_name(block)
+    rows = []
+    for (block, level), folder in artifacts.items():
+        name = variant_name(block, level)
         ratio, quartiles = rt.ratio_summary(figures[name]["decode"], figures["float32"]["decode"])
-        artifact = work / "blocks" / f"fixture-int4-block{block}"
+        artifact = work / "blocks" / f"fixture-int4-block{block}-level{level}"
         shutil.rmtree(artifact, ignore_errors=True)
-        progress(f"fixture: int4 block {block} export and verify")
+        progress(f"fixture: {name} export and verify")
         run_step(
-            f"fixture: int4 block {block} export",
+            f"fixture: {name} export",
             [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(fixture), "--output", str(artifact)]
-            + ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(accuracy_level), "-q"],
+            + ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(level), "-q"],
         )
-        report = artifact.parent / f"fixture-int4-block{block}.json"
+        report = artifact.with_suffix(".json")
         command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--report-json", str(report)]
         subprocess.run(command + ["--no-sweep", "--no-genai", "--provider", "cpu", "-q"], env=our_env())
         if not report.is_file():
-            raise StepFailed(f"fixture: verify of int4 block {block} wrote no report")
-        out[block] = {
-            "bytes": folder_bytes(folder),
-            "decode": statistics.median(figures[name]["decode"]),
-            "to_float32_decode": ratio,
-            "to_float32_decode_quartiles": quartiles,
-            "fixture": quality_of(report) | {"bytes": folder_bytes(artifact)},
-        }
-    return {"float32_decode": statistics.median(figures["float32"]["decode"]), "blocks": out}
+            raise StepFailed(f"fixture: verify of {name} wrote no report")
+        rows.append(
+            {
+                "block": block,
+                "accuracy_level": level,
+                "bytes": folder_bytes(folder),
+                "decode": statistics.median(figures[name]["decode"]),
+                "to_float32_decode": ratio,
+                "to_float32_decode_quartiles": quartiles,
+                "fixture": quality_of(report) | {"bytes": folder_bytes(artifact)},
+            }
+        )
+    return {"float32_decode": statistics.median(figures["float32"]["decode"]), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- targets and output
@@ -620,24 +636,25 @@ def kernel_table(kernels: dict) -> list[str]:
 
 def block_table(trade: dict, preset: str) -> list[str]:
     lines = [
-        "## int4 block size: decode speed against quality",
+        "## int4 block size and accuracy level: decode speed against quality",
         "",
         f"Decode: `{preset}` (seeded weights) in turns with its float32 "
         f"({_f(trade['float32_decode'])} tokens/s in this run). Quality: the trained fixture's Qwen3 folder exported "
-        "at each block size and verified as in the builder comparison below. A block holds one scale and one zero "
-        "point: larger blocks store and unpack fewer of them per weight, and round each weight to a coarser grid.",
+        "as each row and verified as in the builder comparison below. A block holds one scale and one zero point: "
+        "larger blocks store and unpack fewer of them per weight, and round each weight to a coarser grid. Accuracy "
+        "level 4 multiplies in int8 on the CPU, level 0 in float32.",
         "",
-        "| block | bytes | × float32 decode (q1–q3) | decode tokens/s | fixture bytes | fixture mean KL | p99 KL "
-        "| top-1 | perplexity ratio | quality profile |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| block | accuracy level | bytes | × float32 decode (q1–q3) | decode tokens/s | fixture bytes "
+        "| fixture mean KL | p99 KL | top-1 | perplexity ratio | quality profile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for block, row in trade["blocks"].items():
+    for row in trade["rows"]:
         q, fx = row["to_float32_decode_quartiles"], row["fixture"]
         lines.append(
-            f"| {block} | {row['bytes']} | {row['to_float32_decode']:.2f}× ({q[0]:.2f}–{q[1]:.2f}) | "
-            f"{_f(row['decode'])} | {fx['bytes']} | {_f(fx.get('kl_mean'), -3)} | {_f(fx.get('kl_p99'), -3)} | "
-            f"{_f(fx.get('top1_agreement'), 3)} | {_f(fx.get('perplexity_ratio'), 4)} | "
-            f"{fx.get('quality_verdict', fx['verdict'])} |"
+            f"| {row['block']} | {row['accuracy_level']} | {row['bytes']} | {row['to_float32_decode']:.2f}× "
+            f"({q[0]:.2f}–{q[1]:.2f}) | {_f(row['decode'])} | {fx['bytes']} | {_f(fx.get('kl_mean'), -3)} | "
+            f"{_f(fx.get('kl_p99'), -3)} | {_f(fx.get('top1_agreement'), 3)} | "
+            f"{_f(fx.get('perplexity_ratio'), 4)} | {fx.get('quality_verdict', fx['verdict'])} |"
         )
     return lines
 
@@ -803,7 +820,8 @@ def run() -> None:
             f"its max_position_embeddings raised to {FIXTURE_POSITIONS} for the decode run (rope unchanged)"
         )
         random_name = TINY_QWEN3.name if args.quick else "minimind-3-qwen3"
-        report["blocks"] = block_trade_off(folders, fixture, args.work, rounds, args.accuracy_level)
+        hidden_size = json.loads((folders["float32"] / "config.json").read_text())["hidden_size"]
+        report["blocks"] = block_trade_off(folders, hidden_size, fixture, args.work, rounds, args.accuracy_level)
         report["builder"] = {}
         for name, folder in (("fixture (trained)", fixture), (f"{random_name} (random)", None)):
             folder = folder or random_qwen3_folder(args.work, args.quick)

@@ -678,7 +678,18 @@ def verify_artifact(
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         mapping = SharedWeightMap(artifact)  # every session below reads it: one resident copy of the file
         sessions = checking_settings(manifest)
-        first_runner = OrtRunner(artifact, plan.providers[0], settings=sessions, weights=mapping)
+        # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
+        # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
+        # rounding bounds those differences as in a float32 artifact
+        matched = float32_matmul_settings(manifest)
+        invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
+        # the first provider's sessions serve the independent reference, the first run and the invariants; with no
+        # reference and sessions of the invariants' own, nothing reads them
+        first_runner = (
+            OrtRunner(artifact, invariant_provider, settings=sessions, weights=mapping)
+            if reference is not None or matched is None
+            else None
+        )
         independent, independent_skipped = _independent(plan, first_runner, batch, settings, overrides)
         runs, quality = [], []
         quantized = manifest.quantization is not None
@@ -700,13 +711,8 @@ def verify_artifact(
         reports = [run.report for run in runs]
         outputs = {run.report.provider: run.outputs for run in runs}
         values = {run.report.provider: run.values for run in runs}
-        invariant_provider = first_runner.provider  # never empty: _plan refuses providers=[]
         log.info("reference-free invariants on %s", invariant_provider)
-        # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
-        # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
-        # rounding bounds those differences as in a float32 artifact
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
-        matched = float32_matmul_settings(manifest)
         invariant_runner = (
             first_runner
             if matched is None

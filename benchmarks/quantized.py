@@ -162,9 +162,10 @@ def variant_name(block: int, level: int) -> str:
     return f"int4 block {block} level {level}"
 
 
-def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str, Path]:
-    """float32, int8 and int4 (block 32) of `preset` at `accuracy_level`, and the int4 variants of the trade-off
-    table (trade_off_variants, named by variant_name), the quantized ones from the float32 graphs."""
+def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dict[str, Path], list[tuple[int, int]]]:
+    """float32, int8 and int4 (block 32) of `preset` at `accuracy_level`, and each int4 variant of the trade-off
+    table (trade_off_variants, keyed by variant_name; the first is that int4), the quantized ones from the float32
+    graphs; and those variants."""
     from quality import replayed
 
     import exporter.export.pipeline as pipeline
@@ -181,7 +182,9 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str,
             pipeline.export_artifact(
                 seeded.model, folders[scheme], dtype=scheme, source=seeded.source, accuracy_level=accuracy_level
             )
-        for block, level in trade_off_variants(seeded.model.config.hidden_size, accuracy_level)[1:]:
+        variants = trade_off_variants(seeded.model.config.hidden_size, accuracy_level)
+        folders[variant_name(*variants[0])] = folders["int4"]
+        for block, level in variants[1:]:
             progress(f"{preset}: exporting int4 block {block} at accuracy level {level} from the float32 graphs")
             folders[variant_name(block, level)] = work / preset / f"int4-block{block}-level{level}"
             pipeline.export_artifact(
@@ -192,7 +195,7 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> dict[str,
                 accuracy_level=level,
                 block_size=block,
             )
-    return folders
+    return folders, variants
 
 
 def trade_off_variants(hidden_size: int, accuracy_level: int) -> list[tuple[int, int]]:
@@ -320,15 +323,23 @@ def real_size_decode(work: Path, rounds: int, accuracy_level: int, quick: bool) 
     folder = random_qwen3_folder(work, quick) if quick else cached_folder(size, work)
     int4 = {"int4" if block == 32 else f"int4 block {block}": block for block in REAL_SIZE_BLOCKS}
     folders = {p: work / size.name / p.replace(" ", "-") for p in ("float32", *int4)}
-    for precision, out in folders.items():
-        progress(f"{size.name}: our {precision} export")
-        block = int4.get(precision)
-        quantized = ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(accuracy_level)]
-        run_step(
-            f"{size.name}: our {precision} export",
-            [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(out), "-q"]
-            + (quantized if precision in int4 else ["--dtype", precision]),
-        )
+    progress(f"{size.name}: our float32 export")
+    run_step(
+        f"{size.name}: our float32 export",
+        [
+            sys.executable,
+            "-m",
+            "exporter.cli",
+            "export",
+            "--checkpoint",
+            str(folder),
+            "--output",
+            str(folders["float32"]),
+        ]
+        + ["--dtype", "float32", "-q"],
+    )
+    for precision, block in int4.items():
+        our_int4_export(f"{size.name}: our {precision} export", folder, folders[precision], block, accuracy_level)
     workers = {p: ("ort-decode", out) for p, out in folders.items()} | {"bandwidth": ("bandwidth", None)}
     progress(f"{size.name}: decode in turns ({rounds} rounds)")
     figures = in_turns(workers, rounds)
@@ -475,32 +486,40 @@ def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float
     return found
 
 
+def our_int4_export(what: str, folder: Path, out: Path, block: int, accuracy_level: int) -> None:
+    """`export-onnx export --checkpoint folder --dtype int4` into `out` at `block` and `accuracy_level`."""
+    progress(what)
+    run_step(
+        what,
+        [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(out), "-q"]
+        + ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(accuracy_level)],
+    )
+
+
+def verified(what: str, artifact: Path, report: Path, quick: bool, extra: tuple[str, ...] = ()) -> dict:
+    """quality_of `export-onnx verify`'s JSON report (at `report`) on `artifact`, CPU, no sweep, no
+    onnxruntime-genai (4 decode steps with --quick), with the folder's bytes."""
+    progress(f"{what}: verifying")
+    command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--report-json", str(report)]
+    command += ["--no-sweep", "--no-genai", "--provider", "cpu", "-q", *(["--decode-steps", "4"] * quick), *extra]
+    subprocess.run(command, env=our_env(), capture_output=True)
+    if not report.is_file():
+        raise StepFailed(f"{what}: verify wrote no report")
+    return quality_of(report) | {"bytes": folder_bytes(artifact)}
+
+
 def against_builder(name: str, folder: Path, work: Path, rounds: int, accuracy_level: int, quick: bool) -> dict:
     out_dir = work / "vs-builder" / name
     ours, builder = out_dir / "ours-int4", out_dir / "builder-int4"
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    verify_flags = ["--no-sweep", "--no-genai", "--provider", "cpu", "-q"] + (["--decode-steps", "4"] * quick)
-    progress(f"{name}: our int4 export")
-    run_step(
-        f"{name}: our int4 export",
-        [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(ours)]
-        + ["--dtype", "int4", "--accuracy-level", str(accuracy_level), "-q"],
-    )
+    our_int4_export(f"{name}: our int4 export", folder, ours, BLOCK_SIZES[0], accuracy_level)
     progress(f"{name}: the builder's int4 export")
     run_step(f"{name}: the builder's int4 export", export_command("builder int4", folder, builder, Path(".")))
     result = {}
-    for side, artifact, extra in (("ours", ours, []), ("builder", builder, ["--reference", str(folder)])):
-        progress(f"{name}: verifying {side}")
-        report = out_dir / f"{side}.json"
-        command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--report-json", str(report)]
-        subprocess.run(command + verify_flags + extra, env=our_env(), capture_output=True)
-        if not report.is_file():
-            raise StepFailed(f"{name}: verify of {side} wrote no report")
-        result[side] = quality_of(report) | {
-            "bytes": folder_bytes(artifact),
-            "accuracy_levels": matmulnbits_levels(artifact),
-        }
+    for side, artifact, extra in (("ours", ours, ()), ("builder", builder, ("--reference", str(folder)))):
+        result[side] = verified(f"{name}: {side}", artifact, out_dir / f"{side}.json", quick, extra)
+        result[side]["accuracy_levels"] = matmulnbits_levels(artifact)
     result["left_padded_row"] = left_padded_rows(ours, builder, folder)
     progress(f"{name}: decode in turns ({rounds} rounds)")
     # ours twice: in our runtime, and in onnxruntime-genai's loop, the builder's engine: the artifacts alone compared
@@ -517,12 +536,12 @@ def against_builder(name: str, folder: Path, work: Path, rounds: int, accuracy_l
 
 
 def block_trade_off(
-    folders: dict[str, Path], hidden_size: int, fixture: Path, work: Path, rounds: int, accuracy_level: int
+    folders: dict[str, Path], variants: list[tuple[int, int]], fixture: Path, work: Path, rounds: int, quick: bool
 ) -> dict:
-    """int4 at each of trade_off_variants: decode speed on the minimind precisions' model (against its float32, in
-    turns) and quality on the trained fixture (its Qwen3 folder exported and verified as in against_builder)."""
-    variants = trade_off_variants(hidden_size, accuracy_level)
-    artifacts = {variants[0]: folders["int4"]} | {v: folders[variant_name(*v)] for v in variants[1:]}
+    """int4 at each of `variants` (export_precisions): decode speed on the minimind precisions' model (against its
+    float32, in turns) and quality on the trained fixture (its Qwen3 folder exported and verified as in
+    against_builder)."""
+    artifacts = {v: folders[variant_name(*v)] for v in variants}
     workers = {"float32": ("ort-decode", folders["float32"])}
     workers.update({variant_name(*v): ("ort-decode", folder) for v, folder in artifacts.items()})
     progress(f"int4 block sizes and accuracy levels: decode in turns ({rounds} rounds)")
@@ -533,17 +552,8 @@ def block_trade_off(
         ratio, quartiles = rt.ratio_summary(figures[name]["decode"], figures["float32"]["decode"])
         artifact = work / "blocks" / f"fixture-int4-block{block}-level{level}"
         shutil.rmtree(artifact, ignore_errors=True)
-        progress(f"fixture: {name} export and verify")
-        run_step(
-            f"fixture: {name} export",
-            [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(fixture), "--output", str(artifact)]
-            + ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(level), "-q"],
-        )
-        report = artifact.with_suffix(".json")
-        command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--report-json", str(report)]
-        subprocess.run(command + ["--no-sweep", "--no-genai", "--provider", "cpu", "-q"], env=our_env())
-        if not report.is_file():
-            raise StepFailed(f"fixture: verify of {name} wrote no report")
+        our_int4_export(f"fixture: {name} export", fixture, artifact, block, level)
+        quality = verified(f"fixture: {name}", artifact, artifact.with_suffix(".json"), quick)
         rows.append(
             {
                 "block": block,
@@ -552,7 +562,7 @@ def block_trade_off(
                 "decode": statistics.median(figures[name]["decode"]),
                 "to_float32_decode": ratio,
                 "to_float32_decode_quartiles": quartiles,
-                "fixture": quality_of(report) | {"bytes": folder_bytes(artifact)},
+                "fixture": quality,
             }
         )
     return {"float32_decode": statistics.median(figures["float32"]["decode"]), "rows": rows}
@@ -858,7 +868,7 @@ def run() -> None:
         preset = "minimind-3-tiny" if args.quick else "minimind-3"
         args.work.mkdir(parents=True, exist_ok=True)
         flags = cpu_flags()
-        folders = export_precisions(preset, args.work, args.accuracy_level)
+        folders, variants = export_precisions(preset, args.work, args.accuracy_level)
         report = {"preset": preset, "rounds": rounds, "quick": args.quick, "notes": []}
         report["precisions"] = measure_precisions(folders, rounds, flags, args.accuracy_level)
         report["real_size"] = real_size_decode(args.work, rounds, args.accuracy_level, args.quick)
@@ -868,8 +878,7 @@ def run() -> None:
             f"its max_position_embeddings raised to {FIXTURE_POSITIONS} for the decode run (rope unchanged)"
         )
         random_name = TINY_QWEN3.name if args.quick else "minimind-3-qwen3"
-        hidden_size = json.loads((folders["float32"] / "config.json").read_text())["hidden_size"]
-        report["blocks"] = block_trade_off(folders, hidden_size, fixture, args.work, rounds, args.accuracy_level)
+        report["blocks"] = block_trade_off(folders, variants, fixture, args.work, rounds, args.quick)
         report["builder"] = {}
         for name, folder in (("fixture (trained)", fixture), (f"{random_name} (random)", None)):
             folder = folder or random_qwen3_folder(args.work, args.quick)

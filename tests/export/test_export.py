@@ -24,7 +24,7 @@ from helpers import replayed_export
 
 from exporter import TOLERANCES, compare
 from exporter.artifact.axes import lint_axes
-from exporter.artifact.contract import BATCH, PAST, SEQUENCE, TOTAL
+from exporter.artifact.contract import BATCH, PAST, SEQUENCE, TOTAL, GraphContract
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, TokenizerError
 from exporter.export import pipeline as export_module
@@ -559,6 +559,20 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(
     else:
         with pytest.raises(ExportFailed, match="decode with past length 0 disagrees with prefill"):
             export_module._smoke_run(folder, read_manifest(folder))
+
+
+def test_a_graph_is_not_cut_where_it_would_read_an_input_its_contract_lacks(artifact_fp32):
+    """Both graphs are cut from one traced program: a kept output computed from an input the graph's contract lacks
+    (the loss without labels) is one line naming that input, not a graph that fails to load."""
+    prefill = read_manifest(artifact_fp32).prefill
+    model = onnx.load(str(artifact_fp32 / prefill.file), load_external_data=False)
+    cut = export_module._cut(copy.deepcopy(model), prefill)
+    assert [o.name for o in cut.graph.output] == list(prefill.output_names)
+    assert [i.name for i in cut.graph.input] == list(prefill.input_names)
+    inputs = tuple(spec for spec in prefill.inputs if spec.name != "labels")
+    without_labels = GraphContract(prefill.file, inputs, prefill.outputs)
+    with pytest.raises(ExportFailed, match="prefill.onnx cannot be cut from the traced program: it would read labels$"):
+        export_module._cut(copy.deepcopy(model), without_labels)
 
 
 @pytest.mark.parametrize("failure", ["other logits", "refused"])

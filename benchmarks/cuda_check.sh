@@ -8,13 +8,15 @@
 #    stops here when a core import fails or CUDAExecutionProvider is missing or cannot start
 #    (a missing pytest, tokenizers or click skips only the steps that need it);
 # 2. the CUDA tests (pytest, junit XML);
-# 3. exports of a tiny preset (float32 and float16), `export-onnx verify` on cpu+cuda with the
-#    float16 companion (the attribution), the float16 one on cuda, and the pytest plugin on cuda;
+# 3. exports of a tiny preset (float32, float16, and int4 with float16 activations), `export-onnx verify` on
+#    cpu+cuda with the float16 companion (the attribution), the float16 one and the int4 one (its quality
+#    profile) on cuda, and the pytest plugin on cuda;
 # 4. the benchmark on cuda, one round.
 # Each step has its own time limit (all within CUDA_CHECK_BUDGET seconds, default 450) and a failed step does
 # not stop the next; a summary ends the run.
 # Logs and reports go to $OUT when it is set (the device machine's returned folder), else to a temp folder.
-# Set CUDA_CHECK_ARTIFACTS=DIR to use DIR/fp32 and DIR/fp16 (exported elsewhere) instead of exporting here.
+# Set CUDA_CHECK_ARTIFACTS=DIR to use DIR/fp32, DIR/fp16 and DIR/int4-float16 (exported elsewhere) instead of
+# exporting here.
 #
 # Exit codes: 0 every step passed; 1 some step failed or was skipped; 3 CUDAExecutionProvider is not
 # available or cannot start (nothing else ran); 4 a core import fails (nothing else ran).
@@ -124,13 +126,16 @@ fi
 
 # ---------------------------------------------------------------------------------------------- 3. export, verify, plugin
 if [ -n "${CUDA_CHECK_ARTIFACTS:-}" ]; then
-    FP32="$CUDA_CHECK_ARTIFACTS/fp32"; FP16="$CUDA_CHECK_ARTIFACTS/fp16"
+    FP32="$CUDA_CHECK_ARTIFACTS/fp32"; FP16="$CUDA_CHECK_ARTIFACTS/fp16"; INT4="$CUDA_CHECK_ARTIFACTS/int4-float16"
 elif missing click; then
     FP32=""; skip export "click does not import"
 else
     FP32="$WORK/fp32"; FP16="$WORK/fp16"
     step export-fp32 60 "$PY" -m exporter.cli export --preset "$PRESET" -o "$FP32" -q
     step export-fp16 60 "$PY" -m exporter.cli export --preset "$PRESET" --dtype float16 -o "$FP16" -q
+    INT4="$WORK/int4-float16"
+    step export-int4-fp16 60 "$PY" -m exporter.cli export --preset "$PRESET" --dtype int4 --activations float16 \
+        -o "$INT4" -q
 fi
 if [ -z "$FP32" ] || missing click; then
     skip verify "no artifact or click does not import"
@@ -139,6 +144,8 @@ else
         --fp16-companion "$FP16" --no-genai --report-json "$REPORTS/verify-fp32.json" --junit "$REPORTS/verify-fp32.xml"
     step verify-fp16-cuda 60 "$PY" -m exporter.cli verify "$FP16" --provider cuda --no-genai --no-sweep \
         --report-json "$REPORTS/verify-fp16.json"
+    step verify-int4-fp16-cuda 60 "$PY" -m exporter.cli verify "$INT4" --provider cuda --no-sweep \
+        --report-json "$REPORTS/verify-int4-float16.json"
     step generate-cuda 30 "$PY" -m exporter.cli generate "$FP32" --provider cuda --prompt-ids 1,5,9 --prompt-ids 4,7 --max-new-tokens 8
 fi
 if [ -n "$FP32" ] && ! missing pytest; then

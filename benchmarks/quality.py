@@ -55,8 +55,9 @@ SHOWN = (
 
 
 def float_graphs(float_folder: Path):
-    """A stand-in for export_artifact's torch.onnx step (pipeline._traced_graphs) that gives the float32 artifact's
-    own graphs, loaded with their weights: what the dynamo export of the same model gives, without its trace."""
+    """A stand-in for export_artifact's torch.onnx step (pipeline._traced_graphs) that gives a float artifact's own
+    graphs, loaded with their weights: what the dynamo export of the same model in its dtype gives, without its
+    trace."""
     graphs = [onnx.load(str(float_folder / name)) for name in ("prefill.onnx", "decode.onnx")]
 
     def replay(model, template, dtype, with_loss, store, contracts):  # each graph as store makes it from torch.onnx's

@@ -380,3 +380,16 @@ def quantized(tmp_path_factory, tiny_model, artifact_fp32, tiny_tokenizer):
 
     root = shared_folder(tmp_path_factory, "quantized", build)
     return {name: root / name / TINY for name in levels}
+
+
+@pytest.fixture(scope="session")
+def quantized_float16(tmp_path_factory, tiny_model, artifact_fp16):
+    """The tiny model at int4 (the defaults: block 32, accuracy level 4) with float16 activations and cache, as for
+    CUDA, exported once per session from the float16 artifact's graphs."""
+
+    def build(root):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, artifact_fp16)
+            export_artifact(tiny_model, root / TINY, dtype="int4", source=TINY_SOURCE, activations="float16")
+
+    return shared_folder(tmp_path_factory, "quantized-float16", build) / TINY

@@ -358,9 +358,9 @@ def assert_decode_graph_matches(artifact, model, batch: int, length: int, past: 
 
 
 def replayed_export(monkeypatch, float_artifact):
-    """export_artifact's torch.onnx step replaced by the float32 artifact's own graphs (benchmarks/quality.py's
-    float_graphs): quantized exports of the tiny model go through everything else: quantization, the shared weights
-    file, the checks and the smoke run."""
+    """export_artifact's torch.onnx step replaced by a float artifact's own graphs (benchmarks/quality.py's
+    float_graphs; float32, or float16 for float16 activations): quantized exports of the tiny model go through
+    everything else: quantization, the shared weights file, the checks and the smoke run."""
     import exporter.export.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "_traced_graphs", _benchmark_quality().float_graphs(float_artifact))

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from exporter.artifact.contract import KV_KINDS, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.manifest import MANIFEST, Manifest
-from exporter.artifact.quantization import FLOAT_DTYPE, GATHER_OP, QUANTIZED_OP, SCHEMES, Quantization
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, SCHEMES, Quantization
 from exporter.errors import ArtifactError, InputError, first_line
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict
@@ -278,9 +278,9 @@ def check_sizes(graph: ForeignGraph, config: DecoderConfig, reference: Path) -> 
 
 def foreign_manifest(graph: ForeignGraph, config: DecoderConfig, reference: Path) -> Manifest:
     """The manifest the engine reads for a foreign graph: the toolkit's contract without the loss, both graphs
-    being the one file, the cache in the graph's dtype (a quantized graph computes in float32). Written nowhere:
+    being the one file, the cache in the graph's dtype (a quantized graph's too). Written nowhere:
     the folder stays as its writer left it."""
-    dtype = FLOAT_DTYPE if graph.quantization is not None else graph.dtype
+    dtype = graph.dtype
     prefill, decode = prefill_contract(config, dtype, with_loss=False), decode_contract(config, dtype)
     return Manifest(
         config=config,

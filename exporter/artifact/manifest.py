@@ -22,7 +22,7 @@ from exporter.artifact.contract import (
     prefill_contract,
 )
 from exporter.artifact.paths import json_type
-from exporter.artifact.quantization import FLOAT_DTYPE, Quantization
+from exporter.artifact.quantization import Quantization
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
 from reference.families import DecoderConfig, config_from_dict, family_of
@@ -134,10 +134,9 @@ def _inconsistency(manifest: Manifest) -> str | None:
     """What in a parsed manifest cannot be right (an edit by hand, a damaged file), or None."""
     if manifest.dtype not in DTYPES:
         return f"dtype {manifest.dtype!r} is none of {', '.join(DTYPES)}"
-    if manifest.quantization is not None:
-        problem = manifest.quantization.problem()
-        if problem or manifest.dtype != FLOAT_DTYPE:
-            return problem or f"a quantized artifact computes in {FLOAT_DTYPE}, not {manifest.dtype}"
+    problem = manifest.quantization.problem() if manifest.quantization is not None else None
+    if problem:
+        return problem
     config, dtype = manifest.config, manifest.dtype
     expected = (
         prefill_contract(config, dtype, manifest.with_loss),

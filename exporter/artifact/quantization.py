@@ -1,8 +1,9 @@
 """Weight-only quantization as the manifest records it: the scheme an export applied, and its checks.
 
-A quantized artifact keeps float32 activations and a float32 cache (manifest `dtype` "float32"); its MatMul
-weights are stored as onnxruntime's MatMulNBits blocks (`bits` per weight, one float32 scale and one zero point per
-`block_size` consecutive weights along the reduced axis), and its token embedding, unless kept float, as
+A quantized artifact computes in float32 (manifest `dtype` "float32": activations and cache), or in float16 where it
+was exported for a GPU (`dtype` "float16"); its MatMul weights are stored as onnxruntime's MatMulNBits blocks (`bits`
+per weight, one scale in the activations' type and one zero point per `block_size` consecutive weights along the
+reduced axis), and its token embedding, unless kept float, as
 GatherBlockQuantized rows in the same layout (blocks along the hidden axis). The manifest's optional `quantization`
 field says so; a manifest without it is a float artifact, as every manifest written before the field existed.
 """
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exporter.artifact.contract import DTYPES
 from exporter.errors import InputError
 
 SCHEMES = {"int4": 4, "int8": 8}  # the --dtype values that quantize, and their bits
-FLOAT_DTYPE = "float32"  # what a quantized artifact computes in, and what its cache holds
+# What a quantized artifact computes in, and what its cache holds, unless asked otherwise: float32 on the CPU, whose
+# MatMulNBits kernels compute in float32 or int8 (float16 activations are cast to float32 around each one there);
+# float16 is for CUDA, where activations and cache in float16 halve what every step reads besides the weights.
+DEFAULT_ACTIVATIONS = "float32"
 DEFAULT_BLOCK_SIZE = 32
 MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float32 math), 4 int8 math on the CPU
@@ -41,10 +46,10 @@ class Quantization:
     """The scheme of a quantized artifact (manifest.json's `quantization`).
 
     scheme: "int4" or "int8"; bits: 4 or 8 (the lm_head and the embedding may carry 8 under int4);
-    block_size: weights per scale; accuracy_level: MatMulNBits' (0: float32 math);
+    block_size: weights per scale; accuracy_level: MatMulNBits' (0: float math in the activations' type);
     symmetric: False, each block has a zero point; lm_head, embedding: "float", "int8" or "same" as asked;
     kept_float: the modules whose weights stay float, with why; matrices: weight matrices quantized (a tied table
-    held once for the lm_head and the embedding counts once); float_bytes: their float32 bytes before;
+    held once for the lm_head and the embedding counts once); float_bytes: their bytes before, in the graphs' dtype;
     quantized_bytes: their blocks, scales and zero points after.
     """
 
@@ -62,7 +67,7 @@ class Quantization:
 
     @property
     def ratio(self) -> float:
-        """The quantized matrices' bytes over their float32 bytes."""
+        """The quantized matrices' bytes over their float bytes."""
         return self.quantized_bytes / self.float_bytes if self.float_bytes else 0.0
 
     def bits_for(self, choice: str) -> int | None:
@@ -165,6 +170,26 @@ def requested_scheme(
                 f"the scheme's bits) (`{name}`)"
             )
     return Quantization(dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding)
+
+
+def activations_dtype(dtype: str, activations: str | None) -> str:
+    """What the graphs of an export of `dtype` compute in: `activations` for a quantization scheme (None: float32),
+    the dtype itself for a float one (`activations` must then be None), or InputError naming the argument."""
+    if dtype not in SCHEMES:
+        if activations is not None:
+            raise InputError(
+                f"activations {activations!r} applies to int4/int8 exports only; a {dtype} export computes in "
+                f'{dtype}: drop `activations`, or choose `dtype="int4"` or `dtype="int8"`'
+            )
+        return dtype
+    if activations is None:
+        return DEFAULT_ACTIVATIONS
+    if activations not in DTYPES:
+        raise InputError(
+            f"activations {activations!r} is none of {', '.join(DTYPES)} (float32 for the CPU, float16 for CUDA) "
+            "(`activations`)"
+        )
+    return activations
 
 
 def _largest_divisor(hidden_size: int) -> int:

@@ -125,9 +125,9 @@ def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
     return dtype, get_preset(preset), seeded_source(preset, seed)
 
 
-def _output_folder(output, preset, checkpoint, dtype) -> Path:
-    """-o, or artifacts/<checkpoint name, or preset>[-<dtype>]: two checkpoints fitting one preset get folders of
-    their own."""
+def _output_folder(output, preset, checkpoint, dtype, activations=None) -> Path:
+    """-o, or artifacts/<checkpoint name, or preset>[-<dtype>][-<activations>]: two checkpoints fitting one preset
+    get folders of their own, and an int4 export for CUDA (float16 activations) does not replace one for the CPU."""
     if output is not None:
         return output
     if checkpoint is None:
@@ -140,7 +140,8 @@ def _output_folder(output, preset, checkpoint, dtype) -> Path:
                 f"--checkpoint {checkpoint} has no name to call the artifact folder after; pass --output DIR"
             )
     name = name.lower()
-    return DEFAULT_ROOT / (name if dtype == "float32" else f"{name}-{dtype}")
+    suffixes = [d for d in (dtype, activations) if d not in (None, "float32")]
+    return DEFAULT_ROOT / "-".join([name, *suffixes])
 
 
 def _require_torch(purpose: str) -> None:
@@ -153,13 +154,14 @@ def _require_torch(purpose: str) -> None:
         )
 
 
-def _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers) -> dict:
+def _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers) -> dict:
     """export_artifact's keyword arguments beyond the model, folder, dtype, loss and tokenizer."""
     return {
         "block_size": block_size,
         "accuracy_level": accuracy_level,
         "lm_head": lm_head,
         "embedding": embedding,
+        "activations": activations,
         "trace_all_layers": trace_all_layers,
     }
 
@@ -171,7 +173,7 @@ def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=Non
         export_artifact,
     )  # torch.onnx is slow to import; keep --help fast
 
-    folder = _output_folder(output, preset, checkpoint, dtype)
+    folder = _output_folder(output, preset, checkpoint, dtype, (settings or {}).get("activations"))
     check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
     sourced = _model_and_source(preset, seed, checkpoint, config_path)
     return sourced.model, export_artifact(
@@ -222,6 +224,7 @@ def run(
     accuracy_level,
     lm_head,
     embedding,
+    activations,
     trace_all_layers,
     no_loss,
     tokenizer,
@@ -240,13 +243,13 @@ def run(
 
     # a bad verification option must not cost an export
     plan = verification_plan(
-        _output_folder(output, preset, checkpoint, dtype),
+        _output_folder(output, preset, checkpoint, dtype, activations),
         providers,
         genai,
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
-    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers)
+    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers)
     model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
@@ -273,6 +276,7 @@ def export(
     accuracy_level,
     lm_head,
     embedding,
+    activations,
     trace_all_layers,
     no_loss,
     tokenizer,
@@ -285,7 +289,7 @@ def export(
     setup_logging(verbose, quiet)
     from exporter.cli.export_report import format_export
 
-    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, trace_all_layers)
+    settings = _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers)
     _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
     emit(exported.to_dict(), as_json, format_export(exported))
 

@@ -28,8 +28,9 @@ def _quantized(manifest) -> str:
     kept = "; ".join(q.kept_float) or "nothing"
     return (
         f"{q.matrices} weight matrices as {q.bits}-bit blocks of {q.block_size} (accuracy level "
-        f"{q.accuracy_level}, lm_head {q.lm_head}, embedding {q.embedding}): {q.float_bytes / 1e6:.2f} MB float32 -> "
-        f"{q.quantized_bytes / 1e6:.2f} MB ({q.ratio:.2f}x); kept float: {kept}\n"
+        f"{q.accuracy_level}, lm_head {q.lm_head}, embedding {q.embedding}): {q.float_bytes / 1e6:.2f} MB "
+        f"{manifest.dtype} -> {q.quantized_bytes / 1e6:.2f} MB ({q.ratio:.2f}x); kept float: {kept}; activations "
+        f"and cache {manifest.dtype}\n"
     )
 
 
@@ -71,7 +72,9 @@ def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
             else []
         ),
         f"  weights from: {describe_source(manifest.source)}",
-        f"  dtype {manifest.precision}, opset {manifest.opset}, weights file {manifest.weights_file}",
+        f"  dtype {manifest.precision}"
+        + (f" (activations and cache {manifest.dtype})" if manifest.quantization is not None else "")
+        + f", opset {manifest.opset}, weights file {manifest.weights_file}",
         "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
     ]
     for contract in (manifest.prefill, manifest.decode):

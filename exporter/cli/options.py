@@ -92,7 +92,7 @@ def export_options(func):
             default="float32",
             show_default=True,
             help="Precision of the weights and activations; int4/int8 quantize the MatMul weights only "
-            "(onnxruntime MatMulNBits), activations and cache stay float32.",
+            "(onnxruntime MatMulNBits), activations and cache stay float (see --activations).",
         ),
         click.option(
             "--block-size",
@@ -123,6 +123,14 @@ def export_options(func):
             show_default=True,
             help="int4/int8: the token embedding's weights at 8 bits, float, or the same bits as the rest "
             "(GatherBlockQuantized); a tied table at the lm_head's bits is stored once.",
+        ),
+        click.option(
+            "--activations",
+            type=click.Choice(["float32", "float16"]),
+            default=None,
+            help="int4/int8: what the graphs compute in and the cache holds [default: float32, for the CPU; "
+            "float16 for CUDA, where it halves every activation's and the cache's bytes]. Float dtypes compute "
+            "in themselves.",
         ),
         click.option(
             "--no-loss", is_flag=True, help="Drop the labels input and loss output of prefill.onnx (inference-only)."

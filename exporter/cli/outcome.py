@@ -121,6 +121,7 @@ FLAGS = {
     "accuracy_level": "--accuracy-level",
     "lm_head": "--lm-head",
     "embedding": "--embedding",
+    "activations": "--activations",
     "trace_all_layers": "--trace-all-layers",
     "provider": "--provider",
     "providers": "--provider",

@@ -43,9 +43,9 @@ from exporter.artifact.quantization import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
-    FLOAT_DTYPE,
     SCHEMES,
     Quantization,
+    activations_dtype,
     requested_scheme,
 )
 from exporter.artifact.tokenizer import find_tokenizer
@@ -844,6 +844,7 @@ def export_artifact(
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     lm_head: str = DEFAULT_LM_HEAD,
     embedding: str = DEFAULT_EMBEDDING,
+    activations: str | None = None,
     trace_all_layers: bool = False,
 ) -> ExportResult:
     """Export `model` as an artifact folder.
@@ -859,7 +860,7 @@ def export_artifact(
             the files its manifest lists.
         dtype: the graphs' float type, one of DTYPES ("float32", "float16"), or a weight-only quantization scheme
             ("int4", "int8": MatMul weights in onnxruntime's MatMulNBits blocks, the token embedding in its
-            GatherBlockQuantized rows, activations and cache float32).
+            GatherBlockQuantized rows, activations and cache as `activations` says).
         with_loss: give prefill.onnx a `labels` input and a `loss` output.
         source: where the weights came from, as manifest.json records it: a dict of JSON values with a
             "kind"; None: {"kind": "in-memory"}.
@@ -877,6 +878,10 @@ def export_artifact(
             float32 bytes); onnxruntime-genai's builder keeps an untied embedding float and llama.cpp's Q4_K_M keeps
             a tied one at 6 bits, both above the 4 bits of the projections. A tied table at the same bits as the
             lm_head is stored once, read by both.
+        activations: for "int4"/"int8", what the graphs compute in and the cache holds: "float32" (None, the
+            default: for the CPU, whose MatMulNBits kernels compute in float32 or int8) or "float16" (for CUDA: half
+            the bytes of every activation and of the cache, the scales in float16 too). A float dtype computes in
+            itself: give None.
         trace_all_layers: trace every layer with torch.onnx. By default a model whose layers repeat is traced three
             layers deep and its graph grown to its depth (exporter/export/layer_template.py), which takes a fraction
             of the time and gives the same graph.
@@ -896,7 +901,7 @@ def export_artifact(
     # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
     quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head, embedding)
-    dtype = FLOAT_DTYPE if quantization is not None else dtype  # what the graphs compute in
+    dtype = activations_dtype(dtype, activations)  # what the graphs compute in
     source = {"kind": "in-memory"} if source is None else source
     _check_source(source)
     shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent

@@ -1,8 +1,9 @@
-"""Weight-only quantization of the exported float32 graphs, in memory, before their weights are written.
+"""Weight-only quantization of the exported float graphs, in memory, before their weights are written.
 
 onnxruntime's own quantizer (`MatMulNBitsQuantizer` with its `DefaultWeightOnlyQuantConfig`: round to nearest,
 asymmetric blocks) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits node reading
-`bits`-bit blocks, a float32 scale per block and a zero point per block. The lm_head is quantized at the scheme's
+`bits`-bit blocks, a scale per block (in the graph's float type: float32, or float16 for CUDA) and a zero point per
+block. The lm_head is quantized at the scheme's
 bits, at 8 bits, or left float, as `Quantization.lm_head` asks. A Linear that torch.onnx wrote as a Gemm (a tied
 lm_head on the embedding table, exporter.export.graphs; a MoE expert on its tokens) is first rewritten as a MatMul
 on a transposed copy of its weight, the form the quantizer takes; a MoE router stays float.
@@ -45,12 +46,19 @@ MS_DOMAIN = "com.microsoft"
 TOKEN_IDS = "input_ids"  # the graph input the token embedding reads (exporter.artifact.contract)
 
 
+FLOAT_TYPES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2}  # the graphs' float types, with their bytes
+
+
 def _float_matrix(tensor: onnx.TensorProto | None) -> bool:
-    return tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT
+    return tensor is not None and len(tensor.dims) == 2 and tensor.data_type in FLOAT_TYPES
+
+
+def _float_bytes(tensor: onnx.TensorProto) -> int:
+    return int(np.prod(tensor.dims)) * FLOAT_TYPES[tensor.data_type]
 
 
 def _constant_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
-    """The MatMul nodes whose weight (second input) is a 2-D float32 initializer: what the quantizer replaces."""
+    """The MatMul nodes whose weight (second input) is a 2-D float initializer: what the quantizer replaces."""
     initializers = {t.name: t for t in model.graph.initializer}
     found = []
     for node in model.graph.node:
@@ -76,7 +84,7 @@ def _attributes(node: onnx.NodeProto) -> dict:
 
 
 def _linear_gemms(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:
-    """The Gemm(x, W, transB=1) nodes (no bias, alpha 1) on a 2-D float32 initializer: a Linear on a 2-D input as
+    """The Gemm(x, W, transB=1) nodes (no bias, alpha 1) on a 2-D float initializer: a Linear on a 2-D input as
     torch.onnx writes it (a tied lm_head, exporter.export.graphs; a MoE expert or router on its tokens)."""
     initializers = {t.name: t for t in model.graph.initializer}
     found = []
@@ -140,7 +148,7 @@ def _reads(model: onnx.ModelProto, value: str, graph_input: str) -> bool:
 
 
 def _table_gathers(model: onnx.ModelProto, vocab_size: int) -> tuple[list, list]:
-    """The Gathers on a 2-D float32 initializer: (the token embedding's, as (node, table): a vocab_size-row table read
+    """The Gathers on a 2-D float initializer: (the token embedding's, as (node, table): a vocab_size-row table read
     at ids computed from input_ids; every other one, e.g. a learned position table)."""
     initializers = {t.name: t for t in model.graph.initializer}
     tokens, others = [], []
@@ -247,8 +255,8 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
     tokens, others = _table_gathers(model, vocab_size)
-    # float32 bytes of each quantized source matrix, by name: a tied table quantized for both counts once
-    sources = {copies.get(t.name, t.name): int(np.prod(t.dims)) * 4 for n, t in matmuls if n.name in body}
+    # float bytes of each quantized source matrix, by name: a tied table quantized for both counts once
+    sources = {copies.get(t.name, t.name): _float_bytes(t) for n, t in matmuls if n.name in body}
     kept = [
         f"{module_of(n) or n.name} (a Gather not on the token ids: only the token embedding is quantized)"
         for n, _ in others
@@ -257,11 +265,11 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     if head_bits is None:
         kept += ["lm_head (asked: lm_head float)"] if heads or tied else []
     else:
-        sources.update({copies.get(t.name, t.name): int(np.prod(t.dims)) * 4 for n, t in matmuls if n.name in heads})
+        sources.update({copies.get(t.name, t.name): _float_bytes(t) for n, t in matmuls if n.name in heads})
     if embedding_bits is None:
         kept += [f"{module_of(n) or n.name} (asked: embedding float)" for n, _ in tokens]
     else:
-        sources.update({t.name: int(np.prod(t.dims)) * 4 for _, t in tokens})
+        sources.update({t.name: _float_bytes(t) for _, t in tokens})
         for node, table in tokens:
             _quantize_embedding(model, node, table, embedding_bits, scheme)
     if heads and head_bits is not None and head_bits != scheme.bits:
@@ -318,7 +326,7 @@ def quantize_graphs(
             "report this with the model's config"
         )
     log.info(
-        "quantized %d weight matrices to %s (block %d; lm_head %s, embedding %s): %.2f MB float32 -> %.2f MB",
+        "quantized %d weight matrices to %s (block %d; lm_head %s, embedding %s): %.2f MB float -> %.2f MB",
         done["matrices"],
         scheme.scheme,
         scheme.block_size,

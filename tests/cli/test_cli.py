@@ -836,6 +836,12 @@ def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monke
     )
     assert _output_folder(None, "minimind2-small", Path("full_sft_512.pth"), "float32") == DEFAULT_ROOT / "full_sft_512"
     assert _output_folder(None, "minimind2-small", None, "float32") == DEFAULT_ROOT / "minimind2-small"
+    # an int4 export for CUDA does not replace the one for the CPU
+    assert _output_folder(None, "minimind2-small", None, "int4", None) == DEFAULT_ROOT / "minimind2-small-int4"
+    assert _output_folder(None, "minimind2-small", None, "int4", "float32") == DEFAULT_ROOT / "minimind2-small-int4"
+    assert _output_folder(None, "minimind2-small", None, "int4", "float16") == (
+        DEFAULT_ROOT / "minimind2-small-int4-float16"
+    )
     assert _output_folder(Path("out"), "minimind2-small", Path("."), "float32") == Path("out")
     with pytest.raises(
         ToolkitError,

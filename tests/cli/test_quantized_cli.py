@@ -48,6 +48,12 @@ def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
         (["--dtype", "int4", "--block-size", "128"], 2, "does not divide the model's hidden size"),
         (["--dtype", "int4", "--embedding", "int4"], 2, "'--embedding'"),
         (["--dtype", "int4", "--lm-head", "bf16"], 2, "'--lm-head'"),
+        (["--dtype", "int4", "--activations", "bfloat16"], 2, "'--activations'"),
+        (
+            ["--dtype", "float16", "--activations", "float16"],
+            2,
+            "computes in float16: drop --activations, or choose --dtype int4 or --dtype int8",
+        ),
     ],
 )
 def test_bad_quantization_exits_2(tmp_path, flags, code, fragment):

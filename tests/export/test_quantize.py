@@ -67,11 +67,12 @@ def _quantized_nodes(folder, graph="prefill.onnx"):
     return sorted(found)
 
 
-def _block_bytes(k: int, n: int, bits: int, block: int = 32) -> int:
+def _block_bytes(k: int, n: int, bits: int, block: int = 32, scale_bytes: int = 4) -> int:
     """Bytes of a (K, N) weight in MatMulNBits' layout (onnxruntime's contrib operator spec): N x ceil(K / block)
-    blocks of block x bits / 8 bytes, a float32 scale per block, and the blocks' zero points packed per row."""
+    blocks of block x bits / 8 bytes, a scale per block (float32, or float16 in a float16 graph), and the blocks'
+    zero points packed per row."""
     blocks = math.ceil(k / block)
-    return n * blocks * block * bits // 8 + n * blocks * 4 + n * math.ceil(blocks * bits / 8)
+    return n * blocks * block * bits // 8 + n * blocks * scale_bytes + n * math.ceil(blocks * bits / 8)
 
 
 def _projections(model) -> list[tuple[int, int]]:
@@ -94,7 +95,7 @@ def _held(folder) -> tuple[int, list]:
             if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
                 held = node.input[1:4] if node.op_type == "MatMulNBits" else [node.input[0], *node.input[2:4]]
                 contents.update({arrays[name].tobytes(): arrays[name].nbytes for name in held if name})
-        tables += [a.shape for a in arrays.values() if a.dtype == np.float32 and a.shape in ((512, 64), (64, 512))]
+        tables += [a.shape for a in arrays.values() if a.dtype.kind == "f" and a.shape in ((512, 64), (64, 512))]
     return sum(contents.values()), tables
 
 
@@ -122,6 +123,32 @@ def test_default_export_quantizes_projections_lm_head_and_embedding_once(quantiz
     assert q["float_bytes"] == 4 * (sum(k * n for k, n in projections) + vocab * hidden)
     assert q["matrices"] == 15 and q["kept_float"] == []
     assert _held(folder) == (q["quantized_bytes"], [])  # the tied table once, and no float copy of it left
+    assert identical_weights(Artifact.open(folder)).passed
+
+
+def test_float16_activations_keep_the_scales_the_cache_and_the_logits_in_float16(quantized_float16, tiny_model):
+    folder = quantized_float16
+    manifest = json.loads((folder / "manifest.json").read_text())
+    q = manifest["quantization"]
+    assert manifest["dtype"] == "float16" and manifest["cache"]["dtype"] == "float16"
+    assert (q["scheme"], q["accuracy_level"], q["lm_head"], q["embedding"]) == ("int4", 4, "int8", "int8")
+    vocab, hidden = tiny_model.model.embed_tokens.weight.shape
+    projections = _projections(tiny_model)
+    for graph in ("prefill.onnx", "decode.onnx"):
+        model = onnx.load(str(folder / graph), load_external_data=False)
+        initializers = {t.name: t for t in model.graph.initializer}
+        scales = [
+            initializers[n.input[2]] for n in model.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")
+        ]
+        assert len(scales) == 16 and {t.data_type for t in scales} == {onnx.TensorProto.FLOAT16}, graph
+        floats = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+        assert floats["logits"] == onnx.TensorProto.FLOAT16
+        assert {t for name, t in floats.items() if "past" in name or "present" in name} == {onnx.TensorProto.FLOAT16}
+    # the same blocks as at float32 activations, each scale in 2 bytes instead of 4
+    table = _block_bytes(hidden, vocab, 8, scale_bytes=2)
+    assert q["quantized_bytes"] == sum(_block_bytes(k, n, 4, scale_bytes=2) for k, n in projections) + table
+    assert q["float_bytes"] == 2 * (sum(k * n for k, n in projections) + vocab * hidden)
+    assert _held(folder) == (q["quantized_bytes"], [])
     assert identical_weights(Artifact.open(folder)).passed
 
 
@@ -267,6 +294,11 @@ def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(quant
         ({"dtype": "int8", "accuracy_level": 7}, "accuracy_level 7"),
         ({"dtype": "int8", "lm_head": "int2"}, r"lm_head 'int2' is none of float, int8, same .*\(`lm_head`\)"),
         ({"dtype": "int4", "embedding": "int4"}, r"embedding 'int4' is none of float, int8, same .*\(`embedding`\)"),
+        ({"dtype": "int4", "activations": "bfloat16"}, r"activations 'bfloat16' is none of float32, float16"),
+        (
+            {"dtype": "float32", "activations": "float16"},
+            r"applies to int4/int8 exports only; a float32 export computes in float32: drop `activations`",
+        ),
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):

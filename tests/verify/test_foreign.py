@@ -20,7 +20,7 @@ from helpers import assert_one_line_error, optimum_python, run_cli
 from hf_folders import hf_model, save_folder
 from onnx import numpy_helper
 
-from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE
+from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
 from exporter.verify.foreign import verify_foreign
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.reports.html import render_html
@@ -87,7 +87,7 @@ def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
     kl = next(c for c in quality.checks if c.threshold.metric == "kl_mean")
     assert 0 < kl.value <= kl.threshold.limit  # quantized: a distance, within the profile's limit
     # the builder's int4 for the CPU is at accuracy level 4: the invariants run MatMulNBits in float32
-    assert report.invariants and all(FLOAT32_MATMUL_NOTE in i.detail for i in report.invariants), report.invariants
+    assert report.invariants and all(FLOAT_MATMUL_NOTE in i.detail for i in report.invariants), report.invariants
     # no loss output: ΔNLL is not judged, and no report calls it passed
     nll = next(c for c in quality.checks if c.threshold.metric == "nll_delta")
     assert not nll.judged and nll.to_dict()["passed"] is None

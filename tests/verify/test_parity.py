@@ -12,6 +12,7 @@ from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.runtime.sessions import CUDA, cuda_unusable
 from exporter.verify.references.torch_runner import TorchRunner
+from exporter.verify.reports import format_verify
 from reference import build_model
 
 requires_cuda = pytest.mark.skipif(cuda_unusable() is not None, reason=f"{CUDA}: {cuda_unusable()}")
@@ -50,6 +51,13 @@ def test_fp16_artifact_matches_float16_reference_on_cpu(artifact_fp16, tiny_mode
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
 def test_artifacts_match_reference_on_cuda(artifact, tiny_model, request):
     _assert_report_passes(verify_artifact(request.getfixturevalue(artifact), tiny_model, ["cuda"], settings=FAST))
+
+
+@requires_cuda
+def test_int4_with_float16_activations_passes_its_quality_profile_on_cuda(quantized_float16, tiny_model):
+    report = verify_artifact(quantized_float16, tiny_model, ["cuda"], settings=FAST, genai=False)
+    assert report.passed, format_verify(report)
+    assert [q.provider for q in report.quality] == [CUDA]
 
 
 def test_default_providers_report_unavailable_ones_as_skipped(artifact_fp32, tiny_model):

@@ -18,7 +18,7 @@ from exporter.errors import InputError
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import SessionSettings
 from exporter.verify import engine
-from exporter.verify.checks.invariants import FLOAT32_MATMUL_NOTE
+from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
 from exporter.verify.checks.quality import kl_by_position
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prefill_feeds, prompt_batch, text_windows
@@ -63,6 +63,18 @@ def test_int4_passes_its_quality_profile(quantized, tiny_model):
     assert report.to_dict()["quality"][0]["checks"][0]["metric"] == "kl_mean"
 
 
+def test_int4_with_float16_activations_passes_its_quality_profile(quantized_float16, tiny_model):
+    report = verify_artifact(quantized_float16, tiny_model, ["cpu"], SETTINGS, genai=False)
+    assert report.passed, format_verify(report)
+    assert report.weights.passed and all(i.passed for i in report.invariants)
+    for name in (*NUMERIC_INVARIANTS, "padded row == same sequence alone"):  # level 4: judged unprepacked
+        [invariant] = [i for i in report.invariants if i.name == name]
+        assert FLOAT_MATMUL_NOTE in invariant.detail, invariant.detail
+    # measured on the tiny random model: mean KL 0.0184, p99 0.040; with float32 activations (level 4) 0.0182, 0.038
+    metrics = report.quality[0].metrics
+    assert metrics["kl_mean"] < 0.05 and metrics["kl_p99"] < 0.2, metrics
+
+
 def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     folder = shutil.copytree(quantized["int4"], tmp_path / "broken")
     name = _double_a_scale(folder)
@@ -97,7 +109,7 @@ def test_a_level_4_export_passes_its_invariants_with_both_graphs_unprepacked(qua
     invariants = _invariants(folder)
     assert all(i.passed for i in invariants.values()), [i.detail for i in invariants.values()]
     for name in (*NUMERIC_INVARIANTS, "padded row == same sequence alone"):
-        assert FLOAT32_MATMUL_NOTE in invariants[name].detail, invariants[name].detail
+        assert FLOAT_MATMUL_NOTE in invariants[name].detail, invariants[name].detail
     assert "MatMulNBits" not in _invariants(quantized["int4"])["decode(past 0) == prefill"].detail  # level 0
     # one graph prepacked (int8 activations at level 4, as the runner and every consumer run it) against the same
     # graph unprepacked (float32): they differ by the activation quantization, far beyond float32's rounding, which

@@ -48,10 +48,10 @@ from exporter.verify.tolerances import Profile
 # flip single int8 codes by a whole step, and each flip spreads (a padded row against the same sequence alone,
 # minimind-3 preset: one code differs at layer 2's down_proj input, 614 at layer 3's, the logits by 0.17). Unprepacked,
 # both graphs compute A @ W in float32, continuous in A, so the float32 profile holds as for a float32 artifact (split
-# and past 0 bit-identical on the three models, a padded row within 0.05x of the bound); the int8 arithmetic itself is
-# judged by the quality profile.
+# and past 0 bit-identical on the three models, a padded row within 0.05x of the bound), and the float16 profile for
+# float16 activations (continuous in A as well); the int8 arithmetic itself is judged by the quality profile.
 INT8_ACTIVATIONS_LEVEL = 4
-FLOAT32_MATMUL_NOTE = "MatMulNBits unprepacked in both graphs, in float32"
+FLOAT_MATMUL_NOTE = "MatMulNBits unprepacked in both graphs, in float, not int8"
 
 
 def float32_matmul_settings(manifest: Manifest) -> SessionSettings | None:
@@ -65,7 +65,7 @@ def float32_matmul_settings(manifest: Manifest) -> SessionSettings | None:
 
 def _sessions(manifest: Manifest, what: str) -> str:
     """`what`, naming how MatMulNBits ran where float32_matmul_settings applies."""
-    return f"{what}, {FLOAT32_MATMUL_NOTE}" if float32_matmul_settings(manifest) else what
+    return f"{what}, {FLOAT_MATMUL_NOTE}" if float32_matmul_settings(manifest) else what
 
 
 @dataclass(frozen=True)

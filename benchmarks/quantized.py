@@ -458,7 +458,7 @@ def matmulnbits_levels(folder: Path) -> list[int]:
 def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float]:
     """For our int4 artifact and the builder's of `folder`: the largest |Δ logits| between row 0 of verify's prompt
     batch, left-padded, and its real tokens alone (the padded-row invariant, which verify does not run on the
-    builder's graph, docs/foreign.md), MatMulNBits in float32 math in both runs (float32_matmul_settings), so that
+    builder's graph, docs/foreign.md), MatMulNBits in float32 math in both runs (float_matmul_settings), so that
     only how each graph treats the padding differs."""
     import numpy as np
 
@@ -467,13 +467,13 @@ def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float
     from exporter.runtime.foreign import ForeignRunner
     from exporter.runtime.runner import OrtRunner
     from exporter.runtime.sessions import SessionSettings
-    from exporter.verify.checks.invariants import float32_matmul_settings, padded_row_alone
+    from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone
     from exporter.verify.inputs import ParitySettings, prompt_batch
     from exporter.verify.tolerances import profile_for
 
     graph = read_foreign(builder)
     manifests = {"ours": read_manifest(ours), "builder": foreign_manifest(graph, reference_config(folder), folder)}
-    settings = {side: float32_matmul_settings(m) or SessionSettings() for side, m in manifests.items()}
+    settings = {side: float_matmul_settings(m) or SessionSettings() for side, m in manifests.items()}
     runners = {
         "ours": OrtRunner(ours, settings=settings["ours"]),
         "builder": ForeignRunner(graph, manifests["builder"], settings=settings["builder"]),

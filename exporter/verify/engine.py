@@ -32,7 +32,7 @@ from exporter.runtime.sessions import (
     checking_settings,
 )
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.invariants import check_invariants, float32_matmul_settings
+from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
 from exporter.verify.checks.outputs import (
     DecodeCall,
     GreedyResult,
@@ -678,10 +678,10 @@ def verify_artifact(
         batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
         mapping = SharedWeightMap(artifact)  # every session below reads it: one resident copy of the file
         sessions = checking_settings(manifest)
-        # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in float32 on the
-        # same quantized weights, at accuracy level 4 in sessions of its own (float32_matmul_settings): float32's
-        # rounding bounds those differences as in a float32 artifact
-        matched = float32_matmul_settings(manifest)
+        # a quantized artifact against itself (split prefill, past 0, a padded row alone) computes in its float dtype
+        # on the same quantized weights, at accuracy level 4 in sessions of its own (float_matmul_settings): that
+        # dtype's rounding bounds those differences as in a float artifact of it
+        matched = float_matmul_settings(manifest)
         invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
         # the first provider's sessions serve the independent reference, the first run and the invariants; with no
         # reference and sessions of the invariants' own, nothing reads them

@@ -22,7 +22,7 @@ from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
 from exporter.runtime.sessions import available_parity_providers, check_parity_providers, check_quantized_provider
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.invariants import float32_matmul_settings, padded_row_alone, split_prefill
+from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone, split_prefill
 from exporter.verify.checks.outputs import check_decode, check_greedy, check_prefill, run_sweep
 from exporter.verify.checks.providers import repeat_run
 from exporter.verify.checks.quality import check_quality
@@ -125,10 +125,10 @@ def verify_foreign(
         else:
             reports.append(_run_provider(model, onnx, graph.left_padding, batch, settings, overrides))
         if not invariants:
-            # a quantized graph against itself computes in float32 on the same weights, at accuracy level 4 in a
-            # session of its own (float32_matmul_settings): float32's profile bounds it
+            # a quantized graph against itself computes in its float dtype on the same weights, at accuracy level 4
+            # in a session of its own (float_matmul_settings): that dtype's profile bounds it
             profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
-            matched = float32_matmul_settings(manifest)
+            matched = float_matmul_settings(manifest)
             runner = onnx if matched is None else ForeignRunner(graph, manifest, onnx.provider, matched)
             k = batch["input_ids"].shape[1] // 2 + 1
             invariants = [split_prefill(runner, manifest, batch, profile, k)]

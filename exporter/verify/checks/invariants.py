@@ -12,7 +12,7 @@ artifact whose reference model is not available:
 
 The three numeric ones compare the graphs on the same weights in float32, so float32's rounding bounds their
 differences. On a quantized artifact at MatMulNBits' accuracy level 4 that holds only where both graphs run each
-MatMulNBits unprepacked (float32_matmul_settings): see INT8_ACTIVATIONS_LEVEL.
+MatMulNBits unprepacked (float_matmul_settings): see INT8_ACTIVATIONS_LEVEL.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ INT8_ACTIVATIONS_LEVEL = 4
 FLOAT_MATMUL_NOTE = "MatMulNBits unprepacked in both graphs, in float, not int8"
 
 
-def float32_matmul_settings(manifest: Manifest) -> SessionSettings | None:
+def float_matmul_settings(manifest: Manifest) -> SessionSettings | None:
     """The session settings the numeric invariants need on `manifest`'s artifact, where any runner's would not do:
     on a quantized artifact at accuracy level 4, both graphs unprepacked (INT8_ACTIVATIONS_LEVEL); else None."""
     quantization = manifest.quantization
@@ -64,8 +64,8 @@ def float32_matmul_settings(manifest: Manifest) -> SessionSettings | None:
 
 
 def _sessions(manifest: Manifest, what: str) -> str:
-    """`what`, naming how MatMulNBits ran where float32_matmul_settings applies."""
-    return f"{what}, {FLOAT_MATMUL_NOTE}" if float32_matmul_settings(manifest) else what
+    """`what`, naming how MatMulNBits ran where float_matmul_settings applies."""
+    return f"{what}, {FLOAT_MATMUL_NOTE}" if float_matmul_settings(manifest) else what
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def split_prefill(runner, manifest: Manifest, batch: dict, profile: Profile, k: 
     """The prefill of the whole batch against its first `k` tokens' prefill followed by a decode of the rest.
 
     Args:
-        runner: the OrtRunner whose graphs are held to each other, with float32_matmul_settings where they apply.
+        runner: the OrtRunner whose graphs are held to each other, with float_matmul_settings where they apply.
         manifest: the artifact's manifest.
         batch: the prompt batch (prompt_batch).
         profile: the tolerances that judge the difference.
@@ -152,7 +152,7 @@ def decode_past_zero(runner, manifest: Manifest, batch: dict, profile: Profile) 
     """decode.onnx on an empty past against prefill.onnx, on the same prompt batch.
 
     Args:
-        runner: the OrtRunner whose graphs are held to each other, with float32_matmul_settings where they apply.
+        runner: the OrtRunner whose graphs are held to each other, with float_matmul_settings where they apply.
         manifest: the artifact's manifest.
         batch: the prompt batch (prompt_batch).
         profile: the tolerances that judge the difference.
@@ -176,7 +176,7 @@ def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) 
     """Row 0 of the batch is left-padded; its real tokens alone must give the same logits and cache entries.
 
     Args:
-        runner: the OrtRunner whose prefill.onnx runs both, with float32_matmul_settings where they apply.
+        runner: the OrtRunner whose prefill.onnx runs both, with float_matmul_settings where they apply.
         manifest: the artifact's manifest.
         batch: the prompt batch (prompt_batch), its row 0 left-padded.
         profile: the tolerances that judge the difference.
@@ -285,7 +285,7 @@ def check_invariants(artifact: Artifact, onnx_runner, batch: dict, profile: Prof
 
     Args:
         artifact: the artifact whose graphs are inspected.
-        onnx_runner: an OrtRunner on it, with float32_matmul_settings where they apply.
+        onnx_runner: an OrtRunner on it, with float_matmul_settings where they apply.
         batch: the prompt batch (prompt_batch), its row 0 left-padded.
         profile: the tolerances that judge the differences.
     """

@@ -28,12 +28,19 @@ TEXT = "kalo mine ruto savi"
 
 
 @pytest.fixture(scope="module")
-def optimum(request):
-    """Optimum's answers for this module's folders: {"generate": {(fixture, prompt index): ids}, "text": {...}}."""
+def int4_artifacts(quantized, quantized_float16):
+    """The tiny model at int4 with float32 activations (accuracy level 0) and with float16 ones (level 4)."""
+    return {"int4": quantized["int4"], "int4-float16": quantized_float16}
+
+
+@pytest.fixture(scope="module")
+def optimum(request, int4_artifacts):
+    """Optimum's answers for this module's folders: {"generate": {(fixture or int4 name, prompt index): ids},
+    "text": {...}}."""
     python = optimum_python()
     runs = []
-    for name in ["artifact_fp32", "artifact_fp16", *FAMILIES]:
-        folder = request.getfixturevalue(name)
+    folders = {name: request.getfixturevalue(name) for name in ["artifact_fp32", "artifact_fp16", *FAMILIES]}
+    for name, folder in {**folders, **int4_artifacts}.items():
         vocab = read_manifest(folder).config.vocab_size
         tokens = 24 if name in FAMILIES else 40
         for index, prompt in enumerate(CONSUMER_PROMPTS):  # the seed 001 demo has 256 ids
@@ -78,6 +85,17 @@ def test_optimum_generates_text_with_the_artifacts_tokenizer(optimum, artifact_f
     expected = _ours(artifact_fp32, ids, 12)
     assert optimum["text"]["new"] == expected
     assert optimum["text"]["decoded"] == ours.decode(expected)
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-float16"])
+def test_optimum_tokens_equal_our_runtime_on_int4(optimum, int4_artifacts, name):
+    folder = int4_artifacts[name]
+    seen = set()
+    for index, prompt in enumerate(CONSUMER_PROMPTS):
+        ours = _ours(folder, prompt, 40)
+        assert optimum["generate"][(name, index)] == ours
+        seen |= set(ours)
+    assert len(seen) > 5, "degenerate output makes token equality meaningless"
 
 
 @pytest.mark.parametrize("artifact", FAMILIES)

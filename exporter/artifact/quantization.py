@@ -16,9 +16,9 @@ from exporter.artifact.contract import DTYPES
 from exporter.errors import InputError
 
 SCHEMES = {"int4": 4, "int8": 8}  # the --dtype values that quantize, and their bits
-# What a quantized artifact computes in, and what its cache holds, unless asked otherwise: float32 on the CPU, whose
-# MatMulNBits kernels compute in float32 or int8 (float16 activations are cast to float32 around each one there);
-# float16 is for CUDA, where activations and cache in float16 halve what every step reads besides the weights.
+# What a quantized artifact computes in, and what its cache holds, unless asked otherwise: float32, for the CPU, whose
+# MatMulNBits kernels compute in float32 or int8; float16 is for CUDA, where activations and cache in float16 halve
+# what every step reads besides the weights.
 DEFAULT_ACTIVATIONS = "float32"
 DEFAULT_BLOCK_SIZE = 32
 MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16

@@ -150,7 +150,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:13] == [
+        assert options[:14] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -161,6 +161,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--accuracy-level",
             "--lm-head",
             "--embedding",
+            "--activations",
             "--no-loss",
             "--tokenizer",
             "--trace-all-layers",

@@ -3,10 +3,10 @@
 onnxruntime's own quantizer (`MatMulNBitsQuantizer` with its `DefaultWeightOnlyQuantConfig`: round to nearest,
 asymmetric blocks) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits node reading
 `bits`-bit blocks, a scale per block (in the graph's float type: float32, or float16 for CUDA) and a zero point per
-block. The lm_head is quantized at the scheme's
-bits, at 8 bits, or left float, as `Quantization.lm_head` asks. A Linear that torch.onnx wrote as a Gemm (a tied
-lm_head on the embedding table, exporter.export.graphs; a MoE expert on its tokens) is first rewritten as a MatMul
-on a transposed copy of its weight, the form the quantizer takes; a MoE router stays float.
+block. The lm_head is quantized at the scheme's bits, at 8 bits, or left float, as `Quantization.lm_head` asks. A
+Linear that torch.onnx wrote as a Gemm (a tied lm_head on the embedding table, exporter.export.graphs; a MoE expert on
+its tokens) is first rewritten as a MatMul on a transposed copy of its weight, the form the quantizer takes; a MoE
+router stays float.
 
 The token embedding is quantized at the bits `Quantization.embedding` asks (or left float) as onnxruntime's
 GatherBlockQuantized, whose uint8 layout is MatMulNBits': its rows are the blocks the quantizer's own

@@ -144,8 +144,12 @@ else
         --fp16-companion "$FP16" --no-genai --report-json "$REPORTS/verify-fp32.json" --junit "$REPORTS/verify-fp32.xml"
     step verify-fp16-cuda 60 "$PY" -m exporter.cli verify "$FP16" --provider cuda --no-genai --no-sweep \
         --report-json "$REPORTS/verify-fp16.json"
-    step verify-int4-fp16-cuda 60 "$PY" -m exporter.cli verify "$INT4" --provider cuda --no-sweep \
-        --report-json "$REPORTS/verify-int4-float16.json"
+    if [ -d "$INT4" ]; then
+        step verify-int4-fp16-cuda 60 "$PY" -m exporter.cli verify "$INT4" --provider cuda --no-sweep \
+            --report-json "$REPORTS/verify-int4-float16.json"
+    else
+        skip verify-int4-fp16-cuda "no folder $INT4"
+    fi
     step generate-cuda 30 "$PY" -m exporter.cli generate "$FP32" --provider cuda --prompt-ids 1,5,9 --prompt-ids 4,7 --max-new-tokens 8
 fi
 if [ -n "$FP32" ] && ! missing pytest; then

@@ -82,9 +82,9 @@ def export_options(func):
             type=PathOption(),
             default=None,
             help="Artifact folder [default: artifacts/<preset>, or for a --checkpoint "
-            "artifacts/<its file name without suffix, or its folder name>, lowercased; -float16 "
-            "appended for --dtype float16]. An earlier artifact there is replaced only once the new "
-            "one is complete.",
+            "artifacts/<its file name without suffix, or its folder name>, lowercased; -<dtype> "
+            "appended for a dtype other than float32, then -float16 for --activations float16]. An "
+            "earlier artifact there is replaced only once the new one is complete.",
         ),
         click.option(
             "--dtype",

@@ -46,15 +46,15 @@ MS_DOMAIN = "com.microsoft"
 TOKEN_IDS = "input_ids"  # the graph input the token embedding reads (exporter.artifact.contract)
 
 
-FLOAT_TYPES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2}  # the graphs' float types, with their bytes
+GRAPH_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)  # what an exported graph computes in
 
 
 def _float_matrix(tensor: onnx.TensorProto | None) -> bool:
-    return tensor is not None and len(tensor.dims) == 2 and tensor.data_type in FLOAT_TYPES
+    return tensor is not None and len(tensor.dims) == 2 and tensor.data_type in GRAPH_FLOAT_TYPES
 
 
 def _float_bytes(tensor: onnx.TensorProto) -> int:
-    return int(np.prod(tensor.dims)) * FLOAT_TYPES[tensor.data_type]
+    return int(np.prod(tensor.dims)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
 def _constant_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.TensorProto]]:

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import runtime as rt  # noqa: E402
-from export_sizes import SIZES, Size, build_folder, cached_folder, our_env  # noqa: E402
+from export_sizes import SIZES, Size, build_folder, cached_folder, our_env, tool_command  # noqa: E402
 from foreign import export_command  # noqa: E402
 
 ROOT = HERE.parent
@@ -325,20 +325,7 @@ def real_size_decode(work: Path, rounds: int, accuracy_level: int, quick: bool) 
     int4 = {"int4" if block == 32 else f"int4 block {block}": block for block in REAL_SIZE_BLOCKS}
     folders = {p: work / size.name / p.replace(" ", "-") for p in ("float32", *int4)}
     progress(f"{size.name}: our float32 export")
-    run_step(
-        f"{size.name}: our float32 export",
-        [
-            sys.executable,
-            "-m",
-            "exporter.cli",
-            "export",
-            "--checkpoint",
-            str(folder),
-            "--output",
-            str(folders["float32"]),
-        ]
-        + ["--dtype", "float32", "-q"],
-    )
+    run_step(f"{size.name}: our float32 export", tool_command("ours", folder, folders["float32"], Path(".")) + ["-q"])
     for precision, block in int4.items():
         our_int4_export(f"{size.name}: our {precision} export", folder, folders[precision], block, accuracy_level)
     workers = {p: ("ort-decode", out) for p, out in folders.items()} | {"bandwidth": ("bandwidth", None)}
@@ -490,11 +477,8 @@ def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float
 def our_int4_export(what: str, folder: Path, out: Path, block: int, accuracy_level: int) -> None:
     """`export-onnx export --checkpoint folder --dtype int4` into `out` at `block` and `accuracy_level`."""
     progress(what)
-    run_step(
-        what,
-        [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(folder), "--output", str(out), "-q"]
-        + ["--dtype", "int4", "--block-size", str(block), "--accuracy-level", str(accuracy_level)],
-    )
+    flags = ["--block-size", str(block), "--accuracy-level", str(accuracy_level), "-q"]
+    run_step(what, tool_command("ours", folder, out, Path("."), "int4") + flags)
 
 
 def verified(what: str, artifact: Path, report: Path, quick: bool, extra: tuple[str, ...] = ()) -> dict:

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference.hf_decoder_config import HFDecoderConfig
-from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
+from reference.layers import (
+    CausalLMOutput,
+    attend,
+    check_length,
+    default_position_ids,
+    shifted_cross_entropy,
+    widened,
+)
 from reference.minimind import RMSNorm, apply_rotary, rope_cos_sin
 
 
@@ -159,7 +166,12 @@ class HFDecoderModel(nn.Module):
         scaling = self.config.rope_scaling
         scale = scaling.attention_factor if scaling is not None else 1.0
         # Recomputed per call (head_dim/2 values), never a buffer a float16 cast could round.
-        cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids, scale)
+        cos, sin = rope_cos_sin(
+            rope_inv_freq(self.config).to(input_ids.device),
+            position_ids,
+            scale,
+            widened(self.embed_tokens.weight).dtype,
+        )
         h = self.embed_tokens(input_ids)
         presents = []
         for i, layer in enumerate(self.layers):

@@ -34,10 +34,19 @@ class CausalLMOutput:
     aux_loss: torch.Tensor
 
 
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """`x` in at least float32: float16 and bfloat16 widen to float32, float32 and float64 stay.
+
+    The families compute norms, softmax, the loss and rotary angles in float32 whatever their dtype, as the exported
+    graphs do; a model cast to float64 (verify's referee, exporter.verify.references.referee) then computes every op
+    in float64, so that it measures the rounding of a float32 or float16 run rather than sharing part of it."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def shifted_cross_entropy(logits, labels):
     """Token t predicts token t+1; labels of -100 are ignored (MiniMind's training loss)."""
     x, y = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
-    return F.cross_entropy(x.view(-1, x.size(-1)).float(), y.view(-1), ignore_index=-100)
+    return F.cross_entropy(widened(x.view(-1, x.size(-1))), y.view(-1), ignore_index=-100)
 
 
 def check_length(input_ids, past_key_values, limit: int, field: str) -> None:
@@ -99,7 +108,8 @@ def attention_bias(attention_mask, query_len: int, key_len: int, device):
 
 
 def eager_attention(q, k, v, attention_mask, dropout_p=0.0):
-    """Attention written out: scores and softmax in float32, causal aligned bottom-right, padded keys masked.
+    """Attention written out: scores and softmax in float32 (in float64 for float64), causal aligned bottom-right,
+    padded keys masked.
 
     Query head h attends with kv head h // (H / Hkv), as MiniMind's repeat_kv pairs them.
 
@@ -117,7 +127,7 @@ def eager_attention(q, k, v, attention_mask, dropout_p=0.0):
     kv_heads, length = k.shape[1], k.shape[2]
     grouped = q.reshape(b, kv_heads, heads // kv_heads * t, d)
     scores = (grouped @ k.transpose(-2, -1)).view(b, heads, t, length) / math.sqrt(d)
-    scores = scores.float() + attention_bias(attention_mask, t, length, q.device)
+    scores = widened(scores) + attention_bias(attention_mask, t, length, q.device)
     probs = F.softmax(scores, dim=-1).type_as(q)
     if dropout_p:
         probs = F.dropout(probs, dropout_p)

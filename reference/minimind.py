@@ -35,7 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference.layers import CausalLMOutput, attend, check_length, default_position_ids, shifted_cross_entropy
+from reference.layers import (
+    CausalLMOutput,
+    attend,
+    check_length,
+    default_position_ids,
+    shifted_cross_entropy,
+    widened,
+)
 from reference.minimind_config import MiniMindConfig
 
 
@@ -47,8 +54,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32; minimind-3 scales in float32 then casts, MiniMind2 casts then scales.
-        x32 = x.float()
+        # Normalise in at least float32; minimind-3 scales in float32 then casts, MiniMind2 casts then scales.
+        x32 = widened(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.cast_before_weight:
             return self.weight * normed.type_as(x)
@@ -72,9 +79,10 @@ def rope_inv_freq(config: MiniMindConfig) -> torch.Tensor:
     return freqs
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, scale: float = 1.0):
-    """cos/sin of shape (B, T, head_dim) for integer positions (B, T), times YaRN's attention factor."""
-    freqs = position_ids[..., None].float() * inv_freq  # (B, T, D/2)
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, scale: float = 1.0, dtype=torch.float32):
+    """cos/sin of shape (B, T, head_dim) for integer positions (B, T), times YaRN's attention factor, computed in
+    `dtype` (float32, as the graphs compute them; float64 for a model cast to float64)."""
+    freqs = position_ids[..., None].to(dtype) * inv_freq.to(dtype)  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)
     return torch.cos(emb) * scale, torch.sin(emb) * scale
 
@@ -316,7 +324,12 @@ class MiniMindModel(nn.Module):
         # Recomputed per call (D/2 values) rather than held as a buffer, so that
         # casting the model to float16 can never round the frequencies.
         scale = self.config.rope_scaling.attention_factor if self.config.rope_scaling is not None else 1.0
-        cos, sin = rope_cos_sin(rope_inv_freq(self.config).to(input_ids.device), position_ids, scale)
+        cos, sin = rope_cos_sin(
+            rope_inv_freq(self.config).to(input_ids.device),
+            position_ids,
+            scale,
+            widened(self.embed_tokens.weight).dtype,
+        )
         h = self.dropout(self.embed_tokens(input_ids))
         presents, aux_loss = [], h.new_zeros((), dtype=torch.float32)
         for i, layer in enumerate(self.layers):

@@ -74,6 +74,7 @@ from exporter.verify.references.golden import (
     load_bundle,
 )
 from exporter.verify.references.model_source import SourcedModel
+from exporter.verify.references.referee import Float64Referee
 from exporter.verify.references.transformers_reference import FAMILY as HF_FAMILY
 from exporter.verify.references.transformers_reference import check_transformers, transformers_skip_reason
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
@@ -219,6 +220,7 @@ def _run_provider(
     batch: dict,
     settings: ParitySettings,
     overrides: Overrides,
+    referee=None,
 ) -> _ProviderRun:
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
@@ -233,7 +235,7 @@ def _run_provider(
     explainer = _RoutingExplainer(reference, onnx, manifest, profile) if manifest.is_moe else None
     explain_routing = explainer.call if explainer else None
     log.info("%s: prefill", onnx.provider)
-    prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing)
+    prefill, outputs = check_prefill(reference, onnx, manifest, batch, profile, health, explain_routing, referee)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)
     log.info("%s: %d decode steps feeding present back as past", onnx.provider, settings.decode_steps + 1)
     decode, _ = check_decode(
@@ -246,6 +248,7 @@ def _run_provider(
         health,
         np.random.default_rng(settings.seed + 1),
         explain_routing,
+        referee,
     )
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
@@ -254,7 +257,14 @@ def _run_provider(
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)
         sweep = run_sweep(
-            reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 3), explain_routing
+            reference,
+            onnx,
+            manifest,
+            profile,
+            health,
+            np.random.default_rng(settings.seed + 3),
+            explain_routing,
+            referee=referee,
         )
     localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
     experts = _expert_choice(reference, onnx.artifact, onnx.provider, batch, settings, profile)
@@ -365,7 +375,8 @@ def check_genai(
 def _reference(
     manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings, overrides: Overrides
 ):
-    """(reference or None, its description, the settings to use, the tolerance overrides to judge with)."""
+    """(reference or None, its description, the settings to use, the tolerance overrides to judge with, the float64
+    referee or None)."""
     if golden is not None:
         bundle = check_loaded(golden, manifest) if isinstance(golden, GoldenBundle) else load_bundle(golden, manifest)
         log.info(
@@ -378,12 +389,33 @@ def _reference(
             f"golden bundle {bundle.folder}",
             ParitySettings(**{**bundle.settings.to_dict(), "probe": settings.probe}),
             AppliedOverrides(overrides, bundle.overrides),
+            None,
         )
     if model is not None:
         from exporter.verify.references.torch_runner import TorchRunner  # torch only on this path
 
-        return RecordedReference(TorchRunner(model, manifest)), "pytorch model", settings, AppliedOverrides(overrides)
-    return None, "none", settings, AppliedOverrides(overrides)
+        runner = TorchRunner(model, manifest)
+        return (
+            RecordedReference(runner),
+            "pytorch model",
+            settings,
+            AppliedOverrides(overrides),
+            _referee(runner, manifest),
+        )
+    return None, "none", settings, AppliedOverrides(overrides), None
+
+
+def _referee(runner, manifest: Manifest) -> Float64Referee | None:
+    """The float64 referee of the PyTorch reference's float comparisons; None for a quantized artifact (judged by
+    its quality profile) and a MoE model, whose failing calls are explained by its routers' near-ties instead: a
+    float64 run may choose other experts than both float computations, which no ratio of rounding errors judges."""
+    if manifest.quantization is not None or manifest.is_moe:
+        return None
+    import torch
+
+    from exporter.verify.references.torch_runner import TorchRunner
+
+    return Float64Referee(lambda: TorchRunner(runner.model, manifest, torch.float64), manifest)
 
 
 def _check_model(model, manifest: Manifest) -> None:
@@ -442,6 +474,7 @@ class _Plan:
     genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
     transformers_skipped: str | None  # why Transformers is not compared; "" when it is; None: not an HF artifact
     quality_text: QualityText | None  # what the quality check reads in place of random ids
+    referee: Float64Referee | None  # judges the float comparisons that fail their fixed profile; None: none does
 
 
 def _plan(
@@ -488,7 +521,7 @@ def _plan(
             "model, which golden bundles and the float16 companion do not serve; drop `golden`, `golden_save` and "
             "`fp16_companion`"
         )
-    reference, described, settings, applied = _reference(manifest, model, golden, settings, overrides)
+    reference, described, settings, applied, referee = _reference(manifest, model, golden, settings, overrides)
     text = _quality_text(quality_text, manifest, folder, settings, reference)
     if reference is None:
         genai_skipped = "no reference to compare with (invariants only)"
@@ -522,6 +555,7 @@ def _plan(
         genai_skipped,
         transformers_skipped,
         text,
+        referee,
     )
 
 
@@ -707,7 +741,9 @@ def verify_artifact(
                 if quantized:
                     quality.append(_run_quality(onnx, manifest, reference, batch, settings, plan.quality_text))
                 else:
-                    runs.append(_run_provider(onnx, manifest, reference, debug, batch, settings, overrides))
+                    runs.append(
+                        _run_provider(onnx, manifest, reference, debug, batch, settings, overrides, plan.referee)
+                    )
         reports = [run.report for run in runs]
         outputs = {run.report.provider: run.outputs for run in runs}
         values = {run.report.provider: run.values for run in runs}

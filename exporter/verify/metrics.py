@@ -70,6 +70,35 @@ NOTHING_COMPARED = "nothing compared: no position was left to judge"
 
 
 @dataclass(frozen=True)
+class Refereed:
+    """A comparison judged against the float64 referee."""
+
+    onnx_error: float  # max |actual - float64| over the judged elements
+    reference_error: float  # max |expected - float64|
+    ratio: float  # the worst row's ratio (module docstring)
+    limit: float
+    dtype: str  # the precision both sides computed in
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.ratio <= self.limit)
+
+    def describe(self) -> str:
+        return f"error against float64 {self.ratio:.2g}x the reference's own {self.dtype} error (limit {self.limit:g}x)"
+
+    def to_dict(self) -> dict:
+        return {
+            "onnx_error": self.onnx_error,
+            "reference_error": self.reference_error,
+            "ratio": self.ratio,
+            "limit": self.limit,
+            "dtype": self.dtype,
+            "passed": self.passed,
+            "describe": self.describe(),
+        }
+
+
+@dataclass(frozen=True)
 class Comparison:
     name: str
     kind: str  # "logits", "kv", "loss" or "activation"
@@ -82,6 +111,8 @@ class Comparison:
     cosine: float = 1.0
     needed: Needed = NOTHING_NEEDED
     llm: dict = field(default_factory=dict)  # logits: top1_agreement, topk_overlap, kl_mean, kl_max; loss: ...
+    # judged against the float64 referee in place of the tolerance (exporter.verify.checks.referee); None: it was not
+    referee: Refereed | None = None
 
     def __bool__(self) -> bool:
         return self.passed
@@ -98,6 +129,7 @@ class Comparison:
             "needed": self.needed.to_dict(),
             "passed": self.passed,
             "worst": self.worst,
+            "referee": None if self.referee is None else self.referee.to_dict(),
             **self.llm,
         }
 
@@ -338,6 +370,7 @@ def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
         min(c.cosine for c in comparisons),
         Needed.worst([c.needed for c in comparisons]),
         llm,
+        max((c.referee for c in comparisons if c.referee is not None), key=lambda r: r.ratio, default=None),
     )
 
 

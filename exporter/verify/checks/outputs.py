@@ -19,6 +19,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.verify.checks.health import HealthScan
+from exporter.verify.checks.referee import referee_ratio, refereed
 from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
 from exporter.verify.metrics import Comparison, aggregate, compare, difference_histogram, match_length, real_keys
@@ -189,11 +190,13 @@ def judge_call(
     cache: np.ndarray,
     explain_routing=None,
     cache_only: bool = False,
+    truth=None,
 ) -> CallResult:
     """A call's logits at its real tokens, each layer's present at the real cache positions and the loss,
     named after the call. For a MoE model whose call failed, also its RoutingFlip, and when that is explained
     the comparisons of the positions it did not reach, the loss with the reached positions' terms from the
-    reference's logits.
+    reference's logits. Where a comparison fails its fixed profile and `truth` is given, the float64 referee
+    judges it instead (exporter.verify.checks.referee).
 
     Args:
         manifest: the artifact's manifest.
@@ -210,6 +213,8 @@ def judge_call(
             choices of that call on both sides; None: a failure stays unexplained.
         cache_only: a call that only builds the cache of the next one (its logits and loss are judged
             elsewhere or not at all) fails only by its presents.
+        truth: truth() -> the float64 referee's outputs of this call (Float64Referee.truth of its chain), asked
+            only when a comparison fails; None: the fixed profile's verdict stands.
     """
     real = np.asarray(valid) == 1
     cache = np.asarray(cache) == 1
@@ -230,6 +235,8 @@ def judge_call(
     # without it, as a --no-loss artifact is.
     judged_loss = "loss" in actual and "loss" in expected
     result = judge(np.zeros_like(real), actual["loss"] if judged_loss else None)
+    if truth is not None and not (result.cache_passed if cache_only else result.passed):
+        return _refereed_call(result, manifest, actual, expected, truth(), real, cache)
     if explain_routing is None or (result.cache_passed if cache_only else result.passed):
         return result
     routing = explain_routing(graph, onnx_feeds, valid)
@@ -249,6 +256,42 @@ def judge_call(
     return judge(routing.reached, loss, flip)
 
 
+def _truth(referee, chain: list):
+    """judge_call's `truth` for the last call of `chain` (a snapshot of it), or None without a referee."""
+    if referee is None:
+        return None
+    calls = tuple(chain)
+    return lambda: referee.truth(calls)
+
+
+def _refereed_call(
+    result: CallResult, manifest: Manifest, actual: dict, expected: dict, truth: dict, real, cache
+) -> CallResult:
+    """`result` with each failing comparison judged by the float64 referee's outputs `truth` instead."""
+
+    def rejudge(comparison: Comparison, name: str, kind: str, valid) -> Comparison:
+        if comparison.passed:
+            return comparison
+        return refereed(
+            comparison, referee_ratio(actual[name], expected[name], truth[name], kind, manifest.dtype, valid)
+        )
+
+    presents = manifest.cache.present
+    return replace(
+        result,
+        logits=rejudge(result.logits, "logits", "logits", real),
+        layers=[
+            LayerError(
+                layer.layer,
+                rejudge(layer.key, presents(layer.layer, "key"), "kv", real_keys(cache)),
+                rejudge(layer.value, presents(layer.layer, "value"), "kv", real_keys(cache)),
+            )
+            for layer in result.layers
+        ],
+        loss=None if result.loss is None else rejudge(result.loss, "loss", "loss", None),
+    )
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     comparisons: list[Comparison]
@@ -258,7 +301,14 @@ class PrefillResult:
 
 
 def check_prefill(
-    reference, onnx, manifest: Manifest, batch: dict, profile: Profile, health: HealthScan, explain_routing=None
+    reference,
+    onnx,
+    manifest: Manifest,
+    batch: dict,
+    profile: Profile,
+    health: HealthScan,
+    explain_routing=None,
+    referee=None,
 ) -> tuple[PrefillResult, dict]:
     """Logits and every present at the real positions, and the loss. For MoE models a failure where the
     routers chose other experts at near-ties is judged at the positions those choices do not reach, the loss
@@ -272,6 +322,8 @@ def check_prefill(
         profile: the tolerances that judge it.
         health: the scan that ONNX Runtime's outputs are added to.
         explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+        referee: the Float64Referee (exporter.verify.references.referee) that judges a comparison failing its
+            fixed profile; None: the profile's verdict stands.
 
     Returns:
         The PrefillResult, and ONNX Runtime's outputs.
@@ -292,6 +344,7 @@ def check_prefill(
         batch["attention_mask"],
         batch["attention_mask"],
         explain_routing,
+        truth=_truth(referee, [("prefill", feeds)]),
     )
     rows = [call.logits, _present("prefill present (all layers)", call.layers)]
     if call.loss is not None:
@@ -360,6 +413,7 @@ def check_decode(
     health: HealthScan,
     rng: np.random.Generator,
     explain_routing=None,
+    referee=None,
 ) -> tuple[DecodeResult, dict]:
     """Prefill, then `decode_steps` single-token steps and one 3-token chunk, each side feeding its own
     present back as past; the new tokens are the same seeded ids for both.
@@ -379,6 +433,7 @@ def check_decode(
         health: the scan that ONNX Runtime's outputs are added to.
         rng: the generator the new token ids are drawn from.
         explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
+        referee: as check_prefill takes it; its float64 run follows the same chain of calls.
 
     Returns:
         The DecodeResult, and ONNX Runtime's last outputs.
@@ -394,6 +449,7 @@ def check_decode(
         ).routing
     )
     resync = flip is not None and flip.explained
+    chain = [("prefill", feeds)]
     curve, first_call, failing_call = [], None, None
     chunks = [1] * settings.decode_steps + [FINAL_CHUNK]
     progress = _Progress("decode steps", len(chunks))
@@ -403,6 +459,7 @@ def check_decode(
         onnx_feeds = {**step_feeds, **(ref_past if resync else presents_as_past(manifest, ort_out))}
         label = f"decode step {step}"
         ref_call = DecodeCall(label, {**step_feeds, **ref_past})
+        chain.append(("decode", step_feeds))
         ref_out = reference.decode(ref_call.feeds)
         ort_out = onnx.decode(onnx_feeds)
         health.scan_outputs(label, ort_out, mask)
@@ -417,6 +474,7 @@ def check_decode(
             np.ones_like(step_feeds["input_ids"]),
             mask,
             explain_routing,
+            truth=_truth(referee, chain),
         )
         failing = next((layer.layer for layer in call.layers if not layer.passed), None)
         curve.append(
@@ -570,6 +628,11 @@ class SweepCase:
         return any(flip.explained for flip in self.routing)
 
     @property
+    def refereed(self) -> bool:
+        """An output beyond its fixed profile was judged by the float64 referee."""
+        return self.logits.referee is not None or self.kv.referee is not None
+
+    @property
     def name(self) -> str:
         return f"batch {self.batch} x new {self.new_tokens} x past {self.past}"
 
@@ -600,6 +663,7 @@ def run_sweep(
     rng: np.random.Generator,
     explain_routing=None,
     left_padded: bool = True,
+    referee=None,
 ) -> list[SweepCase]:
     """Every (batch, new tokens, past) of the grid with ragged left padding: each side prefills the past
     with prefill.onnx (or starts from an empty cache) and decodes the new tokens on top of its own cache.
@@ -618,6 +682,7 @@ def run_sweep(
         explain_routing: for MoE models, as judge_call takes it; None: a failure stays unexplained.
         left_padded: the rows ragged (ragged_mask); False: every row unpadded, for a graph whose attention takes
             rows as right-padded (exporter.artifact.foreign).
+        referee: as check_prefill takes it; its float64 run prefills the same past.
     """
     cases = []
     vocab = manifest.config.vocab_size
@@ -627,7 +692,7 @@ def run_sweep(
         mask = ragged_mask(batch, past, new) if left_padded else np.ones((batch, past + new), dtype=np.int64)
         ids = rng.integers(0, vocab, (batch, past + new), dtype=np.int64)
         label = f"sweep b{batch} n{new} p{past}"
-        flips = []
+        flips, chain = [], []
         if past:
             first = _with_labels(
                 manifest,
@@ -637,6 +702,7 @@ def run_sweep(
                     "position_ids": position_ids_from_mask(mask[:, :past]),
                 },
             )
+            chain.append(("prefill", first))
             ref_first, ort_first = reference.prefill(first), onnx.prefill(first)
             flip = (
                 None
@@ -665,8 +731,19 @@ def run_sweep(
         onnx_feeds = {**feeds, **ort_past}
         expected, actual = reference.decode({**feeds, **ref_past}), onnx.decode(onnx_feeds)
         health.scan_outputs(label, actual, mask)
+        chain.append(("decode", feeds))
         call = judge_call(
-            manifest, label, "decode", onnx_feeds, actual, expected, profile, mask[:, past:], mask, explain_routing
+            manifest,
+            label,
+            "decode",
+            onnx_feeds,
+            actual,
+            expected,
+            profile,
+            mask[:, past:],
+            mask,
+            explain_routing,
+            truth=_truth(referee, chain),
         )
         cases.append(
             SweepCase(

@@ -21,9 +21,12 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 class TorchRunner:
-    def __init__(self, model: torch.nn.Module, manifest: Manifest):
+    """The reference model behind OrtRunner's named-feed interface, in the artifact's dtype or in `dtype` (a copy
+    of the model is cast where its parameters hold another; float64 for the referee, references.referee)."""
+
+    def __init__(self, model: torch.nn.Module, manifest: Manifest, dtype: torch.dtype | None = None):
         self.manifest = manifest
-        dtype = TORCH_DTYPES[manifest.dtype]
+        dtype = dtype or TORCH_DTYPES[manifest.dtype]
         same = next(model.parameters()).dtype == dtype
         self.model = (model if same else copy.deepcopy(model).to(dtype)).eval()
 
@@ -35,8 +38,10 @@ class TorchRunner:
         for layer, (k, v) in enumerate(out.past_key_values):
             for kind, tensor in zip(KV_KINDS, (k, v)):
                 result[cache.present(layer, kind)] = tensor.transpose(1, 2).numpy()  # (B, Hkv, L, D)
-        if out.loss is not None:
-            result["loss"] = np.float32(out.loss.item())
+        if out.loss is not None:  # float32, or float64 for the referee
+            result["loss"] = np.asarray(
+                out.loss.item(), np.float64 if out.logits.dtype == torch.float64 else np.float32
+            )
         return result
 
     @torch.no_grad()

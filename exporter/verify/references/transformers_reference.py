@@ -22,6 +22,7 @@ from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
+from exporter.verify.references.referee import Float64Referee
 from exporter.verify.results import IndependentReport
 from exporter.verify.tolerances import Profile
 
@@ -56,18 +57,19 @@ def transformers_skip_reason(manifest: Manifest) -> str:
 
 
 class TransformersRunner:
-    """Transformers' model of a folder behind the named-feed interface of TorchRunner (prefill, decode, greedy)."""
+    """Transformers' model of a folder behind the named-feed interface of TorchRunner (prefill, decode, greedy), in
+    the artifact's dtype or in `dtype` (torch.float64 for the referee)."""
 
     name = NAME
 
-    def __init__(self, folder: Path, manifest: Manifest):
+    def __init__(self, folder: Path, manifest: Manifest, dtype=None):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # the CLI's progress lines are the verification's own
         self.manifest = manifest
-        dtype = {"float32": torch.float32, "float16": torch.float16}[manifest.dtype]
+        dtype = dtype or {"float32": torch.float32, "float16": torch.float16}[manifest.dtype]
         # float32 weights cast to the artifact's dtype, as the export casts them; eager attention: written out
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
         self.model = model.to(dtype).eval()
@@ -90,13 +92,14 @@ class TransformersRunner:
                 **kwargs,
             )
         cache = self._cache_of(out)
-        result = {"logits": out.logits.float().numpy()}
+        wide = torch.promote_types(out.logits.dtype, torch.float32)  # float32, or float64 for the referee
+        result = {"logits": out.logits.to(wide).numpy()}
         for layer in range(self.manifest.cache.num_layers):
             stored = cache.layers[layer]
             for kind, tensor in zip(KV_KINDS, (stored.keys, stored.values)):
                 result[self.manifest.cache.present(layer, kind)] = tensor.numpy()  # (B, Hkv, L, D), as the graphs
         if out.loss is not None:
-            result["loss"] = np.float32(out.loss.item())
+            result["loss"] = result["logits"].dtype.type(out.loss.item())
         return result
 
     @staticmethod
@@ -135,12 +138,22 @@ class TransformersRunner:
         return self._call(feeds, cache)
 
 
+def _float64(folder: Path, manifest: Manifest) -> TransformersRunner:
+    import torch
+
+    return TransformersRunner(folder, manifest, torch.float64)
+
+
 def check_transformers(
     reference, onnx, manifest: Manifest, batch: dict, settings: ParitySettings, profile: Profile
 ) -> list[IndependentReport]:
     """The toolkit's PyTorch reference, then ONNX Runtime (`onnx`, an OrtRunner), against Transformers' model of
     the artifact's checkpoint folder: the prefill batch (logits, presents, loss) and the decode steps, judged by
-    `profile` as the PyTorch reference is.
+    `profile` as the PyTorch reference is; a comparison beyond it is refereed by Transformers' own model in float64
+    (exporter.verify.checks.referee), built only then. The referee is Transformers' and not the toolkit's model, which
+    would agree with a fault of its own. Transformers computes its norms and rotary angles in float32 even in float64,
+    so this referee is exact only to float32's rounding there: enough for a float16 artifact, and for a float32 one an
+    error in its favour (ONNX Runtime's error then looks larger, never smaller).
 
     Transformers' calls are recorded while it is compared with the toolkit's reference, and its model is released
     before ONNX Runtime runs against the recording: at most two of the three copies of the weights (the toolkit's
@@ -161,14 +174,23 @@ def check_transformers(
     folder = Path(manifest.source["path"])
     log.info("independent reference: transformers loading %s", folder)
     transformers = RecordedReference(TransformersRunner(folder, manifest))
+    referee = None if manifest.is_moe else Float64Referee(lambda: _float64(folder, manifest), manifest)
 
     def against(compared) -> list:
         transformers.rewind()
         reference.rewind()
         health = HealthScan(manifest.dtype)  # the providers' checks report ONNX Runtime's health; not again here
-        prefill, _ = check_prefill(transformers, compared, manifest, batch, profile, health)
+        prefill, _ = check_prefill(transformers, compared, manifest, batch, profile, health, referee=referee)
         decode, _ = check_decode(
-            transformers, compared, manifest, batch, settings, profile, health, np.random.default_rng(settings.seed + 1)
+            transformers,
+            compared,
+            manifest,
+            batch,
+            settings,
+            profile,
+            health,
+            np.random.default_rng(settings.seed + 1),
+            referee=referee,
         )
         return prefill.comparisons + decode.comparisons
 

@@ -19,6 +19,7 @@ from exporter.verify.reports.text import (
     quality_input,
     quality_rows,
     quality_title,
+    referee_notes,
     routing_notes,
     summary_tables,
     verdict,
@@ -126,7 +127,7 @@ def _provider(p: ProviderReport) -> str:
     notes += probe_notes(p)
     if p.experts is not None:
         notes.append(f"expert choice: {p.experts.note} ({experts_verdict(p.experts)})")
-    notes += routing_notes(p)
+    notes += routing_notes(p) + referee_notes(p)
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
     return (
         f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '

@@ -49,7 +49,7 @@ def comparison_row(c: Comparison) -> list[str]:
         _llm(c),
         f"{t.atol:g}/{t.rtol:.3g}/{t.peak:.3g}",
         f"{c.needed.atol:.2g} ({c.needed.scale:.2g}x)",
-        verdict(c.passed),
+        verdict(c.passed) + (f" (refereed: {c.referee.ratio:.2g}x own)" if c.referee else ""),
     ]
 
 
@@ -60,10 +60,21 @@ def _sweep_outputs(case) -> tuple[tuple[str, Comparison], ...]:
 def sweep_detail(case) -> str:
     """A sweep case's two outputs, each with its multiple of the tolerance and its verdict."""
     outputs = ", ".join(
-        f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol, {verdict(c.passed)})"
+        f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol"
+        f"{'; refereed: ' + c.referee.describe() if c.referee else ''}, {verdict(c.passed)})"
         for output, c in _sweep_outputs(case)
     )
     return "; ".join([outputs] + [flip.describe() for flip in case.routing])
+
+
+def referee_notes(p: ProviderReport) -> list[str]:
+    """The comparisons beyond their fixed profile that the float64 referee judged (the sweep's are in its own
+    lines)."""
+    return [
+        f"refereed {verdict(c.passed)}: {c.name}: {c.referee.describe()}"
+        for c in p.comparisons
+        if c.referee is not None
+    ]
 
 
 def routing_notes(p: ProviderReport) -> list[str]:
@@ -161,11 +172,12 @@ def _provider(p: ProviderReport) -> str:
         f"  decode error curve: step 0 {curve[0].logits.max_abs:.3g} -> step {curve[-1].step} "
         f"{curve[-1].logits.max_abs:.3g} (max {max(s.logits.max_abs for s in curve):.3g})"
     )
-    lines += [f"  {note}" for note in routing_notes(p)]
+    lines += [f"  {note}" for note in routing_notes(p) + referee_notes(p)]
     lines += [
-        f"  sweep {'FAIL' if not c.passed else 'pass at a routing near-tie'}: {c.name}: {sweep_detail(c)}"
+        f"  sweep {'FAIL' if not c.passed else 'pass, refereed' if c.refereed else 'pass at a routing near-tie'}: "
+        f"{c.name}: {sweep_detail(c)}"
         for c in p.sweep
-        if not c.passed or c.routing_near_tie
+        if not c.passed or c.routing_near_tie or c.refereed
     ]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation

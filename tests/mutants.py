@@ -151,7 +151,7 @@ def _rotary_position_shifted(position: int):
     return lambda folder: edit_graphs(folder, change)
 
 
-def _causal_mask_leaks_one(graph: onnx.GraphProto) -> None:
+def causal_mask_leaks_one(graph: onnx.GraphProto) -> None:
     """The causal comparison key > query becomes key > query + 1: each query also sees the next token."""
     [greater] = [n for n in graph.node if n.op_type == "Greater" and "self_attn" in (module_of(n) or "")]
     query = greater.input[1]
@@ -341,7 +341,7 @@ MUTANTS = [
     Mutant(
         "causal mask off by one (each query sees the next token)",
         "float32",
-        lambda f: edit_graphs(f, _causal_mask_leaks_one),
+        lambda f: edit_graphs(f, causal_mask_leaks_one),
         first_layer=1,
         fault_in="in layer 0's query path, attention, output projection or MLP",
         probe=_layer(0) + "self_attn",
@@ -431,8 +431,7 @@ MUTANTS = [
         fault_in="",
         probe="",
         parameters=frozenset(
-            {f"model.layers.{i}.{m}.weight" for i in range(7) for m in _PROJECTIONS}
-            | {"model.embed_tokens.weight"}
+            {f"model.layers.{i}.{m}.weight" for i in range(7) for m in _PROJECTIONS} | {"model.embed_tokens.weight"}
         ),
     ),
     # issue 46: generate then prints for id 10 what id 11 should

@@ -68,7 +68,7 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, block_inputs
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
 from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, layout
 from exporter.verify.diagnosis.probe import FLOAT_TYPES, module_of
 

@@ -1,15 +1,18 @@
 """Mutation benchmark (issue 33): how many of the faults in tests/mutants.py verification catches, and how.
 
 Exports the tiny artifacts the mutants are written into (minimind-3-tiny in float32 and float16, its MoE + YaRN
-variant in float32), then for each mutant edits a copy (the manifest re-signed), verifies it against the PyTorch
-reference with the test suite's quick settings, and prints one row: the mutant, whether it was caught, by which
-checks (parity rows, weight audit, invariants, expert choice), the worst failing parity row's multiple of its
-tolerance, the layer localisation names and the module the probe names, and whether that is what the mutant
-expects; then the kill rate. The mutants are defined once, in tests/mutants.py, which the tests run as cases.
+variant in float32, the same model 7 layers deep through the layer template in float32 and int4), then for each
+mutant edits a copy (the manifest re-signed), verifies it against the PyTorch reference with the test suite's quick
+settings, and prints one row: the mutant, whether it was caught, by which checks (parity rows, weight audit,
+invariants, expert choice), the worst failing parity row's multiple of its tolerance (for quantized blocks, the worst
+weight's multiple of its half step, marked "audit"), the layer localisation names and the module the probe names,
+and whether that is what the mutant expects; then the kill rate. The mutants are defined once, in tests/mutants.py,
+which the tests run as cases.
 
-    .venv/bin/python benchmarks/mutations.py [--json] [--artifacts DIR]
+    .venv/bin/python benchmarks/mutations.py [--json] [--artifacts DIR] [--match TEXT]
 
---artifacts DIR keeps the exports in DIR and reuses those already there (an export takes about a minute).
+--artifacts DIR keeps the exports in DIR and reuses those already there (an export takes about a minute); --match
+TEXT runs only the mutants whose name holds TEXT.
 Exit codes: 0 every mutant caught as expected, 1 some mutant not caught or not localised as expected.
 """
 
@@ -25,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the mutant table and its helpers
 
-from conftest import TINY, moe3_yarn_model  # noqa: E402
+import dataclasses  # noqa: E402
+
+from conftest import DEEP_LAYERS, TINY, moe3_yarn_model  # noqa: E402
 from mutants import MUTANTS, SETTINGS, judge, unmet  # noqa: E402
 
 from exporter import verify_artifact  # noqa: E402
@@ -36,11 +41,14 @@ from reference import build_model, get_preset  # noqa: E402
 def _models() -> dict:
     """artifact kind (mutants.ARTIFACTS) -> (model, dtype, source record), as the tests' session fixtures export."""
     tiny = build_model(get_preset(TINY), seed=0)
+    deep = build_model(dataclasses.replace(get_preset(TINY), num_hidden_layers=DEEP_LAYERS), seed=0)
     seeded = {"kind": "seeded", "preset": TINY, "seed": 0}
     return {
         "float32": (tiny, "float32", seeded),
         "float16": (tiny, "float16", seeded),
         "moe float32": (moe3_yarn_model("dense"), "float32", {"kind": "in-memory"}),
+        "deep float32": (deep, "float32", {"kind": "in-memory"}),
+        "deep int4": (deep, "int4", {"kind": "in-memory"}),
     }
 
 
@@ -52,11 +60,12 @@ def _artifact(root: Path, kind: str, model, dtype: str, source: dict) -> Path:
     return folder
 
 
-def run(root: Path) -> list[tuple]:
-    """(mutant, outcome, unmet expectations) per mutant; the artifacts exported into (or reused from) `root`."""
+def run(root: Path, match: str = "") -> list[tuple]:
+    """(mutant, outcome, unmet expectations) per mutant whose name holds `match`; the artifacts exported into (or
+    reused from) `root`."""
     models = _models()
     rows = []
-    for mutant in MUTANTS:
+    for mutant in [m for m in MUTANTS if match in m.name]:
         model, dtype, source = models[mutant.kind]
         artifact = _artifact(root, mutant.kind, model, dtype, source)
         with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
@@ -82,7 +91,13 @@ def table(rows: list[tuple]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for mutant, outcome, problems in rows:
-        scale = f"{outcome.scale:.3g}" if outcome.scale is not None else "—"
+        scale = (
+            f"{outcome.scale:.3g}"
+            if outcome.scale is not None
+            else f"{outcome.audit_multiple:.3g} (audit)"
+            if outcome.audit_multiple is not None
+            else "—"
+        )
         lines.append(
             f"| {mutant.name} | {mutant.kind} | {'yes' if outcome.caught else 'NO'} | {', '.join(outcome.by) or '—'} "
             f"| {scale} | {_layer(outcome)} | {outcome.probe or '—'} | {'; '.join(problems) or 'yes'} |"
@@ -96,13 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--artifacts", type=Path, help="export into (and reuse exports from) this folder")
+    parser.add_argument("--match", default="", help="run only the mutants whose name holds this text")
     args = parser.parse_args()
     if args.artifacts is not None:
         args.artifacts.mkdir(parents=True, exist_ok=True)
-        rows = run(args.artifacts)
+        rows = run(args.artifacts, args.match)
     else:
         with tempfile.TemporaryDirectory(prefix="mutation-artifacts-") as root:
-            rows = run(Path(root))
+            rows = run(Path(root), args.match)
     if args.json:
         killed = sum(outcome.caught for _, outcome, _ in rows)
         document = {

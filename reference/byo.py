@@ -31,7 +31,16 @@ from reference.errors import ModelError
 
 
 class DecoderAdapter(nn.Module):
-    """Base class: your decoder as `self.model`, its sizes as `self.config`; override `forward`."""
+    """Base class: your decoder as `self.model`, its sizes as `self.config`; override `forward`.
+
+    uniform_layers: set it True in your subclass only if `forward` calls every layer of `self.model.layers` with the
+    same arguments, chosen by nothing outside the layer's own module (no layer index, no per-layer mask, window or
+    scale made by the parent). The export may then trace three layers and grow the graph to full depth
+    (exporter/export/layer_template.py), which holds the layers' modules to each other but cannot see a choice your
+    forward makes per layer. False (the default) traces every layer.
+    """
+
+    uniform_layers = False
 
     def __init__(self, model: nn.Module, spec: DecoderSpec):
         super().__init__()

@@ -181,6 +181,9 @@ class HFDecoderModel(nn.Module):
 
 
 class HFDecoderForCausalLM(nn.Module):
+    # HFDecoderModel.forward calls every layer alike (exporter/export/layer_template.py may trace three and grow them)
+    uniform_layers = True
+
     def __init__(self, config: HFDecoderConfig | None = None):
         super().__init__()
         self.config = config or HFDecoderConfig()

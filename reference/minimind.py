@@ -341,6 +341,9 @@ class MiniMindModel(nn.Module):
 
 
 class MiniMindForCausalLM(nn.Module):
+    # MiniMindModel.forward calls every layer alike (exporter/export/layer_template.py may trace three and grow them)
+    uniform_layers = True
+
     def __init__(self, config: MiniMindConfig | None = None):
         super().__init__()
         self.config = config or MiniMindConfig()

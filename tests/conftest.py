@@ -11,6 +11,7 @@ package as a namespace package in the subprocesses that inherit the path).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 from pathlib import Path
@@ -206,6 +207,40 @@ def _export_once(tmp_path_factory, model, name: str, source: dict, dtype: str = 
         export_artifact(model, root / name, dtype=dtype, source=source, tokenizer=tokenizer)
 
     return shared_folder(tmp_path_factory, f"{name}-{dtype}", build) / name
+
+
+# minimind-3-tiny 7 layers deep: traced three layers deep and grown by four clones (exporter/export/layer_template.py)
+DEEP_LAYERS = 7
+
+
+@pytest.fixture(scope="session")
+def deep_model(tiny_config):
+    return build_model(dataclasses.replace(tiny_config, num_hidden_layers=DEEP_LAYERS), seed=0)
+
+
+@pytest.fixture(scope="session")
+def deep_artifacts(tmp_path_factory, deep_model):
+    """{"float32": folder, "int4": folder}: the deep model through the layer template, and quantized from those same
+    graphs (block 32, accuracy level 4: the defaults)."""
+
+    def build(root):
+        export_artifact(deep_model, root / "float32", source={"kind": "in-memory"})
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, root / "float32")
+            export_artifact(deep_model, root / "int4", dtype="int4", source={"kind": "in-memory"})
+
+    root = shared_folder(tmp_path_factory, "deep", build)
+    return {scheme: root / scheme for scheme in ("float32", "int4")}
+
+
+@pytest.fixture(scope="session")
+def deep_artifact(deep_artifacts):
+    return deep_artifacts["float32"]
+
+
+@pytest.fixture(scope="session")
+def deep_int4(deep_artifacts):
+    return deep_artifacts["int4"]
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from onnx import numpy_helper
 from exporter import TOLERANCES, compare
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries, read_manifest, sha256_file
+from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
 from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import ParitySettings
@@ -204,24 +205,21 @@ def read_weight(folder: Path, module: str) -> np.ndarray:
     """The values of the weight that the nodes of `module` read, as prefill.onnx holds it (inline or in the
     weights file)."""
     model = onnx.load(str(Path(folder) / _graph_files(folder)[0]), load_external_data=False)
-    tensor = graph_weight(model, module)
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor)
-    onnx.external_data_helper.load_external_data_for_tensor(tensor, str(folder))
-    return numpy_helper.to_array(tensor)
+    return read_initializer(folder, graph_weight(model, module).name)
 
 
-def edit_weights(folder: Path, changes: dict) -> None:
-    """Replace the weight that the nodes of each module (a key of `changes`) read by `change(values)`, in both
-    graphs: in the weights file where it lies there (once: both graphs read the same bytes), else inline in each
-    graph; then re-sign the manifest (sizes and sha256 of the files changed)."""
+def edit_initializers(folder: Path, pick) -> None:
+    """Replace initializers of both graphs: `pick(model)` gives, for a graph, {initializer name: change(values) ->
+    values}; each in the weights file where it lies there (once: both graphs read the same bytes), else inline in
+    each graph; then re-sign the manifest (sizes and sha256 of the files changed)."""
     folder = Path(folder)
     manifest = read_manifest(folder, check_hashes=False)
     changed, written = set(), set()
     for file in _graph_files(folder):
         model = onnx.load(str(folder / file), load_external_data=False)
-        for module, change in changes.items():
-            tensor = graph_weight(model, module)
+        initializers = {t.name: t for t in model.graph.initializer}
+        for name, change in pick(model).items():
+            tensor = initializers[name]
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 offset = int(next(e.value for e in tensor.external_data if e.key == "offset"))
@@ -241,6 +239,27 @@ def edit_weights(folder: Path, changes: dict) -> None:
         if file in changed:
             onnx.save(model, str(folder / file))
     edit_manifest(folder, lambda data: data["files"].update(file_entries(folder, sorted(changed))))
+
+
+def edit_weights(folder: Path, changes: dict) -> None:
+    """Replace the weight that the nodes of each module (a key of `changes`) read by `change(values)`, in both
+    graphs (edit_initializers)."""
+    edit_initializers(folder, lambda model: {graph_weight(model, m).name: c for m, c in changes.items()})
+
+
+def quantized_blocks(model: onnx.ModelProto, module: str) -> list[str]:
+    """The initializers (blocks, scales, zero points) of the quantized node that lies in `module`."""
+    [node] = [n for n in model.graph.node if n.op_type in QUANTIZED_OPS and module_of(n) == module]
+    return block_inputs(node)
+
+
+def read_initializer(folder: Path, name: str) -> np.ndarray:
+    """An initializer's values as prefill.onnx holds it (inline or in the weights file)."""
+    model = onnx.load(str(Path(folder) / _graph_files(folder)[0]), load_external_data=False)
+    [tensor] = [t for t in model.graph.initializer if t.name == name]
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(folder))
+    return numpy_helper.to_array(tensor)
 
 
 def largest(values: np.ndarray) -> tuple:

@@ -8,8 +8,11 @@ checked and only the fault differs. The one table here is run by tests/verify/te
 case, all of them caught) and by benchmarks/mutations.py (the table of what caught each, and the kill rate).
 
 Artifacts (ARTIFACTS): minimind-3-tiny (4 heads of 16, 2 kv heads, 2 layers, q_norm and k_norm) in float32 and
-float16, and its MoE variant with YaRN (4 experts, top-1, dense dispatch) in float32; the tests' session fixtures
-export them (tests/conftest.py).
+float16, its MoE variant with YaRN (4 experts, top-1, dense dispatch) in float32, and the same model 7 layers deep
+through the layer template (layers 3-6 grown clones of layer 2) in float32 and int4 (block 32, accuracy level 4);
+the tests' session fixtures export them (tests/conftest.py). The int4 mutants edit quantized blocks, which only the
+weight audit can judge: the faithfulness check holds ONNX Runtime to the reference holding those same blocks, and the
+scheme's own loss (the quality profile) is larger than theirs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,21 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from helpers import QUICK, edit_graphs, edit_weights, scaled, swapped
+import torch
+from helpers import (
+    QUICK,
+    edit_graphs,
+    edit_initializers,
+    edit_weights,
+    quantized_blocks,
+    read_initializer,
+    scaled,
+    swapped,
+)
 from onnx import helper, numpy_helper
 
 from exporter.artifact.manifest import read_manifest
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
 from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import prompt_batch
 
@@ -32,11 +46,15 @@ ARTIFACTS = {
     "float32": ("artifact_fp32", "tiny_model"),
     "float16": ("artifact_fp16", "tiny_model"),
     "moe float32": ("moe3_dense_artifact", "moe3_dense_model"),
+    "deep float32": ("deep_artifact", "deep_model"),
+    "deep int4": ("deep_int4", "deep_model"),
 }
+QUANTIZED_KINDS = {"deep int4"}  # judged by their quality profile, without localisation or probe
 
 SETTINGS = QUICK  # 2 decode steps, 4 greedy tokens, no sweep, the probe on
 # the same through the command line (which has no option for the greedy tokens: 32 there)
 CLI_ARGS = ("--provider", "cpu", "--decode-steps", str(QUICK.decode_steps), "--no-sweep", "--probe", "--no-genai")
+_PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 HEAD_DIM = 16  # minimind-3-tiny: hidden 64 over 4 attention heads
 ROTARY_POSITION = 5  # a position of every prompt of the checks: the prefill batch's, the greedy prompt's
 
@@ -133,7 +151,7 @@ def _rotary_position_shifted(position: int):
     return lambda folder: edit_graphs(folder, change)
 
 
-def _causal_mask_leaks_one(graph: onnx.GraphProto) -> None:
+def causal_mask_leaks_one(graph: onnx.GraphProto) -> None:
     """The causal comparison key > query becomes key > query + 1: each query also sees the next token."""
     [greater] = [n for n in graph.node if n.op_type == "Greater" and "self_attn" in (module_of(n) or "")]
     query = greater.input[1]
@@ -163,6 +181,62 @@ def _new_token_first(layer: int):
     return lambda folder: edit_graphs(folder, change)
 
 
+def _blocks_swapped(a: str, b: str):
+    """The quantized blocks, scales and zero points of the nodes in modules `a` and `b` swapped."""
+
+    def edit(folder: Path) -> None:
+        prefill = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
+        held = {module: [read_initializer(folder, n) for n in quantized_blocks(prefill, module)] for module in (a, b)}
+
+        def pick(model):
+            changes = {}
+            for module, other in ((a, b), (b, a)):
+                for name, values in zip(quantized_blocks(model, module), held[other]):
+                    changes[name] = lambda _, values=values: values
+            return changes
+
+        edit_initializers(folder, pick)
+
+    return edit
+
+
+def _one_scale(module: str, factor: float):
+    """The first block's scale of the quantized node in `module` times `factor`."""
+
+    def change(values):
+        values.reshape(-1)[0] *= factor
+        return values
+
+    return lambda folder: edit_initializers(folder, lambda model: {quantized_blocks(model, module)[1]: change})
+
+
+def _scales_as_float8(folder: Path) -> None:
+    """Every scale of every quantized node rounded to float8 e4m3 (to nearest) and back."""
+
+    def change(values):
+        return torch.from_numpy(values.astype(np.float32)).to(torch.float8_e4m3fn).float().numpy()
+
+    edit_initializers(
+        folder,
+        lambda model: {block_inputs(n)[1]: change for n in model.graph.node if n.op_type in QUANTIZED_OPS},
+    )
+
+
+def _row_ids_swapped(first: int, second: int):
+    """Two entries of the quantized embedding's row-id table swapped: id `first` reads row `second` and back."""
+
+    def change(values):
+        values[[first, second]] = values[[second, first]]
+        return values
+
+    def pick(model):
+        producers = {out: node for node in model.graph.node for out in node.output}
+        [lookup] = [n for n in model.graph.node if n.op_type == GATHER_OP]
+        return {producers[lookup.input[1]].input[0]: change}
+
+    return lambda folder: edit_initializers(folder, pick)
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -178,6 +252,7 @@ class Mutant:
         too, as the issue asks faults to be caught by the outputs and not only by the audit.
     expert_choice: the MoE expert-choice check must fail (a token routed differently at no near-tie).
     cli: verified through `export-onnx verify` (CLI_ARGS), which must exit 1; else through verify_artifact.
+    by: a check that must fail (one of Outcome.by), where the fault names no parameter.
     """
 
     name: str
@@ -189,6 +264,7 @@ class Mutant:
     parameters: frozenset[str] = frozenset()
     expert_choice: bool = False
     cli: bool = False
+    by: str = ""
 
     @property
     def weight(self) -> bool:
@@ -197,6 +273,10 @@ class Mutant:
 
 def _layer(i: int) -> str:
     return f"model.layers.{i}."
+
+
+def _grown(fault: str) -> str:
+    return f"{fault} (7 layers, grown)"
 
 
 MUTANTS = [
@@ -261,7 +341,7 @@ MUTANTS = [
     Mutant(
         "causal mask off by one (each query sees the next token)",
         "float32",
-        lambda f: edit_graphs(f, _causal_mask_leaks_one),
+        lambda f: edit_graphs(f, causal_mask_leaks_one),
         first_layer=1,
         fault_in="in layer 0's query path, attention, output projection or MLP",
         probe=_layer(0) + "self_attn",
@@ -288,6 +368,82 @@ MUTANTS = [
         probe=_layer(1) + "self_attn",
         cli=True,
     ),
+    # in the layers the template grew (3-6 of 7)
+    Mutant(
+        _grown("q_norm <-> k_norm swapped in layer 5"),
+        "deep float32",
+        lambda f: edit_weights(f, swapped(f, "model.layers.5.self_attn.q_norm", "model.layers.5.self_attn.k_norm")),
+        first_layer=5,
+        fault_in="in layer 5's input norm or key/value path",
+        probe=_layer(5) + "self_attn.q_norm",
+        parameters=frozenset({"model.layers.5.self_attn.q_norm.weight", "model.layers.5.self_attn.k_norm.weight"}),
+    ),
+    Mutant(
+        _grown("one channel of layer 6's input_layernorm x 1.01"),
+        "deep float32",
+        lambda f: edit_weights(f, {"model.layers.6.input_layernorm": scaled(5, 1.01)}),
+        first_layer=6,
+        fault_in="in layer 6's input norm or key/value path",
+        probe=_layer(6) + "input_layernorm",
+        parameters=frozenset({"model.layers.6.input_layernorm.weight"}),
+    ),
+    Mutant(
+        _grown("one head of layer 4's o_proj x 1.05"),
+        "deep float32",
+        _one_head_of_o_proj(layer=4, head=2, factor=1.05),
+        first_layer=5,
+        fault_in="in layer 4's query path, attention, output projection or MLP",
+        probe=_layer(4) + "self_attn.o_proj",
+        parameters=frozenset({"model.layers.4.self_attn.o_proj.weight"}),
+    ),
+    Mutant(
+        _grown("decode writes layer 6's new token before its past"),
+        "deep float32",
+        _new_token_first(layer=6),
+        first_layer=6,
+        fault_in="in layer 6's input norm or key/value path",
+        probe=_layer(6) + "self_attn",
+    ),
+    # int4 blocks (issue 45): each passed the audit that accepted any parameter of the right shape within a step
+    Mutant(
+        _grown("int4: k_proj blocks of layers 4 <-> 5 swapped"),
+        "deep int4",
+        _blocks_swapped("model.layers.4.self_attn.k_proj", "model.layers.5.self_attn.k_proj"),
+        first_layer=None,
+        fault_in="",
+        probe="",
+        parameters=frozenset({"model.layers.4.self_attn.k_proj.weight", "model.layers.5.self_attn.k_proj.weight"}),
+    ),
+    Mutant(
+        _grown("int4: one block's scale of layer 5's down_proj x 1.05"),
+        "deep int4",
+        _one_scale("model.layers.5.mlp.down_proj", 1.05),
+        first_layer=None,
+        fault_in="",
+        probe="",
+        parameters=frozenset({"model.layers.5.mlp.down_proj.weight"}),
+    ),
+    Mutant(
+        _grown("int4: every scale rounded to float8 e4m3"),
+        "deep int4",
+        _scales_as_float8,
+        first_layer=None,
+        fault_in="",
+        probe="",
+        parameters=frozenset(
+            {f"model.layers.{i}.{m}.weight" for i in range(7) for m in _PROJECTIONS} | {"model.embed_tokens.weight"}
+        ),
+    ),
+    # issue 46: generate then prints for id 10 what id 11 should
+    Mutant(
+        _grown("int4: the embedding's row ids 10 <-> 11 swapped"),
+        "deep int4",
+        _row_ids_swapped(10, 11),
+        first_layer=None,
+        fault_in="",
+        probe="",
+        by="weight audit",
+    ),
 ]
 
 
@@ -300,12 +456,14 @@ class Outcome:
     the first provider's part.
 
     by: the checks that failed: "parity" (prefill and decode rows, greedy, sweep), "weight audit",
-        "invariant: NAME", "expert choice", "health".
+        "invariant: NAME", "expert choice", "health"; for a quantized artifact "quality" and "faithfulness".
     rows: the failing parity rows, by name.
     scale: the worst failing parity row's multiple of its tolerance (its needed.scale); None where no row failed.
     first_layer, where, fault_in: the layer-level localisation.
     probe: the module of the probe's first divergence (prefill.onnx's, else decode.onnx's); "" where none.
     audit_named: the parameters the weight audit's findings name.
+    audit_multiple: the worst quantized weight's distance from its parameter, in multiples of its bound (half a step
+        plus rounding); None where no finding measures one.
     flips: the expert choices that differ, those explained, and those at near-ties; None for a dense model.
     """
 
@@ -320,6 +478,7 @@ class Outcome:
     probe: str
     audit_named: frozenset[str]
     flips: tuple[int, int, int] | None
+    audit_multiple: float | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -334,11 +493,14 @@ class Outcome:
             "probe": self.probe,
             "audit_named": sorted(self.audit_named),
             "flips": list(self.flips) if self.flips is not None else None,
+            "audit_multiple": self.audit_multiple,
         }
 
 
 def judge(mutant: Mutant, document: dict) -> Outcome:
     """The Outcome of `mutant` from its verification's JSON report."""
+    if mutant.kind in QUANTIZED_KINDS:
+        return _judge_quantized(mutant, document)
     provider = document["providers"][0]
     failing = [c for c in provider["comparisons"] if not c["passed"]]
     for case in provider["sweep"]:
@@ -368,6 +530,36 @@ def judge(mutant: Mutant, document: dict) -> Outcome:
     )
 
 
+def _audit_findings(document: dict) -> list[dict]:
+    audit = document["weight_audit"]
+    return [f for g in audit["graphs"] for f in g["findings"]] if audit else []
+
+
+def _judge_quantized(mutant: Mutant, document: dict) -> Outcome:
+    """A quantized artifact's Outcome: judged by the weight audit, its quality profile and the faithfulness check, with
+    no parity rows, localisation or probe."""
+    findings = _audit_findings(document)
+    by = ["weight audit"] * (document["weight_audit"]["passed"] is False)
+    by += ["quality"] * (not all(q["passed"] for q in document["quality"]))
+    by += ["faithfulness"] * (document["faithfulness"]["passed"] is False)
+    by += [f"invariant: {i['name']}" for i in document["invariants"] if not i["passed"]]
+    multiples = [f["multiple"] for f in findings if f["multiple"] is not None]
+    return Outcome(
+        mutant.name,
+        document["passed"] is False,
+        tuple(by),
+        (),
+        None,
+        None,
+        "",
+        "",
+        "",
+        frozenset(f["parameter"] for f in findings if f["parameter"]),
+        None,
+        max(multiples, default=None),
+    )
+
+
 def unmet(mutant: Mutant, outcome: Outcome) -> list[str]:
     """What verification failed to say of `mutant`: empty when it caught the fault and named its place."""
     problems = []
@@ -375,6 +567,10 @@ def unmet(mutant: Mutant, outcome: Outcome) -> list[str]:
         problems.append("not caught: verify passed")
     if mutant.weight and outcome.audit_named != mutant.parameters:
         problems.append(f"the weight audit named {sorted(outcome.audit_named)}, not {sorted(mutant.parameters)}")
+    if mutant.by and mutant.by not in outcome.by:
+        problems.append(f"{mutant.by} did not fail")
+    if mutant.kind in QUANTIZED_KINDS:  # no parity rows, localisation or probe
+        return problems
     if mutant.weight and mutant.kind != "float16" and "parity" not in outcome.by:
         problems.append("caught by the weight audit alone: no output comparison failed")
     if outcome.first_layer != mutant.first_layer or mutant.fault_in not in outcome.fault_in:

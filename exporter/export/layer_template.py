@@ -19,6 +19,11 @@ Correctness rests on checks, not on assumptions about the model:
   share. Whatever leaves layer 2 must be a present or the output layer 3 would read.
 - The layers never traced are held to the traced ones by what they compute besides their weights (`_signature`:
   each submodule's class, plain attributes and buffers), compared before anything is traced.
+- What the parent's forward hands each layer is invisible to both checks: a forward giving layers >= 3 a sliding
+  window, chosen by their index, traces three layers that repeat and grows clones without the window. The template
+  therefore applies only to a model whose class declares `uniform_layers = True`: a contract that its forward calls
+  every layer alike. The toolkit's families declare it; a bring-your-own adapter (reference.byo.DecoderAdapter)
+  does not unless its author sets it, and is traced whole.
 
 Where a check fails, `expand` returns None with the reason in the log and the caller traces the whole model;
 so does a model that is not one of the families laid out as `model.model.layers`.
@@ -91,10 +96,14 @@ class LayerTemplate:
 
     @classmethod
     def for_model(cls, model: nn.Module) -> LayerTemplate | None:
-        """A template for `model`, or None: not laid out as model.model.layers (the bring-your-own adapters, the
-        teaching GPT), no deeper than the three layers traced, or layers of more than one class."""
+        """A template for `model`, or None: not laid out as model.model.layers (the teaching GPT), no deeper than the
+        three layers traced, not declaring `uniform_layers` (a bring-your-own adapter, unless its author declares
+        it), or layers of more than one class."""
         layers = _layer_list(model)
         if layers is None or len(layers) <= TRACED_LAYERS or not dataclasses.is_dataclass(model.config):
+            return None
+        if not getattr(model, "uniform_layers", False):
+            log.info("tracing every layer: %s does not declare uniform_layers", type(model).__name__)
             return None
         first = _signature(layers[0])
         if any(_signature(layer) != first for layer in layers[1:]):

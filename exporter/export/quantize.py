@@ -36,7 +36,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from exporter.artifact.contract import ROUTER_SCOPE
-from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, Quantization, block_inputs
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, Quantization, block_inputs
 from exporter.errors import ExportFailed
 from exporter.verify.diagnosis.probe import module_of
 
@@ -180,11 +180,18 @@ def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, incl
         bits=bits,
         op_types_to_quantize=("MatMul",),
     )
+    # The quantizer drops each MatMul's scope metadata; its MatMulNBits writes the MatMul's output, by which the
+    # scope is given back: the weight audit places each block in its module by it (exporter/verify/checks/weights.py).
+    scopes = {node.output[0]: list(node.metadata_props) for node in model.graph.node if node.name in include}
     quantizer = MatMulNBitsQuantizer(model, nodes_to_include=include, nodes_to_exclude=exclude, algo_config=config)
     noise = io.StringIO()
     with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
         quantizer.process()
-    return quantizer.model.model
+    quantized = quantizer.model.model
+    for node in quantized.graph.node:
+        if node.op_type == QUANTIZED_OP and not node.metadata_props and node.output[0] in scopes:
+            node.metadata_props.extend(scopes[node.output[0]])
+    return quantized
 
 
 def _quantize_embedding(

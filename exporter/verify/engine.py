@@ -31,6 +31,7 @@ from exporter.runtime.sessions import (
     check_quantized_provider,
     checking_settings,
 )
+from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
 from exporter.verify.checks.outputs import (
@@ -755,6 +756,13 @@ def verify_artifact(
             else OrtRunner(artifact, invariant_provider, settings=matched, weights=mapping)
         )
         invariants = check_invariants(artifact, invariant_runner, batch, invariant_profile)
+        # a quantized artifact's export judged apart from its scheme's loss: the float profile, on the sessions that
+        # compute MatMulNBits in float (the invariants')
+        faithfulness = (
+            check_faithfulness(artifact, model, invariant_runner, batch, settings, invariant_profile)
+            if quantized and model is not None
+            else None
+        )
         cross = cross_providers(outputs, manifest.dtype, overrides, batch["attention_mask"])
         probes = _probes_between(debug, values, manifest, overrides, batch) if settings.probe and debug else []
         attribution = (
@@ -775,6 +783,7 @@ def verify_artifact(
         reference=plan.described,
         invariants=invariants,
         weights=weights,
+        faithfulness=faithfulness,
         cross=cross,
         cross_probes=probes,
         attribution=attribution,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exporter.verify.checks.faithfulness import Faithfulness
 from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
 from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
@@ -171,6 +172,8 @@ class VerifyReport:
     reference: str = ""  # what the ONNX side was compared with; "none" for the invariants alone
     invariants: list[Invariant] = field(default_factory=list)
     weights: WeightAudit | None = None  # the initializers against the PyTorch model's parameters; None without one
+    # a quantized artifact against the reference holding its own weights; None for a float one or without a model
+    faithfulness: Faithfulness | None = None
     cross: list[Comparison] = field(default_factory=list)  # provider against provider
     cross_probes: list[ProbeResult] = field(default_factory=list)
     attribution: Attribution | None = None
@@ -189,6 +192,7 @@ class VerifyReport:
             and all(r.passed for r in self.independent)
             and all(i.passed for i in self.invariants)
             and (self.weights is None or self.weights.passed)
+            and (self.faithfulness is None or self.faithfulness.passed)
             and all(c.passed for c in self.cross)
         )
 
@@ -208,6 +212,7 @@ class VerifyReport:
             "skipped": self.skipped,
             "invariants": [i.to_dict() for i in self.invariants],
             "weight_audit": self.weights.to_dict() if self.weights is not None else None,
+            "faithfulness": self.faithfulness.to_dict() if self.faithfulness is not None else None,
             "cross_provider": [c.to_dict() for c in self.cross],
             "cross_provider_probes": [p.to_dict() for p in self.cross_probes],
             "attribution": self.attribution.to_dict() if self.attribution else None,

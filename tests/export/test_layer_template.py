@@ -2,8 +2,9 @@
 
 The grown graph is held to the graph torch.onnx gives when it traces every layer (the same nodes in the same
 modules, the same inputs and outputs, outputs equal bit for bit on ONNX Runtime), or to the eager model. Where
-the layers do not repeat, every layer is traced. Whole exports through the grown graphs are those of the trained
-fixture (four layers), verified in tests/verify/test_trained_fixture.py.
+the layers do not repeat, or a bring-your-own adapter does not declare them uniform, every layer is traced. Whole
+exports through the grown graphs: the session's 7-layer model (four clones; its mutants in tests/mutants.py) and the
+trained fixture (four layers), verified in tests/verify/test_trained_fixture.py.
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ import dataclasses
 from collections import Counter
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime
 import torch
+from helpers import QUICK
 from hf_folders import hf_model, save_folder
 
+from exporter import verify_artifact
 from exporter.export import pipeline
 from exporter.export.graphs import share_tied_table
 from exporter.export.layer_template import TRACED_LAYERS, LayerTemplate
 from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.references.model_source import checkpoint_model
+from exporter.verify.reports import format_verify
 from reference import build_model, get_preset
+from reference.byo import DecoderAdapter
+from reference.configs import DecoderSpec
 
 LAYERS = TRACED_LAYERS + 1  # one layer grown: a clone reading layer 2, read by the final norm
 
@@ -133,3 +140,48 @@ def test_a_traced_graph_whose_layers_differ_is_not_grown(caplog):
     with caplog.at_level("INFO"):
         assert template.expand(graph) is None
     assert "do not repeat" in caplog.text
+
+
+class _WindowedAbove2(DecoderAdapter):
+    """A bring-your-own decoder whose forward would give layers >= 3 a sliding window, chosen by their index outside
+    the layers' modules: nothing in the layers' modules or in three traced layers shows it."""
+
+    def forward(self, *args, **kwargs):  # never traced here: the template is decided before any trace
+        raise NotImplementedError
+
+
+def _adapter(cls):
+    config = dataclasses.replace(get_preset("minimind-3-tiny"), num_hidden_layers=LAYERS + 3)
+    inner = build_model(config).model  # laid out as .layers, each layer alike
+    spec = DecoderSpec(
+        name="windowed",
+        num_hidden_layers=config.num_hidden_layers,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+    )
+    return cls(inner, spec)
+
+
+def test_a_bring_your_own_adapter_is_traced_whole_unless_it_declares_uniform_layers(caplog):
+    with caplog.at_level("INFO"):
+        assert LayerTemplate.for_model(_adapter(_WindowedAbove2)) is None
+    assert "does not declare uniform_layers" in caplog.text
+
+    class Declared(_WindowedAbove2):
+        uniform_layers = True  # its author's contract: every layer called alike
+
+    assert LayerTemplate.for_model(_adapter(Declared)) is not None
+
+
+def test_a_seven_layer_export_grows_four_clones_and_passes_verify(deep_artifact, deep_model):
+    """The session's 7-layer export (tests/conftest.py) went through the template: layers 3-6 are clones of layer 2,
+    each in its own layer's modules, and the artifact passes verify."""
+    graph = onnx.load(str(deep_artifact / "prefill.onnx"), load_external_data=False).graph
+    clones = {layer for node in graph.node for layer in range(TRACED_LAYERS, 7) if f"_layer{layer}" in node.name}
+    assert clones == {3, 4, 5, 6}
+    modules = {module_of(node) or "" for node in graph.node}
+    assert {f"model.layers.{layer}.self_attn.k_proj" for layer in range(7)} <= modules
+    report = verify_artifact(deep_artifact, deep_model, ["cpu"], QUICK, genai=False)
+    assert report.passed, format_verify(report)

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from helpers import edit_graphs, edit_weights, graph_weight, run_cli, scaled, swapped
+from mutants import causal_mask_leaks_one
 from onnx import numpy_helper
 
 from exporter import ParitySettings, verify_artifact
@@ -182,3 +183,50 @@ def test_the_text_report_shows_the_audit_and_each_finding(full, tiny_model, arti
     suites = ET.fromstring(render_junit(broken))
     [suite] = [s for s in suites if s.get("name") == "weight audit"]
     assert suite.get("failures") == "2"
+
+
+def test_every_quantized_block_is_placed_in_its_module_and_is_the_quantizers(
+    quantized, quantized_float16, deep_int4, tiny_model, deep_model
+):
+    """int4 and int8 at float32 activations, int4 at float16 (float16 scales), and int4 7 layers deep through the
+    template: every MatMulNBits and GatherBlockQuantized holds its own module's parameter, scales and zero points bit
+    for bit as the quantizer makes them, and the embedding's row-id table is the identity."""
+    cases = [(folder, tiny_model) for folder in (*quantized.values(), quantized_float16)] + [(deep_int4, deep_model)]
+    for folder, model in cases:
+        audit = audit_weights(Artifact.open(folder), model)
+        assert audit.passed, [g.detail for g in audit.graphs]
+        for graph in audit.graphs:
+            layers = model.config.num_hidden_layers
+            assert graph.quantized == 7 * layers + 2 and graph.tables == 1, graph.summary  # + embedding, lm_head
+
+
+def test_a_quantized_node_in_no_module_cannot_be_placed(deep_int4, deep_model, tmp_path):
+    """An artifact whose MatMulNBits carry no scope (as onnxruntime's quantizer leaves them): no parameter is due."""
+    folder = shutil.copytree(deep_int4, tmp_path / "int4")
+
+    def unscoped(graph):
+        for node in graph.node:
+            if node.op_type == "MatMulNBits":
+                del node.metadata_props[:]
+
+    edit_graphs(folder, unscoped)
+    audit = audit_weights(Artifact.open(folder), deep_model)
+    for graph in audit.graphs:
+        assert {f.problem for f in graph.findings} == {"unplaced", "missing"}, graph.detail
+        assert sum(f.problem == "unplaced" for f in graph.findings) == 7 * 7 + 1  # every projection and the lm_head
+
+
+def test_the_faithfulness_check_passes_a_correct_int4_export_and_fails_a_wrong_mask(deep_int4, deep_model, tmp_path):
+    """The reference holding the artifact's own weights, against ONNX Runtime in float math, judged by the float32
+    profile: a correct export lies within it, while the causal mask letting each query see the next token (a fault
+    the int4 quality profile may not tell from 4-bit rounding) fails it."""
+    settings = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False)
+    report = verify_artifact(deep_int4, deep_model, ["cpu"], settings, genai=False)
+    assert report.weights.passed and report.faithfulness.passed, report.faithfulness.detail
+    assert report.faithfulness.replaced == 7 * 7 + 2
+    assert max(c.needed.scale for c in report.faithfulness.comparisons) < 0.5  # a clean run: half the tolerance
+    folder = shutil.copytree(deep_int4, tmp_path / "int4")
+    edit_graphs(folder, causal_mask_leaks_one)
+    broken = verify_artifact(folder, deep_model, ["cpu"], settings, genai=False)
+    assert broken.weights.passed and not broken.faithfulness.passed, broken.faithfulness.detail
+    assert "faithfulness" in json.dumps(broken.to_dict())

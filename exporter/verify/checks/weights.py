@@ -30,17 +30,22 @@ to float16 values at most one float16 ulp apart. A wrong base, dimension or scal
 more.
 
 In a quantized artifact (manifest `quantization`), each MatMulNBits node holds a projection, and a
-GatherBlockQuantized node the token embedding, as blocks of `bits`-bit integers, a float32 scale and a zero point per
-block: it cannot equal its parameter bit for bit. Its blocks are dequantized, (q - zero_point) * scale, and each
-element held to its parameter within its block's scale: rounding to nearest moves a weight by at most half a step,
-and the zero point, itself rounded to an integer and clamped, can shift a block's range by half a step more, so one
-step (the scale) bounds a correct block (QUANT_SLACK adds float32's rounding of the product). A scale, zero point or
-block off, or another matrix in its place, moves most elements by several steps. Blocks of more bits than recorded
-would pass that test, so each node's bits and block size are also held to the manifest's scheme (the lm_head to its
-`lm_head` option, the embedding to its `embedding` option).
+GatherBlockQuantized node the token embedding, as blocks of `bits`-bit integers, a scale and a zero point per block:
+it cannot equal its parameter bit for bit. Each node lies in the module whose Linear (or embedding) it replaced (the
+export gives it the MatMul's scope, exporter/export/quantize.py), and is held to that module's parameter as
+onnxruntime's quantizer makes blocks of it (exporter/verify/checks/blocks.py derives each bound): its scales and zero
+points equal the quantizer's bit for bit, and each dequantized weight, (q - zero_point) * scale, lies within half a
+step of the parameter, plus rounding. Another layer's blocks in its place, a scale × 1.05 or rounded to another
+format, a zero point off by one, fail; the finding names the parameter the blocks hold instead where they are
+another's. Blocks of more bits than recorded would pass that test, so each node's bits and block size (and whether
+it has zero points) are also held to the manifest's scheme (the lm_head to its `lm_head` option, the embedding to its
+`embedding` option). The ids reach the quantized embedding through a Gather of a table of row numbers (it fails on
+ids outside the table, as the float graph's Gather does): that integer table must hold 0 .. rows-1, or it would give
+one token another's row.
 
 Not audited, because they are no weights:
-- integer and boolean initializers: the graph's shapes, axes, indices and integer fill values;
+- integer and boolean initializers other than a quantized embedding's row-id table: the graph's shapes, axes,
+  indices and integer fill values, which the output checks exercise on every call;
 - floating initializers of one element: the exporter's scalars (norm epsilons, the exponent 2, the attention
   scale, the mask's fills -inf and -1e9, 0 and 1, YaRN's attention factor). A reference tensor of one element is
   not held to being carried either: the exporter may fold a scalar parameter into such a constant.
@@ -63,7 +68,8 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, block_inputs
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
+from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, layout
 from exporter.verify.diagnosis.probe import FLOAT_TYPES, module_of
 
 # How many findings of one graph the report lists in full; the rest are counted.
@@ -71,9 +77,6 @@ SHOWN_FINDINGS = 8
 # A computed table's elements match within this relative difference of the reference's, and held in float16 within
 # one float16 ulp more (the module's docstring derives it).
 TABLE_RTOL = 4 * float(np.finfo(np.float32).eps)
-# A dequantized element lies within its block's scale of its parameter (the module's docstring), plus float32's
-# rounding of (q - zero_point) * scale, relative.
-QUANT_SLACK = 4 * float(np.finfo(np.float32).eps)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,8 @@ class WeightFinding:
     problem: "differs" (the initializer read where `parameter` belongs holds other values), "misplaced" (it holds
     another reference tensor, named in the detail), "unmatched" (it matches no reference tensor), "missing" (no
     initializer carries `parameter`), "unreadable" (its data cannot be read from the artifact), "scheme" (a quantized
-    matrix's bits or block size are not those the manifest's quantization records).
+    matrix's bits or block size are not those the manifest's quantization records), "unplaced" (a quantized matrix
+    whose node lies in no module).
     """
 
     graph: str
@@ -91,6 +95,9 @@ class WeightFinding:
     parameter: str  # the reference tensor concerned; "" when none can be named
     initializer: str  # the graph's initializer; "" for a missing parameter
     detail: str
+    # quantized blocks: the worst weight's distance from its parameter, in multiples of half a step plus rounding;
+    # None where the comparison is exact (a float initializer, a scale, a table of ids)
+    multiple: float | None = None
 
     def describe(self) -> str:
         return f"{self.graph}: {self.detail}"
@@ -102,6 +109,7 @@ class WeightFinding:
             "parameter": self.parameter,
             "initializer": self.initializer,
             "detail": self.detail,
+            "multiple": self.multiple,
         }
 
 
@@ -120,7 +128,8 @@ class GraphAudit:
     parameters: int  # reference tensors this graph must carry
     carried: int  # of those, the ones an initializer carries
     findings: tuple[WeightFinding, ...] = ()
-    quantized: int = 0  # MatMulNBits and GatherBlockQuantized matrices, each within its blocks' scales of a parameter
+    quantized: int = 0  # MatMulNBits and GatherBlockQuantized matrices, each its parameter's blocks as quantized
+    tables: int = 0  # of the integer initializers, the row-id tables audited (equal to 0 .. rows-1)
 
     @property
     def passed(self) -> bool:
@@ -133,12 +142,18 @@ class GraphAudit:
             f"{self.matched} of {self.weights} weight initializers equal their reference tensor exactly "
             f"({self.transposed} transposed, {self.upcast} float16 values held in float32, {self.constants} "
             f"computed tables{self._quantized_clause}); {self.carried} of {self.parameters} parameters carried; "
-            f"{self.scalars} one-element and {self.integers} integer initializers not audited"
+            f"{self.scalars} one-element and {self.integers - self.tables} integer initializers not audited"
         )
 
     @property
     def _quantized_clause(self) -> str:
-        return f"; {self.quantized} quantized matrices within their blocks' scales" if self.quantized else ""
+        if not self.quantized:
+            return ""
+        tables = f", {self.tables} row-id tables equal to 0 .. rows-1" if self.tables else ""
+        return (
+            f"; {self.quantized} quantized matrices the quantizer's blocks of their module's parameter, scales and zero"
+            f" points exactly, every weight within half a step{tables}"
+        )
 
     @property
     def detail(self) -> str:
@@ -163,6 +178,7 @@ class GraphAudit:
             "parameters": self.parameters,
             "carried": self.carried,
             "quantized": self.quantized,
+            "tables": self.tables,
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -502,13 +518,15 @@ def audit_graph(
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     quantized = 0
     for node in blocks:
-        found = _audit_blocks(artifact, node, initializers, weights, references, carried, named, file)
+        found = _audit_blocks(artifact, node, initializers, weights, index, carried, named, file)
         quantized += found is None
-        if found is not None:
-            findings.append(found)
+        findings += [found] if found is not None else []
         found = _audit_scheme(artifact.manifest, node, file)
-        if found is not None:
-            findings.append(found)
+        findings += [found] if found is not None else []
+    row_ids = _row_ids(graph, initializers)
+    for node, name in row_ids:
+        found = _audit_row_ids(artifact, node, name, initializers, weights, file)
+        findings += [found] if found is not None else []
     for reference in references:
         if reference.required and id(reference) not in carried and id(reference) not in named:
             findings.append(
@@ -534,42 +552,8 @@ def audit_graph(
         carried=sum(id(r) in carried for r in required),
         findings=tuple(findings),
         quantized=quantized,
+        tables=len(row_ids),
     )
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((a.i for a in node.attribute if a.name == name), default)
-
-
-def _layout(node: onnx.NodeProto, b: np.ndarray) -> tuple[int, int, int, int]:
-    """(N, K, bits, block_size) of a MatMulNBits node, or of a GatherBlockQuantized node's rows (N rows of K
-    elements: its blocks are MatMulNBits', flattened per row)."""
-    bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
-    if node.op_type == QUANTIZED_OP:
-        return _attribute(node, "N", 0), _attribute(node, "K", 0), bits, block
-    return b.shape[0], b.shape[-1] * 8 // bits, bits, block
-
-
-def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None):
-    """A MatMulNBits or GatherBlockQuantized node's weight as (N, K) float64 (the Linear weight's (out, in) layout,
-    the embedding's (vocab, hidden)), and each element's block scale, of the same shape."""
-    n, k, bits, block = _layout(node, b)
-    blocks = -(-k // block)
-    raw = b.reshape(n, blocks, -1)
-    if bits == 4:
-        q = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(n, blocks, -1)[:, :, :block]
-    else:
-        q = raw[:, :, :block]
-    scale = scales.reshape(n, blocks).astype(np.float64)
-    if zero_points is None:
-        zero = np.full((n, blocks), 2 ** (bits - 1), np.float64)
-    elif bits == 4:
-        packed = zero_points.reshape(n, -1)
-        zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
-    else:
-        zero = zero_points.reshape(n, blocks).astype(np.float64)
-    weight = (q.astype(np.float64) - zero[:, :, None]) * scale[:, :, None]
-    return weight.reshape(n, -1)[:, :k], np.repeat(scale, block, axis=1)[:, :k]
 
 
 def _audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | None:
@@ -589,6 +573,16 @@ def _audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | 
         role, choice = "a projection", None
     expected = scheme.bits_for(choice[1]) if choice else scheme.bits
     bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
+    symmetric = len(block_inputs(node)) < 3  # no zero points
+    if symmetric != scheme.symmetric:
+        return WeightFinding(
+            file,
+            "scheme",
+            "",
+            held,
+            f"{node.name}, {role}, holds {'symmetric' if symmetric else 'asymmetric'} blocks, but the manifest records "
+            f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
+        )
     if (bits, block) == (expected, scheme.block_size):
         return None
     asked = f" ({choice[0]} {choice[1]})" if choice else ""
@@ -603,9 +597,14 @@ def _audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | 
     )
 
 
-def _audit_blocks(artifact, node, initializers, weights, references, carried: set, named: set, file: str):
-    """A quantized node's blocks against the parameter of their shape that each element lies within its block's
-    scale of; None when one does (it is then carried), else the finding."""
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def _audit_blocks(artifact, node, initializers, weights, index: _Index, carried: set, named: set, file: str):
+    """A quantized node's blocks against the parameter of the module it lies in (its scope), as onnxruntime's
+    quantizer makes them (exporter/verify/checks/blocks.py); None when they are (it is then carried), else the
+    finding, naming the parameter they hold instead where they are another's."""
     names = block_inputs(node)
     arrays = []
     for name in names:
@@ -613,37 +612,104 @@ def _audit_blocks(artifact, node, initializers, weights, references, carried: se
         if array is None:
             return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
         arrays.append(array)
-    weight, scale = dequantize_blocks(node, *arrays, *[None] * (3 - len(arrays)))
-    reach = scale * (1 + QUANT_SLACK) + QUANT_SLACK * np.abs(weight)
-    best = None
-    for reference in references:
-        if reference.tensor.ndim != 2 or tuple(reference.tensor.shape) != weight.shape:
-            continue
-        expected = reference.tensor.float().cpu().numpy().astype(np.float64)
-        excess = np.abs(weight - expected) / np.where(scale > 0, scale, np.inf)
-        beyond = int((np.abs(weight - expected) > reach).sum())
-        if not beyond:
-            carried.add(id(reference))
-            return None
-        if best is None or beyond < best[1]:
-            best = (reference, beyond, float(excess.max()))
-    if best is None:
+    b, scales, zero_points = (*arrays, None)[:3]
+    module = module_of(node)
+    if module is None:
+        return WeightFinding(
+            file,
+            "unplaced",
+            "",
+            names[0],
+            f"quantized matrix {names[0]} of {node.name} lies in no module (no scope metadata), so no parameter is "
+            "due there; re-export the artifact with this version of the toolkit, which records it",
+        )
+    shape = layout(node, b)[:2]
+    fitting = [r for r in index.references if r.kind == "parameter" and tuple(r.tensor.shape) == shape]
+    due = next((r for r in fitting if module in r.owners), None)
+    if due is None:
         return WeightFinding(
             file,
             "unmatched",
             "",
             names[0],
-            f"quantized matrix {names[0]} {list(weight.shape)} of {node.name} matches no parameter's shape",
+            f"quantized matrix {names[0]} {list(shape)} of {node.name} (in {module}) is no parameter of {module} "
+            "of that shape",
         )
-    reference, beyond, worst = best
-    named.add(id(reference))
+    checked = check_blocks(node, b, scales, zero_points, _graph_values(due, index.export_dtype))
+    if checked.passed:
+        carried.add(id(due))
+        return None
+    named.add(id(due))
+    held = next(
+        (
+            r
+            for r in fitting
+            if r is not due and check_blocks(node, b, scales, zero_points, _graph_values(r, index.export_dtype)).passed
+        ),
+        None,
+    )
+    if held is not None:
+        named.add(id(held))
+        return WeightFinding(
+            file,
+            "misplaced",
+            due.names[0],
+            names[0],
+            f"{due.name}: the quantized blocks {names[0]} of {node.name} (in {module}) hold {held.name} instead",
+            multiple=checked.worst,
+        )
     return WeightFinding(
         file,
         "differs",
-        reference.names[0],
+        due.names[0],
         names[0],
-        f"{reference.name} differs in the quantized blocks {names[0]} of {node.name}: {beyond} of "
-        f"{weight.size} dequantized elements lie beyond their block's scale, the worst by {worst:.3g} scales",
+        f"{due.name} differs in the quantized blocks {names[0]} of {node.name}: {checked.describe()}",
+        multiple=checked.worst,
+    )
+
+
+def _graph_values(reference: _Reference, export_dtype) -> np.ndarray:
+    """A parameter as the float graph held it before quantization (cast to the export's dtype), as float32."""
+    return reference.tensor.to(export_dtype).float().cpu().numpy()
+
+
+def _row_ids(graph: onnx.GraphProto, initializers: dict) -> list[tuple[onnx.NodeProto, str]]:
+    """The row-id tables in front of GatherBlockQuantized nodes (exporter/export/quantize.py): (the node, the
+    integer initializer that a Gather reads the ids through)."""
+    producers = {out: node for node in graph.node for out in node.output}
+    found = []
+    for node in graph.node:
+        if node.op_type != GATHER_OP:
+            continue
+        guard = producers.get(node.input[1])
+        if guard is not None and guard.op_type == "Gather" and guard.input[0] in initializers:
+            found.append((node, guard.input[0]))
+    return found
+
+
+def _audit_row_ids(
+    artifact, node: onnx.NodeProto, name: str, initializers: dict, weights, file: str
+) -> WeightFinding | None:
+    """The row-id table `name` in front of the quantized embedding `node` against what it must be, 0 .. rows-1 (it
+    passes each id in the table through unchanged, and fails on the others); None when it is."""
+    table, problem = _read(artifact, initializers[name], weights)
+    if table is None:
+        return WeightFinding(file, "unreadable", "", name, f"row-id table {name} of {node.name} {problem}")
+    rows = int(initializers[node.input[0]].dims[0])  # the quantized table's rows
+    identity = np.arange(rows)
+    if table.shape == (rows,) and np.array_equal(table, identity):
+        return None
+    if table.shape != (rows,):
+        how = f"has shape {list(table.shape)}, not [{rows}]"
+    else:
+        wrong = np.flatnonzero(table != identity)
+        how = f"{wrong.size} of {rows} entries differ, e.g. entry {wrong[0]} holds {table[wrong[0]]}"
+    return WeightFinding(
+        file,
+        "differs",
+        "",
+        name,
+        f"the row-id table {name} in front of the quantized embedding {node.name} must hold 0 .. {rows - 1}: {how}",
     )
 
 
@@ -702,6 +768,25 @@ def _finding(file: str, init: _Initializer, hits: list, references: list, export
         init.name,
         f"{reference.name} differs in initializer {init.name}{where}: {how}",
     )
+
+
+def dequantized_weights(artifact: Artifact) -> dict[str, np.ndarray]:
+    """The weight each quantized node of `artifact`'s prefill graph computes with in float math, by the module it
+    lies in ({"model.layers.0.self_attn.q_proj": (out, in) float32}; the embedding's (vocab, hidden)). Both graphs
+    hold the same blocks (the invariants check it). A node in no module is left out: the weight audit fails it."""
+    graph = artifact.graph(artifact.manifest.prefill).graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    weights = _WeightsFile(artifact)
+    found = {}
+    for node in graph.node:
+        module = module_of(node) if node.op_type in QUANTIZED_OPS else None
+        if module is None:
+            continue
+        arrays = [_read(artifact, initializers[name], weights)[0] for name in block_inputs(node)]
+        if any(array is None for array in arrays):
+            continue  # unreadable: the weight audit fails it
+        found[module] = dequantize_blocks(node, *arrays, *[None] * (3 - len(arrays)))
+    return found
 
 
 def audit_weights(artifact: Artifact, model) -> WeightAudit:

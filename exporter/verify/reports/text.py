@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from exporter.verify.checks.faithfulness import NAME
 from exporter.verify.checks.weights import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.metrics import Comparison
@@ -248,6 +249,14 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
                 "weight audit (every initializer against the PyTorch model's parameters)",
                 ["graph", "detail", "result"],
                 weight_rows(report.weights),
+            )
+        )
+    if report.faithfulness is not None:
+        tables.append(
+            (
+                f"quantized export {NAME}: {report.faithfulness.detail}",
+                HEADER,
+                [comparison_row(c) for c in report.faithfulness.comparisons],
             )
         )
     if report.cross:

@@ -8,6 +8,8 @@ Formats read:
   model_type llama, mistral, qwen2 or qwen3 loads into the hf-decoder family (reference/hf_decoder.py),
   one of model_type minimind (or none) into MiniMind;
 - a single `.safetensors` file;
+- a GGUF file (llama.cpp's format) of architecture llama, mistral, qwen2 or qwen3, dequantized to float32 by
+  transformers' GGUF loader (reference/gguf.py) and loaded as a Transformers folder of that model_type;
 - the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
   it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped);
 - MiniMind's resume files (`*_resume.pth`, the weights under `model`, beside the
@@ -51,6 +53,7 @@ import torch
 
 from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
+from reference.gguf import GGUF_SUFFIX, is_gguf, read_gguf
 from reference.hf_decoder_config import MODEL_TYPES as HF_MODEL_TYPES
 from reference.hf_decoder_config import translate_hf_config
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
@@ -270,12 +273,14 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
         state, config, fmt = _read_folder(path)
     elif path.suffix == ".safetensors":
         state, config, fmt = _safetensors_load(path), None, "safetensors"
+    elif is_gguf(path):
+        state, config, fmt = read_gguf(path)
     elif path.suffix in PICKLE_SUFFIXES:
         state, config, fmt = _torch_load(path), None, "pth"
     else:
         raise CheckpointError(
             f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
-            f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}"
+            f"ending in .safetensors, {GGUF_SUFFIX} or {', '.join(PICKLE_SUFFIXES)}"
         )
     # The teaching GPT saves {"model_state_dict": ..., optimizer}; MiniMind's trainers save their *_resume.pth
     # as {"model": ..., "optimizer": ..., "epoch": ..., "step": ...}.

@@ -71,7 +71,8 @@ class LoadReport:
     path: str
     format: str
     family: str
-    config_source: str  # "given" (a config), "given fields" (config_data), "config.json" or "inferred"
+    # "given" (a config), "given fields" (config_data), "config.json", "gguf metadata" (a GGUF's) or "inferred"
+    config_source: str
     converted: dict = field(default_factory=dict)  # original dtype -> number of tensors converted to float32
     dropped: list = field(default_factory=list)  # buffers checked and dropped
     assumed: dict = field(default_factory=dict)  # config fields the weights cannot show -> default used
@@ -683,6 +684,7 @@ _SIZE_FIXES = {  # config source -> what to do about a size the tensors do not h
     "inferred": _MATCHING_CONFIG,
     "given fields": "set it to {held} in --config, or leave it out to infer it",
     "config.json": "correct it in its config.json to {held}, or pass --config with the checkpoint's sizes",
+    "gguf metadata": "the file contradicts itself; convert the model to GGUF again, or export its Transformers folder",
 }
 
 
@@ -734,6 +736,11 @@ def _check_fit(path, config, model, state: dict) -> None:
         )
 
 
+def _config_file(path) -> str:
+    """Where a checkpoint's own config comes from: a GGUF's metadata, or a folder's config.json."""
+    return "gguf metadata" if is_gguf(path) else "config.json"
+
+
 def _check_arguments(config, config_data) -> None:
     """load_checkpoint's config arguments: at most one of them, config_data a dict."""
     if config_data is not None and not isinstance(config_data, dict):
@@ -767,7 +774,7 @@ def _built_config(path, loader, state: dict, config_json: dict | None, given_fie
     try:
         base = loader.translate(config_json) if config_json is not None else {}
     except ConfigError as exc:
-        where = "the given config fields" if given_fields else "its config.json"
+        where = "the given config fields" if given_fields else f"its {_config_file(path)}"
         raise CheckpointError(f"{path}: {where}: {exc}") from None
     try:
         inferred, assumed = loader.infer(state, base)
@@ -849,7 +856,9 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
         config, source, assumed = _given_config(path, loader, config), "given", {}
     else:
         config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
-        source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
+        source = (
+            "given fields" if config_data is not None else _config_file(path) if config_json is not None else "inferred"
+        )
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
     try:
         _check_sizes(path, loader, state, config, source)

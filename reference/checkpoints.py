@@ -322,8 +322,10 @@ def checkpoint_change(path, sha256: str | None) -> str:
 
 
 def fingerprint(path) -> str:
-    """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents)."""
+    """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents). A GGUF's is the
+    sha256 of its bytes alone, as sha256sum and the model hubs list it, so that the manifest names the file."""
     path = Path(path)
+    named = not (is_gguf(path) and path.is_file())
     files = (
         [path]
         if path.is_file()
@@ -331,7 +333,8 @@ def fingerprint(path) -> str:
     )
     digest = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode())
+        if named:
+            digest.update(file.name.encode())
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)

@@ -8,6 +8,8 @@ Formats read:
   model_type llama, mistral, qwen2 or qwen3 loads into the hf-decoder family (reference/hf_decoder.py),
   one of model_type minimind (or none) into MiniMind;
 - a single `.safetensors` file;
+- a GGUF file (llama.cpp's format) of architecture llama, mistral, qwen2 or qwen3, dequantized to float32 by
+  transformers' GGUF loader (reference/gguf.py) and loaded as a Transformers folder of that model_type;
 - the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
   it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped);
 - MiniMind's resume files (`*_resume.pth`, the weights under `model`, beside the
@@ -51,6 +53,7 @@ import torch
 
 from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
+from reference.gguf import GGUF_SUFFIX, is_gguf, read_gguf
 from reference.hf_decoder_config import MODEL_TYPES as HF_MODEL_TYPES
 from reference.hf_decoder_config import translate_hf_config
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
@@ -68,7 +71,8 @@ class LoadReport:
     path: str
     format: str
     family: str
-    config_source: str  # "given" (a config), "given fields" (config_data), "config.json" or "inferred"
+    # "given" (a config), "given fields" (config_data), "config.json", "gguf metadata" (a GGUF's) or "inferred"
+    config_source: str
     converted: dict = field(default_factory=dict)  # original dtype -> number of tensors converted to float32
     dropped: list = field(default_factory=list)  # buffers checked and dropped
     assumed: dict = field(default_factory=dict)  # config fields the weights cannot show -> default used
@@ -270,12 +274,14 @@ def read_checkpoint(path) -> tuple[dict, dict | None, str]:
         state, config, fmt = _read_folder(path)
     elif path.suffix == ".safetensors":
         state, config, fmt = _safetensors_load(path), None, "safetensors"
+    elif is_gguf(path):
+        state, config, fmt = read_gguf(path)
     elif path.suffix in PICKLE_SUFFIXES:
         state, config, fmt = _torch_load(path), None, "pth"
     else:
         raise CheckpointError(
             f"{path}: unknown checkpoint type {path.suffix!r}; expected a folder or a file "
-            f"ending in .safetensors or {', '.join(PICKLE_SUFFIXES)}"
+            f"ending in .safetensors, {GGUF_SUFFIX} or {', '.join(PICKLE_SUFFIXES)}"
         )
     # The teaching GPT saves {"model_state_dict": ..., optimizer}; MiniMind's trainers save their *_resume.pth
     # as {"model": ..., "optimizer": ..., "epoch": ..., "step": ...}.
@@ -316,8 +322,10 @@ def checkpoint_change(path, sha256: str | None) -> str:
 
 
 def fingerprint(path) -> str:
-    """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents)."""
+    """sha256 of a checkpoint file, or of a folder's weight and config files (names and contents). A GGUF's is the
+    sha256 of its bytes alone, as sha256sum and the model hubs list it, so that the manifest names the file."""
     path = Path(path)
+    named = not (is_gguf(path) and path.is_file())
     files = (
         [path]
         if path.is_file()
@@ -325,7 +333,8 @@ def fingerprint(path) -> str:
     )
     digest = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode())
+        if named:
+            digest.update(file.name.encode())
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
@@ -678,6 +687,7 @@ _SIZE_FIXES = {  # config source -> what to do about a size the tensors do not h
     "inferred": _MATCHING_CONFIG,
     "given fields": "set it to {held} in --config, or leave it out to infer it",
     "config.json": "correct it in its config.json to {held}, or pass --config with the checkpoint's sizes",
+    "gguf metadata": "the file contradicts itself; convert the model to GGUF again, or export its Transformers folder",
 }
 
 
@@ -729,6 +739,11 @@ def _check_fit(path, config, model, state: dict) -> None:
         )
 
 
+def _config_file(path) -> str:
+    """Where a checkpoint's own config comes from: a GGUF's metadata, or a folder's config.json."""
+    return "gguf metadata" if is_gguf(path) else "config.json"
+
+
 def _check_arguments(config, config_data) -> None:
     """load_checkpoint's config arguments: at most one of them, config_data a dict."""
     if config_data is not None and not isinstance(config_data, dict):
@@ -762,7 +777,7 @@ def _built_config(path, loader, state: dict, config_json: dict | None, given_fie
     try:
         base = loader.translate(config_json) if config_json is not None else {}
     except ConfigError as exc:
-        where = "the given config fields" if given_fields else "its config.json"
+        where = "the given config fields" if given_fields else f"its {_config_file(path)}"
         raise CheckpointError(f"{path}: {where}: {exc}") from None
     try:
         inferred, assumed = loader.infer(state, base)
@@ -844,7 +859,9 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
         config, source, assumed = _given_config(path, loader, config), "given", {}
     else:
         config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
-        source = "given fields" if config_data is not None else "config.json" if config_json is not None else "inferred"
+        source = (
+            "given fields" if config_data is not None else _config_file(path) if config_json is not None else "inferred"
+        )
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
     try:
         _check_sizes(path, loader, state, config, source)

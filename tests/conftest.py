@@ -37,6 +37,8 @@ ONE_WORKER_MODULES = (
     "tests/runtime/test_genai.py",
     "tests/cli/test_cli.py",
     "tests/cli/test_hf_folders.py",
+    "tests/cli/test_gguf_export.py",
+    "tests/cli/test_smollm2.py",
     "tests/verify/test_foreign.py",
     "tests/verify/test_localise.py",
 )

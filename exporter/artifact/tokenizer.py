@@ -3,6 +3,12 @@
 The export copies `tokenizer.json` (Hugging Face `tokenizers` format) and
 `tokenizer_config.json` when there is one, or writes a minimal one: both
 onnxruntime-genai and transformers need that file beside tokenizer.json.
+A chat template travels inside tokenizer_config.json (`chat_template`), the one
+place onnxruntime-genai, transformers.js and transformers all read it; a
+`chat_template.jinja` beside the source's tokenizer.json (transformers 5 writes
+one) is moved in there. A checkpoint brings its own tokenizer
+(`checkpoint_tokenizer`): a Transformers folder's files, or the tokenizer
+transformers converts from a GGUF's metadata.
 Validation reads the JSON directly for the ids and loads the file with the
 `tokenizers` library, as every consumer will; that loaded tokenizer turns
 text into ids and back (`load_tokenizer`, `TextStream`). Text in and out reads
@@ -25,11 +31,15 @@ log = logging.getLogger(__name__)
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
 # The most bytes of a tokenizer.json read: the vocabularies of published tokenizers take tens of MiB of JSON, far
 # more than a settings file (JSON_FILE_LIMIT); a file past this is no tokenizer, and is refused before it fills memory.
 TOKENIZER_FILE_LIMIT = 256 << 20
 # transformers' generic class for a tokenizer.json; onnxruntime-genai tokenises like `tokenizers` with it.
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# transformers 5's name for that class, which its save_pretrained writes: transformers 4 (Optimum's) knows only the
+# name above, which transformers 5 still maps to the same class, so a copied config gets that one.
+TRANSFORMERS5_TOKENIZER_CLASS = "TokenizersBackend"
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class TokenizerSource:
     # Each file is read once: what was checked is what the artifact gets, even if the file changes meanwhile.
     content: bytes = field(default=b"", compare=False, repr=False)  # tokenizer.json as read
     config_data: dict | None = field(default=None, compare=False, repr=False)  # tokenizer_config.json as read
+    chat_template: str | None = field(default=None, compare=False, repr=False)  # chat_template.jinja as read
 
     @property
     def max_id(self) -> int:
@@ -160,15 +171,28 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
         repeated_keys=True,
         limit=TOKENIZER_FILE_LIMIT,
     )
+    config = tokenizer.parent / TOKENIZER_CONFIG
+    return _checked_source(tokenizer, content, data, config if config.is_file() else None, vocab_size)
+
+
+def _checked_source(tokenizer: Path, content: bytes, data: dict, config: Path | None, vocab_size: int):
+    """The TokenizerSource of tokenizer.json's bytes and the object they hold, its ids held to the vocabulary.
+
+    Args:
+        tokenizer: where the bytes came from, as messages name it (a tokenizer.json, or a GGUF).
+        content: tokenizer.json's bytes.
+        data: the JSON object they hold.
+        config: where its tokenizer_config.json comes from, or None.
+        vocab_size: the model's vocabulary, which every id must lie in.
+    """
     tokens = _tokens(tokenizer, data)
     loaded = _load(tokenizer, content)
     tokens = {**_post_processor_tokens(loaded), **tokens}
     special = frozenset(int(a["id"]) for a in data.get("added_tokens") or [] if a.get("special"))
-    config = tokenizer.parent / TOKENIZER_CONFIG
     unreadable = _genai_unreadable(data, loaded)
     source = TokenizerSource(
         tokenizer,
-        config if config.is_file() else None,
+        config,
         tokens,
         loaded,
         special,
@@ -187,22 +211,72 @@ def _read_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
 
 def find_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
     """The tokenizer an export copies: a tokenizer.json (or a folder holding one) whose ids fit the model, and
-    the tokenizer_config.json beside it, when there is one, checked as the consumers will read it."""
+    the tokenizer_config.json and chat_template.jinja beside it, when there are, checked as the consumers will
+    read them."""
     source = _read_tokenizer(path, vocab_size)
+    template = source.tokenizer.parent / CHAT_TEMPLATE
+    if template.is_file():
+        try:
+            source = dataclasses.replace(source, chat_template=template.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(
+                f"chat template {template} is not a readable UTF-8 file ({first_line(exc)}); correct it or leave it out"
+            ) from None
     if source.config is None:
         return source
-    source = dataclasses.replace(
-        source,
-        config_data=read_json_object(
-            source.config,
-            TokenizerError,
-            "tokenizer config",
-            "correct it or leave the tokenizer_config.json out",
-            repeated_keys=True,
-        ),
+    config = read_json_object(
+        source.config,
+        TokenizerError,
+        "tokenizer config",
+        "correct it or leave the tokenizer_config.json out",
+        repeated_keys=True,
     )
-    _check_config(source, source.config_data, vocab_size)
+    return _with_config(source, config, vocab_size)
+
+
+def _with_config(source: TokenizerSource, config: dict, vocab_size: int) -> TokenizerSource:
+    source = dataclasses.replace(source, config_data=config)
+    _check_config(source, config, vocab_size)
     return source
+
+
+def export_tokenizer(tokenizer, vocab_size: int) -> TokenizerSource | None:
+    """An export's tokenizer argument as a checked TokenizerSource: None; a path (find_tokenizer); or a source
+    already read (a checkpoint's), its ids held to `vocab_size` again, as the model it goes with may be another."""
+    if tokenizer is None:
+        return None
+    if not isinstance(tokenizer, TokenizerSource):
+        return find_tokenizer(tokenizer, vocab_size)
+    if tokenizer.max_id >= vocab_size:
+        raise TokenizerError(
+            f"tokenizer {tokenizer.tokenizer} has token ids up to {tokenizer.max_id} but the model's vocab_size is "
+            f"{vocab_size}; pass the tokenizer the model was trained with"
+        )
+    return tokenizer
+
+
+def gguf_tokenizer(path: Path, vocab_size: int) -> TokenizerSource:
+    """The tokenizer transformers converts from a GGUF's metadata, with its special tokens and chat template,
+    checked as find_tokenizer checks files (messages name the GGUF for both files)."""
+    from reference.gguf import read_gguf_tokenizer
+
+    text, config = read_gguf_tokenizer(path)
+    content = text.encode("utf-8")
+    source = _checked_source(path, content, json.loads(text), path, vocab_size)
+    return _with_config(source, {"tokenizer_class": TOKENIZER_CLASS, **config}, vocab_size)
+
+
+def checkpoint_tokenizer(checkpoint: Path, vocab_size: int) -> TokenizerSource | None:
+    """The tokenizer a checkpoint brings, checked as find_tokenizer checks one: a folder's tokenizer.json (with
+    its tokenizer_config.json and chat_template.jinja), a GGUF's own; None for a checkpoint without one."""
+    from reference.gguf import is_gguf
+
+    checkpoint = Path(checkpoint)
+    if is_gguf(checkpoint):
+        return gguf_tokenizer(checkpoint, vocab_size)
+    if checkpoint.is_dir() and (checkpoint / TOKENIZER).is_file():
+        return find_tokenizer(checkpoint, vocab_size)
+    return None
 
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -301,13 +375,19 @@ def minimal_tokenizer_config(
 def copy_tokenizer(source: TokenizerSource, folder: Path, minimal_config: dict) -> list[str]:
     """Copy tokenizer.json and tokenizer_config.json (or write `minimal_config`) into folder; return the names.
 
-    A copied config gains the minimal one's model_input_names when it has none, for the same reason."""
+    A copied config gains the minimal one's model_input_names when it has none, for the same reason, and
+    TOKENIZER_CLASS for transformers 5's name of it. A chat_template.jinja goes into the config's
+    `chat_template`, in its place, as transformers prefers the file to the config's field."""
     folder = Path(folder)
     (folder / TOKENIZER).write_bytes(source.content)  # a copy: onnxruntime rejects links out of the folder
     config = minimal_config
     if source.config_data is not None:
         config = {**source.config_data}
         config.setdefault("model_input_names", minimal_config["model_input_names"])
+        if config.get("tokenizer_class") == TRANSFORMERS5_TOKENIZER_CLASS:
+            config["tokenizer_class"] = TOKENIZER_CLASS
+    if source.chat_template is not None:
+        config = {**config, "chat_template": source.chat_template}
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return [TOKENIZER, TOKENIZER_CONFIG]
 

@@ -93,8 +93,9 @@ from reference import DEFAULT_PRESET, get_preset
 DEFAULT_ROOT = Path("artifacts")
 
 
-def _model_and_source(preset, seed, checkpoint, config_path):
-    """The model to export, with the manifest's record of where its weights came from (a SourcedModel)."""
+def _model_and_source(preset, seed, checkpoint, config_path, with_tokenizer=False):
+    """The model to export, with the manifest's record of where its weights came from (a SourcedModel), and with
+    `with_tokenizer` the tokenizer a checkpoint brings."""
     from exporter.verify.references.model_source import checkpoint_model, seeded_model
 
     if checkpoint is None:
@@ -111,7 +112,7 @@ def _model_and_source(preset, seed, checkpoint, config_path):
         if config_path is None
         else read_json_object(config_path, ToolkitError, "--config", "pass a JSON object of config fields")
     )
-    return checkpoint_model(checkpoint, preset, config_data=data)
+    return checkpoint_model(checkpoint, preset, config_data=data, with_tokenizer=with_tokenizer)
 
 
 def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
@@ -166,7 +167,21 @@ def _export_settings(block_size, accuracy_level, lm_head, embedding, activations
     }
 
 
-def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=None, config_path=None, settings=None):
+def _export(
+    preset,
+    seed,
+    output,
+    dtype,
+    no_loss,
+    tokenizer=None,
+    checkpoint=None,
+    config_path=None,
+    settings=None,
+    no_tokenizer=False,
+):
+    """Export as the command line says: --tokenizer, else the checkpoint's own unless --no-tokenizer."""
+    if tokenizer is not None and no_tokenizer:
+        raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
     _require_torch("exporting")
     from exporter.export.pipeline import (
         check_destination,
@@ -175,14 +190,14 @@ def _export(preset, seed, output, dtype, no_loss, tokenizer=None, checkpoint=Non
 
     folder = _output_folder(output, preset, checkpoint, dtype, (settings or {}).get("activations"))
     check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
-    sourced = _model_and_source(preset, seed, checkpoint, config_path)
+    sourced = _model_and_source(preset, seed, checkpoint, config_path, tokenizer is None and not no_tokenizer)
     return sourced.model, export_artifact(
         sourced.model,
         folder,
         dtype=dtype,
         with_loss=not no_loss,
         source=sourced.source,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer if tokenizer is not None else sourced.tokenizer,
         **(settings or {}),
     )
 
@@ -228,6 +243,7 @@ def run(
     trace_all_layers,
     no_loss,
     tokenizer,
+    no_tokenizer,
     providers,
     genai,
     as_json,
@@ -250,7 +266,9 @@ def run(
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
     )
     settings = _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers)
-    model, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
+    model, exported = _export(
+        preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings, no_tokenizer
+    )
     report = run_verification(exported.folder, providers, genai, options, plan, model)
     finish_verification(
         report,
@@ -280,6 +298,7 @@ def export(
     trace_all_layers,
     no_loss,
     tokenizer,
+    no_tokenizer,
     as_json,
     quiet,
     verbose,
@@ -290,7 +309,9 @@ def export(
     from exporter.cli.export_report import format_export
 
     settings = _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers)
-    _, exported = _export(preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings)
+    _, exported = _export(
+        preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings, no_tokenizer
+    )
     emit(exported.to_dict(), as_json, format_export(exported))
 
 

@@ -61,8 +61,9 @@ def export_options(func):
             default=None,
             help="Weights to export: a MiniMind .pth state dict or *_resume.pth, a .safetensors file, "
             "a Transformers folder (config.json + model.safetensors, sharded safetensors or "
-            "pytorch_model.bin), or a teaching-GPT {'model_state_dict': ...} file (.pt/.bin/.ckpt "
-            "are read as .pth). "
+            "pytorch_model.bin), a llama/mistral/qwen2/qwen3 .gguf file (dequantized to float32; needs "
+            "pip install 'export-onnx[gguf]'), or a teaching-GPT {'model_state_dict': ...} file "
+            "(.pt/.bin/.ckpt are read as .pth). "
             "Family and sizes are inferred from it unless --preset or --config is given.",
         ),
         click.option(
@@ -139,8 +140,14 @@ def export_options(func):
             "--tokenizer",
             type=PathOption(),
             default=None,
-            help="tokenizer.json, or a folder with it (and tokenizer_config.json), to copy into the "
-            "artifact for text generation; its ids must fit the model's vocabulary.",
+            help="tokenizer.json, or a folder with it (and tokenizer_config.json, chat_template.jinja), to copy "
+            "into the artifact for text generation; its ids must fit the model's vocabulary [default: the "
+            "--checkpoint's own: a folder's tokenizer.json, a GGUF's tokenizer].",
+        ),
+        click.option(
+            "--no-tokenizer",
+            is_flag=True,
+            help="Leave the --checkpoint's tokenizer and chat template out of the artifact.",
         ),
         click.option(
             "--trace-all-layers",

@@ -143,6 +143,7 @@ FLAGS = {
     "quality_text": "--quality-text",
     "decode_steps": "--decode-steps",
     "tokenizer": "--tokenizer",
+    "with_tokenizer": "--no-tokenizer",
     "atol": "--atol",
     "rtol": "--rtol",
     "peak": "--peak",

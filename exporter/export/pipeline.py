@@ -48,7 +48,7 @@ from exporter.artifact.quantization import (
     activations_dtype,
     requested_scheme,
 )
-from exporter.artifact.tokenizer import find_tokenizer
+from exporter.artifact.tokenizer import TokenizerSource, export_tokenizer
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, check_flag, first_line, first_of
 from exporter.export import LIBRARY_LOGGERS
 from exporter.export.graphs import DecodeGraph, share_tied_table
@@ -838,7 +838,7 @@ def export_artifact(
     dtype: str = "float32",
     with_loss: bool = True,
     source: dict | None = None,
-    tokenizer: Path | None = None,
+    tokenizer: Path | TokenizerSource | None = None,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
@@ -864,8 +864,9 @@ def export_artifact(
         with_loss: give prefill.onnx a `labels` input and a `loss` output.
         source: where the weights came from, as manifest.json records it: a dict of JSON values with a
             "kind"; None: {"kind": "in-memory"}.
-        tokenizer: a tokenizer.json, or a folder holding one and optionally tokenizer_config.json; checked
-            against the model's vocabulary and copied into the artifact, for text generation in every
+        tokenizer: a tokenizer.json, or a folder holding one and optionally tokenizer_config.json and
+            chat_template.jinja, or a TokenizerSource already read (a checkpoint's own: SourcedModel.tokenizer);
+            checked against the model's vocabulary and copied into the artifact, for text generation in every
             consumer.
         block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
         accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8
@@ -906,7 +907,7 @@ def export_artifact(
     _check_source(source)
     shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent
     _prepare_destination(folder)
-    tokenizer_source = None if tokenizer is None else find_tokenizer(tokenizer, config.vocab_size)
+    tokenizer_source = export_tokenizer(tokenizer, config.vocab_size)
     start = time.perf_counter()
     exported = _copy_for_export(model, TORCH_DTYPES[dtype])
     _check_finite_weights(model, exported, dtype)  # before the exports, which take the time

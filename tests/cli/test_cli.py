@@ -150,7 +150,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:14] == [
+        assert options[:15] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -164,6 +164,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--activations",
             "--no-loss",
             "--tokenizer",
+            "--no-tokenizer",
             "--trace-all-layers",
         ], options
 

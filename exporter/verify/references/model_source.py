@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporter.artifact.manifest import Manifest
+from exporter.artifact.tokenizer import TokenizerSource, checkpoint_tokenizer
 from exporter.errors import TORCH_INSTALL_HINT, ArtifactError, InputError, ToolkitError, torch_import_error
 
 REBUILT_KINDS = ("seeded", "checkpoint")  # the sources whose model the toolkit builds again
@@ -18,10 +19,12 @@ REBUILT_KINDS = ("seeded", "checkpoint")  # the sources whose model the toolkit 
 
 @dataclass(frozen=True)
 class SourcedModel:
-    """A model to export, with the `source` record export_artifact writes into the manifest for it."""
+    """A model to export, with the `source` record export_artifact writes into the manifest for it, and the
+    tokenizer its checkpoint brings."""
 
     model: object  # torch.nn.Module
     source: dict
+    tokenizer: TokenizerSource | None = None
 
 
 def seeded_source(preset: str, seed: int) -> dict:
@@ -40,10 +43,14 @@ def seeded_model(preset: str, seed: int = 0) -> SourcedModel:
     return SourcedModel(build_model(get_preset(preset), seed), seeded_source(preset, seed))
 
 
-def checkpoint_model(path, preset: str | None = None, config_data: dict | None = None) -> SourcedModel:
+def checkpoint_model(
+    path, preset: str | None = None, config_data: dict | None = None, with_tokenizer: bool = False
+) -> SourcedModel:
     """A checkpoint's model (see reference.checkpoints.load_checkpoint: `preset` is a config it must fit exactly,
     `config_data` config fields for one that carries none); the record holds its path and fingerprint, so that
-    `export-onnx verify` reads it again only while it is unchanged, and how it was read."""
+    `export-onnx verify` reads it again only while it is unchanged (a GGUF too: verify dequantizes it again),
+    and how it was read. `with_tokenizer`: read the tokenizer the checkpoint brings too (checkpoint_tokenizer), a
+    folder's files or a GGUF's own, checked against the model's vocabulary."""
     from reference import get_preset
     from reference.checkpoints import fingerprint, load_checkpoint
 
@@ -54,7 +61,8 @@ def checkpoint_model(path, preset: str | None = None, config_data: dict | None =
         "sha256": fingerprint(path),
         **{k: v for k, v in report.to_dict().items() if k != "path"},
     }
-    return SourcedModel(model, source)
+    tokenizer = checkpoint_tokenizer(path, model.config.vocab_size) if with_tokenizer else None
+    return SourcedModel(model, source, tokenizer)
 
 
 @dataclass(frozen=True)

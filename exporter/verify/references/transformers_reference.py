@@ -1,5 +1,6 @@
-"""Transformers as an independent reference: the model `AutoModelForCausalLM` loads from the Hugging Face folder an
-artifact was exported from, against ONNX Runtime on the verification's prefill batch and decode steps.
+"""Transformers as an independent reference: the model `AutoModelForCausalLM` loads from the Hugging Face folder (or
+the GGUF file) an artifact was exported from, against ONNX Runtime on the verification's prefill batch and decode
+steps.
 
 The toolkit's own reference (reference/hf_decoder.py) is what the graphs are exported from, so a mistake in it
 would be exported and pass every other check; Transformers' modeling code is written by others, so agreeing with
@@ -9,6 +10,7 @@ family is hf-decoder and its checkpoint folder is unchanged; transformers is imp
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
@@ -48,6 +50,10 @@ def transformers_skip_reason(manifest: Manifest) -> str:
         return f"the artifact was not exported from a Hugging Face folder (family {manifest.family})"
     if transformers_version() is None:
         return "transformers is not installed (pip install 'transformers>=5')"
+    from reference.gguf import GGUF_EXTRA, gguf_missing, is_gguf
+
+    if is_gguf(source["path"]) and gguf_missing():
+        return f"loading a GGUF needs the gguf extra ({gguf_missing()}; {GGUF_EXTRA})"
     from reference.checkpoints import checkpoint_change
 
     change = checkpoint_change(source["path"], source.get("sha256"))
@@ -67,11 +73,18 @@ class TransformersRunner:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as transformers_logging
 
+        from reference.gguf import is_gguf, quiet_loader
+
         transformers_logging.disable_progress_bar()  # the CLI's progress lines are the verification's own
         self.manifest = manifest
         dtype = dtype or {"float32": torch.float32, "float16": torch.float16}[manifest.dtype]
-        # float32 weights cast to the artifact's dtype, as the export casts them; eager attention: written out
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+        # float32 weights cast to the artifact's dtype, as the export casts them; eager attention: written out. A GGUF
+        # is dequantized to float32 by the loader the export read it with (reference/gguf.py).
+        where, quiet = {"pretrained_model_name_or_path": folder}, contextlib.nullcontext()
+        if is_gguf(folder):
+            where, quiet = {"pretrained_model_name_or_path": folder.parent, "gguf_file": folder.name}, quiet_loader()
+        with quiet:
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, attn_implementation="eager")
         self.model = model.to(dtype).eval()
         # the cache's keyword and output field: `cache` in recent transformers 5 releases, `past_key_values` before
         parameters = inspect.signature(self.model.forward).parameters

@@ -200,6 +200,13 @@ def verify_options(func):
             help="Shape sweep: batch {1,2,3} x new tokens {1,2,7,64} x past {0,1,17}, ragged padding.",
         ),
         click.option(
+            "--long-context/--no-long-context",
+            default=True,
+            show_default=True,
+            help="Long positions: across a rope scaling's original_max_position_embeddings and before "
+            "max_position_embeddings (as position ids on a short cache), and a real cache of 512 positions.",
+        ),
+        click.option(
             "--probe",
             is_flag=True,
             help="Node-level localisation: debug copies of prefill.onnx (on the "
@@ -276,6 +283,7 @@ class VerifyOptions:
 
     decode_steps: int
     sweep: bool
+    long_context: bool
     probe: bool
     atol: tuple[str, ...]
     rtol: tuple[str, ...]
@@ -337,7 +345,9 @@ def verification_plan(
         check_text_path(options.fp16_companion, "--fp16-companion", TEXT_PATH_FIX)
     tolerance_file = options.tolerance_files[0] if options.tolerance_files else None
     overrides = parse_overrides(options.atol, options.rtol, options.peak, tolerance_file)
-    settings = ParitySettings(decode_steps=options.decode_steps, sweep=options.sweep, probe=options.probe)
+    settings = ParitySettings(
+        decode_steps=options.decode_steps, sweep=options.sweep, long_context=options.long_context, probe=options.probe
+    )
     check_parity_providers(providers)
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")

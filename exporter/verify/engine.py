@@ -34,6 +34,7 @@ from exporter.runtime.sessions import (
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
+from exporter.verify.checks.long_context import check_long_context
 from exporter.verify.checks.outputs import (
     DecodeCall,
     GreedyResult,
@@ -267,6 +268,12 @@ def _run_provider(
             explain_routing,
             referee=referee,
         )
+    long_context = []
+    if settings.long_context:  # last: a golden bundle recorded before it replays every call before
+        log.info("%s: long positions", onnx.provider)
+        long_context = check_long_context(
+            reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 5), referee
+        )
     localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
     experts = _expert_choice(reference, onnx.artifact, onnx.provider, batch, settings, profile)
     report = ProviderReport(
@@ -279,6 +286,7 @@ def _run_provider(
         layers=prefill.layers,
         histogram=prefill.histogram,
         sweep=sweep,
+        long_context=long_context,
         health=health.report(),
         repeat=repeat,
         localisation=localisation,

@@ -35,6 +35,7 @@ class ParitySettings:
     greedy_tokens: int = 32
     seed: int = 0
     sweep: bool = True  # the batch x new tokens x past grid, with ragged left padding
+    long_context: bool = True  # positions where the math changes, and a real long cache (checks/long_context.py)
     probe: bool = False  # node-level localisation with debug copies of prefill.onnx and decode.onnx
 
     def __post_init__(self):
@@ -46,7 +47,7 @@ class ParitySettings:
                     f"ParitySettings.{name} must be an integer{' >= 0' * (name == 'seed')}, got "
                     f"{value!r} ({type(value).__name__})"
                 )
-        for name in ("sweep", "probe"):
+        for name in ("sweep", "long_context", "probe"):
             check_flag(f"ParitySettings.{name}", getattr(self, name))
         if self.decode_steps < 1 or self.greedy_tokens < 1:
             raise InputError(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from exporter.verify.checks.faithfulness import Faithfulness
 from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
+from exporter.verify.checks.long_context import LongCase
 from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
 from exporter.verify.checks.quality import QualityReport
 from exporter.verify.checks.routing import ExpertAgreement
@@ -32,6 +33,7 @@ class ProviderReport:
     localisation: Localisation
     experts: ExpertAgreement | None = None  # MoE models against the PyTorch reference; None otherwise
     prefill_routing: RoutingFlip | None = None  # MoE: the failing prefill's expert choices
+    long_context: list[LongCase] = field(default_factory=list)  # none when turned off or replayed from an old bundle
 
     @property
     def chain_flips(self) -> list[RoutingFlip]:
@@ -49,6 +51,7 @@ class ProviderReport:
             all(c.passed for c in self.comparisons)
             and self.greedy.passed
             and all(c.passed for c in self.sweep)
+            and all(c.passed for c in self.long_context)
             and self.health.passed
             and self.repeat.passed
             and (self.experts is None or not self.experts.failed)
@@ -69,6 +72,7 @@ class ProviderReport:
             "layers": [layer.to_dict() for layer in self.layers],
             "logit_diff_histogram": self.histogram,
             "sweep": [c.to_dict() for c in self.sweep],
+            "long_context": [c.to_dict() for c in self.long_context],
             "health": self.health.to_dict(),
             "repeat": {**self.repeat.to_dict(), "deterministic": self.repeat.max_abs == 0},
             "localisation": self.localisation.to_dict(),

@@ -106,7 +106,7 @@ def layer_errors(
     ]
 
 
-def _present(label: str, layers: list[LayerError]) -> Comparison:
+def all_layers(label: str, layers: list[LayerError]) -> Comparison:
     return aggregate(label, [c for layer in layers for c in (layer.key, layer.value)])
 
 
@@ -247,7 +247,7 @@ def judge_call(
         int((routing.reached & real).sum()),
         int(real.sum()),
         result.logits,
-        _present(f"{call} present", result.layers),
+        all_layers(f"{call} present", result.layers),
         result.loss,
     )
     if not flip.explained:
@@ -256,7 +256,7 @@ def judge_call(
     return judge(routing.reached, loss, flip)
 
 
-def _truth(referee, chain: list):
+def referee_truth(referee, chain: list):
     """judge_call's `truth` for the last call of `chain` (a snapshot of it), or None without a referee."""
     if referee is None:
         return None
@@ -344,9 +344,9 @@ def check_prefill(
         batch["attention_mask"],
         batch["attention_mask"],
         explain_routing,
-        truth=_truth(referee, [("prefill", feeds)]),
+        truth=referee_truth(referee, [("prefill", feeds)]),
     )
-    rows = [call.logits, _present("prefill present (all layers)", call.layers)]
+    rows = [call.logits, all_layers("prefill present (all layers)", call.layers)]
     if call.loss is not None:
         rows.append(call.loss)
     return PrefillResult(
@@ -474,12 +474,12 @@ def check_decode(
             np.ones_like(step_feeds["input_ids"]),
             mask,
             explain_routing,
-            truth=_truth(referee, chain),
+            truth=referee_truth(referee, chain),
         )
         failing = next((layer.layer for layer in call.layers if not layer.passed), None)
         curve.append(
             StepError(
-                step, length, call.logits, _present(f"{label} present", call.layers), failing, call.routing, resync
+                step, length, call.logits, all_layers(f"{label} present", call.layers), failing, call.routing, resync
             )
         )
         resync = call.routing is not None and call.routing.explained
@@ -648,7 +648,7 @@ class SweepCase:
         }
 
 
-def _with_labels(manifest: Manifest, feeds: dict) -> dict:
+def with_labels(manifest: Manifest, feeds: dict) -> dict:
     if "labels" in manifest.prefill.input_names:
         return {**feeds, "labels": np.where(feeds["attention_mask"] == 1, feeds["input_ids"], -100)}
     return feeds
@@ -694,7 +694,7 @@ def run_sweep(
         label = f"sweep b{batch} n{new} p{past}"
         flips, chain = [], []
         if past:
-            first = _with_labels(
+            first = with_labels(
                 manifest,
                 {
                     "input_ids": ids[:, :past],
@@ -743,7 +743,7 @@ def run_sweep(
             mask[:, past:],
             mask,
             explain_routing,
-            truth=_truth(referee, chain),
+            truth=referee_truth(referee, chain),
         )
         cases.append(
             SweepCase(
@@ -751,7 +751,7 @@ def run_sweep(
                 new,
                 past,
                 call.logits,
-                _present(f"{label} present", call.layers),
+                all_layers(f"{label} present", call.layers),
                 flips + ([call.routing] if call.routing is not None else []),
             )
         )

@@ -543,7 +543,8 @@ def _replay(folder: Path, meta: dict, arrays, manifest: Manifest) -> GoldenBundl
         if feeds or outputs:  # else recorded before this graph's were kept
             _check_module_outputs(graph, feeds, outputs, manifest)
             module_outputs[graph] = feeds, outputs
-    settings = meta["settings"]
+    # a bundle recorded before the long-context check holds none of its calls: it replays without it
+    settings = {"long_context": False, **meta["settings"]}
     if not all(isinstance(v, int) and v >= 0 for k, v in settings.items() if k not in ("sweep", "probe")):
         raise ValueError(f"settings must be integers of at least 0, got {settings}")
     return GoldenBundle(

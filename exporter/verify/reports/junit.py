@@ -85,6 +85,14 @@ def render_junit(report: VerifyReport) -> str:
                 )
             )
         cases += [(f"sweep {c.name}", c.passed, sweep_detail(c)) for c in p.sweep]
+        cases += [
+            (
+                f"long positions {c.name}",
+                c.passed,
+                f"{c.why}; logits {c.logits.max_abs:.3g}, present {c.kv.max_abs:.3g}",
+            )
+            for c in p.long_context
+        ]
         cases.append((f"repeat run of {PREFILL_BATCH}", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
         _suite(root, f"{p.provider} {p.dtype}", cases)

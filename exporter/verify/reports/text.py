@@ -115,6 +115,20 @@ def _provider(p: ProviderReport) -> str:
                 verdict(not failed),
             ]
         )
+    if p.long_context:
+        worst = max((c for case in p.long_context for c in (case.logits, case.kv)), key=lambda c: c.needed.scale)
+        rows.append(
+            [
+                f"long positions ({len(p.long_context)} cases)",
+                f"{worst.max_abs:.3g}",
+                "",
+                "",
+                "",
+                "",
+                f"{worst.needed.scale:.2g}x ({worst.name})",
+                verdict(all(case.passed for case in p.long_context)),
+            ]
+        )
     flips = p.routing_flips
     if flips:
         explained = sum(flip.explained for flip in flips)
@@ -179,6 +193,16 @@ def _provider(p: ProviderReport) -> str:
         f"{c.name}: {sweep_detail(c)}"
         for c in p.sweep
         if not c.passed or c.routing_near_tie or c.refereed
+    ]
+    lines += [
+        f"  long positions {'FAIL' if not c.passed else 'pass, refereed'}: {c.name} ({c.why}): "
+        + ", ".join(
+            f"{output} max abs {x.max_abs:.3g} ({x.needed.scale:.2g}x tol"
+            f"{'; refereed: ' + x.referee.describe() if x.referee else ''})"
+            for output, x in (("logits", c.logits), ("present", c.kv))
+        )
+        for c in p.long_context
+        if not c.passed or c.refereed
     ]
     lines += [f"  health: {issue}" for issue in h.issues] + [f"  health warning: {w}" for w in h.warnings]
     loc = p.localisation

@@ -39,10 +39,6 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.quantization import (
-    DEFAULT_ACCURACY_LEVEL,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_EMBEDDING,
-    DEFAULT_LM_HEAD,
     SCHEMES,
     Quantization,
     activations_dtype,
@@ -840,10 +836,10 @@ def export_artifact(
     source: dict | None = None,
     tokenizer: Path | None = None,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-    lm_head: str = DEFAULT_LM_HEAD,
-    embedding: str = DEFAULT_EMBEDDING,
+    block_size: int | None = None,
+    accuracy_level: int | None = None,
+    lm_head: str | None = None,
+    embedding: str | None = None,
     activations: str | None = None,
     trace_all_layers: bool = False,
 ) -> ExportResult:
@@ -867,7 +863,8 @@ def export_artifact(
         tokenizer: a tokenizer.json, or a folder holding one and optionally tokenizer_config.json; checked
             against the model's vocabulary and copied into the artifact, for text generation in every
             consumer.
-        block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
+        block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size (None:
+            32). A float dtype takes none of block_size, accuracy_level, lm_head and embedding.
         accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8
             math on the CPU).
         lm_head: for "int4"/"int8", the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the

@@ -188,9 +188,6 @@ _DEFAULTS = {
     },
 }
 
-# The positions onnxruntime-genai reads a config's context length as: a signed 32-bit integer.
-MAX_POSITIONS = 2**31 - 1
-
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -226,10 +223,7 @@ _SCHEMA = {
     "num_attention_heads": _POSITIVE_INT,
     "num_key_value_heads": (lambda v: v is None or _is_positive_int(v), "a positive integer or null"),
     "head_dim": (lambda v: v is None or _is_positive_int(v), "a positive integer or null"),
-    "max_position_embeddings": (
-        lambda v: _is_positive_int(v) and v <= MAX_POSITIONS,
-        f"a positive integer up to {MAX_POSITIONS} (onnxruntime-genai reads it as a 32-bit integer)",
-    ),
+    "max_position_embeddings": _POSITIVE_INT,
     "rms_norm_eps": (
         lambda v: isinstance(v, float) and 0 < v < math.inf,
         "a positive finite number with a decimal point (transformers' config refuses an integer)",

@@ -33,7 +33,7 @@ from onnx import helper, numpy_helper
 from torch.export import Dim
 
 from exporter.artifact.axes import name_axes
-from exporter.artifact.consumers import write_consumer_files
+from exporter.artifact.consumers import check_context_length, write_consumer_files
 from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
@@ -897,6 +897,7 @@ def export_artifact(
     check_flag("trace_all_layers", trace_all_layers)
     # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
+    check_context_length(config.max_position_embeddings)
     quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head, embedding)
     dtype = activations_dtype(dtype, activations)  # what the graphs compute in
     source = {"kind": "in-memory"} if source is None else source

@@ -94,9 +94,11 @@ def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if existing != path and not existing.is_dir():
         raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
     for target in [path, path.parent] if existing == path else [existing]:
+        # A file is created to try only outside the destination: one created and removed inside a folder that is
+        # there changes its ctime, by which a process reading it meanwhile tells a folder swapped in for it.
         problem = (
             _create_problem(target)
-            if target.is_dir()
+            if target.is_dir() and target != path
             else (None if os.access(target, os.W_OK) else "permission denied")
         )
         if problem:

@@ -1086,3 +1086,17 @@ def test_a_weights_file_linked_from_outside_the_folder_is_damage_to_inspect_as_t
     outside.rename(folder / "data" / "w")
     (folder / "weights.onnx.data").symlink_to(Path("data") / "w")
     assert run_cli("inspect", folder).exit_code == 0
+
+
+def test_an_export_that_fails_leaves_the_folder_it_would_replace_untouched(artifact_copy, tmp_path):
+    # A verify reading the folder meanwhile tells a swapped-in folder by its inode and ctime: an export that fails at
+    # once (no such checkpoint) must not change them, as its probe of the folder's writability did by a file inside
+    before = os.stat(artifact_copy)
+    result = run_cli("export", "--checkpoint", tmp_path / "none.pth", "-o", artifact_copy, "-q")
+    assert_one_line_error(result, 2, "does not exist")
+    after = os.stat(artifact_copy)
+    assert (after.st_ino, after.st_ctime_ns, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_ctime_ns,
+        before.st_mtime_ns,
+    )

@@ -27,9 +27,10 @@ call one of protocol 4 or 5 damaged. safetensors holds no code at all and is
 used wherever a folder offers it.
 
 Configuration, in order of precedence: a config given by the caller (a preset
-or `--config`), the folder's `config.json`, else inferred from tensor shapes
-(family, sizes, generation, experts); fields the weights cannot show take
-their generation's defaults and the LoadReport says which. A given config that
+or `--config`), the folder's `config.json` (a folder without one is refused:
+its sizes are never guessed), else, for a single file, inferred from tensor
+shapes (family, sizes, generation, experts); fields the weights cannot show
+take their generation's defaults and the LoadReport says which. A given config that
 does not fit the tensors is an error listing the missing, unexpected and
 mis-shaped keys, never a silent reshape. Tensors are converted to float32; the
 export casts to its own dtype.
@@ -38,7 +39,6 @@ export casts to its own dtype.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import pickle
@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from exporter.artifact.paths import read_json_object
+from exporter.errors import first_line
 from reference.errors import CheckpointError, ConfigError, ModelError
 from reference.families import family_of, get_family
 from reference.gguf import GGUF_SUFFIX, is_gguf, read_gguf
@@ -212,21 +214,14 @@ def _safetensors_load(path: Path) -> dict:
 
 
 def _json_object(path: Path) -> dict:
-    try:
-        text = path.read_text()
-    except OSError as exc:  # unreadable to this user: the user's to fix (exit 2), not an internal error
-        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); let this user read it") from None
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # invalid JSON, not UTF-8 text, or nested too deep
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object; fix or remove it")
-    return data
+    """The JSON object of a folder's config.json or shard index, read as transformers reads it (a key given twice
+    at its last value), and bounded: a file of gigabytes is refused unread."""
+    return read_json_object(path, CheckpointError, "model folder file", "fix or replace it", repeated_keys=True)
 
 
 def _read_folder(folder: Path) -> tuple[dict, dict | None, str]:
-    config = _json_object(folder / "config.json") if (folder / "config.json").is_file() else None
+    # A config.json there that is no readable file (a dangling link, a folder, a FIFO) is refused, not skipped.
+    config = _json_object(folder / "config.json") if os.path.lexists(folder / "config.json") else None
     index = folder / "model.safetensors.index.json"
     if (folder / "model.safetensors").is_file():
         return _safetensors_load(folder / "model.safetensors"), config, "transformers-folder (safetensors)"
@@ -649,6 +644,11 @@ def _loader_for(state: dict, path, config_json: dict | None = None, config=None)
     """The loader of a Hugging Face decoder when config.json (or the given config fields) names its model_type or
     the given config is one; else the one whose keys the tensors hold."""
     model_type = config_json.get("model_type") if config_json is not None else None
+    if config is None and model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(
+            f"{path}: config field model_type must be a string, one of {', '.join(KNOWN_MODEL_TYPES)}, "
+            f"got {model_type!r:.40}; correct it"
+        )
     named = model_type in HF_MODEL_TYPES if config is None else family_of(config).name == HFDecoderCheckpoints.family
     if named:
         return HFDecoderCheckpoints
@@ -853,27 +853,34 @@ def load_checkpoint(path, config=None, config_data: dict | None = None):
     """
     _check_arguments(config, config_data)
     state, config_json, fmt = read_checkpoint(path)
+    if config is None and config_data is None and config_json is None and Path(path).is_dir():
+        raise CheckpointError(
+            f"{path} holds no config.json, which a model folder's sizes are read from; copy the model's "
+            "config.json beside its weights, or pass --config with its fields"
+        )
+    # A Hugging Face folder's tensors carry MiniMind's names: a config.json without a model_type reads as MiniMind's.
+    untyped = config is None and config_data is None and config_json is not None and "model_type" not in config_json
     config_json = config_data if config_data is not None else config_json
     loader = _loader_for(state, path, config_json, config)
     if config is not None:
         config, source, assumed = _given_config(path, loader, config), "given", {}
     else:
-        config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
+        try:
+            config, assumed = _built_config(path, loader, state, config_json, given_fields=config_data is not None)
+        except CheckpointError as exc:
+            if not untyped:
+                raise
+            raise CheckpointError(
+                f"{path}: its config.json gives no model_type and is no MiniMind config "
+                f"({first_line(exc, 160).replace(f'{path}: ', '')}); add model_type: one of "
+                f"{', '.join(KNOWN_MODEL_TYPES)}"
+            ) from None
         source = (
             "given fields" if config_data is not None else _config_file(path) if config_json is not None else "inferred"
         )
     report = LoadReport(str(path), fmt, loader.family, source, assumed=assumed)
-    try:
-        _check_sizes(path, loader, state, config, source)
-        state = _fitted_state(path, loader, config, state, report)
-    except CheckpointError as exc:
-        if source != "inferred" or not Path(path).is_dir():
-            raise
-        # A Transformers folder's tensors carry MiniMind's names, so without config.json it was read as MiniMind.
-        raise CheckpointError(
-            f"{exc} (no config.json in the folder: a Hugging Face folder of model_type "
-            f"{', '.join(HF_MODEL_TYPES)} needs its config.json)"
-        ) from None
+    _check_sizes(path, loader, state, config, source)
+    state = _fitted_state(path, loader, config, state, report)
     # Once the tensors fit: the assumed fields change no shape, and a refusal stays one line.
     for name, value in assumed.items():
         log.warning("%s: %s is not visible in the weights; assuming %r (pass --config to change it)", path, name, value)

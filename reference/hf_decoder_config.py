@@ -130,30 +130,148 @@ class HFDecoderConfig(JsonConfig):
 
 # ---------------------------------------------------------------- translation from a Transformers config.json
 
-# Per model_type: the math Transformers' modeling file hard-codes or reads from which field, and the head_dim
-# its config class assumes when config.json gives none.
+# Per model_type: the math Transformers' modeling file hard-codes or reads from which field.
 _ARCHITECTURES = {
     "llama": {"qk_norm": False, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     "mistral": {"qk_norm": False, "qkv_bias": False, "o_bias": False, "mlp_bias": False},
     "qwen2": {"qk_norm": False, "qkv_bias": True, "o_bias": False, "mlp_bias": False},
     "qwen3": {"qk_norm": True, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": False},
 }
-_HEAD_DIM_DEFAULT = {"qwen3": 128}  # the others: hidden_size / num_attention_heads
-_MAX_POSITIONS_DEFAULT = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
-_CONFIG_DEFAULTS = {"vocab_size": 32000, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-_TOKEN_DEFAULTS = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (None, None), "qwen3": (None, None)}
+# Per model_type: the defaults of Transformers' config class (LlamaConfig, ...) for the fields that change the math,
+# which a config.json that leaves one out is read with (tests/reference_models/test_hf_decoder_config.py holds them
+# to transformers). Where a type gives none, head_dim is hidden_size / num_attention_heads and num_key_value_heads
+# is num_attention_heads, as for null. A sliding window of qwen2/qwen3 applies only with use_sliding_window.
+_COMMON_DEFAULTS = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+}
+_DEFAULTS = {
+    "llama": {
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "mistral": {
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    },
+    "qwen3": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+    },
+}
 
-# Sizes read as they are.
-_SIZES = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "hidden_act",
-)
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_int(value) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _is_positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_token_id(value) -> bool:
+    return _is_int(value) and value >= 0
+
+
+_POSITIVE_INT = (_is_positive_int, "a positive integer")
+_POSITIVE_NUMBER = (_is_positive_number, "a positive finite number")
+_NUMBER = (_is_number, "a finite number")
+_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_OBJECT = (lambda v: v is None or isinstance(v, dict), "an object or null")
+# config.json's fields that the reading below uses: what each must be (null allowed where its text says so).
+_SCHEMA = {
+    "vocab_size": _POSITIVE_INT,
+    "hidden_size": _POSITIVE_INT,
+    "intermediate_size": _POSITIVE_INT,
+    "num_hidden_layers": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT,
+    "num_key_value_heads": (lambda v: v is None or _is_positive_int(v), "a positive integer or null"),
+    "head_dim": (lambda v: v is None or _is_positive_int(v), "a positive integer or null"),
+    "max_position_embeddings": _POSITIVE_INT,
+    "rms_norm_eps": (
+        lambda v: isinstance(v, float) and 0 < v < math.inf,
+        "a positive finite number with a decimal point (transformers' config refuses an integer)",
+    ),
+    "rope_theta": _POSITIVE_NUMBER,
+    "tie_word_embeddings": _BOOL,
+    "attention_bias": _BOOL,
+    "mlp_bias": _BOOL,
+    "hidden_act": (lambda v: isinstance(v, str), "a string ('silu')"),
+    "bos_token_id": (lambda v: v is None or _is_token_id(v), "a non-negative integer or null"),
+    "eos_token_id": (
+        lambda v: v is None or _is_token_id(v) or isinstance(v, list) and all(map(_is_token_id, v)),
+        "a non-negative integer, a list of them, or null",
+    ),
+    "sliding_window": (lambda v: v is None or _is_positive_int(v), "a positive integer or null"),
+    "use_sliding_window": _BOOL,
+    "max_window_layers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "layer_types": (
+        lambda v: v is None or isinstance(v, list) and all(isinstance(t, str) for t in v),
+        "a list of layer types ('full_attention', 'sliding_attention') or null",
+    ),
+    "partial_rotary_factor": _POSITIVE_NUMBER,
+    "original_max_position_embeddings": _POSITIVE_INT,
+    "rope_parameters": _OBJECT,
+    "rope_scaling": _OBJECT,
+}
+# The types whose transformers config class reads a null of these fields as num_attention_heads, and as
+# hidden_size / num_attention_heads; the others' config or modeling file fail on it.
+_NULL_READ = {"num_key_value_heads": ("llama", "qwen2", "qwen3"), "head_dim": ("llama", "mistral")}
+# The fields of rope_parameters (or rope_scaling) that the rope functions read.
+_ROPE_SCHEMA = {
+    "rope_type": (lambda v: isinstance(v, str), "a string"),
+    "type": (lambda v: isinstance(v, str), "a string"),
+    "rope_theta": _POSITIVE_NUMBER,
+    "factor": _POSITIVE_NUMBER,
+    "original_max_position_embeddings": _POSITIVE_INT,
+    "attention_factor": (lambda v: v is None or _is_positive_number(v), "a positive finite number or null"),
+    "beta_fast": (lambda v: v is None or _is_positive_number(v), "a positive finite number or null"),
+    "beta_slow": (lambda v: v is None or _is_positive_number(v), "a positive finite number or null"),
+    "mscale": (lambda v: v is None or _is_number(v), "a finite number or null"),
+    "mscale_all_dim": (lambda v: v is None or _is_number(v), "a finite number or null"),
+    "low_freq_factor": _POSITIVE_NUMBER,
+    "high_freq_factor": _POSITIVE_NUMBER,
+    "truncate": _BOOL,
+    "partial_rotary_factor": _POSITIVE_NUMBER,
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 # Fields that change nothing the reference computes for inference: bookkeeping, training and runtime options.
 _IGNORED = {
     "architectures",
@@ -168,24 +286,9 @@ _IGNORED = {
     "initializer_range",
     "attention_dropout",
     "pretraining_tp",  # Llama's tensor-parallel split of the same matmuls
-    "max_window_layers",  # read with use_sliding_window below
     "return_dict",
     "output_hidden_states",
     "output_attentions",
-    "bos_token_id",
-    "eos_token_id",
-    "head_dim",
-    "num_key_value_heads",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "sliding_window",
-    "use_sliding_window",
-    "layer_types",
-    "attention_bias",
-    "mlp_bias",
-    "max_position_embeddings",
-    "partial_rotary_factor",
     "tokenizer_class",
     "generation_config",
 }
@@ -194,8 +297,16 @@ _IGNORED = {
 _FOREIGN = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
 
+def _check_schema(data: dict, schema: dict, prefix: str = "") -> None:
+    """Each field of `data` that `schema` names has the JSON type and range it gives."""
+    for name, (valid, shown) in schema.items():
+        if name in data and not valid(data[name]):
+            raise ConfigError(f"config field {prefix}{name} must be {shown}, got {data[name]!r:.60}")
+
+
 def translate_hf_config(data: dict) -> dict:
-    """HFDecoderConfig fields from a Transformers config.json of a supported model_type.
+    """HFDecoderConfig fields from a Transformers config.json of a supported model_type, read as transformers'
+    config class reads it: its defaults for a field left out, rope_scaling before rope_parameters.
 
     Fields without effect on inference are logged (info) and ignored; one that changes the math and that the
     reference does not compute is refused.
@@ -204,6 +315,10 @@ def translate_hf_config(data: dict) -> dict:
         ConfigError: naming the field and the fix.
     """
     model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(
+            f"config field model_type must be a string, one of {', '.join(MODEL_TYPES)}, got {model_type!r:.40}"
+        )
     if model_type not in MODEL_TYPES:
         raise ConfigError(
             f"model_type {model_type!r} is not supported; supported Hugging Face model types: "
@@ -215,42 +330,42 @@ def translate_hf_config(data: dict) -> dict:
                 f"config field {name} ({data[name]!r}) describes a mixture of experts, which model_type "
                 f"{model_type} is not; export the model under its own type, or drop the field if it is dense"
             )
-    arch = _ARCHITECTURES[model_type]
-    fields = {"model_type": model_type}
-    for name in _SIZES:
-        if name in data and data[name] is not None:
-            fields[name] = data[name]
-    for name, default in _CONFIG_DEFAULTS.items():
-        fields.setdefault(name, default)
-    for flag, source in arch.items():
-        fields[flag] = source if isinstance(source, bool) else bool(data.get(source, False))
-    heads = fields.get("num_attention_heads")
-    fields["num_key_value_heads"] = data.get("num_key_value_heads") or heads
-    head_dim = data.get("head_dim")
-    if head_dim is None:
-        head_dim = _HEAD_DIM_DEFAULT.get(model_type)
-    if head_dim is None and _is_positive_int(fields.get("hidden_size")) and _is_positive_int(heads):
-        head_dim = fields["hidden_size"] // heads
-    if head_dim is not None:
-        fields["head_dim"] = head_dim
-    fields["max_position_embeddings"] = data.get("max_position_embeddings") or _MAX_POSITIONS_DEFAULT[model_type]
-    bos, eos = _TOKEN_DEFAULTS[model_type]
-    fields["bos_token_id"] = data.get("bos_token_id", bos)
-    fields["eos_token_id"] = _one_eos(data.get("eos_token_id", eos))
-    _check_partial_rotary(data)
-    fields["rope_theta"], scaling = _rope(data, fields["max_position_embeddings"])
+    _check_schema(data, _SCHEMA)
+    for name, types in _NULL_READ.items():
+        if name in data and data[name] is None and model_type not in types:
+            raise ConfigError(f"config field {name} must be a positive integer for {model_type}, got None; give it")
+    read = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type], **data}
+    fields = {name: read[name] for name in _SIZES}
+    fields["model_type"] = model_type
+    for flag, source in _ARCHITECTURES[model_type].items():
+        fields[flag] = source if isinstance(source, bool) else read[source]
+    fields["num_key_value_heads"] = read.get("num_key_value_heads") or read["num_attention_heads"]
+    fields["head_dim"] = read.get("head_dim") or read["hidden_size"] // read["num_attention_heads"]
+    fields["bos_token_id"] = read.get("bos_token_id")
+    fields["eos_token_id"] = _one_eos(read.get("eos_token_id"))
+    fields["rope_theta"], scaling = _rope(data, read)
     fields["rope_scaling"] = dataclasses.asdict(scaling) if scaling is not None else None  # JSON, as from_dict reads
-    _check_sliding_window(data, model_type, fields)
-    ignored = sorted(k for k in data if k not in _SIZES and k not in _IGNORED and not k.startswith("_"))
-    ignored = [k for k in ignored if k not in _FOREIGN]
+    _check_sliding_window(read, model_type)
+    known = {*_SCHEMA, *_IGNORED, *_FOREIGN}
+    ignored = sorted(k for k in data if k not in known and not k.startswith("_"))
     if ignored:
         log.info("config.json fields without effect on the %s reference, ignored: %s", model_type, ", ".join(ignored))
     log.debug("config.json bookkeeping fields ignored: %s", ", ".join(sorted(set(data) & _IGNORED)))
-    return {k: v for k, v in fields.items() if v is not None or k in ("bos_token_id", "eos_token_id")}
+    return fields
 
 
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+# Fields read as they are, once the defaults are filled in.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "hidden_act",
+)
 
 
 def _one_eos(eos):
@@ -266,25 +381,22 @@ def _one_eos(eos):
     return eos
 
 
-def _check_partial_rotary(data: dict) -> None:
-    parameters = data.get("rope_parameters") or {}
-    factor = data.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 1.0))
+def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling; of
+    both, rope_scaling, as transformers' config reads them."""
+    name = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
+    parameters = data.get(name) or {}
+    if any(isinstance(v, dict) for v in parameters.values()):
+        raise ConfigError(
+            f"config field {name} gives a rope per layer type; the reference has one rope for every layer"
+        )
+    _check_schema(parameters, _ROPE_SCHEMA, prefix=f"{name}.")
+    factor = parameters.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise ConfigError(
             f"config field partial_rotary_factor is {factor!r}; the reference rotates whole heads only (1.0)"
         )
-
-
-def _rope(data: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
-    parameters = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if not isinstance(parameters, dict):
-        raise ConfigError(f"config field rope_parameters must be an object, got {parameters!r}")
-    if any(isinstance(v, dict) for v in parameters.values()):
-        raise ConfigError(
-            "config field rope_parameters gives a rope per layer type; the reference has one rope for every layer"
-        )
-    theta = parameters.get("rope_theta", data.get("rope_theta", 10000.0))
+    theta = parameters.get("rope_theta", read["rope_theta"])
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -294,9 +406,8 @@ def _rope(data: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
             if kind == "dynamic"
             else "the reference does not compute it"
         )
-        raise ConfigError(
-            f"config field rope_scaling has rope_type {kind!r} ({why}); supported: {', '.join(ROPE_TYPES)}"
-        )
+        raise ConfigError(f"config field {name} has rope_type {kind!r} ({why}); supported: {', '.join(ROPE_TYPES)}")
+    max_positions = read["max_position_embeddings"]
     factor = parameters.get("factor")
     original = parameters.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
     if kind in ("yarn", "llama3") and original is None:
@@ -318,10 +429,10 @@ def _rope(data: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
             float(attention_factor),
             float(parameters.get("beta_fast") or 32.0),
             float(parameters.get("beta_slow") or 1.0),
-            bool(parameters.get("truncate", True)),
+            parameters.get("truncate", True),
         )
     if factor is None:
-        raise ConfigError(f"config field rope_scaling of type {kind} gives no factor; add it")
+        raise ConfigError(f"config field {name} of type {kind} gives no factor; add it")
     if kind == "linear":
         return theta, RopeScaling("linear", float(factor))
     return theta, RopeScaling(
@@ -338,22 +449,45 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _check_sliding_window(data: dict, model_type: str, fields: dict) -> None:
+def _sliding_layers(read: dict, model_type: str, window) -> list[bool]:
+    """Which layers transformers' modeling file gives a sliding window: every layer of mistral's when it has one,
+    none of llama's; qwen2's and qwen3's those layer_types names, else those from max_window_layers on."""
+    layers = read["num_hidden_layers"]
+    if model_type == "llama":
+        return [False] * layers
+    if model_type == "mistral":  # MistralConfig ignores layer_types
+        return [window is not None] * layers
+    layer_types = read.get("layer_types")
+    if layer_types is None:
+        return [window is not None and i >= read["max_window_layers"] for i in range(layers)]
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(
+            f"config field layer_types names {unknown}; the reference computes {' and '.join(LAYER_TYPES)} only"
+        )
+    if len(layer_types) != layers:
+        raise ConfigError(
+            f"config field layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}; give "
+            "one per layer"
+        )
+    return [kind == "sliding_attention" for kind in layer_types]
+
+
+def _check_sliding_window(read: dict, model_type: str) -> None:
     """Refuse a sliding window that some layer applies within the context; otherwise it changes nothing."""
-    window = data.get("sliding_window")
-    if model_type == "mistral":
-        sliding = window is not None
-    elif model_type == "llama":
-        sliding = False
-    elif not data.get("use_sliding_window"):  # qwen2/qwen3 drop the window unless use_sliding_window
-        sliding = False
-    elif data.get("layer_types") is not None:
-        sliding = any(kind != "full_attention" for kind in data["layer_types"])
-    else:  # Transformers' layer_types: the layers from max_window_layers on slide
-        sliding = fields.get("num_hidden_layers", 0) > data.get("max_window_layers", 28)
-    if not sliding or window is None:
+    window = read.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not read["use_sliding_window"]:  # their config drops the window
+        window = None
+    sliding = _sliding_layers(read, model_type, window)
+    if not any(sliding):
         return
-    context = fields["max_position_embeddings"]
+    if window is None:  # transformers' cache fails on a sliding layer without a window
+        raise ConfigError(
+            "config field layer_types names sliding_attention layers but use_sliding_window is false, which "
+            "leaves them no window; set use_sliding_window to true (with sliding_window), or make every layer "
+            "full_attention"
+        )
+    context = read["max_position_embeddings"]
     if window < context:
         raise ConfigError(
             f"config field sliding_window ({window}) is shorter than max_position_embeddings ({context}), and "

@@ -21,7 +21,7 @@ from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.artifact.paths import json_type
 from exporter.artifact.tokenizer import TOKENIZER, TokenizerSource, copy_tokenizer, minimal_tokenizer_config
-from exporter.errors import ArtifactError, first_line
+from exporter.errors import ArtifactError, InputError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,21 @@ _HF_FIELDS = (
     "tie_word_embeddings",
     "hidden_act",
 )
+
+
+# The most positions onnxruntime-genai reads a context length as (a signed 32-bit integer), and Optimum's
+# configs likewise; a larger one is refused when genai_config.json is loaded.
+MAX_CONTEXT_LENGTH = 2**31 - 1
+
+
+def check_context_length(max_position_embeddings: int) -> None:
+    """InputError unless the consumers can load a model of `max_position_embeddings` positions."""
+    if max_position_embeddings > MAX_CONTEXT_LENGTH:
+        raise InputError(
+            f"max_position_embeddings ({max_position_embeddings}) exceeds {MAX_CONTEXT_LENGTH}, the most "
+            "onnxruntime-genai reads (a 32-bit integer); set the model's max_position_embeddings to the positions "
+            "it was trained for"
+        )
 
 
 @dataclass(frozen=True)

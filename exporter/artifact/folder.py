@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.manifest import Manifest, read_manifest
+from exporter.artifact.paths import outside_folder
 from exporter.errors import ArtifactError, InputError, first_line
 
 
@@ -86,6 +87,18 @@ def graph_state(path: Path, manifest: Manifest, contract: GraphContract) -> str:
     return _checked_graph(path, manifest, contract)[1] or "ok"
 
 
+def external_data_outside(model: onnx.ModelProto, folder: Path) -> str | None:
+    """The first location of external data that `model` names outside `folder` (where it lies), or None: onnx would
+    read any file such a graph names. By the name alone: a file named inside that is a link out is the file checks'
+    to report (file_status)."""
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
+            if outside_folder(folder, location, through_links=False):
+                return location
+    return None
+
+
 def _checked_graph(
     path: Path, manifest: Manifest, contract: GraphContract
 ) -> tuple[onnx.ModelProto | None, str | None]:
@@ -93,6 +106,9 @@ def _checked_graph(
         model = onnx.load(str(path), load_external_data=False)
     except DecodeError as exc:
         return None, f"is no ONNX model ({first_line(exc, 200)})"
+    outside = external_data_outside(model, path.parent)
+    if outside is not None:
+        return model, f"names weights outside the folder ({outside})"
     initializers = {tensor.name for tensor in model.graph.initializer}
     inputs = [value.name for value in model.graph.input if value.name not in initializers]
     outputs = [value.name for value in model.graph.output]

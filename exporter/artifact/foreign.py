@@ -16,7 +16,6 @@ sizes must agree with the graph's.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -26,7 +25,9 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from exporter.artifact.contract import KV_KINDS, cache_layout, decode_contract, prefill_contract
+from exporter.artifact.folder import external_data_outside
 from exporter.artifact.manifest import MANIFEST, Manifest
+from exporter.artifact.paths import json_type, outside_folder, read_json_object
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, SCHEMES, Quantization
 from exporter.errors import ArtifactError, InputError, first_line
 from reference.errors import ConfigError
@@ -129,25 +130,42 @@ def foreign_writer(folder: Path) -> str | None:
 
 
 def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path} is unreadable ({first_line(exc, 200)}); export the folder again") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path} holds no JSON object; export the folder again")
-    return data
+    return read_json_object(
+        path, ArtifactError, "onnxruntime-genai config", "export the folder again", repeated_keys=True
+    )
+
+
+def _object(value, name: str, path: Path) -> dict:
+    """`value`, a field of the JSON file at `path`, when it is an object (or absent: {}); ArtifactError otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{path}: {name} must be an object, got {json_type(value)}; export the folder again")
+    return value
 
 
 def _builder_names(folder: Path) -> tuple[str, str, str]:
     """The graph file and its past and present key patterns, from genai_config.json."""
-    decoder = _json(folder / GENAI_CONFIG).get("model", {}).get("decoder", {})
-    names = {**decoder.get("inputs", {}), **decoder.get("outputs", {})}
+    path = folder / GENAI_CONFIG
+    decoder = _object(_object(_json(path).get("model"), "model", path).get("decoder"), "model.decoder", path)
+    inputs = _object(decoder.get("inputs"), "model.decoder.inputs", path)
+    names = {**inputs, **_object(decoder.get("outputs"), "model.decoder.outputs", path)}
+    file = decoder.get("filename", GRAPH)
+    if not isinstance(file, str) or not file:
+        raise ArtifactError(
+            f"{path}: model.decoder.filename must be a file name, got {file!r:.40}; export the folder again"
+        )
+    if outside_folder(folder, file):
+        raise ArtifactError(
+            f"{path} names model.decoder.filename {file!r:.80}, which lies outside the folder; a folder names only "
+            "files it holds: export it again"
+        )
 
     def pattern(key: str, default: str) -> str:
         given = names.get(key)
         return given.replace("%d", "{layer}").replace(".key", ".{kind}") if isinstance(given, str) else default
 
-    return decoder.get("filename", GRAPH), pattern("past_key_names", PAST), pattern("present_key_names", PRESENT)
+    return file, pattern("past_key_names", PAST), pattern("present_key_names", PRESENT)
 
 
 def _tensor(value: onnx.ValueInfoProto) -> tuple[str | None, list]:
@@ -201,6 +219,9 @@ def read_foreign(folder: Path) -> ForeignGraph:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError) as exc:
         raise ArtifactError(f"{path} is no ONNX model ({first_line(exc, 200)}); export it again") from None
+    outside = external_data_outside(model, folder)
+    if outside is not None:
+        raise ArtifactError(f"{path} names weights outside the folder ({outside:.80}); export it again")
     initializers = {t.name for t in model.graph.initializer}
     inputs = {v.name: _tensor(v) for v in model.graph.input if v.name not in initializers}
     outputs = {v.name: _tensor(v) for v in model.graph.output}

@@ -86,6 +86,14 @@ def check_outside_artifact(path, flag: str, folder) -> None:
         )
 
 
+def outside_folder(folder, name, through_links: bool = True) -> bool:
+    """Whether the file a folder's document names by `name` (a path relative to the folder) lies outside it: an
+    absolute path, `..`, or, `through_links`, a link out. A folder names only files it holds."""
+    resolve = os.path.realpath if through_links else os.path.abspath
+    root = Path(resolve(folder))
+    return root not in Path(resolve(root / name)).parents
+
+
 def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if path.exists() and path.is_dir() != folder:
         found, wanted = ("a folder", "a file") if path.is_dir() else ("a file", "a folder")
@@ -94,9 +102,11 @@ def _check_output_path(path: Path, option: str, folder: bool) -> None:
     if existing != path and not existing.is_dir():
         raise OutputPathError(f"{option} {path} lies under {existing}, which is a file; choose another path")
     for target in [path, path.parent] if existing == path else [existing]:
+        # A file is created to try only outside the destination: one created and removed inside a folder that is
+        # there changes its ctime, by which a process reading it meanwhile tells a folder swapped in for it.
         problem = (
             _create_problem(target)
-            if target.is_dir()
+            if target.is_dir() and target != path
             else (None if os.access(target, os.W_OK) else "permission denied")
         )
         if problem:

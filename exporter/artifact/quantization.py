@@ -141,15 +141,32 @@ def block_size_problem(block_size) -> str | None:
 
 
 def requested_scheme(
-    dtype: str, hidden_size: int, block_size: int, accuracy_level: int, lm_head: str, embedding: str
+    dtype: str,
+    hidden_size: int,
+    block_size: int | None,
+    accuracy_level: int | None,
+    lm_head: str | None,
+    embedding: str | None,
 ) -> Quantization | None:
     """The scheme `export_artifact`'s arguments ask for (None for a float dtype), or InputError naming the argument.
 
-    A block size must divide the hidden size: every projection reads the hidden state, so a block that does not
-    divide it would straddle two rows' worth of padding in each of them (MatMulNBits pads K up to a whole block),
-    storing and computing zeros."""
+    None takes the scheme's default; a float dtype takes none of them, as it quantizes nothing. A block size must
+    divide the hidden size: every projection reads the hidden state, so a block that does not divide it would
+    straddle two rows' worth of padding in each of them (MatMulNBits pads K up to a whole block), storing and
+    computing zeros."""
+    given = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head, "embedding": embedding}
     if dtype not in SCHEMES:
+        name = next((name for name, value in given.items() if value is not None), None)
+        if name is not None:
+            raise InputError(
+                f"{name} {given[name]!r} applies to int4/int8 exports only; a {dtype} export quantizes nothing: "
+                f'drop `{name}`, or choose `dtype="int4"` or `dtype="int8"`'
+            )
         return None
+    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    accuracy_level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    lm_head = DEFAULT_LM_HEAD if lm_head is None else lm_head
+    embedding = DEFAULT_EMBEDDING if embedding is None else embedding
     problem = block_size_problem(block_size)
     if problem:
         raise InputError(f"{problem}; choose e.g. 32 (`block_size`)")

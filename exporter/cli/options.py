@@ -98,32 +98,31 @@ def export_options(func):
         click.option(
             "--block-size",
             type=int,
-            default=DEFAULT_BLOCK_SIZE,
-            show_default=True,
-            help="int4/int8: weights per quantization scale (a power of two >= 16 dividing the hidden size).",
+            default=None,
+            help="int4/int8: weights per quantization scale (a power of two >= 16 dividing the hidden size) "
+            f"[default: {DEFAULT_BLOCK_SIZE}].",
         ),
         click.option(
             "--accuracy-level",
             type=int,
-            default=DEFAULT_ACCURACY_LEVEL,
-            show_default=True,
-            help="int4/int8: MatMulNBits accuracy_level (4: int8 math on the CPU, as onnxruntime-genai's builder; "
-            "0: float32 math, slower than the float32 artifact on the CPU).",
+            default=None,
+            help=f"int4/int8: MatMulNBits accuracy_level [default: {DEFAULT_ACCURACY_LEVEL}] (4: int8 math on the "
+            "CPU, as onnxruntime-genai's builder; 0: float32 math, slower than the float32 artifact on the CPU).",
         ),
         click.option(
             "--lm-head",
             type=click.Choice(list(TABLE_CHOICES)),
-            default=DEFAULT_LM_HEAD,
-            show_default=True,
-            help="int4/int8: the lm_head's weights (tied or not) at 8 bits, float, or the same bits as the rest.",
+            default=None,
+            help="int4/int8: the lm_head's weights (tied or not) at 8 bits, float, or the same bits as the rest "
+            f"[default: {DEFAULT_LM_HEAD}].",
         ),
         click.option(
             "--embedding",
             type=click.Choice(list(TABLE_CHOICES)),
-            default=DEFAULT_EMBEDDING,
-            show_default=True,
+            default=None,
             help="int4/int8: the token embedding's weights at 8 bits, float, or the same bits as the rest "
-            "(GatherBlockQuantized); a tied table at the lm_head's bits is stored once.",
+            f"(GatherBlockQuantized) [default: {DEFAULT_EMBEDDING}]; a tied table at the lm_head's bits is stored "
+            "once.",
         ),
         click.option(
             "--activations",

@@ -33,16 +33,12 @@ from onnx import helper, numpy_helper
 from torch.export import Dim
 
 from exporter.artifact.axes import name_axes
-from exporter.artifact.consumers import write_consumer_files
+from exporter.artifact.consumers import check_context_length, write_consumer_files
 from exporter.artifact.contract import DTYPES, TOTAL, GraphContract, cache_layout, decode_contract, prefill_contract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import MANIFEST, Manifest, file_entries, listed_files, source_problem
 from exporter.artifact.paths import check_output_path, check_text_path, folder_lock, parents_removed_unless_done
 from exporter.artifact.quantization import (
-    DEFAULT_ACCURACY_LEVEL,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_EMBEDDING,
-    DEFAULT_LM_HEAD,
     SCHEMES,
     Quantization,
     activations_dtype,
@@ -840,10 +836,10 @@ def export_artifact(
     source: dict | None = None,
     tokenizer: Path | TokenizerSource | None = None,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
-    lm_head: str = DEFAULT_LM_HEAD,
-    embedding: str = DEFAULT_EMBEDDING,
+    block_size: int | None = None,
+    accuracy_level: int | None = None,
+    lm_head: str | None = None,
+    embedding: str | None = None,
     activations: str | None = None,
     trace_all_layers: bool = False,
 ) -> ExportResult:
@@ -868,7 +864,8 @@ def export_artifact(
             chat_template.jinja, or a TokenizerSource already read (a checkpoint's own: SourcedModel.tokenizer);
             checked against the model's vocabulary and copied into the artifact, for text generation in every
             consumer.
-        block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size.
+        block_size: for "int4"/"int8", the weights per scale: a power of two >= 16 dividing the hidden size (None:
+            32). A float dtype takes none of block_size, accuracy_level, lm_head and embedding.
         accuracy_level: for "int4"/"int8", MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8
             math on the CPU).
         lm_head: for "int4"/"int8", the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the
@@ -901,6 +898,7 @@ def export_artifact(
     check_flag("trace_all_layers", trace_all_layers)
     # Before any export work: the manifest needs both, and both would otherwise fail only after the graphs are built.
     config = family_of(model.config).own_config(model.config)
+    check_context_length(config.max_position_embeddings)
     quantization = requested_scheme(dtype, config.hidden_size, block_size, accuracy_level, lm_head, embedding)
     dtype = activations_dtype(dtype, activations)  # what the graphs compute in
     source = {"kind": "in-memory"} if source is None else source

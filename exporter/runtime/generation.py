@@ -289,6 +289,13 @@ def _processed(sampling: SamplingConfig) -> bool:
     return sampling.do_sample or sampling.repetition_penalty != 1.0
 
 
+def _grown_mask(prompt_mask: np.ndarray, steps: int) -> np.ndarray:
+    """The attention mask of the prompt followed by `steps` real tokens."""
+    mask = np.ones((prompt_mask.shape[0], prompt_mask.shape[1] + steps), dtype=np.int64)
+    mask[:, : prompt_mask.shape[1]] = prompt_mask
+    return mask
+
+
 def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> Iterator[list[int | None]]:
     """The generation loop. Its Python runs between decode steps that have just streamed every weight
     through the caches, so each numpy call here costs several times its warm cost, and a loop written
@@ -306,9 +313,9 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
     seen = np.zeros((batch, config.vocab_size), dtype=bool)
     for row, prompt in enumerate(prompts):
         seen[row, prompt] = True
-    # The mask of every step, as one buffer: each new token is real, so its slot is 1.
-    mask = np.ones((batch, length + max_new_tokens), dtype=np.int64)
-    mask[:, :length] = prompt_mask
+    # The mask of every step, as one buffer: each new token is real, so its slot is 1. Sized by the steps run, doubled
+    # as they need, not by max_new_tokens: a generation stopped early never holds what its limit would allow.
+    mask = _grown_mask(prompt_mask, min(max_new_tokens, length))
     positions = position_ids_from_mask(prompt_mask)
     finished = [False] * batch
     # an OrtRunner's lock: threads generating on one runner take turns, each step on its own cache
@@ -331,6 +338,8 @@ def _steps(runner, prompts, max_new_tokens, sampling, eos_token_id, stops) -> It
         if all(finished) or step == max_new_tokens - 1:
             return
         positions = positions + 1
+        if length + step + 1 > mask.shape[1]:
+            mask = _grown_mask(prompt_mask, min(max_new_tokens, 2 * (mask.shape[1] - length)))
         with lock:
             runner.cache = cache  # another stream on this runner may have run since this one's last step
             logits = runner.step(np.array(chosen, dtype=np.int64)[:, None], mask[:, : length + step + 1], positions)

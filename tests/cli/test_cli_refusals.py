@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import onnx
 import pytest
-from helpers import assert_one_line_error, edit_manifest, run_cli
+from helpers import assert_one_line_error, edit_graphs, edit_manifest, run_cli
 
 
 def refused(result, fragment: str) -> None:
@@ -1086,3 +1087,66 @@ def test_a_weights_file_linked_from_outside_the_folder_is_damage_to_inspect_as_t
     outside.rename(folder / "data" / "w")
     (folder / "weights.onnx.data").symlink_to(Path("data") / "w")
     assert run_cli("inspect", folder).exit_code == 0
+
+
+def test_an_export_that_fails_leaves_the_folder_it_would_replace_untouched(artifact_copy, tmp_path):
+    # A verify reading the folder meanwhile tells a swapped-in folder by its inode and ctime: an export that fails at
+    # once (no such checkpoint) must not change them, as its probe of the folder's writability did by a file inside
+    before = os.stat(artifact_copy)
+    result = run_cli("export", "--checkpoint", tmp_path / "none.pth", "-o", artifact_copy, "-q")
+    assert_one_line_error(result, 2, "does not exist")
+    after = os.stat(artifact_copy)
+    assert (after.st_ino, after.st_ctime_ns, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_ctime_ns,
+        before.st_mtime_ns,
+    )
+
+
+def _point_first_external_weight_at(location: str):
+    def change(graph):
+        tensor = next(t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+        next(entry for entry in tensor.external_data if entry.key == "location").value = location
+
+    return change
+
+
+@pytest.mark.parametrize("location", ["../../../../etc/passwd", "/etc/passwd"])
+def test_inspect_refuses_a_graph_whose_weights_lie_outside_its_folder(artifact_copy, location):
+    edit_graphs(artifact_copy, _point_first_external_weight_at(location))  # and the manifest re-signed
+    assert_one_line_error(run_cli("inspect", artifact_copy, "-q"), 2, f"names weights outside the folder ({location})")
+
+
+def _foreign_folder(tmp_path, genai_config) -> Path:
+    """A folder that reads as onnxruntime-genai builder's: its genai_config.json and a graph."""
+    folder = tmp_path / "foreign"
+    folder.mkdir(parents=True)
+    (folder / "genai_config.json").write_text(json.dumps(genai_config))
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    onnx.save(onnx.helper.make_model(graph), str(folder / "model.onnx"))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("genai_config", "fragment"),
+    [
+        ({"model": {"decoder": {"filename": "../other/model.onnx"}}}, "names model.decoder.filename '../other/model"),
+        ({"model": {"decoder": {"filename": "/etc/passwd"}}}, "names model.decoder.filename '/etc/passwd', which"),
+        ({"model": [1]}, "model must be an object"),
+        ({"model": {"decoder": "x"}}, "model.decoder must be an object"),
+        ({"model": {"decoder": {"filename": 5}}}, "model.decoder.filename must be a file name"),
+        ({"model": {"decoder": {"filename": None}}}, "model.decoder.filename must be a file name"),
+        ({"model": {"decoder": {"inputs": [1]}}}, "model.decoder.inputs must be an object"),
+    ],
+)
+def test_a_foreign_genai_config_naming_what_it_cannot_is_refused(tmp_path, genai_config, fragment):
+    outside = tmp_path / "other"
+    outside.mkdir()
+    shutil.copy(_foreign_folder(tmp_path / "x", {}) / "model.onnx", outside / "model.onnx")
+    folder = _foreign_folder(tmp_path, genai_config)
+    assert_one_line_error(run_cli("inspect", folder, "-q"), 2, fragment)

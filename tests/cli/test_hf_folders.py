@@ -4,6 +4,7 @@ the folders it refuses, each with one line and nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import onnx
@@ -128,10 +129,22 @@ def _refused(folder, tmp_path, fragment):
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [folder.name]
 
 
-def test_a_folder_without_config_json_is_refused(hf_folders, tmp_path):
-    folder = _copy(hf_folders, "qwen2", tmp_path)
+@pytest.mark.parametrize(
+    ("replace", "fragment"),
+    [
+        (lambda path: None, "holds no config.json, which a model folder's sizes are read from"),
+        (lambda path: path.symlink_to(path.parent / "gone.json"), "not a readable JSON file (No such file"),
+        (lambda path: path.mkdir(), "config.json is not a readable JSON file (Is a directory)"),
+        (lambda path: os.mkfifo(path), "config.json is a FIFO"),
+    ],
+    ids=["deleted", "dangling-link", "folder", "fifo"],
+)
+def test_a_folder_without_a_usable_config_json_is_refused_not_guessed(hf_folders, tmp_path, replace, fragment):
+    # llama's weights fit MiniMind's sizes guessed from the tensors: read without config.json, it exported
+    folder = _copy(hf_folders, "llama", tmp_path)
     (folder / "config.json").unlink()
-    _refused(folder, tmp_path, "no config.json in the folder: a Hugging Face folder of model_type")
+    replace(folder / "config.json")
+    _refused(folder, tmp_path, fragment)
 
 
 def test_a_folder_without_weights_is_refused(hf_folders, tmp_path):
@@ -149,7 +162,8 @@ def test_a_shard_missing_from_the_index_is_refused(hf_folders, tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "changes", "fragment"),
     [
-        ("qwen3", {"num_hidden_layers": 3}, "num_hidden_layers is 3 but the checkpoint holds 2"),
+        ("llama", {"num_hidden_layers": 3}, "num_hidden_layers is 3 but the checkpoint holds 2"),
+        ("qwen3", {"num_hidden_layers": 3}, "layer_types has 2 entries but num_hidden_layers is 3"),
         ("qwen3", {"intermediate_size": 128}, "does not fit the hf-decoder config"),
         ("qwen3", {"model_type": "gemma"}, "model_type 'gemma' is not supported"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act must be 'silu'"),

@@ -54,6 +54,9 @@ def test_export_int4_then_generate(monkeypatch, artifact_fp32, tmp_path):
             2,
             "computes in float16: drop --activations, or choose --dtype int4 or --dtype int8",
         ),
+        (["--dtype", "float32", "--block-size", "24"], 2, "quantizes nothing: drop --block-size, or choose"),
+        (["--dtype", "float16", "--accuracy-level", "9"], 2, "quantizes nothing: drop --accuracy-level"),
+        (["--lm-head", "float"], 2, "lm_head 'float' applies to int4/int8 exports only"),
     ],
 )
 def test_bad_quantization_exits_2(tmp_path, flags, code, fragment):

@@ -449,6 +449,18 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
     assert not (tmp_path / "x").exists()
 
 
+def test_export_refuses_positions_its_consumers_cannot_load(tmp_path):
+    # onnxruntime-genai reads the context length as a 32-bit integer: a model of 10**12 positions was exported, and
+    # refused only by verify's consumer check, naming no fix
+    from reference import HFDecoderConfig, build_model
+
+    sizes = dict(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    model = build_model(HFDecoderConfig(**sizes, num_key_value_heads=2, head_dim=8, max_position_embeddings=10**12))
+    with pytest.raises(InputError, match=r"max_position_embeddings \(1000000000000\) exceeds 2147483647, the most"):
+        export_artifact(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
 def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model):
     """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
     TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,

@@ -305,6 +305,10 @@ def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(activ
             {"dtype": "float32", "activations": "float16"},
             r"applies to int4/int8 exports only; a float32 export computes in float32: drop `activations`",
         ),
+        ({"dtype": "float32", "block_size": 24}, r"block_size 24 applies to int4/int8 exports only; .*`block_size`"),
+        ({"dtype": "float16", "accuracy_level": 9}, r"accuracy_level 9 applies to int4/int8 exports only"),
+        ({"dtype": "float32", "lm_head": "float"}, r"lm_head 'float' applies to int4/int8 exports only"),
+        ({"dtype": "float16", "embedding": "int8"}, r"embedding 'int8' applies to int4/int8 exports only"),
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):

@@ -729,8 +729,15 @@ def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch)
 
         monkeypatch.setattr(pathlib.Path, method, refusing)
 
-    deny("read_text", "config.json")
-    with pytest.raises(CheckpointError, match=r"config.json cannot be read \(Permission denied\); let this user"):
+    real_open = os.open
+
+    def refusing_open(path, *args, **kwargs):
+        if os.path.basename(path) == "config.json":
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(CheckpointError, match=r"config.json is not a readable JSON file \(Permission denied\)"):
         load_checkpoint(tmp_path)
     monkeypatch.undo()
     deny("open", "model.safetensors")

@@ -178,7 +178,7 @@ def test_sizes_that_disagree_with_the_tensors_are_refused(hf_folders, tmp_path):
 
     folder = shutil.copytree(hf_folders["qwen3"], tmp_path / "qwen3")
     data = _qwen3_json(hf_folders)
-    (folder / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3}))
+    (folder / "config.json").write_text(json.dumps({**data, "num_hidden_layers": 3, "layer_types": None}))
     with pytest.raises(CheckpointError, match=r"num_hidden_layers is 3 but the checkpoint holds 2"):
         load_checkpoint(folder)
     (folder / "config.json").write_text(json.dumps({**data, "head_dim": 16}))

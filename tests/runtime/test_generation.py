@@ -161,6 +161,29 @@ class CountingRunner:
         self.inner.cache = value
 
 
+def test_what_a_generation_holds_follows_its_steps_not_its_limit():
+    # A model of 2**31 - 1 positions (what its consumers allow) lets max_new_tokens reach billions; a row that stops
+    # after a few steps must not have held a mask for them all (max_new_tokens 10**18 ran out of memory).
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(vocab_size=8, max_position_embeddings=2**31 - 1)
+    masks = []
+
+    class StoppingRunner:
+        manifest, cache = SimpleNamespace(config=config), None
+
+        def start(self, ids, mask, positions):
+            return np.eye(8, dtype=np.float32)[[1]]  # token 1, then 2, 3, ... up to the stop id 7
+
+        def step(self, ids, mask, positions):
+            masks.append(mask.base if mask.base is not None else mask)
+            return np.eye(8, dtype=np.float32)[[int(ids[0, 0]) + 1]]
+
+    [result] = generate(StoppingRunner(), [[1, 2, 3]], 2**31 - 10, stop_ids=[7])
+    assert result.new_ids == [1, 2, 3, 4, 5, 6, 7] and result.stopped
+    assert max(mask.nbytes for mask in masks) <= 8 * (3 + 2 * len(result.new_ids)), [m.shape for m in masks]
+
+
 def test_stream_yields_each_token_as_it_is_produced(runner):
     counting = CountingRunner(runner)
     steps = stream(counting, [[1, 2, 3]], 10)

@@ -168,7 +168,7 @@ def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
     other = tmp_path / "other-config"
     other.mkdir()
     config = json.loads((qwen3 / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "layer_types": None}))
     assert_one_line_error(
         run_cli("verify", builder_fp32, "--reference", other), 2, "num_hidden_layers (graph 2, config 3)"
     )

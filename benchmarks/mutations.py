@@ -5,7 +5,8 @@ variant in float32, the same model 7 layers deep through the layer template in f
 mutant edits a copy (the manifest re-signed), verifies it against the PyTorch reference with the test suite's quick
 settings, and prints one row: the mutant, whether it was caught, by which checks (parity rows, weight audit,
 invariants, expert choice), the worst failing parity row's multiple of its tolerance (for quantized blocks, the worst
-weight's multiple of its half step, marked "audit"), the layer localisation names and the module the probe names,
+weight's multiple of its half step, marked "audit"), its error against the float64 referee in multiples of the
+reference's own (exporter/verify/checks/referee.py), the layer localisation names and the module the probe names,
 and whether that is what the mutant expects; then the kill rate. The mutants are defined once, in tests/mutants.py,
 which the tests run as cases.
 
@@ -87,8 +88,9 @@ def _layer(outcome) -> str:
 
 def table(rows: list[tuple]) -> str:
     lines = [
-        "| mutant | artifact | caught | by | × tolerance | first diverging layer | probe | as expected |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mutant | artifact | caught | by | × tolerance | × reference's own error (float64 referee) "
+        "| first diverging layer | probe | as expected |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mutant, outcome, problems in rows:
         scale = (
@@ -100,7 +102,8 @@ def table(rows: list[tuple]) -> str:
         )
         lines.append(
             f"| {mutant.name} | {mutant.kind} | {'yes' if outcome.caught else 'NO'} | {', '.join(outcome.by) or '—'} "
-            f"| {scale} | {_layer(outcome)} | {outcome.probe or '—'} | {'; '.join(problems) or 'yes'} |"
+            f"| {scale} | {'—' if outcome.referee_ratio is None else f'{outcome.referee_ratio:.3g}'} "
+            f"| {_layer(outcome)} | {outcome.probe or '—'} | {'; '.join(problems) or 'yes'} |"
         )
     killed = sum(outcome.caught for _, outcome, _ in rows)
     lines += ["", f"kill rate: {killed} of {len(rows)} ({killed / len(rows):.0%})"]

@@ -464,6 +464,8 @@ class Outcome:
     audit_named: the parameters the weight audit's findings name.
     audit_multiple: the worst quantized weight's distance from its parameter, in multiples of its bound (half a step
         plus rounding); None where no finding measures one.
+    referee_ratio: the worst failing row's error against the float64 referee, in multiples of the reference's own;
+        None where no failing row was refereed (a MoE model's, say).
     flips: the expert choices that differ, those explained, and those at near-ties; None for a dense model.
     """
 
@@ -479,6 +481,7 @@ class Outcome:
     audit_named: frozenset[str]
     flips: tuple[int, int, int] | None
     audit_multiple: float | None = None
+    referee_ratio: float | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -494,6 +497,7 @@ class Outcome:
             "audit_named": sorted(self.audit_named),
             "flips": list(self.flips) if self.flips is not None else None,
             "audit_multiple": self.audit_multiple,
+            "referee_ratio": self.referee_ratio,
         }
 
 
@@ -527,6 +531,7 @@ def judge(mutant: Mutant, document: dict) -> Outcome:
         first["module"] if first else "",
         frozenset(f["parameter"] for g in audit["graphs"] for f in g["findings"]) if audit else frozenset(),
         (experts["pairs"] - experts["agreeing"], experts["explained"], experts["near_ties"]) if experts else None,
+        referee_ratio=max((c["referee"]["ratio"] for c in failing if c.get("referee")), default=None),
     )
 
 

@@ -282,14 +282,17 @@ TOLERANCES = {
 
 @dataclass(frozen=True)
 class QualityThreshold:
-    """One distributional metric's limit: `metric` must be <= `limit` ("at most") or >= it ("at least")."""
+    """One distributional metric's limit: `metric` must be <= `limit` ("at most"), >= it ("at least"), or within
+    +-`limit` ("within +-": a change that is suspect either way)."""
 
     metric: str
     limit: float
-    bound: str  # "at most" or "at least"
+    bound: str  # "at most", "at least" or "within +-"
     why: str
 
     def holds(self, value: float) -> bool:
+        if self.bound == "within +-":
+            return abs(value) <= self.limit
         return value <= self.limit if self.bound == "at most" else value >= self.limit
 
     def to_dict(self) -> dict:
@@ -348,7 +351,11 @@ QUALITY_PROFILES: dict[str, QualityProfile] = {
                 "sqrt(2 x 1e-3) at Q8_0's worse end",
             ),
             QualityThreshold(
-                "nll_delta", 0.01, "at most", "Q8_0: ΔPPL +0.01..0.1%; 1% perplexity (0.01 nats) is 10x that"
+                "nll_delta",
+                0.01,
+                "within +-",
+                "Q8_0: ΔPPL +0.01..0.1%; 1% perplexity (0.01 nats) is 10x that, either way: a loss that drops by more "
+                "than the scheme's noise is no better model but a different one (a scale or a head changed)",
             ),
             QualityThreshold(
                 "greedy_agreement",
@@ -378,7 +385,12 @@ QUALITY_PROFILES: dict[str, QualityProfile] = {
                 "|Δ log p| of the reference's top token; of the order of sqrt(2 x mean KL) for small shifts: "
                 "sqrt(2 x 0.03) at Q4's better end, as the top token moves less than the tail",
             ),
-            QualityThreshold("nll_delta", 0.10, "at most", "Q4_0/Q4_1: ΔPPL +2..6%; 10% perplexity (0.1 nats)"),
+            QualityThreshold(
+                "nll_delta",
+                0.10,
+                "within +-",
+                "Q4_0/Q4_1: ΔPPL +2..6%; 10% perplexity (0.1 nats), either way (as int8's)",
+            ),
             QualityThreshold(
                 "greedy_agreement",
                 1 / 16,

@@ -350,7 +350,7 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every
         (lambda: parse_overrides(file=tmp_path / "tolerances.json"), "tolerance file .* not a readable JSON"),
         (lambda: find_tokenizer(tmp_path / "tokenizer.json", 512), "tokenizer .* not a readable JSON"),
         (lambda: check_bundle(tmp_path, read_manifest(artifact_fp32)), "golden bundle"),
-        (lambda: read_checkpoint(tmp_path), "config.json is not valid JSON"),
+        (lambda: read_checkpoint(tmp_path), "config.json is not a readable JSON file"),
     ]
     for read, fragment in readers:
         with pytest.raises(ToolkitError, match=fragment) as info:

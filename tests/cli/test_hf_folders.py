@@ -7,9 +7,14 @@ import json
 import os
 import shutil
 
+import numpy as np
 import onnx
 import pytest
-from helpers import assert_one_line_error, replayed_export, run_cli
+from helpers import assert_one_line_error, edit_graphs, replayed_export, run_cli
+from onnx import numpy_helper
+
+from exporter import verify_artifact
+from exporter.verify.checks.referee import REFEREE_LIMIT
 
 pytest.importorskip("transformers")
 
@@ -176,3 +181,44 @@ def test_a_config_the_reference_cannot_honour_is_refused(hf_folders, tmp_path, m
     folder = _copy(hf_folders, model_type, tmp_path)
     _config(folder, **changes)
     _refused(folder, tmp_path, fragment)
+
+
+def _plain_rope(graph, scaled: np.ndarray, plain: np.ndarray) -> list[str]:
+    """Every initializer of `graph` holding the scaled rotary frequencies replaced by plain rope's; their names."""
+    replaced = []
+    for tensor in graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the frequencies are small: inline
+            continue
+        values = numpy_helper.to_array(tensor)
+        if values.size == scaled.size and np.allclose(values.ravel(), scaled, rtol=1e-6, atol=0):
+            tensor.CopyFrom(numpy_helper.from_array(plain.reshape(values.shape).astype(values.dtype), tensor.name))
+            replaced.append(tensor.name)
+    return replaced
+
+
+def test_a_dropped_rope_scaling_fails_at_long_positions(exported, tmp_path):
+    # The rope scaling's frequencies swapped for plain rope's in both graphs: the turns of the low frequencies differ
+    # by O(1) only near original_max_position_embeddings, which the long-context check reaches.
+    from exporter.artifact.folder import open_artifact
+    from exporter.verify.inputs import ParitySettings
+    from exporter.verify.references.model_source import checkpoint_model
+    from reference.hf_decoder import rope_inv_freq
+
+    model_type, folder = exported
+    folder = shutil.copytree(folder, tmp_path / model_type)
+    config = open_artifact(folder).manifest.config
+    scaled = rope_inv_freq(config).numpy()
+    dim = config.head_dim
+    plain = 1.0 / config.rope_theta ** (np.arange(0, dim, 2) / dim)
+    replaced = []
+    edit_graphs(folder, lambda graph: replaced.extend(_plain_rope(graph, scaled, plain)))
+    assert len(replaced) == 2, replaced  # one table in each graph
+    model = checkpoint_model(json.loads((folder / "manifest.json").read_text())["model"]["source"]["path"]).model
+    settings = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False)
+    report = verify_artifact(folder, model, ["cpu"], settings, genai=False)
+    cases = report.reports[0].long_context
+    crossing = next(case for case in cases if case.why.startswith("original_max_position_embeddings"))
+    assert not report.passed and not crossing.passed
+    # the cache holds the keys turned by their absolute positions: there the fault is plain, where the logits, which
+    # depend on the short distances between a few tokens, move less
+    assert crossing.kv.referee is not None and crossing.kv.referee.ratio > 100 * REFEREE_LIMIT

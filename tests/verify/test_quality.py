@@ -19,12 +19,12 @@ from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import SessionSettings
 from exporter.verify import engine
 from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
-from exporter.verify.checks.quality import kl_by_position
+from exporter.verify.checks.quality import QualityCheck, kl_by_position
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prefill_feeds, prompt_batch, text_windows
 from exporter.verify.metrics import compare_outputs, token_statistics
 from exporter.verify.reports import format_verify, json_text, render_html
-from exporter.verify.tolerances import profile_for
+from exporter.verify.tolerances import profile_for, quality_profile_for
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 
@@ -265,3 +265,20 @@ def test_text_windows_spread_over_the_text():
     assert rows[:, 0].tolist() == [0, 45, 90] and rows[2].tolist() == list(range(90, 100))
     with pytest.raises(InputError, match="fewer than the 10"):
         text_windows([1, 2, 3], 2, 10)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_loss_change_is_judged_either_way(scheme):
+    # a drop in the loss beyond the scheme's noise is a different model, not a better one: judged as a rise is
+    (nll,) = [t for t in quality_profile_for(scheme).thresholds if t.metric == "nll_delta"]
+    assert nll.holds(nll.limit * 0.9) and nll.holds(-nll.limit * 0.9)
+    assert not nll.holds(nll.limit * 1.1) and not nll.holds(-nll.limit * 1.1)
+    assert not QualityCheck(nll, -0.21).passed
+
+
+def test_a_metric_not_judged_neither_passes_nor_fails():
+    threshold = quality_profile_for("int4").thresholds[0]
+    unjudged = QualityCheck(threshold, None, "not judged: too few decisive positions")
+    assert unjudged.passed is None and unjudged.to_dict()["passed"] is None
+    failing = QualityCheck(threshold, threshold.limit * 2)
+    assert failing.passed is False

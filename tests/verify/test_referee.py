@@ -4,25 +4,35 @@ and a wrong graph stays far outside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
 import pytest
 import torch
 from helpers import QUICK, edit_graphs
-from mutants import _causal_mask_leaks_one
+from mutants import causal_mask_leaks_one
 
 from exporter import verify_artifact
 from exporter.artifact.folder import open_artifact
 from exporter.runtime.runner import presents_as_past
+from exporter.verify import engine
 from exporter.verify.checks.referee import REFEREE_LIMIT, referee_ratio
+from exporter.verify.metrics import Tolerance
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.references.torch_runner import TorchRunner
-from exporter.verify.tolerances import parse_overrides
+from exporter.verify.tolerances import parse_overrides, profile_for
 
-# Tightened far below any float32 or float16 computation's rounding: every comparison fails its fixed profile, so
-# the referee judges them all.
-NOTHING_ALLOWED = parse_overrides(atol=["logits=0", "kv=0"], rtol=["logits=0", "kv=0"], peak=["logits=0", "kv=0"])
+
+@pytest.fixture
+def nothing_allowed(monkeypatch):
+    """Every profile's logits and kv bounds tightened to 0 (as the profile's own, not overridden): every comparison
+    fails its fixed profile, so that the referee judges them all."""
+
+    def tightened(dtype, provider="cpu"):
+        return dataclasses.replace(profile_for(dtype, provider), logits=Tolerance(0, 0, 0), kv=Tolerance(0, 0, 0))
+
+    monkeypatch.setattr(engine, "profile_for", tightened)
 
 
 def test_ratio_is_the_onnx_error_over_the_reference_error_in_units_of_each_rows_peak():
@@ -80,10 +90,10 @@ def test_the_float64_chain_resumes_where_it_stopped_and_restarts_on_another(tiny
 
 
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])
-def test_a_correct_export_beyond_a_tightened_profile_passes_by_the_referee(artifact, tiny_model, request):
-    report = verify_artifact(
-        request.getfixturevalue(artifact), tiny_model, ["cpu"], QUICK, genai=False, overrides=NOTHING_ALLOWED
-    )
+def test_a_correct_export_beyond_a_tightened_profile_passes_by_the_referee(
+    artifact, tiny_model, request, nothing_allowed
+):
+    report = verify_artifact(request.getfixturevalue(artifact), tiny_model, ["cpu"], QUICK, genai=False)
     rows = report.reports[0].comparisons
     assert all(c.referee is not None for c in rows if c.kind != "loss"), [c.name for c in rows if c.referee is None]
     assert all(c.passed for c in rows), [(c.name, c.referee.describe()) for c in rows if not c.passed]
@@ -92,8 +102,16 @@ def test_a_correct_export_beyond_a_tightened_profile_passes_by_the_referee(artif
 
 def test_a_wrong_graph_stays_far_beyond_the_referee(tiny_model, artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "leaky")
-    edit_graphs(folder, _causal_mask_leaks_one)
-    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, overrides=NOTHING_ALLOWED)
+    edit_graphs(folder, causal_mask_leaks_one)
+    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False)
     logits = next(c for c in report.reports[0].comparisons if c.name == "prefill logits")
     assert not report.passed and not logits.passed
     assert logits.referee.ratio > 100 * REFEREE_LIMIT, logits.referee.describe()
+
+
+def test_a_tolerance_override_is_the_verdict_without_a_referee(tiny_model, artifact_fp32):
+    # the user's own bound, tighter than any float32 computation meets: no referee overrules it
+    overrides = parse_overrides(peak=["logits=0"])
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], QUICK, genai=False, overrides=overrides)
+    logits = next(c for c in report.reports[0].comparisons if c.name == "prefill logits")
+    assert not report.passed and not logits.passed and logits.referee is None

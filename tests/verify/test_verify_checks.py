@@ -280,9 +280,9 @@ def test_each_invariant_fails_on_the_fault_it_guards_against(artifact_copy):
     batch = prompt_batch(manifest, ParitySettings(), np.random.default_rng(0))
     profile = profile_for("float32", "cpu")
     assert all(i.passed for i in invariants.check_invariants(Artifact(artifact_copy, manifest), runner, batch, profile))
-    # inline: the 9 norm weights (each distinct), the rotary frequencies and 7 scalars
+    # inline: the 9 norm weights (each distinct) and the rotary frequencies; scalars are constants, not weights
     assert invariants.identical_weights(Artifact(artifact_copy, manifest)).detail == (
-        "15 distinct weight tensors in the weights file and 17 floating initializers inline, the same in both graphs"
+        "15 distinct weight tensors in the weights file and 10 floating initializers inline, the same in both graphs"
     )
     shifted = _DecodeLogitsShifted(runner)
     assert not invariants.split_prefill(shifted, manifest, batch, profile, k=7).passed
@@ -391,6 +391,15 @@ def test_a_weight_in_one_graph_alone_fails_the_identical_weights_check(artifact_
     onnx.save(model, str(artifact_copy / "decode.onnx"))
     weights = invariants.identical_weights(Artifact(artifact_copy, manifest))
     assert not weights.passed and weights.detail == "0 tensor(s) only in prefill, 1 only in decode (shapes [3] inline)"
+
+
+def test_a_scalar_constant_in_one_graph_alone_is_no_weight(artifact_copy):
+    # a loss's own constant (a one-element initializer only prefill.onnx computes with) is no weight of the model
+    manifest = read_manifest(artifact_copy)
+    model = onnx.load(str(artifact_copy / "prefill.onnx"), load_external_data=False)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.full(1, -100.0, np.float32), "loss_constant"))
+    onnx.save(model, str(artifact_copy / "prefill.onnx"))
+    assert invariants.identical_weights(Artifact(artifact_copy, manifest)).passed
 
 
 def test_a_rounding_to_bfloat16_inside_a_graph_function_is_found(artifact_copy):

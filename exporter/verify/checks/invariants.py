@@ -18,6 +18,7 @@ MatMulNBits unprepacked (float_matmul_settings): see INT8_ACTIVATIONS_LEVEL.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,15 +207,17 @@ def padded_row_alone(runner, manifest: Manifest, batch: dict, profile: Profile) 
 def _weight_keys(model: onnx.ModelProto) -> set[tuple]:
     """What identifies each of a graph's weights, read the way ONNX Runtime reads them: those in the weights file by
     the graph's own external-data reference (file, offset, length; the export stores each distinct tensor once, so
-    equal content is an equal reference), and every floating initializer kept inline (a small norm weight, the
-    rotary frequencies, scalar constants) by a hash of its content, which no hash of the weights file covers.
-    Inline integer initializers are shapes and axes, which the two graphs need not share."""
+    equal content is an equal reference), and every floating initializer of more than one element kept inline (a
+    small norm weight, the rotary frequencies) by a hash of its content, which no hash of the weights file covers.
+    Inline integer initializers are shapes and axes, and floating ones of one element constants (an epsilon, the
+    attention scale, the loss's own, which only prefill computes), as the weight audit leaves them out: the two
+    graphs need not share them."""
     keys = set()
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: e.value for e in tensor.external_data}
             where = ("in the weights file", info["location"], int(info.get("offset", 0)), int(info["length"]))
-        elif tensor.data_type in FLOAT_TYPES:
+        elif tensor.data_type in FLOAT_TYPES and math.prod(tensor.dims) > 1:
             where = ("inline", hashlib.sha256(numpy_helper.to_array(tensor).tobytes()).hexdigest())
         else:
             continue

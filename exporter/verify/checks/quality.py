@@ -59,15 +59,14 @@ class QualityCheck:
         return self.value is not None
 
     @property
-    def passed(self) -> bool:
-        if not self.judged or self.excused:
-            return True
-        return math.isfinite(self.value) and self.threshold.holds(self.value)
+    def passed(self) -> bool | None:
+        """None where the metric was not judged (`note` says why): neither passed nor failed."""
+        if not self.judged:
+            return None
+        return self.excused or (math.isfinite(self.value) and self.threshold.holds(self.value))
 
     def to_dict(self) -> dict:
-        """`passed` is None where the metric was not judged (`note` says why)."""
-        passed = self.passed if self.judged else None
-        return {**self.threshold.to_dict(), "value": self.value, "passed": passed, "note": self.note}
+        return {**self.threshold.to_dict(), "value": self.value, "passed": self.passed, "note": self.note}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,14 +96,15 @@ class QualityReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        """No judged metric failed (one not judged neither passes nor fails)."""
+        return not self.failures
 
     def __bool__(self) -> bool:
         return self.passed
 
     @property
     def failures(self) -> list[QualityCheck]:
-        return [c for c in self.checks if not c.passed]
+        return [c for c in self.checks if c.passed is False]
 
     def to_dict(self) -> dict:
         return {

@@ -60,10 +60,14 @@ def referee_ratio(actual, expected, truth, kind: str, dtype: str, valid: np.ndar
     if valid is not None:
         valid = np.asarray(valid, bool)
         judged = np.broadcast_to(valid.reshape(valid.shape + (1,) * (actual.ndim - valid.ndim)), actual.shape)
-    with np.errstate(invalid="ignore"):
-        onnx_error = np.where(judged, np.abs(actual - truth), 0.0)
-        reference_error = np.where(judged, np.abs(expected - truth), 0.0)
-    onnx_error = np.where(np.isnan(onnx_error), np.inf, onnx_error)  # a NaN is no agreement
+
+    def error(side):
+        """|side - truth| at the judged elements; 0 where both are NaN (a loss of no targets), inf where one is."""
+        with np.errstate(invalid="ignore"):
+            difference = np.where(np.isnan(side) & np.isnan(truth), 0.0, np.abs(side - truth))
+        return np.where(judged, np.nan_to_num(difference, nan=np.inf), 0.0)
+
+    onnx_error, reference_error = error(actual), error(expected)
     magnitude = np.where(judged & np.isfinite(truth), np.abs(truth), 0.0)
     axes = ROW_AXES.get(kind)
     rows = tuple(range(-axes, 0)) if axes is not None and actual.ndim >= axes else None
@@ -72,9 +76,9 @@ def referee_ratio(actual, expected, truth, kind: str, dtype: str, valid: np.ndar
     row_onnx, row_reference, peak = (x.max(axis=rows) for x in (onnx_error, reference_error, magnitude))
     with np.errstate(divide="ignore", invalid="ignore"):  # a row of zeros (all padding) has no peak: left out
         onnx_relative = np.where(peak > 0, row_onnx / peak, np.where(row_onnx > 0, np.inf, 0.0)).max()
-        reference_relative = np.where(peak > 0, np.nan_to_num(row_reference, nan=np.inf) / peak, 0.0).max()
+        reference_relative = np.where(peak > 0, row_reference / peak, 0.0).max()
         ratio = onnx_relative / max(reference_relative, UNIT_ROUNDOFF[dtype]) if onnx_relative > 0 else 0.0
-    return Refereed(float(onnx_error.max()), float(np.nanmax(reference_error)), float(ratio), REFEREE_LIMIT, dtype)
+    return Refereed(float(onnx_error.max()), float(reference_error.max()), float(ratio), REFEREE_LIMIT, dtype)
 
 
 def refereed(comparison: Comparison, ratio: Refereed) -> Comparison:

@@ -65,7 +65,7 @@ def render_junit(report: VerifyReport) -> str:
             [
                 (
                     c.threshold.metric,
-                    c.passed if c.judged else None,
+                    c.passed,
                     f"{c.value} {c.threshold.bound} {c.threshold.limit}; {c.note or c.threshold.why}",
                 )
                 for c in q.checks

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
-from exporter.artifact.paths import json_type
+from exporter.artifact.paths import json_type, read_json_bounded
 from exporter.artifact.tokenizer import TOKENIZER, TokenizerSource, copy_tokenizer, minimal_tokenizer_config
 from exporter.errors import ArtifactError, InputError, first_line
 
@@ -399,7 +399,7 @@ def sidecar_differences(folder: Path, manifest: Manifest) -> dict[str, list[str]
         if name not in manifest.files:
             continue
         try:
-            documents[name] = json.loads((Path(folder) / name).read_bytes().decode("utf-8"))
+            documents[name] = read_json_bounded(Path(folder) / name)
         except (OSError, ValueError, RecursionError) as exc:
             documents[name] = exc
     if not documents:

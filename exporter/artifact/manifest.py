@@ -21,7 +21,7 @@ from exporter.artifact.contract import (
     decode_contract,
     prefill_contract,
 )
-from exporter.artifact.paths import json_type
+from exporter.artifact.paths import json_type, read_json_bounded
 from exporter.artifact.quantization import Quantization
 from exporter.errors import ArtifactError
 from reference.errors import ConfigError
@@ -213,7 +213,7 @@ def _initializer_problem(manifest: Manifest) -> str | None:
 def listed_files(folder: Path) -> set[str] | None:
     """The names an artifact folder's manifest accounts for, or None when its manifest.json is not ours."""
     try:
-        data = json.loads((folder / MANIFEST).read_bytes().decode("utf-8"))
+        data = read_json_bounded(folder / MANIFEST)
         if data.get("format") == FORMAT and isinstance(data.get("files"), dict):
             return {MANIFEST, *data["files"]}
     except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested too deep
@@ -238,14 +238,15 @@ def load_manifest(folder: Path) -> Manifest:
             + _moved_aside_hint(folder)
         )
     try:
-        content = path.read_bytes()
+        data = read_json_bounded(path)  # JSON is UTF-8 whatever the locale; a stray byte is damage
     except OSError as exc:  # unreadable to this user: the artifact's files to fix (exit 2), not an internal error
         raise ArtifactError(
             f"{path} cannot be read ({exc.strerror or exc}); let this user read the artifact's "
             "files, or re-export the folder"
         ) from None
+    except (ValueError, RecursionError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({type(exc).__name__}: {exc}); re-export the folder") from None
     try:
-        data = json.loads(content.decode("utf-8"))  # JSON is UTF-8 whatever the locale; a stray byte is damage
         manifest = Manifest.from_dict(data) if isinstance(data, dict) else None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, ConfigError) as exc:
         detail = f"no field {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"

@@ -263,6 +263,22 @@ def _read_bounded(path: Path, limit: int) -> bytes:
     return content
 
 
+def read_json_bounded(path: Path):
+    """json.loads of the file at `path`, read as read_json_file reads a file (a regular file, through links, of at
+    most JSON_FILE_LIMIT bytes, as UTF-8), for callers with messages of their own.
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ValueError: it is no regular file, holds more than the limit, or is no UTF-8 JSON.
+        RecursionError: its JSON nests deeper than the parser goes.
+    """
+    try:
+        content = _read_bounded(Path(path), JSON_FILE_LIMIT)
+    except _NotReadable as exc:
+        raise ValueError(f"the file {exc}") from None
+    return json.loads(content.decode("utf-8"))
+
+
 def read_json_object(
     path: Path, error: type[ToolkitError], what: str, fix: str, toml: bool = False, repeated_keys: bool = False
 ) -> dict:

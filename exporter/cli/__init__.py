@@ -452,6 +452,12 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
     where = "--prompt"
     if text == STDIN:
         text, where = _stdin_text(), "--prompt - (stdin)"
+    try:  # bytes that are no UTF-8 in the command line reach Python as lone surrogates, which no tokenizer takes
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise click.BadParameter(
+            f"the text is not valid UTF-8 (at character {exc.start}); give UTF-8 text", param_hint=where
+        ) from None
     ids = tokenizer.encode(text).ids
     if not ids:  # said here: the runtime's "the prompt is empty" would deny the text the user gave
         raise click.BadParameter(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from exporter.artifact.consumers import GENAI_CONFIG, genai_eos_token_id, genai_unsupported
 from exporter.artifact.folder import Artifact, open_artifact
-from exporter.artifact.paths import TEXT_PATH_FIX, check_text_path
+from exporter.artifact.paths import TEXT_PATH_FIX, check_text_path, read_json_bounded
 from exporter.errors import ArtifactError, ConsumerError, InputError, first_line
 from exporter.runtime.generation import Generation, SamplingConfig, check_request
 from exporter.runtime.runner import check_prompt
@@ -46,8 +46,8 @@ def genai_model_type(folder: Path) -> str:
     one (an edit listed again in the manifest: its hash alone cannot tell)."""
     path = Path(folder) / GENAI_CONFIG
     try:
-        return json.loads(path.read_text())["model"]["type"]
-    except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON without model.type
+        return read_json_bounded(path)["model"]["type"]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:  # not JSON, or JSON without model.type
         raise ArtifactError(
             f"{path} is not onnxruntime-genai's config ({type(exc).__name__}: {first_line(exc)}); "
             "undo the edit or re-export the folder"

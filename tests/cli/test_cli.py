@@ -982,3 +982,10 @@ def test_one_error_hierarchy_covers_the_reference_models_errors():
 
     for error in (ModelError, ConfigError, CheckpointError, ContextLengthError):
         assert issubclass(error, ToolkitError) and issubclass(error, ValueError), error
+
+
+def test_a_prompt_that_is_no_utf8_is_refused_in_one_line(artifact_fp32):
+    # bytes of no UTF-8 in the command line reach Python as lone surrogates (os.fsdecode's surrogateescape)
+    prompt = b"kalo \xff mine".decode("utf-8", "surrogateescape")
+    result = run_cli("generate", artifact_fp32, "--prompt", prompt, "--max-new-tokens", "2", "-q")
+    assert_one_line_error(result, 2, "the text is not valid UTF-8 (at character 5); give UTF-8 text")

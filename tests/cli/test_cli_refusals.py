@@ -1150,3 +1150,14 @@ def test_a_foreign_genai_config_naming_what_it_cannot_is_refused(tmp_path, genai
     shutil.copy(_foreign_folder(tmp_path / "x", {}) / "model.onnx", outside / "model.onnx")
     folder = _foreign_folder(tmp_path, genai_config)
     assert_one_line_error(run_cli("inspect", folder, "-q"), 2, fragment)
+
+
+def test_json_files_of_an_artifact_are_read_within_a_bound(artifact_copy):
+    # a sparse manifest.json past the bound is refused at the bound, never read whole into memory
+    from exporter.artifact.folder import open_artifact
+    from exporter.errors import ArtifactError
+
+    with open(artifact_copy / "manifest.json", "r+b") as file:
+        file.truncate(2 << 30)
+    with pytest.raises(ArtifactError, match="holds more than 16 MiB, the most this reads of it"):
+        open_artifact(artifact_copy)

@@ -43,7 +43,7 @@ import onnxruntime as ort
 
 from exporter.artifact.contract import BATCH, SEQUENCE, TOTAL
 from exporter.artifact.manifest import MANIFEST, Manifest, config_differences, sha256_file
-from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done
+from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done, read_json_bounded
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.verify.checks.outputs import GreedyTrace
 from exporter.verify.checks.routing import record_reference_routing
@@ -369,7 +369,7 @@ def check_bundle(folder: Path, manifest: Manifest) -> dict:
     tolerance overrides read (what load_bundle checks before it reads the arrays)."""
     folder = Path(folder)
     try:
-        meta = json.loads((folder / BUNDLE).read_text())
+        meta = read_json_bounded(folder / BUNDLE)
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise _unreadable(folder, exc) from None
     try:
@@ -426,7 +426,7 @@ def check_golden_destination(folder: Path, manifest: Manifest | None = None) -> 
     if manifest is None or not (folder / BUNDLE).is_file():
         return
     try:
-        difference = _artifact_difference(manifest, json.loads((folder / BUNDLE).read_text())["artifact"])
+        difference = _artifact_difference(manifest, read_json_bounded(folder / BUNDLE)["artifact"])
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
         return  # unreadable or damaged: what re-recording it is for
     if difference is not None:

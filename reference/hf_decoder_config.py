@@ -412,9 +412,9 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
     original = parameters.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
     if kind in ("yarn", "llama3") and original is None:
         original = max_positions  # Transformers' standardize_rope_params
+    if factor is None:  # Transformers' rope validation requires it of every scaled type
+        raise ConfigError(f"config field {name} has rope_type {kind!r} without its factor; give {name}.factor")
     if kind == "yarn":
-        if factor is None:
-            factor = max_positions / original
         attention_factor = parameters.get("attention_factor")
         if attention_factor is None:
             mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
@@ -431,8 +431,6 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
             float(parameters.get("beta_slow") or 1.0),
             parameters.get("truncate", True),
         )
-    if factor is None:
-        raise ConfigError(f"config field {name} of type {kind} gives no factor; add it")
     if kind == "linear":
         return theta, RopeScaling("linear", float(factor))
     return theta, RopeScaling(

@@ -10,10 +10,11 @@ reference's own (exporter/verify/checks/referee.py), the layer localisation name
 and whether that is what the mutant expects; then the kill rate. The mutants are defined once, in tests/mutants.py,
 which the tests run as cases.
 
-    .venv/bin/python benchmarks/mutations.py [--json] [--artifacts DIR] [--match TEXT]
+    .venv/bin/python benchmarks/mutations.py [--json] [--artifacts DIR] [--match TEXT] [--real]
 
 --artifacts DIR keeps the exports in DIR and reuses those already there (an export takes about a minute); --match
-TEXT runs only the mutants whose name holds TEXT.
+TEXT runs only the mutants whose name holds TEXT; --real adds the mutants of SmolLM2-135M-Instruct (tests/mutants.py
+REAL_MUTANTS, in grown layers of the trained model, its GGUF fetched as the tests fetch it).
 Exit codes: 0 every mutant caught as expected, 1 some mutant not caught or not localised as expected.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 import dataclasses  # noqa: E402
 
 from conftest import DEEP_LAYERS, TINY, moe3_yarn_model  # noqa: E402
-from mutants import MUTANTS, SETTINGS, judge, unmet  # noqa: E402
+from gguf_files import smollm2_gguf  # noqa: E402
+from mutants import MUTANTS, REAL_KIND, REAL_MUTANTS, SETTINGS, judge, unmet  # noqa: E402
 
 from exporter import verify_artifact  # noqa: E402
 from exporter.export.pipeline import export_artifact  # noqa: E402
@@ -53,6 +56,19 @@ def _models() -> dict:
     }
 
 
+def _real_model(root: Path) -> tuple:
+    """SmolLM2's reference and its float32 artifact, exported from its GGUF as a user exports it."""
+    from exporter.verify.references.model_source import checkpoint_model
+
+    gguf = smollm2_gguf(Path.home() / ".cache" / "export-onnx" / "smollm2")
+    folder = root / REAL_KIND.replace(" ", "-")
+    if not (folder / "manifest.json").exists():
+        print(f"exporting {REAL_KIND} ...", file=sys.stderr, flush=True)
+        command = [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(gguf), "-o", str(folder), "-q"]
+        subprocess.run(command, check=True)
+    return checkpoint_model(gguf).model, folder
+
+
 def _artifact(root: Path, kind: str, model, dtype: str, source: dict) -> Path:
     folder = root / kind.replace(" ", "-")
     if not (folder / "manifest.json").exists():
@@ -61,14 +77,18 @@ def _artifact(root: Path, kind: str, model, dtype: str, source: dict) -> Path:
     return folder
 
 
-def run(root: Path, match: str = "") -> list[tuple]:
-    """(mutant, outcome, unmet expectations) per mutant whose name holds `match`; the artifacts exported into (or
-    reused from) `root`."""
+def run(root: Path, match: str = "", real: bool = False) -> list[tuple]:
+    """(mutant, outcome, unmet expectations) per mutant whose name holds `match` (with `real`, SmolLM2's too); the
+    artifacts exported into (or reused from) `root`."""
     models = _models()
     rows = []
-    for mutant in [m for m in MUTANTS if match in m.name]:
-        model, dtype, source = models[mutant.kind]
-        artifact = _artifact(root, mutant.kind, model, dtype, source)
+    real_model = _real_model(root) if real and any(match in m.name for m in REAL_MUTANTS) else None
+    for mutant in [m for m in MUTANTS + (REAL_MUTANTS if real else []) if match in m.name]:
+        if mutant.kind == REAL_KIND:
+            model, artifact = real_model
+        else:
+            model, dtype, source = models[mutant.kind]
+            artifact = _artifact(root, mutant.kind, model, dtype, source)
         with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
             folder = shutil.copytree(artifact, Path(scratch) / artifact.name)
             mutant.edit(folder)
@@ -115,13 +135,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--artifacts", type=Path, help="export into (and reuse exports from) this folder")
     parser.add_argument("--match", default="", help="run only the mutants whose name holds this text")
+    parser.add_argument("--real", action="store_true", help="also the SmolLM2 mutants (minutes)")
     args = parser.parse_args()
     if args.artifacts is not None:
         args.artifacts.mkdir(parents=True, exist_ok=True)
-        rows = run(args.artifacts, args.match)
+        rows = run(args.artifacts, args.match, args.real)
     else:
         with tempfile.TemporaryDirectory(prefix="mutation-artifacts-") as root:
-            rows = run(Path(root), args.match)
+            rows = run(Path(root), args.match, args.real)
     if args.json:
         killed = sum(outcome.caught for _, outcome, _ in rows)
         document = {

@@ -76,13 +76,13 @@ def _input_axis(folder: Path, module: str) -> int:
     return 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
 
 
-def _one_head_of_o_proj(layer: int, head: int, factor: float):
+def _one_head_of_o_proj(layer: int, head: int, factor: float, head_dim: int = HEAD_DIM):
     """o_proj's input columns of one attention head (torch's weight[:, head]) times `factor`."""
 
     def edit(folder: Path) -> None:
         module = f"model.layers.{layer}.self_attn.o_proj"
         index = [slice(None), slice(None)]
-        index[_input_axis(folder, module)] = slice(head * HEAD_DIM, (head + 1) * HEAD_DIM)
+        index[_input_axis(folder, module)] = slice(head * head_dim, (head + 1) * head_dim)
         edit_weights(folder, {module: scaled(tuple(index), factor)})
 
     return edit
@@ -446,6 +446,39 @@ MUTANTS = [
     ),
 ]
 
+
+# SmolLM2-135M-Instruct, the trained model (30 layers, 27 of them grown from the three traced; head_dim 64), in
+# float32: mutants in grown layers of a real model. Run by `benchmarks/mutations.py --real` alone: its export and
+# reference take minutes, past the default suite's budget.
+REAL_KIND = "smollm2 float32"
+REAL_MUTANTS = [
+    Mutant(
+        "SmolLM2: one channel of layer 20's input_layernorm x 1.01 (grown)",
+        REAL_KIND,
+        lambda f: edit_weights(f, {"model.layers.20.input_layernorm": scaled(5, 1.01)}),
+        first_layer=20,
+        fault_in="in layer 20's input norm or key/value path",
+        probe=_layer(20) + "input_layernorm",
+        parameters=frozenset({"model.layers.20.input_layernorm.weight"}),
+    ),
+    Mutant(
+        "SmolLM2: one head of layer 25's o_proj x 1.05 (grown)",
+        REAL_KIND,
+        _one_head_of_o_proj(layer=25, head=2, factor=1.05, head_dim=64),
+        first_layer=26,
+        fault_in="in layer 25's query path, attention, output projection or MLP",
+        probe=_layer(25) + "self_attn.o_proj",
+        parameters=frozenset({"model.layers.25.self_attn.o_proj.weight"}),
+    ),
+    Mutant(
+        "SmolLM2: decode writes layer 28's new token before its past (grown)",
+        REAL_KIND,
+        _new_token_first(layer=28),
+        first_layer=28,
+        fault_in="in layer 28's input norm or key/value path",
+        probe=_layer(28) + "self_attn",
+    ),
+]
 
 # ---------------------------------------------------------------- judging a report
 

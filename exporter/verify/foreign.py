@@ -28,7 +28,11 @@ from exporter.verify.checks.providers import repeat_run
 from exporter.verify.checks.quality import check_quality
 from exporter.verify.diagnosis.localise import locate_layer
 from exporter.verify.inputs import ParitySettings, greedy_prompt, prompt_batch
-from exporter.verify.references.transformers_reference import TransformersRunner, transformers_version
+from exporter.verify.references.transformers_reference import (
+    TransformersRunner,
+    float64_referee,
+    transformers_version,
+)
 from exporter.verify.results import ProviderReport, VerifyReport
 from exporter.verify.tolerances import Overrides, profile_for, quality_profile_for
 
@@ -123,7 +127,7 @@ def verify_foreign(
                 )
             )
         else:
-            reports.append(_run_provider(model, onnx, graph.left_padding, batch, settings, overrides))
+            reports.append(_run_provider(model, onnx, graph.left_padding, batch, settings, overrides, reference))
         if not invariants:
             # a quantized graph against itself computes in its float dtype on the same weights, at accuracy level 4
             # in a session of its own (float_matmul_settings): that dtype's profile bounds it
@@ -156,16 +160,26 @@ def _run_provider(
     batch: dict,
     settings: ParitySettings,
     overrides: Overrides,
+    reference: Path,
 ) -> ProviderReport:
     manifest = onnx.manifest
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
+    referee = float64_referee(reference, manifest, profile)  # built at the first comparison beyond the profile
     health = HealthScan(manifest.dtype)
     log.info("%s: prefill", onnx.provider)
-    prefill, outputs = check_prefill(model, onnx, manifest, batch, profile, health)
+    prefill, outputs = check_prefill(model, onnx, manifest, batch, profile, health, referee=referee)
     repeat = repeat_run(onnx, manifest, batch, outputs, profile)
     log.info("%s: %d decode steps feeding present back as past", onnx.provider, settings.decode_steps + 1)
     decode, _ = check_decode(
-        model, onnx, manifest, batch, settings, profile, health, np.random.default_rng(settings.seed + 1)
+        model,
+        onnx,
+        manifest,
+        batch,
+        settings,
+        profile,
+        health,
+        np.random.default_rng(settings.seed + 1),
+        referee=referee,
     )
     log.info("%s: greedy generation of %d tokens", onnx.provider, settings.greedy_tokens)
     prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
@@ -174,7 +188,7 @@ def _run_provider(
     if settings.sweep:
         log.info("%s: shape sweep", onnx.provider)
         rng = np.random.default_rng(settings.seed + 3)
-        sweep = run_sweep(model, onnx, manifest, profile, health, rng, left_padded=left_padded)
+        sweep = run_sweep(model, onnx, manifest, profile, health, rng, left_padded=left_padded, referee=referee)
     skipped = f"not run: {ALWAYS_NOT_CHECKED['probe']}"
     localisation = replace(
         locate_layer(prefill.layers, prefill.comparisons[0], decode.curve),

@@ -151,10 +151,18 @@ class TransformersRunner:
         return self._call(feeds, cache)
 
 
-def _float64(folder: Path, manifest: Manifest) -> TransformersRunner:
-    import torch
+def float64_referee(folder: Path, manifest: Manifest, profile: Profile) -> Float64Referee | None:
+    """Transformers' model of `folder` in float64 as the referee of comparisons beyond `profile` (built at the first
+    one); None where none judges: a profile the user overrode (their bound is the verdict), a MoE model."""
+    if manifest.is_moe or profile.overridden:
+        return None
 
-    return TransformersRunner(folder, manifest, torch.float64)
+    def build() -> TransformersRunner:
+        import torch
+
+        return TransformersRunner(folder, manifest, torch.float64)
+
+    return Float64Referee(build, manifest)
 
 
 def check_transformers(
@@ -187,8 +195,7 @@ def check_transformers(
     folder = Path(manifest.source["path"])
     log.info("independent reference: transformers loading %s", folder)
     transformers = RecordedReference(TransformersRunner(folder, manifest))
-    refereed = not manifest.is_moe and not profile.overridden  # as the providers' runs (engine._run_provider)
-    referee = Float64Referee(lambda: _float64(folder, manifest), manifest) if refereed else None
+    referee = float64_referee(folder, manifest, profile)
 
     def against(compared) -> list:
         transformers.rewind()

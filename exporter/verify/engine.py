@@ -422,11 +422,7 @@ def _referee(runner, manifest: Manifest) -> Float64Referee | None:
     float64 run may choose other experts than both float computations, which no ratio of rounding errors judges."""
     if manifest.quantization is not None or manifest.is_moe:
         return None
-    import torch
-
-    from exporter.verify.references.torch_runner import TorchRunner
-
-    return Float64Referee(lambda: TorchRunner(runner.model, manifest, torch.float64), manifest)
+    return Float64Referee(runner.in_float64, manifest)
 
 
 def _check_model(model, manifest: Manifest) -> None:

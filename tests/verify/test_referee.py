@@ -4,6 +4,7 @@ and a wrong graph stays far outside it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 
@@ -73,7 +74,8 @@ def test_the_float64_chain_resumes_where_it_stopped_and_restarts_on_another(tiny
             calls.append("decode")
             return super().decode(feeds)
 
-    referee = Float64Referee(lambda: Counting(tiny_model, manifest, torch.float64), manifest)
+    counting = Counting(tiny_model, manifest, torch.float64)
+    referee = Float64Referee(lambda: contextlib.nullcontext(counting), manifest)
     ids = np.array([[1, 2, 3, 4]])
     prompt = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
     step = {"input_ids": np.array([[5]]), "attention_mask": np.ones((1, 5), np.int64), "position_ids": np.array([[4]])}
@@ -87,6 +89,22 @@ def test_the_float64_chain_resumes_where_it_stopped_and_restarts_on_another(tiny
     referee.truth([("prefill", {**prompt, "input_ids": ids + 1})])
     assert calls == ["prefill", "decode", "prefill"]
     assert first["logits"].shape == (1, 4, manifest.config.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_reference_computes_in_float64_in_place_and_is_restored_exactly(tiny_model, artifact_fp32, dtype):
+    manifest = dataclasses.replace(open_artifact(artifact_fp32).manifest, dtype=dtype)
+    runner = TorchRunner(tiny_model, manifest)
+    before = {name: tensor.clone() for name, tensor in runner.model.state_dict().items()}
+    ids = np.array([[1, 2, 3, 4]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
+    with runner.in_float64() as float64:
+        inside = float64.prefill(feeds)
+        assert all(t.dtype == torch.float64 for t in runner.model.parameters())
+    copy = TorchRunner(runner.model, manifest, torch.float64).prefill(feeds)  # a float64 copy of the same weights
+    np.testing.assert_array_equal(inside["logits"], copy["logits"])
+    after = runner.model.state_dict()
+    assert all(after[name].dtype == value.dtype and torch.equal(after[name], value) for name, value in before.items())
 
 
 @pytest.mark.parametrize("artifact", ["artifact_fp32", "artifact_fp16"])

@@ -1,28 +1,26 @@
 """The float64 referee's runs (exporter.verify.checks.referee says what they judge and how).
 
-A Float64Referee runs a reference model, cast to float64 from the weights the judged computations use (the
+A Float64Referee runs a reference model in float64, cast from the weights the judged computations use (the
 artifact's dtype: a float16 artifact's referee holds float16-rounded weights, exactly, so it measures the rounding
 of the computation and not of the weights), along a chain of calls: the token inputs of a prefill or of an empty
-cache's first decode, then of each decode call on the cache the chain built. It is built at the first call that
-needs it (a comparison failing its fixed profile), and it remembers the last chain it ran, so the decode steps of
-one check extend one chain instead of re-running it from the start.
+cache's first decode, then of each decode call on the cache the chain built. It runs only for a call whose
+comparison fails its fixed profile, and it remembers the last chain it ran, so the decode steps of one check extend
+one chain instead of re-running it from the start.
 
-Memory: the float64 copy holds twice the float32 weights, resident from the first refereed comparison to the end of
-the verification.
+Memory: the toolkit's reference is cast in place for each refereed call and back (TorchRunner.in_float64), so the
+model is resident once, at twice the float32 weights' size during that call.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import presents_as_past
-
-log = logging.getLogger(__name__)
 
 # One call of a chain: ("prefill" or "decode", its token feeds: input_ids, attention_mask, position_ids, labels).
 Call = tuple[str, dict]
@@ -36,15 +34,14 @@ class Float64Referee:
     """The float64 outputs of a chain of calls.
 
     Args:
-        build: builds the float64 runner (prefill(feeds), decode(feeds) -> outputs by name), called once, at the
-            first chain asked for.
+        float64: opens the float64 runner (prefill(feeds), decode(feeds) -> outputs by name) for the calls of one
+            truth(): a context manager that gives it (TorchRunner.in_float64, or one that builds a float64 copy
+            once and gives it every time).
         manifest: the artifact's manifest (the cache's names and sizes).
-        name: what the ratios name as the reference side ("PyTorch", "transformers").
     """
 
-    def __init__(self, build: Callable[[], object], manifest: Manifest, name: str = "PyTorch"):
-        self._build, self.manifest, self.name = build, manifest, name
-        self._runner = None
+    def __init__(self, float64: Callable[[], AbstractContextManager], manifest: Manifest):
+        self._float64, self.manifest = float64, manifest
         self._chain: tuple[Call, ...] = ()
         self._outputs: dict | None = None
 
@@ -55,22 +52,22 @@ class Float64Referee:
 
     def truth(self, chain: Sequence[Call]) -> dict:
         """The float64 outputs of the chain's last call, each decode call fed the chain's own float64 presents."""
-        if self._runner is None:
-            log.info("referee: the reference in float64, for comparisons beyond their fixed profile")
-            self._runner = self._build()
         chain = tuple(chain)
         known = len(self._chain)
         resumed = known <= len(chain) and all(_same_call(a, b) for a, b in zip(chain, self._chain))
         outputs, start = (self._outputs, known) if resumed and known else (None, 0)
-        for graph, feeds in chain[start:]:
-            if graph == "prefill":
-                outputs = self._runner.prefill(feeds)
-                continue
-            past = (
-                self._empty_past(len(feeds["input_ids"]))
-                if outputs is None
-                else presents_as_past(self.manifest, outputs)
-            )
-            outputs = self._runner.decode({**feeds, **past})
+        if start == len(chain):
+            return outputs
+        with self._float64() as runner:
+            for graph, feeds in chain[start:]:
+                if graph == "prefill":
+                    outputs = runner.prefill(feeds)
+                    continue
+                past = (
+                    self._empty_past(len(feeds["input_ids"]))
+                    if outputs is None
+                    else presents_as_past(self.manifest, outputs)
+                )
+                outputs = runner.decode({**feeds, **past})
         self._chain, self._outputs = chain, outputs
         return outputs

@@ -7,6 +7,7 @@ compares the graphs with the model rather than with themselves.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -31,6 +32,22 @@ class TorchRunner:
         self.model = (model if same else copy.deepcopy(model).to(dtype)).eval()
 
     name = "pytorch reference"
+
+    @contextlib.contextmanager
+    def in_float64(self):
+        """This runner with its model's floating parameters and buffers cast to float64 in place, each restored to its
+        own dtype afterwards, exactly (float64 holds every float32 and float16 value). The referee's run without a
+        second copy of the model: its float64 weights take the place of the float32 (or float16) ones meanwhile, so
+        that verify holds at most twice the float32 weights for the model at any time."""
+        tensors = [t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()]
+        kept = [(tensor, tensor.dtype) for tensor in tensors]
+        try:
+            for tensor, _ in kept:
+                tensor.data = tensor.data.to(torch.float64)
+            yield self
+        finally:
+            for tensor, dtype in kept:
+                tensor.data = tensor.data.to(dtype)
 
     def _outputs(self, out) -> dict:
         cache = self.manifest.cache

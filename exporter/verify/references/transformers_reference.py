@@ -156,13 +156,17 @@ def float64_referee(folder: Path, manifest: Manifest, profile: Profile) -> Float
     one); None where none judges: a profile the user overrode (their bound is the verdict), a MoE model."""
     if manifest.is_moe or profile.overridden:
         return None
+    built: list[TransformersRunner] = []
 
-    def build() -> TransformersRunner:
-        import torch
+    def float64() -> contextlib.AbstractContextManager:
+        if not built:
+            import torch
 
-        return TransformersRunner(folder, manifest, torch.float64)
+            log.info("referee: transformers loading %s in float64", folder)
+            built.append(TransformersRunner(folder, manifest, torch.float64))
+        return contextlib.nullcontext(built[0])
 
-    return Float64Referee(build, manifest)
+    return Float64Referee(float64, manifest)
 
 
 def check_transformers(

@@ -35,6 +35,9 @@ LONG_PROMPT = 8  # tokens of each case's prompt, the first row left-padded by LO
 LONG_PADDING = 2
 LONG_STEPS = 4  # single-token decode steps after it, the boundary between the second and third
 REAL_CACHE = 512  # positions of the real cache's prefill (the model's context when shorter)
+# The prefill's logits judged at its last positions only: every position's presents are judged, and the logits of
+# 512 positions over a vocabulary of 10^5 would cost verify more memory (their float64 statistics) than the model
+JUDGED_LOGITS = LONG_PROMPT
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ def long_positions(manifest: Manifest) -> list[tuple[int, str]]:
     return [(first, why) for first, why in starts if first >= REAL_CACHE]
 
 
+def _last_logits(outputs: dict) -> dict:
+    """`outputs` with the logits of the last JUDGED_LOGITS positions alone."""
+    return {**outputs, "logits": outputs["logits"][:, -JUDGED_LOGITS:]}
+
+
 def _chain_case(
     reference,
     onnx,
@@ -110,18 +118,19 @@ def _chain_case(
     expected, actual = reference.prefill(feeds), onnx.prefill(feeds)
     mask = batch["attention_mask"]
     health.scan_outputs(f"{name} prefill", actual, mask)
+    truth = referee_truth(referee, chain)
     calls = [
         judge_call(
             manifest,
             f"{name} prefill",
             "prefill",
             feeds,
-            actual,
-            expected,
+            _last_logits(actual),
+            _last_logits(expected),
             profile,
+            mask[:, -JUDGED_LOGITS:],
             mask,
-            mask,
-            truth=referee_truth(referee, chain),
+            truth=truth and (lambda: _last_logits(truth())),
         )
     ]
     for step in range(LONG_STEPS):

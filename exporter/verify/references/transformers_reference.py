@@ -83,8 +83,12 @@ class TransformersRunner:
         where, quiet = {"pretrained_model_name_or_path": folder}, contextlib.nullcontext()
         if is_gguf(folder):
             where, quiet = {"pretrained_model_name_or_path": folder.parent, "gguf_file": folder.name}, quiet_loader()
+        # In float64 (the referee) eager attention would not do: transformers' eager softmax runs in float32, where
+        # float64's mask minimum becomes -inf and a padded query's row NaN, which the padded keys then pass on to
+        # every real token at weight 0; sdpa computes in float64 throughout.
+        attention = "sdpa" if dtype == torch.float64 else "eager"
         with quiet:
-            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, attn_implementation=attention)
         self.model = model.to(dtype).eval()
         # the cache's keyword and output field: `cache` in recent transformers 5 releases, `past_key_values` before
         parameters = inspect.signature(self.model.forward).parameters

@@ -48,6 +48,10 @@ def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "exporter.cli", *map(str, args)]
 
 
+def _finite(value) -> float:
+    return float("inf") if value is None else value
+
+
 def _worst(report: dict) -> dict:
     """The worst fixed-profile multiple among comparisons it passed, and the referee's figures."""
     rows = []
@@ -62,7 +66,8 @@ def _worst(report: dict) -> dict:
         "fixed_worst": max((row["needed"]["scale"] for row in rows if not row.get("referee")), default=None),
         "refereed": len(refereed),
         "refereed_failed": sum(not row["passed"] for row in refereed),
-        "referee_worst": max((row["referee"]["ratio"] for row in refereed), default=None),
+        # a ratio JSON could not hold (not finite) is written null: the worst there is
+        "referee_worst": max((_finite(row["referee"]["ratio"]) for row in refereed), default=None),
         "long_cases": sum(len(p.get("long_context", [])) for p in report["providers"]),
         "long_passed": sum(case["passed"] for p in report["providers"] for case in p.get("long_context", [])),
         "failing": sorted(

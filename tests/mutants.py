@@ -53,7 +53,16 @@ QUANTIZED_KINDS = {"deep int4"}  # judged by their quality profile, without loca
 
 SETTINGS = QUICK  # 2 decode steps, 4 greedy tokens, no sweep, the probe on
 # the same through the command line (which has no option for the greedy tokens: 32 there)
-CLI_ARGS = ("--provider", "cpu", "--decode-steps", str(QUICK.decode_steps), "--no-sweep", "--probe", "--no-genai")
+CLI_ARGS = (
+    "--provider",
+    "cpu",
+    "--decode-steps",
+    str(QUICK.decode_steps),
+    "--no-sweep",
+    "--no-long-context",
+    "--probe",
+    "--no-genai",
+)
 _PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 HEAD_DIM = 16  # minimind-3-tiny: hidden 64 over 4 attention heads
 ROTARY_POSITION = 5  # a position of every prompt of the checks: the prefill batch's, the greedy prompt's

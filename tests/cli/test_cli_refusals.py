@@ -630,14 +630,14 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
         "weights.onnx.data cannot be read (Permission denied); let this user read the artifact's files",
     )
     monkeypatch.setattr(exporter.artifact.manifest, "sha256_file", real_sha256)
-    real_read_bytes = pathlib.Path.read_bytes
+    real_open = os.open
 
-    def read_bytes(path, *args, **kwargs):
-        if path.name == "manifest.json":
+    def denying_open(path, *args, **kwargs):  # the bounded JSON reader (artifact/paths.py) opens with os.open
+        if pathlib.Path(path).name == "manifest.json":
             raise denied
-        return real_read_bytes(path, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", denying_open)
     for command in (["inspect", artifact_fp32], ["generate", artifact_fp32, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json cannot be read (Permission denied); let this user read")
 

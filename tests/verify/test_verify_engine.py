@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from xml.etree import ElementTree as ET
 
@@ -323,8 +324,15 @@ def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32,
         parsed[pathlib.Path(path).name] += 1
         return load(path, *args, **kwargs)
 
+    def counted_open(path, *args, **kwargs):  # the bounded JSON reader (artifact/paths.py) opens with os.open
+        if pathlib.Path(path).name == "manifest.json":
+            manifest_reads[str(path)] += 1
+        return real_open(path, *args, **kwargs)
+
+    real_open = os.open
     monkeypatch.setattr(pathlib.Path, "read_text", counted_read_text)
     monkeypatch.setattr(pathlib.Path, "read_bytes", counted_read_bytes)
+    monkeypatch.setattr(os, "open", counted_open)
     monkeypatch.setattr(manifest_module, "sha256_file", counted_sha256)
     monkeypatch.setattr(folder_module.onnx, "load", counted_load)
     result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep")

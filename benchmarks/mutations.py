@@ -65,7 +65,7 @@ def _real_model(root: Path) -> tuple:
     if not (folder / "manifest.json").exists():
         print(f"exporting {REAL_KIND} ...", file=sys.stderr, flush=True)
         command = [sys.executable, "-m", "exporter.cli", "export", "--checkpoint", str(gguf), "-o", str(folder), "-q"]
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)  # its summary is no row of the table
     return checkpoint_model(gguf).model, folder
 
 

@@ -26,6 +26,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import all_layers, judge_call, referee_truth, with_labels
+from exporter.verify.inputs import next_tokens
 from exporter.verify.metrics import Comparison, aggregate
 from exporter.verify.tolerances import Profile
 
@@ -134,13 +135,8 @@ def _chain_case(
         )
     ]
     for step in range(LONG_STEPS):
-        tokens = rng.integers(0, manifest.config.vocab_size, (mask.shape[0], 1), dtype=np.int64)
-        mask = np.concatenate([mask, np.ones_like(tokens)], axis=1)
-        step_feeds = {
-            "input_ids": tokens,
-            "attention_mask": mask,
-            "position_ids": position_ids_from_mask(mask, mask.shape[1] - 1) + offset,
-        }
+        step_feeds, mask = next_tokens(manifest, mask, 1, rng)
+        step_feeds["position_ids"] = step_feeds["position_ids"] + offset
         chain.append(("decode", step_feeds))
         expected = reference.decode({**step_feeds, **presents_as_past(manifest, expected)})
         actual = onnx.decode({**step_feeds, **presents_as_past(manifest, actual)})
@@ -155,7 +151,7 @@ def _chain_case(
                 actual,
                 expected,
                 profile,
-                np.ones_like(tokens),
+                np.ones_like(step_feeds["input_ids"]),
                 mask,
                 truth=referee_truth(referee, chain),
             )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from reference.errors import CheckpointError
 from reference.hf_decoder_config import MODEL_TYPES
+from reference.quiet import quiet_loggers
 
 GGUF_SUFFIX = ".gguf"
 GGUF_EXTRA = "pip install 'export-onnx[gguf]'"
@@ -94,8 +95,9 @@ def read_gguf(path: Path) -> tuple[dict, dict, str]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    try:  # what transformers warns of a file it reads (a missing vocab_size) is the error below, or nothing
+        with quiet_loggers("transformers"):
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # a damaged file, or an architecture transformers does not read (ValueError, KeyError)
         raise _unreadable(path, exc) from None
     if config.model_type not in MODEL_TYPES:

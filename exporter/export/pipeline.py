@@ -57,6 +57,7 @@ from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.torch_runner import TORCH_DTYPES
 from exporter.verify.tolerances import profile_for
 from reference.families import family_of
+from reference.quiet import quiet_loggers
 
 log = logging.getLogger(__name__)
 
@@ -130,20 +131,6 @@ def _example_inputs(config, dtype: torch.dtype, with_loss: bool, past: bool):
     return tuple(args), names
 
 
-@contextlib.contextmanager
-def _quiet_loggers(*names):
-    # torch.onnx and its optimiser log every pass at INFO; keep our own progress readable.
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def _torch_export(module, args, argument_names, contract: GraphContract) -> ir.Model:
     """The graph torch.onnx builds (optimised), its weights still in memory: the caller moves them out
     (SharedWeightsWriter.add) before anything serialises it, which would copy every one of them."""
@@ -155,7 +142,7 @@ def _torch_export(module, args, argument_names, contract: GraphContract) -> ir.M
             warnings.catch_warnings(),
             contextlib.redirect_stdout(noise),
             contextlib.redirect_stderr(noise),
-            _quiet_loggers(*LIBRARY_LOGGERS),
+            quiet_loggers(*LIBRARY_LOGGERS),
         ):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(

@@ -376,14 +376,14 @@ def ensure_artifact(folder: Path) -> None:
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)
     from exporter.artifact.manifest import read_manifest
-    from exporter.errors import TORCH_INSTALL_HINT, InputError
+    from exporter.errors import EXPORT_EXTRA, InputError
     from exporter.verify.references.model_source import rebuild_problem
 
     manifest = read_manifest(folder)  # ArtifactError: not an artifact, or damaged
     problem = rebuild_problem(manifest)
     if problem is not None:  # else the PyTorch worker fails in its warm-up, the others started
         fix = {
-            "torch": f"install it ({TORCH_INSTALL_HINT})",
+            "torch": f"install the export extra ({EXPORT_EXTRA})",
             "checkpoint": "restore it or re-export",
             "source": "benchmark an artifact export-onnx exported from a preset or a checkpoint",
         }[problem.cause]

@@ -13,18 +13,23 @@ def first_of(names, shown: int) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-# The torch the toolkit is tested with (pyproject.toml pins it): what a message tells a user without it to install.
-TORCH_INSTALL_HINT = "pip install torch==2.13.0"
+# pyproject.toml's `export` extra, which the base install (inspect, generate, a golden bundle's replay) goes without:
+# what a message tells a user without it to install, and the modules it brings (torch.onnx's translator, the graph
+# library whose weights the export moves out, the checkpoint reader).
+EXPORT_EXTRA = "pip install 'export-onnx[export]'"
+EXPORT_MODULES = ("torch", "onnxscript", "onnx_ir", "safetensors")
 
 
-def torch_import_error() -> str | None:
-    """Why PyTorch does not import here, or None when it does: the reference model and the export need it, a
-    deployment may hold only onnxruntime. A broken install counts too: torch raises OSError when one of its
-    shared libraries cannot be loaded (libtorch_cpu.so, a CUDA library of another version)."""
-    try:
-        importlib.import_module("torch")
-    except (ImportError, OSError) as exc:
-        return str(exc)
+def export_extra_error(modules: tuple[str, ...] = EXPORT_MODULES) -> str | None:
+    """Why the first of `modules` that fails to import does, or None when all import: the export needs the whole
+    extra, rebuilding the reference model ("torch",) alone (onnx_ir is slow to import); a deployment may hold only
+    the base install. A broken install counts too: torch raises OSError when one of its shared libraries cannot be
+    loaded (libtorch_cpu.so, a CUDA library of another version)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError) as exc:
+            return str(exc)
     return None
 
 

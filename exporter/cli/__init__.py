@@ -81,7 +81,7 @@ from exporter.cli.outcome import (
     missing_dependency,
     setup_logging,
 )
-from exporter.errors import TORCH_INSTALL_HINT, ConsumerError, InputError, ToolkitError, torch_import_error
+from exporter.errors import EXPORT_EXTRA, ConsumerError, InputError, ToolkitError, export_extra_error
 
 try:
     import onnxruntime  # noqa: F401  every command runs it: a deployment set up with --no-deps may lack it
@@ -145,13 +145,14 @@ def _output_folder(output, preset, checkpoint, dtype, activations=None) -> Path:
     return DEFAULT_ROOT / "-".join([name, *suffixes])
 
 
-def _require_torch(purpose: str) -> None:
-    """The reference model and the export need PyTorch; a deployment may hold only onnxruntime, which
-    inspect, generate and a golden replay are enough for."""
-    missing = torch_import_error()
+def _require_export_extra() -> None:
+    """An export needs the `export` extra (PyTorch, torch.onnx's onnxscript, onnx-ir, safetensors); the base install
+    holds only what inspect, generate and a golden replay need."""
+    missing = export_extra_error()
     if missing is not None:
         raise ToolkitError(
-            f"{purpose} needs PyTorch, which does not import here ({missing}); install it ({TORCH_INSTALL_HINT})"
+            "exporting needs the export extra (PyTorch, onnxscript, onnx-ir, safetensors), which does not import "
+            f"here ({missing}); install it: {EXPORT_EXTRA}"
         )
 
 
@@ -182,7 +183,7 @@ def _export(
     """Export as the command line says: --tokenizer, else the checkpoint's own unless --no-tokenizer."""
     if tokenizer is not None and no_tokenizer:
         raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
-    _require_torch("exporting")
+    _require_export_extra()
     from exporter.export.pipeline import (
         check_destination,
         export_artifact,

@@ -121,7 +121,7 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     A `golden/` bundle inside the artifact comes after the rebuilt reference: it travels with the artifact,
     so whoever altered the graphs could have recorded it from them, with loosened tolerances."""
     from exporter.artifact.manifest import read_manifest
-    from exporter.errors import TORCH_INSTALL_HINT, ToolkitError
+    from exporter.errors import EXPORT_EXTRA, ToolkitError
     from exporter.verify.references.model_source import reference_for
     from reference.errors import CheckpointError
 
@@ -141,7 +141,9 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
     if problem.cause == "checkpoint":  # as `export-onnx verify` refuses it: a stale artifact must not pass
         raise CheckpointError(f"{folder}: {problem.reason}; restore it, pass --golden-bundle=DIR, or re-export")
     if problem.cause == "torch":  # the checks must not be skipped as if none could run
-        raise ToolkitError(f"{folder}: {problem.reason}; install it ({TORCH_INSTALL_HINT}) or pass --golden-bundle=DIR")
+        raise ToolkitError(
+            f"{folder}: {problem.reason}; install the export extra ({EXPORT_EXTRA}) or pass --golden-bundle=DIR"
+        )
     return Plan("invariants", reason=problem.reason)
 
 

@@ -267,7 +267,9 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
         plan = reference_plan(folder, None)
         assert plan.reference == "golden" and plan.reason.startswith("PyTorch, which rebuilding the reference")
         shutil.rmtree(folder / "golden")
-        with pytest.raises(ToolkitError, match="does not import here; install it .* or pass --golden-bundle=DIR"):
+        with pytest.raises(
+            ToolkitError, match="does not import here; install the export extra .* or pass --golden-bundle=DIR"
+        ):
             reference_plan(folder, None)
         (folder / "golden").mkdir()  # a golden/ without its golden.json is refused, not passed over in silence
         with pytest.raises(
@@ -307,8 +309,8 @@ def test_a_broken_torch_install_is_refused_as_torch_missing_not_as_an_internal_e
     out = _pytest(tmp_path, f"--artifacts={artifact_fp32}", env=env)
     assert out.returncode == 4 and "INTERNALERROR" not in out.stdout + out.stderr, out.stderr[-2000:]
     assert (
-        "PyTorch, which rebuilding the reference needs, does not import here; install it (pip install "
-        "torch==2.13.0) or pass --golden-bundle=DIR"
+        "PyTorch, which rebuilding the reference needs, does not import here; install the export extra (pip "
+        "install 'export-onnx[export]') or pass --golden-bundle=DIR"
     ) in out.stderr, out.stderr[-2000:]
 
 

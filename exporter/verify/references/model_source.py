@@ -12,7 +12,7 @@ from pathlib import Path
 
 from exporter.artifact.manifest import Manifest
 from exporter.artifact.tokenizer import TokenizerSource, checkpoint_tokenizer
-from exporter.errors import TORCH_INSTALL_HINT, ArtifactError, InputError, ToolkitError, torch_import_error
+from exporter.errors import EXPORT_EXTRA, ArtifactError, InputError, ToolkitError, export_extra_error
 
 REBUILT_KINDS = ("seeded", "checkpoint")  # the sources whose model the toolkit builds again
 
@@ -87,7 +87,7 @@ class RebuildProblem:
         if self.cause == "torch":
             return ToolkitError(
                 f"verifying against the reference model needs PyTorch, which does not import here "
-                f"({self.detail}); install it ({TORCH_INSTALL_HINT}), or replay a golden bundle "
+                f"({self.detail}); install the export extra ({EXPORT_EXTRA}), or replay a golden bundle "
                 "(`golden`)"
             )
         if self.cause == "checkpoint":
@@ -107,7 +107,7 @@ def rebuild_problem(manifest: Manifest) -> RebuildProblem | None:
     source = manifest.source
     if source.get("kind") not in REBUILT_KINDS:
         return RebuildProblem("source", source)
-    missing = torch_import_error()
+    missing = export_extra_error(("torch",))
     if missing is not None:
         return RebuildProblem("torch", source, missing)
     if source["kind"] == "checkpoint":

@@ -58,7 +58,7 @@ def _models() -> dict:
 
 def _real_model(root: Path) -> tuple:
     """SmolLM2's reference and its float32 artifact, exported from its GGUF as a user exports it."""
-    from exporter.verify.references.model_source import checkpoint_model
+    from reference.source import checkpoint_model
 
     gguf = smollm2_gguf(Path.home() / ".cache" / "export-onnx" / "smollm2")
     folder = root / REAL_KIND.replace(" ", "-")

@@ -169,7 +169,7 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dic
     from quality import replayed
 
     import exporter.export.pipeline as pipeline
-    from exporter.verify.references.model_source import seeded_model
+    from reference.source import seeded_model
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node otherwise
     seeded = seeded_model(preset)
@@ -355,7 +355,7 @@ def fixture_qwen3_folder(work: Path) -> tuple[Path, float]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from exporter.verify.references.model_source import checkpoint_model
+    from reference.source import checkpoint_model
 
     reference = checkpoint_model(FIXTURE).model.eval()
     c = reference.config
@@ -455,9 +455,9 @@ def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float
     from exporter.runtime.foreign import ForeignRunner
     from exporter.runtime.runner import OrtRunner
     from exporter.runtime.sessions import SessionSettings
+    from exporter.tolerances import profile_for
     from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone
     from exporter.verify.inputs import ParitySettings, prompt_batch
-    from exporter.verify.tolerances import profile_for
 
     graph = read_foreign(builder)
     manifests = {"ours": read_manifest(ours), "builder": foreign_manifest(graph, reference_config(folder), folder)}

@@ -371,7 +371,7 @@ def ensure_artifact(folder: Path) -> None:
     if folder == DEFAULT_ARTIFACT and not folder.exists():
         print(f"no artifact at {folder}; exporting minimind-3 (about 2 minutes)", file=sys.stderr)
         from exporter.export.pipeline import export_artifact
-        from exporter.verify.references.model_source import seeded_model
+        from reference.source import seeded_model
 
         seeded = seeded_model("minimind-3")
         export_artifact(seeded.model, folder, source=seeded.source)

@@ -1,13 +1,18 @@
 """Export decoder LLMs to ONNX (prefill + cached decode) and prove ONNX Runtime reproduces the reference.
 
-The layers, each importing only those listed before it:
+The layers, lowest first, each importing only those listed before it (tests/test_layers.py checks every import):
 
 - errors: the one error hierarchy of the library;
-- artifact/: the artifact format (I/O contract, manifest, sidecar configs, atomic writes);
-- export/: the torch side (reference model source, export wrappers, shared weights, the pipeline);
+- artifact/: the artifact format (I/O contract, manifest, sidecar configs, node scopes, atomic writes);
 - runtime/: ONNX Runtime, torch-free (sessions, runner, generation, onnxruntime-genai);
-- verify/: the verification engine (references, checks, diagnosis, results, reports);
+- tolerances: the tolerance profiles with their reasoning, which the export's checks and the verification share;
+- export/ and verify/: siblings, neither importing the other; export/ is the torch side (export wrappers, shared
+  weights, quantization, the pipeline), verify/ the verification engine (references, checks, diagnosis, results,
+  reports);
 - cli/: the `export-onnx` command and the pytest plugin, the only code that knows flags, prints and exits.
+
+The reference models (the `reference` package, with reference.source: a model with the record of where its weights
+came from) sit beside artifact/: they import only errors and artifact/, and export/ and verify/ build on them.
 
 The public API below is what the README's Python section uses. Names resolve on first use, so that
 `import exporter` alone imports neither torch nor onnxruntime.
@@ -18,17 +23,17 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "seeded_model": "exporter.verify.references.model_source",
-    "checkpoint_model": "exporter.verify.references.model_source",
+    "seeded_model": "reference.source",
+    "checkpoint_model": "reference.source",
     "export_artifact": "exporter.export.pipeline",
     "verify_artifact": "exporter.verify.engine",
     "ParitySettings": "exporter.verify.inputs",
     "VerifyReport": "exporter.verify.results",
     "Comparison": "exporter.verify.metrics",
-    "Tolerance": "exporter.verify.metrics",
+    "Tolerance": "exporter.tolerances",
     "aggregate": "exporter.verify.metrics",
     "compare": "exporter.verify.metrics",
-    "TOLERANCES": "exporter.verify.tolerances",
+    "TOLERANCES": "exporter.tolerances",
     "OrtRunner": "exporter.runtime.runner",
     "SessionSettings": "exporter.runtime.sessions",
     "SamplingConfig": "exporter.runtime.generation",

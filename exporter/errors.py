@@ -5,6 +5,7 @@ error). Parity failures are results, not errors: they exit with 1.
 """
 
 import importlib
+import numbers
 
 
 def first_of(names, shown: int) -> str:
@@ -90,6 +91,11 @@ class TokenizerError(ToolkitError):
 
 class ConsumerError(ToolkitError):
     """A consumer runtime (onnxruntime-genai) is missing or cannot load an artifact."""
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer (numpy registers its integers as numbers.Integral); bools are not token ids."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_flag(name: str, value) -> None:

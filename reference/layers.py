@@ -1,5 +1,5 @@
 """Pieces every decoder family shares: the output type, the training loss, attention over a KV cache,
-negative indices sent past a table.
+negative indices sent past a table, the torch dtype of each precision an artifact holds.
 
 Attention math is one pure function chosen by name (`ATTENTION`), not one
 class per backend. `attend` adds the cache: it appends the new keys/values to
@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from reference.errors import ContextLengthError
+
+# The torch dtype of each artifact dtype: the reference runs in the artifact's precision, and the export casts to it.
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass

@@ -372,7 +372,7 @@ TRAINED = Path(__file__).resolve().parent / "fixtures" / "minimind-3-stdlib"
 @pytest.fixture(scope="session")
 def trained_model():
     """The trained fixture (benchmarks/train_fixture.py) as its checkpoint loads: a SourcedModel (model, source)."""
-    from exporter.verify.references.model_source import checkpoint_model
+    from reference.source import checkpoint_model
 
     return checkpoint_model(TRAINED)
 

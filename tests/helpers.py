@@ -23,8 +23,8 @@ from exporter import TOLERANCES, compare
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries, read_manifest, sha256_file
 from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs
+from exporter.artifact.scopes import module_of
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
-from exporter.verify.diagnosis.probe import module_of
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.torch_runner import TorchRunner
 

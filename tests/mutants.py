@@ -38,7 +38,7 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.manifest import read_manifest
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
-from exporter.verify.diagnosis.probe import module_of
+from exporter.artifact.scopes import module_of
 from exporter.verify.inputs import prompt_batch
 
 # artifact kind -> (its fixture, its reference model's fixture), as tests/conftest.py names them

@@ -7,7 +7,6 @@ runtime and the verifier hard-code nothing.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 from reference.families import DecoderConfig
@@ -93,9 +92,6 @@ class CacheLayout:
 
 
 KV_KINDS = ("key", "value")
-# The module scope of a MoE router (MiniMind's `...layers.{i}.mlp.gate`), as torch.onnx records it in node metadata:
-# its scores pick the experts; the routing checks find it by this, and quantization leaves it float.
-ROUTER_SCOPE = re.compile(r"layers\.(\d+)\.mlp\.gate$")
 
 
 def cache_layout(config: DecoderConfig, dtype: str) -> CacheLayout:

@@ -96,7 +96,7 @@ DEFAULT_ROOT = Path("artifacts")
 def _model_and_source(preset, seed, checkpoint, config_path, with_tokenizer=False):
     """The model to export, with the manifest's record of where its weights came from (a SourcedModel), and with
     `with_tokenizer` the tokenizer a checkpoint brings."""
-    from exporter.verify.references.model_source import checkpoint_model, seeded_model
+    from reference.source import checkpoint_model, seeded_model
 
     if checkpoint is None:
         if config_path is not None:
@@ -118,7 +118,7 @@ def _model_and_source(preset, seed, checkpoint, config_path, with_tokenizer=Fals
 def _planned_artifact(preset, seed, checkpoint, dtype) -> tuple:
     """(dtype, config, weights source) of the artifact `run` is about to export, what --fp16-companion is held
     to before the export; a checkpoint's config and source are known only once it has been read (None)."""
-    from exporter.verify.references.model_source import seeded_source
+    from reference.source import seeded_source
 
     if checkpoint is not None:
         return dtype, None, None

@@ -328,11 +328,11 @@ def verification_plan(
     """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
     from exporter.runtime.sessions import check_parity_providers
+    from exporter.tolerances import parse_overrides
     from exporter.verify.checks.providers import companion_for, read_companion
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.references.golden import check_golden_destination
     from exporter.verify.reports import check_report_destination
-    from exporter.verify.tolerances import parse_overrides
 
     if len(options.tolerance_files) > 1:
         raise ToolkitError(

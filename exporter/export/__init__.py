@@ -1,9 +1,13 @@
 """The export, torch side: the reference model wrapped as prefill and decode graphs, written as an artifact.
 
-- model_source: the reference model from a preset (seeded) or a checkpoint, with the record that rebuilds it;
 - graphs: the export wrappers that flatten the cache into named inputs and outputs;
+- layer_template: a deep model traced a few layers deep, its graph grown to its depth;
 - weights: one weights file shared by both graphs, by content;
+- quantize: int4/int8 weight-only quantization of the written graphs;
 - pipeline: torch.onnx export, passes, checks and the atomic write of the folder.
+
+The model comes from reference.source (a preset's seeded model or a checkpoint's, with its source record); the
+export's checks judge by exporter.tolerances. Nothing here imports verify/, its sibling.
 """
 
 # torch.onnx and its optimiser: their info lines drown ours, so the export and the CLI quiet them.

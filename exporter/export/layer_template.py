@@ -43,7 +43,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporter.verify.diagnosis.probe import SCOPES_KEY, parse_scopes
+from exporter.artifact.scopes import SCOPES_KEY, parse_scopes
 
 log = logging.getLogger(__name__)
 

@@ -53,11 +53,11 @@ from exporter.export.quantize import quantize_graphs
 from exporter.export.weights import SharedWeightsWriter
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.runtime.sessions import checking_settings
-from exporter.verify.references.model_source import SourcedModel
-from exporter.verify.references.torch_runner import TORCH_DTYPES
-from exporter.verify.tolerances import profile_for
+from exporter.tolerances import profile_for
 from reference.families import family_of
+from reference.layers import TORCH_DTYPES
 from reference.quiet import quiet_loggers
+from reference.source import SourcedModel
 
 log = logging.getLogger(__name__)
 
@@ -539,7 +539,7 @@ def _check_arguments(model, folder, with_loss) -> None:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise InputError(
             f"model must be a reference model or a reference.byo adapter (a torch.nn.Module with a "
-            f".config), got {type(model).__name__}; build one with exporter.verify.references.model_source.seeded_model"
+            f".config), got {type(model).__name__}; build one with reference.source.seeded_model"
             "(preset).model or checkpoint_model(path).model"
         )
     if not isinstance(folder, (str, os.PathLike)):

@@ -35,10 +35,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from exporter.artifact.contract import ROUTER_SCOPE
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, Quantization, block_inputs
+from exporter.artifact.scopes import ROUTER_SCOPE, module_of
 from exporter.errors import ExportFailed
-from exporter.verify.diagnosis.probe import module_of
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,9 @@
 - sessions: providers, session settings, the shared weights map and graph loading;
 - runner: OrtRunner, prefill and cached decode over the artifact's contract;
 - generation: greedy and sampled generation over an OrtRunner;
-- genai: the same artifact through onnxruntime-genai.
+- binding: decode steps through onnxruntime's IO binding, the cache kept as OrtValues;
+- genai: the same artifact through onnxruntime-genai;
+- foreign: a foreign graph (artifact.foreign) behind OrtRunner's interface.
 
 A test proves that importing this package never imports torch.
 """

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exporter.errors import InputError, ToolkitError
+from exporter.errors import InputError, ToolkitError, is_integer
 from exporter.runtime.runner import check_prompt, position_ids_from_mask
-from exporter.runtime.sessions import is_integer
 from reference.families import DecoderConfig
 
 PAD_ID = 0  # any valid id; padded slots are masked out

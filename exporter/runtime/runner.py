@@ -18,7 +18,7 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter.artifact.contract import KV_KINDS, CacheLayout, GraphContract
 from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, unchanged_while_read
-from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of
+from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of, is_integer
 from exporter.runtime.binding import BindingDecode
 from exporter.runtime.sessions import (
     CUDA,
@@ -26,7 +26,6 @@ from exporter.runtime.sessions import (
     SharedWeightMap,
     check_provider,
     check_quantized_provider,
-    is_integer,
     load_session,
     optimized_graphs_saved,
     session_options,

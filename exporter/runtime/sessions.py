@@ -30,7 +30,15 @@ from exporter.artifact.paths import (
     parents_removed_unless_done,
     uninterrupted,
 )
-from exporter.errors import ArtifactError, InputError, OutputPathError, ProviderError, check_flag, first_line
+from exporter.errors import (
+    ArtifactError,
+    InputError,
+    OutputPathError,
+    ProviderError,
+    check_flag,
+    first_line,
+    is_integer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +192,6 @@ def available_parity_providers() -> tuple[list[str], dict[str, str]]:
     if unusable is None:
         return list(PARITY_PROVIDERS), {}
     return [CPU], {CUDA: unusable}
-
-
-def is_integer(value) -> bool:
-    """A Python or numpy integer; bools are not token ids."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 MAX_THREADS = 1024  # a bound for typos: onnxruntime takes a C int and would start every thread asked for

@@ -1,11 +1,14 @@
 """The verification engine: ONNX Runtime against the PyTorch reference, a golden bundle, or itself.
 
-- inputs: seeded feeds and the sweep grid; metrics: pure comparisons; tolerances: profiles with their reasoning;
-- references/: the PyTorch model as a runner (torch_runner) and recorded golden bundles (golden);
+- inputs: seeded feeds and the sweep grid; metrics: pure comparisons (judged by exporter.tolerances' profiles);
+- references/: the reference rebuilt from the manifest's source (model_source), the PyTorch model as a runner
+  (torch_runner), recorded golden bundles (golden), Transformers' model of a Hugging Face folder;
 - checks/: prefill, decode steps, greedy and sweep (outputs), invariants, the weight audit (weights), health, MoE
   routing, providers;
 - diagnosis/: debug graphs that expose every layer (probe) and the first layer that diverges (localise);
-- results: frozen result objects; reports/: text, JSON, JUnit and HTML writers.
+- results: frozen result objects; reports/: text, JSON, JUnit and HTML writers;
+- engine: verify_artifact, which runs them all; foreign: verify_foreign, the same checks on a folder another
+  exporter wrote.
 
-engine.verify_artifact runs them all. Only the PyTorch reference imports torch, and only when one is given.
+Only the PyTorch reference imports torch, and only when one is given. Nothing here imports export/, its sibling.
 """

@@ -31,6 +31,7 @@ from exporter.runtime.sessions import (
     check_quantized_provider,
     checking_settings,
 )
+from exporter.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
@@ -75,12 +76,11 @@ from exporter.verify.references.golden import (
     check_loaded,
     load_bundle,
 )
-from exporter.verify.references.model_source import SourcedModel
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.references.transformers_reference import FAMILY as HF_FAMILY
 from exporter.verify.references.transformers_reference import check_transformers, transformers_skip_reason
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
-from exporter.verify.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
+from reference.source import SourcedModel
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ def _check_arguments(settings, genai, overrides) -> None:
     if not isinstance(overrides, Overrides):
         raise InputError(
             f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
-            "exporter.verify.tolerances.parse_overrides(atol=['logits=1e-3'])"
+            "exporter.tolerances.parse_overrides(atol=['logits=1e-3'])"
         )
     if not isinstance(genai, (bool, type(None))):
         raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
@@ -685,7 +685,7 @@ def verify_artifact(
             same, and replayed from its first call), judged with the tolerance overrides it was recorded with,
             each term in `overrides` taking its recorded one's place.
         golden_save: a folder to record the reference's inputs and outputs in, with `overrides`.
-        overrides: tolerance terms in place of the profiles' (exporter.verify.tolerances.parse_overrides).
+        overrides: tolerance terms in place of the profiles' (exporter.tolerances.parse_overrides).
         fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA
             attribution.
         quality_text: for a quantized artifact, a text its quality check reads in place of seeded random ids: a

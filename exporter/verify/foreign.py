@@ -21,6 +21,7 @@ from exporter.artifact.foreign import check_sizes, foreign_manifest, read_foreig
 from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
 from exporter.runtime.sessions import available_parity_providers, check_parity_providers, check_quantized_provider
+from exporter.tolerances import Overrides, profile_for, quality_profile_for
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone, split_prefill
 from exporter.verify.checks.outputs import check_decode, check_greedy, check_prefill, run_sweep
@@ -34,7 +35,6 @@ from exporter.verify.references.transformers_reference import (
     transformers_version,
 )
 from exporter.verify.results import ProviderReport, VerifyReport
-from exporter.verify.tolerances import Overrides, profile_for, quality_profile_for
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ import numpy as np
 from exporter.artifact.manifest import Manifest
 from exporter.artifact.paths import shown_path
 from exporter.artifact.tokenizer import TOKENIZER, load_tokenizer
-from exporter.errors import InputError, check_flag
+from exporter.errors import InputError, check_flag, is_integer
 from exporter.runtime.runner import position_ids_from_mask
-from exporter.runtime.sessions import is_integer
 
 SWEEP_BATCHES = (1, 2, 3)
 SWEEP_NEW_TOKENS = (1, 2, 7, 64)

@@ -13,37 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from exporter.tolerances import Tolerance, finite_magnitude
+
 TOP_K = 5
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """An element passes when |actual - expected| <= atol + rtol * |expected| + peak * max|expected of its row|.
-
-    The first two terms are numpy.allclose. `peak` scales with the largest
-    magnitude in the element's row: rounding errors of a dot product or a norm are
-    set by the magnitude of what was summed, so an output near zero inherits an
-    absolute error from its large neighbours that no elementwise rtol covers. The
-    row is what one computation produced (ROW_AXES: one position's logits, one kv
-    head's keys or values), not the whole tensor: a peak taken over every position
-    and head would let a head or a position of small magnitude be off by a share
-    of the largest one's size, which its own rounding never explains.
-    """
-
-    atol: float
-    rtol: float
-    peak: float = 0.0
-
-    def allowed(self, expected: np.ndarray, peaks: np.ndarray | None = None) -> np.ndarray:
-        """The bound per element of `expected`; `peaks`: each element's row peak (row_peaks), None: the
-        tensor's peak for every element."""
-        magnitude = _finite_magnitude(expected)
-        if peaks is None:
-            peaks = magnitude.max() if magnitude.size else 0.0
-        return self.atol + self.rtol * magnitude + self.peak * peaks
-
-    def to_dict(self) -> dict:
-        return {"atol": self.atol, "rtol": self.rtol, "peak": self.peak}
 
 
 @dataclass(frozen=True)
@@ -140,11 +112,6 @@ class Comparison:
 ROW_AXES = {"logits": 1, "kv": 2, "activation": 1}
 
 
-def _finite_magnitude(expected: np.ndarray) -> np.ndarray:
-    """|expected| with NaN and infinities as 0: one infinite value must not make every bound infinite."""
-    return np.abs(np.where(np.isfinite(expected), expected, 0.0))
-
-
 def row_peaks(expected: np.ndarray, kind: str, judged: np.ndarray | None = None) -> np.ndarray:
     """Each element's row peak: the largest finite |expected| among the judged elements of its row (ROW_AXES
     of `kind`; the whole tensor for a kind without rows), broadcast to `expected`'s shape.
@@ -154,7 +121,7 @@ def row_peaks(expected: np.ndarray, kind: str, judged: np.ndarray | None = None)
         kind: the comparison kind, a key of ROW_AXES or another (one row).
         judged: elements judged, of `expected`'s shape; the others (padding) do not raise a row's peak.
     """
-    magnitude = _finite_magnitude(expected)
+    magnitude = finite_magnitude(expected)
     if judged is not None:
         magnitude = np.where(judged, magnitude, 0.0)
     axes = ROW_AXES.get(kind)
@@ -164,7 +131,7 @@ def row_peaks(expected: np.ndarray, kind: str, judged: np.ndarray | None = None)
 
 
 def _needed(diff: np.ndarray, expected: np.ndarray, tolerance: Tolerance, peaks: np.ndarray) -> Needed:
-    magnitude = _finite_magnitude(expected)
+    magnitude = finite_magnitude(expected)
     peak = tolerance.peak * peaks
     atol = float(np.max(diff - tolerance.rtol * magnitude - peak))
     rest = diff - tolerance.atol - peak

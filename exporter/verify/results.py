@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exporter.tolerances import AppliedOverrides, Profile
 from exporter.verify.checks.faithfulness import Faithfulness
 from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
@@ -14,7 +15,6 @@ from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.checks.weights import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
-from exporter.verify.tolerances import AppliedOverrides, Profile
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -807,7 +807,7 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
 ):
     from exporter.artifact.manifest import read_manifest
     from exporter.export.pipeline import export_artifact
-    from exporter.verify.references.model_source import checkpoint_model, seeded_model
+    from reference.source import checkpoint_model, seeded_model
 
     assert seeded_model("minimind-3-tiny", seed=0).source == read_manifest(cli_artifact).source
     config = json.loads((minimind2_artifact.parent / "config.json").read_text())  # the export's --config

@@ -76,10 +76,10 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
 
 def test_a_checkpoint_inside_the_output_folder_is_not_read_before_the_folder_is_refused(tmp_path, monkeypatch):
     # The checkpoint (gigabytes for a real model) was loaded first, and only then the folder refused.
-    import exporter.verify.references.model_source
+    import reference.source
 
     monkeypatch.setattr(
-        exporter.verify.references.model_source,
+        reference.source,
         "checkpoint_model",
         lambda *args, **kwargs: pytest.fail("the checkpoint was read before the folder was refused"),
     )
@@ -338,8 +338,8 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every
     from exporter.artifact.manifest import read_manifest
     from exporter.artifact.tokenizer import find_tokenizer
     from exporter.errors import ToolkitError
+    from exporter.tolerances import parse_overrides
     from exporter.verify.references.golden import check_bundle
-    from exporter.verify.tolerances import parse_overrides
     from reference.checkpoints import read_checkpoint
 
     deep = "[" * 100000 + "]" * 100000  # json raises RecursionError, not a ValueError, on this

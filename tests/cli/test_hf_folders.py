@@ -201,8 +201,8 @@ def test_a_dropped_rope_scaling_fails_at_long_positions(exported, tmp_path):
     # by O(1) only near original_max_position_embeddings, which the long-context check reaches.
     from exporter.artifact.folder import open_artifact
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.references.model_source import checkpoint_model
     from reference.hf_decoder import rope_inv_freq
+    from reference.source import checkpoint_model
 
     model_type, folder = exported
     folder = shutil.copytree(folder, tmp_path / model_type)

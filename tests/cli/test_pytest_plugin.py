@@ -215,9 +215,9 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
 def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artifact_fp32, tiny_model, tmp_path):
     # The plugin takes no tolerance options: a bundle recorded under a tightened logits.peak (0: nothing meets
     # it) must fail its replay here too, and the header must say what the bundle overrides.
+    from exporter.tolerances import parse_overrides
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.tolerances import parse_overrides
 
     bundle = tmp_path / "bundle"
     recorded = verify_artifact(
@@ -245,9 +245,9 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
 ):
     # A perturbed artifact carrying a bundle recorded from itself with every tolerance loosened: the bundle
     # travels with the artifact, so it must not outrank the reference rebuilt from the seed.
+    from exporter.tolerances import parse_overrides
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.tolerances import parse_overrides
 
     folder = shutil.copytree(artifact_fp32, tmp_path / "perturbed")
     perturb_weight(folder, "model.layers.0.self_attn.q_proj", 0.002)

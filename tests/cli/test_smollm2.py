@@ -67,8 +67,8 @@ def test_smollm2s_ill_conditioned_sweep_case_is_judged_against_float64(smollm2):
     from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
     from exporter.verify.checks.referee import REFEREE_LIMIT, referee_ratio
     from exporter.verify.inputs import ParitySettings, ragged_mask, sweep_grid
-    from exporter.verify.references.model_source import checkpoint_model
     from exporter.verify.references.torch_runner import TorchRunner
+    from reference.source import checkpoint_model
 
     path, folder = smollm2
     artifact = open_artifact(folder)

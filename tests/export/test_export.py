@@ -465,13 +465,13 @@ def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model
     """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
     TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,
     a numpy integer refused as none; seeded_model's result, not a model, was told to build one with seeded_model."""
-    from exporter.verify.references.model_source import seeded_model
+    from reference.source import seeded_model
 
     for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
         with pytest.raises(
             InputError,
             match=f"model must be a reference model or a reference.byo adapter .*, got "
-            f"{kind}; build one with exporter.verify.references.model_source.seeded_model",
+            f"{kind}; build one with reference.source.seeded_model",
         ):
             export_artifact(model, tmp_path / "x")
     with pytest.raises(InputError, match=r"folder must be a path \(str or Path\), got None \(`folder`\)"):
@@ -891,7 +891,7 @@ def test_the_parity_tolerances_are_the_cpu_profiles_per_kind():
     # exporter.parity.TOLERANCES, which the tests judge with: each kind its own bound (the loss's is 100x tighter
     # than the logits' in float32), from the CPU profile of its dtype
     from exporter.runtime.sessions import CPU
-    from exporter.verify.tolerances import profile_for
+    from exporter.tolerances import profile_for
 
     assert set(TOLERANCES) == {"float32", "float16"}
     for dtype, tolerances in TOLERANCES.items():

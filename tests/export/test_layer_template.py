@@ -21,15 +21,15 @@ from helpers import QUICK
 from hf_folders import hf_model, save_folder
 
 from exporter import verify_artifact
+from exporter.artifact.scopes import module_of
 from exporter.export import pipeline
 from exporter.export.graphs import share_tied_table
 from exporter.export.layer_template import TRACED_LAYERS, LayerTemplate
-from exporter.verify.diagnosis.probe import module_of
-from exporter.verify.references.model_source import checkpoint_model
 from exporter.verify.reports import format_verify
 from reference import build_model, get_preset
 from reference.byo import DecoderAdapter
 from reference.configs import DecoderSpec
+from reference.source import checkpoint_model
 
 LAYERS = TRACED_LAYERS + 1  # one layer grown: a clone reading layer 2, read by the final norm
 

@@ -388,9 +388,8 @@ def test_a_moe_export_quantizes_every_expert_and_keeps_its_routers_float(moe3_mo
     """torch.onnx writes an expert's Linear on its tokens as a Gemm, which the quantizer does not take: each is
     rewritten as a MatMul and quantized. A router stays float (its scores pick the experts) and the manifest says so;
     the weight audit finds every expert's blocks within their scales of its parameters."""
-    from exporter.artifact.contract import ROUTER_SCOPE
+    from exporter.artifact.scopes import ROUTER_SCOPE, module_of
     from exporter.verify.checks.weights import audit_weights
-    from exporter.verify.diagnosis.probe import module_of
 
     folder = export_artifact(moe3_model, tmp_path / "moe-int4", dtype="int4", source={"kind": "in-memory"}).folder
     config, artifact = moe3_model.config, Artifact.open(folder)
@@ -416,8 +415,8 @@ def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quant
     runs, and agree on the same prompt within float32's rounding (unprepacked, prefill differed from decode by the
     activations' int8 rounding)."""
     from exporter.runtime.sessions import CPU
+    from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
-    from exporter.verify.tolerances import profile_for
 
     runner = OrtRunner(quantized["int4-level4"])
     assert config_entry(runner.prefill_session, "session.disable_prepacking") is None

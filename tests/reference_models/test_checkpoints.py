@@ -699,8 +699,8 @@ def test_a_preset_name_given_as_config_points_to_get_preset(tmp_path):
 
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
     """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
-    from exporter.verify.references.model_source import checkpoint_model
     from reference import ConfigError
+    from reference.source import checkpoint_model
 
     for path in (None, 5):
         with pytest.raises(CheckpointError, match=f"a checkpoint is a path .* got {path}$"):

@@ -26,10 +26,10 @@ from exporter.errors import ArtifactError, ConsumerError
 from exporter.runtime.genai import GenaiGenerator, genai_greedy
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
+from exporter.tolerances import profile_for
 from exporter.verify import engine
 from exporter.verify.checks.outputs import judge_greedy
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
-from exporter.verify.tolerances import profile_for
 
 
 def without_final_eos(ids: list[int], eos: int) -> list[int]:

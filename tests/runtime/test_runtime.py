@@ -569,8 +569,8 @@ def test_checking_sessions_of_a_float16_artifact_keep_no_float32_copy_of_its_wei
     float32 products of the same weights, in another order, and differ by float32 rounding carried through the
     graph's float16 activations, which the float16 profile (float16 against the float32 reference) bounds."""
     from exporter.runtime.sessions import SessionSettings, checking_settings
+    from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
-    from exporter.verify.tolerances import profile_for
 
     artifact = Artifact.open(artifact_fp16)
     weights = sum(int(np.prod(e["shape"])) for e in artifact.manifest.initializers["prefill.onnx"])
@@ -670,8 +670,8 @@ def test_a_float32_artifact_is_checked_unprepacked_and_agrees_with_its_prepacked
     Runtime against the float32 reference) bounds; a wrong packed layout would be off by the weights' scale."""
     from exporter.runtime.runner import presents_as_past
     from exporter.runtime.sessions import SharedWeightMap, checking_settings
+    from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
-    from exporter.verify.tolerances import profile_for
 
     artifact = Artifact.open(artifact_fp32)
     shared = SharedWeightMap(artifact)

@@ -18,6 +18,7 @@ from helpers import assert_one_line_error, perturb_weight, run_cli
 
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import OutputPathError, ToolkitError
+from exporter.tolerances import Overrides
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import (
@@ -28,7 +29,6 @@ from exporter.verify.references.golden import (
     load_bundle,
 )
 from exporter.verify.reports import format_verify
-from exporter.verify.tolerances import Overrides
 
 
 def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, artifact_fp32, artifact_copy):

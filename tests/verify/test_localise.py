@@ -17,6 +17,7 @@ from helpers import QUICK, perturb_weight, run_cli, scale_inline_weight
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
+from exporter.tolerances import profile_for
 from exporter.verify.diagnosis.localise import probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.engine import verify_artifact
@@ -25,7 +26,6 @@ from exporter.verify.metrics import compare
 from exporter.verify.references.golden import load_bundle
 from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify, render_junit
-from exporter.verify.tolerances import profile_for
 
 
 def test_health_flags_zero_rows_and_nan_that_outputs_hide():

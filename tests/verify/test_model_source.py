@@ -1,4 +1,5 @@
-"""exporter/model_source.py: where an artifact's weights came from, and rebuilding its reference from that record."""
+"""reference/source.py and verify/references/model_source.py: where an artifact's weights came from, and rebuilding
+its reference from that record."""
 
 import pytest
 import torch
@@ -12,13 +13,8 @@ def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what
     from types import SimpleNamespace
 
     from exporter.errors import ArtifactError
-    from exporter.verify.references.model_source import (
-        Reference,
-        checkpoint_model,
-        rebuild_reference,
-        reference_for,
-        seeded_model,
-    )
+    from exporter.verify.references.model_source import Reference, rebuild_reference, reference_for
+    from reference.source import checkpoint_model, seeded_model
 
     config = get_preset("minimind-3-tiny")
     monkeypatch.chdir(tmp_path)

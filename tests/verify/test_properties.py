@@ -24,9 +24,9 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from exporter.export.pipeline import export_artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
+from exporter.tolerances import profile_for
 from exporter.verify.metrics import compare, compare_outputs
 from exporter.verify.references.torch_runner import TorchRunner
-from exporter.verify.tolerances import profile_for
 from reference import HFDecoderConfig, MiniMindConfig, build_model
 from reference.hf_decoder_config import MODEL_TYPES, ROPE_TYPES
 from reference.minimind_config import ATTENTION_IMPLEMENTATIONS, YarnScaling

@@ -17,6 +17,7 @@ from exporter.artifact.manifest import file_entries
 from exporter.errors import InputError
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import SessionSettings
+from exporter.tolerances import profile_for, quality_profile_for
 from exporter.verify import engine
 from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
 from exporter.verify.checks.quality import QualityCheck, kl_by_position
@@ -24,7 +25,6 @@ from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prefill_feeds, prompt_batch, text_windows
 from exporter.verify.metrics import compare_outputs, token_statistics
 from exporter.verify.reports import format_verify, json_text, render_html
-from exporter.verify.tolerances import profile_for, quality_profile_for
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 

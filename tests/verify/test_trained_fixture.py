@@ -16,12 +16,12 @@ from tokenizers import Tokenizer
 
 from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
+from exporter.tolerances import quality_profile_for
 from exporter.verify.checks.quality import check_quality
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, QualityText
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 from exporter.verify.reports import format_verify
-from exporter.verify.tolerances import quality_profile_for
 from reference import build_model
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)

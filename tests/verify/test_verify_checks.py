@@ -14,12 +14,12 @@ from helpers import QUICK, claim_seed, edit_manifest, perturb_weight, scale_inli
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
+from exporter.tolerances import Overrides, profile_for
 from exporter.verify.checks import invariants
 from exporter.verify.checks import outputs as checks
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.metrics import NOTHING_COMPARED, compare, real_queries
 from exporter.verify.references.torch_runner import TorchRunner
-from exporter.verify.tolerances import Overrides, profile_for
 
 
 def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact_copy, tiny_model):
@@ -73,8 +73,8 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     own token and the later tokens of its row (through attention): their differences follow from it whatever
     their router gaps. An earlier token of its row or a token of another row is not reached: a difference
     there is explained only as a near-tie of its own."""
+    from exporter.tolerances import Tolerance
     from exporter.verify.checks.routing import _compare_choices
-    from exporter.verify.metrics import Tolerance
 
     tolerance = Tolerance(1e-4, 1e-4)
     tie, clear = [0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]  # a near-tie: experts 0 and 1 within 1e-5
@@ -101,8 +101,8 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
 
 
 def _one_token_choice(scores, reference_expert: int, onnx_expert: int, onnx_scores=None, tolerance=None):
+    from exporter.tolerances import Tolerance
     from exporter.verify.checks.routing import _agreement, _compare_choices
-    from exporter.verify.metrics import Tolerance
 
     scores = np.array([scores])
     onnx_scores = scores if onnx_scores is None else np.array([onnx_scores])
@@ -150,7 +150,7 @@ def test_near_tie_flips_are_capped_and_nothing_compared_is_no_pass():
 
 
 def test_a_comparison_left_with_no_position_fails():
-    from exporter.verify.metrics import Tolerance
+    from exporter.tolerances import Tolerance
 
     values = np.ones((1, 2, 3))
     result = compare("x", "logits", values, values, Tolerance(0, 0, 1e-3), valid=np.zeros((1, 2), bool))
@@ -585,9 +585,9 @@ def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
 
 
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):
-    from exporter.verify import tolerances
+    from exporter import tolerances
+    from exporter.tolerances import CPU, CUDA
     from exporter.verify.checks.providers import attribute, cross_providers
-    from exporter.verify.tolerances import CPU, CUDA
 
     rng = np.random.default_rng(0)
     cpu = {
@@ -639,8 +639,8 @@ def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(
     # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
     # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
     # every profile, the provider pairs' included.
+    from exporter.tolerances import CPU, CUDA
     from exporter.verify.checks import providers
-    from exporter.verify.tolerances import CPU, CUDA
 
     asked = []
 

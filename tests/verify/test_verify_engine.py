@@ -16,11 +16,11 @@ from helpers import QUICK, assert_one_line_error, edit_manifest, run_cli
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ArtifactError, OutputPathError, ToolkitError
+from exporter.tolerances import profile_for
 from exporter.verify.checks import outputs as checks
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.reports import format_verify, render_html, render_junit
-from exporter.verify.tolerances import profile_for
 
 
 def test_default_verification_covers_curve_sweep_invariants_and_health(full):
@@ -81,8 +81,8 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
     """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
     (top1 0.000), blaming the export."""
     from exporter.errors import InputError
-    from exporter.verify.references.model_source import seeded_model
     from reference import build_model, get_preset
+    from reference.source import seeded_model
 
     other = build_model(get_preset("minimind2-tiny"), seed=0)
     with pytest.raises(

@@ -10,8 +10,8 @@ import pytest
 
 from exporter.errors import InputError
 from exporter.runtime.sessions import session_providers
+from exporter.tolerances import CPU, CUDA, Tolerance, parse_overrides, profile_for
 from exporter.verify.metrics import (
-    Tolerance,
     aggregate,
     compare,
     compare_outputs,
@@ -21,7 +21,6 @@ from exporter.verify.metrics import (
     real_keys,
     real_queries,
 )
-from exporter.verify.tolerances import CPU, CUDA, parse_overrides, profile_for
 
 
 def test_compare_applies_allclose_and_nan_rules():

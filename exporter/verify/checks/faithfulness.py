@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from exporter.artifact.folder import Artifact
+from exporter.tolerances import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import check_decode, check_prefill
 from exporter.verify.checks.weights import dequantized_weights
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.metrics import Comparison
-from exporter.verify.tolerances import Profile
 
 NAME = "faithful to its own weights"
 
@@ -106,7 +106,8 @@ def check_faithfulness(
         settings: the verification's settings (decode steps, seed).
         profile: the tolerance profile of the artifact's dtype on the runner's provider.
     """
-    from exporter.verify.references.torch_runner import TORCH_DTYPES, TorchRunner
+    from exporter.verify.references.torch_runner import TorchRunner
+    from reference.layers import TORCH_DTYPES
 
     manifest = artifact.manifest
     held, replaced = _holding(model, dequantized_weights(artifact), TORCH_DTYPES[manifest.dtype])

@@ -30,10 +30,10 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.runtime.sessions import SessionSettings
+from exporter.tolerances import Profile
 from exporter.verify.diagnosis.probe import FLOAT_TYPES
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import Comparison, compare_outputs, real_queries
-from exporter.verify.tolerances import Profile
 
 # onnxruntime's CPU MatMulNBits at accuracy level 4 quantizes its float32 input A to int8 per block of `block_size`
 # along K (symmetric, scale max|a|/127, round to nearest) and multiplies it with the quantized weights in integers, but

@@ -18,12 +18,12 @@ from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
+from exporter.tolerances import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.referee import referee_ratio, refereed
 from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
 from exporter.verify.metrics import Comparison, aggregate, compare, difference_histogram, match_length, real_keys
-from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
 

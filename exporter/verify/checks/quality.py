@@ -5,7 +5,7 @@ single-token steps and one 3-token chunk with each side feeding its own present 
 Each real position's two distributions give a KL divergence KL(reference || artifact), whether their argmax and
 top-5 agree, and how far the log-probability of the reference's top token moved; the prefill graph's own loss gives
 ΔNLL and the perplexity ratio; the greedy run, how many tokens agree from the start. The limits and their reasoning
-are in exporter.verify.tolerances (QUALITY_PROFILES); the statistics are llama.cpp's `perplexity --kl-divergence`.
+are in exporter.tolerances (QUALITY_PROFILES); the statistics are llama.cpp's `perplexity --kl-divergence`.
 The KL is also kept per position of the sequence (kl_by_position), for the reports' plot of where it grows.
 """
 
@@ -20,6 +20,13 @@ import numpy as np
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import presents_as_past
+from exporter.tolerances import (
+    DECISIVE_MARGIN,
+    GREEDY_QUALITY_TOKENS,
+    MIN_DECISIVE_POSITIONS,
+    QualityProfile,
+    QualityThreshold,
+)
 from exporter.verify.inputs import (
     FINAL_CHUNK,
     GREEDY_PROMPT_LENGTH,
@@ -33,13 +40,6 @@ from exporter.verify.inputs import (
     window_length,
 )
 from exporter.verify.metrics import match_length, token_statistics
-from exporter.verify.tolerances import (
-    DECISIVE_MARGIN,
-    GREEDY_QUALITY_TOKENS,
-    MIN_DECISIVE_POSITIONS,
-    QualityProfile,
-    QualityThreshold,
-)
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from exporter.artifact.contract import ROUTER_SCOPE
 from exporter.artifact.folder import Artifact
+from exporter.artifact.scopes import ROUTER_SCOPE, SCOPES_KEY
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.runtime.sessions import plain_session_options, session_providers
-from exporter.verify.diagnosis.probe import SCOPES_KEY
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import log_softmax
 

@@ -69,8 +69,9 @@ from onnx import helper, numpy_helper
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
+from exporter.artifact.scopes import module_of
 from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, layout
-from exporter.verify.diagnosis.probe import FLOAT_TYPES, module_of
+from exporter.verify.diagnosis.probe import FLOAT_TYPES
 
 # How many findings of one graph the report lists in full; the rest are counted.
 SHOWN_FINDINGS = 8
@@ -802,7 +803,7 @@ def audit_weights(artifact: Artifact, model) -> WeightAudit:
     """
     import torch
 
-    from exporter.verify.references.torch_runner import TORCH_DTYPES
+    from reference.layers import TORCH_DTYPES
 
     manifest = artifact.manifest
     index, weights = _Index(_references(model), TORCH_DTYPES[manifest.dtype]), _WeightsFile(artifact)

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from exporter.tolerances import Tolerance
 from exporter.verify.checks.outputs import LayerError, StepError
 from exporter.verify.diagnosis.probe import DebugGraph, real_elements
-from exporter.verify.metrics import Comparison, Tolerance, compare
+from exporter.verify.metrics import Comparison, compare
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ fill, where -inf is the mask and not an overflow.
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 
@@ -25,11 +24,11 @@ from onnx import numpy_helper
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
+from exporter.artifact.scopes import module_of
 from exporter.runtime.sessions import SessionSettings, SharedWeightMap, graph_session
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # The export's attention mask fills (reference/layers.py attention_bias): -inf above the causal diagonal, -1e9 on
 # padded keys.
 MASK_FILLS = (-np.inf, -1e9)
@@ -46,33 +45,6 @@ class NodeInfo:
     op_type: str
     outputs: tuple[str, ...]  # the float outputs exposed by the debug copy
     module: str  # module path inside the exported model ('' when unknown or at its root)
-
-
-def parse_scopes(entry: str | None) -> list[str] | None:
-    """torch.onnx's name scopes of a node (its SCOPES_KEY metadata, a Python list literal), or None where the node
-    has none or they do not parse."""
-    if entry is None:
-        return None
-    try:
-        scopes = ast.literal_eval(entry)
-    except (ValueError, SyntaxError):
-        return None
-    return scopes if isinstance(scopes, list) else None
-
-
-def module_of(node: onnx.NodeProto) -> str | None:
-    """The reference module path of a node from torch.onnx's name scopes, e.g. 'model.layers.1.self_attn.k_proj'.
-
-    The scopes run from the exported wrapper ('') through its child holding the model ('model') down to the op
-    itself (last), so the module is the second to last scope with the wrapper's child stripped.
-    """
-    scopes = parse_scopes(next((p.value for p in node.metadata_props if p.key == SCOPES_KEY), None))
-    if scopes is None:
-        return None
-    if len(scopes) < 3:
-        return ""
-    root, path = scopes[1], scopes[-2]
-    return path[len(root) + 1 :] if path.startswith(root + ".") else ""
 
 
 def dims_of(value: onnx.ValueInfoProto) -> tuple[Dim, ...]:

@@ -45,10 +45,10 @@ from exporter.artifact.contract import BATCH, SEQUENCE, TOTAL
 from exporter.artifact.manifest import MANIFEST, Manifest, config_differences, sha256_file
 from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done, read_json_bounded
 from exporter.errors import InputError, OutputPathError, ToolkitError
+from exporter.tolerances import Overrides
 from exporter.verify.checks.outputs import GreedyTrace
 from exporter.verify.checks.routing import record_reference_routing
 from exporter.verify.inputs import ParitySettings
-from exporter.verify.tolerances import Overrides
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,7 @@ import torch
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.verify.checks.outputs import GreedyTrace
-
-# The torch dtype of each artifact dtype: the reference runs in the artifact's precision, and the export casts to it.
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+from reference.layers import TORCH_DTYPES
 
 
 class TorchRunner:

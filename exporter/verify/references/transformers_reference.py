@@ -20,13 +20,13 @@ import numpy as np
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
+from exporter.tolerances import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.results import IndependentReport
-from exporter.verify.tolerances import Profile
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,10 @@
-"""Tolerance profiles per dtype and execution provider, separately for logits, KV and loss.
+"""Tolerances: the bound an output is held to (Tolerance), and the profiles per dtype and execution provider,
+separately for logits, KV and loss; the quality profiles of quantized artifacts.
 
 A profile is data with its reasoning attached (`why`), printed in the reports
 and in the README; users override single terms (--atol logits=1e-3) or whole
-kinds from a JSON/TOML file.
+kinds from a JSON/TOML file. The export's own checks and the verification judge by the same profiles, so this
+layer sits below both. Data and numpy: no torch.
 """
 
 from __future__ import annotations
@@ -12,10 +14,47 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from exporter.artifact.paths import read_json_object
 from exporter.errors import InputError
 from exporter.runtime.sessions import CPU, CUDA
-from exporter.verify.metrics import Tolerance
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An element passes when |actual - expected| <= atol + rtol * |expected| + peak * max|expected of its row|.
+
+    The first two terms are numpy.allclose. `peak` scales with the largest
+    magnitude in the element's row: rounding errors of a dot product or a norm are
+    set by the magnitude of what was summed, so an output near zero inherits an
+    absolute error from its large neighbours that no elementwise rtol covers. The
+    row is what one computation produced (verify.metrics.ROW_AXES: one position's logits, one
+    kv head's keys or values), not the whole tensor: a peak taken over every position
+    and head would let a head or a position of small magnitude be off by a share
+    of the largest one's size, which its own rounding never explains.
+    """
+
+    atol: float
+    rtol: float
+    peak: float = 0.0
+
+    def allowed(self, expected: np.ndarray, peaks: np.ndarray | None = None) -> np.ndarray:
+        """The bound per element of `expected`; `peaks`: each element's row peak (verify.metrics.row_peaks), None:
+        the tensor's peak for every element."""
+        magnitude = finite_magnitude(expected)
+        if peaks is None:
+            peaks = magnitude.max() if magnitude.size else 0.0
+        return self.atol + self.rtol * magnitude + self.peak * peaks
+
+    def to_dict(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "peak": self.peak}
+
+
+def finite_magnitude(expected: np.ndarray) -> np.ndarray:
+    """|expected| with NaN and infinities as 0: one infinite value must not make every bound infinite."""
+    return np.abs(np.where(np.isfinite(expected), expected, 0.0))
+
 
 KINDS = ("logits", "kv", "loss")
 TERMS = ("atol", "rtol", "peak")
@@ -71,8 +110,8 @@ _CPU_FP32 = Profile(
 # float16: every stored activation is rounded to 11 significant bits and the two sides round at different
 # points (ONNX Runtime's CPU provider upcasts many ops to float32, PyTorch keeps float16), so their
 # difference is as large as float16's own loss against float32, about 7u of the logits' peak
-# (docs/verification.md). Allowed: 16u of the row's peak (metrics.ROW_AXES) plus 4u elementwise. The loss is computed in
-# float32 from float16 logits; its error averages over positions: 2e-3 + 4u|x|.
+# (docs/verification.md). Allowed: 16u of the row's peak (verify.metrics.ROW_AXES) plus 4u elementwise. The loss is
+# computed in float32 from float16 logits; its error averages over positions: 2e-3 + 4u|x|.
 _FP16_ACTIVATIONS = Tolerance(1e-3, 4 * _U, 16 * _U)
 _CPU_FP16 = Profile(
     "float16/CPU",

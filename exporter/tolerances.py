@@ -125,12 +125,12 @@ _CPU_FP16 = Profile(
 # computes in float32 with its own kernels and summation orders: the CPU argument and bound, not calibrated
 # on a GPU.
 _CUDA_FP32 = dataclasses.replace(
-    _CPU_FP32, name="float32/CUDA", why=_CPU_FP32.why + " (TF32 off; same reasoning on CUDA; not measured: no GPU here)"
+    _CPU_FP32, name="float32/CUDA", why=_CPU_FP32.why + " (TF32 off; the CPU's reasoning, not calibrated on a GPU)"
 )
 # CUDA float16: fused kernels accumulate in float32 like the CPU provider's upcasts; the same rounding
 # argument as float16/CPU applies; not calibrated on a GPU.
 _CUDA_FP16 = dataclasses.replace(
-    _CPU_FP16, name="float16/CUDA", why=_CPU_FP16.why + " (same reasoning on CUDA; not measured: no GPU here)"
+    _CPU_FP16, name="float16/CUDA", why=_CPU_FP16.why + " (the CPU's reasoning, not calibrated on a GPU)"
 )
 
 PROFILES: dict[tuple[str, str], Profile] = {

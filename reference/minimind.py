@@ -1,9 +1,10 @@
 """MiniMind, both generations: the PyTorch reference.
 
-`version=3` is minimind-3 (REFERENCE-MODELS.md section 1), `version=2` is
-MiniMind2 (section 2): no q/k norms, RMSNorm eps 1e-5 cast back before the
-weight, 2 kv heads, FFN width 64 * ceil(int(8h/3) / 64), and MoE layers with
-top-2 routing plus a shared expert. Fields left None take their generation's
+`version=3` is minimind-3: q/k norms, RMSNorm eps 1e-6, 4 kv heads, FFN width
+64 * ceil(pi h / 64), and MoE layers with top-1 routing. `version=2` is MiniMind2:
+no q/k norms, RMSNorm eps 1e-5 cast back before the weight, 2 kv heads, FFN width
+64 * ceil(int(8h/3) / 64), and MoE layers with top-2 routing plus a shared expert
+(docs/models.md tabulates both). Fields left None take their generation's
 default. Parameter names are MiniMind's state-dict keys, so real checkpoints
 load one to one.
 

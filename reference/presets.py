@@ -1,6 +1,6 @@
-"""Named model configurations: the published sizes (REFERENCE-MODELS.md section 3) and tiny ones for tests.
+"""Named model configurations: the published sizes (docs/models.md, "Families and presets") and tiny ones for tests.
 
-Parameter counts (tied embeddings counted once) are asserted as integers in tests/test_families.py.
+Parameter counts (tied embeddings counted once) are asserted as integers in tests/reference_models/test_families.py.
 Names are matched case-insensitively ("MiniMind2-small" works).
 """
 

@@ -1,6 +1,6 @@
 """The teaching GPT of the train-llm-from-scratch series (seed 003): the PyTorch reference.
 
-Behaviour follows REFERENCE-MODELS.md section 4: learned absolute position
+Behaviour follows the original (docs/models.md, "Teaching GPT"): learned absolute position
 embeddings added to token embeddings, pre-norm blocks with LayerNorm (with
 bias), per-head key/query/value Linear layers without bias concatenated then
 projected with bias, a ReLU MLP C -> 4C -> C with biases, a final LayerNorm

@@ -7,7 +7,8 @@
 Both consumers only run the graph; the model type tells them which defaults
 to assume (input names, tokenizer handling), not how to compute. A family
 therefore supplies just two names, in consumer_types; everything else comes
-from the manifest. What each consumer needs is recorded in ../shared/ECOSYSTEM.md.
+from the manifest. Which type each family gets in each consumer is tabulated in docs/runtime.md ("Deploying with
+onnxruntime-genai and Optimum"); tests/artifact/ load the folders in both.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class FamilyTypes:
 
 # What each consumer is told the model is. The types only choose the consumers' defaults (input names,
 # how to size the first-step cache from config.json); neither rebuilds the architecture, so a type is
-# chosen for the attention layout it implies. Per ../shared/ECOSYSTEM.md, qwen3, llama and the generic
-# "decoder" type run a contract-following graph unmodified in onnxruntime-genai, qwen3 and llama in
-# Optimum.
+# chosen for the attention layout it implies. qwen3, llama and the generic "decoder" type run a
+# contract-following graph unmodified in onnxruntime-genai, qwen3 and llama in Optimum (the consumer tests in
+# tests/artifact/ load each).
 # - minimind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU): qwen3.
 # - MiniMind2 has no q/k norm and no biases, Llama's layout: llama.
 # - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it

@@ -1,4 +1,4 @@
-"""The I/O contract of the two graphs (ANCHORS.md), as data.
+"""The I/O contract of the two graphs (docs/artifact-format.md, "I/O contract"), as data.
 
 The exporter names inputs, outputs and dynamic axes from it, the axis lint
 checks the saved graphs against it, and the manifest records it so that the

@@ -1,7 +1,7 @@
 """Export wrappers: the reference model seen through the ONNX I/O contract.
 
 The reference keeps MiniMind's Python API (a list of (k, v) per layer, each
-(B, L, Hkv, D)). The graphs follow the contract consumers expect (ANCHORS.md):
+(B, L, Hkv, D)). The graphs follow the contract Optimum and onnxruntime-genai expect (docs/artifact-format.md):
 flat named past/present tensors laid out (B, Hkv, L, D). That plumbing lives
 here, not in the model.
 

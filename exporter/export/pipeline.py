@@ -859,10 +859,10 @@ def export_artifact(
             scheme's bits). The vocabulary-wide projection is the most sensitive one: its error moves every logit.
         embedding: for "int4"/"int8", the token embedding's weights, as onnxruntime's GatherBlockQuantized: "int8"
             (default), "float", or "same". Its rows are read once per token, so their bits cost no compute and 8 bits
-            cost little size, while a float table can outweigh the quantized rest (Qwen3-0.6B's is 0.26x of its
-            float32 bytes); onnxruntime-genai's builder keeps an untied embedding float and llama.cpp's Q4_K_M keeps
-            a tied one at 6 bits, both above the 4 bits of the projections. A tied table at the same bits as the
-            lm_head is stored once, read by both.
+            cost little size, while a float table (vocabulary x hidden size) can outweigh the quantized rest of a
+            model with a large vocabulary; onnxruntime-genai's builder keeps an untied embedding float and
+            llama.cpp's Q4_K_M keeps a tied one at 6 bits, both above the 4 bits of the projections. A tied table at
+            the same bits as the lm_head is stored once, read by both.
         activations: for "int4"/"int8", what the graphs compute in and the cache holds: "float32" (None, the
             default: for the CPU, whose MatMulNBits kernels compute in float32 or int8) or "float16" (for CUDA: half
             the bytes of every activation and of the cache, the scales in float16 too). A float dtype computes in

@@ -28,7 +28,7 @@ from reference import (
 from reference.families import FAMILIES, config_from_dict, family_of
 from reference.minimind import RMSNorm, rope_inv_freq
 
-PUBLISHED = {  # REFERENCE-MODELS.md section 3, tied embeddings counted once
+PUBLISHED = {  # the published sizes (docs/models.md), tied embeddings counted once
     "minimind2-small": 25_829_888,
     "minimind2": 104_030_976,
     "minimind2-moe": 145_029_760,
@@ -229,7 +229,8 @@ def test_moe_model_caches_like_its_full_forward(preset):
 
 
 def test_yarn_ramp_bounds_for_head_dim_96():
-    # REFERENCE-MODELS.md: the defaults give low 8, high 21 for head_dim 96.
+    # Upstream's YaRN defaults (beta_fast 32, beta_slow 1, original window 2048, theta 1e6) ramp from dimension
+    # pair 8 to 21 at head_dim 96.
     dim, orig, base = 96, 2048, 1e6
 
     def inv_dim(beta):

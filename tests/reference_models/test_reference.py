@@ -25,7 +25,7 @@ from reference.minimind import Attention, RMSNorm, apply_rotary, rope_cos_sin, r
 def test_minimind3_has_exactly_the_published_parameter_count():
     with torch.device("meta"):
         model = MiniMindForCausalLM(get_preset("minimind-3"))
-    # Tied lm_head/embedding counted once: REFERENCE-MODELS.md gives 63.91M.
+    # Tied lm_head/embedding counted once: the published 63.91M.
     assert sum(p.numel() for p in model.parameters()) == 63_912_192
     assert get_preset("minimind-3").intermediate_size == 2432
     assert get_preset("minimind-3").head_dim == 96

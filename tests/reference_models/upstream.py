@@ -136,7 +136,7 @@ def teaching_gpt_forward(model, idx):
 
 @torch.no_grad()
 def minimind_forward(model, input_ids, attention_mask=None):
-    """Dense MiniMind logits written from REFERENCE-MODELS.md (sections 1 and 2), apart from the reference:
+    """Dense MiniMind logits written from upstream's description of both generations, apart from the reference:
     its own RoPE tables and rotate_half, a loop over heads that picks each head's kv head by index, the
     causal mask as a boolean matrix. An oracle for the attention layout the reference's own tests share."""
     cfg, state = model.config, model.state_dict()

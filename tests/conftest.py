@@ -186,9 +186,9 @@ def moe3_yarn_model(dispatch: str):
 
 
 # Each MoE dispatch is exported without an export more: MiniMind2 MoE with its default (sparse), minimind-3 MoE
-# with the dense one in float32 and the sparse one in float16. The sparse float16 graph is the one that once
-# needed a kernel ONNX Runtime's CPU provider lacks (moe3_artifact_fp16), and the float16 tests' router
-# near-ties were measured on it.
+# with the dense one in float32 and the sparse one in float16. The sparse float16 graph is the one that must avoid
+# the kernels ONNX Runtime's CPU provider lacks for float16 (moe3_artifact_fp16), and the float16 tests' router
+# near-ties are those of its weights.
 
 
 @pytest.fixture(scope="session")
@@ -253,7 +253,8 @@ def moe3_dense_artifact(tmp_path_factory, moe3_dense_model):
 
 @pytest.fixture(scope="session")
 def moe3_artifact_fp16(tmp_path_factory, moe3_model):
-    """float16 too: ONNX Runtime's CPU provider lacks some float16 kernels (a scatter-add did not run)."""
+    """float16 too: ONNX Runtime's CPU provider lacks some float16 kernels (a scatter-add), which the graph must
+    not need."""
     name = "minimind-3-moe-yarn-tiny-float16"
     return _export_once(tmp_path_factory, moe3_model, name, {"kind": "in-memory"}, dtype="float16")
 

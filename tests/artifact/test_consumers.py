@@ -342,8 +342,8 @@ def test_genai_stopping_at_a_real_token_of_a_model_without_eos_is_warned_of(
 
 
 def test_the_artifact_gets_the_tokenizer_files_as_they_were_checked(tiny_tokenizer, tmp_path):
-    # Each file was read again to copy it, after the export's minutes of work: an edit meanwhile reached the
-    # artifact unchecked. A tokenizer.json with CRLF line ends is copied byte for byte.
+    # The artifact holds the bytes that were checked, not the file read again after the export's work: an edit
+    # meanwhile does not reach it unchecked. A tokenizer.json with CRLF line ends is copied byte for byte.
     source_folder = tmp_path / "tokenizer"
     source_folder.mkdir()
     checked = (tiny_tokenizer / "tokenizer.json").read_bytes().replace(b"\n", b"\r\n")

@@ -128,7 +128,8 @@ def test_the_floor_is_flagged_where_a_step_reads_only_some_weights(benchmark):
 def test_a_model_without_room_for_the_decode_run_is_refused_before_any_worker_starts(
     benchmark, artifact_fp32, monkeypatch
 ):
-    # teaching-gpt-tiny (64 positions) failed in every worker's warm-up, with tracebacks and exit 1.
+    # A model with fewer positions than the decode run needs is refused before the workers start, not by each
+    # worker's warm-up.
     from exporter.errors import InputError
 
     monkeypatch.setattr(benchmark, "DECODE_STEPS", 300)  # the tiny model has 256 positions
@@ -155,10 +156,10 @@ def test_pytorch_runs_in_the_artifacts_precision(benchmark, artifact_fp16, monke
 def test_an_artifact_whose_reference_cannot_be_rebuilt_is_refused_before_any_worker_starts(
     byo_artifact, minimind2_artifact, tmp_path
 ):
-    # A bring-your-own artifact started every worker, then printed the PyTorch worker's traceback and exited 1.
+    # Refused in one line before any worker starts, not by the PyTorch worker's traceback.
     gone = shutil.copytree(minimind2_artifact, tmp_path / "gone")
     edit_manifest(gone, lambda m: m["model"]["source"].update(path=str(tmp_path / "moved.pth")))
-    # It named verify's --golden DIR as the way out, an option the benchmark does not have.
+    # The way out it names is the benchmark's own, not verify's --golden DIR, which the benchmark does not have.
     for folder, fragment in (
         (
             byo_artifact,
@@ -182,7 +183,7 @@ def test_an_artifact_whose_reference_cannot_be_rebuilt_is_refused_before_any_wor
 def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(
     benchmark, minimind2_artifact, minimind2_checkpoint, monkeypatch
 ):
-    # It timed seeded random weights instead, whatever the artifact's source.
+    # The PyTorch side times the model the artifact's source records, not seeded random weights.
     import torch
 
     import reference.checkpoints
@@ -202,8 +203,8 @@ def test_pytorch_runs_the_checkpoint_an_artifact_was_exported_from(
 
 
 def test_an_interrupt_stops_the_workers_quietly_and_says_so_in_one_line(artifact_fp32):
-    # Ctrl-C reaches the whole process group: it gave one KeyboardInterrupt traceback per worker, nothing on
-    # stdout under --json, and exit -2.
+    # Ctrl-C reaches the whole process group: one line, the JSON error under --json and 130, not a KeyboardInterrupt
+    # traceback per worker.
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--artifact", str(artifact_fp32), "--rounds", "50", "--json"],
         stdout=subprocess.PIPE,
@@ -267,8 +268,8 @@ def test_every_ratio_is_taken_in_its_stated_direction(benchmark):
 
 
 def test_a_usage_error_is_one_line_and_json_under_an_abbreviated_flag(tmp_path):
-    # argparse printed its usage too (three lines, where the CLI prints one), and took --js for --json on a
-    # success but printed no JSON object for a usage error under it.
+    # One line, as the CLI prints, not argparse's usage too; --js, which argparse takes for --json, gets a JSON error
+    # object on a usage error as on a success.
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--rounds", "0", "--js"],
         capture_output=True,
@@ -283,8 +284,8 @@ def test_a_usage_error_is_one_line_and_json_under_an_abbreviated_flag(tmp_path):
 
 
 def test_an_interrupt_before_any_worker_starts_is_one_line_too(benchmark, monkeypatch, capsys):
-    # Ctrl-C during the imports main runs first gave a KeyboardInterrupt traceback, exit -2 and no JSON; and the
-    # JSON error then imported onnx again, half imported, for a RecursionError traceback.
+    # Ctrl-C during the imports main runs first is one line, 130 and the JSON error, not a KeyboardInterrupt
+    # traceback; writing that error imports nothing the interrupted import left half done.
     def interrupted():
         raise KeyboardInterrupt
 
@@ -301,7 +302,7 @@ def test_an_interrupt_before_any_worker_starts_is_one_line_too(benchmark, monkey
 
 
 def test_an_interrupt_during_a_one_shot_worker_stops_it_and_waits_for_it(benchmark, tmp_path, monkeypatch):
-    # subprocess.run killed the sessions worker on Ctrl-C without waiting for it: a zombie was left behind.
+    # A Ctrl-C stops the sessions worker and waits for it: no zombie is left behind.
     sleeper = tmp_path / "sleeper.py"
     sleeper.write_text("import time\ntime.sleep(60)\n")
     monkeypatch.setattr(benchmark, "__file__", str(sleeper))  # the worker: a process still running
@@ -406,8 +407,8 @@ def _made_up_report(benchmark, rounds: int) -> dict:
 
 
 def test_the_table_keeps_its_columns_apart_and_counts_one_round_as_one(benchmark):
-    # A tiny model's decode ratio of 400x ran into its quartiles ("400.00x400.00-400.00"), and --rounds 1
-    # printed "(1 rounds, in turns)".
+    # A wide ratio (400x) stays apart from its quartiles ("400.00x 400.00-400.00", not "400.00x400.00-400.00"), and
+    # --rounds 1 reads "(1 round, in turns)".
     table = benchmark.format_table(_made_up_report(benchmark, rounds=1))
     decode = next(line for line in table.splitlines() if line.startswith("decode tokens/s"))
     assert decode.split()[-2:] == ["400.00x", "400.00-400.00"], decode
@@ -441,8 +442,8 @@ def test_a_prefill_length_the_model_has_no_room_for_is_said_to_be_skipped(benchm
 
 def test_cuda_check_stops_with_exit_4_where_a_core_import_fails(tmp_path):
     # With a Python whose onnxruntime does not import, `import exporter.cli` exits (SystemExit 2, its one-line
-    # error): that escaped the import loop, and the script stopped with exit 2, which it does not define, instead
-    # of 4. Without nvidia-smi, bash printed "nvidia-smi: command not found" with the script's line number.
+    # error): the script's import loop catches that too and stops with its own exit 4, not an exit 2 it does not
+    # define. Without nvidia-smi, it says so in its own words, not bash's "command not found".
     fake = tmp_path / "fake" / "onnxruntime"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('simulated: onnxruntime is broken here')\n")

@@ -133,8 +133,8 @@ def test_help_explains_commands_and_exit_codes():
 
 
 def test_python_dash_m_runs_the_command():
-    """`python -m exporter.cli` is the command where the console script is not on PATH (it once exited 0
-    without doing anything)."""
+    """`python -m exporter.cli` is the command where the console script is not on PATH: it runs the command, not
+    exit 0 without doing anything."""
     out = subprocess.run(
         [sys.executable, "-m", "exporter.cli", "inspect", "--help"], capture_output=True, text=True, timeout=300
     )
@@ -142,7 +142,7 @@ def test_python_dash_m_runs_the_command():
 
 
 def test_help_lists_the_export_options_in_their_written_order():
-    """The order of README's command table: the model first, the tokenizer last (it was the reverse)."""
+    """The order of README's command table: the model first, the tokenizer last."""
     for command in ("export", "run"):
         result = run_cli(command, "--help")
         options = [
@@ -604,8 +604,8 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
 
 
 def test_generate_json_says_whether_a_row_stopped(cli_artifact):
-    """Each row is Generation.to_dict(): a script tells a stop from reaching --max-new-tokens (the rows held
-    prompt_ids and new_ids alone before)."""
+    """Each row is Generation.to_dict(): a script tells a stop from reaching --max-new-tokens, which prompt_ids and
+    new_ids alone would not say."""
 
     def rows(*options):
         result = run_cli(
@@ -634,7 +634,7 @@ def test_generate_json_says_whether_a_row_stopped(cli_artifact):
 
 def test_generate_samples_with_the_options_given(cli_artifact):
     """Every sampling option reaches the sampler: the command's tokens are the Python API's with the same
-    settings (an option dropped on the way sampled with its default, silently)."""
+    settings (an option dropped on the way would sample with its default, in silence)."""
     from exporter.runtime.generation import SamplingConfig, generate
     from exporter.runtime.runner import OrtRunner
 
@@ -683,12 +683,12 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
         (
             ["inspect"],
             "exporter.artifact.manifest.file_status",
-        ),  # said "is damaged: sha256 differs" of a sound new export
+        ),  # a sound new export is not "damaged: sha256 differs"
         (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"], "exporter.runtime.runner.OrtRunner"),
         (
             ["verify", "-q", "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep"],
             "exporter.verify.engine.verify_artifact",
-        ),  # gave a parity FAIL (exit 1) on a mix of two exports' files
+        ),  # not a parity FAIL (exit 1) on a mix of two exports' files
     ],
     ids=["inspect", "generate", "verify"],
 )
@@ -753,15 +753,15 @@ def test_generate_names_the_flag_of_a_negative_count(cli_artifact):
     ],
 )
 def test_generate_names_the_flag_of_a_sampling_value_out_of_range(cli_artifact, option, value, named):
-    # The library's check, which said `top_k must be an integer >= 0` to a user who typed --top-k: both names now,
-    # as the other refusals that the API and the CLI share.
+    # The library's check names its parameter (`top_k`), the CLI the flag the user typed (--top-k), as the other
+    # refusals that the API and the CLI share.
     assert_one_line_error(
         run_cli("generate", cli_artifact, "--prompt-ids", "1", "--sample", option, value, "-q"), 2, named
     )
 
 
 def test_sampling_options_without_sample_are_refused(cli_artifact):
-    # They were ignored in silence: --temperature 5 --top-p 0.1 --seed 9 printed the greedy tokens, exit 0.
+    # Ignored, they would print the greedy tokens with exit 0 as if --temperature 5 --top-p 0.1 --seed 9 had applied.
     assert_one_line_error(
         run_cli(
             "generate",
@@ -824,9 +824,9 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
 
 
 def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monkeypatch):
-    # `--checkpoint .` exported into artifacts/ itself (Path(".").stem is ""), which then held every later default
-    # export "inside the artifact folder"; MiniMind2-Small-v1.5/ and -v1.6/ both went to minimind2-small-v1; and two
-    # checkpoints fitting one --preset replaced each other in artifacts/<preset>.
+    # `--checkpoint .` is named after the current folder (Path(".").stem is ""), not artifacts/ itself, which would
+    # then hold every later default export; MiniMind2-Small-v1.5/ and -v1.6/ keep their dots, so get folders of
+    # their own; and two checkpoints fitting one --preset do not replace each other in artifacts/<preset>.
     from exporter.cli import DEFAULT_ROOT, _output_folder
     from exporter.errors import ToolkitError
 
@@ -855,7 +855,7 @@ def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monke
 
 
 def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypatch):
-    """stdout holds the result (or under --json the error object) alone: a progress line there broke every
+    """stdout holds the result (or under --json the error object) alone: a progress line there would break every
     script reading it; -q leaves only the error line."""
     import logging
 

@@ -40,7 +40,7 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
     )
     assert (artifact / "NOTES.md").read_text() == "mine"
     (artifact / "golden").rmdir()
-    # One file read "...would delete; move them out"; past five the rest went unsaid.
+    # One file is "it", several "them"; past five the rest are counted.
     refused(
         run_cli("export", "--preset", "minimind-3-tiny", "-o", artifact, "-q"),
         "holds NOTES.md, which its artifact does not list and replacing it would delete it; move it out",
@@ -75,7 +75,7 @@ def test_an_export_never_replaces_a_folder_holding_what_it_did_not_write(artifac
 
 
 def test_a_checkpoint_inside_the_output_folder_is_not_read_before_the_folder_is_refused(tmp_path, monkeypatch):
-    # The checkpoint (gigabytes for a real model) was loaded first, and only then the folder refused.
+    # The folder is refused before the checkpoint (gigabytes for a real model) is read.
     import reference.source
 
     monkeypatch.setattr(
@@ -200,7 +200,8 @@ def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifac
 
 
 def test_reports_and_bundles_are_never_written_into_another_artifact_folder(artifact_fp32, artifact_copy, tmp_path):
-    # They were, as files its manifest does not list: a re-export into that folder then refused to delete them.
+    # Written there, they would be files its manifest does not list, which a re-export into that folder refuses to
+    # delete.
     from exporter.artifact.paths import check_outside_artifact
 
     other, before = artifact_copy, sorted(p.name for p in artifact_copy.iterdir())
@@ -280,7 +281,7 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
         (folder / "manifest.json").write_text(manifest)
         edit_manifest(folder, change)
         refused(run_cli("inspect", folder), fragment)
-    # A JSON list read "(AttributeError: 'list' object has no attribute 'get')", a missing field "(KeyError: 'files')".
+    # A JSON list, a missing field: said in words, not "(AttributeError: ...)" or "(KeyError: 'files')".
     (folder / "manifest.json").write_text("[1, 2]")
     refused(run_cli("inspect", folder), "manifest.json is unreadable (a JSON array, not an object)")
     (folder / "manifest.json").write_text(manifest)
@@ -288,7 +289,7 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
     refused(run_cli("inspect", folder), "manifest.json is unreadable (no field 'files')")
     (folder / "manifest.json").write_text("[" * 100000 + "]" * 100000)  # deeper than json's recursion
     refused(run_cli("inspect", folder), "manifest.json is unreadable (RecursionError")
-    (folder / "manifest.json").write_bytes(manifest.encode() + b"\xff")  # was UnicodeDecodeError, exit 3
+    (folder / "manifest.json").write_bytes(manifest.encode() + b"\xff")  # an input error, not exit 3
     for command in (["inspect", folder], ["generate", folder, "--prompt-ids", "1"]):
         refused(run_cli(*command), "manifest.json is unreadable (UnicodeDecodeError")
     refused(
@@ -297,8 +298,8 @@ def test_damaged_manifests_are_input_errors(artifact_fp32, tmp_path):
 
 
 def test_inspect_shows_a_damaged_folder_with_each_files_state_then_exits_2(artifact_fp32, tmp_path):
-    # It printed only "config.json is 452 bytes, not 451": inspect is what a user reaches for when something
-    # is wrong, so it shows the contract and every file's state, and exits 2 after saying what is damaged.
+    # inspect is what a user reaches for when something is wrong, so it shows the contract and every file's state,
+    # not only "config.json is 452 bytes, not 451", and exits 2 after saying what is damaged.
     folder = shutil.copytree(artifact_fp32, tmp_path / "damaged")
     size = (folder / "config.json").stat().st_size
     with open(folder / "config.json", "a") as f:
@@ -433,7 +434,7 @@ def test_errors_under_json_are_a_json_object_on_stdout(artifact_fp32, tmp_path):
 
 
 def test_onnxruntime_missing_is_one_line_naming_it(tmp_path):
-    # A deployment set up with --no-deps without onnxruntime: every command ended in an import traceback.
+    # A deployment set up with --no-deps without onnxruntime: every command says so in one line, no traceback.
     command = Path(sys.executable).parent / "export-onnx"
     (tmp_path / "onnxruntime").mkdir()
     (tmp_path / "onnxruntime" / "__init__.py").write_text(
@@ -480,8 +481,8 @@ def test_an_error_under_json_with_an_unwritable_stdout_is_still_one_line(tmp_pat
     ],
 )
 def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(artifact_fp32, command):
-    # The result printed to a full disk was `internal error: OSError: [Errno 28] No space left on device (rerun
-    # with --verbose for the traceback)`, exit 3: the user's disk, not a fault of the toolkit.
+    # A full disk under stdout is the user's disk, not a fault of the toolkit: exit 2 with one line, not an
+    # internal error (exit 3).
     script = Path(sys.executable).parent / "export-onnx"
     with open("/dev/full", "w") as full:
         result = subprocess.run(
@@ -499,7 +500,7 @@ def test_a_result_that_stdout_cannot_take_is_an_input_error_not_an_internal_one(
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("command", [["--help"], ["verify", "--help"]])
 def test_help_that_stdout_cannot_take_is_one_line_not_a_traceback(command):
-    # click printed it and the OSError came out as a traceback, exit 1
+    # one line, not the OSError's traceback after click printed the help
     with open("/dev/full", "w") as full:
         result = subprocess.run(
             [str(Path(sys.executable).parent / "export-onnx"), *command],
@@ -548,8 +549,8 @@ def test_a_terminated_export_removes_its_partial_folder(tmp_path):
 
 
 def test_a_checkpoint_refused_for_its_config_is_one_line_without_the_fields_it_assumed(tmp_path):
-    # The "max_position_embeddings is not visible in the weights; assuming 32768" warning came first, a second
-    # line; a --config size past what a tensor holds failed in torch with exit 3 and 14 lines of C++ frames.
+    # One line: no "max_position_embeddings is not visible in the weights; assuming 32768" warning before it; a
+    # --config size past what a tensor holds is refused by the toolkit, not by torch with C++ frames.
     import torch
 
     from reference import build_model, get_preset
@@ -603,8 +604,9 @@ def test_a_long_first_line_keeps_its_start_and_its_end():
 
 
 def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(artifact_fp32, monkeypatch):
-    # chmod 000 on manifest.json or the weights: PermissionError, exit 3 (an internal error) in inspect, generate and
-    # verify. Simulated, since the tests may run as root, whom permission bits do not stop.
+    # chmod 000 on manifest.json or the weights: an input error naming the file in inspect, generate and verify, not
+    # PermissionError as an internal error. Simulated, since the tests may run as root, whom permission bits do not
+    # stop.
     import pathlib
 
     import exporter.artifact.manifest
@@ -643,8 +645,8 @@ def test_an_artifact_file_this_user_cannot_read_is_an_input_error_naming_it(arti
 
 
 def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifact_fp32, tmp_path, monkeypatch):
-    # An unset shell variable: `--save-optimized ""` wrote the optimised graphs into the current folder, and
-    # `--checkpoint ""` read it as a model folder.
+    # An unset shell variable: `--save-optimized ""` must not write the optimised graphs into the current folder,
+    # nor `--checkpoint ""` read it as a model folder.
     monkeypatch.chdir(tmp_path)
     for command in (
         ["export", "--preset", "minimind-3-tiny", "-o", ""],
@@ -660,7 +662,7 @@ def test_an_empty_path_is_refused_rather_than_read_as_the_current_folder(artifac
 
 
 def test_an_output_under_a_folder_this_user_cannot_search_is_refused_in_one_line(tmp_path, monkeypatch):
-    # chmod 000 on a parent of -o: Path.exists raised PermissionError, exit 3. Simulated (root ignores the bits).
+    # chmod 000 on a parent of -o: one line, not Path.exists' PermissionError. Simulated (root ignores the bits).
     import pathlib
 
     locked = tmp_path / "locked"
@@ -695,8 +697,8 @@ def test_an_output_on_a_read_only_mount_says_so_rather_than_permission_denied(tm
 
 
 def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
-    # Two verifies writing one report path shared `.r.json.partial`: one renamed the other's half-written file
-    # into place, and the other's rename then failed, which removed the report.
+    # Two verifies writing one report path each write a partial file of their own: sharing `.r.json.partial`, one
+    # would rename the other's half-written file into place, and the other's rename then fail and lose the report.
     from exporter.artifact.paths import write_text_whole
 
     theirs = tmp_path / ".r.json.partial"
@@ -707,8 +709,8 @@ def test_a_report_being_written_by_another_process_is_not_taken_over(tmp_path):
 
 
 def test_a_signal_this_process_was_started_ignoring_stays_ignored():
-    # `export-onnx export &` in a script (or nohup) starts it ignoring SIGINT; the command took SIGINT over a
-    # quarter second in, so a Ctrl-C meant for the script stopped the export it had shielded.
+    # `export-onnx export &` in a script (or nohup) starts it ignoring SIGINT; the command keeps ignoring it, so a
+    # Ctrl-C meant for the script does not stop the export it shields.
     import signal
 
     from exporter.cli.outcome import begin_command
@@ -726,8 +728,8 @@ def test_a_signal_this_process_was_started_ignoring_stays_ignored():
 
 
 def test_an_interrupt_while_the_command_starts_is_one_line_not_a_traceback(tmp_path):
-    # A Ctrl-C in the quarter second the command's modules take to import printed Python's traceback of the
-    # import it stopped (`import ctypes ... KeyboardInterrupt`) and died of the signal.
+    # A Ctrl-C while the command's modules import is one line and 130, not Python's traceback of the import it
+    # stopped (`import ctypes ... KeyboardInterrupt`) nor a death by the signal.
     script = """if True:
         import builtins, os, signal, sys
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, were pytest started with `&`
@@ -784,9 +786,8 @@ def _interrupted_start(hook: str) -> subprocess.CompletedProcess:
 
 def test_an_interrupt_inside_onnxruntimes_import_is_an_interruption_not_a_missing_onnxruntime():
     # onnxruntime's extension module is built with pybind11, which turns an exception raised during its init (the
-    # SystemExit of the startup's signal handler) into `ImportError: initialization failed`: a Ctrl-C a fifth of a
-    # second in added "error: onnxruntime does not import here (initialization failed); install it ..." and a
-    # second JSON document, and exited 2.
+    # SystemExit of the startup's signal handler) into `ImportError: initialization failed`: a Ctrl-C then is an
+    # interruption (130, one line, one JSON document), not "error: onnxruntime does not import here".
     result = _interrupted_start("""def ctrl_c_during(name, *args, **kwargs):
             if name == "exporter.runtime.generation":
                 try:
@@ -801,9 +802,8 @@ def test_an_interrupt_inside_onnxruntimes_import_is_an_interruption_not_a_missin
 
 
 def test_an_interrupt_while_the_commands_are_defined_is_one_line_not_a_traceback():
-    # The startup's handler was taken down right after the imports, while the module still had its commands to
-    # define (click's types translate their names through gettext, which reads the disk): a Ctrl-C there printed
-    # Python's traceback and died of the signal.
+    # The startup's handler stays up until the module has defined its commands too (click's types translate their
+    # names through gettext, which reads the disk): a Ctrl-C there is one line and 130, not Python's traceback.
     result = _interrupted_start("""import click
         real_init = click.Path.__init__
         def ctrl_c_in(self, *args, **kwargs):
@@ -837,7 +837,7 @@ def test_inspect_shows_a_graph_swapped_in_under_a_relisted_hash_as_damaged(artif
 
 def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tmp_path):
     # any JSON file counts as a JSON report that may be replaced, so --report-json tol.json --tolerances tol.json
-    # replaced the overrides with the report, and the next run with that file was refused ("unknown kind 'folder'")
+    # would replace the overrides with the report: refused, and the file left as it is
     tolerances = tmp_path / "tol.json"
     tolerances.write_text('{"logits": {"atol": 1e-3}}')
     refused(
@@ -848,8 +848,8 @@ def test_a_report_never_overwrites_the_tolerance_file_it_reads(artifact_fp32, tm
 
 
 def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_fp32, tmp_path):
-    # --golden g/golden.json read "[Errno 20] Not a directory: 'g/golden.json/golden.json'", and --golden ARTIFACT
-    # "No such file or directory: 'ARTIFACT/golden.json'", each with advice to record a bundle the user already had
+    # --golden g/golden.json and --golden ARTIFACT name the folder to pass, not an OS error on a path joined to it
+    # with advice to record a bundle the user already has
     bundle = tmp_path / "g"
     bundle.mkdir()
     (bundle / "golden.json").write_text("{}")
@@ -871,7 +871,8 @@ def test_golden_given_a_file_or_the_artifact_says_which_folder_to_pass(artifact_
 
 
 def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(artifact_fp32, tmp_path):
-    # --atol logits=1 --atol logits=2 is refused; --tolerances a.json --tolerances b.json used b.json alone, silently
+    # --atol logits=1 --atol logits=2 is refused, and so is --tolerances a.json --tolerances b.json: b.json alone
+    # would drop a.json in silence
     (tmp_path / "a.json").write_text('{"logits": {"atol": 1e-3}}')
     (tmp_path / "b.json").write_text('{"kv": {"atol": 1e-3}}')
     refused(
@@ -885,7 +886,7 @@ def test_tolerances_given_twice_is_refused_rather_than_dropping_the_first_file(a
 def test_a_key_given_twice_in_a_users_json_file_is_refused_naming_it(
     artifact_fp32, tiny_tokenizer, tiny_config, tmp_path
 ):
-    # json.loads kept the last value, silently: this file loosened logits' atol to 5
+    # json.loads keeps the last value in silence: read so, this file would loosen logits' atol to 5
     tolerances = tmp_path / "tol.json"
     tolerances.write_text('{"logits": {"atol": 1e-3, "atol": 5}}')
     refused(
@@ -919,7 +920,8 @@ def _undecodable(parent: Path, name: str) -> Path:
 
 
 def test_an_artifact_path_that_is_no_utf8_is_refused_in_one_line(artifact_fp32, tmp_path):
-    # onnxruntime's binding takes a path as UTF-8 and refused this one as an argument of the wrong type: exit 3.
+    # onnxruntime's binding takes a path as UTF-8 only: such a path is refused in one line before onnxruntime sees
+    # it, not as an argument of the wrong type (exit 3).
     folder = shutil.copytree(artifact_fp32, _undecodable(tmp_path, "art"))
     fragment = "holds the byte 0xff, which is no UTF-8, and onnx and onnxruntime take only UTF-8 paths; rename it"
     for command in (
@@ -944,7 +946,7 @@ def test_an_artifact_path_that_is_no_utf8_is_refused_in_one_line(artifact_fp32, 
 
 
 def test_an_export_folder_that_is_no_utf8_is_refused_before_the_export(tmp_path, monkeypatch):
-    # The whole export ran, and then onnx.checker refused the path ("incompatible function arguments"), exit 2.
+    # Refused before the export, not by onnx.checker after it ("incompatible function arguments").
     import exporter.export.pipeline
 
     def no_build(*args, **kwargs):
@@ -1001,7 +1003,8 @@ def test_an_interrupt_while_the_json_result_is_written_leaves_it_whole(artifact_
 
 
 def test_inspect_of_a_folder_an_export_killed_in_its_swap_points_to_the_artifact_moved_aside(artifact_fp32, tmp_path):
-    # kill -9 between the swap's two renames: inspect said only "does not exist".
+    # kill -9 between the swap's two renames: inspect says where the earlier artifact lies, not only "does not
+    # exist".
     folder = tmp_path / "art"
     aside = shutil.copytree(artifact_fp32, tmp_path / ".art.old-999999-abc" / "art")
     hint = f"an export stopped while swapping it left the earlier artifact in {aside}: move it back to {folder}"
@@ -1044,7 +1047,8 @@ def _special_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(), reason="needs FIFOs and /dev/zero")
 @pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
 def test_an_option_file_that_is_no_regular_file_or_too_large_is_refused_unread(artifact_fp32, tmp_path, alarm, kind):
-    # --config /dev/zero and --tolerances /dev/zero read until memory ran out (MemoryError, exit 3); a FIFO blocked.
+    # --config /dev/zero and --tolerances /dev/zero would be read until memory runs out, and a FIFO would block:
+    # refused unread.
     path, reason = _special_file(tmp_path, kind)
     out = tmp_path / "out"
     refused(
@@ -1060,7 +1064,7 @@ def test_an_option_file_that_is_no_regular_file_or_too_large_is_refused_unread(a
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_a_checkpoint_that_is_a_fifo_is_refused_rather_than_waited_on(tmp_path, alarm):
-    # `--checkpoint` naming a FIFO blocked silently, waiting for a writer.
+    # `--checkpoint` naming a FIFO is refused at once, not read while it waits for a writer.
     fifo = tmp_path / "model.pth"
     os.mkfifo(fifo)
     refused(
@@ -1091,7 +1095,7 @@ def test_a_weights_file_linked_from_outside_the_folder_is_damage_to_inspect_as_t
 
 def test_an_export_that_fails_leaves_the_folder_it_would_replace_untouched(artifact_copy, tmp_path):
     # A verify reading the folder meanwhile tells a swapped-in folder by its inode and ctime: an export that fails at
-    # once (no such checkpoint) must not change them, as its probe of the folder's writability did by a file inside
+    # once (no such checkpoint) must not change them, not even by probing the folder's writability with a file inside
     before = os.stat(artifact_copy)
     result = run_cli("export", "--checkpoint", tmp_path / "none.pth", "-o", artifact_copy, "-q")
     assert_one_line_error(result, 2, "does not exist")

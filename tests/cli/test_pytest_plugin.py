@@ -175,7 +175,7 @@ def test_require_reference_makes_an_artifact_without_a_reference_a_usage_error(a
         tmp_path, "--collect-only", "-q", f"--artifacts={artifact_fp32}", f"--artifacts={folder}", "--require-reference"
     )
     assert both.returncode == 4 and f"--require-reference: {folder} has no reference" in both.stderr, both.stderr
-    # several without one: all are counted and the first few named, in one line (only the first was named)
+    # several without one: all are counted and the first few named, in one line
     others = [shutil.copytree(folder, tmp_path / f"mine{index}") for index in range(2, 6)]
     several = _pytest(
         tmp_path,
@@ -300,8 +300,8 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
 
 
 def test_a_broken_torch_install_is_refused_as_torch_missing_not_as_an_internal_error(artifact_fp32, tmp_path):
-    # torch raises OSError, not ImportError, when one of its shared libraries cannot be loaded: it was an
-    # INTERNALERROR traceback here (and an internal error, exit 3, in `export-onnx verify`).
+    # torch raises OSError, not ImportError, when one of its shared libraries cannot be loaded: that is torch
+    # missing (a usage error), not an INTERNALERROR traceback here nor an internal error in `export-onnx verify`.
     fake = tmp_path / "broken" / "torch"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise OSError('libtorch_cpu.so: cannot open shared object file')\n")
@@ -525,8 +525,8 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
         f"--golden-bundle={other}",
     )
     usage_error(tmp_path / "none", "does not exist", f"--golden-bundle={other}")  # the folder is checked first
-    # a bundle of this artifact, damaged since: refused before anything runs, as `verify --golden` refuses it
-    # (it was nine items that "could not run", exit 1, as if the artifact had failed)
+    # a bundle of this artifact, damaged since: refused before anything runs, as `verify --golden` refuses it, not
+    # items that "could not run" (exit 1, as if the artifact had failed)
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
 
@@ -561,7 +561,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
 
 
 def test_the_onnxruntime_genai_skip_reason_is_the_verifications_own_words():
-    # It read "onnxruntime-genai: onnxruntime-genai is not installed (...)".
+    # The reason as the verification words it, not prefixed with the consumer's name a second time.
     reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
     assert _skip_reason("onnxruntime_genai", SimpleNamespace(consumers_skipped={"onnxruntime-genai": reason})) == reason
 

@@ -261,8 +261,8 @@ def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy,
     "failure", [KeyboardInterrupt, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))], ids=["interrupt", "full disk"]
 )
 def test_a_failed_export_removes_the_parent_folders_it_made(tmp_path, tiny_model, monkeypatch, failure):
-    """`-o a/b/c` makes the missing a/b; an export that did not land left them behind, empty. Only the folders this
-    export made go, and only while empty: one that something else wrote into meanwhile stays."""
+    """`-o a/b/c` makes the missing a/b; an export that does not land removes them. Only the folders this export
+    made go, and only while empty: one that something else wrote into meanwhile stays."""
 
     def fail(*args, **kwargs):
         (tmp_path / "kept" / "b" / "other.txt").write_text("written by another program meanwhile")
@@ -301,8 +301,9 @@ def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artif
 
 @pytest.mark.parametrize("moment", ["before the check", "after the check"])
 def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the_others(tmp_path, monkeypatch, moment):
-    """Two exports to one folder swapping in at the same moment: the one that lost the race said "Directory not
-    empty ... an earlier artifact there is untouched: free space", or "No such file or directory"."""
+    """Two exports to one folder swapping in at the same moment: the one that loses the race says another export
+    overtook it and keeps the other's artifact, not "Directory not empty ... free space" or "No such file or
+    directory"."""
     folder, built = tmp_path / "art", tmp_path / ".art.partial-x"
     built.mkdir()
     (built / "manifest.json").write_text("mine")
@@ -381,7 +382,7 @@ def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_mode
 
 
 def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_model, monkeypatch):
-    """mkdir would fail only after the export ran (FileExistsError or NotADirectoryError, deep in the swap)."""
+    """Refused before the export, not by mkdir after it (FileExistsError or NotADirectoryError, deep in the swap)."""
     (tmp_path / "taken").write_text("keep me")
     monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
     with pytest.raises(
@@ -392,8 +393,8 @@ def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_mo
 
 
 def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, monkeypatch):
-    # An empty tmpfs at the destination was exported to in full, then "cannot replace ... (Device or resource
-    # busy); the earlier artifact is untouched", though there was none.
+    # A mount point cannot be replaced by a rename: an empty tmpfs at the destination is refused before any work, not
+    # after a whole export with "cannot replace ... (Device or resource busy)".
     mount = tmp_path / "mnt"
     mount.mkdir()
     monkeypatch.setattr(export_module.os.path, "ismount", lambda path: Path(path) == mount)
@@ -410,7 +411,7 @@ def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, mon
 def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
     artifact_copy, artifact_fp32, tiny_model, monkeypatch
 ):
-    # It was "internal error: OSError: [Errno 28] No space left on device" (exit 3), naming no path.
+    # An input error naming the folder, not an internal error (exit 3) naming no path.
     replayed_export(monkeypatch, artifact_fp32)  # skip the slow torch export: reuse the graphs
 
     def disk_full(writer, model):  # as a write() fails: no file name in the error
@@ -430,7 +431,8 @@ def test_a_full_disk_during_the_export_is_a_one_line_error_naming_the_folder(
 
 
 def test_a_folder_name_too_long_for_the_hidden_sibling_is_a_one_line_error(tmp_path, tiny_model):
-    # A valid 245-character name: its sibling .NAME.partial-XXXXXXXX is not, and failed as an internal error.
+    # A valid 245-character name: its sibling .NAME.partial-XXXXXXXX is not, an output path error, not an internal
+    # one.
     folder = tmp_path / ("n" * 245)
     with pytest.raises(
         OutputPathError,
@@ -450,8 +452,8 @@ def test_export_rejects_an_unknown_dtype(tmp_path, tiny_model):
 
 
 def test_export_refuses_positions_its_consumers_cannot_load(tmp_path):
-    # onnxruntime-genai reads the context length as a 32-bit integer: a model of 10**12 positions was exported, and
-    # refused only by verify's consumer check, naming no fix
+    # onnxruntime-genai reads the context length as a 32-bit integer: a model of 10**12 positions is refused by the
+    # export, with the fix, not left to verify's consumer check
     from reference import HFDecoderConfig, build_model
 
     sizes = dict(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
@@ -462,9 +464,9 @@ def test_export_refuses_positions_its_consumers_cannot_load(tmp_path):
 
 
 def test_export_refuses_arguments_of_the_wrong_type_by_name(tmp_path, tiny_model):
-    """A model that is none failed with AttributeError, a folder or tokenizer that is no path with pathlib's
-    TypeError, and with_loss="no" exported the loss; a seed that is no integer was refused only by the manifest,
-    a numpy integer refused as none; seeded_model's result, not a model, was told to build one with seeded_model."""
+    """Each argument is refused by name with the fix, not left to AttributeError or pathlib's TypeError, nor read
+    as true (with_loss="no"); a seed must be an integer (a numpy one included) before anything is built; and
+    seeded_model's result passed as the model is told to pass its model and source, not to build one."""
     from reference.source import seeded_model
 
     for model, kind in ((None, "NoneType"), ("minimind-3-tiny", "str"), (torch.nn.Linear(2, 2), "Linear")):
@@ -552,7 +554,7 @@ def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouc
 def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(
     artifact_fp32, artifact_fp16, monkeypatch, dtype, passes
 ):
-    """Two float16 roundings apart is a correct export (a fixed 1e-3 failed one); 0.01 in float32 is not."""
+    """Two float16 roundings apart is a correct export (a fixed 1e-3 would fail one); 0.01 in float32 is not."""
     folder = artifact_fp32 if dtype == "float32" else artifact_fp16
     decode = OrtRunner.decode
 
@@ -658,8 +660,8 @@ def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, gra
 def test_weights_that_are_not_finite_are_refused_before_the_export(
     tiny_model, tmp_path, monkeypatch, dtype, value, match
 ):
-    # A NaN checkpoint was refused by the smoke run, after both exports (~30 s), suggesting "(or export float32)"
-    # for a float32 export too.
+    # Refused before the export, not by the smoke run after both graphs are built; the fix suggests float32 only
+    # to a float16 export.
     model = copy.deepcopy(tiny_model)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = value
@@ -759,8 +761,8 @@ def _dead_pid() -> int:
 
 
 def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_put_back(tmp_path):
-    # SIGKILL or SIGHUP between the swap's two renames: the earlier artifact sat in .art.old-*, art was gone,
-    # and nothing ever looked at the hidden folders again.
+    # SIGKILL or SIGHUP between the swap's two renames leaves the earlier artifact in .art.old-* and no art: the next
+    # export to that folder puts it back and clears what the dead one left.
     folder, dead, running = tmp_path / "art", _dead_pid(), os.getpid()
     moved_aside = tmp_path / f".art.old-{dead}-abc" / "art"
     moved_aside.mkdir(parents=True)

@@ -89,7 +89,7 @@ def test_a_negative_input_id_fails_in_both_graphs_of_every_family(family, reques
     ids, one = np.array([[3, -1]]), np.ones((1, 1), np.int64)
     with pytest.raises(IndexError):
         model(torch.as_tensor(ids))
-    # the message sends the user to the inputs first; it said only "a damaged graph: re-export the folder"
+    # the message sends the user to the inputs first, not only to "a damaged graph: re-export the folder"
     with pytest.raises(GraphRunError, match=r"prefill.onnx \(.*Gather.*\); check the inputs \(an id or label"):
         onnx.prefill(
             {
@@ -374,7 +374,7 @@ def test_teaching_gpt_graph_left_padding_and_context_limit(gpt_artifact, gpt_mod
 
 
 def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
-    # Its 5-token prompt indexed past a 4-position table: exit 3 for a valid model.
+    # The smoke run's prompts fit the model's positions: a 5-token prompt would index past a 4-position table.
     manifest = read_manifest(gpt_artifact, check_hashes=False)
     four = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=4))
     lengths, prefill = [], OrtRunner.prefill
@@ -386,8 +386,8 @@ def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
 
 
 def test_the_smoke_run_refuses_positions_the_model_does_not_have(gpt_artifact):
-    # A 64-row position table under a config claiming 128: the export ran only the example's positions, and
-    # the artifact failed at generation past 64 while verify stopped on torch's raw IndexError.
+    # A 64-row position table under a config claiming 128: the example's positions alone run fine, so the smoke run
+    # tries the last position the manifest promises, where generation would fail and verify stop on IndexError.
     manifest = read_manifest(gpt_artifact, check_hashes=False)
     more = dataclasses.replace(manifest, config=dataclasses.replace(manifest.config, context_length=128))
     with pytest.raises(

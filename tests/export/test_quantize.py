@@ -329,7 +329,7 @@ def test_dequantized_blocks_lie_within_a_scale(name, quantized, choices, tiny_mo
 
 def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized, tiny_model, tmp_path):
     # An int8 artifact whose manifest says int4: its 8-bit blocks still lie within their scales of the parameters,
-    # so only the scheme check tells it from the int4 artifact it claims to be (an export once wrote such a thing).
+    # so only the scheme check tells it from the int4 artifact it claims to be.
     # Its lm_head and embedding are at 8 bits under either scheme (their default, int8): the 14 projections differ.
     from exporter.verify.checks.weights import audit_weights
 

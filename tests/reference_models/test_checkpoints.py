@@ -209,7 +209,7 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
         and report.config_source == "given fields"
         and "num_attention_heads" not in report.assumed
     )
-    # ... and so does the head size alone, from which the heads follow (it was dropped: 8 heads assumed)
+    # ... and so does the head size alone, from which the heads follow (not dropped for an assumed head count)
     by_size, report = load_checkpoint(path, config_data={"head_dim": config.head_dim, "max_position_embeddings": 256})
     assert by_size.config == config and "num_attention_heads" not in report.assumed
     for wrong in (config.head_dim * 2 if config.version == 3 else 7, "16"):  # q_norm's width / no divisor / a string
@@ -221,9 +221,9 @@ def test_family_generation_and_sizes_are_inferred_from_a_bare_pth(preset, tmp_pa
 
 @pytest.mark.parametrize("preset", ["minimind-3-tiny", "minimind2-tiny"])
 def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error(preset, tmp_path):
-    # --config num_attention_heads "4", 0 or 1000, or a q_proj cut to 10 rows, read "cannot infer the minimind
-    # config from the checkpoint's tensors (TypeError: unsupported operand type(s) for //: 'int' and 'str')",
-    # "(no tensor 'num_attention_heads')" or "(ZeroDivisionError: integer division or modulo by zero)".
+    # --config num_attention_heads "4", 0 or 1000, or a q_proj cut to 10 rows: named, not "cannot infer the minimind
+    # config from the checkpoint's tensors" with a TypeError, "(no tensor 'num_attention_heads')" or a
+    # ZeroDivisionError.
     model = build_model(get_preset(preset))
     path = _write("pth", model, tmp_path)
     for heads, fragment in (
@@ -239,8 +239,8 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
         with pytest.raises(CheckpointError, match=fragment) as caught:
             load_checkpoint(path, config_data={"num_attention_heads": heads})
         assert "Error:" not in str(caught.value) and "no tensor" not in str(caught.value), caught.value
-    # Beside a head_dim (a config.json's, as Transformers writes it) the head count was divided by before it was
-    # checked: TypeError or ZeroDivisionError, exit 3.
+    # Beside a head_dim (a config.json's, as Transformers writes it) the head count is checked before anything is
+    # divided by it: a CheckpointError, not TypeError or ZeroDivisionError.
     for heads in ("4", 0):
         with pytest.raises(CheckpointError, match=f"num_attention_heads must be a positive integer, got {heads!r}"):
             load_checkpoint(path, config_data={"hidden_size": 64, "num_attention_heads": heads, "head_dim": 16})
@@ -260,8 +260,8 @@ def test_a_head_count_or_a_q_proj_that_fits_no_heads_is_named_not_a_python_error
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
 def test_a_minimind_resume_checkpoint_of_a_wrapped_model_loads(prefix, tmp_path):
     # MiniMind's trainers wrap the compiled model in DDP and save {"model": ..., "optimizer": ..., "epoch": ...}
-    # as *_resume.pth: "module._orig_mod." was stripped to "_orig_mod." and refused as no known family's keys,
-    # and the resume file as "not a flat state dict".
+    # as *_resume.pth: every wrapper prefix is stripped, in any order, and the resume file's "model" is the state
+    # dict.
     model = build_model(get_preset("minimind-3-tiny"), seed=4)
     path = tmp_path / "full_sft_64_resume.pth"
     weights = {prefix + k: v for k, v in _half_state(model).items()}
@@ -392,8 +392,8 @@ def test_a_malicious_pickle_is_refused_and_never_runs(wrap, tmp_path):
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_a_plain_pickle_is_refused_for_what_it_is_and_never_runs(protocol, tmp_path):
-    # pickle.dump rather than torch.save (Python's default protocol is 4): torch's safe loader took protocols 4
-    # and 5 for a damaged file, printing a warning first. Such a file never loads safely: its tensors' storages
+    # pickle.dump rather than torch.save (Python's default protocol is 4): refused as a plain pickle whatever its
+    # protocol, not as a damaged file (torch's safe loader's view of 4 and 5). It never loads safely: its storages
     # unpickle through torch.storage._load_from_bytes, a torch.load without weights_only.
     marker = tmp_path / "pwned"
     path = tmp_path / "full_sft_512.pth"
@@ -500,7 +500,7 @@ def test_sizes_that_do_not_fit_the_tensors_are_refused_before_a_model_is_allocat
     ],
 )
 def test_a_config_the_tensors_cannot_hold_is_refused_before_any_model_is_built(preset, given, message, tmp_path):
-    # 20000 layers took half a minute to build (on the meta device) before the fit check refused them
+    # 20000 layers are refused before any model is built (even on the meta device that would take long)
     model = build_model(get_preset(preset))
     torch.save(_gpt_checkpoint(model) if preset.startswith("teaching") else _half_state(model), tmp_path / "m.pth")
     start = time.perf_counter()
@@ -584,7 +584,7 @@ def test_tied_and_untied_embeddings(tmp_path):
         (lambda d: d / "nope.pth", "does not exist"),
         (lambda d: (d / "w.npz").write_bytes(b"x") and d / "w.npz", "unknown checkpoint type '.npz'"),
         (lambda d: (d / "t.pth").write_bytes(b"not a zip") and d / "t.pth", "not a readable torch checkpoint"),
-        # A text file read "(KeyError: 101)": torch's legacy loader took its "h" for a pickle opcode.
+        # A text file: what it is, not torch's legacy loader's "(KeyError: 101)" (it takes "h" for a pickle opcode).
         (
             lambda d: (d / "t.pth").write_bytes(b"hello\n") and d / "t.pth",
             r"t\.pth is not a readable torch checkpoint: "
@@ -662,7 +662,8 @@ def test_a_config_json_head_dim_the_reference_cannot_honour_is_refused(tmp_path)
 
 
 def test_config_data_that_is_no_dict_is_refused(tmp_path):
-    """A path given as config_data failed with AttributeError ('str' object has no attribute 'get') before."""
+    """A path given as config_data is refused by name, not left to AttributeError ('str' object has no attribute
+    'get')."""
     from reference import ConfigError
 
     torch.save(_half_state(build_model(get_preset("minimind-3-tiny"))), tmp_path / "model.pth")
@@ -698,7 +699,8 @@ def test_a_preset_name_given_as_config_points_to_get_preset(tmp_path):
 
 
 def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_path):
-    """None failed with pathlib's TypeError; config with config_data ignored the fields (the CLI refuses both)."""
+    """A path that is none is refused by name, not left to pathlib's TypeError; config with config_data is refused,
+    not one of them ignored (the CLI refuses both)."""
     from reference import ConfigError
     from reference.source import checkpoint_model
 
@@ -711,8 +713,8 @@ def test_a_checkpoint_that_is_no_path_or_a_config_given_twice_is_refused(tmp_pat
 
 
 def test_checkpoint_files_this_user_cannot_read_are_named(tmp_path, monkeypatch):
-    """chmod 000: config.json failed as PermissionError (exit 3), model.safetensors as "No such file or directory".
-    Simulated, since the tests may run as root, whom permission bits do not stop."""
+    """chmod 000 on config.json or model.safetensors: each named as unreadable, not a PermissionError nor "No such
+    file or directory". Simulated, since the tests may run as root, whom permission bits do not stop."""
     import pathlib
 
     state = {k: v.clone() for k, v in build_model(get_preset("minimind-3-tiny")).state_dict().items()}

@@ -371,8 +371,8 @@ def test_the_missing_byte_symbols_the_export_warns_of_are_encoded_as_minus_one_b
 
 
 def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, tiny_model, monkeypatch):
-    # Both ran every check first, then ended in GenaiGenerator: the unlisted file (left on disk) with exit 2 and
-    # the verdict lost, the malformed one with an internal JSONDecodeError, exit 3.
+    # Both are refused before any check runs, not after every check in GenaiGenerator (the verdict lost, or an
+    # internal JSONDecodeError).
     monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
     path = artifact_copy / "genai_config.json"
     edit_manifest(artifact_copy, lambda manifest: manifest["files"].pop("genai_config.json"))
@@ -402,8 +402,7 @@ def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, ti
     "text, error", [('{"model": {}}', "KeyError"), ('["model"]', "TypeError"), ('{"model": "qwen3"}', "TypeError")]
 )
 def test_a_genai_config_that_names_no_model_type_is_one_artifact_error(tmp_path, text, error):
-    # JSON, but without model.type: a KeyError or TypeError escaped as an internal error, where malformed JSON
-    # was already refused
+    # JSON, but without model.type: one ArtifactError, as for malformed JSON, not a KeyError or TypeError
     (tmp_path / "genai_config.json").write_text(text)
     with pytest.raises(ArtifactError, match=rf"genai_config.json is not onnxruntime-genai's config \({error}") as info:
         exporter_genai.genai_model_type(tmp_path)

@@ -246,7 +246,7 @@ def test_streams_interleaved_on_one_runner_each_keep_their_own_cache(runner):
 
 @pytest.mark.parametrize("call", [generate, stream, lambda runner, prompts, n: generate_greedy(runner, prompts[0], n)])
 def test_a_folder_in_place_of_the_runner_is_refused_with_the_fix(artifact_fp32, call):
-    # was AttributeError: 'PosixPath' object has no attribute 'manifest'
+    # an InputError with the fix, not AttributeError: 'PosixPath' object has no attribute 'manifest'
     with pytest.raises(
         InputError,
         match=r"^runner must be an OrtRunner, got PosixPath\(.*; make one with "
@@ -256,7 +256,8 @@ def test_a_folder_in_place_of_the_runner_is_refused_with_the_fix(artifact_fp32, 
 
 
 def test_generations_from_several_threads_on_one_runner_each_keep_their_own_cache(runner):
-    # Each step swapped its cache in and ran while another thread's step swapped its own: wrong tokens, no error.
+    # Each thread's steps run on its own cache: a step that swapped a shared cache in while another thread's step
+    # swapped its own would give wrong tokens, with no error.
     import threading
 
     prompts = [[1, 42, 7], [5, 6], [9, 9, 9, 9], [3]] * 2
@@ -299,7 +300,7 @@ def test_the_smallest_temperature_and_penalty_stay_finite_and_within_the_vocabul
 
 
 def test_the_largest_penalty_leaves_no_nan(recwarn):
-    # A seen logit of exactly 0 times an infinite penalty was NaN, then blamed on the artifact.
+    # A seen logit of exactly 0 under the largest penalty stays a number: a NaN would be blamed on the artifact.
     logits = np.array([[0.0, -1.0, -2.0, 3.0]], dtype=np.float32)
     seen = np.array([[True, True, True, True]])
     largest = float(np.finfo(np.float32).max)
@@ -403,8 +404,8 @@ def test_optimised_graphs_can_be_saved(artifact_fp32, tmp_path):
 
 
 def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_fp32, tmp_path, monkeypatch):
-    """onnxruntime writes the optimised graph while it makes the session: a full disk left a truncated graph over
-    the earlier save, and was reported as a damaged artifact ("re-export the folder")."""
+    """onnxruntime writes the optimised graph while it makes the session: a full disk leaves the earlier save whole,
+    not a truncated graph over it, and is not reported as a damaged artifact ("re-export the folder")."""
     import onnxruntime as ort
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
@@ -431,8 +432,8 @@ def test_a_failed_save_of_the_optimised_graphs_keeps_the_earlier_ones(artifact_f
 
 
 def test_the_optimised_graphs_land_both_or_neither(artifact_fp32, tmp_path, monkeypatch):
-    """decode.onnx's graph was saved, then prefill.onnx's save failed: the folder held a new decode graph beside
-    the earlier prefill graph, or a new folder the decode graph alone."""
+    """decode.onnx's graph saved, then prefill.onnx's save failing: the folder keeps both earlier graphs (no new
+    decode graph beside the earlier prefill graph), and a new folder is not left with the decode graph alone."""
     import onnxruntime as ort
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
@@ -603,8 +604,8 @@ def test_text_in_and_out_through_a_tokenizer(artifact_fp32, tokenizer_file, runn
 
 
 def test_prompt_text_without_the_tokenizers_library_is_a_one_line_error(artifact_fp32, tokenizer_file, monkeypatch):
-    # A deployment installed without dependencies (README, "Golden bundles") exited 3 with "internal error:
-    # ModuleNotFoundError" here.
+    # A deployment installed without dependencies (README, "Golden bundles"): one line naming the library to
+    # install, exit 2, not an internal error.
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # any import of it now fails
     result = CliRunner().invoke(
         main, ["generate", str(artifact_fp32), "--prompt", "w5", "--tokenizer", str(tokenizer_file), "-q"]
@@ -752,7 +753,7 @@ def test_prompt_dash_drops_a_final_windows_line_end(artifact_fp32, tmp_path):
 
 
 def test_prompt_dash_with_stdin_closed_is_a_usage_error(artifact_fp32):
-    # `export-onnx generate --prompt - <&-`: Python starts with sys.stdin None, which was an internal error, exit 3
+    # `export-onnx generate --prompt - <&-`: Python starts with sys.stdin None, a usage error, not an internal one
     import subprocess
 
     result = subprocess.run(

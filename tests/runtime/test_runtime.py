@@ -84,8 +84,9 @@ def test_a_listed_cuda_provider_that_cannot_start_is_skipped_or_refused(monkeypa
 
 
 def test_the_cuda_probe_fits_a_shared_thread_pool():
-    # The probe session asked for a pool of its own: once a runner had made the shared pool, onnxruntime refused
-    # it, and a working CUDA was reported as one that "could not start ... check the GPU, CUDA and cuDNN".
+    # The probe session takes the shared pool once a runner has made it: one asking for a pool of its own would be
+    # refused by onnxruntime, and a working CUDA reported as one that "could not start ... check the GPU, CUDA and
+    # cuDNN".
     # A fresh process, since the shared pool is process-wide; CUDA listed, as onnxruntime-gpu lists it.
     import subprocess
     import sys
@@ -183,9 +184,9 @@ def test_start_and_step_refuse_positions_past_max_position_embeddings_before_run
 
 
 def test_start_and_step_refuse_arrays_the_graph_does_not_take_as_input_errors(runner, artifact_fp32):
-    """int32 ids, lists, 1-D arrays or ids outside the vocabulary failed inside onnxruntime (or with an
-    AttributeError), and onnxruntime's refusal was reported as a damaged graph: re-export the folder.
-    check_hashes="no" read as True."""
+    """int32 ids, lists, 1-D arrays or ids outside the vocabulary are input errors naming the array, refused before
+    onnxruntime runs (whose refusal would read as a damaged graph: re-export the folder); check_hashes="no" is
+    refused, not read as True."""
     ids, mask, positions = np.ones((1, 3), np.int64), np.ones((1, 3), np.int64), np.arange(3)[None]
     for bad, got in (
         (ids.astype(np.int32), "an array of int32 with shape (1, 3)"),
@@ -426,7 +427,8 @@ def test_bad_session_settings_are_refused():
 
 
 def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_path):
-    """A string flag such as "no" is truthy and read as True before; a str folder failed at load (AttributeError)."""
+    """A string flag such as "no" is truthy: refused, not read as True; a str folder is a path (no AttributeError at
+    load)."""
     from exporter.runtime.sessions import SessionSettings
 
     for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once"):
@@ -443,7 +445,8 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
 
 @pytest.mark.parametrize("prompt_chunk", [0, 128])
 def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
-    """It raised UnboundLocalError (no chunk ran), or with prompt_chunk=0 range()'s step-zero ValueError."""
+    """An InputError, whatever the prompt_chunk: not UnboundLocalError (no chunk runs), nor range()'s step-zero
+    ValueError with prompt_chunk=0."""
     from exporter.runtime.sessions import SessionSettings
 
     runner = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=prompt_chunk))

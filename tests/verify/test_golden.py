@@ -146,7 +146,7 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
 def test_golden_save_over_another_artifacts_bundle_is_refused_and_over_its_own_re_records(
     full, artifact_fp32, artifact_fp16
 ):
-    # --golden-save DIR replaced a bundle recorded from another artifact, silently.
+    # --golden-save DIR never replaces a bundle recorded from another artifact.
     _, bundle = full
     before = (bundle / "golden.json").read_bytes()
     assert_one_line_error(
@@ -183,8 +183,8 @@ def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(
 def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle_whole(
     full, artifact_fp32, tmp_path, monkeypatch
 ):
-    """The new arrays were swapped in, then a Ctrl-C before the index: the older bundle was lost, refused as
-    damaged ("sha256 differs")."""
+    """The new arrays swapped in, then a Ctrl-C before the index: the older bundle stays whole and readable, not
+    refused as damaged ("sha256 differs")."""
     manifest = read_manifest(artifact_fp32)
     folder = shutil.copytree(full[1], tmp_path / "golden")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}

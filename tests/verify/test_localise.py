@@ -357,7 +357,7 @@ def test_a_fault_in_decode_onnx_alone_is_localised_in_decode_onnx(decode_fault):
 
 
 def test_the_attribution_does_not_report_an_export_that_fails_decode_as_passing(decode_fault):
-    # Its one leg, "export", was the prefill logits alone and passed at 0.024x while decode.onnx failed.
+    # The "export" leg covers decode.onnx too: the prefill logits alone would pass while decode.onnx fails.
     _, report, _ = decode_fault
     legs = report.attribution.legs
     assert [(leg.cause, leg.covers, leg.comparison.passed) for leg in legs] == [

@@ -126,10 +126,10 @@ def test_decode_with_past_zero_equals_prefill(artifact_fp32):
         (
             {"decode_steps": "2"},
             r"^ParitySettings.decode_steps must be an integer, got '2' \(str\)",
-        ),  # was: '<' not supported
+        ),  # not TypeError: '<' not supported
         ({"batch": 2.0}, r"^ParitySettings.batch must be an integer, got 2.0 \(float\)"),
-        ({"seed": -1}, r"^ParitySettings.seed must be an integer >= 0, got -1"),  # was numpy's ValueError, mid-run
-        ({"sweep": "no"}, r"^ParitySettings.sweep must be True or False, got 'no' \(str\)"),  # "no" read as true
+        ({"seed": -1}, r"^ParitySettings.seed must be an integer >= 0, got -1"),  # not numpy's ValueError mid-run
+        ({"sweep": "no"}, r"^ParitySettings.sweep must be True or False, got 'no' \(str\)"),  # not "no" read as true
     ],
 )
 def test_parity_settings_of_the_wrong_type_are_refused_naming_the_field(kwargs, message):

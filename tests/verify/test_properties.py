@@ -306,7 +306,8 @@ def test_correct_exports_verify_on_fixed_drawn_configs_and_shapes(exports):
 
 @pytest.mark.properties
 def test_correct_exports_verify_on_drawn_configs_and_shapes(exports):
-    """Each variant's configs drawn apart: drawn from all at once, a few dozen configs left some variants out."""
+    """Each variant's configs drawn apart: drawn from all at once, a few dozen configs could leave some variants
+    out."""
     before, configs = exports.cases, len(exports.runners)
     for variant in VARIANTS:
         run_properties(exports, FULL_CONFIGS, FULL_SHAPES, derandomize=False, variants=[variant])

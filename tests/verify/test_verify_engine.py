@@ -49,8 +49,8 @@ def test_default_verification_covers_curve_sweep_invariants_and_health(full):
 
 # A correct float32 export's errors are float32 rounding on both sides: against the same model in float64 the
 # reference stays within ~140 of the 512 units the profile allows (docs/verification.md), so a clean run needs
-# at most about half its tolerance. A regression that doubles the errors, or a fault near the bound, fails here
-# before it fails users: a check that only asked for "< 1" would pass a 5-18x growth of today's margins.
+# at most about half its tolerance. A change that doubles the errors, or a fault near the bound, fails here
+# before it fails users: a check that only asked for "< 1" would let the errors grow several times over.
 CLEAN_MARGIN = 0.5
 
 
@@ -78,8 +78,8 @@ def test_a_clean_run_needs_at_most_half_of_each_tolerance(full):
 
 
 def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifact_fp32):
-    """Before, a minimind2-tiny model against this minimind-3-tiny artifact ran every check and failed each one
-    (top1 0.000), blaming the export."""
+    """A minimind2-tiny model against this minimind-3-tiny artifact is refused before any check, not run through
+    every check to fail each one (top1 0.000), blaming the export."""
     from exporter.errors import InputError
     from reference import build_model, get_preset
     from reference.source import seeded_model
@@ -99,7 +99,7 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
         r"artifact's family minimind",
     ):
         verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False)
-    sourced = seeded_model("minimind-3-tiny")  # was "not of the artifact's family" (SourcedModel with config None)
+    sourced = seeded_model("minimind-3-tiny")  # told to pass its model, not "not of the artifact's family"
     with pytest.raises(
         InputError,
         match=r"^model is a SourcedModel \(what seeded_model and checkpoint_model "
@@ -145,7 +145,7 @@ def test_an_api_calls_refusal_names_the_parameter_beside_the_cli_flag(artifact_f
 
 
 def test_a_model_and_a_golden_bundle_together_are_refused_naming_which_to_drop(artifact_fp32, tiny_model, tmp_path):
-    # The bundle was replayed and the model ignored, silently.
+    # Refused, not one of them ignored in silence.
     from exporter.errors import InputError
 
     with pytest.raises(
@@ -157,8 +157,8 @@ def test_a_model_and_a_golden_bundle_together_are_refused_naming_which_to_drop(a
 
 
 def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifact_fp32, tiny_model):
-    """Each failed deep in the engine (AttributeError, pathlib's or iteration's TypeError), genai="no" ran the
-    check, and providers=[] verified nothing and failed."""
+    """Each is refused by name, not left to fail deep in the engine (AttributeError, pathlib's or iteration's
+    TypeError); genai="no" is refused, not read as true, and providers=[] too, rather than verifying nothing."""
     from exporter.errors import InputError, ProviderError
 
     for kwargs, error, message in (
@@ -176,16 +176,16 @@ def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifa
 
 
 def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
-    """A str was iterated before: "cpu" asked for the providers "c", "p" and "u" (ProviderError "not c")."""
+    """A str is one provider's name, not iterated into the providers "c", "p" and "u"."""
     report = verify_artifact(artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False)
     assert [r.provider for r in report.reports] == ["CPUExecutionProvider"]
     assert report.passed
 
 
 def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_error(artifact_fp32, tiny_model, tmp_path):
-    # The debug copy read the graph before any session did: a truncated prefill.onnx ended in protobuf's
-    # DecodeError and an empty one in KeyError: 'input_ids', both exit 3; another opset than the manifest's
-    # passed.
+    # The graph is held to the manifest before the debug copy or any session reads it: a truncated prefill.onnx,
+    # an empty one or one of another opset than the manifest's is one ArtifactError line, not protobuf's
+    # DecodeError or KeyError: 'input_ids' (exit 3), nor a pass.
     def damaged(name: str, content: bytes | None = None, opset: int | None = None) -> str:
         folder = shutil.copytree(artifact_fp32, tmp_path / name)
         graph = folder / "prefill.onnx"
@@ -231,7 +231,7 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
 
 
 def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_model, monkeypatch, caplog):
-    # Each ran silent between its first line and the next check (20 s apiece on the tiny model under load).
+    # Long checks report progress between their first line and the next check, not silence.
     monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 0.0)  # a line after every item but the last
     monkeypatch.setattr(checks, "sweep_grid", lambda context: [(1, 1, 0), (2, 2, 1), (3, 1, 17)])
     artifact = Artifact.open(artifact_fp32)

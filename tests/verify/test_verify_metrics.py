@@ -237,7 +237,8 @@ def test_overrides_from_options_and_files(tmp_path):
         with pytest.raises(InputError, match=re.escape(f"tolerance file {tmp_path / name} {said}")) as info:
             parse_overrides(file=tmp_path / name)
         assert str(info.value).endswith('; give a JSON or .toml file like {"logits": {"atol": 1e-3}}'), info.value
-    # a str was iterated, one term per character ("'l': expected KIND=VALUE"); a kind given twice, the last won
+    # a str is one term, not one term per character; a kind given twice with two values is refused, not the last
+    # one kept
     assert parse_overrides(atol="logits=1e-3") == parse_overrides(atol=["logits=1e-3"])
     with pytest.raises(
         InputError,
@@ -245,7 +246,7 @@ def test_overrides_from_options_and_files(tmp_path):
         "give it once$",
     ):
         parse_overrides(atol=["logits=1", "logits=2"])
-    # a misspelt term in a file was refused without naming it ("logits must map some of atol, rtol, peak")
+    # a misspelt term in a file is refused by its name
     (tmp_path / "typo.json").write_text(json.dumps({"logits": {"atol": 1e-3, "atl": 1e-3}}))
     with pytest.raises(
         InputError,
@@ -255,8 +256,8 @@ def test_overrides_from_options_and_files(tmp_path):
 
 
 def test_the_float16_and_loss_profiles_fail_what_their_reasoning_says_they_catch(tiny_model):
-    # The float32 logits profile is pinned above; the float16 profile and both loss profiles were not, so any
-    # of their terms could be loosened with every test still passing. Each is held to its stated reasoning:
+    # The float32 logits profile is pinned above; this pins the float16 profile and both loss profiles, so that
+    # none of their terms can be loosened with every test still passing. Each is held to its stated reasoning:
     # float16's own rounding passes, an error float16's 11 bits cannot explain fails; a loss fails well before
     # a perplexity change anyone would notice.
     import copy

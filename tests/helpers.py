@@ -142,6 +142,11 @@ def edit_manifest(folder: Path, change) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def edit_json(path: Path, **changes) -> None:
+    """Replace fields of the JSON object in the file at `path` (a model folder's config.json, say)."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
 def claim_seed(seed: int):
     """A manifest edit: the reference is rebuilt with another seed's weights (the hashes still match the files)."""
     return lambda manifest: manifest["model"]["source"].update(seed=seed)

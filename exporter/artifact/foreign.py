@@ -8,7 +8,8 @@ What each writer's graph takes and gives, as read here:
   the positions from the mask and take none), and the past `past_key_values.N.key` / `.value`, (batch, kv heads,
   past, head dim), the head dimension fixed (Optimum) or symbolic (the builder);
 - outputs `logits` and the presents `present.N.key` / `.value`; no loss;
-- the builder names its past and present tensors in genai_config.json (`%d` for the layer), which is followed.
+- the builder names its past and present tensors in genai_config.json (`%d` for the layer), which is followed, and
+  records there the model's sizes, which stand for the axes its graph leaves symbolic (the head dimension).
 
 The model config (sizes, positions, tokens) comes from the Hugging Face folder the graph was exported from, whose
 sizes must agree with the graph's.
@@ -54,6 +55,19 @@ EXPECTED = (
     "inputs input_ids, attention_mask, optionally position_ids, past_key_values.N.key/.value and outputs logits, "
     "present.N.key/.value (as Optimum's text-generation-with-past and onnxruntime-genai's builder write them)"
 )
+# The rank of each tensor of the contract; the past and present tensors are (batch, kv heads, length, head dim).
+RANKS = {"input_ids": 2, "attention_mask": 2, "position_ids": 2, "logits": 3}
+CACHE_RANK = 4
+FLOATS = ("float32", "float16")
+NO_DECODER_FIX = "pass a folder Optimum or onnxruntime-genai's builder wrote for a decoder"
+# genai_config.json's model.decoder sizes, by the names a model config gives them
+BUILDER_SIZES = {
+    "head_size": "head_dim",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "num_hidden_layers": "num_hidden_layers",
+}
 
 
 @dataclass(frozen=True)
@@ -65,8 +79,9 @@ class ForeignGraph:
     position_ids: whether it takes them; left_padding: whether a left-padded row is computed as the reference
     computes it (not by an attention that takes rows as right-padded); dtype: its cache's and logits' dtype;
     scheme: "int4" / "int8" for MatMulNBits weights, else None; quantization: that scheme as a manifest records it;
-    layers: the cache's layers; kv_heads, head_dim and vocab_size: the graph's fixed sizes, None where its axis is
-    symbolic; opset: its default-domain opset.
+    layers: the cache's layers; kv_heads, head_dim and vocab_size: the graph's fixed sizes, else those its writer's
+    config records, None where neither fixes them; declared: every size its writer's config records (the builder's
+    genai_config.json), by a model config's names; opset: its default-domain opset.
     """
 
     folder: Path
@@ -84,6 +99,7 @@ class ForeignGraph:
     kv_heads: int | None
     head_dim: int | None
     vocab_size: int | None
+    declared: dict
     opset: int
 
     @property
@@ -115,6 +131,18 @@ class ForeignGraph:
             "opset": self.opset,
         }
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The model sizes the folder fixes, by a model config's names: what its writer's config records, and the
+        graph's own axes."""
+        fixed = {
+            "num_hidden_layers": self.layers,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+        }
+        return {**self.declared, **{name: size for name, size in fixed.items() if size is not None}}
+
 
 def foreign_writer(folder: Path) -> str | None:
     """Who wrote `folder`, when it is a foreign folder (no manifest.json of ours, a config of one of the writers):
@@ -144,10 +172,12 @@ def _object(value, name: str, path: Path) -> dict:
     return value
 
 
-def _builder_names(folder: Path) -> tuple[str, str, str]:
-    """The graph file and its past and present key patterns, from genai_config.json."""
+def _builder_config(folder: Path) -> tuple[str, str, str, dict[str, int]]:
+    """The graph file, its past and present key patterns, and the model's sizes (BUILDER_SIZES and vocab_size), from
+    genai_config.json."""
     path = folder / GENAI_CONFIG
-    decoder = _object(_object(_json(path).get("model"), "model", path).get("decoder"), "model.decoder", path)
+    model = _object(_json(path).get("model"), "model", path)
+    decoder = _object(model.get("decoder"), "model.decoder", path)
     inputs = _object(decoder.get("inputs"), "model.decoder.inputs", path)
     names = {**inputs, **_object(decoder.get("outputs"), "model.decoder.outputs", path)}
     file = decoder.get("filename", GRAPH)
@@ -165,13 +195,48 @@ def _builder_names(folder: Path) -> tuple[str, str, str]:
         given = names.get(key)
         return given.replace("%d", "{layer}").replace(".key", ".{kind}") if isinstance(given, str) else default
 
-    return file, pattern("past_key_names", PAST), pattern("present_key_names", PRESENT)
+    given = {f"model.decoder.{key}": (decoder.get(key), name) for key, name in BUILDER_SIZES.items()}
+    given["model.vocab_size"] = (model.get("vocab_size"), "vocab_size")
+    sizes = {}
+    for key, (value, name) in given.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArtifactError(f"{path}: {key} must be a positive integer, got {value!r:.40}; export the folder again")
+        sizes[name] = value
+    return file, pattern("past_key_names", PAST), pattern("present_key_names", PRESENT), sizes
 
 
-def _tensor(value: onnx.ValueInfoProto) -> tuple[str | None, list]:
+def _tensor(value: onnx.ValueInfoProto) -> tuple[str | None, list | None]:
+    """Its element type (None: one the contract has not) and its axes, each a size or a name; None: no shape given."""
     tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return _ELEMENT_TYPES.get(tensor.elem_type), None
     dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim]
     return _ELEMENT_TYPES.get(tensor.elem_type), dims
+
+
+def _io_problem(tensors: dict, cache: list[str]) -> str | None:
+    """What in the graph's declared inputs and outputs (`tensors`, name -> _tensor) a decoder of the contract has
+    not, beyond its names: a rank, an element type, cache tensors of other types or fixed sizes; None: nothing."""
+    for name, (dtype, dims) in tensors.items():
+        rank = CACHE_RANK if name in cache else RANKS[name]
+        if dims is not None and len(dims) != rank:
+            return f"{name} has {len(dims)} axes where a decoder's has {rank}"
+        if (name in cache or name == "logits") and dtype not in FLOATS:
+            return f"{name} is {dtype or 'of a type'} where a decoder's is float32 or float16"
+    if tensors.get("position_ids", ("int64",))[0] != "int64":
+        return f"position_ids is {tensors['position_ids'][0] or 'of a type'} where a decoder's is int64"
+    dtypes = {tensors[name][0] for name in cache}
+    if len(dtypes) > 1:
+        return f"its past and present tensors mix {' and '.join(sorted(dtypes))}"
+    for axis, what in ((1, "kv heads"), (3, "head dimension")):
+        fixed = {
+            tensors[name][1][axis] for name in cache if tensors[name][1] and isinstance(tensors[name][1][axis], int)
+        }
+        if len(fixed) > 1:
+            return f"its past and present tensors give {what} {' and '.join(map(str, sorted(fixed)))}"
+    return None
 
 
 def _quantization(model: onnx.ModelProto) -> Quantization | None:
@@ -207,7 +272,7 @@ def read_foreign(folder: Path) -> ForeignGraph:
             f"{folder} is neither an artifact of this toolkit nor a folder written by Optimum or onnxruntime-genai's "
             f"builder (no {MANIFEST}, {GENAI_CONFIG} or {HF_CONFIG}); pass one of those"
         )
-    file, past, present = _builder_names(folder) if writer == BUILDER else (GRAPH, PAST, PRESENT)
+    file, past, present, declared = _builder_config(folder) if writer == BUILDER else (GRAPH, PAST, PRESENT, {})
     path = folder / file
     if not path.is_file():
         raise ArtifactError(
@@ -239,8 +304,18 @@ def read_foreign(folder: Path) -> ForeignGraph:
     ):
         found = f"inputs {sorted(inputs)[:6]}, outputs {sorted(outputs)[:4]}, attention_mask {mask_dtype}"
         raise ArtifactError(f"{path} follows no contract this toolkit reads: expected {EXPECTED}; found {found}")
+    presents = [present.format(layer=i, kind=k) for i in range(layers) for k in KV_KINDS]
+    problem = _io_problem({**inputs, **outputs}, names + presents)
+    if problem is not None:
+        raise ArtifactError(
+            f"{path} has a decoder's input and output names but is no decoder: {problem}; {NO_DECODER_FIX}"
+        )
     dtype, cache_dims = inputs[names[0]]
     logits_dims = outputs["logits"][1]
+
+    def fixed(dims: list | None, axis: int, name: str) -> int | None:
+        return dims[axis] if dims and isinstance(dims[axis], int) else declared.get(name)
+
     quantization = _quantization(model)
     return ForeignGraph(
         folder=folder,
@@ -255,9 +330,10 @@ def read_foreign(folder: Path) -> ForeignGraph:
         scheme=quantization.scheme if quantization else None,
         quantization=quantization,
         layers=layers,
-        kv_heads=cache_dims[1] if len(cache_dims) == 4 and isinstance(cache_dims[1], int) else None,
-        head_dim=cache_dims[3] if len(cache_dims) == 4 and isinstance(cache_dims[3], int) else None,
-        vocab_size=logits_dims[2] if len(logits_dims) == 3 and isinstance(logits_dims[2], int) else None,
+        kv_heads=fixed(cache_dims, 1, "num_key_value_heads"),
+        head_dim=fixed(cache_dims, 3, "head_dim"),
+        vocab_size=fixed(logits_dims, 2, "vocab_size"),
+        declared=declared,
         opset=next((e.version for e in model.opset_import if e.domain in ("", "ai.onnx")), 0),
     )
 
@@ -278,22 +354,20 @@ def reference_config(folder: Path) -> DecoderConfig:
 
 
 def check_sizes(graph: ForeignGraph, config: DecoderConfig, reference: Path) -> None:
-    """The graph's sizes against the reference folder's config.
+    """The sizes the foreign folder fixes (ForeignGraph.sizes) against the reference folder's config.
 
     Raises:
-        InputError: naming each size that differs.
+        InputError: naming each size that differs, with both values.
     """
-    sizes = {
-        "num_hidden_layers": (graph.layers, config.num_hidden_layers),
-        "num_key_value_heads": (graph.kv_heads, config.num_key_value_heads),
-        "head_dim": (graph.head_dim, config.head_dim),
-        "vocab_size": (graph.vocab_size, config.vocab_size),
-    }
-    differ = [f"{k} (graph {g}, config {c})" for k, (g, c) in sizes.items() if g is not None and g != c]
+    differ = [
+        f"{name} {getattr(config, name)} where the folder has {size}"
+        for name, size in graph.sizes.items()
+        if getattr(config, name) != size
+    ]
     if differ:
         raise InputError(
-            f"{reference}/{HF_CONFIG} does not match {graph.folder / graph.file}: {', '.join(differ)}; pass the "
-            "Hugging Face folder the graph was exported from (`reference`)"
+            f"the reference folder {reference} does not match {graph.folder}: its {HF_CONFIG} gives "
+            f"{', '.join(differ)}; pass the Hugging Face folder the graph was exported from (`reference`)"
         )
 
 

@@ -3,7 +3,8 @@ start/step for generation, so that the verification's checks and the generation 
 
 The feeds are the toolkit's: the mask as int64 and the positions derived from it (position_ids_from_mask), which a
 graph taking no position_ids derives itself and is not given; prefill's labels, which no foreign graph takes, are
-dropped; prefill runs the one graph on an empty past. Outputs come back under the toolkit's names.
+dropped; prefill runs the one graph on an empty past. Outputs come back under the toolkit's names, each of the shape
+the contract gives it: a graph whose names are a decoder's while its outputs are not is refused at its first run.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import numpy as np
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import KV_KINDS
-from exporter.artifact.foreign import ForeignGraph
+from exporter.artifact.foreign import NO_DECODER_FIX, ForeignGraph
 from exporter.artifact.manifest import Manifest
-from exporter.errors import GraphRunError, InputError, first_line
+from exporter.errors import ArtifactError, GraphRunError, InputError, first_line
 from exporter.runtime.sessions import SessionSettings, check_provider, file_session
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
@@ -74,7 +75,26 @@ class ForeignRunner:
         except _RUN_ERRORS as exc:
             raise GraphRunError(self.graph.file, first_line(exc, 400)) from None
         names = ["logits", *self._present.values()]
-        return {name: value for name, value in zip(names, values)}
+        outputs = {name: value for name, value in zip(names, values)}
+        self._check_shapes(outputs, batch, past, tokens)
+        return outputs
+
+    def _check_shapes(self, outputs: dict, batch: int, past: int, tokens: int) -> None:
+        """ArtifactError naming the first output whose shape is not the contract's for these feeds and the reference
+        config's sizes: logits (batch, tokens, vocab), presents (batch, kv heads, past + tokens, head dim)."""
+        cache = self.manifest.cache
+        due = {"logits": (batch, tokens, self.manifest.config.vocab_size)}
+        kv = (batch, cache.num_key_value_heads, past + tokens, cache.head_dim)
+        due.update((ours, kv) for ours in self._present.values())
+        theirs = {"logits": "logits", **{ours: theirs for theirs, ours in self._present.items()}}
+        for name, value in outputs.items():
+            if tuple(value.shape) != due[name]:
+                axes = "batch, tokens, vocab" if name == "logits" else "batch, kv heads, past + tokens, head dim"
+                raise ArtifactError(
+                    f"{self.graph.folder / self.graph.file} has a decoder's input and output names but is no decoder: "
+                    f"it returned {theirs[name]} of shape {tuple(value.shape)} where ({axes}) is {due[name]} for "
+                    f"these feeds and the reference's sizes; {NO_DECODER_FIX}"
+                )
 
     def prefill(self, feeds: dict) -> dict:
         return self._run({**feeds, **self.empty_past(len(feeds["input_ids"]))})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from helpers import assert_one_line_error, edit_graphs, edit_manifest, run_cli
+from helpers import assert_one_line_error, edit_graphs, edit_json, edit_manifest, run_cli
 
 
 def refused(result, fragment: str) -> None:
@@ -1154,6 +1154,101 @@ def test_a_foreign_genai_config_naming_what_it_cannot_is_refused(tmp_path, genai
     shutil.copy(_foreign_folder(tmp_path / "x", {}) / "model.onnx", outside / "model.onnx")
     folder = _foreign_folder(tmp_path, genai_config)
     assert_one_line_error(run_cli("inspect", folder, "-q"), 2, fragment)
+
+
+def _decoder_named_folder(folder: Path, reference: Path, logits_axes: int) -> Path:
+    """A folder that reads as Optimum's (`reference`'s config.json beside a model.onnx) whose graph has a decoder's
+    inputs and outputs, by name, for `reference`'s sizes (2 layers, 2 kv heads of 32), and computes no decoder: its
+    presents are its past, and its logits the input ids as floats, as (batch, tokens) or repeated over a vocabulary
+    of 256 (logits_axes 2 or 3)."""
+    helper, tensor = onnx.helper, onnx.TensorProto
+    folder.mkdir()
+    shutil.copy(reference / "config.json", folder)
+    inputs = [
+        helper.make_tensor_value_info(name, tensor.INT64, ["batch", axis])
+        for name, axis in (("input_ids", "tokens"), ("attention_mask", "total"), ("position_ids", "tokens"))
+    ]
+    outputs, nodes = [], [helper.make_node("Cast", ["input_ids"], ["ids"], to=tensor.FLOAT)]
+    if logits_axes == 2:
+        nodes.append(helper.make_node("Identity", ["ids"], ["logits"]))
+    else:
+        nodes += [
+            helper.make_node("Constant", [], ["axes"], value=helper.make_tensor("axes", tensor.INT64, [1], [2])),
+            helper.make_node("Unsqueeze", ["ids", "axes"], ["column"]),
+            helper.make_node(
+                "Constant", [], ["vocab"], value=helper.make_tensor("vocab", tensor.INT64, [3], [1, 1, 256])
+            ),
+            helper.make_node("Expand", ["column", "vocab"], ["logits"]),
+        ]
+    outputs.append(helper.make_tensor_value_info("logits", tensor.FLOAT, ["batch", "tokens", "vocab"][:logits_axes]))
+    for layer in range(2):
+        for kind in ("key", "value"):
+            past, present = f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}"
+            inputs.append(helper.make_tensor_value_info(past, tensor.FLOAT, ["batch", 2, "past", 32]))
+            outputs.append(helper.make_tensor_value_info(present, tensor.FLOAT, ["batch", 2, "total", 32]))
+            nodes.append(helper.make_node("Identity", [past], [present]))
+    graph = helper.make_graph(nodes, "no-decoder", inputs, outputs)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "model.onnx"))
+    return folder
+
+
+def test_a_foreign_graph_named_as_a_decoder_that_is_none_is_refused_in_one_line(hf_folders, tmp_path):
+    reference = hf_folders["qwen3"]
+    flat = _decoder_named_folder(tmp_path / "flat", reference, logits_axes=2)
+    declared = "model.onnx has a decoder's input and output names but is no decoder: logits has 2 axes where"
+    assert_one_line_error(run_cli("inspect", flat, "-q"), 2, declared)
+    assert_one_line_error(run_cli("verify", flat, "--reference", reference, "-q"), 2, declared)
+    # declared as a decoder's: what it returns is refused at its first run, before any comparison reads it
+    echo = _decoder_named_folder(tmp_path / "echo", reference, logits_axes=3)
+    verified = run_cli("verify", echo, "--reference", reference, "--decode-steps", "2", "--no-sweep", "-q")
+    assert_one_line_error(verified, 2, "is no decoder: it returned present.0.key of shape (2, 2, 0, 32) where")
+    for folder in (flat, echo):
+        generated = run_cli("generate", folder, "--prompt-ids", "1,2", "--max-new-tokens", "2", "-q")
+        assert_one_line_error(generated, 2, "has no manifest.json; it is not an artifact folder")
+
+
+def _without(folder: Path, tensor: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    del weights[tensor]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (lambda folder: (folder / "model.safetensors").unlink(), "transformers cannot load {folder} (OSError: "),
+        (
+            lambda folder: _without(folder, "model.layers.1.mlp.up_proj.weight"),
+            "{folder} lacks 1 weight(s) its config.json's model has (model.layers.1.mlp.up_proj.weight)",
+        ),
+        (
+            lambda folder: edit_json(folder / "config.json", intermediate_size=128),
+            "the weights in {folder} do not fit its config.json: model.layers.0.mlp.down_proj.weight is (64, 96) in "
+            "the weights where the config gives (64, 128) (and 5 more)",
+        ),
+    ],
+    ids=["no-weights", "a-weight-missing", "mismatched-sizes"],
+)
+def test_a_reference_folder_transformers_cannot_load_whole_is_refused_in_one_line(
+    hf_folders, tmp_path, damage, fragment
+):
+    import logging
+
+    reference = shutil.copytree(hf_folders["qwen3"], tmp_path / "reference")
+    damage(reference)
+    folder = _decoder_named_folder(tmp_path / "foreign", hf_folders["qwen3"], logits_axes=3)
+    reported = []  # transformers' load report is a warning of many lines: none may pass its loggers
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = reported.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        result = run_cli("verify", folder, "--reference", reference, "-q")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert_one_line_error(result, 2, fragment.format(folder=reference))
+    assert not reported, [record.getMessage()[:200] for record in reported]
 
 
 def test_json_files_of_an_artifact_are_read_within_a_bound(artifact_copy):

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_one_line_error, edit_graphs, replayed_export, run_cli
+from helpers import assert_one_line_error, edit_graphs, edit_json, replayed_export, run_cli
 from onnx import numpy_helper
 
 from exporter import verify_artifact
@@ -123,11 +123,6 @@ def _copy(hf_folders, model_type, tmp_path):
     return shutil.copytree(hf_folders[model_type], tmp_path / f"bad-{model_type}")
 
 
-def _config(folder, **changes):
-    data = {**json.loads((folder / "config.json").read_text()), **changes}
-    (folder / "config.json").write_text(json.dumps(data))
-
-
 def _refused(folder, tmp_path, fragment):
     out = tmp_path / "out"
     assert_one_line_error(run_cli("export", "--checkpoint", folder, "-o", out, "-q"), 2, fragment)
@@ -179,7 +174,7 @@ def test_a_shard_missing_from_the_index_is_refused(hf_folders, tmp_path):
 )
 def test_a_config_the_reference_cannot_honour_is_refused(hf_folders, tmp_path, model_type, changes, fragment):
     folder = _copy(hf_folders, model_type, tmp_path)
-    _config(folder, **changes)
+    edit_json(folder / "config.json", **changes)
     _refused(folder, tmp_path, fragment)
 
 

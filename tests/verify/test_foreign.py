@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_one_line_error, optimum_python, run_cli
+from helpers import assert_one_line_error, edit_json, optimum_python, run_cli
 from hf_folders import hf_model, save_folder
 from onnx import numpy_helper
 
@@ -76,7 +76,8 @@ def test_builder_fp32_passes_every_check_it_can_run(builder_fp32, qwen3):
     # the builder's attention takes rows as right-padded: said, never counted as passed
     assert report.settings["left_padding"] == 0 and "left-padded rows" in report.not_checked
     assert {"loss", "weight audit"} <= set(report.not_checked)
-    assert report.writer["writer"] == "onnxruntime-genai model builder" and report.writer["head_dim"] is None
+    # the graph leaves the head dimension symbolic: its genai_config.json's head_size stands for it
+    assert report.writer["writer"] == "onnxruntime-genai model builder" and report.writer["head_dim"] == 32
 
 
 def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
@@ -167,10 +168,20 @@ def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
     )
     other = tmp_path / "other-config"
     other.mkdir()
-    config = json.loads((qwen3 / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "layer_types": None}))
+    shutil.copy(qwen3 / "config.json", other)
+    edit_json(other / "config.json", num_hidden_layers=3, layer_types=None)
     assert_one_line_error(
-        run_cli("verify", builder_fp32, "--reference", other), 2, "num_hidden_layers (graph 2, config 3)"
+        run_cli("verify", builder_fp32, "--reference", other),
+        2,
+        f"the reference folder {other} does not match {builder_fp32}: its config.json gives num_hidden_layers 3 where "
+        "the folder has 2; pass the Hugging Face folder the graph was exported from (--reference)",
+    )
+    # a size the graph leaves symbolic, which a reference of another model would feed it: the reference is named
+    edit_json(other / "config.json", num_hidden_layers=2, head_dim=16)
+    assert_one_line_error(
+        run_cli("verify", builder_fp32, "--reference", other),
+        2,
+        "its config.json gives head_dim 16 where the folder has 32",
     )
     text = tmp_path / "text.txt"
     text.write_text("a text to read", encoding="utf-8")

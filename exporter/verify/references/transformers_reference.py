@@ -20,6 +20,7 @@ import numpy as np
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
+from exporter.errors import InputError, first_line, first_of
 from exporter.tolerances import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
@@ -27,6 +28,7 @@ from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.results import IndependentReport
+from reference.quiet import quiet_loggers
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +89,23 @@ class TransformersRunner:
         # float64's mask minimum becomes -inf and a padded query's row NaN, which the padded keys then pass on to
         # every real token at weight 0; sdpa computes in float64 throughout.
         attention = "sdpa" if dtype == torch.float64 else "eager"
-        with quiet:
-            model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32, attn_implementation=attention)
+        # transformers' load report (many lines) stays quiet: what is wrong with the folder is one line here.
+        # Mismatched sizes are loaded (reinitialised), so that they are listed with the missing tensors and refused.
+        with quiet, quiet_loggers(NAME):
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    **where,
+                    dtype=torch.float32,
+                    attn_implementation=attention,
+                    ignore_mismatched_sizes=True,
+                    output_loading_info=True,
+                )
+            except Exception as exc:  # transformers' errors have no common base; each is about the folder it read
+                raise InputError(
+                    f"transformers cannot load {folder} ({type(exc).__name__}: {first_line(exc, 200)}); pass a Hugging "
+                    "Face folder holding its config.json and every weight it names"
+                ) from None
+        _check_loaded(folder, info)
         self.model = model.to(dtype).eval()
         # the cache's keyword and output field: `cache` in recent transformers 5 releases, `past_key_values` before
         parameters = inspect.signature(self.model.forward).parameters
@@ -153,6 +170,26 @@ class TransformersRunner:
             key, value = (torch.from_numpy(feeds[names.past(layer, kind)]) for kind in KV_KINDS)
             cache.update(key, value, layer)
         return self._call(feeds, cache)
+
+
+def _check_loaded(folder: Path, info: dict) -> None:
+    """InputError naming the weights transformers' model of `folder` lacks or holds in other shapes than its config
+    gives them (`info`: from_pretrained's loading info): those it initialises at random, and no verdict against such
+    a model means anything."""
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        key, held, due = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise InputError(
+            f"the weights in {folder} do not fit its config.json: {key} is {tuple(held)} in the weights where the "
+            f"config gives {tuple(due)}{more}; pass the config.json the weights were saved with"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise InputError(
+            f"{folder} lacks {len(missing)} weight(s) its config.json's model has ({first_of(missing, 3)}); pass the "
+            "folder whole, every weight file with it"
+        )
 
 
 def float64_referee(folder: Path, manifest: Manifest, profile: Profile) -> Float64Referee | None:

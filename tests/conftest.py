@@ -11,6 +11,14 @@ package as a namespace package in the subprocesses that inherit the path).
 
 from __future__ import annotations
 
+import os
+
+# Under pytest-xdist each worker has a core of its own: PyTorch's pool of one thread per core in every worker (and in
+# the commands the tests start, which inherit the environment) would put two threads on each core, whose idle
+# threads spin while the other worker's wait. Set before anything imports torch.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import dataclasses
 import itertools
 import shutil

@@ -239,7 +239,7 @@ class OrtRunner:
             self._weights = SharedWeightMap.of(self.artifact, weights)  # must outlive the sessions
             shared = weights is not None
 
-            def options(graph: GraphContract, prepack: bool, spin: bool = True):
+            def options(graph: GraphContract, prepack: bool, spin: bool):
                 # An unprepacked session reads the one mapping: no copy of the weights of its own. A map the caller
                 # gave is kept resident by its other sessions: a prepacking session reads it too and holds only its
                 # prepacked copy. Without one, a prepacking session loads the weights itself, and onnxruntime frees
@@ -256,7 +256,7 @@ class OrtRunner:
                 load_session(
                     self.artifact,
                     decode,
-                    options(decode, prepack=settings.prepack_weights),
+                    options(decode, prepack=settings.prepack_weights, spin=settings.decode_spins),
                     providers,
                     staging,
                 ),

@@ -213,6 +213,10 @@ class SessionSettings:
     # float16 bytes per session). False: each call casts them again and returns the memory when it ends (no copy
     # between calls; the same products of the same float32 weights, unpacked: they differ by float32 rounding).
     float16_weights_cast_once: bool = True
+    # Idle intra-op threads of decode.onnx's session spin, waiting for the next step (generation's hot path). False
+    # where each call alternates with other compute in the process (verification runs PyTorch between the calls):
+    # spinning threads would take the cores from it.
+    decode_spins: bool = True
 
     def __post_init__(self):
         if self.optimization not in GRAPH_OPTIMIZATION:
@@ -227,7 +231,7 @@ class SessionSettings:
             raise InputError(
                 f"prompt_chunk must be an integer >= 0 (0 = the whole prompt in one call), got {self.prompt_chunk!r}"
             )
-        for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once"):
+        for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once", "decode_spins"):
             check_flag(name, getattr(self, name))
         if self.optimized_model_dir is not None:
             if not isinstance(self.optimized_model_dir, (str, os.PathLike)):
@@ -246,10 +250,14 @@ def checking_settings(manifest: Manifest) -> SessionSettings:
     A float32 artifact's sessions are unprepacked (a prepacked decode.onnx would keep MLAS's packed copy beside the
     mapping; the two layouts differ by float32 rounding alone), and a float16 artifact's weights are cast in each
     call (SessionSettings.float16_weights_cast_once). A quantized artifact's get the defaults: MatMulNBits
-    prepacked is the kernel that computes at its accuracy level, which unprepacked would not check."""
+    prepacked is the kernel that computes at its accuracy level, which unprepacked would not check.
+
+    No session's idle threads spin: the checks run the reference between the calls (SessionSettings.decode_spins)."""
     if manifest.quantization is not None:
-        return SessionSettings()
-    return SessionSettings(prepack_weights=False, float16_weights_cast_once=manifest.dtype != "float16")
+        return SessionSettings(decode_spins=False)
+    return SessionSettings(
+        prepack_weights=False, float16_weights_cast_once=manifest.dtype != "float16", decode_spins=False
+    )
 
 
 # onnxruntime's name of the optimiser pass that folds a Cast of a float16 initializer into a float32 initializer

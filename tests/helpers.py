@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Callable
 
@@ -86,19 +87,27 @@ def optimum_python() -> Path:
 
 
 def _build_optimum_venv(python: Path) -> None:
+    """The environment: Optimum and the transformers it needs installed in it, which come first on its path; PyTorch
+    and onnxruntime (OPTIMUM_REQUIREMENTS pins the versions this suite's environment has) read from this suite's
+    site-packages, listed after its own by a .pth file, instead of a second copy of PyTorch installed."""
     if python.exists():
         return
     venv = python.parents[1]
+    own_site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     steps = (
-        [sys.executable, "-m", "venv", str(venv)],
-        [str(python), "-m", "pip", "install", "-q", *OPTIMUM_REQUIREMENTS],
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+        # this interpreter's pip installs into the new one (--python), which sees this suite's packages through the
+        # .pth and installs only what they lack or hold at another version
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *OPTIMUM_REQUIREMENTS],
     )
-    for step in steps:
+    for index, step in enumerate(steps):
         done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
         if done.returncode:
             shutil.rmtree(venv, ignore_errors=True)  # half built: the next run starts again
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             pytest.skip(f"Optimum's environment could not be built ({' '.join(step[:4])}...: {last})")
+        if index == 0:
+            (own_site / "suite-site-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
 def run_cli(*args):

@@ -1,4 +1,4 @@
-"""The Hugging Face decoders (llama, mistral, qwen2, qwen3): one PyTorch reference for the four model types.
+"""The Hugging Face decoders (the model types of reference/hf_types.py): one PyTorch reference for all of them.
 
 They share one layout: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU feed-forward, RMSNorm,
 an optional tied head. What tells them apart is data in HFDecoderConfig (biases, per-head q/k norms, head_dim,

@@ -1,4 +1,4 @@
-"""Configuration of the Hugging Face decoders (llama, mistral, qwen2, qwen3), and its translation from a
+"""Configuration of the Hugging Face decoders (the model types of reference/hf_types.py), and its translation from a
 Transformers `config.json`. Kept free of torch so that the ONNX Runtime side can read it.
 
 The config holds the math, not the architecture's name: which projections carry a bias, whether the heads
@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from reference.configs import JsonConfig, check_field_types, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
+from reference.hf_types import EVERY_LAYER, HF_TYPES, NO_WINDOW, WINDOW_LAYERS, HFModelType
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = tuple(HF_TYPES)
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
@@ -130,18 +131,11 @@ class HFDecoderConfig(JsonConfig):
 
 # ---------------------------------------------------------------- translation from a Transformers config.json
 
-# Per model_type: the math Transformers' modeling file hard-codes or reads from which field.
-_ARCHITECTURES = {
-    "llama": {"qk_norm": False, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
-    "mistral": {"qk_norm": False, "qkv_bias": False, "o_bias": False, "mlp_bias": False},
-    "qwen2": {"qk_norm": False, "qkv_bias": True, "o_bias": False, "mlp_bias": False},
-    "qwen3": {"qk_norm": True, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": False},
-}
-# Per model_type: the defaults of Transformers' config class (LlamaConfig, ...) for the fields that change the math,
-# which a config.json that leaves one out is read with (tests/reference_models/test_hf_decoder_config.py holds them
-# to transformers). Where a type gives none, head_dim is hidden_size / num_attention_heads and num_key_value_heads
-# is num_attention_heads, as for null. A sliding window of qwen2/qwen3 applies only with use_sliding_window.
-_COMMON_DEFAULTS = {
+# The defaults every type's config class shares for the fields that change the math; a type's own defaults
+# (HFModelType.defaults) take precedence. Where a type gives none, head_dim is hidden_size / num_attention_heads and
+# num_key_value_heads is num_attention_heads, as for null. A sliding window of a WINDOW_LAYERS type applies only with
+# use_sliding_window.
+COMMON_DEFAULTS = {
     "hidden_size": 4096,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
@@ -153,39 +147,6 @@ _COMMON_DEFAULTS = {
     "mlp_bias": False,
     "use_sliding_window": False,
     "max_window_layers": 28,
-}
-_DEFAULTS = {
-    "llama": {
-        "vocab_size": 32000,
-        "intermediate_size": 11008,
-        "max_position_embeddings": 2048,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "mistral": {
-        "vocab_size": 32000,
-        "intermediate_size": 14336,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 4096 * 32,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "sliding_window": 4096,
-    },
-    "qwen2": {
-        "vocab_size": 151936,
-        "intermediate_size": 22016,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-    },
-    "qwen3": {
-        "vocab_size": 151936,
-        "intermediate_size": 22016,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-    },
 }
 
 
@@ -250,9 +211,6 @@ _SCHEMA = {
     "rope_parameters": _OBJECT,
     "rope_scaling": _OBJECT,
 }
-# The types whose transformers config class reads a null of these fields as num_attention_heads, and as
-# hidden_size / num_attention_heads; the others' config or modeling file fail on it.
-_NULL_READ = {"num_key_value_heads": ("llama", "qwen2", "qwen3"), "head_dim": ("llama", "mistral")}
 # The fields of rope_parameters (or rope_scaling) that the rope functions read.
 _ROPE_SCHEMA = {
     "rope_type": (lambda v: isinstance(v, str), "a string"),
@@ -292,7 +250,7 @@ _IGNORED = {
     "tokenizer_class",
     "generation_config",
 }
-# Fields of another design that the four types' modeling files would ignore, but whose presence says the weights
+# Fields of another design that the types' modeling files would ignore, but whose presence says the weights
 # are not of that design (a mixture of experts saved under a dense type).
 _FOREIGN = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
@@ -331,13 +289,14 @@ def translate_hf_config(data: dict) -> dict:
                 f"{model_type} is not; export the model under its own type, or drop the field if it is dense"
             )
     _check_schema(data, _SCHEMA)
-    for name, types in _NULL_READ.items():
-        if name in data and data[name] is None and model_type not in types:
+    hf_type = HF_TYPES[model_type]
+    for name in ("num_key_value_heads", "head_dim"):
+        if name in data and data[name] is None and name not in hf_type.null_read:
             raise ConfigError(f"config field {name} must be a positive integer for {model_type}, got None; give it")
-    read = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type], **data}
+    read = {**COMMON_DEFAULTS, **hf_type.defaults, **data}
     fields = {name: read[name] for name in _SIZES}
     fields["model_type"] = model_type
-    for flag, source in _ARCHITECTURES[model_type].items():
+    for flag, source in hf_type.math.items():
         fields[flag] = source if isinstance(source, bool) else read[source]
     fields["num_key_value_heads"] = read.get("num_key_value_heads") or read["num_attention_heads"]
     fields["head_dim"] = read.get("head_dim") or read["hidden_size"] // read["num_attention_heads"]
@@ -345,7 +304,7 @@ def translate_hf_config(data: dict) -> dict:
     fields["eos_token_id"] = _one_eos(read.get("eos_token_id"))
     fields["rope_theta"], scaling = _rope(data, read)
     fields["rope_scaling"] = dataclasses.asdict(scaling) if scaling is not None else None  # JSON, as from_dict reads
-    _check_sliding_window(read, model_type)
+    _check_sliding_window(read, hf_type)
     known = {*_SCHEMA, *_IGNORED, *_FOREIGN}
     ignored = sorted(k for k in data if k not in known and not k.startswith("_"))
     if ignored:
@@ -447,13 +406,14 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _sliding_layers(read: dict, model_type: str, window) -> list[bool]:
-    """Which layers transformers' modeling file gives a sliding window: every layer of mistral's when it has one,
-    none of llama's; qwen2's and qwen3's those layer_types names, else those from max_window_layers on."""
+def _sliding_layers(read: dict, hf_type: HFModelType, window) -> list[bool]:
+    """Which layers transformers' modeling file gives a sliding window: none (NO_WINDOW); every layer when there is
+    one (EVERY_LAYER, whose config ignores layer_types); else those layer_types names, or those from
+    max_window_layers on."""
     layers = read["num_hidden_layers"]
-    if model_type == "llama":
+    if hf_type.window == NO_WINDOW:
         return [False] * layers
-    if model_type == "mistral":  # MistralConfig ignores layer_types
+    if hf_type.window == EVERY_LAYER:
         return [window is not None] * layers
     layer_types = read.get("layer_types")
     if layer_types is None:
@@ -471,12 +431,12 @@ def _sliding_layers(read: dict, model_type: str, window) -> list[bool]:
     return [kind == "sliding_attention" for kind in layer_types]
 
 
-def _check_sliding_window(read: dict, model_type: str) -> None:
+def _check_sliding_window(read: dict, hf_type: HFModelType) -> None:
     """Refuse a sliding window that some layer applies within the context; otherwise it changes nothing."""
     window = read.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not read["use_sliding_window"]:  # their config drops the window
+    if hf_type.window == WINDOW_LAYERS and not read["use_sliding_window"]:  # their config drops the window
         window = None
-    sliding = _sliding_layers(read, model_type, window)
+    sliding = _sliding_layers(read, hf_type, window)
     if not any(sliding):
         return
     if window is None:  # transformers' cache fails on a sliding layer without a window

@@ -13,7 +13,7 @@ from helpers import assert_close
 
 from reference import CheckpointError, ConfigError, HFDecoderConfig
 from reference.checkpoints import load_checkpoint
-from reference.hf_decoder_config import translate_hf_config
+from reference.hf_decoder_config import MODEL_TYPES, translate_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def _hf_cache(out):
     return [(layer.keys, layer.values) for layer in cache.layers]  # each (B, Hkv, L, D)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 @torch.no_grad()
 def test_the_reference_computes_what_transformers_computes(hf_folders, model_type):
     """A left-padded prompt with labels (logits and presents at the real positions, the loss), then a cached

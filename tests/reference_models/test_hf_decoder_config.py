@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 from exporter.errors import ToolkitError
 from reference import ConfigError, HFDecoderConfig
 from reference.checkpoints import load_checkpoint
-from reference.hf_decoder_config import translate_hf_config
+from reference.hf_decoder_config import MODEL_TYPES, translate_hf_config
 
 transformers = pytest.importorskip("transformers")
-
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _json(hf_folders, model_type: str) -> dict:

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 from reference.configs import JsonConfig, check_field_types, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
-from reference.hf_types import EVERY_LAYER, HF_TYPES, NO_WINDOW, WINDOW_LAYERS, HFModelType
+from reference.hf_types import EVERY_LAYER, HF_TYPES, NO_WINDOW, ROPE_TYPES, WINDOW_LAYERS, HFModelType
 
 log = logging.getLogger(__name__)
 
 MODEL_TYPES = tuple(HF_TYPES)
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,9 @@ class HFDecoderConfig(JsonConfig):
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation (qwen3)
+    fused_qkv: bool = False  # q, k and v as one qkv_proj, its rows in that order (phi3)
+    fused_gate_up: bool = False  # gate and up as one gate_up_proj, gate's rows first (phi3)
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head that rope turns (phi3)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -100,6 +102,11 @@ class HFDecoderConfig(JsonConfig):
             )
         if self.head_dim % 2:
             raise ConfigError(f"config field head_dim ({self.head_dim}) must be even for RoPE")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim < 2 or self.rope_dim % 2:
+            raise ConfigError(
+                f"config field partial_rotary_factor ({self.partial_rotary_factor!r}) must turn an even number of "
+                f"at least 2 of each head's {self.head_dim} dims, at most all; got {self.rope_dim}"
+            )
         for name in ("rms_norm_eps", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"config field {name} must be positive and finite, got {getattr(self, name)!r}")
@@ -127,6 +134,11 @@ class HFDecoderConfig(JsonConfig):
                     f"low_freq_factor ({scaling.low_freq_factor})"
                 )
         check_token_ids(self)
+
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each head that rope turns, as transformers sizes them: int(head_dim * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 # ---------------------------------------------------------------- translation from a Transformers config.json
@@ -302,7 +314,7 @@ def translate_hf_config(data: dict) -> dict:
     fields["head_dim"] = read.get("head_dim") or read["hidden_size"] // read["num_attention_heads"]
     fields["bos_token_id"] = read.get("bos_token_id")
     fields["eos_token_id"] = _one_eos(read.get("eos_token_id"))
-    fields["rope_theta"], scaling = _rope(data, read)
+    fields["rope_theta"], scaling, fields["partial_rotary_factor"] = _rope(data, read, hf_type)
     fields["rope_scaling"] = dataclasses.asdict(scaling) if scaling is not None else None  # JSON, as from_dict reads
     _check_sliding_window(read, hf_type)
     known = {*_SCHEMA, *_IGNORED, *_FOREIGN}
@@ -340,9 +352,9 @@ def _one_eos(eos):
     return eos
 
 
-def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling; of
-    both, rope_scaling, as transformers' config reads them."""
+def _rope(data: dict, read: dict, hf_type: HFModelType) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, partial_rotary_factor) from transformers 5's rope_parameters or the older rope_theta +
+    rope_scaling; of both, rope_scaling, as transformers' config reads them."""
     name = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
     parameters = data.get(name) or {}
     if any(isinstance(v, dict) for v in parameters.values()):
@@ -350,22 +362,25 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
             f"config field {name} gives a rope per layer type; the reference has one rope for every layer"
         )
     _check_schema(parameters, _ROPE_SCHEMA, prefix=f"{name}.")
-    factor = parameters.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
+    partial = parameters.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and not hf_type.partial_rotary:
         raise ConfigError(
-            f"config field partial_rotary_factor is {factor!r}; the reference rotates whole heads only (1.0)"
+            f"config field partial_rotary_factor is {partial!r}; {hf_type.name} rotates whole heads only (1.0)"
         )
     theta = parameters.get("rope_theta", read["rope_theta"])
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    given = parameters.get("rope_type", parameters.get("type", "default"))
+    kind = hf_type.rope_aliases.get(given, given)
     if kind == "default":
-        return theta, None
-    if kind not in ROPE_TYPES:
-        why = (
-            "dynamic NTK rescales with each sequence's length, which the reference does not"
-            if kind == "dynamic"
-            else "the reference does not compute it"
+        return theta, None, partial
+    if kind not in hf_type.rope_types:
+        why = _UNSUPPORTED_ROPES.get(
+            kind,
+            f"{hf_type.name}'s config does not take it" if kind in ROPE_TYPES else "the reference does not compute it",
         )
-        raise ConfigError(f"config field {name} has rope_type {kind!r} ({why}); supported: {', '.join(ROPE_TYPES)}")
+        read_as = f"{hf_type.name} reads it as {kind}: " if kind != given else ""
+        raise ConfigError(
+            f"config field {name} has rope_type {given!r} ({read_as}{why}); supported: {', '.join(hf_type.rope_types)}"
+        )
     max_positions = read["max_position_embeddings"]
     factor = parameters.get("factor")
     original = parameters.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
@@ -373,6 +388,19 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
         original = max_positions  # Transformers' standardize_rope_params
     if factor is None:  # Transformers' rope validation requires it of every scaled type
         raise ConfigError(f"config field {name} has rope_type {kind!r} without its factor; give {name}.factor")
+    return theta, _scaling(kind, factor, original, parameters), partial
+
+
+# Why the reference computes no rope of these types.
+_UNSUPPORTED_ROPES = {
+    "dynamic": "dynamic NTK rescales with each sequence's length, which the reference does not",
+    "longrope": "its frequencies switch from short to long factors once a call's positions pass "
+    "original_max_position_embeddings, which the reference does not",
+}
+
+
+def _scaling(kind: str, factor, original, parameters: dict) -> RopeScaling:
+    """The resolved scaling of a rope type other than default."""
     if kind == "yarn":
         attention_factor = parameters.get("attention_factor")
         if attention_factor is None:
@@ -381,7 +409,7 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
                 attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
             else:
                 attention_factor = _yarn_mscale(factor)
-        return theta, RopeScaling(
+        return RopeScaling(
             "yarn",
             float(factor),
             original,
@@ -391,8 +419,8 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
             parameters.get("truncate", True),
         )
     if kind == "linear":
-        return theta, RopeScaling("linear", float(factor))
-    return theta, RopeScaling(
+        return RopeScaling("linear", float(factor))
+    return RopeScaling(
         "llama3",
         float(factor),
         original,

@@ -8,8 +8,10 @@ torch and of the rest of the package, so that every module may read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+# The rope types the reference computes (reference/hf_decoder.py); a type's config class may take fewer.
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 # Sliding windows, as each modeling file applies config.json's sliding_window.
 NO_WINDOW = "none"  # never (llama)
 EVERY_LAYER = "every layer"  # every layer, whenever there is a window (mistral)
@@ -30,6 +32,10 @@ class HFModelType:
         null_read: the fields whose null the config class reads as derived (num_key_value_heads as
             num_attention_heads, head_dim as hidden_size / num_attention_heads); a null elsewhere is refused.
         window: which layers config.json's sliding_window applies to (NO_WINDOW, EVERY_LAYER, WINDOW_LAYERS).
+        rope_types: the rope types of ROPE_TYPES the config class takes; another is refused.
+        rope_aliases: rope types the config class reads as another (phi3 reads su and yarn as longrope).
+        partial_rotary: whether the modeling file turns only the leading partial_rotary_factor of each head;
+            otherwise a factor other than 1 is refused.
         genai: onnxruntime-genai's model.type for its artifacts (genai_config.json).
         optimum: the model_type of the config.json written for Optimum.
         tiny: the fields of the tests' tiny model of this type, laid over tests/hf_folders.py's shared sizes (hidden
@@ -45,6 +51,9 @@ class HFModelType:
     tiny: dict
     null_read: tuple[str, ...] = ()
     window: str = NO_WINDOW
+    rope_types: tuple[str, ...] = ROPE_TYPES
+    rope_aliases: dict = field(default_factory=dict)
+    partial_rotary: bool = False
 
 
 HF_TYPES: dict[str, HFModelType] = {
@@ -143,6 +152,36 @@ HF_TYPES: dict[str, HFModelType] = {
                 tie_word_embeddings=True,
                 max_position_embeddings=131072,
                 rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            ),
+        ),
+        # q, k and v in one qkv_proj, gate and up in one gate_up_proj, rope over the leading three quarters of each
+        # head (Phi-4-mini's partial_rotary_factor), an untied head. Phi3Config takes default and longrope ropes only
+        # and reads su and yarn as longrope, whose frequencies switch with the positions a call reaches: refused.
+        HFModelType(
+            "phi3",
+            math={"fused_qkv": True, "fused_gate_up": True},
+            defaults={
+                "vocab_size": 32064,
+                "hidden_size": 3072,
+                "intermediate_size": 8192,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "bos_token_id": 1,
+                "eos_token_id": 32000,
+            },
+            null_read=("num_key_value_heads",),
+            window=EVERY_LAYER,
+            rope_types=("default",),
+            rope_aliases={"su": "longrope", "yarn": "longrope"},
+            partial_rotary=True,
+            genai="phi3",
+            # Optimum's phi3 sizes the empty first-step cache with num_attention_heads (no grouped-query
+            # attention); its llama with num_key_value_heads
+            optimum="llama",
+            tiny=dict(
+                partial_rotary_factor=0.75,
+                max_position_embeddings=4096,
+                pad_token_id=0,  # Phi3Config's 32000 lies outside the tiny vocabulary
             ),
         ),
     )

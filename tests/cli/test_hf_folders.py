@@ -18,11 +18,12 @@ from exporter.verify.checks.referee import REFEREE_LIMIT
 
 pytest.importorskip("transformers")
 
-# Two exports cover every difference between the four types' math (each export costs one dynamo trace):
+# Three exports cover every difference between the types' math (each export costs one dynamo trace):
 # qwen3 has the q/k norms, yarn, head_dim 32 != hidden / heads and a tied head; llama the biases of every
-# projection and of the MLP, llama3 rope, an untied head and sharded weights. qwen2's and mistral's math is
-# a subset of theirs, held to transformers in tests/reference_models/test_hf_decoder.py.
-EXPORTED = ("qwen3", "llama")
+# projection and of the MLP, llama3 rope, an untied head and sharded weights; phi3 the fused qkv_proj and
+# gate_up_proj and rope over part of each head. qwen2's and mistral's math is a subset of theirs, held to
+# transformers in tests/reference_models/test_hf_decoder.py.
+EXPORTED = ("qwen3", "llama", "phi3")
 
 
 @pytest.fixture(scope="module", params=EXPORTED)

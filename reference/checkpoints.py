@@ -5,17 +5,17 @@ Formats read:
   usually float16 (`full_sft_768.pth`, `pretrain_512.pth`, `full_sft_640_moe.pth`);
 - Transformers-format folders: `config.json` plus `model.safetensors` (preferred),
   sharded safetensors with `model.safetensors.index.json`, or `pytorch_model.bin`; a config.json of
-  model_type llama, mistral, qwen2 or qwen3 loads into the hf-decoder family (reference/hf_decoder.py),
+  one of reference/hf_types.py's model types loads into the hf-decoder family (reference/hf_decoder.py),
   one of model_type minimind (or none) into MiniMind;
 - a single `.safetensors` file;
-- a GGUF file (llama.cpp's format) of architecture llama, mistral, qwen2 or qwen3, dequantized to float32 by
+- a GGUF file (llama.cpp's format) of one of those model types, dequantized to float32 by
   transformers' GGUF loader (reference/gguf.py) and loaded as a Transformers folder of that model_type;
 - the teaching GPT's `{'model_state_dict': ...}` files (optimizer state beside
   it is ignored; the `pos_idxs` and per-head `tril` buffers are checked and dropped);
 - MiniMind's resume files (`*_resume.pth`, the weights under `model`, beside the
   optimizer state and the step).
 Keys lose the prefixes of torch.compile (`_orig_mod.`) and DDP (`module.`), nested
-in either order.
+in either order. Each family names its loader class in its registration (reference/families.py).
 
 Safety: a pickle is read with `torch.load(weights_only=True)`, which rebuilds
 tensors and plain containers only; a file that needs any other Python object is
@@ -54,9 +54,8 @@ import torch
 from exporter.artifact.paths import read_json_object
 from exporter.errors import first_line
 from reference.errors import CheckpointError, ConfigError, ModelError
-from reference.families import family_of, get_family
+from reference.families import FAMILIES, family_named_by, family_of, get_family
 from reference.gguf import GGUF_SUFFIX, is_gguf, read_gguf
-from reference.hf_decoder_config import MODEL_TYPES as HF_MODEL_TYPES
 from reference.hf_decoder_config import translate_hf_config
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
 from reference.presets import PRESETS
@@ -599,14 +598,11 @@ class TeachingGPTCheckpoints:
 
 
 class HFDecoderCheckpoints:
-    """Transformers folders of model_type llama, mistral, qwen2 or qwen3: chosen by config.json's model_type (the
+    """Transformers folders of the model types of reference/hf_types.py: chosen by config.json's model_type (the
     tensors' names are MiniMind's too), every size read from config.json (reference.hf_decoder_config)."""
 
     family = "hf-decoder"
-
-    @staticmethod
-    def claims(state: dict) -> bool:
-        return False  # never by the keys alone: see _loader_for
+    claims = None  # never by the keys alone: see _loader_for
 
     @staticmethod
     def translate(data: dict) -> dict:
@@ -636,29 +632,31 @@ class HFDecoderCheckpoints:
         return MiniMindCheckpoints.prepare(kept, model, report)
 
 
-LOADERS = (MiniMindCheckpoints, TeachingGPTCheckpoints)
-KNOWN_MODEL_TYPES = (*HF_MODEL_TYPES, "minimind")
+# The config.json model_types a checkpoint may name, every family's.
+KNOWN_MODEL_TYPES = tuple(model_type for family in FAMILIES.values() for model_type in family.model_types)
 
 
 def _loader_for(state: dict, path, config_json: dict | None = None, config=None):
-    """The loader of a Hugging Face decoder when config.json (or the given config fields) names its model_type or
-    the given config is one; else the one whose keys the tensors hold."""
+    """The loader of the family config.json's (or the given config fields') model_type names, or of the given
+    config's family, when that loader claims no tensors by their keys (`claims` None: a Hugging Face decoder's names
+    are MiniMind's too); else the one whose keys the tensors hold."""
     model_type = config_json.get("model_type") if config_json is not None else None
     if config is None and model_type is not None and not isinstance(model_type, str):
         raise CheckpointError(
             f"{path}: config field model_type must be a string, one of {', '.join(KNOWN_MODEL_TYPES)}, "
             f"got {model_type!r:.40}; correct it"
         )
-    named = model_type in HF_MODEL_TYPES if config is None else family_of(config).name == HFDecoderCheckpoints.family
-    if named:
-        return HFDecoderCheckpoints
-    if config is None and isinstance(model_type, str) and model_type not in KNOWN_MODEL_TYPES:
+    named = family_of(config) if config is not None else family_named_by(model_type)
+    loader = named.checkpoint_loader() if named is not None else None
+    if loader is not None and loader.claims is None:
+        return loader
+    if config is None and isinstance(model_type, str) and named is None:
         raise CheckpointError(
             f"{path}: model_type {model_type!r} is not supported; supported model types: "
             f"{', '.join(KNOWN_MODEL_TYPES)} (another decoder exports as your own, reference/byo.py)"
         )
-    for loader in LOADERS:
-        if loader.claims(state):
+    for loader in filter(None, (family.checkpoint_loader() for family in FAMILIES.values())):
+        if loader.claims is not None and loader.claims(state):
             return loader
     raise CheckpointError(
         f"{path}: no known model family has these keys (first: {', '.join(list(state)[:SHOWN])}); "

@@ -1,9 +1,10 @@
-"""The Hugging Face decoders (llama, mistral, qwen2, qwen3): one PyTorch reference for the four model types.
+"""The Hugging Face decoders (the model types of reference/hf_types.py): one PyTorch reference for all of them.
 
 They share one layout: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU feed-forward, RMSNorm,
 an optional tied head. What tells them apart is data in HFDecoderConfig (biases, per-head q/k norms, head_dim,
-rope scaling), set from config.json by reference.hf_decoder_config.translate_hf_config. Parameter names are
-Transformers' state-dict keys, so a `save_pretrained` folder loads one to one.
+fused q/k/v and gate/up projections, rope scaling, the share of each head rope turns), set from config.json by
+reference.hf_decoder_config.translate_hf_config. Parameter names are Transformers' state-dict keys, so a
+`save_pretrained` folder loads one to one.
 
 Computed as Transformers' eager path computes it: RMSNorm in float32 cast back before the weight, rope
 frequencies by Transformers' formulas in float32, cos/sin from the position ids (no table of
@@ -35,7 +36,7 @@ from reference.minimind import RMSNorm, apply_rotary, rope_cos_sin
 def _yarn_inv_freq(config: HFDecoderConfig) -> torch.Tensor:
     """Transformers' _compute_yarn_parameters: frequencies blended between interpolated (divided by factor) and
     original over the dimensions whose wavelengths fall between beta_fast and beta_slow rotations."""
-    dim, base, yarn = config.head_dim, config.rope_theta, config.rope_scaling
+    dim, base, yarn = config.rope_dim, config.rope_theta, config.rope_scaling
     orig = yarn.original_max_position_embeddings
 
     def correction_dim(rotations):
@@ -68,11 +69,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, config: HFDecoderConfig) -> torch.T
 
 
 def rope_inv_freq(config: HFDecoderConfig) -> torch.Tensor:
-    """(head_dim/2,) float32 frequencies of the config's rope type, as Transformers' rope functions give them."""
+    """(rope_dim/2,) float32 frequencies of the config's rope type, as Transformers' rope functions give them."""
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "yarn":
         return _yarn_inv_freq(config)
-    dim = config.head_dim
+    dim = config.rope_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
@@ -81,14 +82,24 @@ def rope_inv_freq(config: HFDecoderConfig) -> torch.Tensor:
     return _llama3_inv_freq(inv_freq, config)
 
 
+def rotate_leading(x, cos, sin):
+    """Rope over the leading rope_dim dims of each head (cos/sin (B, T, rope_dim)), the rest passed on unturned, as
+    Transformers' partial rotation (phi3's partial_rotary_factor)."""
+    turned = cos.shape[-1]
+    return torch.cat([apply_rotary(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: HFDecoderConfig):
         super().__init__()
         self.config = config
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.qkv_bias)
+        if config.fused_qkv:  # phi3: one projection, q's rows, then k's, then v's
+            self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kv) * d, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:  # qwen3: over each head's head_dim, before the rotation
             self.q_norm = RMSNorm(d, config.rms_norm_eps, cast_before_weight=True)
@@ -99,8 +110,8 @@ class Attention(nn.Module):
 
         Args:
             x: (B, T, hidden) the normalised input of the new tokens.
-            cos: (B, T, head_dim) the rotary cosines at the new tokens' positions.
-            sin: (B, T, head_dim) the rotary sines.
+            cos: (B, T, rope_dim) the rotary cosines at the new tokens' positions.
+            sin: (B, T, rope_dim) the rotary sines.
             past_key_value: (k, v) each (B, P, Hkv, D), or None.
             attention_mask: (B, P+T), 1 keep, 0 pad; None: no padding.
 
@@ -109,12 +120,16 @@ class Attention(nn.Module):
         """
         b, t, _ = x.shape
         cfg = self.config
-        q = self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)  # (B, T, Hkv, D)
-        v = self.v_proj(x).view(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if cfg.fused_qkv:
+            q, k, v = self.qkv_proj(x).split([h * d, kv * d, kv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(b, t, h, d), k.view(b, t, kv, d), v.view(b, t, kv, d)  # (B, T, H, D), (B, T, Hkv, D) x2
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rotate = apply_rotary if cfg.rope_dim == d else rotate_leading
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         # eager: scores and softmax in float32, as Transformers' eager attention
         out, present = attend(q, k, v, past_key_value, attention_mask, "eager")
         return self.o_proj(out), present
@@ -123,12 +138,17 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: HFDecoderConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.fused = config.fused_gate_up
+        if self.fused:  # phi3: one projection, gate's rows, then up's
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,4 +1,4 @@
-"""Configuration of the Hugging Face decoders (llama, mistral, qwen2, qwen3), and its translation from a
+"""Configuration of the Hugging Face decoders (the model types of reference/hf_types.py), and its translation from a
 Transformers `config.json`. Kept free of torch so that the ONNX Runtime side can read it.
 
 The config holds the math, not the architecture's name: which projections carry a bias, whether the heads
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from reference.configs import JsonConfig, check_field_types, check_positive_ints, check_token_ids
 from reference.errors import ConfigError
+from reference.hf_types import EVERY_LAYER, HF_TYPES, NO_WINDOW, ROPE_TYPES, WINDOW_LAYERS, HFModelType
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+MODEL_TYPES = tuple(HF_TYPES)
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ class HFDecoderConfig(JsonConfig):
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation (qwen3)
+    fused_qkv: bool = False  # q, k and v as one qkv_proj, its rows in that order (phi3)
+    fused_gate_up: bool = False  # gate and up as one gate_up_proj, gate's rows first (phi3)
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head that rope turns (phi3)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -99,6 +102,11 @@ class HFDecoderConfig(JsonConfig):
             )
         if self.head_dim % 2:
             raise ConfigError(f"config field head_dim ({self.head_dim}) must be even for RoPE")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim < 2 or self.rope_dim % 2:
+            raise ConfigError(
+                f"config field partial_rotary_factor ({self.partial_rotary_factor!r}) must turn an even number of "
+                f"at least 2 of each head's {self.head_dim} dims, at most all; got {self.rope_dim}"
+            )
         for name in ("rms_norm_eps", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"config field {name} must be positive and finite, got {getattr(self, name)!r}")
@@ -127,21 +135,19 @@ class HFDecoderConfig(JsonConfig):
                 )
         check_token_ids(self)
 
+    @property
+    def rope_dim(self) -> int:
+        """The leading dims of each head that rope turns, as transformers sizes them: int(head_dim * factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
 
 # ---------------------------------------------------------------- translation from a Transformers config.json
 
-# Per model_type: the math Transformers' modeling file hard-codes or reads from which field.
-_ARCHITECTURES = {
-    "llama": {"qk_norm": False, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
-    "mistral": {"qk_norm": False, "qkv_bias": False, "o_bias": False, "mlp_bias": False},
-    "qwen2": {"qk_norm": False, "qkv_bias": True, "o_bias": False, "mlp_bias": False},
-    "qwen3": {"qk_norm": True, "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": False},
-}
-# Per model_type: the defaults of Transformers' config class (LlamaConfig, ...) for the fields that change the math,
-# which a config.json that leaves one out is read with (tests/reference_models/test_hf_decoder_config.py holds them
-# to transformers). Where a type gives none, head_dim is hidden_size / num_attention_heads and num_key_value_heads
-# is num_attention_heads, as for null. A sliding window of qwen2/qwen3 applies only with use_sliding_window.
-_COMMON_DEFAULTS = {
+# The defaults every type's config class shares for the fields that change the math; a type's own defaults
+# (HFModelType.defaults) take precedence. Where a type gives none, head_dim is hidden_size / num_attention_heads and
+# num_key_value_heads is num_attention_heads, as for null. A sliding window of a WINDOW_LAYERS type applies only with
+# use_sliding_window.
+COMMON_DEFAULTS = {
     "hidden_size": 4096,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
@@ -153,39 +159,6 @@ _COMMON_DEFAULTS = {
     "mlp_bias": False,
     "use_sliding_window": False,
     "max_window_layers": 28,
-}
-_DEFAULTS = {
-    "llama": {
-        "vocab_size": 32000,
-        "intermediate_size": 11008,
-        "max_position_embeddings": 2048,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "mistral": {
-        "vocab_size": 32000,
-        "intermediate_size": 14336,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 4096 * 32,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "sliding_window": 4096,
-    },
-    "qwen2": {
-        "vocab_size": 151936,
-        "intermediate_size": 22016,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-    },
-    "qwen3": {
-        "vocab_size": 151936,
-        "intermediate_size": 22016,
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "sliding_window": 4096,
-    },
 }
 
 
@@ -250,9 +223,6 @@ _SCHEMA = {
     "rope_parameters": _OBJECT,
     "rope_scaling": _OBJECT,
 }
-# The types whose transformers config class reads a null of these fields as num_attention_heads, and as
-# hidden_size / num_attention_heads; the others' config or modeling file fail on it.
-_NULL_READ = {"num_key_value_heads": ("llama", "qwen2", "qwen3"), "head_dim": ("llama", "mistral")}
 # The fields of rope_parameters (or rope_scaling) that the rope functions read.
 _ROPE_SCHEMA = {
     "rope_type": (lambda v: isinstance(v, str), "a string"),
@@ -292,7 +262,7 @@ _IGNORED = {
     "tokenizer_class",
     "generation_config",
 }
-# Fields of another design that the four types' modeling files would ignore, but whose presence says the weights
+# Fields of another design that the types' modeling files would ignore, but whose presence says the weights
 # are not of that design (a mixture of experts saved under a dense type).
 _FOREIGN = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 
@@ -331,21 +301,22 @@ def translate_hf_config(data: dict) -> dict:
                 f"{model_type} is not; export the model under its own type, or drop the field if it is dense"
             )
     _check_schema(data, _SCHEMA)
-    for name, types in _NULL_READ.items():
-        if name in data and data[name] is None and model_type not in types:
+    hf_type = HF_TYPES[model_type]
+    for name in ("num_key_value_heads", "head_dim"):
+        if name in data and data[name] is None and name not in hf_type.null_read:
             raise ConfigError(f"config field {name} must be a positive integer for {model_type}, got None; give it")
-    read = {**_COMMON_DEFAULTS, **_DEFAULTS[model_type], **data}
+    read = {**COMMON_DEFAULTS, **hf_type.defaults, **data}
     fields = {name: read[name] for name in _SIZES}
     fields["model_type"] = model_type
-    for flag, source in _ARCHITECTURES[model_type].items():
+    for flag, source in hf_type.math.items():
         fields[flag] = source if isinstance(source, bool) else read[source]
     fields["num_key_value_heads"] = read.get("num_key_value_heads") or read["num_attention_heads"]
     fields["head_dim"] = read.get("head_dim") or read["hidden_size"] // read["num_attention_heads"]
     fields["bos_token_id"] = read.get("bos_token_id")
     fields["eos_token_id"] = _one_eos(read.get("eos_token_id"))
-    fields["rope_theta"], scaling = _rope(data, read)
+    fields["rope_theta"], scaling, fields["partial_rotary_factor"] = _rope(data, read, hf_type)
     fields["rope_scaling"] = dataclasses.asdict(scaling) if scaling is not None else None  # JSON, as from_dict reads
-    _check_sliding_window(read, model_type)
+    _check_sliding_window(read, hf_type)
     known = {*_SCHEMA, *_IGNORED, *_FOREIGN}
     ignored = sorted(k for k in data if k not in known and not k.startswith("_"))
     if ignored:
@@ -381,9 +352,9 @@ def _one_eos(eos):
     return eos
 
 
-def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling; of
-    both, rope_scaling, as transformers' config reads them."""
+def _rope(data: dict, read: dict, hf_type: HFModelType) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, partial_rotary_factor) from transformers 5's rope_parameters or the older rope_theta +
+    rope_scaling; of both, rope_scaling, as transformers' config reads them."""
     name = "rope_scaling" if data.get("rope_scaling") else "rope_parameters"
     parameters = data.get(name) or {}
     if any(isinstance(v, dict) for v in parameters.values()):
@@ -391,22 +362,25 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
             f"config field {name} gives a rope per layer type; the reference has one rope for every layer"
         )
     _check_schema(parameters, _ROPE_SCHEMA, prefix=f"{name}.")
-    factor = parameters.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
+    partial = parameters.get("partial_rotary_factor", read.get("partial_rotary_factor", 1.0))
+    if partial != 1.0 and not hf_type.partial_rotary:
         raise ConfigError(
-            f"config field partial_rotary_factor is {factor!r}; the reference rotates whole heads only (1.0)"
+            f"config field partial_rotary_factor is {partial!r}; {hf_type.name} rotates whole heads only (1.0)"
         )
     theta = parameters.get("rope_theta", read["rope_theta"])
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    given = parameters.get("rope_type", parameters.get("type", "default"))
+    kind = hf_type.rope_aliases.get(given, given)
     if kind == "default":
-        return theta, None
-    if kind not in ROPE_TYPES:
-        why = (
-            "dynamic NTK rescales with each sequence's length, which the reference does not"
-            if kind == "dynamic"
-            else "the reference does not compute it"
+        return theta, None, partial
+    if kind not in hf_type.rope_types:
+        why = _UNSUPPORTED_ROPES.get(
+            kind,
+            f"{hf_type.name}'s config does not take it" if kind in ROPE_TYPES else "the reference does not compute it",
         )
-        raise ConfigError(f"config field {name} has rope_type {kind!r} ({why}); supported: {', '.join(ROPE_TYPES)}")
+        read_as = f"{hf_type.name} reads it as {kind}: " if kind != given else ""
+        raise ConfigError(
+            f"config field {name} has rope_type {given!r} ({read_as}{why}); supported: {', '.join(hf_type.rope_types)}"
+        )
     max_positions = read["max_position_embeddings"]
     factor = parameters.get("factor")
     original = parameters.get("original_max_position_embeddings", data.get("original_max_position_embeddings"))
@@ -414,6 +388,19 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
         original = max_positions  # Transformers' standardize_rope_params
     if factor is None:  # Transformers' rope validation requires it of every scaled type
         raise ConfigError(f"config field {name} has rope_type {kind!r} without its factor; give {name}.factor")
+    return theta, _scaling(kind, factor, original, parameters), partial
+
+
+# Why the reference computes no rope of these types.
+_UNSUPPORTED_ROPES = {
+    "dynamic": "dynamic NTK rescales with each sequence's length, which the reference does not",
+    "longrope": "its frequencies switch from short to long factors once a call's positions pass "
+    "original_max_position_embeddings, which the reference does not",
+}
+
+
+def _scaling(kind: str, factor, original, parameters: dict) -> RopeScaling:
+    """The resolved scaling of a rope type other than default."""
     if kind == "yarn":
         attention_factor = parameters.get("attention_factor")
         if attention_factor is None:
@@ -422,7 +409,7 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
                 attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
             else:
                 attention_factor = _yarn_mscale(factor)
-        return theta, RopeScaling(
+        return RopeScaling(
             "yarn",
             float(factor),
             original,
@@ -432,8 +419,8 @@ def _rope(data: dict, read: dict) -> tuple[float, RopeScaling | None]:
             parameters.get("truncate", True),
         )
     if kind == "linear":
-        return theta, RopeScaling("linear", float(factor))
-    return theta, RopeScaling(
+        return RopeScaling("linear", float(factor))
+    return RopeScaling(
         "llama3",
         float(factor),
         original,
@@ -447,13 +434,14 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _sliding_layers(read: dict, model_type: str, window) -> list[bool]:
-    """Which layers transformers' modeling file gives a sliding window: every layer of mistral's when it has one,
-    none of llama's; qwen2's and qwen3's those layer_types names, else those from max_window_layers on."""
+def _sliding_layers(read: dict, hf_type: HFModelType, window) -> list[bool]:
+    """Which layers transformers' modeling file gives a sliding window: none (NO_WINDOW); every layer when there is
+    one (EVERY_LAYER, whose config ignores layer_types); else those layer_types names, or those from
+    max_window_layers on."""
     layers = read["num_hidden_layers"]
-    if model_type == "llama":
+    if hf_type.window == NO_WINDOW:
         return [False] * layers
-    if model_type == "mistral":  # MistralConfig ignores layer_types
+    if hf_type.window == EVERY_LAYER:
         return [window is not None] * layers
     layer_types = read.get("layer_types")
     if layer_types is None:
@@ -471,12 +459,12 @@ def _sliding_layers(read: dict, model_type: str, window) -> list[bool]:
     return [kind == "sliding_attention" for kind in layer_types]
 
 
-def _check_sliding_window(read: dict, model_type: str) -> None:
+def _check_sliding_window(read: dict, hf_type: HFModelType) -> None:
     """Refuse a sliding window that some layer applies within the context; otherwise it changes nothing."""
     window = read.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not read["use_sliding_window"]:  # their config drops the window
+    if hf_type.window == WINDOW_LAYERS and not read["use_sliding_window"]:  # their config drops the window
         window = None
-    sliding = _sliding_layers(read, model_type, window)
+    sliding = _sliding_layers(read, hf_type, window)
     if not any(sliding):
         return
     if window is None:  # transformers' cache fails on a sliding layer without a window

@@ -165,3 +165,29 @@ def _yarn_from_dict(data: dict) -> YarnScaling:
                 f"config field rope_scaling.{name} must be positive and finite, got {getattr(scaling, name)!r}"
             )
     return scaling
+
+
+_TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+
+# Named configurations (reference/presets.py gathers every family's): the published sizes (docs/models.md, "Families
+# and presets"), then tiny ones with the same structure, for tests and quick trials. Parameter counts (tied
+# embeddings counted once) are asserted as integers in tests/reference_models/test_families.py.
+PRESETS = {
+    "minimind-3": MiniMindConfig(),  # 63,912,192
+    "minimind-3-moe": MiniMindConfig(use_moe=True),  # 198,416,640: 4 experts, top-1
+    "minimind2-small": MiniMindConfig(version=2, hidden_size=512),  # 25,829,888
+    "minimind2": MiniMindConfig(version=2, hidden_size=768, num_hidden_layers=16),  # 104,030,976
+    "minimind2-moe": MiniMindConfig(
+        version=2, hidden_size=640, use_moe=True
+    ),  # 145,029,760: 4 routed + 1 shared, top-2
+    "minimind-3-tiny": MiniMindConfig(num_key_value_heads=2, **_TINY),
+    "minimind-3-moe-tiny": MiniMindConfig(num_key_value_heads=2, use_moe=True, **_TINY),
+    "minimind2-tiny": MiniMindConfig(version=2, **_TINY),
+    "minimind2-moe-tiny": MiniMindConfig(version=2, use_moe=True, **_TINY),
+    "minimind-3-yarn-tiny": MiniMindConfig(
+        num_key_value_heads=2,
+        inference_rope_scaling=True,
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=16),
+        **_TINY,
+    ),
+}

@@ -48,3 +48,12 @@ class TeachingGPTConfig(JsonConfig):
     @property
     def max_position_embeddings(self) -> int:
         return self.context_length
+
+
+# Named configurations (reference/presets.py gathers every family's): the teaching GPT of seed 003, its smoke config
+# (13,356,928) and its default (configs/base.json), then a tiny one for tests and quick trials.
+PRESETS = {
+    "teaching-gpt-smoke": TeachingGPTConfig(n_embed=128, n_head=4, n_blocks=2, context_length=256),
+    "teaching-gpt": TeachingGPTConfig(),
+    "teaching-gpt-tiny": TeachingGPTConfig(vocab_size=512, n_embed=64, n_head=4, n_blocks=2, context_length=64),
+}

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import torch
 
-# hidden 64, 2 layers, 4 query heads over 2 kv heads, vocab 256. Per type, what it exercises:
-# - llama: head_dim 32 (not hidden / heads = 16), attention_bias (q, k, v and o) and mlp_bias, an untied head,
-#   llama3 rope scaling with rope_theta 500000 over 131072 positions, sharded safetensors;
-# - mistral: linear rope scaling, no sliding window, pytorch_model.bin;
-# - qwen2: q/k/v biases (o_proj none), a tied head, the config.json of transformers 4 (rope_theta and
-#   rope_scaling at the top level), a single model.safetensors;
-# - qwen3: q/k norms, head_dim 32, yarn rope scaling over 131072 positions, a tied head.
+from reference.hf_types import HF_TYPES
+
+# hidden 64, 2 layers, 4 query heads over 2 kv heads, vocab 256; each type's own fields, chosen to exercise what the
+# others do not, are its registration's `tiny` (reference/hf_types.py). Saved (save_folder) as sharded safetensors
+# (llama), pytorch_model.bin (mistral), the config.json of transformers 4 (qwen2: rope_theta and rope_scaling at the
+# top level), else a single model.safetensors.
 COMMON = dict(
     vocab_size=256,
     hidden_size=64,
@@ -24,36 +23,7 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-CASES = {
-    "llama": dict(
-        head_dim=32,
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    "mistral": dict(
-        sliding_window=None,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
-    ),
-    "qwen2": dict(tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=1e6),
-    "qwen3": dict(
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-    ),
-}
+CASES = {name: hf_type.tiny for name, hf_type in HF_TYPES.items()}
 MODEL_TYPES = tuple(CASES)
 
 

@@ -6,7 +6,7 @@
 
 Both consumers only run the graph; the model type tells them which defaults
 to assume (input names, tokenizer handling), not how to compute. A family
-therefore supplies just two names, in consumer_types; everything else comes
+therefore supplies just two names, its registration's consumer_types (reference/families.py); everything else comes
 from the manifest. Which type each family gets in each consumer is tabulated in docs/runtime.md ("Deploying with
 onnxruntime-genai and Optimum"); tests/artifact/ load the folders in both.
 """
@@ -23,6 +23,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.artifact.paths import json_type, read_json_bounded
 from exporter.artifact.tokenizer import TOKENIZER, TokenizerSource, copy_tokenizer, minimal_tokenizer_config
 from exporter.errors import ArtifactError, InputError, first_line
+from reference.families import get_family
 
 log = logging.getLogger(__name__)
 
@@ -46,31 +47,13 @@ class FamilyTypes:
     hf_unsupported: str = ""
 
 
-# What each consumer is told the model is. The types only choose the consumers' defaults (input names,
-# how to size the first-step cache from config.json); neither rebuilds the architecture, so a type is
-# chosen for the attention layout it implies. qwen3, llama and the generic "decoder" type run a
-# contract-following graph unmodified in onnxruntime-genai, qwen3 and llama in Optimum (the consumer tests in
-# tests/artifact/ load each).
-# - minimind-3 is a Qwen3-style decoder (q/k norm, GQA, RoPE, SwiGLU): qwen3.
-# - MiniMind2 has no q/k norm and no biases, Llama's layout: llama.
-# - The MoE variants keep their generation's attention; onnxruntime-genai has no type for a MoE FFN it
-#   would not compute anyway, so they are "decoder" there (the generic type), and their generation's
-#   type for Optimum, which reads only the sizes.
-# - A Hugging Face decoder (llama, mistral, qwen2, qwen3) keeps its own model_type in both.
-# - The teaching GPT (learned positions, LayerNorm) and bring-your-own decoders: "decoder" in genai;
-#   Optimum's types for learned-position models (gpt2) expect other input names, so Optimum gets llama,
-#   which it uses only to size the cache.
 def consumer_types(manifest: Manifest) -> FamilyTypes:
-    config = manifest.config
-    if manifest.family == "minimind":
-        attention = "qwen3" if config.version == 3 else "llama"
-        return FamilyTypes(genai="decoder" if config.use_moe else attention, hf=attention)
-    if manifest.family == "hf-decoder":  # its own Transformers type, which both consumers know
-        return FamilyTypes(genai=config.model_type, hf=config.model_type)
-    if manifest.family in ("teaching-gpt", "custom"):
-        return FamilyTypes(genai="decoder", hf="llama")
-    reason = f"model family {manifest.family!r} has no consumer types in exporter.artifact.consumers.consumer_types"
-    return FamilyTypes(None, None, reason, reason)
+    """What each consumer is told the artifact's model is: its family's consumer types (reference/families.py)."""
+    genai, hf = get_family(manifest.family).consumer_types(manifest.config)
+    reason = f"model family {manifest.family!r} names no {{}} type in its registration (reference/families.py)"
+    return FamilyTypes(
+        genai, hf, "" if genai else reason.format("onnxruntime-genai"), "" if hf else reason.format("Optimum")
+    )
 
 
 # Config fields that keep their meaning under the same name in a Hugging Face config.json.

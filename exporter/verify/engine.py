@@ -77,9 +77,9 @@ from exporter.verify.references.golden import (
     load_bundle,
 )
 from exporter.verify.references.referee import Float64Referee
-from exporter.verify.references.transformers_reference import FAMILY as HF_FAMILY
 from exporter.verify.references.transformers_reference import check_transformers, transformers_skip_reason
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
+from reference.families import get_family
 from reference.source import SourcedModel
 
 log = logging.getLogger(__name__)
@@ -542,7 +542,7 @@ def _plan(
             raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
     check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     transformers_skipped = None
-    if manifest.family == HF_FAMILY:
+    if get_family(manifest.family).transformers:
         transformers_skipped = (
             QUANTIZED_SKIP
             if manifest.quantization is not None

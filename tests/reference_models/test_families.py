@@ -26,6 +26,8 @@ from reference import (
     get_preset,
 )
 from reference.families import FAMILIES, config_from_dict, family_of
+from reference.hf_decoder_config import HFDecoderConfig
+from reference.hf_types import HF_TYPES
 from reference.minimind import RMSNorm, rope_inv_freq
 
 PUBLISHED = {  # the published sizes (docs/models.md), tied embeddings counted once
@@ -101,6 +103,22 @@ def test_moe_state_dict_keys_are_minimind_names():
     } <= keys
     keys3 = set(build_model(get_preset("minimind-3-moe-tiny")).state_dict())
     assert layer + "gate.weight" in keys3 and not any("shared_experts" in k for k in keys3)
+
+
+def test_every_registration_names_what_it_declares():
+    for family in FAMILIES.values():
+        loader = family.checkpoint_loader()
+        assert loader is None or loader.family == family.name, family.name
+        for name, config in family.presets.items():
+            assert family_of(config) is family and get_preset(name) is config, name
+            assert all(family.consumer_types(config)), name  # both consumers run every preset
+    flags = {f.name for f in dataclasses.fields(HFDecoderConfig) if f.type == "bool"}
+    for hf_type in HF_TYPES.values():
+        assert set(hf_type.math) <= flags, hf_type.name
+        assert FAMILIES["hf-decoder"].consumer_types(HFDecoderConfig(model_type=hf_type.name)) == (
+            hf_type.genai,
+            hf_type.optimum,
+        )
 
 
 def test_configs_round_trip_and_name_bad_fields():

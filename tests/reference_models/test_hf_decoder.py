@@ -13,7 +13,7 @@ from helpers import assert_close
 
 from reference import CheckpointError, ConfigError, HFDecoderConfig
 from reference.checkpoints import load_checkpoint
-from reference.hf_decoder_config import translate_hf_config
+from reference.hf_decoder_config import MODEL_TYPES, translate_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def _hf_cache(out):
     return [(layer.keys, layer.values) for layer in cache.layers]  # each (B, Hkv, L, D)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 @torch.no_grad()
 def test_the_reference_computes_what_transformers_computes(hf_folders, model_type):
     """A left-padded prompt with labels (logits and presents at the real positions, the loss), then a cached
@@ -101,6 +101,15 @@ def test_each_type_translates_to_its_math(hf_folders):
     assert (qwen3.qk_norm, qwen3.head_dim, qwen3.rope_scaling.rope_type) == (True, 32, "yarn")
     assert qwen3.rope_scaling.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
     assert (mistral.rope_scaling.rope_type, mistral.rope_scaling.factor, mistral.head_dim) == ("linear", 2.0, 16)
+    phi3 = configs["phi3"]
+    assert (phi3.fused_qkv, phi3.fused_gate_up, phi3.head_dim, phi3.rope_dim, phi3.rope_scaling) == (
+        True,
+        True,
+        16,
+        12,
+        None,
+    )
+    assert not any(c.fused_qkv or c.fused_gate_up or c.rope_dim != c.head_dim for c in (llama, mistral, qwen2, qwen3))
     for config in configs.values():  # the manifest's round trip
         assert HFDecoderConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
@@ -161,6 +170,24 @@ def test_fields_without_effect_are_logged_not_refused(hf_folders, caplog):
 def test_what_changes_the_math_unsupported_is_refused_by_name(hf_folders, change, message):
     with pytest.raises(ConfigError, match=message):
         HFDecoderConfig.from_dict(translate_hf_config({**_qwen3_json(hf_folders), **change}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [4.0] * 6}},
+            r"rope_type 'longrope' \(its frequencies switch from short to long factors",
+        ),
+        ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 6}}, r"rope_type 'su' \(phi3 reads it as longrope: "),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, r"'linear' \(phi3's config does not take it\)"),
+        ({"rope_parameters": None, "partial_rotary_factor": 0.7}, r"partial_rotary_factor \(0.7\) must turn an even"),
+    ],
+)
+def test_what_a_phi3_config_holds_that_the_reference_does_not_compute_is_refused(hf_folders, change, message):
+    data = json.loads((hf_folders["phi3"] / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        HFDecoderConfig.from_dict(translate_hf_config({**data, **change}))
 
 
 def test_a_sliding_window_that_never_applies_is_ignored(hf_folders):

@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 from exporter.errors import ToolkitError
 from reference import ConfigError, HFDecoderConfig
 from reference.checkpoints import load_checkpoint
-from reference.hf_decoder_config import translate_hf_config
+from reference.hf_decoder_config import MODEL_TYPES, translate_hf_config
 
 transformers = pytest.importorskip("transformers")
-
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _json(hf_folders, model_type: str) -> dict:
@@ -54,10 +52,11 @@ def _effective(config) -> dict:
     rope = config.rope_parameters or {}
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
         "vocab_size": config.vocab_size,
         "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "head_dim": head_dim,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
@@ -66,6 +65,7 @@ def _effective(config) -> dict:
         "eos_token_id": config.eos_token_id,
         "rope_theta": rope.get("rope_theta"),
         "rope_type": rope.get("rope_type", "default"),
+        "rope_dim": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
         "window": window if "sliding_attention" in layer_types else None,
     }
 
@@ -84,6 +84,7 @@ def _ours(config: HFDecoderConfig) -> dict:
         "eos_token_id": config.eos_token_id,
         "rope_theta": config.rope_theta,
         "rope_type": scaling.rope_type if scaling else "default",
+        "rope_dim": config.rope_dim,
     }
 
 
@@ -95,6 +96,10 @@ def test_a_field_left_out_takes_transformers_default(hf_folders, model_type, mis
     theirs = _effective(transformers.AutoConfig.for_model(**data))
     if 4 % theirs["num_key_value_heads"]:  # the default does not group the case's 4 heads: no model is built
         with pytest.raises(ConfigError, match=rf"divisible by num_key_value_heads \({theirs['num_key_value_heads']}\)"):
+            _read(data)
+        return
+    if not 0 <= (theirs["eos_token_id"] or 0) < theirs["vocab_size"]:  # phi3's 32000 in the case's 256 ids
+        with pytest.raises(ConfigError, match=rf"eos_token_id \({theirs['eos_token_id']}\) must be None or lie in"):
             _read(data)
         return
     if theirs["window"] is not None and theirs["window"] < theirs["max_position_embeddings"]:
@@ -207,6 +212,7 @@ ROPE_FIELDS = (
     "high_freq_factor",
     "truncate",
     "rope_theta",
+    "partial_rotary_factor",
 )
 MUTATION = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(FIELDS), VALUES),

@@ -5,7 +5,8 @@ steps.
 The toolkit's own reference (reference/hf_decoder.py) is what the graphs are exported from, so a mistake in it
 would be exported and pass every other check; Transformers' modeling code is written by others, so agreeing with
 it too shows the artifact computes the released model. Runs only when transformers imports, the artifact's
-family is hf-decoder and its checkpoint folder is unchanged; transformers is imported lazily, as torch is.
+family is one whose checkpoints transformers loads (its registration's `transformers`, reference/families.py) and
+its checkpoint folder is unchanged; transformers is imported lazily, as torch is.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.results import IndependentReport
+from reference.families import get_family
 from reference.quiet import quiet_loggers
 
 log = logging.getLogger(__name__)
 
 NAME = "transformers"
-FAMILY = "hf-decoder"  # the family whose artifacts come from a folder transformers loads
 
 
 def transformers_version() -> str | None:
@@ -48,7 +49,7 @@ def transformers_version() -> str | None:
 def transformers_skip_reason(manifest: Manifest) -> str:
     """Why Transformers cannot serve as the artifact's independent reference here; "" when it can."""
     source = manifest.source
-    if manifest.family != FAMILY or source.get("kind") != "checkpoint":
+    if not get_family(manifest.family).transformers or source.get("kind") != "checkpoint":
         return f"the artifact was not exported from a Hugging Face folder (family {manifest.family})"
     if transformers_version() is None:
         return "transformers is not installed (pip install 'transformers>=5')"

@@ -1,11 +1,16 @@
-"""ONNX Runtime side, torch-free: sessions, the runner of the two graphs, generation, onnxruntime-genai.
+"""Running an artifact, torch-free: ONNX Runtime's sessions and runner, generation, onnxruntime-genai, and the other
+runtimes a verification runs it in.
 
+- protocol: the Runner protocol the verification and generation use, its label in reports, its capabilities;
+- registry: the runtimes by name, each registered once by its module;
 - sessions: providers, session settings, the shared weights map and graph loading;
-- runner: OrtRunner, prefill and cached decode over the artifact's contract;
-- generation: greedy and sampled generation over an OrtRunner;
+- runner: OrtRunner, prefill and cached decode over the artifact's contract (the onnxruntime runtime);
+- openvino_runner: the artifact's graphs compiled by OpenVINO (the openvino runtime);
+- steps: start/step over a runner's decode with the cache held as numpy arrays;
+- generation: greedy and sampled generation over a runner;
 - binding: decode steps through onnxruntime's IO binding, the cache kept as OrtValues;
 - genai: the same artifact through onnxruntime-genai;
-- foreign: a foreign graph (artifact.foreign) behind OrtRunner's interface.
+- foreign: a foreign graph (artifact.foreign) behind the Runner protocol.
 
 A test proves that importing this package never imports torch.
 """

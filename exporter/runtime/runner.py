@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 
 from exporter.artifact.contract import KV_KINDS, CacheLayout, GraphContract
@@ -20,12 +21,17 @@ from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, unchanged_while_read
 from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of, is_integer
 from exporter.runtime.binding import BindingDecode
+from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, RuntimeLabel
+from exporter.runtime.registry import Runtime, register_runtime
 from exporter.runtime.sessions import (
     CUDA,
     SessionSettings,
     SharedWeightMap,
+    available_parity_providers,
+    check_parity_providers,
     check_provider,
     check_quantized_provider,
+    checking_settings,
     load_session,
     optimized_graphs_saved,
     session_options,
@@ -97,9 +103,9 @@ _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.Inval
 _STEP_ERRORS = (*_RUN_ERRORS, RuntimeError)
 
 
-def _check_feeds(contract: GraphContract, feeds: dict) -> None:
-    """The feeds' names and dtypes against the graph's inputs: onnxruntime's refusal of a missing one is a bare
-    ValueError."""
+def check_feeds(contract: GraphContract, feeds: dict) -> None:
+    """The feeds' names and dtypes against the graph's inputs, before a runtime refuses them in its own words
+    (onnxruntime's refusal of a missing one is a bare ValueError)."""
     missing = [name for name in contract.input_names if name not in feeds]
     unknown = [name for name in feeds if name not in contract.input_names]
     if missing or unknown:
@@ -282,6 +288,9 @@ class OrtRunner:
                 f"{self.provider} could not be initialised (onnxruntime fell back to "
                 f"{self.decode_session.get_providers()}); check the CUDA and cuDNN installation"
             )
+        # the verification's debug copies (exporter.verify.diagnosis.probe) and router probes run in ONNX Runtime on
+        # this runner's provider
+        self.capabilities = frozenset({DEBUG_GRAPHS, ROUTER_PROBES})
         self._prompt_chunk = settings.prompt_chunk
         # The KV cache that start/step left, in the order of self._past_names: a list of the binding's OrtValues. A
         # generation interleaved with another on this runner puts its own back before each step.
@@ -291,11 +300,11 @@ class OrtRunner:
         self.lock = threading.RLock()
 
     @property
-    def name(self) -> str:
-        return f"onnxruntime {self.provider}"
+    def runtime(self) -> RuntimeLabel:
+        return RuntimeLabel(f"onnxruntime {onnxruntime.__version__}", self.provider)
 
     def prefill(self, feeds: dict) -> dict:
-        _check_feeds(self.manifest.prefill, feeds)
+        check_feeds(self.manifest.prefill, feeds)
         names = self.manifest.prefill.output_names
         try:
             return dict(zip(names, self.prefill_session.run(names, feeds)))
@@ -303,7 +312,7 @@ class OrtRunner:
             raise _run_failure(self.manifest.prefill.file, exc) from None
 
     def decode(self, feeds: dict) -> dict:
-        _check_feeds(self.manifest.decode, feeds)
+        check_feeds(self.manifest.decode, feeds)
         names = self.manifest.decode.output_names
         try:
             return dict(zip(names, self._decode.run(names, feeds)))
@@ -311,15 +320,7 @@ class OrtRunner:
             raise _run_failure(self.manifest.decode.file, exc) from None
 
     def empty_past(self, batch: int) -> dict:
-        if not is_integer(batch) or batch < 1:  # numpy's errors, or an empty batch the graphs cannot run
-            raise InputError(f"batch must be an integer >= 1, got {batch!r}")
-        cache = self.manifest.cache
-        shape = (batch, cache.num_key_value_heads, 0, cache.head_dim)
-        return {
-            cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
-            for layer in range(cache.num_layers)
-            for kind in KV_KINDS
-        }
+        return empty_past(self.manifest.cache, batch)
 
     def cache_arrays(self) -> dict[str, np.ndarray]:
         """Numpy copies of the cache that start/step left, by past input name (inspection, tests)."""
@@ -386,6 +387,18 @@ class OrtRunner:
         return self._run_decode(input_ids, attention_mask, position_ids)
 
 
+def empty_past(cache: CacheLayout, batch: int) -> dict:
+    """A past of length 0 for decode.onnx, by past input name."""
+    if not is_integer(batch) or batch < 1:  # numpy's errors, or an empty batch the graphs cannot run
+        raise InputError(f"batch must be an integer >= 1, got {batch!r}")
+    shape = (batch, cache.num_key_value_heads, 0, cache.head_dim)
+    return {
+        cache.past(layer, kind): np.zeros(shape, dtype=cache.dtype)
+        for layer in range(cache.num_layers)
+        for kind in KV_KINDS
+    }
+
+
 def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:
     return {
         cache.present(layer, kind): cache.past(layer, kind) for layer in range(cache.num_layers) for kind in KV_KINDS
@@ -394,3 +407,26 @@ def _past_name_of_present(cache: CacheLayout) -> dict[str, str]:
 
 def presents_as_past(manifest: Manifest, outputs: dict) -> dict:
     return {past: outputs[present] for present, past in _past_name_of_present(manifest.cache).items()}
+
+
+def _targets(manifest: Manifest, providers: list[str] | None) -> tuple[list[str], dict[str, str]]:
+    """The providers to verify on (each able to run the artifact) and the skipped ones with the reason."""
+    chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
+    for provider in chosen:  # before any work: a provider without the kernel cannot run a quantized artifact
+        check_quantized_provider(provider, manifest)
+    return chosen, skipped
+
+
+def _checking_runner(artifact: Artifact, provider: str, weights: SharedWeightMap | None = None) -> OrtRunner:
+    return OrtRunner(artifact, provider, settings=checking_settings(artifact.manifest), weights=weights)
+
+
+register_runtime(
+    Runtime(
+        name="onnxruntime",
+        install="pip install onnxruntime",
+        version=lambda: onnxruntime.__version__,
+        targets=_targets,
+        runner=_checking_runner,
+    )
+)

@@ -22,15 +22,10 @@ from exporter.artifact.manifest import Manifest, config_differences, unchanged_w
 from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import ConsumerError, InputError, ProviderError
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
+from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, Runner, missing
+from exporter.runtime.registry import DEFAULT_RUNTIME, Runtime, registered_runtimes, select_runtimes
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import (
-    CPU,
-    SharedWeightMap,
-    available_parity_providers,
-    check_parity_providers,
-    check_quantized_provider,
-    checking_settings,
-)
+from exporter.runtime.sessions import CPU, SharedWeightMap, checking_settings
 from exporter.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.health import HealthScan
@@ -138,10 +133,13 @@ def _localise(
     batch: dict,
     settings: ParitySettings,
     profile: Profile,
+    probe_missing: str,
 ) -> Localisation:
+    """The layer-level localisation, and with `probe` the node-level probe of both graphs where the runner has
+    debug graphs (`probe_missing`: why it has none, "" when it has)."""
     located = locate_layer(prefill.layers, prefill.comparisons[0], decode.curve)  # [0]: the logits row
-    if not settings.probe:
-        skipped = "not requested (`probe`)"
+    if not settings.probe or probe_missing:
+        skipped = probe_missing or "not requested (`probe`)"
         return replace(located, probe_skipped=skipped, decode_probe_skipped=skipped)
     module_outputs = reference.module_outputs(batch)
     probe, skipped = None, "the bundle holds no module outputs: re-record it with `golden_save`"
@@ -188,7 +186,7 @@ class _RoutingExplainer:
     asked right after the reference's call) or a greedy run that differs (check_greedy's); each graph's
     router probe is built at its first use."""
 
-    def __init__(self, reference: RecordedReference, onnx: OrtRunner, manifest: Manifest, profile: Profile):
+    def __init__(self, reference: RecordedReference, onnx: Runner, manifest: Manifest, profile: Profile):
         self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.kv
         self._probes: dict[str, RouterProbe] = {}
 
@@ -209,13 +207,14 @@ class _RoutingExplainer:
 @dataclass(frozen=True)
 class _ProviderRun:
     report: ProviderReport
-    outputs: dict  # ONNX Runtime's prefill outputs, for the providers against each other
-    values: dict  # the prefill debug copy's values, for the probe between providers
+    outputs: dict  # the runner's prefill outputs, for the runners against each other
+    values: dict | None  # the prefill debug copy's values, for the probe between providers; None: no debug graphs
     decode_call: DecodeCall  # the decode call the probe examines, whose module outputs a golden bundle keeps
+    not_checked: dict[str, str]  # check (and row) -> why it did not run on this runner
 
 
 def _run_provider(
-    onnx: OrtRunner,
+    onnx: Runner,
     manifest: Manifest,
     reference,
     debug: _DebugGraphs,
@@ -227,14 +226,23 @@ def _run_provider(
     profile = overrides.apply(profile_for(manifest.dtype, onnx.provider))
     health = HealthScan(manifest.dtype)
     reference.rewind()
-    log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
-    values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
-    health.scan_activations(
-        values,
-        {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes for o in n.outputs},
-        debug.prefill.mask_fed,
-    )
-    explainer = _RoutingExplainer(reference, onnx, manifest, profile) if manifest.is_moe else None
+    not_checked, values = {}, None
+    if no_debug_graphs := missing(onnx, DEBUG_GRAPHS):
+        not_checked[f"activation scan ({onnx.provider})"] = no_debug_graphs
+    else:
+        log.info("%s: activation scan of a debug copy of %s", onnx.provider, manifest.prefill.file)
+        values = debug.prefill.run(prefill_feeds(manifest, batch), onnx.provider)
+        health.scan_activations(
+            values,
+            {o: f"{n.op_type} in {n.module or 'the graph'}" for n in debug.prefill.nodes for o in n.outputs},
+            debug.prefill.mask_fed,
+        )
+    explainer = None
+    if manifest.is_moe:
+        if no_router_probes := missing(onnx, ROUTER_PROBES):
+            not_checked[f"expert choice and routing near-ties ({onnx.provider})"] = no_router_probes
+        else:
+            explainer = _RoutingExplainer(reference, onnx, manifest, profile)
     explain_routing = explainer.call if explainer else None
     if profile.overridden:  # the user's own bound is the verdict: the referee judges beyond the profile's alone
         referee = None
@@ -276,10 +284,15 @@ def _run_provider(
         long_context = check_long_context(
             reference, onnx, manifest, profile, health, np.random.default_rng(settings.seed + 5), referee
         )
-    localisation = _localise(prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile)
-    experts = _expert_choice(reference, onnx.artifact, onnx.provider, batch, settings, profile)
+    if settings.probe and no_debug_graphs:
+        not_checked[f"probe ({onnx.provider})"] = no_debug_graphs
+    localisation = _localise(
+        prefill, decode, reference, debug, values, onnx.provider, batch, settings, profile, no_debug_graphs
+    )
+    experts = _expert_choice(reference, onnx.artifact, onnx.provider, batch, settings, profile) if explainer else None
     report = ProviderReport(
         provider=onnx.provider,
+        runtime=onnx.runtime,
         dtype=manifest.dtype,
         profile=profile,
         comparisons=prefill.comparisons + decode.comparisons,
@@ -295,11 +308,11 @@ def _run_provider(
         experts=experts,
         prefill_routing=prefill.routing,
     )
-    return _ProviderRun(report, outputs, values, decode.probe_call)
+    return _ProviderRun(report, outputs, values, decode.probe_call, not_checked)
 
 
 def _run_quality(
-    onnx: OrtRunner, manifest: Manifest, reference, batch: dict, settings: ParitySettings, text: QualityText | None
+    onnx: Runner, manifest: Manifest, reference, batch: dict, settings: ParitySettings, text: QualityText | None
 ) -> QualityReport:
     """A quantized artifact on one provider: its quality profile's distributional checks, in place of parity, on
     seeded random ids or on `text`."""
@@ -467,12 +480,41 @@ def _check_arguments(settings, genai, overrides) -> None:
 
 
 @dataclass(frozen=True)
+class _Row:
+    """One runner to verify on: a runtime and its target (an ONNX Runtime provider, an OpenVINO configuration)."""
+
+    runtime: Runtime
+    target: str
+
+    def runner(self, artifact: Artifact, weights: SharedWeightMap) -> Runner:
+        return self.runtime.runner(artifact, self.target, weights=weights)
+
+
+def _rows(manifest: Manifest, runtimes, providers) -> tuple[list[_Row], dict[str, str]]:
+    """The runners to verify on, each able to run the artifact, and those left out ({name: why}), before any work.
+
+    Raises:
+        ProviderError: providers empty, or one unknown, not available, or without the artifact's kernels.
+        InputError: a runtime unknown or not installed; providers without ONNX Runtime among the runtimes.
+    """
+    if providers is not None and not providers:  # [] would verify nothing, and the report would fail
+        raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
+    chosen, skipped = select_runtimes(runtimes, providers)
+    rows = []
+    for runtime in chosen:
+        targets, left_out = runtime.targets(manifest, providers)
+        rows += [_Row(runtime, target) for target in targets]
+        skipped.update(left_out)
+    return rows, skipped
+
+
+@dataclass(frozen=True)
 class _Plan:
-    """verify_artifact's arguments, checked before any work: the providers, the reference and what to run."""
+    """verify_artifact's arguments, checked before any work: the runners, the reference and what to run."""
 
     artifact: Artifact
-    providers: list[str]  # the ones to verify on
-    skipped: dict[str, str]  # provider -> why it does not run
+    rows: list[_Row]  # the runners to verify on, ONNX Runtime's first where it is among them
+    skipped: dict[str, str]  # provider or runtime -> why it does not run
     companion: Artifact | None  # the float16 export for the precision leg
     reference: RecordedReference | None  # None: the invariants alone
     described: str  # the reference, in words
@@ -487,7 +529,9 @@ class _Plan:
 def _plan(
     artifact,
     model,
+    *,
     providers,
+    runtimes,
     settings,
     genai,
     golden,
@@ -508,12 +552,7 @@ def _plan(
     folder, manifest = artifact.folder, artifact.manifest
     if model is not None:
         _check_model(model, manifest)
-    if providers is not None and not providers:  # [] would verify nothing, and the report would fail
-        raise ProviderError("providers is empty; pass e.g. ['cpu'], or None for every available one (`providers`)")
-    chosen, skipped = available_parity_providers() if providers is None else (check_parity_providers(providers), {})
-    if manifest.quantization is not None:  # before any work: a provider without the kernel cannot run the artifact
-        for provider in chosen:
-            check_quantized_provider(provider, manifest)
+    rows, skipped = _rows(manifest, runtimes, providers)
     if golden_save is not None:
         if model is None:  # a golden bundle comes without one (see above)
             raise InputError(
@@ -552,7 +591,7 @@ def _plan(
         )
     return _Plan(
         artifact,
-        chosen,
+        rows,
         skipped,
         companion,
         reference,
@@ -662,6 +701,7 @@ def verify_artifact(
     settings: ParitySettings = ParitySettings(),
     genai: bool | None = None,
     *,
+    runtimes: list[str] | None = None,
     golden: Path | GoldenBundle | None = None,
     golden_save: Path | None = None,
     overrides: Overrides = Overrides(),
@@ -675,11 +715,13 @@ def verify_artifact(
         artifact: an opened Artifact (not read again), or an artifact folder's path, opened here with every hash
             checked.
         model: the PyTorch reference (torch.nn.Module), of the artifact's family and config.
-        providers: the providers to verify on, each of which must be available ("cpu", "cuda"; a str names one),
-            or None for every available one.
+        providers: ONNX Runtime's providers to verify on, each of which must be available ("cpu", "cuda"; a str
+            names one), or None for every available one.
         settings: decode steps, greedy tokens, sweep, probe and seed.
         genai: also check onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not
             otherwise, True makes each of those an error, False skips it.
+        runtimes: the runtimes to verify in (exporter.runtime.registry: "onnxruntime", "openvino", "all" for every
+            installed one; a str names one), each runner a row of the report; None: ONNX Runtime alone.
         golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle
             that exporter.verify.references.golden.load_bundle read (not read again; held to the artifact all the
             same, and replayed from its first call), judged with the tolerance overrides it was recorded with,
@@ -702,7 +744,9 @@ def verify_artifact(
             UTF-8 text, or too short for one window.
         TokenizerError: quality_text given, and the artifact's tokenizer.json does not fit the model.
         ProviderError: a provider that is unknown or not available.
-        ConsumerError: genai=True where the onnxruntime-genai check cannot run.
+        InputError: a runtime that is unknown or not installed (the message names its install).
+        ConsumerError: genai=True where the onnxruntime-genai check cannot run; a runtime that cannot compile or
+            run the artifact's graphs.
         ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one; a consumer config
             giving other ids or sizes than the manifest's model config is damage too.
     """
@@ -710,7 +754,17 @@ def verify_artifact(
     folder = artifact.folder if isinstance(artifact, Artifact) else artifact
     with unchanged_while_read(folder):  # an export into it meanwhile: no report on a mix of two artifacts
         plan = _plan(
-            artifact, model, providers, settings, genai, golden, golden_save, overrides, fp16_companion, quality_text
+            artifact,
+            model,
+            providers=providers,
+            runtimes=runtimes,
+            settings=settings,
+            genai=genai,
+            golden=golden,
+            golden_save=golden_save,
+            overrides=overrides,
+            fp16_companion=fp16_companion,
+            quality_text=quality_text,
         )
         artifact, reference, settings = plan.artifact, plan.reference, plan.settings
         folder, manifest = artifact.folder, artifact.manifest
@@ -723,14 +777,14 @@ def verify_artifact(
         # on the same quantized weights, at accuracy level 4 in sessions of its own (float_matmul_settings): that
         # dtype's rounding bounds those differences as in a float artifact of it
         matched = float_matmul_settings(manifest)
-        invariant_provider = plan.providers[0]  # never empty: _plan refuses providers=[]
-        # the first provider's sessions serve the independent reference, the first run and the invariants; with no
-        # reference and sessions of the invariants' own, nothing reads them
-        first_runner = (
-            OrtRunner(artifact, invariant_provider, settings=sessions, weights=mapping)
-            if reference is not None or matched is None
-            else None
-        )
+        # The invariants hold the artifact's graphs to each other in ONNX Runtime, the runtime they were exported
+        # for, on its first provider asked for (the CPU where ONNX Runtime is not among the runtimes). That runner
+        # serves the independent reference, its row's run and the invariants; with no reference and sessions of the
+        # invariants' own, nothing reads it.
+        first = next((row for row in plan.rows if row.runtime.name == DEFAULT_RUNTIME), None)
+        first = first or _Row(registered_runtimes()[DEFAULT_RUNTIME], CPU)
+        invariant_provider = first.target
+        first_runner = first.runner(artifact, mapping) if reference is not None or matched is None else None
         independent, independent_skipped = _independent(plan, first_runner, batch, settings, overrides)
         runs, quality = [], []
         quantized = manifest.quantization is not None
@@ -743,8 +797,8 @@ def verify_artifact(
             )
         )
         if reference is not None:
-            for index, provider in enumerate(plan.providers):
-                onnx = first_runner if index == 0 else OrtRunner(artifact, provider, settings=sessions, weights=mapping)
+            for row in plan.rows:
+                onnx = first_runner if row == first else row.runner(artifact, mapping)
                 if quantized:
                     quality.append(_run_quality(onnx, manifest, reference, batch, settings, plan.quality_text))
                 else:
@@ -752,8 +806,9 @@ def verify_artifact(
                         _run_provider(onnx, manifest, reference, debug, batch, settings, overrides, plan.referee)
                     )
         reports = [run.report for run in runs]
-        outputs = {run.report.provider: run.outputs for run in runs}
-        values = {run.report.provider: run.values for run in runs}
+        # the runners against each other: those whose configuration differs by design are not held to the others
+        outputs = {run.report.provider: run.outputs for run in runs if not run.report.runtime.known_cause}
+        values = {run.report.provider: run.values for run in runs if run.values is not None}
         log.info("reference-free invariants on %s", invariant_provider)
         invariant_profile = overrides.apply(profile_for(manifest.dtype, invariant_provider))
         invariant_runner = (
@@ -793,6 +848,7 @@ def verify_artifact(
         cross=cross,
         cross_probes=probes,
         attribution=attribution,
+        not_checked={check: why for run in runs for check, why in run.not_checked.items()},
         settings=settings.to_dict(),
         tolerance_overrides=plan.applied,
         seconds=time.perf_counter() - start,

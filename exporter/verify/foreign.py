@@ -197,6 +197,7 @@ def _run_provider(
     )
     return ProviderReport(
         provider=onnx.provider,
+        runtime=onnx.runtime,
         dtype=manifest.dtype,
         profile=profile,
         comparisons=prefill.comparisons + decode.comparisons,

@@ -179,17 +179,20 @@ def test_every_check_of_a_report_can_fail_the_verdict():
     consumer fails. The checks' own tests build the failing rows; this one proves that they reach the verdict."""
     from types import SimpleNamespace
 
+    from exporter.runtime.protocol import RuntimeLabel
     from exporter.verify.checks.routing import ExpertAgreement
     from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 
     ok, bad = SimpleNamespace(passed=True), SimpleNamespace(passed=False)
     differ, unmeasured = ExpertAgreement(True, 10, 9, 0, "1 differs"), ExpertAgreement(False, 0, 0, 0, "not found")
     parts = {"comparisons": [ok], "greedy": ok, "sweep": [ok], "health": ok, "repeat": ok, "experts": None}
+    honest = RuntimeLabel("onnxruntime", "CPUExecutionProvider")
 
-    def provider(**broken):
+    def provider(runtime=honest, **broken):
         fields = {**parts, **broken}
         return ProviderReport(
             provider="cpu",
+            runtime=runtime,
             dtype="float32",
             profile=None,
             comparisons=fields["comparisons"],
@@ -237,3 +240,11 @@ def test_every_check_of_a_report_can_fail_the_verdict():
         ("consumers", [ConsumerReport("onnxruntime-genai", "qwen3", bad)]),
     ):
         assert not VerifyReport(**{**whole, name: value}).passed, name
+    # a row failing with its configuration's known cause is left out where its runtime's honest row carries the
+    # verdict, and only there
+    by_design = provider(RuntimeLabel("onnxruntime", "bf16", known_cause="bf16"), health=bad)
+    alone = provider(RuntimeLabel("other", "bf16", known_cause="bf16"), health=bad)  # no honest row of its runtime
+    assert by_design.attributed and not by_design.passed
+    assert VerifyReport(**{**whole, "reports": [provider(), by_design]}).passed
+    assert not VerifyReport(**{**whole, "reports": [provider(health=bad), by_design]}).passed
+    assert not VerifyReport(**{**whole, "reports": [provider(), alone]}).passed

@@ -19,6 +19,7 @@ import numpy as np
 
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
+from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import presents_as_past
 from exporter.tolerances import (
     DECISIVE_MARGIN,
@@ -83,7 +84,8 @@ class QualityReport:
     `text` is the text the checks read (None: seeded random ids); to_dict writes it as "input".
     """
 
-    provider: str
+    provider: str  # the row's name: the execution provider, or the runtime and its configuration
+    runtime: RuntimeLabel
     scheme: str
     profile: QualityProfile
     checks: tuple[QualityCheck, ...]
@@ -106,11 +108,17 @@ class QualityReport:
     def failures(self) -> list[QualityCheck]:
         return [c for c in self.checks if c.passed is False]
 
+    @property
+    def attributed(self) -> bool:
+        return self.runtime.attributes(self.passed)
+
     def to_dict(self) -> dict:
         return {
             "provider": self.provider,
+            "runtime": self.runtime.to_dict(),
             "scheme": self.scheme,
             "passed": self.passed,
+            "attributed": self.attributed,
             "input": {"kind": "random ids"} if self.text is None else {"kind": "text", **self.text.to_dict()},
             "profile": self.profile.to_dict(),
             "checks": [c.to_dict() for c in self.checks],
@@ -264,6 +272,7 @@ def check_quality(
     checks = tuple(_check(t, metrics, nll is not None) for t in profile.thresholds)
     return QualityReport(
         provider=onnx.provider,
+        runtime=onnx.runtime,
         scheme=manifest.precision,
         profile=profile,
         checks=checks,

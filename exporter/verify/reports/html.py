@@ -21,6 +21,8 @@ from exporter.verify.reports.text import (
     quality_title,
     referee_notes,
     routing_notes,
+    row_verdict,
+    runtime_notes,
     summary_tables,
     verdict,
 )
@@ -28,7 +30,7 @@ from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}.pass{color:#17803d}.FAIL{color:#c00;
-font-weight:bold}svg{display:block;margin:.5em 0;border:1px solid #eee}"""
+font-weight:bold}.attributed{color:#b36b00}svg{display:block;margin:.5em 0;border:1px solid #eee}"""
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -115,6 +117,7 @@ def _provider(p: ProviderReport) -> str:
     headroom = f"; fp16 headroom {h.headroom:.3g}x" if h.headroom else ""
     repeat = "bit-identical" if p.repeat.max_abs == 0 else f"max abs {p.repeat.max_abs:.3g}"
     notes = [
+        *runtime_notes(p),
         f"profile {p.profile.name}: {p.profile.why}{overridden}",
         f"health: {h.nan} NaN, {h.inf} Inf, {h.saturated} saturated, {h.zero_rows} zero rows{headroom}: "
         f"{verdict(h.passed)}",
@@ -131,7 +134,8 @@ def _provider(p: ProviderReport) -> str:
     items = "".join(f"<li>{escape(n)}</li>" for n in notes)
     return (
         f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
-        f'<span class="{"pass" if p.passed else "FAIL"}">{"PASS" if p.passed else "FAIL"}</span></h2>'
+        f'<span class="{"pass" if p.passed else "attributed" if p.attributed else "FAIL"}">'
+        f"{escape(row_verdict(p))}</span></h2>"
         f"{_table(HEADER, rows)}<ul>{items}</ul>{_plots(p)}<h3>Shape sweep</h3>{sweep}</section>"
     )
 
@@ -158,9 +162,9 @@ def _kl_plot(q) -> str:
 
 
 def _quality(q) -> str:
+    lines = "".join(f"<p>{escape(line)}</p>" for line in [*runtime_notes(q), q.profile.why, quality_input(q)])
     return (
-        f'<section class="quality"><h2>{escape(quality_title(q))}</h2><p>{escape(q.profile.why)}</p>'
-        f"<p>{escape(quality_input(q))}</p>"
+        f'<section class="quality"><h2>{escape(quality_title(q))}</h2>{lines}'
         f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p>{_kl_plot(q)}</section>"
     )
 

@@ -31,7 +31,16 @@ def _case(suite: ET.Element, name: str, passed: bool | None, detail: str) -> Non
         ET.SubElement(case, "system-out").text = _xml_text(detail)
 
 
-def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]]) -> None:
+def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]], row=None) -> None:
+    """A testsuite of `cases` (name, passed, detail). `row`: the runner's report (ProviderReport, QualityReport)
+    whose runtime the suite's properties name; where its failure is attributed to a known cause, its failing cases
+    are skipped with that cause, as the verdict leaves them out."""
+    if row is not None and row.attributed:
+        cause = f"known cause: {row.runtime.known_cause} (left out of the verdict)"
+        cases = [
+            (name, None, f"{cause}; {detail}") if passed is False else (name, passed, detail)
+            for name, passed, detail in cases
+        ]
     suite = ET.SubElement(
         root,
         "testsuite",
@@ -42,6 +51,11 @@ def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]
         skipped=str(sum(passed is None for _, passed, _ in cases)),
         time="0",
     )
+    if row is not None:
+        label = row.runtime
+        properties = ET.SubElement(suite, "properties")
+        for name, value in (("runtime", f"{label.name}, {label.configuration}"), *(("note", n) for n in label.notes)):
+            ET.SubElement(properties, "property", name=name, value=_xml_text(value))
     for case in cases:
         _case(suite, *case)
 
@@ -70,6 +84,7 @@ def render_junit(report: VerifyReport) -> str:
                 )
                 for c in q.checks
             ],
+            q,
         )
     for p in report.reports:
         cases = [_comparison(c) for c in p.comparisons]
@@ -95,7 +110,7 @@ def render_junit(report: VerifyReport) -> str:
         ]
         cases.append((f"repeat run of {PREFILL_BATCH}", p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}"))
         cases.append(("health", p.health.passed, "; ".join(p.health.issues + p.health.warnings) or "clean"))
-        _suite(root, f"{p.provider} {p.dtype}", cases)
+        _suite(root, f"{p.provider} {p.dtype}", cases, p)
     if report.invariants:
         _suite(root, "invariants", [(i.name, i.passed, i.detail) for i in report.invariants])
     if report.weights is not None:

@@ -1,6 +1,6 @@
-"""The terminal report: one table per provider (its checks, the sweep and health, then notes: greedy, decode curve,
-localisation), then the invariants, the weight audit, providers against each other, attribution and the consumer
-check."""
+"""The terminal report: one table per runner (an ONNX Runtime provider, or another runtime's configuration), with
+its runtime, its checks, the sweep and health, then notes (greedy, decode curve, localisation); then the invariants,
+the weight audit, the runners against each other, attribution and the consumer check."""
 
 from __future__ import annotations
 
@@ -24,6 +24,21 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def verdict(passed: bool) -> str:
     return "pass" if passed else "FAIL"
+
+
+def row_verdict(row) -> str:
+    """A runner's row (ProviderReport, QualityReport): PASS, FAIL, or DIFFERS with the known cause it is attributed
+    to, which leaves it out of the verdict (VerifyReport.passed)."""
+    if row.attributed:
+        return f"DIFFERS, known cause: {row.runtime.known_cause} (left out of the verdict)"
+    return "PASS" if row.passed else "FAIL"
+
+
+def runtime_notes(row) -> list[str]:
+    """The runtime a runner's row ran in and its configuration, then what its user should know of its results."""
+    label = row.runtime
+    cause = [f"known cause of differences: {label.known_cause}"] if label.known_cause else []
+    return [f"runtime: {label.name}, {label.configuration}", *cause, *(f"note: {note}" for note in label.notes)]
 
 
 def experts_verdict(experts) -> str:
@@ -175,8 +190,8 @@ def _provider(p: ProviderReport) -> str:
     )
     lines = [
         f"{p.provider} ({p.dtype}, profile {p.profile.name}"
-        f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): "
-        f"{'PASS' if p.passed else 'FAIL'}",
+        f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): {row_verdict(p)}",
+        *(f"  {line}" for line in runtime_notes(p)),
         table(HEADER, rows),
         f"  greedy: {g.note}",
     ]
@@ -286,7 +301,7 @@ def summary_tables(report: VerifyReport) -> list[tuple[str, list[str], list[list
     if report.cross:
         tables.append(
             (
-                f"providers against each other (on {PREFILL_BATCH} only)",
+                f"runners against each other (providers and runtimes, on {PREFILL_BATCH} only)",
                 HEADER,
                 [comparison_row(c) for c in report.cross],
             )
@@ -401,15 +416,17 @@ def quality_input(q) -> str:
 
 
 def quality_title(q) -> str:
-    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {'PASS' if q.passed else 'FAIL'}"
+    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {row_verdict(q)}"
 
 
 def format_quality(q) -> str:
     """A quantized artifact's quality checks on one provider, then the other figures."""
     summary = kl_position_summary(q)
+    lines = [quality_title(q), *runtime_notes(q), q.profile.why, quality_input(q)]
     return (
-        f"{quality_title(q)}\n  {q.profile.why}\n  {quality_input(q)}\n{table(QUALITY_HEADER, quality_rows(q))}\n"
-        f"  {quality_figures(q)}" + (f"\n  {summary}" if summary else "")
+        "\n  ".join(lines)
+        + f"\n{table(QUALITY_HEADER, quality_rows(q))}\n  {quality_figures(q)}"
+        + (f"\n  {summary}" if summary else "")
     )
 
 

@@ -246,6 +246,7 @@ def run(
     tokenizer,
     no_tokenizer,
     providers,
+    runtimes,
     genai,
     as_json,
     quiet,
@@ -262,6 +263,7 @@ def run(
     plan = verification_plan(
         _output_folder(output, preset, checkpoint, dtype, activations),
         providers,
+        runtimes,
         genai,
         options,
         planned=_planned_artifact(preset, seed, checkpoint, dtype),
@@ -270,7 +272,7 @@ def run(
     model, exported = _export(
         preset, seed, output, dtype, no_loss, tokenizer, checkpoint, config_path, settings, no_tokenizer
     )
-    report = run_verification(exported.folder, providers, genai, options, plan, model)
+    report = run_verification(exported.folder, providers, runtimes, genai, options, plan, model)
     finish_verification(
         report,
         options,
@@ -349,7 +351,7 @@ def export(
 )
 @common_options
 @handle_errors
-def verify(folder, providers, genai, golden, reference, quality_text, as_json, quiet, verbose, **options):
+def verify(folder, providers, runtimes, genai, golden, reference, quality_text, as_json, quiet, verbose, **options):
     """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
     greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
     providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
@@ -366,7 +368,7 @@ def verify(folder, providers, genai, golden, reference, quality_text, as_json, q
     options = VerifyOptions(**options)
     writer = foreign_writer(folder)
     if writer is not None or reference is not None:
-        _verify_foreign(folder, writer, reference, providers, genai, golden, quality_text, options, as_json)
+        _verify_foreign(folder, writer, reference, providers, runtimes, genai, golden, quality_text, options, as_json)
         return
     if golden is not None:
         context = click.get_current_context()
@@ -380,13 +382,16 @@ def verify(folder, providers, genai, golden, reference, quality_text, as_json, q
             raise click.UsageError(
                 f"--golden replays the checks recorded in the bundle, with its settings; drop {', '.join(given)}"
             )
-    plan = verification_plan(folder, providers, genai, options, golden, quality_text=quality_text)
-    report = run_verification(folder, providers, genai, options, plan, golden=golden)
+    plan = verification_plan(folder, providers, runtimes, genai, options, golden, quality_text=quality_text)
+    report = run_verification(folder, providers, runtimes, genai, options, plan, golden=golden)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 
 
-def _verify_foreign(folder, writer, reference, providers, genai, golden, quality_text, options, as_json) -> None:
+def _verify_foreign(
+    folder, writer, reference, providers, runtimes, genai, golden, quality_text, options, as_json
+) -> None:
     """verify of a folder another exporter wrote, against transformers' model of --reference."""
+    from exporter.runtime.registry import DEFAULT_RUNTIME
     from exporter.verify.foreign import verify_foreign
     from exporter.verify.reports import format_verify
 
@@ -408,12 +413,13 @@ def _verify_foreign(folder, writer, reference, providers, genai, golden, quality
             ("--fp16-companion", options.fp16_companion),
             ("--genai", genai),
             ("--quality-text", quality_text),
+            ("--runtime", [name for name in runtimes if name != DEFAULT_RUNTIME]),
         )
         if value
     ]
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot serve a folder {writer} wrote; drop it")
-    overrides, settings, *_ = verification_plan(folder, providers, genai, options)
+    overrides, settings, *_ = verification_plan(folder, providers, (), genai, options)
     report = verify_foreign(folder, reference, list(providers) or None, settings, overrides)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 

@@ -161,12 +161,21 @@ def export_options(func):
 
 
 def provider_option(func):
+    """--provider, ONNX Runtime's execution providers, and --runtime, the runtimes, to verify on."""
+    func = click.option(
+        "--runtime",
+        "runtimes",
+        multiple=True,
+        metavar="NAME",
+        help="Runtime to verify in (onnxruntime, openvino, or all for every installed one); repeatable. Each of its "
+        "configurations is a row of the report. Default: onnxruntime.",
+    )(func)
     return click.option(
         "--provider",
         "providers",
         multiple=True,
         metavar="NAME",
-        help="Execution provider to verify on (cpu, cuda, or a full name); repeatable. "
+        help="ONNX Runtime execution provider to verify on (cpu, cuda, or a full name); repeatable. "
         "Default: every available one, the others reported as skipped.",
     )(func)
 
@@ -302,6 +311,7 @@ class VerifyOptions:
 def verification_plan(
     folder: Path,
     providers,
+    runtimes,
     genai: bool | None,
     options: VerifyOptions,
     golden: Path | None = None,
@@ -313,6 +323,7 @@ def verification_plan(
     Args:
         folder: the artifact folder to verify, which no report path may lie inside.
         providers: the --provider names (possibly none: every available one).
+        runtimes: the --runtime names (possibly none: onnxruntime), each installed.
         genai: --genai/--no-genai, or None when neither is given; True needs onnxruntime-genai installed.
         options: the verification's options as click passed them.
         golden: the --golden bundle folder, which no report may be written into.
@@ -327,6 +338,7 @@ def verification_plan(
         (or None) and the QualityText of --quality-text (or None), as run_verification takes them.
     """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
+    from exporter.runtime.registry import select_runtimes
     from exporter.runtime.sessions import check_parity_providers
     from exporter.tolerances import parse_overrides
     from exporter.verify.checks.providers import companion_for, read_companion
@@ -348,6 +360,7 @@ def verification_plan(
         decode_steps=options.decode_steps, sweep=options.sweep, long_context=options.long_context, probe=options.probe
     )
     check_parity_providers(providers)
+    select_runtimes(list(runtimes) or None, providers)
     if genai and genai_version() is None:
         raise ConsumerError(f"--genai asks for the onnxruntime-genai check, but it is not installed ({INSTALL_HINT})")
     bundles = {
@@ -419,13 +432,14 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
     sys.exit(0 if report.passed else outcome.EXIT_PARITY_FAILURE)
 
 
-def run_verification(folder, providers, genai, options: VerifyOptions, plan, model=None, golden=None):
+def run_verification(folder, providers, runtimes, genai, options: VerifyOptions, plan, model=None, golden=None):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch).
 
     Args:
         folder: the artifact folder, opened here with every hash checked.
         providers: the --provider names; none: every available one.
+        runtimes: the --runtime names; none: onnxruntime.
         genai: --genai/--no-genai, or None when neither is given (verify_artifact's `genai`).
         options: the verification's options (the --golden-save folder among them).
         plan: what verification_plan returned for these options.
@@ -455,6 +469,7 @@ def run_verification(folder, providers, genai, options: VerifyOptions, plan, mod
             list(providers) or None,
             settings,
             genai,
+            runtimes=list(runtimes) or None,
             golden=golden,
             golden_save=options.golden_save,
             overrides=overrides,

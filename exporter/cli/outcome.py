@@ -125,6 +125,7 @@ FLAGS = {
     "trace_all_layers": "--trace-all-layers",
     "provider": "--provider",
     "providers": "--provider",
+    "runtimes": "--runtime",
     "intra_op_threads": "--threads",
     "optimized_model_dir": "--save-optimized",
     "prompt_ids": "--prompt-ids",

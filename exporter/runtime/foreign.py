@@ -17,14 +17,15 @@ import onnxruntime.capi.onnxruntime_pybind11_state as _ort_errors
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.foreign import NO_DECODER_FIX, ForeignGraph
 from exporter.artifact.manifest import Manifest
-from exporter.errors import ArtifactError, GraphRunError, InputError, first_line
+from exporter.errors import ArtifactError, GraphRunError, first_line
+from exporter.runtime.numpy_steps import NumpySteps
 from exporter.runtime.sessions import SessionSettings, check_provider, file_session
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)
 
 
-class ForeignRunner:
-    """One foreign graph in ONNX Runtime, serving as prefill.onnx and as decode.onnx.
+class ForeignRunner(NumpySteps):
+    """One foreign graph in ONNX Runtime, serving as prefill.onnx and as decode.onnx; start/step are NumpySteps'.
 
     Args:
         graph: the foreign graph (read_foreign).
@@ -50,7 +51,6 @@ class ForeignRunner:
         self._present = {graph.present.format(layer=i, kind=k): cache.present(i, k) for i in layers for k in KV_KINDS}
         self._outputs = ["logits", *self._present]
         self._mask_dtype = np.dtype(graph.mask_dtype)
-        self.cache = None  # start/step's past, by the toolkit's past names
         self.lock = threading.RLock()
 
     @property
@@ -101,25 +101,3 @@ class ForeignRunner:
 
     def decode(self, feeds: dict) -> dict:
         return self._run(feeds)
-
-    def empty_past(self, batch: int) -> dict:
-        cache = self.manifest.cache
-        shape = (batch, cache.num_key_value_heads, 0, cache.head_dim)
-        return {name: np.zeros(shape, dtype=cache.dtype) for name in self._past}
-
-    def _last_logits(self, outputs: dict) -> np.ndarray:
-        cache = self.manifest.cache
-        self.cache = {cache.past(i, k): outputs[cache.present(i, k)] for i in range(cache.num_layers) for k in KV_KINDS}
-        return outputs["logits"][:, -1].astype(np.float32)
-
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """The prompt batch on an empty past; the next-token logits (B, V) float32, the cache kept."""
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self._last_logits(self.prefill(feeds))
-
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """New tokens on the cache start/step left; the next-token logits."""
-        if self.cache is None:
-            raise InputError("step() needs a cache: call start() with the prompt first")
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        return self._last_logits(self.decode({**feeds, **self.cache}))

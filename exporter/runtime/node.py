@@ -10,6 +10,7 @@ packages_folder() (EXPORT_ONNX_NPM, else ~/.cache/export-onnx/npm) by install_no
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -34,8 +35,11 @@ TRANSFORMERS_JS = "@huggingface/transformers"
 # the runtimes' rows run the releases a user of them installs.
 NODE_PACKAGES = {WEB: "1.31.1", NODE: "1.31.1", TRANSFORMERS_JS: "4.3.2"}
 PACKAGES_ENV = "EXPORT_ONNX_NPM"
+# transformers.js loads sharp, which takes Node 20.9 or newer.
+NODE_MAJOR = 20
 INSTALL_HINT = (
-    "install Node.js 18 or newer with npm (Debian: apt-get install nodejs npm), then run export-onnx install-node"
+    f"install Node.js {NODE_MAJOR} or newer with npm (Debian: apt-get install nodejs npm), then run "
+    "export-onnx install-node"
 )
 BRIDGE = Path(__file__).with_name("node_bridge.mjs")
 # onnxruntime-node's install script downloads the CUDA provider's libraries from outside the npm registry; the CPU
@@ -56,11 +60,22 @@ def _installed_version(folder: Path, package: str) -> str | None:
         return None
 
 
+@functools.cache
+def _node_version(node: str) -> str:
+    done = subprocess.run([node, "--version"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def node_unavailable(folder: Path | None = None, packages=tuple(NODE_PACKAGES)) -> str:
-    """Why the Node runtimes cannot run here, in one line naming the fix; "" when node and `packages` (installed
-    at NODE_PACKAGES' versions in `folder`, default packages_folder()) are there."""
-    if shutil.which("node") is None:
+    """Why the Node runtimes cannot run here, in one line naming the fix; "" when node (NODE_MAJOR or newer) and
+    `packages` (installed at NODE_PACKAGES' versions in `folder`, default packages_folder()) are there."""
+    node = shutil.which("node")
+    if node is None:
         return f"node is not installed; {INSTALL_HINT}"
+    version = _node_version(node)
+    major = version.removeprefix("v").partition(".")[0]
+    if not major.isdigit() or int(major) < NODE_MAJOR:
+        return f"{node} is Node.js {version or 'of an unknown version'}; {INSTALL_HINT}"
     folder = packages_folder() if folder is None else Path(folder)
     for package in packages:
         found = _installed_version(folder, package)
@@ -124,8 +139,10 @@ class NodeBridge:
             ["node", str(BRIDGE), str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         self._stderr = collections.deque(maxlen=20)  # what Node said last, for the message when it dies
-        threading.Thread(target=_drain, args=(self._process.stderr, self._stderr), daemon=True).start()
+        self._drain = threading.Thread(target=_drain, args=(self._process.stderr, self._stderr), daemon=True)
+        self._drain.start()
         self._close = weakref.finalize(self, _end, self._process)
+        self._turn = threading.Lock()  # one request and its reply at a time: threads sharing a runner take turns
 
     def request(self, header: dict, arrays: dict[str, np.ndarray] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
         """Send one request; return the reply's header and arrays.
@@ -133,26 +150,28 @@ class NodeBridge:
         Raises:
             NodeError: the bridge answered with an error, or Node ended (its last stderr line quoted).
         """
+        if not self._close.alive:
+            raise NodeError("the Node process was closed")
         arrays = {name: np.ascontiguousarray(value) for name, value in (arrays or {}).items()}
         specs = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape)} for n, v in arrays.items()]
         body = json.dumps({**header, "tensors": specs}).encode()
-        try:
-            self._process.stdin.write(struct.pack("<I", len(body)) + body)
-            for value in arrays.values():
-                self._process.stdin.write(value.reshape(-1).view(np.uint8))  # its bytes, uncopied
-            self._process.stdin.flush()
-            reply = json.loads(self._read(struct.unpack("<I", self._read(4))[0]))
-        except (BrokenPipeError, EOFError):
-            said = next((line for line in reversed(self._stderr) if line.strip()), "no output")
-            raise NodeError(f"node ended (exit code {self._process.poll()}): {said}") from None
+        with self._turn:
+            try:
+                self._process.stdin.write(struct.pack("<I", len(body)) + body)
+                for value in arrays.values():
+                    self._process.stdin.write(value.reshape(-1).view(np.uint8))  # its bytes, uncopied
+                self._process.stdin.flush()
+                reply = json.loads(self._read(struct.unpack("<I", self._read(4))[0]))
+                tensors = [(spec, self._read(_nbytes(spec))) for spec in reply.pop("tensors")]
+            except (BrokenPipeError, EOFError):
+                self._drain.join(timeout=5)  # everything Node said before it ended
+                said = next((line for line in reversed(self._stderr) if line.strip()), "no output")
+                raise NodeError(f"node ended (exit code {self._process.wait(timeout=5)}): {said}") from None
         if "error" in reply:
             raise NodeError(reply["error"])
-        out = {}
-        for spec in reply.pop("tensors"):
-            dtype = np.dtype(spec["dtype"])
-            size = int(np.prod(spec["shape"], dtype=np.int64)) * dtype.itemsize
-            out[spec["name"]] = np.frombuffer(self._read(size), dtype=dtype).reshape(spec["shape"])
-        return reply, out
+        return reply, {  # writable arrays, as onnxruntime's Python API returns
+            spec["name"]: np.frombuffer(bytearray(data), spec["dtype"]).reshape(spec["shape"]) for spec, data in tensors
+        }
 
     def _read(self, size: int) -> bytes:
         data = self._process.stdout.read(size)
@@ -164,13 +183,20 @@ class NodeBridge:
         self._close()
 
 
+def _nbytes(spec: dict) -> int:
+    return int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
+
+
 def _drain(stream, lines: collections.deque) -> None:
     for line in stream:
         lines.append(line.decode(errors="replace").rstrip())
 
 
 def _end(process: subprocess.Popen) -> None:
-    process.stdin.close()  # the bridge ends at the end of its input
+    try:
+        process.stdin.close()  # the bridge ends at the end of its input
+    except OSError:  # it has ended already
+        pass
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:

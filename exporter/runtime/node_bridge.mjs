@@ -2,7 +2,7 @@
 // onnxruntime-node, and greedy generation in transformers.js, served over stdin/stdout so that one Node process
 // answers every call of a verification.
 //
-// Usage: node bridge.mjs PACKAGES_FOLDER, where PACKAGES_FOLDER holds the node_modules that
+// Usage: node node_bridge.mjs PACKAGES_FOLDER, where PACKAGES_FOLDER holds the node_modules that
 // install_node_packages() fills. Each message, either way, is a frame: a 4-byte little-endian length, that many
 // bytes of JSON (the header), then the bytes of the tensors the header lists, in its order, each as
 // {name, dtype, shape} with numpy's dtype names and C order. A reply's header holds "error" (one line) instead
@@ -13,7 +13,8 @@
 //       (weights: the external weights file the graphs name, or null)
 //       -> {}
 //   {op: "run", graph: file, outputs: [name...], tensors} -> {tensors}
-//   {op: "generate", folder, model_file, dtype, prompt: [id...], max_new_tokens} -> {ids: [id...]} (the prompt and the new ids)
+//   {op: "generate", folder, model_file, dtype, prompt: [id...], max_new_tokens}
+//       -> {ids: [id...]} (the prompt, then the new ids)
 
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
@@ -76,9 +77,9 @@ async function run({ graph, outputs }, tensors) {
   if (!session) throw new Error(`${graph} is not loaded`);
   const feeds = {};
   for (const { name, dtype, shape, bytes } of tensors) {
-    const [type, Array_] = TYPES[dtype];
+    const [type, ArrayType] = TYPES[dtype];
     const copy = new Uint8Array(bytes); // aligned for the typed array, whatever the frame's offset
-    feeds[name] = new ort.Tensor(type, new Array_(copy.buffer, 0, copy.byteLength / Array_.BYTES_PER_ELEMENT), shape);
+    feeds[name] = new ort.Tensor(type, new ArrayType(copy.buffer, 0, copy.byteLength / ArrayType.BYTES_PER_ELEMENT), shape);
   }
   const results = await session.run(feeds, outputs);
   return {
@@ -128,24 +129,38 @@ function frame(header, tensors = []) {
 
 const ITEMSIZE = { float32: 4, float16: 2, float64: 8, int64: 8, int32: 4, int8: 1, uint8: 1, bool: 1 };
 
-// Frames arrive in chunks: the pending bytes are kept until a whole frame is there.
-let pending = Buffer.alloc(0);
+// Frames arrive in chunks, kept until a whole frame is there and joined only then: joining at every chunk would copy
+// a large frame once per chunk.
+let chunks = [];
+let buffered = 0; // bytes in chunks
+let needed = 4; // bytes the next frame needs, as far as known
 let queue = Promise.resolve();
 
 function take() {
-  if (pending.length < 4) return null;
+  if (buffered < needed) return null;
+  const pending = chunks.length === 1 ? chunks[0] : Buffer.concat(chunks);
+  chunks = [pending];
   const size = pending.readUInt32LE(0);
-  if (pending.length < 4 + size) return null;
-  const header = JSON.parse(pending.subarray(4, 4 + size));
-  let offset = 4 + size;
-  const tensors = [];
-  for (const spec of header.tensors ?? []) {
-    const nbytes = spec.shape.reduce((a, b) => a * b, 1) * ITEMSIZE[spec.dtype];
-    if (pending.length < offset + nbytes) return null;
-    tensors.push({ ...spec, bytes: pending.subarray(offset, offset + nbytes) });
-    offset += nbytes;
+  if (pending.length < 4 + size) {
+    needed = 4 + size;
+    return null;
   }
-  pending = pending.subarray(offset);
+  const header = JSON.parse(pending.subarray(4, 4 + size));
+  const specs = header.tensors ?? [];
+  const sizes = specs.map((spec) => spec.shape.reduce((a, b) => a * b, 1) * ITEMSIZE[spec.dtype]);
+  const end = sizes.reduce((a, b) => a + b, 4 + size);
+  if (pending.length < end) {
+    needed = end;
+    return null;
+  }
+  let offset = 4 + size;
+  const tensors = specs.map((spec, i) => {
+    offset += sizes[i];
+    return { ...spec, bytes: pending.subarray(offset - sizes[i], offset) };
+  });
+  chunks = [pending.subarray(end)];
+  buffered = pending.length - end;
+  needed = 4;
   return [header, tensors];
 }
 
@@ -162,7 +177,8 @@ async function answer(header, tensors) {
 }
 
 process.stdin.on("data", (chunk) => {
-  pending = Buffer.concat([pending, chunk]);
+  chunks.push(chunk);
+  buffered += chunk.length;
   for (let message = take(); message; message = take()) {
     const [header, tensors] = message;
     queue = queue.then(() => answer(header, tensors)); // one request at a time, in order

@@ -4,14 +4,19 @@ reference's greedy tokens from the folder as it is. Skipped, with the reason, wh
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 from helpers import CONSUMER_PROMPTS, QUICK, assert_one_line_error, node_packages, run_cli
 
 from exporter.artifact.folder import open_artifact
 from exporter.errors import ConsumerError, GraphRunError, ProviderError
+from exporter.runtime import node as node_module
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.node import (
+    INSTALL_HINT,
     NODE,
     NODE_PACKAGES,
     PACKAGES_ENV,
@@ -19,6 +24,7 @@ from exporter.runtime.node import (
     WEB,
     NodeRunner,
     install_node_packages,
+    node_unavailable,
     transformers_js_greedy,
 )
 from exporter.runtime.runner import presents_as_past
@@ -89,6 +95,12 @@ def test_onnxruntime_node_loads_and_runs_the_graphs(packages, artifact_fp32, run
     with NodeRunner(artifact_fp32, NODE) as node:
         assert node.name == f"onnxruntime-node {NODE_PACKAGES[NODE]} (cpu)"
         assert _failures(_calls(node, runner.manifest, 1), _calls(runner, runner.manifest, 1)) == []
+        node.start(np.array([[1, 2, 3]]), np.ones((1, 3), np.int64), np.array([[0, 1, 2]]))
+        os.kill(node._bridge._process.pid, signal.SIGKILL)  # Node ending under a run: the run says so
+        with pytest.raises(GraphRunError, match=r"decode.onnx \(onnxruntime-node: node ended \(exit code -9\)"):
+            node.step(np.array([[4]]), np.ones((1, 4), np.int64), np.array([[3]]))
+    with pytest.raises(GraphRunError, match="the Node process was closed"):
+        node.decode({})
 
 
 def test_generation_on_onnxruntime_web_gives_our_tokens(web, runner):
@@ -132,6 +144,8 @@ def test_without_node_or_packages_each_runtime_says_how_to_install_them(artifact
         NodeRunner(artifact_fp32, WEB)
     with pytest.raises(ConsumerError, match=r"@huggingface/transformers is not installed"):
         transformers_js_greedy(open_artifact(artifact_fp32), [1, 2], 2)
+    monkeypatch.setattr(node_module, "_node_version", lambda node: "v18.19.0")
+    assert node_unavailable().endswith("is Node.js v18.19.0; " + INSTALL_HINT)
     monkeypatch.setenv("PATH", str(tmp_path))  # neither node nor npm
     with pytest.raises(ProviderError, match=r"^node is not installed; install Node.js"):
         NodeRunner(artifact_fp32, NODE)

@@ -90,11 +90,11 @@ def optimum_python() -> Path:
 def node_packages() -> Path:
     """The npm packages of the Node runtimes (exporter.runtime.node), installed when missing into their folder
     (EXPORT_ONNX_NPM, else ~/.cache/export-onnx/npm), which keeps them for later runs; skips with the one-line
-    reason where node is missing or npm cannot install them. A file lock beside the folder makes test processes
-    running at once (pytest-xdist) install them once."""
+    reason where node is missing or too old, or npm cannot install them. A file lock beside the folder makes test
+    processes running at once (pytest-xdist) install them once."""
     folder = packages_folder()
-    if shutil.which("node") is None:
-        pytest.skip(node_unavailable(folder))
+    if reason := node_unavailable(folder, packages=()):  # node itself: missing, or older than the packages take
+        pytest.skip(reason)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         try:

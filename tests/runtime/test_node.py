@@ -33,7 +33,7 @@ from exporter.verify import transformers_js
 from exporter.verify.inputs import ParitySettings, next_tokens, prefill_feeds, prompt_batch
 from exporter.verify.metrics import compare_outputs
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
-from exporter.verify.transformers_js import check_transformers_js
+from exporter.verify.transformers_js import check_transformers_js, transformers_js_skip_reason
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,7 @@ def test_transformers_js_generates_the_reference_tokens(packages, artifact_fp32,
 def test_the_transformers_js_consumer_check_passes_and_can_fail(packages, artifact_fp32, tiny_model, monkeypatch):
     artifact = open_artifact(artifact_fp32)
     reference, profile = TorchRunner(tiny_model, artifact.manifest), profile_for("float32")
+    assert transformers_js_skip_reason(artifact.manifest) == ""
     report = check_transformers_js(reference, artifact, QUICK, profile)
     assert report.passed and report.consumer == f"transformers.js {NODE_PACKAGES[TRANSFORMERS_JS]}"
     assert report.model_type == "qwen3" and report.greedy.onnx_ids == report.greedy.reference_ids
@@ -139,14 +140,18 @@ def test_the_transformers_js_consumer_check_passes_and_can_fail(packages, artifa
 
 
 def test_without_node_or_packages_each_runtime_says_how_to_install_them(artifact_fp32, tmp_path, monkeypatch):
+    # what this machine has does not matter: node and npm are found (or not) and Node's version read as set here
+    monkeypatch.setattr(node_module.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(node_module, "_node_version", lambda node: "v20.19.2")
     monkeypatch.setenv(PACKAGES_ENV, str(tmp_path / "empty"))
     with pytest.raises(ProviderError, match=r"package onnxruntime-web is not installed .* export-onnx install-node"):
         NodeRunner(artifact_fp32, WEB)
     with pytest.raises(ConsumerError, match=r"@huggingface/transformers is not installed"):
         transformers_js_greedy(open_artifact(artifact_fp32), [1, 2], 2)
+    assert transformers_js_skip_reason(open_artifact(artifact_fp32).manifest).endswith(INSTALL_HINT)
     monkeypatch.setattr(node_module, "_node_version", lambda node: "v18.19.0")
-    assert node_unavailable().endswith("is Node.js v18.19.0; " + INSTALL_HINT)
-    monkeypatch.setenv("PATH", str(tmp_path))  # neither node nor npm
+    assert node_unavailable() == f"/usr/bin/node is Node.js v18.19.0; {INSTALL_HINT}"
+    monkeypatch.setattr(node_module.shutil, "which", lambda name: None)
     with pytest.raises(ProviderError, match=r"^node is not installed; install Node.js"):
         NodeRunner(artifact_fp32, NODE)
     with pytest.raises(ProviderError, match=r"^npm is not installed"):

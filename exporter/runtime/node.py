@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 WEB, NODE = "onnxruntime-web", "onnxruntime-node"
 TRANSFORMERS_JS = "@huggingface/transformers"
 # The versions installed and run. transformers.js brings its own onnxruntime-node and -web at the versions it pins;
-# the runtimes' rows run the releases a user of them installs.
+# NodeRunner runs the releases a user of onnxruntime-web or onnxruntime-node installs.
 NODE_PACKAGES = {WEB: "1.31.1", NODE: "1.31.1", TRANSFORMERS_JS: "4.3.2"}
 PACKAGES_ENV = "EXPORT_ONNX_NPM"
 # transformers.js loads sharp, which takes Node 20.9 or newer.
@@ -237,7 +237,8 @@ class NodeRunner(NumpySteps):
         self._bridge = NodeBridge(packages, (runtime,))
         graphs = [self.manifest.prefill.file, self.manifest.decode.file]
         weights = self.manifest.weights_file if self.manifest.weights_file in self.manifest.files else None
-        load = {"op": "load", "runtime": runtime, "folder": str(self.folder), "graphs": graphs, "weights": weights}
+        folder = str(self.folder.resolve())
+        load = {"op": "load", "runtime": runtime, "folder": folder, "graphs": graphs, "weights": weights}
         try:
             self._bridge.request({**load, "threads": threads})
         except NodeError as exc:

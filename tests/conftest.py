@@ -43,6 +43,7 @@ TINY_SOURCE = {"kind": "seeded", "preset": TINY, "seed": 0}
 ONE_WORKER_MODULES = (
     "tests/artifact/test_optimum.py",
     "tests/runtime/test_genai.py",
+    "tests/runtime/test_node.py",
     "tests/cli/test_base_install.py",
     "tests/cli/test_cli.py",
     "tests/cli/test_hf_folders.py",

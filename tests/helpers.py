@@ -25,6 +25,8 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries, read_manifest, sha256_file
 from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs
 from exporter.artifact.scopes import module_of
+from exporter.errors import ProviderError
+from exporter.runtime.node import install_node_packages, node_unavailable, packages_folder
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.torch_runner import TorchRunner
@@ -84,6 +86,22 @@ def optimum_python() -> Path:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(f"optimum.onnxruntime does not import in {python} ({last})")
     return python
+
+
+def node_packages() -> Path:
+    """The npm packages of the Node runtimes (exporter.runtime.node), installed when missing into their folder
+    (EXPORT_ONNX_NPM, else ~/.cache/export-onnx/npm), which keeps them for later runs; skips with the one-line
+    reason where node is missing or too old, or npm cannot install them. A file lock beside the folder makes test
+    processes running at once (pytest-xdist) install them once."""
+    folder = packages_folder()
+    if reason := node_unavailable(folder, packages=()):  # node itself: missing, or older than the packages take
+        pytest.skip(reason)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        try:
+            return install_node_packages(folder)
+        except ProviderError as exc:
+            pytest.skip(str(exc))
 
 
 def _build_optimum_venv(python: Path) -> None:

@@ -10,7 +10,9 @@ runtimes a verification runs it in.
 - generation: greedy and sampled generation over a runner;
 - binding: decode steps through onnxruntime's IO binding, the cache kept as OrtValues;
 - genai: the same artifact through onnxruntime-genai;
-- foreign: a foreign graph (artifact.foreign) behind the Runner protocol.
+- foreign: a foreign graph (artifact.foreign) behind the Runner protocol;
+- node: the artifact in onnxruntime-web and onnxruntime-node, and transformers.js's generation, through one Node
+  process (node_bridge.mjs).
 
 A test proves that importing this package never imports torch.
 """

@@ -8,7 +8,8 @@
 - diagnosis/: debug graphs that expose every layer (probe) and the first layer that diverges (localise);
 - results: frozen result objects; reports/: text, JSON, JUnit and HTML writers;
 - engine: verify_artifact, which runs them all; foreign: verify_foreign, the same checks on a folder another
-  exporter wrote.
+  exporter wrote;
+- transformers_js: transformers.js's greedy tokens on the folder against the reference's (a consumer check).
 
 Only the PyTorch reference imports torch, and only when one is given. Nothing here imports export/, its sibling.
 """

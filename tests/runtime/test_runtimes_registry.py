@@ -33,15 +33,17 @@ def test_an_unknown_runtime_is_refused_in_one_line_naming_the_choices():
     with pytest.raises(InputError) as caught:
         select_runtimes(["tensorrt"])
     message = str(caught.value)
-    assert "unknown runtime 'tensorrt'; choose from onnxruntime, openvino, all" in message and "\n" not in message
+    assert message.startswith("unknown runtime 'tensorrt'; choose from onnxruntime, ") and "\n" not in message
+    choices = message.partition("choose from ")[2].removesuffix(" (`runtimes`)").split(", ")
+    assert sorted(choices) == sorted([*registered_runtimes(), ALL]) and choices[-1] == ALL
 
 
 def test_a_runtime_not_installed_is_refused_by_name_and_skipped_by_all(openvino_missing):
     with pytest.raises(InputError, match="runtime openvino is not installed here: pip install openvino"):
         select_runtimes("openvino")
     chosen, skipped = select_runtimes([ALL])
-    assert [r.name for r in chosen] == ["onnxruntime"]
-    assert skipped == {"openvino": "not installed (pip install openvino)"}
+    assert "openvino" not in [r.name for r in chosen] and chosen[0].name == "onnxruntime"
+    assert skipped["openvino"] == "not installed (pip install openvino)"
 
 
 def test_providers_need_onnxruntime_among_the_runtimes():

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import exporter.export.pipeline as pipeline  # noqa: E402
+import exporter.export.tracing as tracing  # noqa: E402
 from exporter.artifact.folder import Artifact  # noqa: E402
 from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE  # noqa: E402
 from exporter.runtime.runner import OrtRunner  # noqa: E402
@@ -55,7 +56,7 @@ SHOWN = (
 
 
 def float_graphs(float_folder: Path):
-    """A stand-in for export_artifact's torch.onnx step (pipeline._traced_graphs) that gives a float artifact's own
+    """A stand-in for export_artifact's torch.onnx step (tracing.traced_graphs) that gives a float artifact's own
     graphs, loaded with their weights: what the dynamo export of the same model in its dtype gives, without its
     trace."""
     graphs = [onnx.load(str(float_folder / name)) for name in ("prefill.onnx", "decode.onnx")]
@@ -72,7 +73,7 @@ def float_graphs(float_folder: Path):
 @contextmanager
 def replayed(float_folder: Path):
     """export_artifact's torch.onnx step replaced by the float32 artifact's graphs (what it would export again)."""
-    with mock.patch.object(pipeline, "_traced_graphs", float_graphs(float_folder)):
+    with mock.patch.object(tracing, "traced_graphs", float_graphs(float_folder)):
         yield
 
 

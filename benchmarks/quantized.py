@@ -169,6 +169,7 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dic
     from quality import replayed
 
     import exporter.export.pipeline as pipeline
+    from exporter.artifact.quantization import QuantizationSettings
     from reference.source import seeded_model
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # a line per node otherwise
@@ -180,7 +181,11 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dic
         for scheme in PRECISIONS[1:]:
             progress(f"{preset}: exporting {scheme} from the float32 graphs")
             pipeline.export_artifact(
-                seeded.model, folders[scheme], dtype=scheme, source=seeded.source, accuracy_level=accuracy_level
+                seeded.model,
+                folders[scheme],
+                dtype=scheme,
+                source=seeded.source,
+                quantization=QuantizationSettings(accuracy_level=accuracy_level),
             )
         variants = trade_off_variants(seeded.model.config.hidden_size, accuracy_level)
         folders[variant_name(*variants[0])] = folders["int4"]
@@ -192,8 +197,7 @@ def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dic
                 folders[variant_name(block, level)],
                 dtype="int4",
                 source=seeded.source,
-                accuracy_level=level,
-                block_size=block,
+                quantization=QuantizationSettings(accuracy_level=level, block_size=block),
             )
     return folders, variants
 

@@ -3,12 +3,13 @@
 The layers, lowest first, each importing only those listed before it (tests/test_layers.py checks every import):
 
 - errors: the one error hierarchy of the library;
-- artifact/: the artifact format (I/O contract, manifest, sidecar configs, node scopes, atomic writes);
+- artifact/: the artifact format (I/O contract, manifest, sidecar configs, node scopes, atomic writes, the export's
+  destination and its swap into place);
 - runtime/: ONNX Runtime, torch-free (sessions, runner, generation, onnxruntime-genai);
 - tolerances: the tolerance profiles with their reasoning, which the export's checks and the verification share;
-- export/ and verify/: siblings, neither importing the other; export/ is the torch side (export wrappers, shared
-  weights, quantization, the pipeline), verify/ the verification engine (references, checks, diagnosis, results,
-  reports);
+- export/ and verify/: siblings, neither importing the other; export/ is the torch side (export wrappers, tracing,
+  graph passes, pre-export checks, shared weights, quantization, the pipeline), verify/ the verification engine
+  (references, checks, diagnosis, results, reports);
 - cli/: the `export-onnx` command and the pytest plugin, the only code that knows flags, prints and exits.
 
 The reference models (the `reference` package, with reference.source: a model with the record of where its weights
@@ -26,6 +27,7 @@ _PUBLIC = {
     "seeded_model": "reference.source",
     "checkpoint_model": "reference.source",
     "export_artifact": "exporter.export.pipeline",
+    "QuantizationSettings": "exporter.artifact.quantization",
     "verify_artifact": "exporter.verify.engine",
     "ParitySettings": "exporter.verify.inputs",
     "VerifyReport": "exporter.verify.results",

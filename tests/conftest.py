@@ -29,6 +29,7 @@ import pytest
 from helpers import replayed_export, shared_folder
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from exporter.artifact.quantization import QuantizationSettings
 from exporter.export.pipeline import export_artifact
 from reference import MiniMindConfig, build_model, get_preset
 
@@ -423,7 +424,7 @@ def quantized(tmp_path_factory, tiny_model, artifact_fp32, tiny_tokenizer):
                     dtype=scheme,
                     source=TINY_SOURCE,
                     tokenizer=tokenizer,
-                    accuracy_level=level,
+                    quantization=QuantizationSettings(accuracy_level=level),
                 )
 
     root = shared_folder(tmp_path_factory, "quantized", build)
@@ -438,6 +439,12 @@ def quantized_float16(tmp_path_factory, tiny_model, artifact_fp16):
     def build(root):
         with pytest.MonkeyPatch.context() as monkeypatch:
             replayed_export(monkeypatch, artifact_fp16)
-            export_artifact(tiny_model, root / TINY, dtype="int4", source=TINY_SOURCE, activations="float16")
+            export_artifact(
+                tiny_model,
+                root / TINY,
+                dtype="int4",
+                source=TINY_SOURCE,
+                quantization=QuantizationSettings(activations="float16"),
+            )
 
     return shared_folder(tmp_path_factory, "quantized-float16", build) / TINY

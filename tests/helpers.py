@@ -413,9 +413,9 @@ def replayed_export(monkeypatch, float_artifact):
     """export_artifact's torch.onnx step replaced by a float artifact's own graphs (benchmarks/quality.py's
     float_graphs; float32, or float16 for float16 activations): quantized exports of the tiny model go through
     everything else: quantization, the shared weights file, the checks and the smoke run."""
-    import exporter.export.pipeline as pipeline
+    import exporter.export.tracing as tracing
 
-    monkeypatch.setattr(pipeline, "_traced_graphs", _benchmark_quality().float_graphs(float_artifact))
+    monkeypatch.setattr(tracing, "traced_graphs", _benchmark_quality().float_graphs(float_artifact))
 
 
 @functools.cache

@@ -8,6 +8,7 @@
 - consumers / tokenizer: the sidecar files onnxruntime-genai and Optimum read, and the tokenizer copied beside;
 - foreign: folders Optimum or onnxruntime-genai's builder wrote, mapped onto the contract;
 - paths: atomic writes, folder locks and JSON reads that every writer shares.
+- destination: an export's output folder, refused before the export, built beside it and swapped in.
 
 Imports nothing above it: no torch, no onnxruntime sessions.
 """

@@ -317,7 +317,7 @@ def read_manifest(folder: Path, check_hashes: bool = True) -> Manifest:
 @contextlib.contextmanager
 def unchanged_while_read(folder):
     """The block reads the artifact folder `folder` file by file. An export into it meanwhile swaps a new folder in
-    whole (exporter.export.pipeline builds it aside and renames it into place), so the block may have read some
+    whole (exporter.artifact.destination builds it aside and renames it into place), so the block may have read some
     files of each, which read as a damaged artifact or as one that fails verification. ArtifactError saying so
     when `folder` is no longer the folder it was when the block began: on leaving the block, or when the block
     failed (a file missing between the swap's two renames is then the swap's doing, not damage)."""

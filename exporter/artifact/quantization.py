@@ -120,6 +120,33 @@ class Quantization:
         return None
 
 
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """What an int4/int8 export is asked for (export_artifact's `quantization`); None takes the default, and a float
+    dtype takes none of them (InputError names the one given).
+
+    block_size: the weights per scale: a power of two >= 16 dividing the hidden size (None: 32).
+    accuracy_level: MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8 math on the CPU).
+    lm_head: the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the scheme's bits). The
+        vocabulary-wide projection is the most sensitive one: its error moves every logit.
+    embedding: the token embedding's weights, as onnxruntime's GatherBlockQuantized: "int8" (default), "float", or
+        "same". Its rows are read once per token, so their bits cost no compute and 8 bits cost little size, while a
+        float table (vocabulary x hidden size) can outweigh the quantized rest of a model with a large vocabulary;
+        onnxruntime-genai's builder keeps an untied embedding float and llama.cpp's Q4_K_M keeps a tied one at 6
+        bits, both above the 4 bits of the projections. A tied table at the same bits as the lm_head is stored once,
+        read by both.
+    activations: what the graphs compute in and the cache holds: "float32" (None, the default: for the CPU, whose
+        MatMulNBits kernels compute in float32 or int8) or "float16" (for CUDA: half the bytes of every activation
+        and of the cache, the scales in float16 too). A float dtype computes in itself.
+    """
+
+    block_size: int | None = None
+    accuracy_level: int | None = None
+    lm_head: str | None = None
+    embedding: str | None = None
+    activations: str | None = None
+
+
 def block_inputs(node) -> list[str]:
     """The inputs of a MatMulNBits or GatherBlockQuantized node (an onnx NodeProto) that hold its quantized matrix:
     blocks, scales and, where present, zero points, in that order."""
@@ -140,20 +167,16 @@ def block_size_problem(block_size) -> str | None:
     return None
 
 
-def requested_scheme(
-    dtype: str,
-    hidden_size: int,
-    block_size: int | None,
-    accuracy_level: int | None,
-    lm_head: str | None,
-    embedding: str | None,
-) -> Quantization | None:
-    """The scheme `export_artifact`'s arguments ask for (None for a float dtype), or InputError naming the argument.
+def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSettings) -> Quantization | None:
+    """The scheme an export of `dtype` with `settings` asks for (None for a float dtype), or InputError naming the
+    setting.
 
     None takes the scheme's default; a float dtype takes none of them, as it quantizes nothing. A block size must
     divide the hidden size: every projection reads the hidden state, so a block that does not divide it would
     straddle two rows' worth of padding in each of them (MatMulNBits pads K up to a whole block), storing and
     computing zeros."""
+    block_size, accuracy_level = settings.block_size, settings.accuracy_level
+    lm_head, embedding = settings.lm_head, settings.embedding
     given = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head, "embedding": embedding}
     if dtype not in SCHEMES:
         name = next((name for name, value in given.items() if value is not None), None)

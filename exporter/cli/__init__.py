@@ -158,14 +158,10 @@ def _require_export_extra() -> None:
 
 def _export_settings(block_size, accuracy_level, lm_head, embedding, activations, trace_all_layers) -> dict:
     """export_artifact's keyword arguments beyond the model, folder, dtype, loss and tokenizer."""
-    return {
-        "block_size": block_size,
-        "accuracy_level": accuracy_level,
-        "lm_head": lm_head,
-        "embedding": embedding,
-        "activations": activations,
-        "trace_all_layers": trace_all_layers,
-    }
+    from exporter.artifact.quantization import QuantizationSettings
+
+    quantization = QuantizationSettings(block_size, accuracy_level, lm_head, embedding, activations)
+    return {"quantization": quantization, "trace_all_layers": trace_all_layers}
 
 
 def _export(
@@ -184,12 +180,11 @@ def _export(
     if tokenizer is not None and no_tokenizer:
         raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
     _require_export_extra()
-    from exporter.export.pipeline import (
-        check_destination,
-        export_artifact,
-    )  # torch.onnx is slow to import; keep --help fast
+    from exporter.artifact.destination import check_destination
+    from exporter.export.pipeline import export_artifact  # torch.onnx is slow to import; keep --help fast
 
-    folder = _output_folder(output, preset, checkpoint, dtype, (settings or {}).get("activations"))
+    activations = settings["quantization"].activations if settings else None
+    folder = _output_folder(output, preset, checkpoint, dtype, activations)
     check_destination(folder)  # cheap: before a --checkpoint (gigabytes, perhaps inside the folder) is read
     sourced = _model_and_source(preset, seed, checkpoint, config_path, tokenizer is None and not no_tokenizer)
     return sourced.model, export_artifact(

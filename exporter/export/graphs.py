@@ -90,7 +90,7 @@ def _flatten_presents(presents):
 class DecodeGraph(nn.Module):
     """input_ids, attention_mask, position_ids, past_key_values.*[, labels] -> logits, present.*[, loss].
 
-    The one program both graphs are cut from (exporter/export/pipeline.py): decode.onnx without the loss, and
+    The one program both graphs are cut from (exporter/export/tracing.py): decode.onnx without the loss, and
     prefill.onnx with an empty past in place of the past inputs.
     """
 

@@ -862,7 +862,7 @@ def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypat
     from exporter.errors import ToolkitError
 
     def stopped(model, folder, dtype, with_loss, source, tokenizer, **quantization):
-        logging.getLogger("exporter.export.pipeline").info("exporting prefill.onnx with torch.onnx (dynamo)")
+        logging.getLogger("exporter.export.tracing").info("exporting prefill.onnx with torch.onnx (dynamo)")
         raise ToolkitError("stopped after the first progress line")
 
     monkeypatch.setattr("exporter.export.pipeline.export_artifact", stopped)

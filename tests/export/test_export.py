@@ -23,10 +23,12 @@ import torch
 from helpers import replayed_export
 
 from exporter import TOLERANCES, compare
+from exporter.artifact import destination as destination_module
 from exporter.artifact.axes import lint_axes
 from exporter.artifact.contract import BATCH, PAST, SEQUENCE, TOTAL, GraphContract
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, TokenizerError
+from exporter.export import checks, graph_passes, tracing
 from exporter.export import pipeline as export_module
 from exporter.export.pipeline import export_artifact
 from exporter.export.weights import INLINE_LIMIT_BYTES
@@ -250,7 +252,7 @@ def test_interrupted_export_leaves_the_earlier_artifact_untouched(artifact_copy,
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export_module, "_torch_export", interrupt)  # Ctrl-C during the long torch export
+    monkeypatch.setattr(tracing, "_torch_export", interrupt)  # Ctrl-C during the long torch export
     with pytest.raises(KeyboardInterrupt):
         export_artifact(tiny_model, artifact_copy)
     assert _tree(artifact_copy) == before
@@ -268,7 +270,7 @@ def test_a_failed_export_removes_the_parent_folders_it_made(tmp_path, tiny_model
         (tmp_path / "kept" / "b" / "other.txt").write_text("written by another program meanwhile")
         raise failure
 
-    monkeypatch.setattr(export_module, "_torch_export", fail)
+    monkeypatch.setattr(tracing, "_torch_export", fail)
     (tmp_path / "kept").mkdir()
     with pytest.raises((KeyboardInterrupt, OutputPathError)):
         export_artifact(tiny_model, tmp_path / "kept" / "b" / "c" / "d" / "art")
@@ -285,14 +287,14 @@ def test_an_interrupt_between_the_two_renames_of_the_swap_puts_the_earlier_artif
 
     def rename_then_ctrl_c(source, destination):  # Ctrl-C arriving as the first rename returns
         rename(source, destination)
-        monkeypatch.setattr(export_module.os, "rename", rename)
+        monkeypatch.setattr(destination_module.os, "rename", rename)
         os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(export_module.os, "rename", rename_then_ctrl_c)
+    monkeypatch.setattr(destination_module.os, "rename", rename_then_ctrl_c)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            export_module._move_into_place(built, folder)
+            destination_module.move_into_place(built, folder)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert (folder / "manifest.json").read_text() == "earlier"
@@ -313,7 +315,7 @@ def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the
     rename = os.rename
 
     def the_other_lands_first(source, destination):
-        monkeypatch.setattr(export_module.os, "rename", rename)
+        monkeypatch.setattr(destination_module.os, "rename", rename)
         if folder.exists():
             shutil.rmtree(folder)  # moved aside by the other's swap, which has not landed yet
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(folder))
@@ -321,12 +323,12 @@ def test_an_export_overtaken_by_another_to_the_same_folder_says_so_and_keeps_the
         (folder / "manifest.json").write_text("theirs")
         rename(source, destination)
 
-    monkeypatch.setattr(export_module.os, "rename", the_other_lands_first)
+    monkeypatch.setattr(destination_module.os, "rename", the_other_lands_first)
     with pytest.raises(
         OutputPathError,
         match="another process replaced .* while this export was moving its result there .* this one was not kept",
     ):
-        export_module._move_into_place(built, folder)
+        destination_module.move_into_place(built, folder)
     assert not folder.exists() or (folder / "manifest.json").read_text() == "theirs"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".art.partial-x"] + (["art"] if folder.exists() else [])
 
@@ -384,7 +386,7 @@ def test_export_refuses_a_file_or_a_foreign_folder_as_output(tmp_path, tiny_mode
 def test_export_refuses_a_folder_under_a_file_before_exporting(tmp_path, tiny_model, monkeypatch):
     """Refused before the export, not by mkdir after it (FileExistsError or NotADirectoryError, deep in the swap)."""
     (tmp_path / "taken").write_text("keep me")
-    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
+    monkeypatch.setattr(tracing, "_torch_export", lambda *a: pytest.fail("the export ran"))
     with pytest.raises(
         OutputPathError, match=r"lies under .*taken, which is a file; choose another path \(`folder`\)$"
     ):
@@ -397,8 +399,8 @@ def test_export_refuses_a_mount_point_before_exporting(tmp_path, tiny_model, mon
     # after a whole export with "cannot replace ... (Device or resource busy)".
     mount = tmp_path / "mnt"
     mount.mkdir()
-    monkeypatch.setattr(export_module.os.path, "ismount", lambda path: Path(path) == mount)
-    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("the export ran"))
+    monkeypatch.setattr(destination_module.os.path, "ismount", lambda path: Path(path) == mount)
+    monkeypatch.setattr(tracing, "_torch_export", lambda *a: pytest.fail("the export ran"))
     with pytest.raises(
         OutputPathError,
         match=r"is a mount point, and the export is built beside its destination "
@@ -538,7 +540,7 @@ def test_a_failure_after_the_graphs_are_built_leaves_the_earlier_artifact_untouc
     def smoke_run(folder, manifest):
         raise failure()
 
-    monkeypatch.setattr(export_module, "_smoke_run", smoke_run)
+    monkeypatch.setattr(export_module, "smoke_run", smoke_run)
     before = _tree(artifact_copy)
     with pytest.raises(ExportFailed, match=message):
         export_artifact(tiny_model, artifact_copy)
@@ -569,10 +571,10 @@ def test_the_smoke_run_judges_decode_against_prefill_at_the_dtypes_resolution(
 
     monkeypatch.setattr(OrtRunner, "decode", nudged)
     if passes:
-        export_module._smoke_run(folder, read_manifest(folder))
+        checks.smoke_run(folder, read_manifest(folder))
     else:
         with pytest.raises(ExportFailed, match="decode with past length 0 disagrees with prefill"):
-            export_module._smoke_run(folder, read_manifest(folder))
+            checks.smoke_run(folder, read_manifest(folder))
 
 
 def test_a_graph_is_not_cut_where_it_would_read_an_input_its_contract_lacks(artifact_fp32):
@@ -580,13 +582,13 @@ def test_a_graph_is_not_cut_where_it_would_read_an_input_its_contract_lacks(arti
     (the loss without labels) is one line naming that input, not a graph that fails to load."""
     prefill = read_manifest(artifact_fp32).prefill
     model = onnx.load(str(artifact_fp32 / prefill.file), load_external_data=False)
-    cut = export_module._cut(copy.deepcopy(model), prefill)
+    cut = graph_passes.cut(copy.deepcopy(model), prefill)
     assert [o.name for o in cut.graph.output] == list(prefill.output_names)
     assert [i.name for i in cut.graph.input] == list(prefill.input_names)
     inputs = tuple(spec for spec in prefill.inputs if spec.name != "labels")
     without_labels = GraphContract(prefill.file, inputs, prefill.outputs)
     with pytest.raises(ExportFailed, match="prefill.onnx cannot be cut from the traced program: it would read labels$"):
-        export_module._cut(copy.deepcopy(model), without_labels)
+        graph_passes.cut(copy.deepcopy(model), without_labels)
 
 
 @pytest.mark.parametrize("failure", ["other logits", "refused"])
@@ -607,7 +609,7 @@ def test_a_forward_that_treats_an_empty_cache_otherwise_is_refused_before_tracin
             return forward(self, input_ids, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
 
     model.__class__ = EmptyCacheOtherwise
-    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("traced before the refusal"))
+    monkeypatch.setattr(tracing, "_torch_export", lambda *args: pytest.fail("traced before the refusal"))
     match = "gives other logits than without a cache" if failure == "other logits" else "failed on an empty cache"
     with pytest.raises(ExportFailed, match=match):
         export_artifact(model, tmp_path / "art")
@@ -636,7 +638,7 @@ def test_the_smoke_run_refuses_non_finite_logits(artifact_fp32, monkeypatch, gra
 
     monkeypatch.setattr(OrtRunner, graph, broken)
     with pytest.raises(ExportFailed, match=match.format(last=last)) as info:
-        export_module._smoke_run(artifact_fp32, manifest)
+        checks.smoke_run(artifact_fp32, manifest)
     assert "export float32" not in str(info.value)  # it is a float32 export
 
 
@@ -665,7 +667,7 @@ def test_weights_that_are_not_finite_are_refused_before_the_export(
     model = copy.deepcopy(tiny_model)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = value
-    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    monkeypatch.setattr(tracing, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
     with pytest.raises(InputError, match=match) as info:
         export_artifact(model, tmp_path / "art", dtype=dtype)
     assert dtype == "float16" or "float32" not in str(info.value)
@@ -678,7 +680,7 @@ def test_a_checkpoint_holding_nan_is_refused_by_the_cli_before_the_export(tiny_m
     state = {name: tensor.clone() for name, tensor in tiny_model.state_dict().items()}
     state["model.norm.weight"][3] = float("nan")
     torch.save(state, tmp_path / "nan.pth")
-    monkeypatch.setattr(export_module, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
+    monkeypatch.setattr(tracing, "_torch_export", lambda *args: pytest.fail("exported before the refusal"))
     result = run_cli(
         "export", "--checkpoint", tmp_path / "nan.pth", "--preset", "minimind-3-tiny", "-o", tmp_path / "a"
     )
@@ -692,10 +694,10 @@ def test_a_checkpoint_holding_nan_is_refused_by_the_cli_before_the_export(tiny_m
 def test_the_export_copy_shares_the_callers_weights_only_when_no_conversion_is_needed(tiny_model):
     # torch.export keeps references to what it traced, so weights copied for a float32 export
     # stayed resident beside the caller's (minimind-3-moe: `run` 6.75 GB peak RSS, now 5.97 GB).
-    same = export_module._copy_for_export(tiny_model, torch.float32)
+    same = tracing.copy_for_export(tiny_model, torch.float32)
     assert same is not tiny_model and same.model is not tiny_model.model
     assert same.model.embed_tokens.weight is tiny_model.model.embed_tokens.weight
-    converted = export_module._copy_for_export(tiny_model, torch.float16)
+    converted = tracing.copy_for_export(tiny_model, torch.float16)
     assert converted.model.embed_tokens.weight.dtype == torch.float16
     assert tiny_model.model.embed_tokens.weight.dtype == torch.float32
 
@@ -770,7 +772,7 @@ def test_what_a_killed_export_left_is_cleared_and_the_artifact_it_moved_aside_pu
     (tmp_path / f".art.partial-{dead}-def").mkdir()
     (tmp_path / f".art.partial-{running}-ghi").mkdir()  # an export still running: not ours to remove
     (tmp_path / f".artx.partial-{dead}-jkl").mkdir()  # beside another destination
-    export_module._clear_interrupted(folder)
+    destination_module.clear_interrupted(folder)
     assert (folder / "manifest.json").read_text() == "earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f".art.partial-{running}-ghi",

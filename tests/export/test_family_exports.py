@@ -24,8 +24,8 @@ from exporter.artifact.manifest import file_status, read_manifest
 from exporter.cli import main
 from exporter.cli.export_report import format_inspect
 from exporter.errors import ExportFailed, GraphRunError, InputError
-from exporter.export import pipeline as export_module
-from exporter.export.pipeline import _example_inputs
+from exporter.export import checks
+from exporter.export.tracing import example_inputs
 from exporter.runtime.genai import GenaiGenerator
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
@@ -302,7 +302,7 @@ def test_moe_graph_follows_routing_that_differs_from_the_export_example(variant,
     config, layers = manifest.config, manifest.cache.num_layers
     onnx, reference = OrtRunner(Artifact(artifact, manifest)), TorchRunner(model, manifest)
     probe = RouterProbe(Artifact(artifact, manifest), "prefill", "CPUExecutionProvider")
-    example_ids = _example_inputs(config, torch.float32, with_loss=True, past=False)[0][0].numpy()
+    example_ids = example_inputs(config, torch.float32, with_loss=True, past=False)[0][0].numpy()
     example = _routing(model, config, example_ids, layers)
 
     receives = {(layer, e): False for layer in range(layers) for e in range(config.num_experts)}
@@ -381,7 +381,7 @@ def test_the_smoke_run_fits_the_models_positions(gpt_artifact, monkeypatch):
     monkeypatch.setattr(
         OrtRunner, "prefill", lambda self, feeds: lengths.append(feeds["input_ids"].shape[1]) or prefill(self, feeds)
     )
-    export_module._smoke_run(gpt_artifact, four)
+    checks.smoke_run(gpt_artifact, four)
     assert lengths and max(lengths) == 4
 
 
@@ -395,7 +395,7 @@ def test_the_smoke_run_refuses_positions_the_model_does_not_have(gpt_artifact):
         match=r"fail at position 127, the last of max_position_embeddings 128 "
         r"\(.*Gather.*\); set max_position_embeddings",
     ):
-        export_module._smoke_run(gpt_artifact, more)
+        checks.smoke_run(gpt_artifact, more)
 
 
 def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, tmp_path, monkeypatch, capsys):

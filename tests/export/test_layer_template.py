@@ -22,7 +22,7 @@ from hf_folders import hf_model, save_folder
 
 from exporter import verify_artifact
 from exporter.artifact.scopes import module_of
-from exporter.export import pipeline
+from exporter.export import tracing
 from exporter.export.graphs import share_tied_table
 from exporter.export.layer_template import TRACED_LAYERS, LayerTemplate
 from exporter.verify.reports import format_verify
@@ -66,7 +66,7 @@ def _nodes(graph: ir.Model) -> Counter:
 
 def _grown(model, dtype: str, with_loss: bool) -> ir.Model:
     template = LayerTemplate.for_model(model)
-    grown = template.expand(pipeline._trace(template.short_model, dtype, with_loss))
+    grown = template.expand(tracing.trace(template.short_model, dtype, with_loss))
     assert grown is not None  # the traced layers repeat
     return grown
 
@@ -76,10 +76,10 @@ def test_grown_hf_float16_graph_equals_every_layer_traced(tmp_path):
     float16, where the optimiser splits Casts off the norms without scopes: placed in their layer by their
     neighbours. The traced program with its loss, on an empty past."""
     folder = save_folder(hf_model("qwen3", num_hidden_layers=LAYERS), "qwen3", tmp_path / "folder")
-    model = pipeline._copy_for_export(checkpoint_model(folder).model, torch.float16)
+    model = tracing.copy_for_export(checkpoint_model(folder).model, torch.float16)
     share_tied_table(model)
     grown = _grown(model, "float16", with_loss=True)
-    traced = pipeline._trace(model, "float16", with_loss=True)
+    traced = tracing.trace(model, "float16", with_loss=True)
     assert [v.name for v in grown.graph.inputs] == [v.name for v in traced.graph.inputs]
     assert [v.name for v in grown.graph.outputs] == [v.name for v in traced.graph.outputs]
     nodes = _nodes(grown)
@@ -98,7 +98,7 @@ def test_grown_moe_decode_graph_computes_the_model():
         for name, weight in model.named_parameters():
             if "norm" in name:
                 weight.uniform_(0.5, 1.5)
-    exported = pipeline._copy_for_export(model, torch.float32)
+    exported = tracing.copy_for_export(model, torch.float32)
     share_tied_table(exported)
     session = _session(_grown(exported, "float32", with_loss=False))
     ids = torch.tensor([[5, 9, 100, 3, 17, 40], [7, 7, 8, 9, 250, 11]])
@@ -131,10 +131,10 @@ def test_layers_that_differ_beyond_their_weights_are_all_traced():
 
 def test_a_traced_graph_whose_layers_differ_is_not_grown(caplog):
     config = dataclasses.replace(get_preset("minimind-3-tiny"), num_hidden_layers=LAYERS)
-    model = pipeline._copy_for_export(build_model(config), torch.float32)
+    model = tracing.copy_for_export(build_model(config), torch.float32)
     share_tied_table(model)
     template = LayerTemplate.for_model(model)
-    graph = pipeline._trace(template.short_model, "float32", with_loss=False)
+    graph = tracing.trace(template.short_model, "float32", with_loss=False)
     [node] = [n for n in graph.graph if n.op_type == "Softmax" and "layers.2." in n.metadata_props["namespace"]]
     node.attributes["axis"] = ir.AttrInt64("axis", 0)  # layer 2's softmax now differs from layer 1's
     with caplog.at_level("INFO"):

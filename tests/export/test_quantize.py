@@ -16,6 +16,7 @@ from helpers import CONSUMER_PROMPTS, config_entry, edit_manifest, replayed_expo
 from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
+from exporter.artifact.quantization import QuantizationSettings
 from exporter.errors import ArtifactError, GraphRunError, InputError
 from exporter.export.pipeline import export_artifact
 from exporter.runtime.genai import genai_greedy
@@ -37,7 +38,11 @@ def choices(tmp_path_factory, tiny_model, artifact_fp32):
             replayed_export(monkeypatch, artifact_fp32)
             for name, (lm_head, embedding) in CHOICES.items():
                 export_artifact(
-                    tiny_model, root / name, dtype="int4", source=TINY_SOURCE, lm_head=lm_head, embedding=embedding
+                    tiny_model,
+                    root / name,
+                    dtype="int4",
+                    source=TINY_SOURCE,
+                    quantization=QuantizationSettings(lm_head=lm_head, embedding=embedding),
                 )
 
     root = shared_folder(tmp_path_factory, "quantized-choices", build)
@@ -312,8 +317,16 @@ def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(activ
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):
+    settings = dict(arguments)
+    dtype = settings.pop("dtype")
     with pytest.raises(InputError, match=fragment):
-        export_artifact(tiny_model, tmp_path / "out", **arguments)
+        export_artifact(tiny_model, tmp_path / "out", dtype=dtype, quantization=QuantizationSettings(**settings))
+    assert not any(tmp_path.iterdir())
+
+
+def test_quantization_settings_of_another_type_refused(tiny_model, tmp_path):
+    with pytest.raises(InputError, match=r"quantization must be a QuantizationSettings .* got dict \(`quantization`\)"):
+        export_artifact(tiny_model, tmp_path / "out", dtype="int4", quantization={"block_size": 32})
     assert not any(tmp_path.iterdir())
 
 

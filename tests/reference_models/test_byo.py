@@ -20,6 +20,7 @@ from exporter.artifact.manifest import read_manifest
 from exporter.cli.export_report import format_inspect
 from exporter.errors import ExportFailed, InputError
 from exporter.export import pipeline as export_module
+from exporter.export import tracing
 from exporter.export.pipeline import export_artifact
 from exporter.runtime.runner import OrtRunner
 from exporter.verify.engine import verify_artifact
@@ -111,7 +112,7 @@ def test_a_present_without_the_past_is_named_before_tracing(byo_example, tmp_pat
         return dataclasses.replace(out, past_key_values=[(k[:, -new:], v[:, -new:]) for k, v in out.past_key_values])
 
     adapter.forward = new_positions_only
-    monkeypatch.setattr(export_module, "_torch_export", lambda *a: pytest.fail("traced before the check"))
+    monkeypatch.setattr(tracing, "_torch_export", lambda *a: pytest.fail("traced before the check"))
     with pytest.raises(
         ExportFailed,
         match=r"layer 0's present \(k, v\) hold the 1 new positions only, not the 3 "
@@ -239,7 +240,7 @@ def _no_export_work(monkeypatch):
     def exported(*args, **kwargs):
         raise AssertionError("the export began before the refusal")
 
-    monkeypatch.setattr(export_module, "_copy_for_export", exported)
+    monkeypatch.setattr(export_module, "copy_for_export", exported)
 
 
 def _without_loss(adapter, loss=lambda out: None):

@@ -6,7 +6,7 @@ compared exactly, without running anything, so each graph's initializers are hel
 parameters and buffers (`model.named_parameters()`, `model.named_buffers()`, tied ones once under every name):
 
 - by content, bit for bit, up to the export's own cast: the export casts the model to the artifact's dtype
-  (exporter/export/pipeline.py), so a weight holds `t.to(dtype)`; where the model multiplies a float16 weight into
+  (exporter/export/tracing.py), so a weight holds `t.to(dtype)`; where the model multiplies a float16 weight into
   a float32 product (minimind-3's RMSNorm scales in float32), the exporter folds that Cast into a float32
   initializer, `t.to(float16).to(float32)`. Both casts round to nearest even in torch as in the export, and the
   upcast is exact, so a correct initializer equals its parameter exactly: any difference at all is another

@@ -345,9 +345,11 @@ def export(
     type=PathOption(),
     default=None,
     metavar="FILE",
-    help="For a quantized artifact: a UTF-8 text file, tokenized with the artifact's tokenizer.json, whose "
-    "windows the quality check reads in place of seeded random ids (the batch rows, the decode steps' "
-    "continuation, the greedy prompt).",
+    help="For a quantized artifact: a UTF-8 text file, tokenized with the artifact's tokenizer.json, which the "
+    "quality check reads whole in place of seeded random ids: as many windows as cover it (each a prompt and the "
+    "decode steps' continuation; the greedy prompt is its start). The report states the positions read and the "
+    "time; a figure whose confidence interval straddles its limit is undecided (exit 1) until a longer text "
+    "decides it.",
 )
 @common_options
 @handle_errors

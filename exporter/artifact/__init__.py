@@ -6,6 +6,7 @@
 - quantization: the int4/int8 scheme a manifest records; scopes: the module each node computes (torch.onnx's
   name scopes in its metadata);
 - consumers / tokenizer: the sidecar files onnxruntime-genai and Optimum read, and the tokenizer copied beside;
+- chat: a conversation rendered with the tokenizer's chat template, as transformers renders it;
 - foreign: folders Optimum or onnxruntime-genai's builder wrote, mapped onto the contract;
 - paths: atomic writes, folder locks and JSON reads that every writer shares.
 - destination: an export's output folder, refused before the export, built beside it and swapped in.

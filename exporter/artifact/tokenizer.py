@@ -42,6 +42,11 @@ TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 TRANSFORMERS5_TOKENIZER_CLASS = "TokenizersBackend"
 
 
+def token_content(token):
+    """A special token's text as tokenizer_config.json writes the token: a string, or {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 @dataclass(frozen=True)
 class TokenizerSource:
     """A validated tokenizer.json (and its tokenizer_config.json, if any) to copy into an artifact."""
@@ -64,7 +69,7 @@ class TokenizerSource:
 
     def token_id(self, token) -> int | None:
         """The id of a special token as tokenizer_config.json writes it (a string or {"content": ...})."""
-        content = token.get("content") if isinstance(token, dict) else token
+        content = token_content(token)
         return next((i for i, t in self.tokens.items() if t == content), None)
 
     def pad_token_id(self) -> int | None:
@@ -312,7 +317,7 @@ def _check_config(source: TokenizerSource, config: dict, vocab_size: int) -> Non
         for key, token in (decoder.items() if isinstance(decoder, dict) else [("?", decoder)])
     ]
     for key, token in named:
-        content = token.get("content") if isinstance(token, dict) else token
+        content = token_content(token)
         if not isinstance(content, str):
             raise TokenizerError(
                 f'{source.config}: {key} is {token!r}, not a token string (or a {{"content": '
@@ -423,9 +428,10 @@ class TextTokenizer:
         self.loaded = loaded
         self._unknown_reported: set[int] = set()
 
-    def encode(self, text: str):
-        """The `tokenizers.Encoding` of text (`.ids`)."""
-        return self.loaded.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True):
+        """The `tokenizers.Encoding` of text (`.ids`); without `add_special_tokens`, without the tokens the
+        post-processor adds around it."""
+        return self.loaded.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         unknown = sorted({i for i in ids if self.loaded.id_to_token(i) is None} - self._unknown_reported)

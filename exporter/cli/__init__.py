@@ -340,9 +340,11 @@ def export(
     type=PathOption(),
     default=None,
     metavar="FILE",
-    help="For a quantized artifact: a UTF-8 text file, tokenized with the artifact's tokenizer.json, whose "
-    "windows the quality check reads in place of seeded random ids (the batch rows, the decode steps' "
-    "continuation, the greedy prompt).",
+    help="For a quantized artifact: a UTF-8 text file, tokenized with the artifact's tokenizer.json, which the "
+    "quality check reads whole in place of seeded random ids: as many windows as cover it (each a prompt and the "
+    "decode steps' continuation; the greedy prompt is its start). The report states the positions read and the "
+    "time; a figure whose confidence interval straddles its limit is undecided (exit 1) until a longer text "
+    "decides it.",
 )
 @common_options
 @handle_errors
@@ -468,10 +470,16 @@ def _encode_prompt(tokenizer, text: str) -> list[int]:
     return ids
 
 
-def _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized) -> None:
+def _check_generate_options(folder, prompt_ids, prompts, chat, system, tokenizer, sample, ignore_eos, save_optimized):
     """generate's option combinations, refused before anything is read."""
-    if bool(prompt_ids) == bool(prompts):
-        raise click.UsageError("give exactly one of --prompt-ids and --prompt")
+    if sum(map(bool, (prompt_ids, prompts, chat))) != 1:
+        raise click.UsageError("give exactly one of --prompt-ids, --prompt and --chat")
+    if system is not None and not chat:
+        raise click.UsageError("--system opens a --chat conversation; add --chat, or drop --system")
+    if chat and tokenizer is not None:
+        raise click.UsageError("--chat reads the artifact's own tokenizer and chat template; drop --tokenizer")
+    if chat and ignore_eos:
+        raise click.UsageError("--chat ends the reply at the template's end-of-turn token; drop --ignore-eos")
     if tokenizer is not None and not prompts:
         raise click.UsageError("--tokenizer reads --prompt text; with --prompt-ids, drop it")
     if prompts.count(STDIN) > 1:
@@ -554,6 +562,23 @@ def _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer) -> tuple:
     return [_encode_prompt(text_tokenizer, text) for text in prompts], text_tokenizer
 
 
+def _chat_prompt(folder, manifest, messages) -> tuple:
+    """(the conversation's prompt ids, its text, the artifact's tokenizer, the end-of-turn id or None): the
+    artifact's chat template rendered as transformers renders it, encoded with its tokenizer.json."""
+    from exporter.artifact.chat import chat_prompt_ids, read_chat_template
+    from exporter.artifact.tokenizer import TOKENIZER, load_tokenizer
+
+    if TOKENIZER not in manifest.files:
+        raise click.UsageError(
+            f"--chat needs the artifact's tokenizer: {folder} lists no {TOKENIZER}; re-export it with its tokenizer"
+        )
+    template = read_chat_template(folder, manifest.files)
+    text_tokenizer = load_tokenizer(folder, manifest.config.vocab_size)
+    rendered = template.render(messages)
+    end_of_turn = template.end_of_turn_id(text_tokenizer)
+    return chat_prompt_ids(text_tokenizer, rendered), rendered, text_tokenizer, end_of_turn
+
+
 def _print_stream(steps, text_tokenizer) -> None:
     """A lone row's tokens (or text) printed as the stream gives them (it ends after a stop id)."""
     from exporter.artifact.tokenizer import TextStream
@@ -582,6 +607,16 @@ def _print_stream(steps, text_tokenizer) -> None:
     metavar="TEXT",
     help="Prompt text (needs a tokenizer); - reads it from stdin. Repeat for a batch.",
 )
+@click.option(
+    "--chat",
+    "chat",
+    multiple=True,
+    metavar="TEXT",
+    help="A turn of a conversation, rendered with the artifact's chat template. Repeated, the turns alternate "
+    "user, assistant, user, ...: give an odd number; the model answers the last, and the reply ends at the "
+    "template's end-of-turn token (tokenizer_config.json's eos_token).",
+)
+@click.option("--system", default=None, metavar="TEXT", help="With --chat: the system message, before the turns.")
 @click.option(
     "--tokenizer",
     type=PathOption(),
@@ -663,6 +698,8 @@ def generate(
     folder,
     prompt_ids,
     prompts,
+    chat,
+    system,
     tokenizer,
     max_new_tokens,
     sample,
@@ -684,12 +721,15 @@ def generate(
 ):
     """Generate with ONNX Runtime, printing tokens as they are produced.
 
-    Prompts are token ids (--prompt-ids) or text (--prompt, with a tokenizer.json; --prompt - reads it from
-    stdin). Without --sample the decoding is greedy. --engine genai runs the same folder through
-    onnxruntime-genai's generation loop instead (one prompt, on the CPU; its own sampler). Every prompt and
-    option is checked before the model loads. FOLDER defaults to artifacts/minimind-3.
+    Prompts are token ids (--prompt-ids), text (--prompt, with a tokenizer.json; --prompt - reads it from
+    stdin), or a conversation (--chat, with --system) that the artifact's chat template renders as
+    transformers' apply_chat_template does (with jinja2). Without --sample the decoding is greedy. --engine
+    genai runs the same folder through onnxruntime-genai's generation loop instead (one prompt, on the CPU; its
+    own sampler; a conversation rendered by its own tokenizer). Every prompt and option is checked before the
+    model loads. FOLDER defaults to artifacts/minimind-3.
     """
     setup_logging(verbose, quiet)
+    from exporter.artifact.chat import chat_messages
     from exporter.artifact.consumers import genai_eos_token_id
     from exporter.artifact.folder import Artifact
     from exporter.artifact.manifest import unchanged_while_read
@@ -697,9 +737,16 @@ def generate(
     from exporter.runtime.runner import OrtRunner
     from exporter.runtime.sessions import SessionSettings, check_provider
 
-    _check_generate_options(folder, prompt_ids, prompts, tokenizer, sample, save_optimized)
+    _check_generate_options(folder, prompt_ids, prompts, chat, system, tokenizer, sample, ignore_eos, save_optimized)
+    messages = chat_messages(chat, system) if chat else None
     _check_engine_options(
-        engine, len(prompt_ids) + len(prompts), repetition_penalty, ignore_eos, provider, prompt_chunk, save_optimized
+        engine,
+        len(prompt_ids) + len(prompts) + bool(chat),
+        repetition_penalty,
+        ignore_eos,
+        provider,
+        prompt_chunk,
+        save_optimized,
     )
     provider = check_provider(provider)
     settings = SessionSettings(
@@ -710,7 +757,11 @@ def generate(
     with unchanged_while_read(folder):  # until the sessions hold what they need: an export may swap it after
         artifact = Artifact.open(folder)
         manifest, config = artifact.manifest, artifact.manifest.config
-        batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
+        if messages is None:
+            batch, text_tokenizer = _prompt_batch(folder, manifest, prompt_ids, prompts, tokenizer)
+        else:
+            prompt, rendered, text_tokenizer, end_of_turn = _chat_prompt(folder, manifest, messages)
+            batch, stop_ids = [prompt], (*stop_ids, *([] if end_of_turn is None else [end_of_turn]))
         sampling = SamplingConfig(
             do_sample=sample,
             temperature=temperature,
@@ -726,6 +777,9 @@ def generate(
         check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)  # before the sessions load
         if engine == "genai":
             generator = _genai_generator(artifact, threads)
+            if messages is not None:  # the conversation as onnxruntime-genai's own tokenizer renders it
+                batch = [generator.chat_prompt(messages, rendered)]
+                check_request(config, batch, max_new_tokens, sampling, eos, stop_ids)
         else:
             runner = OrtRunner(artifact, provider, settings=settings)
     if engine == "genai":

@@ -429,6 +429,17 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
     outcome.emit(result, as_json, text)
     if unwritten is not None:
         raise unwritten
+    if report.verdict == "undecided":  # not passed: exit 1 as a failure, saying what would decide it
+        from exporter.tolerances import QUALITY_CONFIDENCE
+
+        undecided = dict.fromkeys(c.threshold.metric for q in report.quality for c in q.undecided)
+        positions = max(q.metrics["positions"] for q in report.quality)
+        more = "a longer --quality-text" if report.quality[0].text is not None else "--quality-text, a text read whole"
+        click.echo(
+            f"undecided: the {QUALITY_CONFIDENCE:.0%} interval of {', '.join(undecided)} straddles its limit at "
+            f"{positions} positions; read more positions: give {more}",
+            err=True,
+        )
     sys.exit(0 if report.passed else outcome.EXIT_PARITY_FAILURE)
 
 

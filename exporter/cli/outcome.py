@@ -129,6 +129,8 @@ FLAGS = {
     "intra_op_threads": "--threads",
     "optimized_model_dir": "--save-optimized",
     "prompt_ids": "--prompt-ids",
+    "turns": "--chat",
+    "system": "--system",
     "do_sample": "--sample",
     "temperature": "--temperature",
     "top_k": "--top-k",

@@ -11,6 +11,7 @@ an EOS still stops in genai, at the id consumers.genai_eos_token_id names.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from exporter.artifact.paths import TEXT_PATH_FIX, check_text_path, read_json_bo
 from exporter.errors import ArtifactError, ConsumerError, InputError, first_line
 from exporter.runtime.generation import Generation, SamplingConfig, check_request
 from exporter.runtime.runner import check_prompt
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install onnxruntime-genai"
 
@@ -156,6 +159,36 @@ class GenaiGenerator:
             yield token
             if token in stops or generator.is_done():
                 return
+
+    def chat_prompt(self, messages: list[dict], rendered: str | None = None) -> list[int]:
+        """The prompt ids of a conversation (exporter.artifact.chat.chat_messages) as onnxruntime-genai makes them:
+        its tokenizer renders the folder's chat template (tokenizer_config.json's) with the assistant's header
+        after it, then encodes the text. Its renderer is its own, not jinja2 (as of 0.18.0 it keeps the line ends
+        and indentation that transformers' trim_blocks and lstrip_blocks drop): where its text differs from
+        `rendered` (the conversation as transformers renders it), a warning shows where.
+
+        Raises:
+            ConsumerError: onnxruntime-genai cannot load the tokenizer or render the template.
+        """
+        try:
+            tokenizer = self._og.Tokenizer(self.model)
+            text = tokenizer.apply_chat_template(json.dumps(messages), add_generation_prompt=True)
+            ids = [int(token) for token in tokenizer.encode(text)]
+        except Exception as exc:  # onnxruntime-genai raises RuntimeError with its tokenizer's message
+            raise ConsumerError(
+                f"onnxruntime-genai could not render the chat template of {self.folder}: {first_line(exc)}"
+            ) from None
+        if rendered is not None and text != rendered:
+            at = next((i for i, (a, b) in enumerate(zip(text, rendered)) if a != b), min(len(text), len(rendered)))
+            log.warning(
+                "onnxruntime-genai renders the chat template of %s otherwise than transformers: from character %d, "
+                "%r where transformers has %r",
+                self.folder,
+                at,
+                text[at : at + 24],
+                rendered[at : at + 24],
+            )
+        return ids
 
     def greedy(self, prompt_ids, max_new_tokens: int) -> list[int]:
         """New token ids, greedy; stops at EOS, which onnxruntime-genai leaves out."""

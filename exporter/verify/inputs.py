@@ -149,6 +149,13 @@ def text_windows(ids, rows: int, length: int) -> np.ndarray:
     return np.stack([ids[s : s + length] for s in starts])
 
 
+def windows_covering(tokens: int, length: int, fewest: int = 1) -> int:
+    """How many windows of `length` ids text_windows spreads over a text of `tokens` ids for them to cover every id:
+    one per `length` ids, rounded up (at least `fewest`). Spread evenly, consecutive windows then start at most
+    `length` ids apart."""
+    return max(fewest, -(-tokens // length))
+
+
 def window_length(settings: ParitySettings) -> int:
     """The ids each row of the quality check reads from a text: the prompt, the decode steps and the final chunk."""
     return settings.prompt_length + settings.decode_steps + FINAL_CHUNK

@@ -159,10 +159,12 @@ def _kl(log_q: np.ndarray, log_p: np.ndarray) -> np.ndarray:
     return np.maximum(kl, 0.0)  # a float64 sum of a true KL of ~1e-17 can round below zero
 
 
-def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -> dict:
+def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K, targets=None) -> dict:
     """Per-position figures of two logits arrays (N, V), in float64: KL(expected || actual), argmax agreement,
     top-k overlap ("top5", k capped at the vocabulary), |Δ log p| of the expected's top token, and how far the
-    expected's top-1 and k-th tokens lead the next ("margin", "margin_k")."""
+    expected's top-1 and k-th tokens lead the next ("margin", "margin_k"). With `targets` (N,), the id that
+    follows each position (negative where none is known): each side's negative log-likelihood of it ("nll" of
+    `actual`, "nll_expected"), NaN where none is known."""
     log_q = log_softmax(np.asarray(actual, np.float64))
     log_p = log_softmax(np.asarray(expected, np.float64))
     top = log_p.argmax(-1)
@@ -170,7 +172,16 @@ def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -
     top_p, top_q = np.argpartition(-log_p, k - 1, -1)[:, :k], np.argpartition(-log_q, k - 1, -1)[:, :k]
     rows = np.arange(len(top))
     ranked = -np.sort(-log_p, axis=-1)[:, : k + 1]
+    nll = {}
+    if targets is not None:
+        known = np.asarray(targets) >= 0
+        picked = np.where(known, targets, 0)
+        nll = {
+            "nll": np.where(known, -log_q[rows, picked], np.nan),
+            "nll_expected": np.where(known, -log_p[rows, picked], np.nan),
+        }
     return {
+        **nll,
         # how far the reference's k-th token leads its (k+1)-th: how decisive its top-1 and top-k sets are
         "margin": ranked[:, 0] - ranked[:, 1] if ranked.shape[1] > 1 else np.full(len(top), np.inf),
         "margin_k": ranked[:, k - 1] - ranked[:, k] if ranked.shape[1] > k else np.full(len(top), np.inf),
@@ -179,6 +190,33 @@ def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K) -
         "top5": np.array([len(set(a) & set(b)) / k for a, b in zip(top_p, top_q)]),
         "top_delta": np.abs(log_q[rows, top] - log_p[rows, top]),
     }
+
+
+def bootstrap_interval(samples, statistic, resamples: int, confidence: float, seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap confidence interval of `statistic` over `samples`: the statistic of `resamples`
+    resamples drawn with replacement, each as long as `samples`, from a generator seeded with `seed` (the same
+    samples give the same interval), cut at the (1 - confidence) / 2 quantiles of both ends.
+
+    Args:
+        samples: (N,) the per-position values, N >= 1.
+        statistic: maps a (R, N) array of resamples to its (R,) values along the last axis (a mean, a percentile).
+        resamples: how many resamples.
+        confidence: the share of the resampled values the interval holds, in (0, 1).
+        seed: the generator's seed.
+
+    Returns:
+        (low, high).
+    """
+    samples = np.asarray(samples, np.float64).reshape(-1)
+    rng = np.random.default_rng(seed)
+    values = np.empty(resamples)
+    block = max(1, (1 << 22) // len(samples))  # resamples drawn at once: at most 4M indices in memory
+    for start in range(0, resamples, block):
+        count = min(block, resamples - start)
+        values[start : start + count] = statistic(samples[rng.integers(0, len(samples), (count, len(samples)))])
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(values, [tail, 1 - tail])
+    return float(low), float(high)
 
 
 def logits_metrics(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None, k: int = TOP_K) -> dict:

@@ -194,16 +194,34 @@ class VerifyReport:
     seconds: float = 0.0
 
     @property
+    def verdict(self) -> str:
+        """ "pass"; "fail"; or "undecided": nothing failed, but a quantized artifact's quality figure has a
+        confidence interval across its limit (QualityReport.verdict), which more positions decide. A runner's row
+        attributed to a known cause is left out (_judged_rows)."""
+        judged = self._judged_rows()
+        quality = {row.verdict for row in judged if isinstance(row, QualityReport)}
+        if "fail" in quality or not self._others_passed(judged):
+            return "fail"
+        return "undecided" if "undecided" in quality else "pass"
+
+    @property
     def passed(self) -> bool:
-        """Every check passed; a runner's row that failed with its configuration's known cause is left out where a
-        row of the same runtime without one carries the verdict."""
+        """Passed, not undecided."""
+        return self.verdict == "pass"
+
+    def _judged_rows(self) -> list:
+        """The runners' rows (ProviderReport, QualityReport) that carry the verdict: a row that failed with its
+        configuration's known cause is left out where a row of the same runtime without one carries it."""
         rows = [*self.reports, *self.quality]
         honest = {row.runtime.name for row in rows if not row.runtime.known_cause}
-        judged = [row for row in rows if not (row.attributed and row.runtime.name in honest)]
+        return [row for row in rows if not (row.attributed and row.runtime.name in honest)]
+
+    def _others_passed(self, judged: list) -> bool:
+        """Something was checked, and every check but the judged quality rows passed."""
         checked = bool(judged) or (self.reference == "none" and bool(self.invariants))
         return (
             checked
-            and all(row.passed for row in judged)
+            and all(row.passed for row in judged if not isinstance(row, QualityReport))
             and all(c.passed for c in self.consumers)
             and all(r.passed for r in self.independent)
             and all(i.passed for i in self.invariants)
@@ -219,6 +237,7 @@ class VerifyReport:
         return {
             "folder": self.folder,
             "passed": self.passed,
+            "verdict": self.verdict,
             "reference": self.reference,
             "seconds": round(self.seconds, 2),
             "settings": self.settings,

@@ -35,7 +35,9 @@ def test_the_base_dependencies_leave_the_export_extra_out():
     assert not base & export, f"the base install pulls {sorted(base & export)} of the export extra"
     assert not base & {"transformers", "onnxruntime-genai", "gguf"}, base
     # what the README's test command installs: every extra, the export one through the self-reference
-    assert "export-onnx[export,genai,gguf]" in extras["test"] and "export-onnx[export]" in extras["gguf"]
+    assert "export-onnx[export,genai,gguf,chat]" in extras["test"] and "export-onnx[export]" in extras["gguf"]
+    # generate --chat renders with jinja2, which the base install goes without and the chat extra brings
+    assert "jinja2" in _names(extras["chat"]) and "jinja2" not in base
 
 
 def test_the_command_and_the_pytest_plugin_import_no_torch():

@@ -295,7 +295,7 @@ def test_bad_inputs_give_one_line_errors(cli_artifact, tmp_path, cpu_only, tiny_
         2,
         "exceeds max_position_embeddings",
     )
-    assert_one_line_error(run_cli("generate", cli_artifact, "-q"), 2, "exactly one of --prompt-ids and --prompt")
+    assert_one_line_error(run_cli("generate", cli_artifact, "-q"), 2, "one of --prompt-ids, --prompt and --chat")
     assert_one_line_error(
         run_cli("generate", cli_artifact, "--prompt-ids", "1", "--threads", "100000000000", "-q"),
         2,

@@ -3,6 +3,7 @@ exit 2 with one line, writing nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -80,6 +81,7 @@ def test_a_provider_without_the_kernel_is_refused(monkeypatch, quantized):
 # words of the tiny tokenizer's corpus (tests/conftest.py build_tokenizer)
 TEXT = "kalo mine ruto savi depo gufe lomi neru tosa vide pogu feka " * 8
 QUICK_VERIFY = ("--provider", "cpu", "--decode-steps", "4", "--no-sweep", "--no-genai")
+WINDOW = 12 + 4 + 3  # the ids each row reads with QUICK_VERIFY: the prompt, the decode steps, the final chunk
 
 
 def test_verify_reads_a_quality_text(quantized, tmp_path, monkeypatch):
@@ -97,17 +99,62 @@ def test_verify_reads_a_quality_text(quantized, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids
     assert len(read) == 1 and np.array_equal(read[0].ids, ids)  # the artifact's tokenizer's ids of the text
-    assert f"input: text {text} ({len(ids)} tokens; each batch row a window of it)" in result.stdout
+    windows = max(2, -(-len(ids) // WINDOW))  # read whole: one window per 19 ids, rounded up, at least the batch
+    assert f"input: text {text}, {len(ids)} tokens read whole ({windows} rows of {WINDOW} ids, " in result.stdout
     [quality] = json.loads(report.read_text())["quality"]
-    assert quality["input"] == {"kind": "text", "source": str(text), "tokens": len(ids)}
+    positions = quality["metrics"]["positions"]
+    assert quality["input"] == {
+        "kind": "text",
+        "source": str(text),
+        "tokens": len(ids),
+        "windows": windows,
+        "window_length": WINDOW,
+        "positions": positions,
+    }
+    assert positions == windows * WINDOW - 3  # the first row of the one batch is left-padded by 3
 
 
 def test_verify_without_a_quality_text_reads_random_ids(quantized, tmp_path):
     report = tmp_path / "report.json"
     result = run_cli("verify", quantized["int4"], *QUICK_VERIFY, "--report-json", report)
     assert result.exit_code == 0, result.output
-    assert "input: seeded random ids" in result.stdout
-    assert json.loads(report.read_text())["quality"][0]["input"] == {"kind": "random ids"}
+    assert f"input: seeded random ids (2 rows of {WINDOW} ids, {2 * WINDOW - 3} positions judged" in result.stdout
+    document = json.loads(report.read_text())
+    assert document["quality"][0]["input"] == {
+        "kind": "random ids",
+        "windows": 2,
+        "window_length": WINDOW,
+        "positions": 2 * WINDOW - 3,
+    }
+    assert document["verdict"] == "pass" and document["quality"][0]["verdict"] == "pass"
+
+
+def test_an_undecided_quality_figure_exits_1_asking_for_a_longer_text(quantized, tmp_path, monkeypatch):
+    def limit_at_the_value(*args):
+        """The quality report with its mean KL judged against a limit at its own value, inside its interval."""
+        report = run_quality(*args)
+        kl = next(c for c in report.checks if c.threshold.metric == "kl_mean")
+        at_value = dataclasses.replace(kl, threshold=dataclasses.replace(kl.threshold, limit=kl.value))
+        return dataclasses.replace(report, checks=(at_value,))
+
+    run_quality = engine._run_quality
+    monkeypatch.setattr(engine, "_run_quality", limit_at_the_value)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    report = tmp_path / "report.json"
+    result = run_cli("verify", quantized["int4"], "--quality-text", text, *QUICK_VERIFY, "--report-json", report)
+    assert result.exit_code == 1, result.output
+    document = json.loads(report.read_text())
+    [check] = document["quality"][0]["checks"]
+    low, high = check["interval"]
+    assert low < check["value"] < high and check["verdict"] == "undecided" and check["passed"] is False
+    assert document["verdict"] == "undecided" and document["passed"] is False
+    assert "UNDECIDED" in result.stdout and result.stdout.rstrip().splitlines()[-1].startswith("overall: UNDECIDED")
+    positions = document["quality"][0]["metrics"]["positions"]
+    assert result.stderr.splitlines()[-1] == (  # after the progress lines
+        f"undecided: the 95% interval of kl_mean straddles its limit at {positions} positions; read more positions: "
+        "give a longer --quality-text"
+    )
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ pytest.importorskip("gguf")
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 8
+CHAT = "What is the capital of France?"
+NEW_CHAT_TOKENS = 16  # the reply ends at its end of turn before
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +33,49 @@ def smollm2(request, tmp_path_factory):
     return path, folder
 
 
-def test_smollm2_from_its_gguf_generates_transformers_greedy_tokens(smollm2):
+@pytest.fixture(scope="module")
+def transformers_runner(smollm2):
+    """transformers' model of the GGUF, loaded once for the module's tests."""
     from exporter.verify.references.transformers_reference import TransformersRunner
 
     path, folder = smollm2
+    return TransformersRunner(path, read_manifest(folder))
+
+
+def test_smollm2_from_its_gguf_generates_transformers_greedy_tokens(smollm2, transformers_runner):
+    _, folder = smollm2
     result = run_cli("generate", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--json", "-q")
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
     assert row["text"].startswith(" Paris.\n\nThe answer is")  # what transformers answers, measured once
     manifest = read_manifest(folder)
-    expected = TransformersRunner(path, manifest).greedy(row["prompt_ids"], NEW_TOKENS, manifest.config.eos_token_id)
+    expected = transformers_runner.greedy(row["prompt_ids"], NEW_TOKENS, manifest.config.eos_token_id)
     assert row["new_ids"] == expected.ids
+
+
+def test_smollm2_answers_a_chat_as_transformers_does_on_both_engines(smollm2, transformers_runner):
+    from transformers import AutoTokenizer
+
+    pytest.importorskip("onnxruntime_genai")
+    _, folder = smollm2
+    options = ("--chat", CHAT, "--max-new-tokens", NEW_CHAT_TOKENS, "--json", "-q")
+    rows = {}
+    for engine in ("ort", "genai"):
+        result = run_cli("generate", folder, "--engine", engine, *options)
+        assert result.exit_code == 0, result.output
+        (rows[engine],) = json.loads(result.stdout)
+    row = rows["ort"]
+    assert rows["genai"] == {**row, "engine": "genai"}  # rendered, encoded and answered by onnxruntime-genai
+    assert "Paris" in row["text"] and row["stopped"], row["text"]
+    # the prompt as transformers renders the artifact's template; the reply its greedy one, ending at <|im_end|>
+    reference = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": CHAT}]
+    assert row["prompt_ids"] == list(
+        reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    )
+    manifest = read_manifest(folder)
+    expected = transformers_runner.greedy(row["prompt_ids"], NEW_CHAT_TOKENS, manifest.config.eos_token_id)
+    assert row["new_ids"] == expected.ids and reference.convert_ids_to_tokens(row["new_ids"][-1]) == "<|im_end|>"
 
 
 def test_smollm2s_artifact_records_its_gguf_and_carries_its_chat_template(smollm2):

@@ -89,12 +89,15 @@ def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
     assert 0 < kl.value <= kl.threshold.limit  # quantized: a distance, within the profile's limit
     # the builder's int4 for the CPU is at accuracy level 4: the invariants run MatMulNBits in float32
     assert report.invariants and all(FLOAT_MATMUL_NOTE in i.detail for i in report.invariants), report.invariants
-    # no loss output: ΔNLL is not judged, and no report calls it passed
+    # no loss output: ΔNLL comes from the logits, each side's log-probability of the token that follows
     nll = next(c for c in quality.checks if c.threshold.metric == "nll_delta")
-    assert not nll.judged and nll.to_dict()["passed"] is None
-    (row,) = [line for line in format_verify(report).splitlines() if line.lstrip().startswith("nll_delta")]
+    assert nll.judged and nll.interval[0] <= nll.value <= nll.interval[1] and nll.passed, nll
+    # the random model is nearly uniform: its decisive top-1 is not judged, and no report calls it passed
+    top1 = next(c for c in quality.checks if c.threshold.metric == "top1_agreement_decisive")
+    assert not top1.judged and top1.to_dict()["passed"] is None
+    (row,) = [line for line in format_verify(report).splitlines() if line.lstrip().startswith("top1_agreement_d")]
     assert "not judged" in row and " pass " not in row
-    assert re.search(r'name="nll_delta"[^>]*>\s*<skipped', render_junit(report))
+    assert re.search(r'name="top1_agreement_decisive"[^>]*>\s*<skipped', render_junit(report))
     html = render_html(report)
     assert "quality profile int4" in html and html.count("not judged") >= 2  # verdict cell and its reason
 

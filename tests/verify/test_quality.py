@@ -15,16 +15,35 @@ from onnx import helper, numpy_helper
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries
 from exporter.errors import InputError
+from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import SessionSettings
-from exporter.tolerances import profile_for, quality_profile_for
+from exporter.tolerances import (
+    QUALITY_CONFIDENCE,
+    QUALITY_RESAMPLES,
+    QualityProfile,
+    QualityThreshold,
+    profile_for,
+    quality_profile_for,
+)
 from exporter.verify import engine
 from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
-from exporter.verify.checks.quality import QualityCheck, kl_by_position
+from exporter.verify.checks.quality import TEXT_BATCH, QualityCheck, QualityReport, check_quality, kl_by_position
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, QualityText, prefill_feeds, prompt_batch, text_windows
-from exporter.verify.metrics import compare_outputs, token_statistics
+from exporter.verify.inputs import (
+    FINAL_CHUNK,
+    ParitySettings,
+    QualityText,
+    prefill_feeds,
+    prompt_batch,
+    text_windows,
+    window_length,
+)
+from exporter.verify.metrics import bootstrap_interval, compare_outputs, token_statistics
+from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify, json_text, render_html
+from exporter.verify.reports.text import format_quality
+from exporter.verify.results import VerifyReport
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
 
@@ -282,3 +301,101 @@ def test_a_metric_not_judged_neither_passes_nor_fails():
     assert unjudged.passed is None and unjudged.to_dict()["passed"] is None
     failing = QualityCheck(threshold, threshold.limit * 2)
     assert failing.passed is False
+
+
+def test_the_bootstrap_is_seeded_and_its_interval_narrows_as_positions_grow():
+    kl = np.random.default_rng(3).exponential(0.05, 10_000)  # per-position KLs: skewed, as real ones are
+
+    def width(n: int) -> float:
+        low, high = bootstrap_interval(kl[:n], lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
+        assert low < kl[:n].mean() < high
+        return high - low
+
+    # the width of a mean's interval falls as 1 / sqrt(positions): 100x the positions, a tenth of the width
+    assert 7 < width(100) / width(10_000) < 14
+    once = bootstrap_interval(kl[:155], lambda r: np.percentile(r, 99, axis=-1), 1000, 0.95)
+    assert bootstrap_interval(kl[:155], lambda r: np.percentile(r, 99, axis=-1), 1000, 0.95) == once
+    assert bootstrap_interval(kl[:155], lambda r: np.percentile(r, 99, axis=-1), 1000, 0.95, seed=1) != once
+
+
+@pytest.mark.parametrize(
+    ("bound", "limit", "interval", "verdict"),
+    [
+        ("at most", 0.15, (0.10, 0.14), "pass"),
+        ("at most", 0.15, (0.12, 0.18), "undecided"),
+        ("at most", 0.15, (0.16, 0.20), "fail"),
+        ("at least", 0.85, (0.80, 0.90), "undecided"),
+        ("at least", 0.85, (0.86, 0.90), "pass"),
+        ("within +-", 0.10, (-0.05, 0.08), "pass"),
+        ("within +-", 0.10, (-0.12, 0.00), "undecided"),
+        ("within +-", 0.10, (0.11, 0.20), "fail"),
+        ("within +-", 0.10, (-0.30, -0.11), "fail"),
+    ],
+)
+def test_a_figure_whose_interval_straddles_its_limit_is_undecided_and_not_passed(bound, limit, interval, verdict):
+    threshold = QualityThreshold("kl_mean", limit, bound, "a limit")
+    value = sum(interval) / 2  # passes by its value alone wherever the limit lies beyond the interval's middle
+    check = QualityCheck(threshold, value, interval=interval)
+    assert check.verdict == verdict and check.passed is (verdict == "pass")
+    report = QualityReport(
+        provider="cpu",
+        runtime=RuntimeLabel("onnxruntime", "CPUExecutionProvider"),
+        scheme="int4",
+        profile=QualityProfile("p", (threshold,), "why"),
+        checks=(check,),
+        metrics={"positions": 155},
+        greedy_reference=[],
+        greedy_onnx=[],
+    )
+    assert report.verdict == verdict and report.passed is (verdict == "pass")
+    assert VerifyReport(folder="f", reports=[], quality=[report]).verdict == verdict
+
+
+def test_quality_text_is_read_whole_and_every_figure_has_its_interval(quantized, tiny_model):
+    artifact = Artifact.open(quantized["int4"])
+    manifest, settings = artifact.manifest, ParitySettings(decode_steps=4, sweep=False).fit(64)
+    length = window_length(settings)
+    ids = np.random.default_rng(5).integers(0, manifest.config.vocab_size, 20 * length + 7)
+    onnx, reference = OrtRunner(artifact), TorchRunner(tiny_model, manifest)
+    batch = prompt_batch(manifest, settings, np.random.default_rng(0))
+
+    def quality(text):
+        profile = quality_profile_for("int4")
+        return check_quality(reference, onnx, manifest, batch, settings, profile, np.random.default_rng(1), text)
+
+    whole = quality(QualityText("text", ids))
+    assert whole.windows == 21 and whole.window_length == length  # 20 windows and 7 ids: a 21st covers those
+    starts = text_windows(np.arange(len(ids)), whole.windows, length)[:, 0]
+    assert starts[0] == 0 and starts[-1] + length == len(ids) and (np.diff(starts) <= length).all()
+    # every id of every window is a position, but the left padding of each batch's first row
+    batches = -(-whole.windows // TEXT_BATCH)
+    assert whole.metrics["positions"] == whole.windows * length - batches * settings.left_padding
+    assert whole.metrics["nll_positions"] == whole.metrics["positions"] - whole.windows  # no next id after the last
+    for check in whole.checks:
+        if check.threshold.metric != "greedy_agreement" and check.judged:
+            low, high = check.interval
+            assert low <= check.value <= high, check
+    low, high = whole.intervals["perplexity_ratio"]
+    assert low <= whole.metrics["perplexity_ratio"] <= high
+    # two windows of the same text: a wider interval on fewer positions
+    part = quality(QualityText("text", ids[: 2 * length]))
+    assert part.windows == 2 and part.metrics["positions"] < whole.metrics["positions"] / 8
+
+    def width(report):
+        return report.intervals["kl_mean"][1] - report.intervals["kl_mean"][0]
+
+    assert width(part) > 2 * width(whole)
+    document = whole.to_dict()
+    assert document["input"] == {
+        "kind": "text",
+        "source": "text",
+        "tokens": len(ids),
+        "windows": 21,
+        "window_length": length,
+        "positions": whole.metrics["positions"],
+    }
+    assert document["checks"][0]["interval"] == list(whole.intervals["kl_mean"]) and document["confidence"] == 0.95
+    shown = format_quality(whole)
+    assert f"text text, {len(ids)} tokens read whole (21 rows of {length} ids" in shown
+    low, high = whole.intervals["kl_mean"]
+    assert "95% interval" in shown and f"[{low:.4g}, {high:.4g}]" in shown

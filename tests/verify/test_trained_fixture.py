@@ -17,15 +17,15 @@ from tokenizers import Tokenizer
 from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.tolerances import quality_profile_for
-from exporter.verify.checks.quality import check_quality
+from exporter.verify.checks.quality import TEXT_BATCH, check_quality
 from exporter.verify.engine import verify_artifact
-from exporter.verify.inputs import ParitySettings, QualityText
+from exporter.verify.inputs import ParitySettings, QualityText, window_length, windows_covering
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 from exporter.verify.reports import format_verify
 from reference import build_model
 
 SETTINGS = ParitySettings(decode_steps=32, sweep=False)
-TEXT_SETTINGS = ParitySettings(batch=8, decode_steps=64, sweep=False)  # 629 positions of the 1366 held-out tokens
+TEXT_SETTINGS = ParitySettings(batch=8, decode_steps=64, sweep=False)  # the 1366 held-out tokens read whole
 WINDOW = 128  # tokens per row of the perplexity batch
 # What a continuation of Python source holds and a model drawing from 2048 ids near-uniformly does not: each mark
 # is a handful of the 2048 ids, so 48 near-uniform draws hold a given one with probability of a few percent, all four
@@ -111,8 +111,11 @@ def test_quantized_quality_on_heldout_text(trained_artifacts, trained_model, hel
     )
     assert report.passed, [c.to_dict() for c in report.failures]
     assert all(check.judged for check in report.checks), [c.to_dict() for c in report.checks]
-    settings = TEXT_SETTINGS
-    assert report.metrics["positions"] == settings.batch * (settings.prompt_length + settings.decode_steps + 3) - 3
+    settings, length = TEXT_SETTINGS, window_length(TEXT_SETTINGS)
+    windows = windows_covering(len(heldout_ids), length, settings.batch)  # 18 of 79 ids, in 2 batches
+    batches = -(-windows // TEXT_BATCH)
+    assert report.windows == windows and windows * length >= len(heldout_ids)
+    assert report.metrics["positions"] == windows * length - batches * settings.left_padding
     # measured on held-out text: int8 mean KL ~1e-5, int4 ~1.5e-3 (p99 ~6e-3): a tenth of the limits or less
     limits = {t.metric: t.limit for t in profile.thresholds}
     assert report.metrics["kl_mean"] < limits["kl_mean"] / 10, report.metrics

@@ -3,17 +3,23 @@
 The same calls as the parity checks (exporter.verify.checks.outputs): the prefill batch, then `decode_steps`
 single-token steps and one 3-token chunk with each side feeding its own present back as past, then a greedy run.
 Each real position's two distributions give a KL divergence KL(reference || artifact), whether their argmax and
-top-5 agree, and how far the log-probability of the reference's top token moved; the prefill graph's own loss gives
-ΔNLL and the perplexity ratio; the greedy run, how many tokens agree from the start. The limits and their reasoning
-are in exporter.tolerances (QUALITY_PROFILES); the statistics are llama.cpp's `perplexity --kl-divergence`.
+top-5 agree, how far the log-probability of the reference's top token moved, and each side's negative
+log-likelihood of the token that follows it (ΔNLL, the perplexity ratio); the greedy run, how many tokens agree from
+the start. A text is read whole: as many windows as cover it, TEXT_BATCH windows to a batch.
+Each figure over positions carries its bootstrap confidence interval over them and is judged by it: pass where the
+whole interval keeps the limit, fail where none of it does, undecided where it straddles the limit (more positions
+decide it; undecided is not passed). The limits, the confidence and their reasoning are in exporter.tolerances
+(QUALITY_PROFILES, QUALITY_CONFIDENCE); the statistics are llama.cpp's `perplexity --kl-divergence`.
 The KL is also kept per position of the sequence (kl_by_position), for the reports' plot of where it grows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +31,8 @@ from exporter.tolerances import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
     MIN_DECISIVE_POSITIONS,
+    QUALITY_CONFIDENCE,
+    QUALITY_RESAMPLES,
     QualityProfile,
     QualityThreshold,
 )
@@ -39,20 +47,30 @@ from exporter.verify.inputs import (
     prompt_batch,
     text_windows,
     window_length,
+    windows_covering,
 )
-from exporter.verify.metrics import match_length, token_statistics
+from exporter.verify.metrics import bootstrap_interval, match_length, token_statistics
 
 log = logging.getLogger(__name__)
+
+PASS, FAIL, UNDECIDED, NOT_JUDGED = "pass", "fail", "undecided", "not judged"
+# Windows of a text run as one batch: the batch's KV caches and float64 distributions stay small however long the text.
+TEXT_BATCH = 16
 
 
 @dataclass(frozen=True)
 class QualityCheck:
-    """One metric against its threshold; `note` says why it was not judged (value None) or what excused it."""
+    """One metric against its threshold.
+
+    `interval` is the value's bootstrap confidence interval over the positions it averages (None for a figure of
+    one run, the greedy agreement, judged by its value alone); `note` says why the metric was not judged (value
+    None), what excused it, or why it is undecided."""
 
     threshold: QualityThreshold
     value: float | None
     note: str = ""
     excused: bool = False
+    interval: tuple[float, float] | None = None
 
     @property
     def judged(self) -> bool:
@@ -60,14 +78,32 @@ class QualityCheck:
         return self.value is not None
 
     @property
-    def passed(self) -> bool | None:
-        """None where the metric was not judged (`note` says why): neither passed nor failed."""
+    def verdict(self) -> str:
+        """PASS, FAIL, UNDECIDED (the interval straddles the limit) or NOT_JUDGED."""
         if not self.judged:
-            return None
-        return self.excused or (math.isfinite(self.value) and self.threshold.holds(self.value))
+            return NOT_JUDGED
+        if self.excused:
+            return PASS
+        if not math.isfinite(self.value):
+            return FAIL
+        holds = self.threshold.holds(self.value) if self.interval is None else self.threshold.holds_over(*self.interval)
+        return UNDECIDED if holds is None else PASS if holds else FAIL
+
+    @property
+    def passed(self) -> bool | None:
+        """None where the metric was not judged (`note` says why): neither passed nor failed. An undecided one has
+        not passed."""
+        return self.verdict == PASS if self.judged else None
 
     def to_dict(self) -> dict:
-        return {**self.threshold.to_dict(), "value": self.value, "passed": self.passed, "note": self.note}
+        return {
+            **self.threshold.to_dict(),
+            "value": self.value,
+            "interval": None if self.interval is None else list(self.interval),
+            "verdict": self.verdict,
+            "passed": self.passed,
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +117,9 @@ class QualityReport:
     the batch rows holding a real token there; None where no row does (a column of padding only), NaN where a
     distribution was not finite. to_dict writes it as {"prefill": [...], "decode": [...]}, 4 significant digits.
 
-    `text` is the text the checks read (None: seeded random ids); to_dict writes it as "input".
+    `text` is the text the checks read (None: seeded random ids); to_dict writes it as "input", with the `windows`
+    (batch rows) of `window_length` ids read and the `seconds` the check took. `intervals` holds the bootstrap
+    confidence interval (QUALITY_CONFIDENCE) of each figure averaged over positions, by its name in `metrics`.
     """
 
     provider: str  # the row's name: the execution provider, or the runtime and its configuration
@@ -92,37 +130,59 @@ class QualityReport:
     metrics: dict  # every figure, the judged ones and the others (kl_max, kl_median, perplexity_ratio, ...)
     greedy_reference: list[int]
     greedy_onnx: list[int]
+    intervals: dict = field(default_factory=dict)
     kl_by_position: tuple[float | None, ...] = ()
     prefill_positions: int = 0
     text: QualityText | None = None
+    windows: int = 0
+    window_length: int = 0
+    seconds: float = 0.0
+
+    @property
+    def verdict(self) -> str:
+        """FAIL where a judged metric failed, else UNDECIDED where one is undecided, else PASS (a metric not judged
+        neither passes nor fails)."""
+        verdicts = {c.verdict for c in self.checks}
+        return FAIL if FAIL in verdicts else UNDECIDED if UNDECIDED in verdicts else PASS
 
     @property
     def passed(self) -> bool:
-        """No judged metric failed (one not judged neither passes nor fails)."""
-        return not self.failures
+        return self.verdict == PASS
 
     def __bool__(self) -> bool:
         return self.passed
 
     @property
     def failures(self) -> list[QualityCheck]:
-        return [c for c in self.checks if c.passed is False]
+        return [c for c in self.checks if c.verdict == FAIL]
+
+    @property
+    def undecided(self) -> list[QualityCheck]:
+        return [c for c in self.checks if c.verdict == UNDECIDED]
 
     @property
     def attributed(self) -> bool:
         return self.runtime.attributes(self.passed)
 
     def to_dict(self) -> dict:
+        read = {"windows": self.windows, "window_length": self.window_length, "positions": self.metrics["positions"]}
         return {
             "provider": self.provider,
             "runtime": self.runtime.to_dict(),
             "scheme": self.scheme,
             "passed": self.passed,
+            "verdict": self.verdict,
             "attributed": self.attributed,
-            "input": {"kind": "random ids"} if self.text is None else {"kind": "text", **self.text.to_dict()},
+            "input": {"kind": "random ids", **read}
+            if self.text is None
+            else {"kind": "text", **self.text.to_dict(), **read},
+            "seconds": round(self.seconds, 2),
             "profile": self.profile.to_dict(),
+            "confidence": QUALITY_CONFIDENCE,
+            "resamples": QUALITY_RESAMPLES,
             "checks": [c.to_dict() for c in self.checks],
             "metrics": self.metrics,
+            "intervals": {name: list(interval) for name, interval in self.intervals.items()},
             "greedy": {"reference_ids": self.greedy_reference, "onnx_ids": self.greedy_onnx},
             "kl_by_position": {
                 "prefill": [_rounded(v) for v in self.kl_by_position[: self.prefill_positions]],
@@ -163,6 +223,65 @@ def _real(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
     return logits.reshape(-1, logits.shape[-1])[np.asarray(valid, bool).reshape(-1)]
 
 
+def _call_statistics(actual: dict, expected: dict, valid: np.ndarray, targets: np.ndarray) -> tuple[dict, np.ndarray]:
+    """token_statistics of one call's real positions (row-major), with the id that follows each, and the call's
+    (B, L) mask of them."""
+    return token_statistics(
+        _real(actual["logits"], valid), _real(expected["logits"], valid), targets=targets[valid]
+    ), valid
+
+
+def _run_batch(reference, onnx, manifest: Manifest, batch: dict, continuation: np.ndarray, steps, rng) -> list:
+    """One batch through the prefill and the decode calls (`steps`, their lengths, fed `continuation`), each side
+    feeding its own present back: per call, _call_statistics."""
+    sequence = np.concatenate([batch["input_ids"], continuation], axis=1)
+    targets = np.concatenate([sequence[:, 1:], np.full((len(sequence), 1), -1)], axis=1)  # the last has none
+    feeds = prefill_feeds(manifest, batch)
+    ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
+    mask = batch["attention_mask"]
+    calls = [_call_statistics(ort_out, ref_out, np.asarray(mask) == 1, targets[:, : mask.shape[1]])]
+    for length in steps:
+        start = mask.shape[1]
+        read = start - batch["input_ids"].shape[1]
+        step_feeds, mask = next_tokens(manifest, mask, length, rng, continuation[:, read : read + length])
+        ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
+        ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
+        calls.append(
+            _call_statistics(ort_out, ref_out, np.ones((len(mask), length), bool), targets[:, start : start + length])
+        )
+    return calls
+
+
+def _batches(manifest: Manifest, batch: dict, settings: ParitySettings, steps, rng, text) -> list[tuple]:
+    """(batch, continuation) of each batch the check runs: the prompt batch given with `rng`'s decode ids (drawn
+    as next_tokens draws them, call after call), or a text's windows covering it, TEXT_BATCH to a batch."""
+    if text is None:
+        shape = len(batch["input_ids"])
+        drawn = [rng.integers(0, manifest.config.vocab_size, (shape, n), dtype=np.int64) for n in steps]
+        return [(batch, np.concatenate(drawn, axis=1))]
+    length = window_length(settings)
+    rows = text_windows(text.ids, windows_covering(len(text.ids), length, settings.batch), length)
+    batches = []
+    for start in range(0, len(rows), TEXT_BATCH):
+        chunk = rows[start : start + TEXT_BATCH]
+        fitted = dataclasses.replace(settings, batch=len(chunk))
+        batches.append(
+            (
+                prompt_batch(manifest, fitted, rng, chunk[:, : settings.prompt_length]),
+                chunk[:, settings.prompt_length :],
+            )
+        )
+    return batches
+
+
+def _mean(resamples: np.ndarray) -> np.ndarray:
+    return resamples.mean(axis=-1)
+
+
+def _p99(resamples: np.ndarray) -> np.ndarray:
+    return np.percentile(resamples, 99, axis=-1)
+
+
 def check_quality(
     reference,
     onnx,
@@ -175,55 +294,42 @@ def check_quality(
 ) -> QualityReport:
     """The distributional figures of `onnx` (an OrtRunner on a quantized artifact) against `reference`.
 
-    Random ids put a trained model out of its distribution; with `text` (a tokenized text) every row of the
-    batch is a window of that text, the decode steps feed its continuation and the greedy run starts from its
-    first ids, so that the figures are measured where the model is used.
+    Random ids put a trained model out of its distribution; with `text` (a tokenized text) the batch rows are
+    windows of that text, as many as cover it, each with its continuation for the decode steps, and the greedy run
+    starts from its first ids, so that the figures are measured where the model is used, on all of the text.
 
     Args:
         reference: the reference (TorchRunner or a golden bundle's RecordedReference).
         onnx: the OrtRunner.
         manifest: the artifact's manifest (quantized).
-        batch: the prompt batch (prompt_batch), whose labels the loss is computed from.
-        settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions).
+        batch: the prompt batch (prompt_batch) of random ids; not read with `text`.
+        settings: decode_steps and seed (the greedy run takes GREEDY_QUALITY_TOKENS, fitted to the positions);
+            with `text`, the fewest windows (`batch`).
         profile: the limits.
         rng: the generator of the decode steps' new token ids.
-        text: a text to read the batch, the decode steps and the greedy prompt from; None: random ids (the
+        text: a text to read the batches, the decode steps and the greedy prompt from; None: random ids (the
             batch given, `rng`'s steps, the parity checks' greedy prompt).
 
     Returns:
-        The QualityReport: each threshold's check, every figure, the greedy runs, and the mean KL at each position
-        of the prefill batch and of the decode calls (kl_by_position; its contract is QualityReport's).
+        The QualityReport: each threshold's check with its interval, every figure, the greedy runs, and the mean
+        KL at each position of the prefill batch and of the decode calls (kl_by_position; its contract is
+        QualityReport's).
     """
+    began = time.perf_counter()
     steps = [1] * settings.decode_steps + [FINAL_CHUNK]  # the decode calls' lengths
-    continuation = None
-    if text is not None:
-        rows = text_windows(text.ids, settings.batch, window_length(settings))
-        batch = prompt_batch(manifest, settings, rng, rows[:, : settings.prompt_length])
-        continuation = rows[:, settings.prompt_length :]
-    pairs = []  # (actual, expected) logits of the real positions
-    valid = []  # (B, L) of each call, true at its real positions: where `pairs` took them, for kl_by_position
-    feeds = prefill_feeds(manifest, batch)
-    ref_out, ort_out = reference.prefill(feeds), onnx.prefill(feeds)
-    mask = batch["attention_mask"]
-    pairs.append((_real(ort_out["logits"], mask), _real(ref_out["logits"], mask)))
-    valid.append(np.asarray(mask) == 1)
-    nll = (float(ort_out["loss"]), float(ref_out["loss"])) if "loss" in ort_out else None
-    log.info("%s: quality over the prefill batch and %d decode steps", onnx.provider, settings.decode_steps + 1)
-    read = 0
-    for length in steps:
-        ids = None if continuation is None else continuation[:, read : read + length]
-        step_feeds, mask = next_tokens(manifest, mask, length, rng, ids)
-        read += length
-        ref_out = reference.decode({**step_feeds, **presents_as_past(manifest, ref_out)})
-        ort_out = onnx.decode({**step_feeds, **presents_as_past(manifest, ort_out)})
-        pairs.append(
-            (
-                ort_out["logits"].reshape(-1, ort_out["logits"].shape[-1]),
-                ref_out["logits"].reshape(-1, ref_out["logits"].shape[-1]),
-            )
-        )
-        valid.append(np.ones(ort_out["logits"].shape[:2], bool))
-    stats = token_statistics(np.concatenate([a for a, _ in pairs]), np.concatenate([e for _, e in pairs]))
+    batches = _batches(manifest, batch, settings, steps, rng, text)
+    log.info(
+        "%s: quality over %d batch(es) of %d rows: the prefill and %d decode calls",
+        onnx.provider,
+        len(batches),
+        len(batches[0][0]["input_ids"]),
+        len(steps),
+    )
+    runs = [_run_batch(reference, onnx, manifest, b, continuation, steps, rng) for b, continuation in batches]
+    # call after call, each batch's rows in turn: the rows of all batches stacked, row-major within each call
+    per_call = list(zip(*runs))
+    stats = {key: np.concatenate([s[key] for call in per_call for s, _ in call]) for key in runs[0][0][0]}
+    valid = [np.concatenate([v for _, v in call]) for call in per_call]
     if text is None:
         prompt = greedy_prompt_of(manifest, settings)
     else:
@@ -245,8 +351,26 @@ def check_quality(
         greedy_margin = float(
             token_statistics(trace.logits[agreed : agreed + 1], trace.logits[agreed : agreed + 1])["margin"][0]
         )
+    known = ~np.isnan(stats["nll"])  # every position but each row's last, whose next id is not read
+    samples = {  # each figure over positions: (its per-position values, the statistic of them)
+        "kl_mean": (stats["kl"], _mean),
+        "kl_p99": (stats["kl"], _p99),
+        "top1_agreement": (stats["top1"], _mean),
+        "top5_overlap": (stats["top5"], _mean),
+        "top_logprob_delta_mean": (stats["top_delta"], _mean),
+        "nll_delta": ((stats["nll"] - stats["nll_expected"])[known], _mean),
+        **({"top1_agreement_decisive": (stats["top1"][decisive], _mean)} if judged else {}),
+        **({"top5_overlap_decisive": (stats["top5"][decisive_k], _mean)} if judged_k else {}),
+    }
+    intervals = {
+        name: bootstrap_interval(values, statistic, QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
+        for name, (values, statistic) in samples.items()
+    }
+    intervals["perplexity_ratio"] = tuple(float(np.exp(end)) for end in intervals["nll_delta"])
+    nll_delta = float(samples["nll_delta"][0].mean())
     metrics = {
         "positions": int(len(stats["kl"])),
+        "nll_positions": int(known.sum()),
         "kl_mean": float(stats["kl"].mean()),
         "kl_median": float(np.median(stats["kl"])),
         "kl_p99": float(np.percentile(stats["kl"], 99)),
@@ -259,17 +383,18 @@ def check_quality(
         "top5_overlap_decisive": float(stats["top5"][decisive_k].mean()) if judged_k else None,
         "top_logprob_delta_mean": float(stats["top_delta"].mean()),
         "top_logprob_delta_max": float(stats["top_delta"].max()),
-        "nll_reference": None if nll is None else nll[1],
-        "nll_onnx": None if nll is None else nll[0],
-        "nll_delta": None if nll is None else nll[0] - nll[1],
-        "perplexity_ratio": None if nll is None else float(np.exp(nll[0] - nll[1])),
+        "nll_reference": float(stats["nll_expected"][known].mean()),
+        "nll_onnx": float(stats["nll"][known].mean()),
+        "nll_delta": nll_delta,
+        "perplexity_ratio": float(np.exp(nll_delta)),
         "greedy_tokens": len(trace.ids),
         "greedy_match": agreed,
         # a reference that stops at EOS early gives fewer tokens: all of them agreeing is full agreement
         "greedy_agreement": agreed / len(trace.ids) if trace.ids else 1.0,
         "greedy_divergence_margin": greedy_margin,
     }
-    checks = tuple(_check(t, metrics, nll is not None) for t in profile.thresholds)
+    sizes = {name: len(values) for name, (values, _) in samples.items()}
+    checks = tuple(_check(t, metrics, intervals, sizes) for t in profile.thresholds)
     return QualityReport(
         provider=onnx.provider,
         runtime=onnx.runtime,
@@ -279,16 +404,20 @@ def check_quality(
         metrics=metrics,
         greedy_reference=list(trace.ids),
         greedy_onnx=list(actual),
+        intervals=intervals,
         kl_by_position=tuple(kl_by_position(stats["kl"], valid)),
-        prefill_positions=int(np.asarray(batch["attention_mask"]).shape[1]),
+        prefill_positions=int(np.asarray(batches[0][0]["attention_mask"]).shape[1]),
         text=text,
+        windows=sum(len(b["input_ids"]) for b, _ in batches),
+        window_length=window_length(settings),
+        seconds=time.perf_counter() - began,
     )
 
 
-def _check(threshold: QualityThreshold, metrics: dict, has_loss: bool) -> QualityCheck:
+def _check(threshold: QualityThreshold, metrics: dict, intervals: dict, sizes: dict) -> QualityCheck:
+    """One threshold's check of `metrics`, judged by its interval where it has one (`sizes`: the positions each
+    interval was drawn from)."""
     value = metrics.get(threshold.metric)
-    if threshold.metric == "nll_delta" and not has_loss:
-        return QualityCheck(threshold, None, "not judged: exported without labels, no loss output")
     if value is None:
         return QualityCheck(
             threshold,
@@ -308,7 +437,15 @@ def _check(threshold: QualityThreshold, metrics: dict, has_loss: bool) -> Qualit
                 f"{margin:.3g} nats (< {DECISIVE_MARGIN}): a near-tie, excused",
                 excused=True,
             )
-    return QualityCheck(threshold, float(value))
+    check = QualityCheck(threshold, float(value), interval=intervals.get(threshold.metric))
+    if check.verdict != UNDECIDED:
+        return check
+    low, high = check.interval
+    return dataclasses.replace(
+        check,
+        note=f"undecided at {sizes[threshold.metric]} positions: its {QUALITY_CONFIDENCE:.0%} interval "
+        f"[{low:.4g}, {high:.4g}] straddles the limit; more positions (a longer text) decide it",
+    )
 
 
 def greedy_prompt_of(manifest: Manifest, settings: ParitySettings) -> list[int]:

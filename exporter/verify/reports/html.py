@@ -30,7 +30,10 @@ from exporter.verify.results import ProviderReport, VerifyReport
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px;text-align:left}.pass{color:#17803d}.FAIL{color:#c00;
-font-weight:bold}.attributed{color:#b36b00}svg{display:block;margin:.5em 0;border:1px solid #eee}"""
+font-weight:bold}.attributed{color:#b36b00}.undecided{color:#b35c00;font-weight:bold}svg{display:block;margin:.5em 0;
+border:1px solid #eee}"""
+# The cells that name a verdict, coloured by it.
+VERDICT_CELLS = ("pass", "FAIL", "undecided")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -38,7 +41,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     body = "".join(
         "<tr>"
         + "".join(
-            f'<td class="{escape(c)}">{escape(c)}</td>' if c in ("pass", "FAIL") else f"<td>{escape(str(c))}</td>"
+            f'<td class="{escape(c)}">{escape(c)}</td>' if c in VERDICT_CELLS else f"<td>{escape(str(c))}</td>"
             for c in row
         )
         + "</tr>"
@@ -161,20 +164,31 @@ def _kl_plot(q) -> str:
     return f"{chart}<p>{escape(kl_position_summary(q))}</p>"
 
 
+def _verdict_class(name: str) -> str:
+    """The CSS class of a report's verdict ("pass", "fail" or "undecided")."""
+    return "FAIL" if name == "fail" else name
+
+
+def _quality_class(q) -> str:
+    """The CSS class of a quality row's verdict: attributed to a known cause, or its own."""
+    return "attributed" if q.attributed else _verdict_class(q.verdict)
+
+
 def _quality(q) -> str:
     lines = "".join(f"<p>{escape(line)}</p>" for line in [*runtime_notes(q), q.profile.why, quality_input(q)])
     return (
-        f'<section class="quality"><h2>{escape(quality_title(q))}</h2>{lines}'
+        f'<section class="quality"><h2 class="{_quality_class(q)}">{escape(quality_title(q))}</h2>{lines}'
         f"{_table(QUALITY_HEADER, quality_rows(q))}<p>{escape(quality_figures(q))}</p>{_kl_plot(q)}</section>"
     )
 
 
 def render_html(report: VerifyReport) -> str:
-    overall = "PASS" if report.passed else "FAIL"
+    overall = report.verdict.upper()
     parts = [
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>verify {escape(report.folder)}: "
         f"{overall}</title><style>{STYLE}</style></head><body>",
-        f"<h1>Verification of {escape(report.folder)}: <span class='{verdict(report.passed)}'>{overall}</span></h1>",
+        f"<h1>Verification of {escape(report.folder)}: <span class='{_verdict_class(report.verdict)}'>{overall}"
+        "</span></h1>",
         f"<p>reference: {escape(report.reference)}; {report.seconds:.1f} s; settings "
         f"{escape(str(report.settings))}</p>",
     ]

@@ -8,7 +8,7 @@ import re
 from xml.etree import ElementTree as ET
 
 from exporter.verify.inputs import PREFILL_BATCH
-from exporter.verify.reports.text import sweep_detail
+from exporter.verify.reports.text import quality_detail, sweep_detail
 from exporter.verify.results import VerifyReport
 
 # Characters XML 1.0 forbids even escaped (control characters but tab and newlines, lone surrogates, U+FFFE/F),
@@ -76,14 +76,7 @@ def render_junit(report: VerifyReport) -> str:
         _suite(
             root,
             f"{q.provider} {q.scheme} quality",
-            [
-                (
-                    c.threshold.metric,
-                    c.passed,
-                    f"{c.value} {c.threshold.bound} {c.threshold.limit}; {c.note or c.threshold.why}",
-                )
-                for c in q.checks
-            ],
+            [(c.threshold.metric, c.passed, quality_detail(c)) for c in q.checks],
             q,
         )
     for p in report.reports:

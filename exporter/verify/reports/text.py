@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from exporter.tolerances import QUALITY_CONFIDENCE
 from exporter.verify.checks.faithfulness import NAME
 from exporter.verify.checks.weights import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH
@@ -359,21 +360,39 @@ def _figure(value) -> str:
 
 
 def quality_verdict(check) -> str:
-    """A quality metric's verdict: "not judged" where there was no value to judge, never "pass"."""
+    """A quality metric's verdict: "not judged" where there was no value to judge, never "pass"; "undecided" where
+    its interval straddles the limit."""
     if not check.judged:
         return "not judged"
+    if check.verdict == "undecided":
+        return "undecided"
     return verdict(check.passed) + (" (excused)" if check.excused else "")
 
 
-QUALITY_HEADER = ["metric", "value", "limit", "verdict", "why"]
+QUALITY_HEADER = ["metric", "value", f"{QUALITY_CONFIDENCE:.0%} interval", "limit", "verdict", "why"]
+
+
+def _interval(interval) -> str:
+    return "-" if interval is None else f"[{interval[0]:.4g}, {interval[1]:.4g}]"
+
+
+def quality_detail(check) -> str:
+    """A quality check in one line: its verdict, value, interval, limit and why."""
+    interval = "" if check.interval is None else f" ({QUALITY_CONFIDENCE:.0%} interval {_interval(check.interval)})"
+    return (
+        f"{quality_verdict(check)}: {_figure(check.value)}{interval}, {check.threshold.bound} "
+        f"{check.threshold.limit:.4g}; {check.note or check.threshold.why}"
+    )
 
 
 def quality_rows(q) -> list[list[str]]:
-    """A quantized artifact's quality checks on one provider: each metric, its limit, its verdict and why."""
+    """A quantized artifact's quality checks on one provider: each metric, its interval, its limit, its verdict
+    and why."""
     return [
         [
             c.threshold.metric,
             _figure(c.value),
+            _interval(c.interval),
             f"{c.threshold.bound} {c.threshold.limit:.4g}",
             quality_verdict(c),
             c.note or c.threshold.why,
@@ -383,13 +402,18 @@ def quality_rows(q) -> list[list[str]]:
 
 
 def quality_figures(q) -> str:
-    """The quality figures no threshold judges, in one line."""
-    m = q.metrics
+    """The quality figures no threshold judges, in one line, with their intervals."""
+    m, i = q.metrics, q.intervals
+
+    def shown(name):
+        return _figure(m[name]) + (f" {_interval(i[name])}" if name in i else "")
+
     return (
         f"{m['positions']} positions: KL median {_figure(m['kl_median'])}, max {_figure(m['kl_max'])}; top-1 "
-        f"agreement over all {_figure(m['top1_agreement'])}, top-5 overlap {_figure(m['top5_overlap'])}; NLL "
-        f"reference {_figure(m['nll_reference'])}, artifact {_figure(m['nll_onnx'])}, perplexity ratio "
-        f"{_figure(m['perplexity_ratio'])}; greedy {m['greedy_match']}/{m['greedy_tokens']} tokens agree"
+        f"agreement over all {shown('top1_agreement')}, top-5 overlap {shown('top5_overlap')}; NLL of the next "
+        f"token at {m['nll_positions']} positions: reference {_figure(m['nll_reference'])}, artifact "
+        f"{_figure(m['nll_onnx'])}, perplexity ratio {shown('perplexity_ratio')}; greedy "
+        f"{m['greedy_match']}/{m['greedy_tokens']} tokens agree"
     )
 
 
@@ -409,14 +433,16 @@ def kl_position_summary(q) -> str:
 
 
 def quality_input(q) -> str:
-    """What the quality checks read: the text, or seeded random ids."""
+    """What the quality checks read, how much of it, and in what time."""
+    read = f"{q.windows} rows of {q.window_length} ids, {q.metrics['positions']} positions judged, in {q.seconds:.1f} s"
     if q.text is None:
-        return "input: seeded random ids"
-    return f"input: text {q.text.source} ({len(q.text.ids)} tokens; each batch row a window of it)"
+        return f"input: seeded random ids ({read})"
+    return f"input: text {q.text.source}, {len(q.text.ids)} tokens read whole ({read})"
 
 
 def quality_title(q) -> str:
-    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {row_verdict(q)}"
+    shown = "UNDECIDED" if q.verdict == "undecided" and not q.attributed else row_verdict(q)
+    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {shown}"
 
 
 def format_quality(q) -> str:
@@ -455,5 +481,5 @@ def format_verify(report: VerifyReport) -> str:
                 ["not checked (never counted as passed):"] + [f"  {c}: {w}" for c, w in report.not_checked.items()]
             )
         )
-    blocks.append(f"overall: {'PASS' if report.passed else 'FAIL'} in {report.seconds:.1f} s")
+    blocks.append(f"overall: {report.verdict.upper()} in {report.seconds:.1f} s")
     return "\n\n".join(blocks)

@@ -12,8 +12,9 @@ fails or is missing is a column saying so. The results file has a section per si
 versions and the command line of its run; a run replaces its own size's section. The reports stay under
 --work/foreign/SIZE; --render writes the section again from them without exporting or verifying.
 
-The Optimum venv (transformers 4, which our reference does not use) defaults to the tests' (.venv-optimum, built by
-tests/helpers.py optimum_python), else export_sizes.py's.
+The Optimum venv (transformers 4, which our reference does not use) defaults to `.venv-optimum` at the repository's
+root where one is, else export_sizes.py's; the tests' own (tests/helpers.py optimum_python, in ~/.cache/export-onnx)
+can be passed with --optimum-venv.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -72,12 +73,20 @@ def shared_folder(tmp_path_factory, name: str, build: Callable[[Path], None]) ->
     return folder
 
 
+def _optimum_venv() -> Path:
+    """Where Optimum's environment is kept between runs and checkouts: the user's cache, one environment per set of
+    requirements, interpreter and suite site-packages it reads (its .pth names that folder)."""
+    key = repr((OPTIMUM_REQUIREMENTS, sys.version, sysconfig.get_paths()["purelib"]))
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "export-onnx"
+    return cache / f"venv-optimum-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def optimum_python() -> Path:
     """Optimum's interpreter, its environment built when missing; skips (with pip's reason) where it cannot be.
 
     A file lock beside the environment makes test processes running at once (pytest-xdist) build it once."""
     given = os.environ.get("EXPORT_ONNX_OPTIMUM_PYTHON")
-    python = Path(given) if given else ROOT / ".venv-optimum" / "bin" / "python"
+    python = Path(given) if given else _optimum_venv() / "bin" / "python"
     if not given:
         with FileLock(str(python.parents[1]) + ".lock"):
             _build_optimum_venv(python)

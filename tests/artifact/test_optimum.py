@@ -3,9 +3,10 @@ runtime's.
 
 Optimum's current release (optimum-onnx 0.1.0) needs transformers < 4.58, which the test extra's transformers
 (the independent reference of Hugging Face folders) is not, so Optimum runs in a virtual environment of its own:
-the interpreter named by EXPORT_ONNX_OPTIMUM_PYTHON, else `.venv-optimum` at the repository's root, built here
-on first use from OPTIMUM_REQUIREMENTS (about a minute; later runs reuse it). tests/artifact/optimum_worker.py runs
-there, once for the whole module, on the folders the session's fixtures exported.
+the interpreter named by EXPORT_ONNX_OPTIMUM_PYTHON, else one in the user's cache (~/.cache/export-onnx), built
+on first use from OPTIMUM_REQUIREMENTS (a few minutes; later runs and checkouts reuse it).
+tests/artifact/optimum_worker.py runs there, once for the whole module, on the folders the session's fixtures
+exported.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from exporter.artifact.foreign import NO_DECODER_FIX, ForeignGraph
 from exporter.artifact.manifest import Manifest
 from exporter.errors import ArtifactError, GraphRunError, first_line
 from exporter.runtime.protocol import RuntimeLabel
-from exporter.runtime.runner import empty_past
 from exporter.runtime.sessions import SessionSettings, check_provider, file_session
 from exporter.runtime.steps import NumpySteps
 
@@ -108,6 +107,3 @@ class ForeignRunner(NumpySteps):
 
     def decode(self, feeds: dict) -> dict:
         return self._run(feeds)
-
-    def empty_past(self, batch: int) -> dict:
-        return empty_past(self.manifest.cache, batch)

@@ -28,7 +28,6 @@ from exporter.artifact.manifest import Manifest
 from exporter.errors import ConsumerError, GraphRunError, InputError, ProviderError, first_line
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.registry import Runtime, register_runtime
-from exporter.runtime.runner import empty_past
 from exporter.runtime.steps import NumpySteps
 
 log = logging.getLogger(__name__)
@@ -284,9 +283,6 @@ class NodeRunner(NumpySteps):
 
     def decode(self, feeds: dict) -> dict:
         return self._run(self.manifest.decode, feeds)
-
-    def empty_past(self, batch: int) -> dict:
-        return empty_past(self.manifest.cache, batch)
 
 
 def transformers_js_greedy(

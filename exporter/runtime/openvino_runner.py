@@ -28,7 +28,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.errors import ConsumerError, first_line
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.registry import Runtime, register_runtime
-from exporter.runtime.runner import check_feeds, empty_past
+from exporter.runtime.runner import check_feeds
 from exporter.runtime.steps import NumpySteps
 
 NAME = "openvino"
@@ -102,9 +102,6 @@ class OpenVinoRunner(NumpySteps):
 
     def decode(self, feeds: dict) -> dict:
         return self._graphs[self.manifest.decode.file].run(feeds)
-
-    def empty_past(self, batch: int) -> dict:
-        return empty_past(self.manifest.cache, batch)
 
 
 class _Compiled:

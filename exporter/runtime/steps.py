@@ -6,14 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.errors import InputError
-from exporter.runtime.runner import presents_as_past
+from exporter.runtime.runner import empty_past, presents_as_past
 
 
 class NumpySteps:
-    """start/step over the runner's own `decode` and `empty_past` (and its `manifest`), the cache held as numpy
+    """empty_past, and start/step over the runner's own `decode` (and its `manifest`), the cache held as numpy
     arrays by past input name. Each call runs the whole prompt or step at once."""
 
     cache: dict | None = None
+
+    def empty_past(self, batch: int) -> dict:
+        """A past of length 0 for decode.onnx, by past input name."""
+        return empty_past(self.manifest.cache, batch)
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """The prompt batch on an empty past; the next-token logits (B, V) float32, the cache kept."""

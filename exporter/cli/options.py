@@ -1,10 +1,12 @@
-"""The options that several export-onnx commands share, and for the verification's options (`verify` and `run`)
-the checks before anything runs and the reports and exit once the verdict is in."""
+"""The options that several export-onnx commands share: the artifact FOLDER argument, the export's options (`export`
+and `run`, passed on as one ExportOptions), and the verification's (`verify` and `run`, as one VerifyOptions) with
+their checks before anything runs and the reports and exit once the verdict is in."""
 
 from __future__ import annotations
 
+import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
@@ -20,6 +22,8 @@ from exporter.artifact.quantization import (
 from exporter.cli import outcome
 from exporter.errors import ArtifactError, ConsumerError, ToolkitError
 from reference import DEFAULT_PRESET, PRESETS
+
+DEFAULT_ROOT = Path("artifacts")  # where an export goes without --output, and the artifact FOLDER commands read
 
 # Each report option by the parameter of write_reports (and write_error_reports) that takes its path.
 REPORT_PARAMETERS = {"report_json": "json_path", "junit": "junit_path", "html": "html_path"}
@@ -45,8 +49,41 @@ def common_options(func):
     return func
 
 
+def folder_argument(func):
+    """The artifact FOLDER that verify, generate and inspect read; the default preset's default export folder."""
+    return click.argument("folder", type=PathOption(), default=DEFAULT_ROOT / DEFAULT_PRESET)(func)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """The values of export_options, as click passes them (field names = the options' parameter names)."""
+
+    preset: str | None
+    checkpoint: Path | None
+    config_path: Path | None
+    seed: int
+    output: Path | None
+    dtype: str
+    block_size: int | None
+    accuracy_level: int | None
+    lm_head: str | None
+    embedding: str | None
+    activations: str | None
+    no_loss: bool
+    tokenizer: Path | None
+    no_tokenizer: bool
+    trace_all_layers: bool
+
+
 def export_options(func):
-    """The export's options, shared by `export` and `run`; --help lists them in this order."""
+    """The export's options, shared by `export` and `run`; --help lists them in this order. The command receives
+    them as one ExportOptions, its keyword argument `to_export`."""
+
+    @functools.wraps(func)
+    def with_export_options(*args, **kwargs):
+        values = {field.name: kwargs.pop(field.name) for field in fields(ExportOptions)}
+        return func(*args, to_export=ExportOptions(**values), **kwargs)
+
     options = [
         click.option(
             "--preset",
@@ -156,8 +193,8 @@ def export_options(func):
         ),
     ]
     for option in reversed(options):
-        func = option(func)
-    return func
+        with_export_options = option(with_export_options)
+    return with_export_options
 
 
 def provider_option(func):
@@ -328,7 +365,7 @@ def verification_plan(
         options: the verification's options as click passed them.
         golden: the --golden bundle folder, which no report may be written into.
         planned: for `run`, the (dtype, config, source) of the artifact about to be exported
-            (_planned_artifact in exporter/cli/__init__.py), which --fp16-companion is held to before the export
+            (planned_artifact in exporter/cli/exporting.py), which --fp16-companion is held to before the export
             (the engine checks it again after); None: the companion is only read here.
         quality_text: verify's --quality-text file, read here with the artifact's tokenizer (the artifact's
             manifest read without its hashes, which the verification checks), so that a refusal writes nothing.

@@ -827,31 +827,32 @@ def test_a_checkpoints_default_artifact_folder_is_named_after_it(tmp_path, monke
     # `--checkpoint .` is named after the current folder (Path(".").stem is ""), not artifacts/ itself, which would
     # then hold every later default export; MiniMind2-Small-v1.5/ and -v1.6/ keep their dots, so get folders of
     # their own; and two checkpoints fitting one --preset do not replace each other in artifacts/<preset>.
-    from exporter.cli import DEFAULT_ROOT, _output_folder
+    from exporter.cli.exporting import output_folder
+    from exporter.cli.options import DEFAULT_ROOT
     from exporter.errors import ToolkitError
 
     checkpoint = tmp_path / "MiniMind3-Tiny"
     (checkpoint / "MiniMind2-Small-v1.5").mkdir(parents=True)
     monkeypatch.chdir(checkpoint)
-    assert _output_folder(None, None, Path("."), "float32") == DEFAULT_ROOT / "minimind3-tiny"
-    assert _output_folder(None, None, Path("MiniMind2-Small-v1.5"), "float16") == (
+    assert output_folder(None, None, Path("."), "float32") == DEFAULT_ROOT / "minimind3-tiny"
+    assert output_folder(None, None, Path("MiniMind2-Small-v1.5"), "float16") == (
         DEFAULT_ROOT / "minimind2-small-v1.5-float16"
     )
-    assert _output_folder(None, "minimind2-small", Path("full_sft_512.pth"), "float32") == DEFAULT_ROOT / "full_sft_512"
-    assert _output_folder(None, "minimind2-small", None, "float32") == DEFAULT_ROOT / "minimind2-small"
+    assert output_folder(None, "minimind2-small", Path("full_sft_512.pth"), "float32") == DEFAULT_ROOT / "full_sft_512"
+    assert output_folder(None, "minimind2-small", None, "float32") == DEFAULT_ROOT / "minimind2-small"
     # an int4 export for CUDA does not replace the one for the CPU
-    assert _output_folder(None, "minimind2-small", None, "int4", None) == DEFAULT_ROOT / "minimind2-small-int4"
-    assert _output_folder(None, "minimind2-small", None, "int4", "float32") == DEFAULT_ROOT / "minimind2-small-int4"
-    assert _output_folder(None, "minimind2-small", None, "int4", "float16") == (
+    assert output_folder(None, "minimind2-small", None, "int4", None) == DEFAULT_ROOT / "minimind2-small-int4"
+    assert output_folder(None, "minimind2-small", None, "int4", "float32") == DEFAULT_ROOT / "minimind2-small-int4"
+    assert output_folder(None, "minimind2-small", None, "int4", "float16") == (
         DEFAULT_ROOT / "minimind2-small-int4-float16"
     )
-    assert _output_folder(Path("out"), "minimind2-small", Path("."), "float32") == Path("out")
+    assert output_folder(Path("out"), "minimind2-small", Path("."), "float32") == Path("out")
     with pytest.raises(
         ToolkitError,
         match=r"--checkpoint / has no name to call the artifact folder after; pass "
         r"--output DIR",
     ):
-        _output_folder(None, None, Path("/"), "float32")
+        output_folder(None, None, Path("/"), "float32")
 
 
 def test_progress_lines_go_to_stderr_and_quiet_silences_them(tmp_path, monkeypatch):

@@ -136,10 +136,10 @@ def test_run_checks_its_float16_companion_before_exporting(artifact_fp16, tmp_pa
             fragment,
         )
         assert not out.exists() and not list(tmp_path.glob(".never*"))
-    from exporter.cli import _planned_artifact
+    from exporter.cli.exporting import planned_artifact
     from exporter.verify.checks.providers import companion_for
 
-    companion_for(artifact_fp16, *_planned_artifact("minimind-3-tiny", 0, None, "float32"))  # its own float32 export
+    companion_for(artifact_fp16, *planned_artifact("minimind-3-tiny", 0, None, "float32"))  # its own float32 export
 
 
 def test_verify_refuses_bad_paths_and_conflicting_options_before_running(artifact_fp32, tmp_path, monkeypatch):

@@ -178,6 +178,16 @@ def edit_manifest(folder: Path, change) -> None:
     path.write_text(json.dumps(manifest))
 
 
+def relist_json(folder: Path, name: str, change) -> None:
+    """Apply `change` (a function that edits the dict in place) to the JSON document `name` in an artifact `folder`,
+    and list its new hash and size in the manifest: an edit the file check lets through."""
+    path = Path(folder) / name
+    document = json.loads(path.read_text())
+    change(document)
+    path.write_text(json.dumps(document))
+    edit_manifest(folder, lambda m: m["files"][name].update(sha256=sha256_file(path), bytes=path.stat().st_size))
+
+
 def edit_json(path: Path, **changes) -> None:
     """Replace fields of the JSON object in the file at `path` (a model folder's config.json, say)."""
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))

@@ -227,6 +227,16 @@ def genai_option(func):
     )(func)
 
 
+def transformers_js_option(func):
+    return click.option(
+        "--transformers-js/--no-transformers-js",
+        "transformers_js",
+        default=None,
+        help="Also load the folder in transformers.js (in Node) and compare its greedy tokens with the reference. "
+        "Default: when node and the npm packages of `export-onnx install-node` are there.",
+    )(func)
+
+
 def verify_options(func):
     """The verification engine's options, shared by `verify` and `run`."""
     options = [
@@ -480,7 +490,9 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
     sys.exit(0 if report.passed else outcome.EXIT_PARITY_FAILURE)
 
 
-def run_verification(folder, providers, runtimes, genai, options: VerifyOptions, plan, model=None, golden=None):
+def run_verification(
+    folder, providers, runtimes, genai, options: VerifyOptions, plan, model=None, golden=None, transformers_js=None
+):
     """Run the engine with the CLI's options against `model` (run's export), else the artifact's reference: the
     --golden bundle, or the model rebuilt from its manifest (the only path that imports torch).
 
@@ -493,6 +505,7 @@ def run_verification(folder, providers, runtimes, genai, options: VerifyOptions,
         plan: what verification_plan returned for these options.
         model: the reference model; None: the artifact's own reference.
         golden: the --golden bundle folder, or None.
+        transformers_js: --transformers-js/--no-transformers-js, or None when neither is given.
 
     Returns:
         The VerifyReport.
@@ -518,6 +531,7 @@ def run_verification(folder, providers, runtimes, genai, options: VerifyOptions,
             settings,
             genai,
             runtimes=list(runtimes) or None,
+            transformers_js=transformers_js,
             golden=golden,
             golden_save=options.golden_save,
             overrides=overrides,

@@ -343,7 +343,8 @@ def _skip_reason(name: str, report) -> str:
     if name == "providers_agree":
         skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
         return f"one provider ran ({report.reports[0].provider})" + (f"; skipped {skipped}" if skipped else "")
-    return report.consumers_skipped.get("onnxruntime-genai", "onnxruntime-genai did not run")  # names itself
+    consumer = CONSUMERS[name]  # the reason names the consumer itself
+    return report.consumers_skipped.get(consumer, f"{consumer} did not run")
 
 
 def _worst(comparisons) -> tuple[bool, str]:
@@ -397,11 +398,22 @@ def _experts(report):
     return _per_provider(lambda r: (not r.experts.failed, r.experts.note))(report)
 
 
-def _genai(report):
-    if not report.consumers:
-        return SKIP
-    failed = [f"{c.consumer}: {c.greedy.note}" for c in report.consumers if not c.passed]
-    return not failed, "; ".join(failed)
+# The consumer checks' items, and the consumer each judges (exporter.verify.consumers names them so; not imported
+# here, where the plugin loads in every pytest run).
+CONSUMERS = {"onnxruntime_genai": "onnxruntime-genai", "transformers_js": "transformers.js"}
+
+
+def _consumer(item: str):
+    """The check of one consumer's greedy tokens; skipped where it did not run."""
+
+    def pick(report):
+        ran = [c for c in report.consumers if c.consumer.startswith(f"{CONSUMERS[item]} ")]  # "name version"
+        if not ran:
+            return SKIP
+        failed = [f"{c.consumer}: {c.greedy.note}" for c in ran if not c.passed]
+        return not failed, "; ".join(failed)
+
+    return pick
 
 
 CHECKS = {
@@ -419,7 +431,7 @@ CHECKS = {
     "repeat_run": _per_provider(lambda p: (p.repeat.passed, f"max abs {p.repeat.max_abs:.3g}")),
     "expert_choice": _experts,
     "providers_agree": lambda r: _worst(r.cross) if len(r.reports) > 1 else SKIP,
-    "onnxruntime_genai": _genai,
+    **{item: _consumer(item) for item in CONSUMERS},
 }
 
 

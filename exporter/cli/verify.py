@@ -14,6 +14,7 @@ from exporter.cli.options import (
     genai_option,
     provider_option,
     run_verification,
+    transformers_js_option,
     verification_plan,
     verify_options,
 )
@@ -25,6 +26,7 @@ from exporter.errors import InputError
 @folder_argument
 @provider_option
 @genai_option
+@transformers_js_option
 @verify_options
 @click.option(
     "--golden",
@@ -56,10 +58,24 @@ from exporter.errors import InputError
 )
 @common_options
 @handle_errors
-def verify(folder, providers, runtimes, genai, golden, reference, quality_text, as_json, quiet, verbose, **options):
+def verify(
+    folder,
+    providers,
+    runtimes,
+    genai,
+    transformers_js,
+    golden,
+    reference,
+    quality_text,
+    as_json,
+    quiet,
+    verbose,
+    **options,
+):
     """Verify an artifact FOLDER: against the PyTorch reference (prefill, a 64-step decode error curve,
     greedy tokens, the shape sweep), with reference-free invariants, fp16 health, a repeat run,
-    providers against each other, and onnxruntime-genai's greedy tokens on the folder as it is.
+    providers against each other, and the greedy tokens of onnxruntime-genai and transformers.js on the folder
+    as it is.
 
     The reference is rebuilt from the manifest (the config with the weight seed, or the checkpoint file it
     was exported from, which must be unchanged), or replayed from a golden bundle (--golden). Exits 1 when
@@ -73,7 +89,10 @@ def verify(folder, providers, runtimes, genai, golden, reference, quality_text, 
     options = VerifyOptions(**options)
     writer = foreign_writer(folder)
     if writer is not None or reference is not None:
-        _verify_foreign(folder, writer, reference, providers, runtimes, genai, golden, quality_text, options, as_json)
+        consumers = {"--genai": genai, "--transformers-js": transformers_js}
+        _verify_foreign(
+            folder, writer, reference, providers, runtimes, consumers, golden, quality_text, options, as_json
+        )
         return
     if golden is not None:
         context = click.get_current_context()
@@ -88,14 +107,17 @@ def verify(folder, providers, runtimes, genai, golden, reference, quality_text, 
                 f"--golden replays the checks recorded in the bundle, with its settings; drop {', '.join(given)}"
             )
     plan = verification_plan(folder, providers, runtimes, genai, options, golden, quality_text=quality_text)
-    report = run_verification(folder, providers, runtimes, genai, options, plan, golden=golden)
+    report = run_verification(
+        folder, providers, runtimes, genai, options, plan, golden=golden, transformers_js=transformers_js
+    )
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))
 
 
 def _verify_foreign(
-    folder, writer, reference, providers, runtimes, genai, golden, quality_text, options, as_json
+    folder, writer, reference, providers, runtimes, consumers, golden, quality_text, options, as_json
 ) -> None:
-    """verify of a folder another exporter wrote, against transformers' model of --reference."""
+    """verify of a folder another exporter wrote, against transformers' model of --reference; `consumers`: the
+    consumer checks' flags ({"--genai": value}), which such a folder cannot serve."""
     from exporter.runtime.registry import DEFAULT_RUNTIME
     from exporter.verify.foreign import verify_foreign
     from exporter.verify.reports import format_verify
@@ -116,7 +138,7 @@ def _verify_foreign(
             ("--golden", golden),
             ("--golden-save", options.golden_save),
             ("--fp16-companion", options.fp16_companion),
-            ("--genai", genai),
+            *consumers.items(),
             ("--quality-text", quality_text),
             ("--runtime", [name for name in runtimes if name != DEFAULT_RUNTIME]),
         )
@@ -124,6 +146,6 @@ def _verify_foreign(
     ]
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot serve a folder {writer} wrote; drop it")
-    overrides, settings, *_ = verification_plan(folder, providers, (), genai, options)
+    overrides, settings, *_ = verification_plan(folder, providers, (), None, options)
     report = verify_foreign(folder, reference, list(providers) or None, settings, overrides)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))

@@ -9,7 +9,8 @@
 - results: frozen result objects; reports/: text, JSON, JUnit and HTML writers;
 - engine: verify_artifact, which runs them all; foreign: verify_foreign, the same checks on a folder another
   exporter wrote;
-- transformers_js: transformers.js's greedy tokens on the folder against the reference's (a consumer check).
+- consumers: the consumer checks, onnxruntime-genai's and transformers.js's greedy tokens on the folder as it is
+  against the reference's, and why either does not run.
 
 Only the PyTorch reference imports torch, and only when one is given. Nothing here imports export/, its sibling.
 """

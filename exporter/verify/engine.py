@@ -16,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.artifact.consumers import GENAI_CONFIG, check_sidecars, genai_eos_token_id, genai_unsupported
+from exporter.artifact.consumers import check_sidecars
 from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, config_differences, unchanged_while_read
 from exporter.artifact.paths import check_outside_artifact
-from exporter.errors import ConsumerError, InputError, ProviderError
-from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
+from exporter.errors import InputError, ProviderError
 from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, Runner, missing
 from exporter.runtime.registry import DEFAULT_RUNTIME, Runtime, registered_runtimes, select_runtimes
 from exporter.runtime.runner import OrtRunner
@@ -33,11 +32,9 @@ from exporter.verify.checks.invariants import check_invariants, float_matmul_set
 from exporter.verify.checks.long_context import check_long_context
 from exporter.verify.checks.outputs import (
     DecodeCall,
-    GreedyResult,
     check_decode,
     check_greedy,
     check_prefill,
-    judge_greedy,
     run_sweep,
 )
 from exporter.verify.checks.providers import attribute, check_companion, cross_providers, repeat_run
@@ -51,6 +48,15 @@ from exporter.verify.checks.routing import (
     routing_agreement,
 )
 from exporter.verify.checks.weights import WeightAudit, audit_weights
+from exporter.verify.consumers import (
+    CONSUMER_CHECKS,
+    GENAI,
+    QUANTIZED_SKIP,
+    TRANSFORMERS_JS_CONSUMER,
+    consumer_skip_reason,
+    genai_skip_reason,
+    transformers_js_skip_reason,
+)
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import (
@@ -78,11 +84,6 @@ from reference.families import get_family
 from reference.source import SourcedModel
 
 log = logging.getLogger(__name__)
-
-# Why the token-equality checks of other consumers and references do not run on a quantized artifact.
-QUANTIZED_SKIP = (
-    "a quantized artifact's tokens differ from a float reference's by design; its quality profile judges it"
-)
 
 
 @dataclass(frozen=True)
@@ -333,69 +334,6 @@ def _run_quality(
     return report
 
 
-def _genai_skip_reason(folder: Path, manifest: Manifest) -> str:
-    if genai_version() is None:
-        return f"onnxruntime-genai is not installed ({INSTALL_HINT})"
-    if reason := genai_unsupported(manifest):
-        return reason
-    if GENAI_CONFIG not in manifest.files:  # GenaiGenerator loads the listed file alone, whatever else is there
-        return f"the folder's manifest lists no {GENAI_CONFIG} (exported by an older toolkit); re-export it"
-    genai_model_type(folder)  # a damaged one is refused here, before any work, rather than after every check
-    return ""
-
-
-def check_genai(
-    reference,
-    artifact: Artifact,
-    settings: ParitySettings,
-    profile: Profile,
-    runtime: GreedyResult | None = None,
-) -> ConsumerReport:
-    """onnxruntime-genai's own loop over the folder against the reference, from check_greedy's prompt.
-
-    onnxruntime-genai stops at EOS and leaves it out, so the reference's tokens are compared up to its
-    first EOS; for a model without one, up to the id genai_config.json makes genai stop at instead.
-
-    genai's routers cannot be probed. Where its tokens differ from the reference's at no logit near-tie but
-    equal those of our loop on the CPU (`runtime`, the same graph and prompt) up to and including the
-    differing one, and a router near-tie explains our loop's difference (check_greedy), it explains genai's.
-
-    Args:
-        reference: the reference (TorchRunner or a golden bundle's RecordedReference), which runs greedily.
-        artifact: the artifact onnxruntime-genai loads.
-        settings: the verification's settings (seed, greedy_tokens).
-        profile: the profile whose logits tolerance defines a near-tie.
-        runtime: check_greedy's result for our loop on the CPU, whose routing can explain genai's difference;
-            None: no such explanation.
-    """
-    manifest = artifact.manifest
-    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
-    eos = genai_eos_token_id(manifest.config.eos_token_id, manifest.config.vocab_size)
-    expected = trace.ids[: trace.ids.index(eos)] if eos in trace.ids else trace.ids
-    log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
-    generator = GenaiGenerator(artifact)
-    actual = generator.greedy(prompt, settings.greedy_tokens)
-    greedy = judge_greedy(trace, actual, profile, expected, dropped_eos=eos)
-    shared = greedy.match_length + 1  # the tokens up to and including the differing one
-    if (
-        not greedy.passed
-        and runtime is not None
-        and runtime.routing is not None
-        and runtime.routing.explained_flip
-        and runtime.match_length == greedy.match_length
-        and actual[:shared] == runtime.onnx_ids[:shared]
-    ):
-        greedy = replace(
-            greedy,
-            passed=True,
-            routing=runtime.routing,
-            note=f"{greedy.note}; the tokens of our loop on the CPU up to and including this one, where "
-            f"a router near-tie explains the difference: {runtime.routing.note}",
-        )
-    return ConsumerReport(f"onnxruntime-genai {genai_version()}", generator.model_type, greedy)
-
-
 def _reference(
     manifest: Manifest, model, golden: Path | GoldenBundle | None, settings: ParitySettings, overrides: Overrides
 ):
@@ -463,7 +401,7 @@ def _check_model(model, manifest: Manifest) -> None:
         )
 
 
-def _check_arguments(settings, genai, overrides) -> None:
+def _check_arguments(settings, genai, transformers_js, overrides) -> None:
     """verify_artifact's option objects, which failed deep in the engine (AttributeError), or read "no" as True."""
     if not isinstance(settings, ParitySettings):
         raise InputError(
@@ -475,8 +413,9 @@ def _check_arguments(settings, genai, overrides) -> None:
             f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
             "exporter.tolerances.parse_overrides(atol=['logits=1e-3'])"
         )
-    if not isinstance(genai, (bool, type(None))):
-        raise InputError(f"genai must be None, True or False, got {genai!r} ({type(genai).__name__})")
+    for name, value in (("genai", genai), ("transformers_js", transformers_js)):
+        if not isinstance(value, (bool, type(None))):
+            raise InputError(f"{name} must be None, True or False, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -520,7 +459,7 @@ class _Plan:
     described: str  # the reference, in words
     settings: ParitySettings  # a golden replay's are its bundle's; fitted to the model's context
     applied: AppliedOverrides
-    genai_skipped: str  # why the onnxruntime-genai check does not run; "" when it does
+    consumers_skipped: dict[str, str]  # consumer -> why its check does not run; "" when it does
     transformers_skipped: str | None  # why Transformers is not compared; "" when it is; None: not an HF artifact
     quality_text: QualityText | None  # what the quality check reads in place of random ids
     referee: Float64Referee | None  # judges the float comparisons that fail their fixed profile; None: none does
@@ -534,6 +473,7 @@ def _plan(
     runtimes,
     settings,
     genai,
+    transformers_js,
     golden,
     golden_save,
     overrides,
@@ -542,7 +482,7 @@ def _plan(
 ) -> _Plan:
     """Every argument of verify_artifact checked (InputError, ProviderError, ConsumerError, ToolkitError) and the
     reference chosen, before any check runs."""
-    _check_arguments(settings, genai, overrides)
+    _check_arguments(settings, genai, transformers_js, overrides)
     if model is not None and golden is not None:  # the bundle was replayed and the model ignored, silently
         raise InputError(
             "give model or golden, not both: a golden bundle replays the reference in the model's "
@@ -569,16 +509,20 @@ def _plan(
         )
     reference, described, settings, applied, referee = _reference(manifest, model, golden, settings, overrides)
     text = _quality_text(quality_text, manifest, folder, settings, reference)
-    if reference is None:
-        genai_skipped = "no reference to compare with (invariants only)"
-    elif manifest.quantization is not None:
-        genai_skipped = QUANTIZED_SKIP
-        if genai:
-            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
-    else:
-        genai_skipped = "turned off" if genai is False else _genai_skip_reason(folder, manifest)
-        if genai_skipped and genai:  # before any work, as the caller asked for the check
-            raise ConsumerError(f"cannot run the onnxruntime-genai check on {folder}: {genai_skipped}")
+    has_reference = reference is not None
+    consumers_skipped = {
+        GENAI: consumer_skip_reason(
+            GENAI, genai, folder, manifest, has_reference, lambda: genai_skip_reason(folder, manifest)
+        ),
+        TRANSFORMERS_JS_CONSUMER: consumer_skip_reason(
+            TRANSFORMERS_JS_CONSUMER,
+            transformers_js,
+            folder,
+            manifest,
+            has_reference,
+            lambda: transformers_js_skip_reason(manifest),
+        ),
+    }
     check_sidecars(folder, manifest)  # what the consumers read of the model: the graphs' checks cannot see it
     transformers_skipped = None
     if get_family(manifest.family).transformers:
@@ -598,7 +542,7 @@ def _plan(
         described,
         settings.fit(manifest.config.max_position_embeddings),
         applied,
-        genai_skipped,
+        consumers_skipped,
         transformers_skipped,
         text,
         referee,
@@ -646,13 +590,20 @@ def _probes_between(
 
 
 def _consumers(plan: _Plan, reports: list[ProviderReport]) -> tuple[list[ConsumerReport], dict]:
-    """onnxruntime-genai's check against the reference, or why it did not run ({consumer: reason})."""
-    if plan.genai_skipped:
-        return [], {"onnxruntime-genai": plan.genai_skipped}
+    """The consumers' checks against the reference (onnxruntime-genai's, transformers.js's), and why the others did
+    not run ({consumer: reason})."""
+    skipped = {consumer: why for consumer, why in plan.consumers_skipped.items() if why}
+    if len(skipped) == len(CONSUMER_CHECKS):
+        return [], skipped
     plan.reference.rewind()
     cpu = next((r.greedy for r in reports if r.provider == CPU), None)
-    # not skipped: there is a reference, so each provider ran (_plan refuses none) and has its report
-    return [check_genai(plan.reference, plan.artifact, plan.settings, reports[0].profile, cpu)], {}
+    # one runs: there is a reference, so each provider ran (_plan refuses none) and has its report
+    ran = [
+        check(plan.reference, plan.artifact, plan.settings, reports[0].profile, cpu)
+        for consumer, check in CONSUMER_CHECKS.items()
+        if consumer not in skipped
+    ]
+    return ran, skipped
 
 
 def _audit(artifact: Artifact, model) -> WeightAudit:
@@ -702,6 +653,7 @@ def verify_artifact(
     genai: bool | None = None,
     *,
     runtimes: list[str] | None = None,
+    transformers_js: bool | None = None,
     golden: Path | GoldenBundle | None = None,
     golden_save: Path | None = None,
     overrides: Overrides = Overrides(),
@@ -720,6 +672,7 @@ def verify_artifact(
         settings: decode steps, greedy tokens, sweep, probe and seed.
         genai: also check onnxruntime-genai's greedy tokens; None runs the check when it can and reports why not
             otherwise, True makes each of those an error, False skips it.
+        transformers_js: also check transformers.js's greedy tokens (in Node), as `genai` does onnxruntime-genai's.
         runtimes: the runtimes to verify in (exporter.runtime.registry: "onnxruntime", "openvino", "all" for every
             installed one; a str names one), each runner a row of the report; None: ONNX Runtime alone.
         golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle
@@ -745,7 +698,8 @@ def verify_artifact(
         TokenizerError: quality_text given, and the artifact's tokenizer.json does not fit the model.
         ProviderError: a provider that is unknown or not available.
         InputError: a runtime that is unknown or not installed (the message names its install).
-        ConsumerError: genai=True where the onnxruntime-genai check cannot run; a runtime that cannot compile or
+        ConsumerError: genai=True where the onnxruntime-genai check cannot run, transformers_js=True where the
+            transformers.js check cannot; a runtime that cannot compile or
             run the artifact's graphs.
         ArtifactError: the artifact (or the companion, or the bundle) is damaged or not one; a consumer config
             giving other ids or sizes than the manifest's model config is damage too.
@@ -760,6 +714,7 @@ def verify_artifact(
             runtimes=runtimes,
             settings=settings,
             genai=genai,
+            transformers_js=transformers_js,
             golden=golden,
             golden_save=golden_save,
             overrides=overrides,

@@ -95,11 +95,12 @@ class ProviderReport:
 
 @dataclass(frozen=True)
 class ConsumerReport:
-    """Another runtime (onnxruntime-genai) loading the folder as it is, against the reference."""
+    """Another runtime (onnxruntime-genai, transformers.js) loading the folder as it is, against the reference."""
 
     consumer: str  # name and version
     model_type: str
     greedy: GreedyResult
+    eos_dropped: bool = False  # the consumer leaves out the EOS it stops at, so a final EOS is not compared
 
     @property
     def passed(self) -> bool:
@@ -110,6 +111,7 @@ class ConsumerReport:
             "consumer": self.consumer,
             "model_type": self.model_type,
             "passed": self.passed,
+            "eos_dropped": self.eos_dropped,
             "greedy": self.greedy.to_dict(),
         }
 

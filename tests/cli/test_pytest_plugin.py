@@ -48,17 +48,17 @@ def test_plugin_collects_each_folder_as_one_item_per_check_and_nothing_else(arti
     out = _pytest(tmp_path, "--collect-only", "-q", *(f"--artifacts={folder}" for folder in folders))
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "20 tests collected" in out.stdout
+    assert len(ids) == len(set(ids)) == 2 * len(CHECKS) and "22 tests collected" in out.stdout
     assert {i.split("::")[0] for i in ids} == {"a/model/manifest.json", "b/model/manifest.json"}
     with_tests = _pytest(tmp_path, "--collect-only", "-q", "test_x.py", f"--artifacts={folders[0]}")
-    assert "test_x.py::test_one" in with_tests.stdout and "11 tests collected" in with_tests.stdout
+    assert "test_x.py::test_one" in with_tests.stdout and "12 tests collected" in with_tests.stdout
     # A repeated --artifacts adds its folders; test files inside a folder are not collected, and a conftest.py
     # there, which pytest would import, is refused before anything runs.
     (folders[0] / "test_extra.py").write_text("def test_extra():\n    pass\n")
     after = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", "test_x.py")  # either order
-    assert "test_x.py::test_one" in after.stdout and "11 tests collected" in after.stdout
+    assert "test_x.py::test_one" in after.stdout and "12 tests collected" in after.stdout
     repeated = _pytest(tmp_path, "--collect-only", "-q", f"--artifacts={folders[0]}", f"--artifacts={folders[1]}")
-    assert "20 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
+    assert "22 tests collected" in repeated.stdout and "test_extra" not in repeated.stdout
     (folders[0] / "conftest.py").write_text("print('code from the artifact folder ran')\n")
     refused = _pytest(tmp_path, "--collect-only", "-q", "-s", f"--artifacts={folders[0]}")
     assert refused.returncode == 4 and "holds a conftest.py, which pytest would run as code" in refused.stderr
@@ -560,10 +560,14 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
     assert alone.returncode == 4 and "--golden-bundle without --artifacts" in alone.stderr, alone.stderr[-2000:]
 
 
-def test_the_onnxruntime_genai_skip_reason_is_the_verifications_own_words():
+def test_each_consumer_item_judges_its_own_consumer_and_skips_with_the_verifications_own_words():
     # The reason as the verification words it, not prefixed with the consumer's name a second time.
     reason = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
     assert _skip_reason("onnxruntime_genai", SimpleNamespace(consumers_skipped={"onnxruntime-genai": reason})) == reason
+    failed = SimpleNamespace(consumer="transformers.js 4.3.2", passed=False, greedy=SimpleNamespace(note="diverged"))
+    report = SimpleNamespace(consumers=[failed], consumers_skipped={"onnxruntime-genai": reason})
+    assert CHECKS["onnxruntime_genai"](report) is SKIP and _skip_reason("onnxruntime_genai", report) == reason
+    assert CHECKS["transformers_js"](report) == (False, "transformers.js 4.3.2: diverged")
 
 
 def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(

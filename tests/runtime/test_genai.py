@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import onnxruntime_genai as og
 import pytest
 from click.testing import CliRunner
-from helpers import CONSUMER_PROMPTS, edit_manifest
+from helpers import CONSUMER_PROMPTS, edit_manifest, relist_json
 from tokenizers import Tokenizer
 
 import exporter.runtime.genai as exporter_genai
@@ -27,8 +27,10 @@ from exporter.runtime.genai import GenaiGenerator, genai_greedy
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
 from exporter.tolerances import profile_for
+from exporter.verify import consumers as verify_consumers
 from exporter.verify import engine
 from exporter.verify.checks.outputs import judge_greedy
+from exporter.verify.consumers import genai_skip_reason
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 
 
@@ -100,16 +102,8 @@ def test_genai_stops_at_eos_and_leaves_it_out(artifact_copy, tiny_model):
     trace = reference_greedy(tiny_model, prompt, 40, eos)  # the reference keeps the EOS, and stops there
     assert trace.ids == free_run[: stop + 1] and trace.logits.shape == (stop + 1, tiny_model.config.vocab_size)
     assert trace.ids == trace.logits.argmax(-1).tolist()  # each row is the logits its token was chosen from
-    path = artifact_copy / "genai_config.json"
-    config = json.loads(path.read_text())
-    config["model"]["eos_token_id"] = eos
-    path.write_text(json.dumps(config))
-    edit_manifest(
-        artifact_copy,
-        lambda manifest: manifest["files"]["genai_config.json"].update(
-            sha256=sha256_file(path), bytes=path.stat().st_size
-        ),
-    )  # a user's edit, listed as the export would
+    # a user's edit, listed as the export would
+    relist_json(artifact_copy, "genai_config.json", lambda config: config["model"].update(eos_token_id=eos))
     ours = generate_greedy(OrtRunner(artifact_copy), prompt, 40, eos).new_ids
     assert ours == free_run[: stop + 1] and ours[-1] == eos
     generator = GenaiGenerator(artifact_copy)
@@ -161,8 +155,8 @@ FAST = ParitySettings(decode_steps=2, sweep=False)
 
 
 def test_verify_runs_the_genai_check_when_it_can(artifact_fp32, tiny_model):
-    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], FAST)
-    assert report.passed and report.consumers_skipped == {}
+    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], FAST, transformers_js=False)
+    assert report.passed and report.consumers_skipped == {"transformers.js": "turned off"}
     (consumer,) = report.consumers
     assert consumer.consumer == f"onnxruntime-genai {og.__version__}" and consumer.model_type == "qwen3"
     assert consumer.greedy.passed and consumer.greedy.note == "32 tokens identical"
@@ -175,27 +169,26 @@ def test_verify_fails_when_genai_generates_other_tokens(artifact_copy, tiny_mode
             tokens = super().greedy(prompt_ids, max_new_tokens)
             return tokens[:5] + [(tokens[5] + 1) % 512] + tokens[6:]
 
-    monkeypatch.setattr(engine, "GenaiGenerator", Wrong)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
+    monkeypatch.setattr(verify_consumers, "GenaiGenerator", Wrong)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, transformers_js=False)
     assert all(r.passed for r in report.reports) and not report.passed
     assert report.consumers[0].greedy.match_length == 5 and "not a tie" in report.consumers[0].greedy.note
 
 
 def test_verify_reports_why_the_genai_check_did_not_run(artifact_copy, tiny_model, monkeypatch):
-    assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False).consumers_skipped == {
-        "onnxruntime-genai": "turned off"
-    }
+    off = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False, transformers_js=False)
+    assert off.consumers_skipped == {"onnxruntime-genai": "turned off", "transformers.js": "turned off"}
+    assert not off.consumers
     with monkeypatch.context() as patch:  # a family onnxruntime-genai cannot run
         patch.setattr(
             consumers, "consumer_types", lambda manifest: FamilyTypes(None, "qwen3", genai_unsupported="reason X")
         )
-        assert verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST).consumers_skipped == {
-            "onnxruntime-genai": "reason X"
-        }
+        report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, transformers_js=False)
+        assert report.consumers_skipped["onnxruntime-genai"] == "reason X"
         with pytest.raises(ConsumerError, match="cannot run in onnxruntime-genai: reason X"):
             GenaiGenerator(artifact_copy)
-    monkeypatch.setattr(engine, "genai_version", lambda: None)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST)
+    monkeypatch.setattr(verify_consumers, "genai_version", lambda: None)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, transformers_js=False)
     assert report.passed and "pip install onnxruntime-genai" in report.consumers_skipped["onnxruntime-genai"]
     monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
     with pytest.raises(ConsumerError, match="not installed"):
@@ -208,15 +201,6 @@ def test_an_edited_genai_config_is_refused_by_its_hash(artifact_copy):
     (artifact_copy / "genai_config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError, match="genai_config.json"):
         GenaiGenerator(artifact_copy)
-
-
-def _relisted(folder, name: str, change) -> None:
-    """Apply `change` to the JSON document `name` in `folder`, and list its new hash and size in the manifest."""
-    path = folder / name
-    document = json.loads(path.read_text())
-    change(document)
-    path.write_text(json.dumps(document))
-    edit_manifest(folder, lambda m: m["files"][name].update(sha256=sha256_file(path), bytes=path.stat().st_size))
 
 
 @pytest.mark.parametrize(
@@ -246,7 +230,7 @@ def test_a_consumer_config_giving_other_ids_or_sizes_is_damage_though_listed_aga
 ):
     # genai_config.json with eos_token_id 5 (the model's is 2), its hash listed again in the manifest, passed
     # verify: onnxruntime-genai then stopped at another token than the model's, which the graphs' checks cannot see.
-    _relisted(artifact_copy, name, change)
+    relist_json(artifact_copy, name, change)
     with pytest.raises(ArtifactError, match=re.escape(difference)):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=False)
     result = CliRunner().invoke(main, ["verify", str(artifact_copy), "--no-genai", "-q"])
@@ -379,7 +363,7 @@ def test_verify_checks_the_listed_genai_config_before_any_work(artifact_copy, ti
     assert path.is_file()
     with pytest.raises(ConsumerError, match="manifest lists no genai_config.json"):
         verify_artifact(artifact_copy, tiny_model, ["cpu"], FAST, genai=True)
-    assert engine._genai_skip_reason(artifact_copy, read_manifest(artifact_copy)).startswith(
+    assert genai_skip_reason(artifact_copy, read_manifest(artifact_copy)).startswith(
         "the folder's manifest lists no genai_config.json"
     )  # what a run without --genai reports, then passes
     path.write_text('{"model": ')

@@ -4,12 +4,15 @@ reference's greedy tokens from the folder as it is. Skipped, with the reason, wh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from types import SimpleNamespace
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
-from helpers import CONSUMER_PROMPTS, QUICK, assert_one_line_error, node_packages, run_cli
+from helpers import CONSUMER_PROMPTS, QUICK, assert_one_line_error, node_packages, relist_json, run_cli
 
 from exporter.artifact.folder import open_artifact
 from exporter.errors import ConsumerError, GraphRunError, ProviderError
@@ -29,11 +32,18 @@ from exporter.runtime.node import (
 )
 from exporter.runtime.runner import presents_as_past
 from exporter.tolerances import profile_for
-from exporter.verify import transformers_js
+from exporter.verify import consumers, engine
+from exporter.verify.consumers import (
+    NO_REFERENCE,
+    QUANTIZED_SKIP,
+    check_transformers_js,
+    consumer_skip_reason,
+    transformers_js_skip_reason,
+)
+from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, next_tokens, prefill_feeds, prompt_batch
 from exporter.verify.metrics import compare_outputs
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
-from exporter.verify.transformers_js import check_transformers_js, transformers_js_skip_reason
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +144,59 @@ def test_the_transformers_js_consumer_check_passes_and_can_fail(packages, artifa
     assert report.model_type == "qwen3" and report.greedy.onnx_ids == report.greedy.reference_ids
     other = list(report.greedy.onnx_ids)
     other[2] = (other[2] + 1) % tiny_model.config.vocab_size  # transformers.js choosing another third token
-    monkeypatch.setattr(transformers_js, "transformers_js_greedy", lambda *args: other)
+    monkeypatch.setattr(consumers, "transformers_js_greedy", lambda *args: other)
     failed = check_transformers_js(reference, artifact, QUICK, profile)
     assert not failed.passed and "diverged at token 2" in failed.greedy.note and "not a tie" in failed.greedy.note
+
+
+def test_verify_runs_the_transformers_js_check_and_every_report_shows_it(packages, artifact_fp32, tmp_path):
+    paths = {"--report-json": tmp_path / "r.json", "--junit": tmp_path / "r.xml", "--html": tmp_path / "r.html"}
+    flags = ["--provider", "cpu", "--no-genai", "--transformers-js", "--decode-steps", "1", "--no-sweep", "-q"]
+    result = run_cli("verify", artifact_fp32, *flags, *[part for item in paths.items() for part in item])
+    assert result.exit_code == 0, result.output
+    name = f"transformers.js {NODE_PACKAGES[TRANSFORMERS_JS]}"
+    assert f"consumer {name} (model type qwen3): PASS" in result.stdout, result.stdout
+    assert "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
+    assert "leaves it out" not in result.stdout  # transformers.js keeps its EOS: nothing is left out of the comparison
+    (consumer,) = json.loads(paths["--report-json"].read_text())["consumers"]
+    assert consumer["consumer"] == name and consumer["passed"] and not consumer["eos_dropped"]
+    assert consumer["greedy"]["onnx_ids"] == consumer["greedy"]["reference_ids"]
+    assert len(consumer["greedy"]["onnx_ids"]) > 5
+    suite = ElementTree.parse(paths["--junit"]).getroot().find("testsuite[@name='consumers']")
+    assert [case.get("name") for case in suite] == [name] and suite.find("testcase/failure") is None
+    assert f"Consumer {name}" in paths["--html"].read_text()
+
+
+def test_verify_fails_where_the_folder_makes_transformers_js_generate_other_tokens(packages, artifact_copy, tiny_model):
+    # transformers.js applies generation_config.json's repetition penalty; the reference and our loop do not
+    relist_json(artifact_copy, "generation_config.json", lambda config: config.update(repetition_penalty=10.0))
+    settings = ParitySettings(decode_steps=1, greedy_tokens=24, sweep=False, long_context=False, probe=False)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], settings, genai=False)
+    assert all(r.passed for r in report.reports) and not report.passed
+    (consumer,) = report.consumers
+    assert consumer.consumer.startswith("transformers.js") and "not a tie" in consumer.greedy.note
+
+
+def test_why_the_transformers_js_check_does_not_run(artifact_fp32, tiny_model, tmp_path, monkeypatch):
+    manifest = open_artifact(artifact_fp32).manifest
+    quantized = SimpleNamespace(quantization=object())
+
+    def never() -> str:
+        pytest.fail("asked for the consumer's own reason where it does not apply")
+
+    assert consumer_skip_reason("transformers.js", None, artifact_fp32, manifest, False, never) == NO_REFERENCE
+    assert consumer_skip_reason("transformers.js", False, artifact_fp32, manifest, True, never) == "turned off"
+    assert consumer_skip_reason("transformers.js", None, artifact_fp32, quantized, True, never) == QUANTIZED_SKIP
+    with pytest.raises(ConsumerError, match="cannot run the transformers.js check on .*: a quantized artifact"):
+        consumer_skip_reason("transformers.js", True, artifact_fp32, quantized, True, never)
+    monkeypatch.setenv(PACKAGES_ENV, str(tmp_path / "empty"))
+    missing = transformers_js_skip_reason(manifest)
+    assert "\n" not in missing and missing.endswith(INSTALL_HINT)
+    assert consumer_skip_reason("transformers.js", None, artifact_fp32, manifest, True, lambda: missing) == missing
+    # asked for where it cannot run: refused before any work
+    monkeypatch.setattr(engine, "OrtRunner", lambda *args, **kwargs: pytest.fail("refused only after work began"))
+    with pytest.raises(ConsumerError, match=r"cannot run the transformers.js check .* export-onnx install-node"):
+        verify_artifact(artifact_fp32, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=True)
 
 
 def test_without_node_or_packages_each_runtime_says_how_to_install_them(artifact_fp32, tmp_path, monkeypatch):

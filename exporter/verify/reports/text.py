@@ -470,8 +470,8 @@ def format_verify(report: VerifyReport) -> str:
         blocks.append(
             f"consumer {consumer.consumer} (model type {consumer.model_type}): "
             f"{'PASS' if consumer.passed else 'FAIL'}\n  greedy against the reference: "
-            f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note} (a final EOS is not "
-            "compared: onnxruntime-genai leaves it out)"
+            f"{greedy.match_length}/{len(greedy.reference_ids)} match, {greedy.note}"
+            + (f" (a final EOS is not compared: {consumer.consumer} leaves it out)" if consumer.eos_dropped else "")
         )
     blocks += [f"consumer {consumer}: skipped ({reason})" for consumer, reason in report.consumers_skipped.items()]
     blocks += [f"independent reference {name}: skipped ({why})" for name, why in report.independent_skipped.items()]

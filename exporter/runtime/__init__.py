@@ -12,7 +12,8 @@ runtimes a verification runs it in.
 - genai: the same artifact through onnxruntime-genai;
 - foreign: a foreign graph (artifact.foreign) behind the Runner protocol;
 - node: the artifact in onnxruntime-web and onnxruntime-node, and transformers.js's generation, through one Node
-  process (node_bridge.mjs).
+  process (node_bridge.mjs);
+- chromium: the artifact in onnxruntime-web in headless Chromium, on a page (chromium_page.mjs) of a local server.
 
 A test proves that importing this package never imports torch.
 """

@@ -80,13 +80,18 @@ def node_unavailable(folder: Path | None = None, packages=tuple(NODE_PACKAGES)) 
     major = version.removeprefix("v").partition(".")[0]
     if not major.isdigit() or int(major) < NODE_MAJOR:
         return f"{node} is Node.js {version or 'of an unknown version'}; {INSTALL_HINT}"
+    return next(filter(None, (package_unavailable(package, folder) for package in packages)), "")
+
+
+def package_unavailable(package: str, folder: Path | None = None) -> str:
+    """Why the npm package `package` is not there to run, in one line naming the fix; "" when it is installed at
+    NODE_PACKAGES' version in `folder` (default packages_folder())."""
     folder = packages_folder() if folder is None else Path(folder)
-    for package in packages:
-        found = _installed_version(folder, package)
-        if found != NODE_PACKAGES[package]:
-            what = "is not installed" if found is None else f"is at {found}, not {NODE_PACKAGES[package]}"
-            return f"the npm package {package} {what} in {folder}; {INSTALL_HINT}"
-    return ""
+    found = _installed_version(folder, package)
+    if found == NODE_PACKAGES[package]:
+        return ""
+    what = "is not installed" if found is None else f"is at {found}, not {NODE_PACKAGES[package]}"
+    return f"the npm package {package} {what} in {folder}; {INSTALL_HINT}"
 
 
 def install_node_packages(folder: Path | None = None) -> Path:
@@ -122,6 +127,25 @@ class NodeError(Exception):
     """The bridge's one-line answer to a request that failed; its callers say what failed."""
 
 
+def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None) -> list:
+    """One request to a bridge (node_bridge.mjs, or the Chromium page): its length and JSON header, then the bytes of
+    each array (uncopied), as the pieces to send in order."""
+    arrays = {name: np.ascontiguousarray(value) for name, value in (arrays or {}).items()}
+    specs = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape)} for n, v in arrays.items()]
+    body = json.dumps({**header, "tensors": specs}).encode()
+    return [struct.pack("<I", len(body)) + body, *(value.reshape(-1).view(np.uint8) for value in arrays.values())]
+
+
+def read_frame(read) -> tuple[dict, dict[str, np.ndarray]]:
+    """One reply of a bridge, read by `read(size)` (which returns exactly `size` bytes or raises): its header and its
+    arrays, writable as onnxruntime's Python API returns them."""
+    reply = json.loads(read(struct.unpack("<I", read(4))[0]))
+    tensors = [(spec, read(_nbytes(spec))) for spec in reply.pop("tensors")]
+    return reply, {
+        spec["name"]: np.frombuffer(bytearray(data), spec["dtype"]).reshape(spec["shape"]) for spec, data in tensors
+    }
+
+
 class NodeBridge:
     """One Node process running node_bridge.mjs: requests of a JSON header and numpy arrays, answered in order.
 
@@ -143,7 +167,7 @@ class NodeBridge:
             ["node", str(BRIDGE), str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         self._stderr = collections.deque(maxlen=20)  # what Node said last, for the message when it dies
-        self._drain = threading.Thread(target=_drain, args=(self._process.stderr, self._stderr), daemon=True)
+        self._drain = threading.Thread(target=keep_lines, args=(self._process.stderr, self._stderr), daemon=True)
         self._drain.start()
         self._close = weakref.finalize(self, _end, self._process)
         self._turn = threading.Lock()  # one request and its reply at a time: threads sharing a runner take turns
@@ -156,26 +180,20 @@ class NodeBridge:
         """
         if not self._close.alive:
             raise NodeError("the Node process was closed")
-        arrays = {name: np.ascontiguousarray(value) for name, value in (arrays or {}).items()}
-        specs = [{"name": n, "dtype": v.dtype.name, "shape": list(v.shape)} for n, v in arrays.items()]
-        body = json.dumps({**header, "tensors": specs}).encode()
+        pieces = encode_frame(header, arrays)
         with self._turn:
             try:
-                self._process.stdin.write(struct.pack("<I", len(body)) + body)
-                for value in arrays.values():
-                    self._process.stdin.write(value.reshape(-1).view(np.uint8))  # its bytes, uncopied
+                for piece in pieces:
+                    self._process.stdin.write(piece)
                 self._process.stdin.flush()
-                reply = json.loads(self._read(struct.unpack("<I", self._read(4))[0]))
-                tensors = [(spec, self._read(_nbytes(spec))) for spec in reply.pop("tensors")]
+                reply, tensors = read_frame(self._read)
             except (BrokenPipeError, EOFError):
                 self._drain.join(timeout=5)  # everything Node said before it ended
                 said = next((line for line in reversed(self._stderr) if line.strip()), "no output")
                 raise NodeError(f"node ended (exit code {self._process.wait(timeout=5)}): {said}") from None
         if "error" in reply:
             raise NodeError(reply["error"])
-        return reply, {  # writable arrays, as onnxruntime's Python API returns
-            spec["name"]: np.frombuffer(bytearray(data), spec["dtype"]).reshape(spec["shape"]) for spec, data in tensors
-        }
+        return reply, tensors
 
     def _read(self, size: int) -> bytes:
         data = self._process.stdout.read(size)
@@ -191,7 +209,8 @@ def _nbytes(spec: dict) -> int:
     return int(np.prod(spec["shape"], dtype=np.int64)) * np.dtype(spec["dtype"]).itemsize
 
 
-def _drain(stream, lines: collections.deque) -> None:
+def keep_lines(stream, lines: collections.deque) -> None:
+    """Read a process's output stream to its end, keeping its last lines in `lines` (a bounded deque)."""
     for line in stream:
         lines.append(line.decode(errors="replace").rstrip())
 
@@ -236,10 +255,11 @@ class NodeRunner(NumpySteps):
             raise InputError(f"runtime must be {WEB!r} or {NODE!r}, got {runtime!r}")
         self.artifact = open_artifact(artifact, check_hashes=check_hashes)
         self.folder, self.manifest = self.artifact.folder, self.artifact.manifest
-        self.provider = f"{runtime} {TARGETS[runtime]}"  # the row's name in the reports
+        name = self.registered or runtime
+        self.provider = f"{name} {TARGETS[runtime]}"  # the row's name in the reports
         self.capabilities = frozenset()
         self.cache = None
-        self._bridge = NodeBridge(packages, (runtime,))
+        self._bridge = self._open_bridge(packages, runtime)
         graphs = [self.manifest.prefill.file, self.manifest.decode.file]
         weights = self.manifest.weights_file if self.manifest.weights_file in self.manifest.files else None
         folder = str(self.folder.resolve())
@@ -251,11 +271,21 @@ class NodeRunner(NumpySteps):
             raise ProviderError(f"{runtime} could not load {self.folder}: {first_line(exc, 400)}") from None
         self.version = NODE_PACKAGES[runtime]  # node_unavailable found it installed at this version
         self.runtime = RuntimeLabel(
-            f"{runtime} {self.version}",
-            f"{TARGETS[runtime]} in Node.js, {threads} thread(s)",
+            f"{name} {self.version}",
+            f"{TARGETS[runtime]} in {self._host()}, {threads} thread(s)",
             notes=_accuracy_level_notes(self.manifest) if runtime == WEB else (),
         )
         self.lock = threading.RLock()  # generation's turns, as on OrtRunner
+
+    registered = ""  # the registered runtime's name (exporter.runtime.registry), where it is not the npm package's
+
+    def _open_bridge(self, packages: Path | None, runtime: str):
+        """The bridge that answers the runner's requests (NodeBridge's interface)."""
+        return NodeBridge(packages, (runtime,))
+
+    def _host(self) -> str:
+        """Where the runtime runs, in words, for the rows' configuration."""
+        return "Node.js"
 
     @property
     def name(self) -> str:

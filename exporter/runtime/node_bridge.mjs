@@ -3,10 +3,8 @@
 // answers every call of a verification.
 //
 // Usage: node node_bridge.mjs PACKAGES_FOLDER, where PACKAGES_FOLDER holds the node_modules that
-// install_node_packages() fills. Each message, either way, is a frame: a 4-byte little-endian length, that many
-// bytes of JSON (the header), then the bytes of the tensors the header lists, in its order, each as
-// {name, dtype, shape} with numpy's dtype names and C order. A reply's header holds "error" (one line) instead
-// when the request failed; the process then serves the next request.
+// install_node_packages() fills. Each message, either way, is a frame (ort_tensors.mjs). A reply's header holds
+// "error" (one line) instead when the request failed; the process then serves the next request.
 //
 // Requests:
 //   {op: "load", runtime: "onnxruntime-web" | "onnxruntime-node", folder, graphs: [file...], weights, threads}
@@ -21,6 +19,8 @@ import { createRequire } from "node:module";
 import { basename, dirname, join } from "node:path";
 import { pathToFileURL } from "node:url";
 
+import { answer, runGraph, tensorBytes } from "./ort_tensors.mjs";
+
 // stdout carries the frames: whatever a library logs goes to stderr.
 console.log = console.info = console.debug = console.error;
 
@@ -30,20 +30,6 @@ async function load(name) {
   // Resolved from the packages folder, not from this file's: the packages are installed apart from the package.
   return await import(pathToFileURL(packages.resolve(name)).href);
 }
-
-// numpy's dtype names and the onnxruntime JavaScript API's, with the typed array each takes. float16 travels as
-// its bits in a Uint16Array, which every onnxruntime-web and -node version accepts.
-const TYPES = {
-  float32: ["float32", Float32Array],
-  float16: ["float16", Uint16Array],
-  float64: ["float64", Float64Array],
-  int64: ["int64", BigInt64Array],
-  int32: ["int32", Int32Array],
-  int8: ["int8", Int8Array],
-  uint8: ["uint8", Uint8Array],
-  bool: ["bool", Uint8Array],
-};
-const NUMPY = Object.fromEntries(Object.entries(TYPES).map(([numpy, [ort]]) => [ort, numpy]));
 
 let ort = null; // the loaded runtime's module
 const sessions = new Map(); // graph file -> InferenceSession
@@ -72,28 +58,8 @@ async function loadGraphs({ runtime, folder, graphs, weights, threads }) {
   return {};
 }
 
-async function run({ graph, outputs }, tensors) {
-  const session = sessions.get(graph);
-  if (!session) throw new Error(`${graph} is not loaded`);
-  const feeds = {};
-  for (const { name, dtype, shape, bytes } of tensors) {
-    const [type, ArrayType] = TYPES[dtype];
-    const copy = new Uint8Array(bytes); // aligned for the typed array, whatever the frame's offset
-    feeds[name] = new ort.Tensor(type, new ArrayType(copy.buffer, 0, copy.byteLength / ArrayType.BYTES_PER_ELEMENT), shape);
-  }
-  const results = await session.run(feeds, outputs);
-  return {
-    tensors: outputs.map((name) => {
-      const tensor = results[name];
-      const data = tensor.type === "bool" ? Uint8Array.from(tensor.data, Number) : tensor.data;
-      return {
-        name,
-        dtype: NUMPY[tensor.type],
-        shape: tensor.dims.map(Number),
-        bytes: Buffer.from(data.buffer, data.byteOffset, data.byteLength),
-      };
-    }),
-  };
+function run(header, tensors) {
+  return runGraph(ort, sessions, header, tensors);
 }
 
 async function generate({ folder, model_file, dtype, prompt, max_new_tokens }) {
@@ -120,15 +86,6 @@ async function generate({ folder, model_file, dtype, prompt, max_new_tokens }) {
 
 const OPS = { load: loadGraphs, run, generate };
 
-function frame(header, tensors = []) {
-  const json = Buffer.from(JSON.stringify({ ...header, tensors: tensors.map(({ bytes, ...spec }) => spec) }));
-  const length = Buffer.alloc(4);
-  length.writeUInt32LE(json.length);
-  return Buffer.concat([length, json, ...tensors.map((t) => t.bytes)]);
-}
-
-const ITEMSIZE = { float32: 4, float16: 2, float64: 8, int64: 8, int32: 4, int8: 1, uint8: 1, bool: 1 };
-
 // Frames arrive in chunks, kept until a whole frame is there and joined only then: joining at every chunk would copy
 // a large frame once per chunk.
 let chunks = [];
@@ -147,7 +104,7 @@ function take() {
   }
   const header = JSON.parse(pending.subarray(4, 4 + size));
   const specs = header.tensors ?? [];
-  const sizes = specs.map((spec) => spec.shape.reduce((a, b) => a * b, 1) * ITEMSIZE[spec.dtype]);
+  const sizes = specs.map(tensorBytes);
   const end = sizes.reduce((a, b) => a + b, 4 + size);
   if (pending.length < end) {
     needed = end;
@@ -164,24 +121,13 @@ function take() {
   return [header, tensors];
 }
 
-async function answer(header, tensors) {
-  try {
-    const op = OPS[header.op];
-    if (!op) throw new Error(`unknown op ${header.op}`);
-    const { tensors: out = [], ...reply } = await op(header, tensors);
-    process.stdout.write(frame(reply, out));
-  } catch (error) {
-    const line = String(error?.message ?? error).split("\n").find((l) => l.trim()) ?? "unknown error";
-    process.stdout.write(frame({ error: line.trim() }));
-  }
-}
-
 process.stdin.on("data", (chunk) => {
   chunks.push(chunk);
   buffered += chunk.length;
   for (let message = take(); message; message = take()) {
     const [header, tensors] = message;
-    queue = queue.then(() => answer(header, tensors)); // one request at a time, in order
+    // one request at a time, in order
+    queue = queue.then(async () => process.stdout.write(Buffer.concat(await answer(OPS, header, tensors))));
   }
 });
 // The end of the input ends the process once the requests before it are answered: nothing else is left to do, and

@@ -20,7 +20,12 @@ DEFAULT_RUNTIME = "onnxruntime"
 ALL = "all"  # every registered runtime that is installed
 # The modules that register the toolkit's runtimes, imported at the first lookup: a runtime's own package is imported
 # only by its runners, so that a runtime not installed costs nothing and fails nothing until it is asked for.
-RUNTIME_MODULES = ("exporter.runtime.runner", "exporter.runtime.openvino_runner", "exporter.runtime.node")
+RUNTIME_MODULES = (
+    "exporter.runtime.runner",
+    "exporter.runtime.openvino_runner",
+    "exporter.runtime.node",
+    "exporter.runtime.chromium",
+)
 
 
 @dataclass(frozen=True)

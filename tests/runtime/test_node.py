@@ -15,8 +15,10 @@ import pytest
 from helpers import CONSUMER_PROMPTS, QUICK, assert_one_line_error, node_packages, relist_json, run_cli
 
 from exporter.artifact.folder import open_artifact
-from exporter.errors import ConsumerError, GraphRunError, ProviderError
+from exporter.errors import ConsumerError, GraphRunError, InputError, ProviderError
+from exporter.runtime import chromium as chromium_module
 from exporter.runtime import node as node_module
+from exporter.runtime.chromium import CHROMIUM, CHROMIUM_ENV, ChromiumRunner, chromium_unavailable
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.node import (
     INSTALL_HINT,
@@ -51,9 +53,16 @@ def packages():
     return node_packages()
 
 
-@pytest.fixture(scope="module")
-def web(packages, artifact_fp32):
-    with NodeRunner(artifact_fp32, WEB) as runner:
+@pytest.fixture(scope="module", params=["node", "chromium"])
+def web(request, packages, artifact_fp32):
+    """onnxruntime-web's WASM backend in Node, and in headless Chromium (skipped, with the reason, without one)."""
+    if request.param == "node":
+        runner = NodeRunner(artifact_fp32, WEB)
+    elif reason := chromium_unavailable(packages):
+        pytest.skip(reason)
+    else:
+        runner = ChromiumRunner(artifact_fp32)
+    with runner:
         yield runner
 
 
@@ -89,7 +98,10 @@ def _failures(actual, expected) -> list[str]:
 def test_onnxruntime_web_matches_onnxruntime_cpu_within_the_float32_profile(web, runner):
     manifest = runner.manifest
     assert _failures(_calls(web, manifest, 3), _calls(runner, manifest, 3)) == []
-    assert web.name == f"onnxruntime-web {NODE_PACKAGES[WEB]}" and web.provider == "onnxruntime-web wasm"
+    in_chromium = isinstance(web, ChromiumRunner)
+    name = CHROMIUM if in_chromium else WEB
+    assert web.name == f"{name} {NODE_PACKAGES[WEB]}" and web.provider == f"{name} wasm"
+    assert web.runtime.configuration.startswith("wasm in headless Chromium " if in_chromium else "wasm in Node.js")
 
 
 def test_a_perturbed_feed_fails_the_comparison(web, runner):
@@ -217,6 +229,29 @@ def test_without_node_or_packages_each_runtime_says_how_to_install_them(artifact
     with pytest.raises(ProviderError, match=r"^npm is not installed"):
         install_node_packages()
     assert_one_line_error(run_cli("install-node", "-q"), 2, "npm is not installed")
+
+
+def test_verify_in_headless_chromium_judges_its_row_as_onnxruntime_webs(packages, artifact_fp32, tiny_model):
+    if reason := chromium_unavailable(packages):
+        pytest.skip(reason)
+    report = verify_artifact(artifact_fp32, tiny_model, settings=QUICK, genai=False, runtimes=[CHROMIUM])
+    assert report.passed and [r.provider for r in report.reports] == [f"{CHROMIUM} wasm"]
+    assert report.reports[0].runtime.name == f"{CHROMIUM} {NODE_PACKAGES[WEB]}"
+
+
+def test_without_chromium_its_runtime_says_how_to_install_it(artifact_fp32, tmp_path, monkeypatch):
+    monkeypatch.setenv(CHROMIUM_ENV, str(tmp_path / "no-browser"))
+    assert chromium_unavailable().startswith("no Chromium found (chromium, chromium-browser, google-chrome on the PATH")
+    with pytest.raises(ProviderError, match=r"^no Chromium found .*apt-get install chromium"):
+        ChromiumRunner(artifact_fp32)
+    with pytest.raises(InputError, match=rf"runtime {CHROMIUM} is not installed here: install chromium"):
+        verify_artifact(artifact_fp32, settings=QUICK, runtimes=[CHROMIUM])
+    browser = tmp_path / "browser"  # a browser that does not start
+    browser.write_text("#!/bin/sh\nexit 1\n")
+    browser.chmod(0o755)
+    monkeypatch.setenv(CHROMIUM_ENV, str(browser))
+    chromium_module.chromium_version.cache_clear()
+    assert chromium_unavailable() == f"{browser} --version fails; {chromium_module.INSTALL_HINT}"
 
 
 def test_install_node_reports_the_installed_packages(packages):

@@ -119,6 +119,12 @@ def _explained_by_our_loop(greedy: GreedyResult, actual: list[int], runtime: Gre
     )
 
 
+def _reference_greedy(reference, manifest: Manifest, settings: ParitySettings):
+    """check_greedy's prompt, and the reference's greedy run (GreedyTrace) from it."""
+    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
+    return prompt, reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
+
+
 def check_genai(
     reference,
     artifact: Artifact,
@@ -140,8 +146,7 @@ def check_genai(
             (_explained_by_our_loop); None: no such explanation.
     """
     manifest = artifact.manifest
-    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
+    prompt, trace = _reference_greedy(reference, manifest, settings)
     eos = genai_eos_token_id(manifest.config.eos_token_id, manifest.config.vocab_size)
     expected = trace.ids[: trace.ids.index(eos)] if eos in trace.ids else trace.ids
     log.info("consumer check: greedy generation of %d tokens in onnxruntime-genai", settings.greedy_tokens)
@@ -174,8 +179,7 @@ def check_transformers_js(
         ConsumerError: node or transformers.js is missing, or it could not load or run the folder.
     """
     manifest = artifact.manifest
-    prompt = greedy_prompt(manifest, np.random.default_rng(settings.seed + 2))
-    trace = reference.greedy(prompt, settings.greedy_tokens, manifest.config.eos_token_id)
+    prompt, trace = _reference_greedy(reference, manifest, settings)
     log.info("consumer check: greedy generation of %d tokens in transformers.js", settings.greedy_tokens)
     actual = transformers_js_greedy(artifact, prompt, settings.greedy_tokens)
     greedy = _explained_by_our_loop(judge_greedy(trace, actual, profile), actual, runtime)

@@ -193,4 +193,9 @@ def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
         2,
         "--quality-text cannot serve a folder onnxruntime-genai model builder wrote",
     )
+    assert_one_line_error(
+        run_cli("verify", builder_fp32, "--reference", qwen3, "--transformers-js"),
+        2,
+        "--transformers-js cannot serve a folder onnxruntime-genai model builder wrote",
+    )
     assert _files(builder_fp32) == before  # nothing written into the folder

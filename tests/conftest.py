@@ -153,7 +153,13 @@ def full(artifact_fp32, tiny_model, tmp_path_factory):
 
     bundle = tmp_path_factory.mktemp("golden")
     report = verify_artifact(
-        artifact_fp32, tiny_model, ["cpu"], ParitySettings(probe=True), genai=False, golden_save=bundle
+        artifact_fp32,
+        tiny_model,
+        ["cpu"],
+        ParitySettings(probe=True),
+        genai=False,
+        transformers_js=False,
+        golden_save=bundle,
     )
     return report, bundle
 

@@ -62,6 +62,7 @@ CLI_ARGS = (
     "--no-long-context",
     "--probe",
     "--no-genai",
+    "--no-transformers-js",
 )
 _PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 HEAD_DIM = 16  # minimind-3-tiny: hidden 64 over 4 attention heads

@@ -14,6 +14,7 @@ from exporter.cli.options import (
     genai_option,
     provider_option,
     run_verification,
+    transformers_js_option,
     verification_plan,
     verify_options,
 )
@@ -24,10 +25,11 @@ from exporter.cli.outcome import handle_errors, setup_logging
 @export_options
 @provider_option
 @genai_option
+@transformers_js_option
 @verify_options
 @common_options
 @handle_errors
-def run(to_export: ExportOptions, providers, runtimes, genai, as_json, quiet, verbose, **options):
+def run(to_export: ExportOptions, providers, runtimes, genai, transformers_js, as_json, quiet, verbose, **options):
     """Export a preset or a checkpoint, then verify the artifact against the reference (the default command)."""
     setup_logging(verbose, quiet)
     options = VerifyOptions(**options)
@@ -44,7 +46,9 @@ def run(to_export: ExportOptions, providers, runtimes, genai, as_json, quiet, ve
         planned=planned_artifact(to_export.preset, to_export.seed, to_export.checkpoint, to_export.dtype),
     )
     model, exported = export_as_asked(to_export)
-    report = run_verification(exported.folder, providers, runtimes, genai, options, plan, model)
+    report = run_verification(
+        exported.folder, providers, runtimes, genai, options, plan, model, transformers_js=transformers_js
+    )
     finish_verification(
         report,
         options,

@@ -85,7 +85,9 @@ def _run(base_install, *args) -> subprocess.CompletedProcess:
 def test_inspect_generate_and_a_golden_replay_run_without_torch(base_install, artifact_fp32, tiny_model, tmp_path):
     bundle = tmp_path / "golden"
     settings = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, long_context=False)
-    recorded = verify_artifact(artifact_fp32, tiny_model, ["cpu"], settings, genai=False, golden_save=bundle)
+    recorded = verify_artifact(
+        artifact_fp32, tiny_model, ["cpu"], settings, genai=False, transformers_js=False, golden_save=bundle
+    )
     assert recorded.passed
 
     inspected = _run(base_install, "inspect", artifact_fp32, "--json")

@@ -34,6 +34,7 @@ def cli_artifact(tmp_path_factory):
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "--decode-steps",
         "2",
         "--no-sweep",
@@ -100,6 +101,7 @@ def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch)
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         *QUICK,
         "--atol",
@@ -203,6 +205,7 @@ def test_a_failing_report_is_strict_json_on_stdout_and_in_its_file(cli_artifact,
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         *QUICK,
         "--json",
@@ -240,7 +243,7 @@ def test_table_output_names_every_check(cli_artifact, cpu_only):
     ):
         assert row in result.stdout
     assert "CUDAExecutionProvider: skipped (not available in this onnxruntime build" in result.stdout
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", *QUICK)
+    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "--no-transformers-js", "-q", *QUICK)
     assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
 
@@ -368,6 +371,7 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         "--decode-steps",
         "3",
@@ -395,7 +399,7 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
         [
             ["inspect", cli_artifact, "--json"],
             ["generate", cli_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2"],
-            ["verify", cli_artifact, "--golden", out / "golden", "--no-genai", "-q"],
+            ["verify", cli_artifact, "--golden", out / "golden", "--no-genai", "--no-transformers-js", "-q"],
             ["verify", cli_artifact, "-q"],
             ["export", "--preset", "minimind-3-tiny", "-o", tmp_path / "new", "-q"],
         ]
@@ -420,6 +424,7 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
         "3",
         "--no-sweep",
         "--no-genai",
+        "--no-transformers-js",
     )
     assert result.exit_code == 1 and "FAIL" in result.stdout  # nothing is bit-exact between the two sides
 
@@ -436,6 +441,7 @@ def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         "--decode-steps",
         "2",
@@ -453,7 +459,17 @@ def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
-    result = run_cli("verify", damaged, "--provider", "cpu", "--no-genai", "-q", "--json", *_report_options(reports))
+    result = run_cli(
+        "verify",
+        damaged,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--no-transformers-js",
+        "-q",
+        "--json",
+        *_report_options(reports),
+    )
     assert_one_line_error(result, 2, "sha256 of weights.onnx.data does not match")
     error = json.loads(result.stdout)
     assert json.loads((reports / "r.json").read_text()) == error and error["exit_code"] == 2
@@ -473,6 +489,7 @@ def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_verdict(c
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         "--decode-steps",
         "2",
@@ -548,6 +565,7 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "-q",
         "--decode-steps",
         "3",
@@ -566,9 +584,30 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
 
     def replay(*overrides):
         result = run_cli(
-            "verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden, *overrides, "--json"
+            "verify",
+            cli_artifact,
+            "--provider",
+            "cpu",
+            "--no-genai",
+            "--no-transformers-js",
+            "-q",
+            "--golden",
+            golden,
+            *overrides,
+            "--json",
         )
-        text = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "-q", "--golden", golden, *overrides)
+        text = run_cli(
+            "verify",
+            cli_artifact,
+            "--provider",
+            "cpu",
+            "--no-genai",
+            "--no-transformers-js",
+            "-q",
+            "--golden",
+            golden,
+            *overrides,
+        )
         assert text.exit_code == result.exit_code, text.output
         return result.exit_code, json.loads(result.stdout), text.stdout
 
@@ -686,7 +725,17 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
         ),  # a sound new export is not "damaged: sha256 differs"
         (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "2"], "exporter.runtime.runner.OrtRunner"),
         (
-            ["verify", "-q", "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep"],
+            [
+                "verify",
+                "-q",
+                "--provider",
+                "cpu",
+                "--no-genai",
+                "--no-transformers-js",
+                "--decode-steps",
+                "2",
+                "--no-sweep",
+            ],
             "exporter.verify.engine.verify_artifact",
         ),  # not a parity FAIL (exit 1) on a mix of two exports' files
     ],
@@ -817,7 +866,17 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
     folder = tmp_path / "api"
     export_artifact(sourced.model, folder, source=sourced.source)
     result = run_cli(
-        "verify", folder, "--provider", "cpu", "--no-genai", "--decode-steps", "1", "--no-sweep", "-q", "--json"
+        "verify",
+        folder,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--no-transformers-js",
+        "--decode-steps",
+        "1",
+        "--no-sweep",
+        "-q",
+        "--json",
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["reference"].startswith("pytorch"), result.stdout[:500]

@@ -250,6 +250,7 @@ def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact
         "--provider",
         "cpu",
         "--no-genai",
+        "--no-transformers-js",
         "--no-sweep",
         "--decode-steps",
         "1",

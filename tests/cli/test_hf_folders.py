@@ -65,7 +65,18 @@ def test_an_exported_folder_verifies_against_the_reference_and_transformers(expo
     assert manifest["model"]["config"]["model_type"] == model_type
     assert manifest["model"]["source"]["kind"] == "checkpoint"
     report = tmp_path / "report.json"
-    result = run_cli("verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--report-json", report, "-q")
+    result = run_cli(
+        "verify",
+        folder,
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+        "--no-genai",
+        "--no-transformers-js",
+        "--report-json",
+        report,
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     assert len(loaded) == 1 and alive_at_onnx_calls and not any(alive_at_onnx_calls)
     assert "independent reference: ONNX Runtime (CPUExecutionProvider) against transformers" in result.stdout
@@ -132,7 +143,18 @@ def test_an_exported_folder_quantizes_and_is_judged_by_its_quality_profile(
     result = run_cli("generate", out, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json")
     assert result.exit_code == 0 and len(json.loads(result.stdout)[0]["new_ids"]) == 4, result.output
     report = tmp_path / "report.json"
-    result = run_cli("verify", out, "--decode-steps", "4", "--no-sweep", "--no-genai", "--report-json", report, "-q")
+    result = run_cli(
+        "verify",
+        out,
+        "--decode-steps",
+        "4",
+        "--no-sweep",
+        "--no-genai",
+        "--no-transformers-js",
+        "--report-json",
+        report,
+        "-q",
+    )
     data = json.loads(report.read_text())
     [quality] = data["quality"]
     assert result.exit_code == 0 and data["passed"] and quality["scheme"] == scheme, result.output
@@ -235,7 +257,7 @@ def test_a_dropped_rope_scaling_fails_at_long_positions(exported, tmp_path):
     assert len(replaced) == 2, replaced  # one table in each graph
     model = checkpoint_model(json.loads((folder / "manifest.json").read_text())["model"]["source"]["path"]).model
     settings = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False)
-    report = verify_artifact(folder, model, ["cpu"], settings, genai=False)
+    report = verify_artifact(folder, model, ["cpu"], settings, genai=False, transformers_js=False)
     cases = report.reports[0].long_context
     crossing = next(case for case in cases if case.why.startswith("original_max_position_embeddings"))
     assert not report.passed and not crossing.passed

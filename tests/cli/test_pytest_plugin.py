@@ -226,6 +226,7 @@ def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artif
         ["cpu"],
         ParitySettings(decode_steps=2, sweep=False),
         genai=False,
+        transformers_js=False,
         golden_save=bundle,
         overrides=parse_overrides(peak=["logits=0"]),
     )
@@ -257,6 +258,7 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
         ["cpu"],
         ParitySettings(decode_steps=2, sweep=False),
         genai=False,
+        transformers_js=False,
         golden_save=tmp_path / "loosened",
         overrides=parse_overrides(atol=["logits=1", "kv=1", "loss=1"]),
     )
@@ -460,6 +462,7 @@ def test_a_checkpoint_is_the_reference_only_while_it_is_unchanged(minimind2_arti
         ["cpu"],
         ParitySettings(decode_steps=1, sweep=False),
         genai=False,
+        transformers_js=False,
         golden_save=bundle,
     )
     folder = shutil.copytree(minimind2_artifact, tmp_path / "copy")
@@ -537,6 +540,7 @@ def test_what_can_be_checked_before_running_is_a_usage_error(artifact_fp32, tiny
         ["cpu"],
         ParitySettings(decode_steps=1, sweep=False),
         genai=False,
+        transformers_js=False,
         golden_save=damaged_bundle,
     )
     arrays = bytearray((damaged_bundle / "arrays.npz").read_bytes())
@@ -585,7 +589,13 @@ def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(
 
     bundle = tmp_path / "bundle"
     verify_artifact(
-        artifact_fp32, tiny_model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False, golden_save=bundle
+        artifact_fp32,
+        tiny_model,
+        ["cpu"],
+        ParitySettings(decode_steps=2, sweep=False),
+        genai=False,
+        transformers_js=False,
+        golden_save=bundle,
     )
     reads = []
 

@@ -80,7 +80,7 @@ def test_a_provider_without_the_kernel_is_refused(monkeypatch, quantized):
 
 # words of the tiny tokenizer's corpus (tests/conftest.py build_tokenizer)
 TEXT = "kalo mine ruto savi depo gufe lomi neru tosa vide pogu feka " * 8
-QUICK_VERIFY = ("--provider", "cpu", "--decode-steps", "4", "--no-sweep", "--no-genai")
+QUICK_VERIFY = ("--provider", "cpu", "--decode-steps", "4", "--no-sweep", "--no-genai", "--no-transformers-js")
 WINDOW = 12 + 4 + 3  # the ids each row reads with QUICK_VERIFY: the prompt, the decode steps, the final chunk
 
 

@@ -145,7 +145,7 @@ def test_a_golden_bundle_replays_expert_choice_and_the_routing_near_ties(moe3_fp
     """The bundle keeps each call's router choices: without the model, expert choice is measured and the
     calls that differ at a router near-tie are explained, and decode continued, exactly as in the live run."""
     live, bundle = moe3_fp16_verified
-    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=bundle, genai=False)
+    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=bundle, genai=False, transformers_js=False)
     assert replay.passed and replay.reference.startswith("golden bundle"), _failures(replay)
     live_cpu, replay_cpu = live.reports[0], replay.reports[0]
     assert replay_cpu.experts == live_cpu.experts and replay_cpu.experts.measured
@@ -159,7 +159,12 @@ def test_a_float16_moe_decode_step_at_a_router_near_tie_does_not_fail_the_steps_
     # Measured with input seed 21: decode step 8 routes one token at a near-tie, which moves that step's logits
     # by 93x the tolerance; judged whole and feeding ONNX Runtime its own cache, every step after it would fail.
     report = verify_artifact(
-        moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=16, seed=21, sweep=False), genai=False
+        moe3_artifact_fp16,
+        moe3_model,
+        ["cpu"],
+        ParitySettings(decode_steps=16, seed=21, sweep=False),
+        genai=False,
+        transformers_js=False,
     )
     assert report.passed, _failures(report)
     [cpu] = report.reports
@@ -174,7 +179,12 @@ def test_a_float16_moe_routing_difference_that_is_no_near_tie_fails(moe3_artifac
     folder = shutil.copytree(moe3_artifact_fp16, tmp_path / "faulty")
     perturb_weight(folder, "model.layers.0.self_attn.o_proj", 0.02)
     report = verify_artifact(
-        folder, moe3_model, ["cpu"], ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False), genai=False
+        folder,
+        moe3_model,
+        ["cpu"],
+        ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False),
+        genai=False,
+        transformers_js=False,
     )
     [cpu] = report.reports
     assert not report.passed and not any(row.passed for row in cpu.comparisons), _failures(report)
@@ -409,7 +419,9 @@ def test_the_bring_your_own_example_runs_as_a_script(byo_example, byo_artifact, 
         shutil.copytree(byo_artifact, folder)
 
     def short_verification(folder, model, verify=exporter.verify.engine.verify_artifact):
-        return verify(folder, model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False)
+        return verify(
+            folder, model, ["cpu"], ParitySettings(decode_steps=2, sweep=False), genai=False, transformers_js=False
+        )
 
     monkeypatch.setattr("exporter.export.pipeline.export_artifact", export_copy)
     monkeypatch.setattr("exporter.verify.engine.verify_artifact", short_verification)

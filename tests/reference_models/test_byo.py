@@ -216,7 +216,9 @@ def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo
     export_artifact(adapter, folder, source={"kind": "custom", "model": "boolean-mask"})
     # the sweep on: ragged padding, past and not
     settings = ParitySettings(decode_steps=2, greedy_tokens=4, probe=True)
-    report = verify_artifact(folder, adapter, ["cpu"], settings, genai=False, golden_save=tmp_path / "golden")
+    report = verify_artifact(
+        folder, adapter, ["cpu"], settings, genai=False, transformers_js=False, golden_save=tmp_path / "golden"
+    )
     assert report.passed, format_verify(report)
     [cpu] = report.reports
     assert all(layer.passed for layer in cpu.layers) and len(cpu.sweep) == 36 and len(report.invariants) == 6
@@ -232,7 +234,7 @@ def test_a_decoder_leaving_a_padded_query_no_key_verifies_on_its_real_tokens(byo
     real = batch["attention_mask"] == 1
     gap = np.abs(ort["logits"] - ref.logits.numpy())
     assert gap[~real].max() > 0.1 and gap[real].max() < 1e-4
-    replayed = verify_artifact(folder, None, ["cpu"], genai=False, golden=tmp_path / "golden")
+    replayed = verify_artifact(folder, None, ["cpu"], genai=False, transformers_js=False, golden=tmp_path / "golden")
     assert replayed.passed, format_verify(replayed)
 
 
@@ -276,8 +278,10 @@ def test_an_artifact_with_a_loss_is_judged_without_it_against_a_reference_giving
     # An artifact with a loss, verified against an adapter giving none: judged without the loss, no KeyError: 'loss'.
     _, adapter = _adapter(byo_example)
     settings = ParitySettings(decode_steps=2, greedy_tokens=2, sweep=False)
-    with_loss = verify_artifact(byo_artifact, adapter.eval(), ["cpu"], settings, genai=False)
-    report = verify_artifact(byo_artifact, _without_loss(adapter), ["cpu"], settings, genai=False)
+    with_loss = verify_artifact(byo_artifact, adapter.eval(), ["cpu"], settings, genai=False, transformers_js=False)
+    report = verify_artifact(
+        byo_artifact, _without_loss(adapter), ["cpu"], settings, genai=False, transformers_js=False
+    )
     assert report.passed, format_verify(report)
     names = [c.name for c in report.reports[0].comparisons]
     assert "prefill loss" in [c.name for c in with_loss.reports[0].comparisons] and "prefill loss" not in names

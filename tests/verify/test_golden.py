@@ -38,7 +38,9 @@ def test_golden_bundle_replays_without_torch_and_rejects_other_artifacts(full, a
         for blocked in ("torch", "onnxscript", "tokenizers", "safetensors", "onnxruntime_genai"):
             sys.modules[blocked] = None  # any import of it now fails: a replay needs none of them
         from exporter.verify.engine import verify_artifact
-        golden = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"], golden={str(bundle)!r}, genai=False)
+        golden = verify_artifact(
+            {str(artifact_fp32)!r}, None, ["cpu"], golden={str(bundle)!r}, genai=False, transformers_js=False
+        )
         alone = verify_artifact({str(artifact_fp32)!r}, None, ["cpu"])
         print(json.dumps([golden.passed, golden.reference, len(golden.reports[0].curve), len(golden.reports[0].sweep),
                           [[c.name, c.max_abs] for c in golden.reports[0].comparisons], alone.passed,
@@ -255,8 +257,10 @@ def test_a_golden_replay_runs_with_the_settings_it_was_recorded_with(artifact_fp
     # bundle's replace (the default seed draws other prompts, which the recording does not hold).
     recorded = ParitySettings(seed=7, decode_steps=1, greedy_tokens=3, sweep=False)
     bundle = tmp_path / "bundle"
-    assert verify_artifact(artifact_fp32, tiny_model, ["cpu"], recorded, genai=False, golden_save=bundle).passed
-    replay = verify_artifact(artifact_fp32, None, ["cpu"], golden=bundle, genai=False)
+    assert verify_artifact(
+        artifact_fp32, tiny_model, ["cpu"], recorded, genai=False, transformers_js=False, golden_save=bundle
+    ).passed
+    replay = verify_artifact(artifact_fp32, None, ["cpu"], golden=bundle, genai=False, transformers_js=False)
     assert replay.passed, format_verify(replay)
     assert {k: replay.settings[k] for k in ("seed", "decode_steps", "greedy_tokens", "sweep")} == {
         "seed": 7,

@@ -218,7 +218,7 @@ def test_nan_fails_in_a_padded_present_but_not_in_a_padded_querys_logits():
 
 def test_localisation_names_the_perturbed_layer_and_operator(artifact_copy, tiny_model):
     perturb_weight(artifact_copy, "model.layers.1.self_attn.k_proj", 0.05)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False)
     [cpu] = report.reports
     assert not report.passed and not cpu.comparisons[0].passed
     assert not report and not cpu  # `if verify_artifact(...)` read true for a failed report, as any dataclass
@@ -243,7 +243,7 @@ def test_localisation_places_a_fault_after_the_last_layers_key_value_path(artifa
     # A layer's present depends on that layer's input alone: failing logits with every present passing put the
     # fault after the last layer's key/value projections (here in its MLP).
     perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)
-    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False)
+    report = verify_artifact(artifact_copy, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False)
     [cpu] = report.reports
     assert cpu.comparisons[0].needed.scale > 1000 and all(layer.passed for layer in cpu.layers)
     assert all(step.first_failing_layer is None for step in cpu.curve)
@@ -291,7 +291,13 @@ def broken_and_bundle(artifact_fp32, tiny_model, tmp_path_factory):
     perturb_weight(folder, "model.layers.1.self_attn.k_proj", 0.05)
     bundle = folder.parent / "golden"
     verify_artifact(
-        folder, tiny_model, ["cpu"], dataclasses.replace(QUICK, probe=False), genai=False, golden_save=bundle
+        folder,
+        tiny_model,
+        ["cpu"],
+        dataclasses.replace(QUICK, probe=False),
+        genai=False,
+        transformers_js=False,
+        golden_save=bundle,
     )
     return folder, bundle
 
@@ -299,9 +305,23 @@ def broken_and_bundle(artifact_fp32, tiny_model, tmp_path_factory):
 def test_a_golden_replay_probes_against_the_module_outputs_its_bundle_recorded(broken_and_bundle, tiny_model):
     # Recorded without --probe, the bundle still lets its replay name what a live probe names, to the value.
     folder, bundle = broken_and_bundle
-    live = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False).reports[0].localisation
+    live = (
+        verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False).reports[0].localisation
+    )
     assert live.probe.first.module == "model.layers.1.self_attn.k_proj" and live.probe.first.op_type == "MatMul"
-    result = run_cli("verify", folder, "--golden", bundle, "--probe", "--provider", "cpu", "--no-genai", "--json", "-q")
+    result = run_cli(
+        "verify",
+        folder,
+        "--golden",
+        bundle,
+        "--probe",
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--no-transformers-js",
+        "--json",
+        "-q",
+    )
     assert result.exit_code == 1, result.output  # the perturbed weight fails parity
     replayed = json.loads(result.stdout)["providers"][0]["localisation"]
     assert replayed == live.to_dict(), (replayed, live)
@@ -314,7 +334,7 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     recorded.reference.recorded_module_outputs = {}  # saved as an earlier v4 toolkit saved it
     old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
-    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old).reports
+    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, transformers_js=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
     assert cpu.localisation.probe_skipped == ("the bundle holds no module outputs: re-record it with `golden_save`")
     assert cpu.localisation.decode_probe is None
@@ -328,7 +348,7 @@ def decode_fault(artifact_fp32, tiny_model, tmp_path_factory):
     folder = shutil.copytree(artifact_fp32, tmp_path_factory.mktemp("decode-fault") / "artifact")
     scale_inline_weight(folder, "decode.onnx", "layers.0.self_attn.q_norm.weight", 1.05)
     bundle = folder.parent / "golden"
-    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, golden_save=bundle)
+    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False, golden_save=bundle)
     return folder, report, bundle
 
 
@@ -381,13 +401,13 @@ def test_a_golden_replay_probes_decode_onnx_only_with_the_decode_calls_module_ou
     folder, report, bundle = decode_fault
     live = report.reports[0].localisation
     manifest = read_manifest(folder)
-    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=bundle).reports
+    [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, transformers_js=False, golden=bundle).reports
     assert cpu.localisation == live  # the same operator, the same error
     # a bundle recorded before the decode call's module outputs were kept: the prefill probe alone, and why
     recorded = load_bundle(bundle, manifest)
     recorded.reference.recorded_module_outputs.pop("decode")
     old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
-    report = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, golden=old)
+    report = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, transformers_js=False, golden=old)
     loc = report.reports[0].localisation
     assert loc.probe == live.probe and loc.decode_probe is None
     assert loc.decode_probe_skipped.startswith("the bundle holds no module outputs of decode step 0")

@@ -25,6 +25,6 @@ def test_verify_catches_each_mutant_and_names_its_layer(mutant, request, tmp_pat
         assert result.exit_code == 1, result.output
         document = json.loads(result.stdout)
     else:
-        document = verify_artifact(folder, model, ["cpu"], SETTINGS, genai=False).to_dict()
+        document = verify_artifact(folder, model, ["cpu"], SETTINGS, genai=False, transformers_js=False).to_dict()
     outcome = judge(mutant, document)
     assert not unmet(mutant, outcome), (unmet(mutant, outcome), outcome.to_dict())

@@ -55,7 +55,7 @@ def test_artifacts_match_reference_on_cuda(artifact, tiny_model, request):
 
 @requires_cuda
 def test_int4_with_float16_activations_passes_its_quality_profile_on_cuda(quantized_float16, tiny_model):
-    report = verify_artifact(quantized_float16, tiny_model, ["cuda"], settings=FAST, genai=False)
+    report = verify_artifact(quantized_float16, tiny_model, ["cuda"], settings=FAST, genai=False, transformers_js=False)
     assert report.passed, format_verify(report)
     assert [q.provider for q in report.quality] == [CUDA]
 

@@ -69,7 +69,7 @@ def _double_a_scale(folder):
 
 
 def test_int4_passes_its_quality_profile(quantized, tiny_model):
-    report = verify_artifact(quantized["int4"], tiny_model, ["cpu"], SETTINGS, genai=False)
+    report = verify_artifact(quantized["int4"], tiny_model, ["cpu"], SETTINGS, genai=False, transformers_js=False)
     assert report.passed, format_verify(report)
     assert not report.reports and len(report.quality) == 1  # no parity rows: they cannot pass by design
     quality = report.quality[0]
@@ -83,7 +83,7 @@ def test_int4_passes_its_quality_profile(quantized, tiny_model):
 
 
 def test_int4_with_float16_activations_passes_its_quality_profile(quantized_float16, tiny_model):
-    report = verify_artifact(quantized_float16, tiny_model, ["cpu"], SETTINGS, genai=False)
+    report = verify_artifact(quantized_float16, tiny_model, ["cpu"], SETTINGS, genai=False, transformers_js=False)
     assert report.passed, format_verify(report)
     assert report.weights.passed and all(i.passed for i in report.invariants)
     for name in (*NUMERIC_INVARIANTS, "padded row == same sequence alone"):  # level 4: judged unprepacked
@@ -97,7 +97,9 @@ def test_int4_with_float16_activations_passes_its_quality_profile(quantized_floa
 def test_a_doubled_scale_fails(quantized, tiny_model, tmp_path):
     folder = shutil.copytree(quantized["int4"], tmp_path / "broken")
     name = _double_a_scale(folder)
-    report = verify_artifact(folder, tiny_model, ["cpu"], ParitySettings(decode_steps=8, sweep=False), genai=False)
+    report = verify_artifact(
+        folder, tiny_model, ["cpu"], ParitySettings(decode_steps=8, sweep=False), genai=False, transformers_js=False
+    )
     assert not report.passed
     assert not report.weights.passed and name in report.weights.findings[0].detail
     assert not report.quality[0].passed  # the distributions moved too: decisive top-1 and |Δ log p|
@@ -119,7 +121,7 @@ def _decode_logits_scaled(folder, factor: float) -> None:
 
 
 def _invariants(folder) -> dict:
-    report = verify_artifact(folder, None, ["cpu"], ParitySettings(sweep=False), genai=False)
+    report = verify_artifact(folder, None, ["cpu"], ParitySettings(sweep=False), genai=False, transformers_js=False)
     return {i.name: i for i in report.invariants}
 
 
@@ -230,7 +232,12 @@ def test_kl_by_position_is_reported_and_plotted(quantized, tiny_model, monkeypat
     check_quality = engine.check_quality
     monkeypatch.setattr(engine, "check_quality", recording_check)
     report = verify_artifact(
-        quantized["int4"], tiny_model, ["cpu"], ParitySettings(decode_steps=4, sweep=False), genai=False
+        quantized["int4"],
+        tiny_model,
+        ["cpu"],
+        ParitySettings(decode_steps=4, sweep=False),
+        genai=False,
+        transformers_js=False,
     )
     (quality,) = report.quality
     prompt, steps = report.settings["prompt_length"], report.settings["decode_steps"]
@@ -272,7 +279,7 @@ def test_quality_text_refusals_of_the_api(quantized, tiny_model, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("kalo mine ruto " * 20, encoding="utf-8")
     with pytest.raises(InputError, match="no model is given; pass the model"):
-        verify_artifact(folder, None, ["cpu"], settings, genai=False, quality_text=text)
+        verify_artifact(folder, None, ["cpu"], settings, genai=False, transformers_js=False, quality_text=text)
     with pytest.raises(InputError, match=r"`quality_text` ids gives 18 tokens, fewer than the 19 each of the 2"):
         verify_artifact(folder, tiny_model, ["cpu"], settings, quality_text=QualityText("ids", np.arange(18)))
     with pytest.raises(InputError, match="quality_text is a text file's path or a QualityText, got list"):

@@ -110,7 +110,9 @@ def test_the_reference_computes_in_float64_in_place_and_is_restored_exactly(tiny
 def test_a_correct_export_beyond_a_tightened_profile_passes_by_the_referee(
     artifact, tiny_model, request, nothing_allowed
 ):
-    report = verify_artifact(request.getfixturevalue(artifact), tiny_model, ["cpu"], QUICK, genai=False)
+    report = verify_artifact(
+        request.getfixturevalue(artifact), tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False
+    )
     rows = report.reports[0].comparisons
     assert all(c.referee is not None for c in rows if c.kind != "loss"), [c.name for c in rows if c.referee is None]
     assert all(c.passed for c in rows), [(c.name, c.referee.describe()) for c in rows if not c.passed]
@@ -120,7 +122,7 @@ def test_a_correct_export_beyond_a_tightened_profile_passes_by_the_referee(
 def test_a_wrong_graph_stays_far_beyond_the_referee(tiny_model, artifact_fp32, tmp_path):
     folder = shutil.copytree(artifact_fp32, tmp_path / "leaky")
     edit_graphs(folder, causal_mask_leaks_one)
-    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False)
+    report = verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False)
     logits = next(c for c in report.reports[0].comparisons if c.name == "prefill logits")
     assert not report.passed and not logits.passed
     assert logits.referee.ratio > 100 * REFEREE_LIMIT, logits.referee.describe()
@@ -129,6 +131,8 @@ def test_a_wrong_graph_stays_far_beyond_the_referee(tiny_model, artifact_fp32, t
 def test_a_tolerance_override_is_the_verdict_without_a_referee(tiny_model, artifact_fp32):
     # the user's own bound, tighter than any float32 computation meets: no referee overrules it
     overrides = parse_overrides(peak=["logits=0"])
-    report = verify_artifact(artifact_fp32, tiny_model, ["cpu"], QUICK, genai=False, overrides=overrides)
+    report = verify_artifact(
+        artifact_fp32, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False, overrides=overrides
+    )
     logits = next(c for c in report.reports[0].comparisons if c.name == "prefill logits")
     assert not report.passed and not logits.passed and logits.referee is None

@@ -22,7 +22,9 @@ from exporter.verify.reports import format_verify, render_html, render_junit
 def test_openvino_at_f32_passes_float32_and_its_default_row_names_its_precision(artifact_fp32, tiny_model, monkeypatch):
     # as on a CPU with bf16 units, where OpenVINO computes float32 graphs in bf16 unless told f32
     monkeypatch.setattr(openvino_runner, "compiled_precision", lambda compiled: "bf16")
-    report = verify_artifact(artifact_fp32, tiny_model, settings=QUICK, genai=False, runtimes=["openvino"])
+    report = verify_artifact(
+        artifact_fp32, tiny_model, settings=QUICK, genai=False, transformers_js=False, runtimes=["openvino"]
+    )
     text = format_verify(report)
     assert report.passed, text
     f32, default = report.reports
@@ -73,7 +75,9 @@ def test_a_runtime_whose_logits_are_off_fails_unless_its_configuration_explains_
         "scaled", "pip install scaled", lambda: "1.0", lambda manifest, providers: (targets, {}), Scaled
     )
     monkeypatch.setitem(registry._RUNTIMES, "scaled", scaled)
-    report = verify_artifact(artifact_fp32, tiny_model, settings=QUICK, genai=False, runtimes=["scaled"])
+    report = verify_artifact(
+        artifact_fp32, tiny_model, settings=QUICK, genai=False, transformers_js=False, runtimes=["scaled"]
+    )
     text = format_verify(report)
     honest, off, by_design = report.reports
     assert honest.passed and not off.passed and not off.attributed and by_design.attributed, text

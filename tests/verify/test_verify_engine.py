@@ -91,28 +91,30 @@ def test_a_model_of_another_config_or_family_is_refused_before_any_check(artifac
         r"intermediate_size \(model 192, artifact 256\), .*rms_norm_eps.*, version; "
         r"pass the model the artifact was exported from",
     ):
-        verify_artifact(artifact_fp32, other, ["cpu"], QUICK, genai=False)
+        verify_artifact(artifact_fp32, other, ["cpu"], QUICK, genai=False, transformers_js=False)
     gpt = build_model(get_preset("teaching-gpt-tiny"), seed=0)
     with pytest.raises(
         InputError,
         match=r"the model \(TeachingGPT with config TeachingGPTConfig\) is not of the "
         r"artifact's family minimind",
     ):
-        verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False)
+        verify_artifact(artifact_fp32, gpt, ["cpu"], QUICK, genai=False, transformers_js=False)
     sourced = seeded_model("minimind-3-tiny")  # told to pass its model, not "not of the artifact's family"
     with pytest.raises(
         InputError,
         match=r"^model is a SourcedModel \(what seeded_model and checkpoint_model "
         r"return\); pass its model: verify_artifact\(folder, sourced.model\)$",
     ):
-        verify_artifact(artifact_fp32, sourced, ["cpu"], QUICK, genai=False)
+        verify_artifact(artifact_fp32, sourced, ["cpu"], QUICK, genai=False, transformers_js=False)
 
 
 def test_golden_save_inside_the_artifact_is_refused_by_the_api_as_by_the_cli(artifact_copy, tiny_model):
     # The CLI refused it; verify_artifact wrote the bundle into the artifact, where the pytest plugin then found it.
     before = sorted(p.name for p in artifact_copy.iterdir())
     with pytest.raises(ToolkitError, match=r"^`golden_save` .*golden lies inside the artifact folder "):
-        verify_artifact(artifact_copy, tiny_model, "cpu", genai=False, golden_save=artifact_copy / "golden")
+        verify_artifact(
+            artifact_copy, tiny_model, "cpu", genai=False, transformers_js=False, golden_save=artifact_copy / "golden"
+        )
     assert sorted(p.name for p in artifact_copy.iterdir()) == before
 
 
@@ -177,7 +179,9 @@ def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_check(artifa
 
 def test_providers_given_as_a_str_name_one_provider(artifact_fp32, tiny_model):
     """A str is one provider's name, not iterated into the providers "c", "p" and "u"."""
-    report = verify_artifact(artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False)
+    report = verify_artifact(
+        artifact_fp32, tiny_model, "cpu", dataclasses.replace(QUICK, probe=False), genai=False, transformers_js=False
+    )
     assert [r.provider for r in report.reports] == ["CPUExecutionProvider"]
     assert report.passed
 
@@ -200,10 +204,10 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
         if opset is not None:
             edit_manifest(folder, lambda manifest: manifest.update(opset=opset))
         with pytest.raises(ArtifactError) as caught:
-            verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False)
+            verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False)
         message = str(caught.value)
         assert len(message.splitlines()) == 1 and message.endswith("; re-export the folder"), message
-        result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "-q")
+        result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "--no-transformers-js", "-q")
         assert_one_line_error(result, 2, message)
         return message
 
@@ -226,7 +230,9 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
     # An op type that is no UTF-8: onnxruntime's message quoting it fails to decode, a ValueError, on which its
     # Python binding printed a four-line "EP Error ... Falling back" banner to stdout, into --json's document.
     assert "'utf-8' codec can't decode byte 0xff" in damaged("op-type", data.replace(b"MatMul", b"\xffatMul", 1))
-    result = run_cli("verify", tmp_path / "op-type", "--provider", "cpu", "--no-genai", "--json", "-q")
+    result = run_cli(
+        "verify", tmp_path / "op-type", "--provider", "cpu", "--no-genai", "--no-transformers-js", "--json", "-q"
+    )
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "input", result.stdout
 
 
@@ -237,7 +243,7 @@ def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_mode
     artifact = Artifact.open(artifact_fp32)
     settings = ParitySettings(decode_steps=3, greedy_tokens=2, probe=False)
     with caplog.at_level(logging.INFO, logger=checks.__name__):
-        report = verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False)
+        report = verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False, transformers_js=False)
     assert report.passed
     lines = [r.getMessage() for r in caplog.records if r.name == checks.__name__]
     assert lines == [
@@ -251,7 +257,7 @@ def test_the_decode_steps_and_the_sweep_report_progress(artifact_fp32, tiny_mode
     caplog.clear()
     monkeypatch.setattr(checks, "PROGRESS_INTERVAL", 5.0)  # the default: a tiny loop this short says nothing
     with caplog.at_level(logging.INFO, logger=checks.__name__):
-        verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False)
+        verify_artifact(artifact, tiny_model, ["cpu"], settings, genai=False, transformers_js=False)
     assert [r.getMessage() for r in caplog.records if r.name == checks.__name__] == ["sweep: 3/3 shapes pass"]
 
 
@@ -262,7 +268,7 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
     from exporter.verify.checks import routing
 
     monkeypatch.setattr(routing, "router_layers", lambda proto: {})
-    report = verify_artifact(moe2_artifact, moe2_model, ["cpu"], QUICK, genai=False)
+    report = verify_artifact(moe2_artifact, moe2_model, ["cpu"], QUICK, genai=False, transformers_js=False)
     [cpu] = report.reports
     assert not cpu.experts.measured and "not found" in cpu.experts.note
     assert not cpu.experts.passed and cpu.passed and report.passed, format_verify(report)
@@ -289,7 +295,7 @@ def test_a_folder_an_export_swaps_during_the_verification_is_an_error_not_a_repo
 
     monkeypatch.setattr(engine, "check_invariants", swapped_in_first(engine.check_invariants, artifact_copy))
     with pytest.raises(ArtifactError, match=r"was replaced while it was read \(an export into it meanwhile\?\)"):
-        verify_artifact(artifact_copy, settings=QUICK, genai=False)
+        verify_artifact(artifact_copy, settings=QUICK, genai=False, transformers_js=False)
 
 
 def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32, monkeypatch):
@@ -335,7 +341,17 @@ def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32,
     monkeypatch.setattr(os, "open", counted_open)
     monkeypatch.setattr(manifest_module, "sha256_file", counted_sha256)
     monkeypatch.setattr(folder_module.onnx, "load", counted_load)
-    result = run_cli("verify", artifact_fp32, "--provider", "cpu", "--no-genai", "--decode-steps", "2", "--no-sweep")
+    result = run_cli(
+        "verify",
+        artifact_fp32,
+        "--provider",
+        "cpu",
+        "--no-genai",
+        "--no-transformers-js",
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+    )
     assert result.exit_code == 0, result.output
     assert list(manifest_reads.values()) == [1], manifest_reads
     assert hashed == {name: 1 for name in listed}, hashed

@@ -152,7 +152,17 @@ def test_verify_fails_a_float16_weight_fault_and_every_report_names_the_paramete
     edit_weights(folder, {"model.layers.0.self_attn.v_proj": scaled(None, 1.05)})
     junit = tmp_path / "report.xml"
     result = run_cli(
-        "verify", folder, "--decode-steps", "2", "--no-sweep", "--no-genai", "--json", "--junit", junit, "-q"
+        "verify",
+        folder,
+        "--decode-steps",
+        "2",
+        "--no-sweep",
+        "--no-genai",
+        "--no-transformers-js",
+        "--json",
+        "--junit",
+        junit,
+        "-q",
     )
     assert result.exit_code == 1, result.output
     document = json.loads(result.stdout)
@@ -221,12 +231,12 @@ def test_the_faithfulness_check_passes_a_correct_int4_export_and_fails_a_wrong_m
     profile: a correct export lies within it, while the causal mask letting each query see the next token (a fault
     the int4 quality profile may not tell from 4-bit rounding) fails it."""
     settings = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False)
-    report = verify_artifact(deep_int4, deep_model, ["cpu"], settings, genai=False)
+    report = verify_artifact(deep_int4, deep_model, ["cpu"], settings, genai=False, transformers_js=False)
     assert report.weights.passed and report.faithfulness.passed, report.faithfulness.detail
     assert report.faithfulness.replaced == 7 * 7 + 2
     assert max(c.needed.scale for c in report.faithfulness.comparisons) < 0.5  # a clean run: half the tolerance
     folder = shutil.copytree(deep_int4, tmp_path / "int4")
     edit_graphs(folder, causal_mask_leaks_one)
-    broken = verify_artifact(folder, deep_model, ["cpu"], settings, genai=False)
+    broken = verify_artifact(folder, deep_model, ["cpu"], settings, genai=False, transformers_js=False)
     assert broken.weights.passed and not broken.faithfulness.passed, broken.faithfulness.detail
     assert "faithfulness" in json.dumps(broken.to_dict())

@@ -12,7 +12,8 @@
 //   {op: "load", runtime: "onnxruntime-web" | "onnxruntime-node", folder, graphs: [file...], weights, threads}
 //       (weights: the external weights file the graphs name, or null)
 //       -> {}
-//   {op: "run", graph: file, outputs: [name...], tensors} -> {tensors}
+//   {op: "run", graph: file, outputs: [name...], tensors} -> {ms, tensors}
+//       (ms: the milliseconds session.run took, without the frames' transfer and parsing)
 //   {op: "generate", folder, model_file, dtype, prompt: [id...], max_new_tokens}
 //       -> {ids: [id...]} (the prompt, then the new ids)
 
@@ -81,8 +82,11 @@ async function run({ graph, outputs }, tensors) {
     const copy = new Uint8Array(bytes); // aligned for the typed array, whatever the frame's offset
     feeds[name] = new ort.Tensor(type, new ArrayType(copy.buffer, 0, copy.byteLength / ArrayType.BYTES_PER_ELEMENT), shape);
   }
+  const begin = performance.now();
   const results = await session.run(feeds, outputs);
+  const ms = performance.now() - begin;
   return {
+    ms,
     tensors: outputs.map((name) => {
       const tensor = results[name];
       const data = tensor.type === "bool" ? Uint8Array.from(tensor.data, Number) : tensor.data;

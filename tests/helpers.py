@@ -434,14 +434,15 @@ def replayed_export(monkeypatch, float_artifact):
     everything else: quantization, the shared weights file, the checks and the smoke run."""
     import exporter.export.tracing as tracing
 
-    monkeypatch.setattr(tracing, "traced_graphs", _benchmark_quality().float_graphs(float_artifact))
+    monkeypatch.setattr(tracing, "traced_graphs", benchmark_script("quality").float_graphs(float_artifact))
 
 
 @functools.cache
-def _benchmark_quality():
+def benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module (benchmark_<name>), once."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark_quality", ROOT / "benchmarks" / "quality.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

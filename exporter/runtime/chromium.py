@@ -289,8 +289,9 @@ def _registered() -> Runtime:
     def targets(manifest: Manifest, providers: list[str] | None) -> tuple[list[str], dict[str, str]]:
         return [TARGETS[WEB]], {}
 
-    def runner(artifact: Artifact, target: str, weights=None) -> ChromiumRunner:
-        return ChromiumRunner(artifact)  # the page fetches the weights file itself
+    def runner(artifact: Artifact, target: str, weights=None, threads: int | None = None) -> ChromiumRunner:
+        counted = {} if threads is None else {"threads": threads}
+        return ChromiumRunner(artifact, **counted)  # the page fetches the weights file itself
 
     return Runtime(name=CHROMIUM, install=INSTALL_HINT, version=version, targets=targets, runner=runner)
 

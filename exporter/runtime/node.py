@@ -259,6 +259,9 @@ class NodeRunner(NumpySteps):
         self.provider = f"{name} {TARGETS[runtime]}"  # the row's name in the reports
         self.capabilities = frozenset()
         self.cache = None
+        # Milliseconds the last prefill/decode call spent in the runtime's session.run inside Node: the call without
+        # the feeds' and outputs' way through the pipe, as a program in Node that keeps its tensors would see it.
+        self.last_run_ms: float | None = None
         self._bridge = self._open_bridge(packages, runtime)
         graphs = [self.manifest.prefill.file, self.manifest.decode.file]
         weights = self.manifest.weights_file if self.manifest.weights_file in self.manifest.files else None
@@ -304,9 +307,11 @@ class NodeRunner(NumpySteps):
     def _run(self, contract, feeds: dict) -> dict:
         header = {"op": "run", "graph": contract.file, "outputs": contract.output_names}
         try:
-            return self._bridge.request(header, feeds)[1]
+            reply, outputs = self._bridge.request(header, feeds)
         except NodeError as exc:
             raise GraphRunError(contract.file, f"{self.provider}: {first_line(exc, 400)}") from None
+        self.last_run_ms = reply["ms"]
+        return outputs
 
     def prefill(self, feeds: dict) -> dict:
         return self._run(self.manifest.prefill, feeds)
@@ -369,8 +374,9 @@ def _registered(runtime: str) -> Runtime:
     def targets(manifest: Manifest, providers: list[str] | None) -> tuple[list[str], dict[str, str]]:
         return [TARGETS[runtime]], {}
 
-    def runner(artifact: Artifact, target: str, weights=None) -> NodeRunner:
-        return NodeRunner(artifact, runtime)  # Node reads the weights file itself
+    def runner(artifact: Artifact, target: str, weights=None, threads: int | None = None) -> NodeRunner:
+        counted = {} if threads is None else {"threads": threads}
+        return NodeRunner(artifact, runtime, **counted)  # Node reads the weights file itself
 
     return Runtime(name=runtime, install=INSTALL_HINT, version=version, targets=targets, runner=runner)
 

@@ -10,7 +10,8 @@
 //   {op: "load", runtime: "onnxruntime-web" | "onnxruntime-node", folder, graphs: [file...], weights, threads}
 //       (weights: the external weights file the graphs name, or null)
 //       -> {}
-//   {op: "run", graph: file, outputs: [name...], tensors} -> {tensors}
+//   {op: "run", graph: file, outputs: [name...], tensors} -> {ms, tensors}
+//       (ms: the milliseconds session.run took, without the frames' transfer and parsing)
 //   {op: "generate", folder, model_file, dtype, prompt: [id...], max_new_tokens}
 //       -> {ids: [id...]} (the prompt, then the new ids)
 

@@ -60,12 +60,14 @@ class OpenVinoRunner(NumpySteps):
         artifact: an opened Artifact (not read again), or an artifact folder's path, opened here with every hash
             checked.
         configuration: "f32" (the honest settings) or "default" (OpenVINO's own).
+        threads: the inference threads (INFERENCE_NUM_THREADS), whatever the configuration; None: OpenVINO's count
+            (one per core).
 
     Raises:
         ConsumerError: openvino is not installed, or cannot compile or run a graph.
     """
 
-    def __init__(self, artifact: Artifact, configuration: str = F32):
+    def __init__(self, artifact: Artifact, configuration: str = F32, threads: int | None = None):
         if configuration not in CONFIGURATIONS:
             raise ConsumerError(f"OpenVINO configurations are {', '.join(CONFIGURATIONS)}, not {configuration!r}")
         if openvino_version() is None:
@@ -79,8 +81,9 @@ class OpenVinoRunner(NumpySteps):
         self.cache = None
         core = ov.Core()
         properties = CONFIGURATIONS[configuration]
+        threading = {} if threads is None else {"INFERENCE_NUM_THREADS": str(threads)}
         self._graphs = {
-            contract.file: _Compiled(core, self.artifact, contract, properties)
+            contract.file: _Compiled(core, self.artifact, contract, {**properties, **threading})
             for contract in (self.manifest.prefill, self.manifest.decode)
         }
         compiled = self._graphs[self.manifest.decode.file].model
@@ -90,6 +93,7 @@ class OpenVinoRunner(NumpySteps):
         settings = ", ".join(f"{k}={v}" for k, v in properties.items()) or (
             f"defaults: inference precision {precision}, dynamic quantization group size {group}"
         )
+        settings += "".join(f", {k}={v}" for k, v in threading.items())
         self.runtime = RuntimeLabel(
             f"{NAME} {openvino_version()}",
             f"{DEVICE} ({device}), {settings}",
@@ -165,8 +169,8 @@ def _targets(manifest: Manifest, providers: list[str] | None) -> tuple[list[str]
     return [F32, DEFAULT], {}
 
 
-def _runner(artifact: Artifact, configuration: str, weights=None) -> OpenVinoRunner:
-    return OpenVinoRunner(artifact, configuration)  # OpenVINO reads the weights file itself
+def _runner(artifact: Artifact, configuration: str, weights=None, threads: int | None = None) -> OpenVinoRunner:
+    return OpenVinoRunner(artifact, configuration, threads)  # OpenVINO reads the weights file itself
 
 
 register_runtime(Runtime(name=NAME, install=INSTALL, version=openvino_version, targets=_targets, runner=_runner))

@@ -7,6 +7,7 @@ manifest; nothing here is specific to one model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -417,8 +418,13 @@ def _targets(manifest: Manifest, providers: list[str] | None) -> tuple[list[str]
     return chosen, skipped
 
 
-def _checking_runner(artifact: Artifact, provider: str, weights: SharedWeightMap | None = None) -> OrtRunner:
-    return OrtRunner(artifact, provider, settings=checking_settings(artifact.manifest), weights=weights)
+def _checking_runner(
+    artifact: Artifact, provider: str, weights: SharedWeightMap | None = None, threads: int | None = None
+) -> OrtRunner:
+    settings = checking_settings(artifact.manifest)
+    if threads is not None:
+        settings = dataclasses.replace(settings, intra_op_threads=threads)
+    return OrtRunner(artifact, provider, settings=settings, weights=weights)
 
 
 register_runtime(

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import edit_manifest
+from helpers import benchmark_script, edit_manifest
 
 from exporter.runtime.sessions import cuda_unusable
 
@@ -28,10 +28,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime.py"
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_runtime", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("runtime")
 
 
 def test_ratios_are_medians_of_same_round_ratios_with_their_quartiles(benchmark):

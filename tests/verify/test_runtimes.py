@@ -96,3 +96,15 @@ def test_a_runtime_whose_logits_are_off_fails_unless_its_configuration_explains_
     cross = [c for c in report.cross if "scaled off" not in c.name]
     assert dataclasses.replace(report, reports=[honest, by_design], cross=cross).passed
     assert isinstance(Scaled(Artifact.open(artifact_fp32), "honest"), Runner)
+
+
+def test_the_registrys_runners_take_the_thread_count_asked_for(artifact_fp32):
+    runtimes, artifact = registry.registered_runtimes(), Artifact.open(artifact_fp32)
+    for threads in (None, 1):
+        ort = runtimes["onnxruntime"].runner(artifact, "CPUExecutionProvider", threads=threads)
+        assert ort.decode_session.get_session_options().intra_op_num_threads == (threads or 0)  # 0: one per core
+    openvino = runtimes["openvino"].runner(artifact, "default", threads=1)
+    compiled = openvino._graphs[artifact.manifest.decode.file].model
+    assert int(compiled.get_property("INFERENCE_NUM_THREADS")) == 1
+    assert openvino.runtime.configuration.endswith(", INFERENCE_NUM_THREADS=1")
+    assert "defaults: inference precision" in openvino.runtime.configuration  # still OpenVINO's defaults otherwise

@@ -28,18 +28,11 @@ from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import CPU, SharedWeightMap, checking_settings
 from exporter.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
+from exporter.verify.checks.greedy import GreedyResult, check_greedy, judge_greedy
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
 from exporter.verify.checks.long_context import check_long_context
-from exporter.verify.checks.outputs import (
-    DecodeCall,
-    GreedyResult,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    judge_greedy,
-    run_sweep,
-)
+from exporter.verify.checks.outputs import DecodeCall, check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.checks.quality import QualityReport, check_quality
 from exporter.verify.checks.routing import (

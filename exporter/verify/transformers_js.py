@@ -12,7 +12,7 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.node import NODE_PACKAGES, TRANSFORMERS_JS, node_unavailable, transformers_js_greedy
 from exporter.tolerances import Profile
-from exporter.verify.checks.outputs import judge_greedy
+from exporter.verify.checks.greedy import judge_greedy
 from exporter.verify.inputs import ParitySettings, greedy_prompt
 from exporter.verify.results import ConsumerReport
 

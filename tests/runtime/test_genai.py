@@ -28,7 +28,7 @@ from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
 from exporter.tolerances import profile_for
 from exporter.verify import engine
-from exporter.verify.checks.outputs import judge_greedy
+from exporter.verify.checks.greedy import judge_greedy
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 
 

@@ -23,8 +23,9 @@ from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.errors import InputError, first_line, first_of
 from exporter.tolerances import Profile
+from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
+from exporter.verify.checks.outputs import check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
 from exporter.verify.references.referee import Float64Referee

@@ -43,7 +43,8 @@ from exporter.verify.checks.routing import (
     greedy_choices,
     routing_agreement,
 )
-from exporter.verify.checks.weights import WeightAudit, audit_weights
+from exporter.verify.checks.weights.audit import audit_weights
+from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import (

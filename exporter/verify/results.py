@@ -15,7 +15,7 @@ from exporter.verify.checks.long_context import LongCase
 from exporter.verify.checks.outputs import StepError, SweepCase
 from exporter.verify.checks.quality import QualityReport
 from exporter.verify.checks.routing import ExpertAgreement
-from exporter.verify.checks.weights import WeightAudit
+from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
 

@@ -58,7 +58,7 @@ def transformers_skip_reason(manifest: Manifest) -> str:
 
     if is_gguf(source["path"]) and gguf_missing():
         return f"loading a GGUF needs the gguf extra ({gguf_missing()}; {GGUF_EXTRA})"
-    from reference.checkpoints import checkpoint_change
+    from reference.checkpoint_files import checkpoint_change
 
     change = checkpoint_change(source["path"], source.get("sha256"))
     if change:

@@ -76,7 +76,7 @@ class DecoderAdapter(nn.Module):
     def exported_constants(self) -> dict:
         """The tensors your forward computes from constants alone (no input, no parameter), such as rotary
         frequencies, by a name of your choosing: an export folds each into an initializer, and the weight audit
-        of verify (exporter/verify/checks/weights.py) matches every initializer to a parameter, a buffer or one
+        of verify (exporter/verify/checks/weights/) matches every initializer to a parameter, a buffer or one
         of these. None by default; override it if your forward computes such a table."""
         return {}
 

@@ -6,6 +6,8 @@ one hierarchy (exporter.errors.ToolkitError), and stay ValueErrors, as bad value
 
 from exporter.errors import ToolkitError
 
+SHOWN = 5  # keys, or the objects a pickle imports, listed per kind in a checkpoint error message
+
 
 class ModelError(ToolkitError, ValueError):
     """Base of the errors a user can cause in `reference/`."""

@@ -3,7 +3,7 @@
 A family's record names its config class (the sizes the export contract reads: num_hidden_layers,
 num_key_value_heads, head_dim, vocab_size, max_position_embeddings, bos_token_id, eos_token_id, and a
 to_dict/from_dict round trip), its model class (the shared forward signature, returning a CausalLMOutput), its
-checkpoint loader (reference/checkpoints.py: the config read from config.json or inferred from the tensors, the
+checkpoint loader (reference/checkpoint_loaders.py: the config read from config.json or inferred from the tensors, the
 state dict prepared for the model), the config.json model_types that name its checkpoints, the type each consumer
 (onnxruntime-genai, Optimum) is told its artifacts are, and its presets, the tiny ones being the tests' fixtures.
 The manifest records `model.family`, and everything that reads an artifact or a checkpoint finds the family here
@@ -88,7 +88,7 @@ class Family:
         consumer_types: config -> (onnxruntime-genai model.type, Optimum model_type), None where that consumer
             cannot run it.
         loader_class: "module:Class" of its checkpoint loader (claims, translate, infer, visible_sizes, prepare: see
-            reference/checkpoints.py); None: no checkpoint format.
+            reference/checkpoint_loaders.py); None: no checkpoint format.
         model_types: the config.json model_type values that name its checkpoints.
         presets: its named configs; the "-tiny" ones are the tests' fixtures (a Hugging Face type's fixture is its
             record's `tiny`, reference/hf_types.py).
@@ -145,7 +145,7 @@ FAMILIES: dict[str, Family] = {
             MiniMindConfig,
             "reference.minimind:MiniMindForCausalLM",
             _minimind_consumers,
-            loader_class="reference.checkpoints:MiniMindCheckpoints",
+            loader_class="reference.checkpoint_loaders:MiniMindCheckpoints",
             model_types=("minimind",),
             presets=MINIMIND_PRESETS,
         ),
@@ -154,7 +154,7 @@ FAMILIES: dict[str, Family] = {
             TeachingGPTConfig,
             "reference.teaching_gpt:TeachingGPT",
             _generic_consumers,
-            loader_class="reference.checkpoints:TeachingGPTCheckpoints",
+            loader_class="reference.checkpoint_loaders:TeachingGPTCheckpoints",
             presets=TEACHING_GPT_PRESETS,
         ),
         # The model types of reference/hf_types.py from a Transformers folder (config.model_type says which)
@@ -163,7 +163,7 @@ FAMILIES: dict[str, Family] = {
             HFDecoderConfig,
             "reference.hf_decoder:HFDecoderForCausalLM",
             _hf_consumers,
-            loader_class="reference.checkpoints:HFDecoderCheckpoints",
+            loader_class="reference.checkpoint_loaders:HFDecoderCheckpoints",
             model_types=HF_MODEL_TYPES,
             transformers=True,
         ),

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) read through transformers' GGUF loader: float32 weights, config and tokenizer.
 
 A GGUF of an architecture of reference/hf_types.py becomes what a Transformers folder of that model_type gives
-reference.checkpoints: a state dict under Transformers' names, dequantized to float32 by transformers (each quant
+reference.checkpoint_files: a state dict under Transformers' names, dequantized to float32 by transformers (each quant
 type's blocks as llama.cpp defines them), and the config as transformers reads it, without its GGUF quantization
 record. transformers also converts the file's tokenizer metadata into a `tokenizers` tokenizer, which comes along
 with its special tokens and chat template.

@@ -45,7 +45,8 @@ def checkpoint_model(
     `export-onnx verify` reads it again only while it is unchanged (a GGUF too: verify dequantizes it again),
     and how it was read. `with_tokenizer`: read the tokenizer the checkpoint brings too (checkpoint_tokenizer), a
     folder's files or a GGUF's own, checked against the model's vocabulary."""
-    from reference.checkpoints import fingerprint, load_checkpoint  # imports torch
+    from reference.checkpoint_files import fingerprint  # imports torch
+    from reference.checkpoints import load_checkpoint
 
     model, report = load_checkpoint(path, config=get_preset(preset) if preset else None, config_data=config_data)
     source = {

@@ -180,7 +180,8 @@ def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, incl
         op_types_to_quantize=("MatMul",),
     )
     # The quantizer drops each MatMul's scope metadata; its MatMulNBits writes the MatMul's output, by which the
-    # scope is given back: the weight audit places each block in its module by it (exporter/verify/checks/weights.py).
+    # scope is given back: the weight audit places each block in its module by it
+    # (exporter/verify/checks/weights/quantized.py).
     scopes = {node.output[0]: list(node.metadata_props) for node in model.graph.node if node.name in include}
     quantizer = MatMulNBitsQuantizer(model, nodes_to_include=include, nodes_to_exclude=exclude, algo_config=config)
     noise = io.StringIO()

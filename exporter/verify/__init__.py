@@ -3,8 +3,8 @@
 - inputs: seeded feeds and the sweep grid; metrics: pure comparisons (judged by exporter.tolerances' profiles);
 - references/: the reference rebuilt from the manifest's source (model_source), the PyTorch model as a runner
   (torch_runner), recorded golden bundles (golden), Transformers' model of a Hugging Face folder;
-- checks/: prefill, decode steps, greedy and sweep (outputs), invariants, the weight audit (weights), health, MoE
-  routing, providers;
+- checks/: prefill, decode steps and sweep (outputs), each call's outputs judged (calls), greedy generation
+  (greedy), invariants, the weight audit (weights/), health, MoE routing, providers;
 - diagnosis/: debug graphs that expose every layer (probe) and the first layer that diverges (localise);
 - results: frozen result objects; reports/: text, JSON, JUnit and HTML writers;
 - engine: verify_artifact, which runs them all; foreign: verify_foreign, the same checks on a folder another

@@ -27,16 +27,11 @@ from exporter.runtime.runner import OrtRunner
 from exporter.runtime.sessions import CPU, SharedWeightMap, checking_settings
 from exporter.tolerances import AppliedOverrides, Overrides, Profile, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
+from exporter.verify.checks.greedy import check_greedy
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import check_invariants, float_matmul_settings
 from exporter.verify.checks.long_context import check_long_context
-from exporter.verify.checks.outputs import (
-    DecodeCall,
-    check_decode,
-    check_greedy,
-    check_prefill,
-    run_sweep,
-)
+from exporter.verify.checks.outputs import DecodeCall, check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import attribute, check_companion, cross_providers, repeat_run
 from exporter.verify.checks.quality import QualityReport, check_quality
 from exporter.verify.checks.routing import (
@@ -47,7 +42,8 @@ from exporter.verify.checks.routing import (
     greedy_choices,
     routing_agreement,
 )
-from exporter.verify.checks.weights import WeightAudit, audit_weights
+from exporter.verify.checks.weights.audit import audit_weights
+from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.consumers import (
     CONSUMER_CHECKS,
     GENAI,

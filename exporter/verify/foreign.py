@@ -22,9 +22,10 @@ from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
 from exporter.runtime.sessions import available_parity_providers, check_parity_providers, check_quantized_provider
 from exporter.tolerances import Overrides, profile_for, quality_profile_for
+from exporter.verify.checks.greedy import check_greedy
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone, split_prefill
-from exporter.verify.checks.outputs import check_decode, check_greedy, check_prefill, run_sweep
+from exporter.verify.checks.outputs import check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import repeat_run
 from exporter.verify.checks.quality import check_quality
 from exporter.verify.diagnosis.localise import locate_layer

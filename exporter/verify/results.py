@@ -6,14 +6,16 @@ from dataclasses import dataclass, field
 
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.tolerances import AppliedOverrides, Profile
+from exporter.verify.checks.calls import LayerError, RoutingFlip
 from exporter.verify.checks.faithfulness import Faithfulness
+from exporter.verify.checks.greedy import GreedyResult
 from exporter.verify.checks.health import HealthReport
 from exporter.verify.checks.invariants import Invariant
 from exporter.verify.checks.long_context import LongCase
-from exporter.verify.checks.outputs import GreedyResult, LayerError, RoutingFlip, StepError, SweepCase
+from exporter.verify.checks.outputs import StepError, SweepCase
 from exporter.verify.checks.quality import QualityReport
 from exporter.verify.checks.routing import ExpertAgreement
-from exporter.verify.checks.weights import WeightAudit
+from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult
 from exporter.verify.metrics import Comparison
 

@@ -342,7 +342,7 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every
     from exporter.errors import ToolkitError
     from exporter.tolerances import parse_overrides
     from exporter.verify.references.golden import check_bundle
-    from reference.checkpoints import read_checkpoint
+    from reference.checkpoint_files import read_checkpoint
 
     deep = "[" * 100000 + "]" * 100000  # json raises RecursionError, not a ValueError, on this
     for name in ("tolerances.json", "tokenizer.json", "golden.json", "config.json"):

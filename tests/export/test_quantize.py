@@ -332,7 +332,7 @@ def test_quantization_settings_of_another_type_refused(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("name", ["default", *CHOICES])
 def test_dequantized_blocks_lie_within_a_scale(name, quantized, choices, tiny_model):
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     folder = _folder(name, quantized, choices)
     audit = audit_weights(Artifact.open(folder), tiny_model)
@@ -344,7 +344,7 @@ def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized
     # An int8 artifact whose manifest says int4: its 8-bit blocks still lie within their scales of the parameters,
     # so only the scheme check tells it from the int4 artifact it claims to be.
     # Its lm_head and embedding are at 8 bits under either scheme (their default, int8): the 14 projections differ.
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     folder = shutil.copytree(quantized["int8"], tmp_path / "labelled-int4")
     edit_manifest(folder, lambda manifest: manifest["quantization"].update(scheme="int4", bits=4))
@@ -375,7 +375,7 @@ def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized
     ],
 )
 def test_an_embedding_or_lm_head_other_than_recorded_fails_the_audit(quantized, tiny_model, tmp_path, change, expected):
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     folder = shutil.copytree(quantized["int4"], tmp_path / "relabelled")
     edit_manifest(folder, lambda manifest: change(manifest["quantization"]))
@@ -385,7 +385,7 @@ def test_an_embedding_or_lm_head_other_than_recorded_fails_the_audit(quantized, 
 
 
 def test_a_manifest_without_the_embedding_field_reads_as_a_float_embedding(choices, tiny_model, tmp_path):
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     folder = shutil.copytree(choices["float"], tmp_path / "older")
     edit_manifest(folder, lambda manifest: manifest["quantization"].pop("embedding"))
@@ -402,7 +402,7 @@ def test_a_moe_export_quantizes_every_expert_and_keeps_its_routers_float(moe3_mo
     rewritten as a MatMul and quantized. A router stays float (its scores pick the experts) and the manifest says so;
     the weight audit finds every expert's blocks within their scales of its parameters."""
     from exporter.artifact.scopes import ROUTER_SCOPE, module_of
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     folder = export_artifact(moe3_model, tmp_path / "moe-int4", dtype="int4", source={"kind": "in-memory"}).folder
     config, artifact = moe3_model.config, Artifact.open(folder)

@@ -29,7 +29,7 @@ from exporter.runtime.runner import OrtRunner
 from exporter.tolerances import profile_for
 from exporter.verify import consumers as verify_consumers
 from exporter.verify import engine
-from exporter.verify.checks.outputs import judge_greedy
+from exporter.verify.checks.greedy import judge_greedy
 from exporter.verify.consumers import genai_skip_reason
 from exporter.verify.references.torch_runner import TorchRunner, reference_greedy
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from reference import build_model, get_preset
-from reference.checkpoints import fingerprint
+from reference.checkpoint_files import fingerprint
 
 
 def test_the_reference_is_rebuilt_from_the_recorded_source_only_while_it_is_what_was_exported(tmp_path, monkeypatch):

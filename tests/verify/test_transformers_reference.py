@@ -10,7 +10,7 @@ import pytest
 
 from exporter.verify.references import transformers_reference
 from exporter.verify.references.transformers_reference import transformers_skip_reason
-from reference.checkpoints import fingerprint
+from reference.checkpoint_files import fingerprint
 
 
 def _manifest(family: str, source: dict):

@@ -15,7 +15,7 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
 from exporter.tolerances import Overrides, profile_for
-from exporter.verify.checks import invariants
+from exporter.verify.checks import calls, invariants
 from exporter.verify.checks import outputs as checks
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
 from exporter.verify.metrics import NOTHING_COMPARED, compare, real_queries
@@ -457,18 +457,18 @@ def test_layer_errors_judge_the_key_and_the_value_of_every_layer():
         f"present.{layer}.{kind}": rng.standard_normal((2, 2, 3, 4)) for layer in range(3) for kind in ("key", "value")
     }
     profile = profile_for("float32", "cpu")
-    assert [e.layer for e in checks.layer_errors(manifest, clean, clean, profile, "x", mask)] == [0, 1, 2]
+    assert [e.layer for e in calls.layer_errors(manifest, clean, clean, profile, "x", mask)] == [0, 1, 2]
     for layer, kind in ((0, "value"), (1, "value"), (2, "key"), (2, "value")):
         name = f"present.{layer}.{kind}"
         faulty = {**clean, name: clean[name].copy()}
         faulty[name][1, 0, 0, 0] += 0.1
-        errors = checks.layer_errors(manifest, faulty, clean, profile, "x", mask)
+        errors = calls.layer_errors(manifest, faulty, clean, profile, "x", mask)
         assert [e.passed for e in errors] == [e.layer != layer for e in errors], name
         assert [errors[layer].key.passed, errors[layer].value.passed] == [kind != "key", kind != "value"], name
         assert getattr(errors[layer], kind).name == f"x {name}"
         faulty[name][1, 0, 0, 0] -= 0.1
         faulty[name][0, 1, 0, 2] = 7.0  # row 0's position 0 is padding
-        assert all(e.passed for e in checks.layer_errors(manifest, faulty, clean, profile, "x", mask)), name
+        assert all(e.passed for e in calls.layer_errors(manifest, faulty, clean, profile, "x", mask)), name
 
 
 def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
@@ -506,7 +506,7 @@ def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
     def prefill(actual):
         side = lambda outputs: SimpleNamespace(prefill=lambda feeds: outputs)  # noqa: E731
         result, _ = checks.check_prefill(side(clean), side(actual), manifest, batch, profile, HealthScan("float32"))
-        return result, checks.judge_call(manifest, "c", "prefill", batch, actual, clean, profile, mask, mask)
+        return result, calls.judge_call(manifest, "c", "prefill", batch, actual, clean, profile, mask, mask)
 
     result, call = prefill(clean)
     assert [c.name for c in result.comparisons] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
@@ -525,7 +525,7 @@ def test_a_call_fails_by_its_logits_any_present_or_its_loss_alone():
 
 
 def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
-    from exporter.verify.checks.outputs import GreedyTrace, judge_greedy
+    from exporter.verify.checks.greedy import GreedyTrace, judge_greedy
 
     profile = profile_for("float32", "cpu")
     logits = np.zeros((3, 6), np.float32)
@@ -563,7 +563,7 @@ def test_a_greedy_divergence_passes_only_at_a_near_tie_of_the_reference():
 
 
 def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
-    from exporter.verify.checks.outputs import GreedyTrace, check_greedy
+    from exporter.verify.checks.greedy import GreedyTrace, check_greedy
 
     class NaNRunner:  # generation's interface over an artifact whose logits hold a NaN
         manifest, cache = runner.manifest, []

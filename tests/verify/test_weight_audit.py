@@ -1,4 +1,4 @@
-"""The weight audit (exporter/verify/checks/weights.py): every family's clean export passes it; each weight fault
+"""The weight audit (exporter/verify/checks/weights/): every family's clean export passes it; each weight fault
 written into a copy of an artifact (its manifest re-signed) fails it, naming the parameter, in float32 and
 float16, inline and in the shared weights file; and verify's verdict and reports carry it."""
 
@@ -17,7 +17,7 @@ from onnx import numpy_helper
 
 from exporter import ParitySettings, verify_artifact
 from exporter.artifact.folder import Artifact
-from exporter.verify.checks.weights import audit_weights
+from exporter.verify.checks.weights.audit import audit_weights
 from exporter.verify.references.model_source import rebuild_reference
 from exporter.verify.reports import format_verify, render_junit
 

@@ -4,13 +4,14 @@ apart from the quantization's loss.
 The quality profile judges how far a quantized artifact lies from the float reference, with limits as wide as the
 scheme's own loss (int4: mean KL 0.15), so an export fault that moves the outputs less than 4-bit rounding does
 passes there. Here each quantized parameter of a copy of the reference is replaced by the weight the artifact's
-blocks dequantize to (exporter.verify.checks.weights.dequantized_weights, by the module each node lies in), and ONNX
-Runtime runs every MatMulNBits in float math (accuracy level 0, or unprepacked at level 4: float_matmul_settings).
-Both sides then compute one model in one float type, so the tolerance profile of the artifact's dtype (float32, or
-float16 for float16 activations) judges them as it judges a float artifact: the prefill batch (logits, every present,
-the loss) and the decode steps, each side feeding its own present back. An export fault (a mask, a position, a layer's
-wiring) fails here by the multiple it would fail a float artifact; whether the blocks are the parameters' is the
-weight audit's question, and what the scheme's rounding costs, the quality profile's.
+blocks dequantize to (exporter.verify.checks.weights.quantized.dequantized_weights, by the module each node lies
+in), and ONNX Runtime runs every MatMulNBits in float math (accuracy level 0, or unprepacked at level 4:
+float_matmul_settings). Both sides then compute one model in one float type, so the tolerance profile of the
+artifact's dtype (float32, or float16 for float16 activations) judges them as it judges a float artifact: the
+prefill batch (logits, every present, the loss) and the decode steps, each side feeding its own present back. An
+export fault (a mask, a position, a layer's wiring) fails here by the multiple it would fail a float artifact;
+whether the blocks are the parameters' is the weight audit's question, and what the scheme's rounding costs, the
+quality profile's.
 
 The copy holds the float weights once more while the check runs.
 """
@@ -26,7 +27,7 @@ from exporter.artifact.folder import Artifact
 from exporter.tolerances import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import check_decode, check_prefill
-from exporter.verify.checks.weights import dequantized_weights
+from exporter.verify.checks.weights.quantized import dequantized_weights
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.metrics import Comparison
 

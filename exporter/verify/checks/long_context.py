@@ -25,8 +25,9 @@ import numpy as np
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.tolerances import Profile
+from exporter.verify.checks.calls import all_layers, judge_call, referee_truth
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.outputs import all_layers, judge_call, referee_truth, with_labels
+from exporter.verify.checks.outputs import with_labels
 from exporter.verify.inputs import next_tokens
 from exporter.verify.metrics import Comparison, aggregate
 

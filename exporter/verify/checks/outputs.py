@@ -1,29 +1,27 @@
-"""Reference against ONNX Runtime on identical seeded inputs: prefill, stateful decode, greedy, sweep.
+"""Reference against ONNX Runtime on identical seeded inputs: prefill, stateful decode, sweep.
 
-`reference` is anything with prefill(feeds), decode(feeds) and greedy(prompt, n, eos) -> GreedyTrace:
-the PyTorch model (exporter.verify.references.torch_runner.TorchRunner) or a recorded golden bundle
-(exporter.verify.references.golden.RecordedReference); `onnx` is an exporter.runtime.runner.OrtRunner. Nothing here
-imports torch.
+`reference` is anything with prefill(feeds) and decode(feeds): the PyTorch model
+(exporter.verify.references.torch_runner.TorchRunner) or a recorded golden bundle
+(exporter.verify.references.golden.RecordedReference); `onnx` is an exporter.runtime.runner.OrtRunner. Each call is
+judged by exporter.verify.checks.calls; greedy generation is exporter.verify.checks.greedy's. Nothing here imports
+torch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
-from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.tolerances import Profile
+from exporter.verify.checks.calls import LayerError, RoutingFlip, all_layers, judge_call, referee_truth
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.referee import referee_ratio, refereed
-from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, next_tokens, prefill_feeds, ragged_mask, sweep_grid
-from exporter.verify.metrics import Comparison, aggregate, compare, difference_histogram, match_length, real_keys
+from exporter.verify.metrics import Comparison, aggregate, difference_histogram
 
 log = logging.getLogger(__name__)
 
@@ -47,249 +45,6 @@ class _Progress:
         if self.done < self.total and now - self.last_line >= PROGRESS_INTERVAL:
             log.info("%s: %d/%d done", self.what, self.done, self.total)
             self.last_line = now
-
-
-@dataclass(frozen=True)
-class LayerError:
-    """Present key and value of one layer; the layer's KV depends only on the layers before it and on its
-    own input norm and key/value projections."""
-
-    layer: int
-    key: Comparison
-    value: Comparison
-
-    @property
-    def passed(self) -> bool:
-        return self.key.passed and self.value.passed
-
-    def to_dict(self) -> dict:
-        return {
-            "layer": self.layer,
-            "passed": self.passed,
-            "key_max_abs": self.key.max_abs,
-            "value_max_abs": self.value.max_abs,
-            "key_needed_scale": self.key.needed.scale,
-            "value_needed_scale": self.value.needed.scale,
-        }
-
-
-def layer_errors(
-    manifest: Manifest, actual: dict, expected: dict, profile: Profile, label: str, mask: np.ndarray
-) -> list[LayerError]:
-    """Each layer's present key and value compared, at the real cache positions.
-
-    Args:
-        manifest: the artifact's manifest, which names the presents.
-        actual: ONNX Runtime's outputs by name.
-        expected: the reference's outputs by name.
-        profile: the profile whose kv tolerance judges them.
-        label: the call's name, which begins each comparison's name.
-        mask: (B, L), 1 at the cache positions judged.
-    """
-    cache = manifest.cache
-    return [
-        LayerError(
-            layer,
-            *(
-                compare(
-                    f"{label} {cache.present(layer, kind)}",
-                    "kv",
-                    actual[cache.present(layer, kind)],
-                    expected[cache.present(layer, kind)],
-                    profile.kv,
-                    valid=real_keys(mask),
-                )
-                for kind in KV_KINDS
-            ),
-        )
-        for layer in range(cache.num_layers)
-    ]
-
-
-def all_layers(label: str, layers: list[LayerError]) -> Comparison:
-    return aggregate(label, [c for layer in layers for c in (layer.key, layer.value)])
-
-
-@dataclass(frozen=True)
-class RoutingFlip:
-    """A call of a MoE model that failed its tolerance, with what the two sides' routers chose.
-
-    explained: some real token was routed to other experts, each time at a near-tie of the reference's router
-    scores or where an earlier layer's differing choice reached it (exporter.verify.checks.routing): those outputs
-    differ by an expert's contribution, within the precision of a discrete choice. The call is then judged at the
-    positions no differing choice reached (`excluded` of its `positions` real ones are left out), and in a
-    chain of calls ONNX Runtime takes the reference's cache for the next one, which would otherwise inherit
-    the difference for good. Not explained, the call keeps its verdict. `logits` and `present` compare the
-    whole call (and `loss`, a prefill's), before anything was left out.
-    """
-
-    call: str
-    agreement: ExpertAgreement
-    explained: bool
-    excluded: int
-    positions: int
-    logits: Comparison
-    present: Comparison
-    loss: Comparison | None = None
-
-    def describe(self) -> str:
-        whole = "the whole call: " + ", ".join(
-            f"{output} max abs {c.max_abs:.3g} ({c.needed.scale:.2g}x tol)"
-            for output, c in (("logits", self.logits), ("present", self.present), ("loss", self.loss))
-            if c is not None
-        )
-        if not self.explained:
-            return f"{self.call}: {self.agreement.note}; not a near-tie: judged whole ({whole})"
-        return (
-            f"{self.call}: {self.agreement.note}; judged at the {self.positions - self.excluded} of "
-            f"{self.positions} positions no differing choice reaches ({whole})"
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "call": self.call,
-            "explained": self.explained,
-            "excluded_positions": self.excluded,
-            "positions": self.positions,
-            "expert_choice": self.agreement.to_dict(),
-            "whole_call": {
-                "logits": self.logits.to_dict(),
-                "present": self.present.to_dict(),
-                "loss": self.loss.to_dict() if self.loss is not None else None,
-            },
-        }
-
-
-@dataclass(frozen=True)
-class CallResult:
-    """One call's outputs against the reference's: what judge_call returns."""
-
-    logits: Comparison
-    layers: list[LayerError]
-    loss: Comparison | None  # prefill.onnx with labels
-    routing: RoutingFlip | None  # MoE: a failing call's expert choices
-
-    @property
-    def cache_passed(self) -> bool:
-        return all(layer.passed for layer in self.layers)
-
-    @property
-    def passed(self) -> bool:
-        return self.logits.passed and self.cache_passed and (self.loss is None or self.loss.passed)
-
-
-def judge_call(
-    manifest: Manifest,
-    call: str,
-    graph: str,
-    onnx_feeds: dict,
-    actual: dict,
-    expected: dict,
-    profile: Profile,
-    valid: np.ndarray,
-    cache: np.ndarray,
-    explain_routing=None,
-    cache_only: bool = False,
-    truth=None,
-) -> CallResult:
-    """A call's logits at its real tokens, each layer's present at the real cache positions and the loss,
-    named after the call. For a MoE model whose call failed, also its RoutingFlip, and when that is explained
-    the comparisons of the positions it did not reach, the loss with the reached positions' terms from the
-    reference's logits. Where a comparison fails its fixed profile and `truth` is given, the float64 referee
-    judges it instead (exporter.verify.checks.referee).
-
-    Args:
-        manifest: the artifact's manifest.
-        call: the call's name in reports ("decode step 3").
-        graph: the graph it ran, "prefill" or "decode".
-        onnx_feeds: ONNX Runtime's feeds of the call (the labels among them for a loss).
-        actual: ONNX Runtime's outputs by name.
-        expected: the reference's outputs by name.
-        profile: the tolerances that judge them.
-        valid: (B, T), 1 at the call's real tokens.
-        cache: (B, L), 1 at the real cache positions, the call's tokens last.
-        explain_routing: for MoE models, explain_routing(graph, onnx_feeds, valid) ->
-            exporter.verify.checks.routing.CallRouting, asked right after the reference's call: the expert
-            choices of that call on both sides; None: a failure stays unexplained.
-        cache_only: a call that only builds the cache of the next one (its logits and loss are judged
-            elsewhere or not at all) fails only by its presents.
-        truth: truth() -> the float64 referee's outputs of this call (Float64Referee.truth of its chain), asked
-            only when a comparison fails; None: the fixed profile's verdict stands.
-    """
-    real = np.asarray(valid) == 1
-    cache = np.asarray(cache) == 1
-
-    def judge(reached: np.ndarray, loss, routing: RoutingFlip | None = None) -> CallResult:
-        kept_cache = cache & np.pad(~reached, ((0, 0), (cache.shape[1] - reached.shape[1], 0)), constant_values=True)
-        return CallResult(
-            compare(
-                f"{call} logits", "logits", actual["logits"], expected["logits"], profile.logits, valid=real & ~reached
-            ),
-            layer_errors(manifest, actual, expected, profile, call, kept_cache),
-            None if loss is None else compare(f"{call} loss", "loss", loss, expected["loss"], profile.loss),
-            routing,
-        )
-
-    # A reference giving no loss for labels (a decoder behind an artifact with the loss: the export refuses
-    # that pair, an older artifact may hold it) leaves the artifact's loss nothing to compare with: judged
-    # without it, as a --no-loss artifact is.
-    judged_loss = "loss" in actual and "loss" in expected
-    result = judge(np.zeros_like(real), actual["loss"] if judged_loss else None)
-    if truth is not None and not (result.cache_passed if cache_only else result.passed):
-        return _refereed_call(result, manifest, actual, expected, truth(), real, cache)
-    if explain_routing is None or (result.cache_passed if cache_only else result.passed):
-        return result
-    routing = explain_routing(graph, onnx_feeds, valid)
-    flip = RoutingFlip(
-        call,
-        routing.agreement,
-        routing.agreement.explained_flip,
-        int((routing.reached & real).sum()),
-        int(real.sum()),
-        result.logits,
-        all_layers(f"{call} present", result.layers),
-        result.loss,
-    )
-    if not flip.explained:
-        return replace(result, routing=flip)
-    loss = None if not judged_loss else routing.loss_without_reached(actual, expected, onnx_feeds["labels"])
-    return judge(routing.reached, loss, flip)
-
-
-def referee_truth(referee, chain: list):
-    """judge_call's `truth` for the last call of `chain` (a snapshot of it), or None without a referee."""
-    if referee is None:
-        return None
-    calls = tuple(chain)
-    return lambda: referee.truth(calls)
-
-
-def _refereed_call(
-    result: CallResult, manifest: Manifest, actual: dict, expected: dict, truth: dict, real, cache
-) -> CallResult:
-    """`result` with each failing comparison judged by the float64 referee's outputs `truth` instead."""
-
-    def rejudge(comparison: Comparison, name: str, kind: str, valid) -> Comparison:
-        if comparison.passed:
-            return comparison
-        return refereed(
-            comparison, referee_ratio(actual[name], expected[name], truth[name], kind, manifest.dtype, valid)
-        )
-
-    presents = manifest.cache.present
-    return replace(
-        result,
-        logits=rejudge(result.logits, "logits", "logits", real),
-        layers=[
-            LayerError(
-                layer.layer,
-                rejudge(layer.key, presents(layer.layer, "key"), "kv", real_keys(cache)),
-                rejudge(layer.value, presents(layer.layer, "value"), "kv", real_keys(cache)),
-            )
-            for layer in result.layers
-        ],
-        loss=None if result.loss is None else rejudge(result.loss, "loss", "loss", None),
-    )
 
 
 @dataclass(frozen=True)
@@ -492,120 +247,6 @@ def check_decode(
         aggregate(f"decode present ({len(chunks)} steps, all layers)", [s.kv for s in curve]),
     ]
     return DecodeResult(rows, curve, failing_call or first_call), ort_out
-
-
-@dataclass(frozen=True)
-class GreedyTrace:
-    """The reference's greedy tokens and, per token, the logits it was chosen from."""
-
-    ids: list[int]
-    logits: np.ndarray  # (len(ids), vocab) float32
-    # MoE: per call of the run (the prompt, then each chosen token fed back; call i chose token i) the routers'
-    # {layer: (scores, ids)}; empty for models without routers, or a bundle recorded before it was kept
-    routing: list[dict] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class GreedyResult:
-    reference_ids: list[int]
-    onnx_ids: list[int]
-    match_length: int  # tokens equal from the start
-    passed: bool
-    note: str
-    routing: ExpertAgreement | None = None  # MoE: the expert choices of both runs up to the differing token
-
-    def to_dict(self) -> dict:
-        return {
-            "reference_ids": self.reference_ids,
-            "onnx_ids": self.onnx_ids,
-            "match_length": self.match_length,
-            "passed": self.passed,
-            "note": self.note,
-            "expert_choice": self.routing.to_dict() if self.routing is not None else None,
-        }
-
-
-def judge_greedy(
-    trace: GreedyTrace,
-    actual: list[int],
-    profile: Profile,
-    expected: list[int] | None = None,
-    dropped_eos: int | None = None,
-) -> GreedyResult:
-    """Token ids must be equal; a divergence passes only at a near-tie of the reference's logits.
-
-    At a near-tie (the two candidates' reference logits closer than the logits tolerance) either choice is
-    within the dtype's precision, which happens in float16; it is reported in the note.
-
-    Args:
-        trace: the reference's greedy run, whose logits judge a divergence.
-        actual: the other side's new token ids.
-        profile: the profile whose logits tolerance defines a near-tie.
-        expected: the ids to compare with; None: the trace's. A consumer that stops at EOS and leaves it out
-            passes them without a final EOS.
-        dropped_eos: the EOS id such a consumer left out: where one side's list ends before the other's, that
-            side chose EOS there. None: a list that ends early stopped early.
-    """
-    expected = trace.ids if expected is None else expected
-    match = match_length(actual, expected)
-    if actual == expected:
-        stopped = (
-            " (both stopped at EOS at once: nothing else to compare)"
-            if not actual and dropped_eos is not None and trace.ids[:1] == [dropped_eos]
-            else ""
-        )
-        return GreedyResult(expected, actual, match, True, f"{len(actual)} tokens identical{stopped}")
-    if match == min(len(actual), len(expected)) and (dropped_eos is None or match >= len(trace.logits)):
-        return GreedyResult(expected, actual, match, False, "one side stopped early")
-    chosen, other = (ids[match] if match < len(ids) else dropped_eos for ids in (expected, actual))
-    logits = trace.logits[match].astype(np.float64)
-    gap = abs(logits[chosen] - logits[other])
-    near_tie = bool(gap <= profile.logits.allowed(logits)[chosen])
-    note = (
-        f"diverged at token {match}: reference {chosen} vs onnx {other}, "
-        f"reference logit gap {gap:.3g} ({'a near-tie within tolerance' if near_tie else 'not a tie'})"
-    )
-    return GreedyResult(expected, actual, match, near_tie, note)
-
-
-def check_greedy(
-    reference,
-    onnx,
-    manifest: Manifest,
-    prompt: list[int],
-    settings: ParitySettings,
-    profile: Profile,
-    explain_routing=None,
-) -> GreedyResult:
-    """Our ONNX Runtime loop against the reference's own cached decoding, from a seeded prompt.
-
-    A router near-tie in an earlier call reaches every later token through the cache, so for MoE models a
-    differing token after one is within the precision of a discrete choice, as a failing call's positions
-    after one are in judge_call.
-
-    Args:
-        reference: the reference (TorchRunner or a golden bundle's RecordedReference).
-        onnx: the OrtRunner.
-        manifest: the artifact's manifest (its eos_token_id ends both runs).
-        prompt: the seeded prompt's token ids.
-        settings: the verification's settings (greedy_tokens).
-        profile: the profile whose logits tolerance defines a near-tie.
-        explain_routing: for MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
-            (exporter.verify.checks.routing.greedy_choices), which compares the expert choices of the two runs
-            up to a differing token that is no near-tie of the reference's logits; None: no such comparison.
-    """
-    eos = manifest.config.eos_token_id
-    trace = reference.greedy(prompt, settings.greedy_tokens, eos)
-    try:
-        actual = generate_greedy(onnx, prompt, settings.greedy_tokens, eos).new_ids
-    except NonFiniteLogits:  # a result to report with the others, not an error that ends the run
-        return GreedyResult(trace.ids, [], 0, False, NonFiniteLogits.reason)
-    result = judge_greedy(trace, actual, profile)
-    if result.passed or explain_routing is None or result.match_length == min(len(actual), len(trace.ids)):
-        return result
-    routing = explain_routing(trace.routing, prompt, trace.ids[: result.match_length])
-    flip = "explained by a router near-tie: " if routing.explained_flip else "routers: "
-    return replace(result, passed=routing.explained_flip, note=f"{result.note}; {flip}{routing.note}", routing=routing)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from exporter.tolerances import Tolerance
-from exporter.verify.checks.outputs import LayerError, StepError
+from exporter.verify.checks.calls import LayerError
+from exporter.verify.checks.outputs import StepError
 from exporter.verify.diagnosis.probe import DebugGraph, real_elements
 from exporter.verify.metrics import Comparison, compare
 

@@ -46,7 +46,7 @@ from exporter.artifact.manifest import MANIFEST, Manifest, config_differences, s
 from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done, read_json_bounded
 from exporter.errors import InputError, OutputPathError, ToolkitError
 from exporter.tolerances import Overrides
-from exporter.verify.checks.outputs import GreedyTrace
+from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.checks.routing import record_reference_routing
 from exporter.verify.inputs import ParitySettings
 

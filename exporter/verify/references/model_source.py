@@ -62,7 +62,7 @@ def rebuild_problem(manifest: Manifest) -> RebuildProblem | None:
     if missing is not None:
         return RebuildProblem("torch", source, missing)
     if source["kind"] == "checkpoint":
-        from reference.checkpoints import checkpoint_change
+        from reference.checkpoint_files import checkpoint_change
 
         change = checkpoint_change(source.get("path", ""), source.get("sha256"))
         if change:

@@ -15,7 +15,7 @@ import torch
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
-from exporter.verify.checks.outputs import GreedyTrace
+from exporter.verify.checks.greedy import GreedyTrace
 from reference.layers import TORCH_DTYPES
 
 

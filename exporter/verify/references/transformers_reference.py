@@ -23,8 +23,9 @@ from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.errors import InputError, first_line, first_of
 from exporter.tolerances import Profile
+from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.checks.health import HealthScan
-from exporter.verify.checks.outputs import GreedyTrace, check_decode, check_prefill
+from exporter.verify.checks.outputs import check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden import RecordedReference
 from exporter.verify.references.referee import Float64Referee
@@ -57,7 +58,7 @@ def transformers_skip_reason(manifest: Manifest) -> str:
 
     if is_gguf(source["path"]) and gguf_missing():
         return f"loading a GGUF needs the gguf extra ({gguf_missing()}; {GGUF_EXTRA})"
-    from reference.checkpoints import checkpoint_change
+    from reference.checkpoint_files import checkpoint_change
 
     change = checkpoint_change(source["path"], source.get("sha256"))
     if change:

@@ -8,7 +8,7 @@ import math
 
 from exporter.tolerances import QUALITY_CONFIDENCE
 from exporter.verify.checks.faithfulness import NAME
-from exporter.verify.checks.weights import SHOWN_FINDINGS
+from exporter.verify.checks.weights.results import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH
 from exporter.verify.metrics import Comparison
 from exporter.verify.results import ProviderReport, VerifyReport

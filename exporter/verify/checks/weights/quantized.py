@@ -1,0 +1,209 @@
+"""The weight audit of a quantized artifact (manifest `quantization`): its blocks against their parameters.
+
+Each MatMulNBits node holds a projection, and a
+GatherBlockQuantized node the token embedding, as blocks of `bits`-bit integers, a scale and a zero point per block:
+it cannot equal its parameter bit for bit. Each node lies in the module whose Linear (or embedding) it replaced (the
+export gives it the MatMul's scope, exporter/export/quantize.py), and is held to that module's parameter as
+onnxruntime's quantizer makes blocks of it (exporter/verify/checks/blocks.py derives each bound): its scales and zero
+points equal the quantizer's bit for bit, and each dequantized weight, (q - zero_point) * scale, lies within half a
+step of the parameter, plus rounding. Another layer's blocks in its place, a scale × 1.05 or rounded to another
+format, a zero point off by one, fail; the finding names the parameter the blocks hold instead where they are
+another's. Blocks of more bits than recorded would pass that test, so each node's bits and block size (and whether
+it has zero points) are also held to the manifest's scheme (the lm_head to its `lm_head` option, the embedding to its
+`embedding` option). The ids reach the quantized embedding through a Gather of a table of row numbers (it fails on
+ids outside the table, as the float graph's Gather does): that integer table must hold 0 .. rows-1, or it would give
+one token another's row.
+
+`dequantized_weights` gives the weights those blocks compute with, by module, for the checks that run them in float
+math (exporter.verify.checks.faithfulness).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from exporter.artifact.folder import Artifact
+from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
+from exporter.artifact.scopes import module_of
+from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, layout
+from exporter.verify.checks.weights.results import WeightFinding
+from exporter.verify.checks.weights.tensors import ReferenceIndex, ReferenceTensor, WeightsFile, read_initializer
+
+
+def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | None:
+    """A quantized node's bits and block size against the scheme the manifest records: the embedding (the
+    GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
+    vocabulary width) at those of its `lm_head` option, every other matrix at the scheme's; None when they agree.
+    Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact from the
+    one it claims to be."""
+    scheme, held = manifest.quantization, block_inputs(node)[0]
+    if scheme is None:
+        return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
+    if node.op_type == GATHER_OP:
+        role, choice = "the embedding", ("embedding", scheme.embedding)
+    elif _attribute(node, "N", 0) == manifest.config.vocab_size:
+        role, choice = "the lm_head", ("lm_head", scheme.lm_head)
+    else:
+        role, choice = "a projection", None
+    expected = scheme.bits_for(choice[1]) if choice else scheme.bits
+    bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
+    symmetric = len(block_inputs(node)) < 3  # no zero points
+    if symmetric != scheme.symmetric:
+        return WeightFinding(
+            file,
+            "scheme",
+            "",
+            held,
+            f"{node.name}, {role}, holds {'symmetric' if symmetric else 'asymmetric'} blocks, but the manifest records "
+            f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
+        )
+    if (bits, block) == (expected, scheme.block_size):
+        return None
+    asked = f" ({choice[0]} {choice[1]})" if choice else ""
+    recorded = f"{expected}-bit blocks of {scheme.block_size}" if expected else "float weights"
+    return WeightFinding(
+        file,
+        "scheme",
+        "",
+        held,
+        f"{node.name}, {role}{asked}, holds {bits}-bit blocks of {block}, but the manifest records {scheme.scheme} "
+        f"with {recorded} for it",
+    )
+
+
+def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def audit_blocks(artifact, node, initializers, weights, index: ReferenceIndex, carried: set, named: set, file: str):
+    """A quantized node's blocks against the parameter of the module it lies in (its scope), as onnxruntime's
+    quantizer makes them (exporter/verify/checks/blocks.py); None when they are (it is then carried), else the
+    finding, naming the parameter they hold instead where they are another's."""
+    names = block_inputs(node)
+    arrays = []
+    for name in names:
+        array, problem = (
+            read_initializer(artifact, initializers[name], weights) if name in initializers else (None, "missing")
+        )
+        if array is None:
+            return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
+        arrays.append(array)
+    b, scales, zero_points = (*arrays, None)[:3]
+    module = module_of(node)
+    if module is None:
+        return WeightFinding(
+            file,
+            "unplaced",
+            "",
+            names[0],
+            f"quantized matrix {names[0]} of {node.name} lies in no module (no scope metadata), so no parameter is "
+            "due there; re-export the artifact with this version of the toolkit, which records it",
+        )
+    shape = layout(node, b)[:2]
+    fitting = [r for r in index.references if r.kind == "parameter" and tuple(r.tensor.shape) == shape]
+    due = next((r for r in fitting if module in r.owners), None)
+    if due is None:
+        return WeightFinding(
+            file,
+            "unmatched",
+            "",
+            names[0],
+            f"quantized matrix {names[0]} {list(shape)} of {node.name} (in {module}) is no parameter of {module} "
+            "of that shape",
+        )
+    checked = check_blocks(node, b, scales, zero_points, _graph_values(due, index.export_dtype))
+    if checked.passed:
+        carried.add(id(due))
+        return None
+    named.add(id(due))
+    held = next(
+        (
+            r
+            for r in fitting
+            if r is not due and check_blocks(node, b, scales, zero_points, _graph_values(r, index.export_dtype)).passed
+        ),
+        None,
+    )
+    if held is not None:
+        named.add(id(held))
+        return WeightFinding(
+            file,
+            "misplaced",
+            due.names[0],
+            names[0],
+            f"{due.name}: the quantized blocks {names[0]} of {node.name} (in {module}) hold {held.name} instead",
+            multiple=checked.worst,
+        )
+    return WeightFinding(
+        file,
+        "differs",
+        due.names[0],
+        names[0],
+        f"{due.name} differs in the quantized blocks {names[0]} of {node.name}: {checked.describe()}",
+        multiple=checked.worst,
+    )
+
+
+def _graph_values(reference: ReferenceTensor, export_dtype) -> np.ndarray:
+    """A parameter as the float graph held it before quantization (cast to the export's dtype), as float32."""
+    return reference.tensor.to(export_dtype).float().cpu().numpy()
+
+
+def row_id_tables(graph: onnx.GraphProto, initializers: dict) -> list[tuple[onnx.NodeProto, str]]:
+    """The row-id tables in front of GatherBlockQuantized nodes (exporter/export/quantize.py): (the node, the
+    integer initializer that a Gather reads the ids through)."""
+    producers = {out: node for node in graph.node for out in node.output}
+    found = []
+    for node in graph.node:
+        if node.op_type != GATHER_OP:
+            continue
+        guard = producers.get(node.input[1])
+        if guard is not None and guard.op_type == "Gather" and guard.input[0] in initializers:
+            found.append((node, guard.input[0]))
+    return found
+
+
+def audit_row_ids(
+    artifact, node: onnx.NodeProto, name: str, initializers: dict, weights, file: str
+) -> WeightFinding | None:
+    """The row-id table `name` in front of the quantized embedding `node` against what it must be, 0 .. rows-1 (it
+    passes each id in the table through unchanged, and fails on the others); None when it is."""
+    table, problem = read_initializer(artifact, initializers[name], weights)
+    if table is None:
+        return WeightFinding(file, "unreadable", "", name, f"row-id table {name} of {node.name} {problem}")
+    rows = int(initializers[node.input[0]].dims[0])  # the quantized table's rows
+    identity = np.arange(rows)
+    if table.shape == (rows,) and np.array_equal(table, identity):
+        return None
+    if table.shape != (rows,):
+        how = f"has shape {list(table.shape)}, not [{rows}]"
+    else:
+        wrong = np.flatnonzero(table != identity)
+        how = f"{wrong.size} of {rows} entries differ, e.g. entry {wrong[0]} holds {table[wrong[0]]}"
+    return WeightFinding(
+        file,
+        "differs",
+        "",
+        name,
+        f"the row-id table {name} in front of the quantized embedding {node.name} must hold 0 .. {rows - 1}: {how}",
+    )
+
+
+def dequantized_weights(artifact: Artifact) -> dict[str, np.ndarray]:
+    """The weight each quantized node of `artifact`'s prefill graph computes with in float math, by the module it
+    lies in ({"model.layers.0.self_attn.q_proj": (out, in) float32}; the embedding's (vocab, hidden)). Both graphs
+    hold the same blocks (the invariants check it). A node in no module is left out: the weight audit fails it."""
+    graph = artifact.graph(artifact.manifest.prefill).graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    weights = WeightsFile(artifact)
+    found = {}
+    for node in graph.node:
+        module = module_of(node) if node.op_type in QUANTIZED_OPS else None
+        if module is None:
+            continue
+        arrays = [read_initializer(artifact, initializers[name], weights)[0] for name in block_inputs(node)]
+        if any(array is None for array in arrays):
+            continue  # unreadable: the weight audit fails it
+        found[module] = dequantize_blocks(node, *arrays, *[None] * (3 - len(arrays)))
+    return found

@@ -139,7 +139,6 @@ def _verify_foreign(
             ("--golden-save", options.golden_save),
             ("--fp16-companion", options.fp16_companion),
             *consumers.items(),
-            ("--quality-text", quality_text),
             ("--runtime", [name for name in runtimes if name != DEFAULT_RUNTIME]),
         )
         if value
@@ -147,5 +146,5 @@ def _verify_foreign(
     if given:
         raise click.UsageError(f"{', '.join(given)} cannot serve a folder {writer} wrote; drop it")
     overrides, settings, *_ = verification_plan(folder, providers, (), None, options)
-    report = verify_foreign(folder, reference, list(providers) or None, settings, overrides)
+    report = verify_foreign(folder, reference, list(providers) or None, settings, overrides, quality_text)
     finish_verification(report, options, report.to_dict(), as_json, format_verify(report))

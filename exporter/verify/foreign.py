@@ -5,7 +5,9 @@ The graph runs behind OrtRunner's interface (exporter.runtime.foreign.ForeignRun
 checks and profiles as the toolkit's own artifacts: a float graph by its dtype's bit-parity profile on the prefill
 batch, the decode steps fed its own presents, greedy tokens and the shape sweep, with the output health scan, a
 repeat run, the layer-level localisation and the invariants that need no second graph; a quantized graph by its
-scheme's quality profile. Whatever the graph cannot give is listed in the report as not checked, with the reason.
+scheme's quality profile, on seeded random ids or on a text tokenized with the folder's own tokenizer.json (as
+Optimum and the builder copy it from the Hugging Face folder). Whatever the graph cannot give is listed in the report
+as not checked, with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.artifact.foreign import check_sizes, foreign_manifest, read_foreign, reference_config
+from exporter.artifact.foreign import ForeignGraph, check_sizes, foreign_manifest, read_foreign, reference_config
+from exporter.artifact.manifest import Manifest
+from exporter.artifact.tokenizer import TOKENIZER
 from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
 from exporter.runtime.sessions import available_parity_providers, check_parity_providers, check_quantized_provider
@@ -29,7 +33,15 @@ from exporter.verify.checks.outputs import check_decode, check_prefill, run_swee
 from exporter.verify.checks.providers import repeat_run
 from exporter.verify.checks.quality import check_quality
 from exporter.verify.diagnosis.localise import locate_layer
-from exporter.verify.inputs import ParitySettings, greedy_prompt, prompt_batch
+from exporter.verify.inputs import (
+    ParitySettings,
+    QualityText,
+    check_quality_text,
+    check_quantized,
+    greedy_prompt,
+    prompt_batch,
+    tokenize_quality_text,
+)
 from exporter.verify.references.transformers_reference import (
     TransformersRunner,
     float64_referee,
@@ -74,6 +86,7 @@ def verify_foreign(
     providers: list[str] | None = None,
     settings: ParitySettings = ParitySettings(),
     overrides: Overrides = Overrides(),
+    quality_text: Path | QualityText | None = None,
 ) -> VerifyReport:
     """Every check that applies to a foreign folder's graph, against Transformers' model of `reference`.
 
@@ -83,11 +96,17 @@ def verify_foreign(
         providers: the providers to verify on ("cpu", "cuda"), or None for every available one.
         settings: decode steps, greedy tokens, sweep and seed (the probe does not apply).
         overrides: tolerance terms in place of the profiles'.
+        quality_text: for a quantized graph, a text its quality check reads in place of seeded random ids: a UTF-8
+            file, tokenized with the folder's tokenizer.json, or a QualityText of ids; as for the toolkit's own
+            artifacts (verify_artifact), the same windows, intervals and verdicts.
 
     Raises:
         ArtifactError: the folder holds no graph, or one that follows no contract read here.
         InputError: the reference folder has no readable config, its sizes are not the graph's, transformers is
-            not installed, or the probe is asked for.
+            not installed, or the probe is asked for; `quality_text` for a float graph, for a folder without a
+            tokenizer.json, unreadable, not UTF-8 or too short for one window.
+        TokenizerError: quality_text given, and the folder's tokenizer.json cannot be read or does not fit the
+            reference's vocabulary.
         ProviderError: a provider that is unknown or not available.
     """
     start = time.perf_counter()
@@ -108,6 +127,7 @@ def verify_foreign(
     if not graph.left_padding:
         settings = replace(settings, left_padding=0)
     settings = settings.fit(config.max_position_embeddings)
+    text = _quality_text(quality_text, graph, manifest, settings)
     batch = prompt_batch(manifest, settings, np.random.default_rng(settings.seed))
     log.info("reference: transformers loading %s", reference)
     model = TransformersRunner(reference, manifest)
@@ -125,6 +145,7 @@ def verify_foreign(
                     settings,
                     quality_profile_for(manifest.precision),
                     np.random.default_rng(settings.seed + 1),
+                    text,
                 )
             )
         else:
@@ -152,6 +173,27 @@ def verify_foreign(
         writer=graph.to_dict(),
         seconds=time.perf_counter() - start,
     )
+
+
+def _quality_text(
+    quality_text, graph: ForeignGraph, manifest: Manifest, settings: ParitySettings
+) -> QualityText | None:
+    """verify_foreign's `quality_text` read with the folder's own tokenizer.json (a path) or checked (a
+    QualityText); None without one."""
+    if quality_text is None:
+        return None
+    if isinstance(quality_text, QualityText):
+        check_quality_text(quality_text, manifest, graph.folder, settings)
+        return quality_text
+    check_quantized(manifest, graph.folder)
+    tokenizer = graph.folder / TOKENIZER
+    if not tokenizer.is_file():
+        raise InputError(
+            f"`quality_text` is tokenized with the folder's own {TOKENIZER}, and {graph.folder} has none "
+            f"({graph.writer} copies the one of the Hugging Face folder it exports); export it again from a folder "
+            "that holds its tokenizer, or verify without `quality_text`"
+        )
+    return tokenize_quality_text(quality_text, tokenizer, manifest, graph.folder, settings)
 
 
 def _run_provider(

@@ -175,7 +175,9 @@ class QualityText:
         return {"source": self.source, "tokens": int(len(self.ids))}
 
 
-def _quantized_only(manifest: Manifest, folder: Path) -> None:
+def check_quantized(manifest: Manifest, folder: Path) -> None:
+    """InputError unless the graph at `folder` is quantized: a text feeds a quantized graph's quality check; a float
+    one is judged by parity, on random ids."""
     if manifest.quantization is None:
         raise InputError(
             f"`quality_text` feeds the quality check of a quantized artifact; {folder} is {manifest.precision}, judged "
@@ -187,7 +189,7 @@ def check_quality_text(text: QualityText, manifest: Manifest, folder: Path, sett
     """InputError unless `text` can feed the quality check of the artifact at `folder`: a quantized artifact (a
     float one is judged by parity, on random ids), and at least one window of ids for `settings` fitted to the
     model's positions."""
-    _quantized_only(manifest, folder)
+    check_quantized(manifest, folder)
     settings = settings.fit(manifest.config.max_position_embeddings)
     length = window_length(settings)
     if len(text.ids) < length:
@@ -213,13 +215,27 @@ def read_quality_text(path, manifest: Manifest, folder: Path, settings: ParitySe
             too short for one window.
         TokenizerError: the artifact's tokenizer.json cannot be read or does not fit the model.
     """
-    source = shown_path(path)
-    _quantized_only(manifest, folder)
+    check_quantized(manifest, folder)
     if TOKENIZER not in manifest.files:
         raise InputError(
             f"`quality_text` is tokenized with the artifact's {TOKENIZER}, and {folder} has none; export it with a "
             "tokenizer (`tokenizer`), or verify without `quality_text`"
         )
+    return tokenize_quality_text(path, Path(folder) / TOKENIZER, manifest, folder, settings)
+
+
+def tokenize_quality_text(
+    path, tokenizer: Path, manifest: Manifest, folder: Path, settings: ParitySettings
+) -> QualityText:
+    """A UTF-8 text file tokenized with `tokenizer` (a tokenizer.json), checked to feed the quality check of the graph
+    at `folder` (check_quality_text): read_quality_text's reading, for a caller that finds the tokenizer itself and
+    has refused a float graph first (check_quantized).
+
+    Raises:
+        InputError: a float graph, a file that cannot be read or is not UTF-8, a text too short for one window.
+        TokenizerError: the tokenizer cannot be read or does not fit the model's vocabulary.
+    """
+    source = shown_path(path)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -230,8 +246,8 @@ def read_quality_text(path, manifest: Manifest, folder: Path, settings: ParitySe
         raise InputError(
             f"`quality_text` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
         ) from None
-    tokenizer = load_tokenizer(Path(folder) / TOKENIZER, manifest.config.vocab_size)
-    quality_text = QualityText(source, np.asarray(tokenizer.encode(text).ids, dtype=np.int64))
+    loaded = load_tokenizer(tokenizer, manifest.config.vocab_size)
+    quality_text = QualityText(source, np.asarray(loaded.encode(text).ids, dtype=np.int64))
     check_quality_text(quality_text, manifest, folder, settings)
     return quality_text
 

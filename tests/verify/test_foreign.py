@@ -1,8 +1,9 @@
-"""Folders other exporters wrote, verified against transformers: onnxruntime-genai's builder (float32, int4) and
-Optimum (float32, in its own environment, see helpers.optimum_python), a damaged graph, and the bad inputs.
+"""Folders other exporters wrote, verified against transformers: onnxruntime-genai's builder (float32, int4, the
+int4 also on a text) and Optimum (float32, in its own environment, see helpers.optimum_python), a damaged graph, and
+the bad inputs.
 
-One tiny Qwen3 folder with the default rope (the builder cannot read the yarn parameters transformers 5 writes),
-exported once per writer for the module."""
+One tiny Qwen3 folder with the default rope (the builder cannot read the yarn parameters transformers 5 writes) and
+the tiny tokenizer (which each writer copies), exported once per writer for the module."""
 
 from __future__ import annotations
 
@@ -16,24 +17,31 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import build_tokenizer
 from helpers import assert_one_line_error, edit_json, optimum_python, run_cli
 from hf_folders import hf_model, save_folder
 from onnx import numpy_helper
+from tokenizers import Tokenizer
 
 from exporter.verify.checks.invariants import FLOAT_MATMUL_NOTE
 from exporter.verify.foreign import verify_foreign
-from exporter.verify.inputs import ParitySettings
+from exporter.verify.inputs import ParitySettings, QualityText
 from exporter.verify.reports.html import render_html
 from exporter.verify.reports.junit import render_junit
 from exporter.verify.reports.text import format_verify
 
 QUICK = ParitySettings(decode_steps=4, greedy_tokens=8, sweep=False)
+QUICK_CLI = ("--provider", "cpu", "--decode-steps", "4", "--no-sweep")
+# words of the tiny tokenizer's corpus (tests/conftest.py build_tokenizer)
+TEXT = "kalo mine ruto savi depo gufe lomi neru tosa vide pogu feka " * 12
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory) -> Path:
     model = hf_model("qwen3", rope_scaling=None, max_position_embeddings=2048)
-    return save_folder(model, "qwen3", tmp_path_factory.mktemp("foreign") / "qwen3")
+    folder = save_folder(model, "qwen3", tmp_path_factory.mktemp("foreign") / "qwen3")
+    build_tokenizer(model.config.vocab_size).save(str(folder / "tokenizer.json"))
+    return folder
 
 
 def _builder(source: Path, precision: str, tmp_path_factory) -> Path:
@@ -100,6 +108,81 @@ def test_builder_int4_is_judged_by_the_quality_profile(builder_int4, qwen3):
     assert re.search(r'name="top1_agreement_decisive"[^>]*>\s*<skipped', render_junit(report))
     html = render_html(report)
     assert "quality profile int4" in html and html.count("not judged") >= 2  # verdict cell and its reason
+
+
+def test_builder_int4_is_judged_on_a_text_tokenized_with_its_own_tokenizer(builder_int4, qwen3, tmp_path):
+    text, report = tmp_path / "text.txt", tmp_path / "report.json"
+    text.write_text(TEXT, encoding="utf-8")
+    result = run_cli(
+        "verify", builder_int4, "--reference", qwen3, "--quality-text", text, *QUICK_CLI, "--report-json", report
+    )
+    assert result.exit_code == 0, result.output
+    [quality] = json.loads(report.read_text())["quality"]
+    ids = Tokenizer.from_file(str(builder_int4 / "tokenizer.json")).encode(TEXT).ids
+    window = 12 + 4 + 3  # the prompt, the decode steps, the final chunk
+    windows = -(-len(ids) // window)
+    # read whole with the folder's tokenizer, every row unpadded (the builder's attention takes rows right-padded)
+    assert quality["input"] == {
+        "kind": "text",
+        "source": str(text),
+        "tokens": len(ids),
+        "windows": windows,
+        "window_length": window,
+        "positions": windows * window,
+    }
+    assert quality["verdict"] == "pass" and quality["scheme"] == "int4"
+    checks = {c["metric"]: c for c in quality["checks"]}
+    for metric in ("kl_mean", "kl_p99", "nll_delta"):  # each judged by its interval, which holds its value
+        low, high = checks[metric]["interval"]
+        assert checks[metric]["verdict"] == "pass" and low <= checks[metric]["value"] <= high, checks[metric]
+    low, high = quality["intervals"]["perplexity_ratio"]
+    assert low <= quality["metrics"]["perplexity_ratio"] <= high
+    assert f"input: text {text}, {len(ids)} tokens read whole" in result.stdout
+
+
+def test_a_builder_int4_with_a_scaled_head_fails_on_a_text(builder_int4, qwen3, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(builder_int4, damaged)
+    model = onnx.load(str(damaged / "model.onnx"))
+    scales = next(t for t in model.graph.initializer if t.name == "lm_head.MatMul.weight_scales")
+    array = numpy_helper.to_array(scales)
+    scales.CopyFrom(numpy_helper.from_array((array * np.float32(1.5)).astype(array.dtype), scales.name))
+    onnx.save(model, str(damaged / "model.onnx"), save_as_external_data=True, location="model.onnx.data")
+    ids = Tokenizer.from_file(str(damaged / "tokenizer.json")).encode(TEXT).ids
+    report = verify_foreign(damaged, qwen3, ["cpu"], QUICK, quality_text=QualityText("text", np.asarray(ids)))
+    (quality,) = report.quality
+    assert not report.passed and quality.verdict == "fail" and quality.windows == -(-len(ids) // 19)
+    # logits 1.5 times sharper: the text's perplexity rises well beyond 10%, its whole interval past the limit
+    nll = next(c for c in quality.checks if c.threshold.metric == "nll_delta")
+    assert nll.verdict == "fail" and nll.interval[0] > nll.threshold.limit, nll
+
+
+def test_bad_quality_texts_of_a_foreign_folder_are_one_line_and_exit_2(builder_int4, builder_fp32, qwen3, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+
+    def verify(folder, path=text):
+        return run_cli("verify", folder, "--reference", qwen3, "--quality-text", path, *QUICK_CLI)
+
+    assert_one_line_error(
+        verify(builder_fp32), 2, "is float32, judged by parity with its reference on seeded random ids: drop"
+    )
+    short = tmp_path / "short.txt"
+    short.write_text("kalo mine", encoding="utf-8")
+    assert_one_line_error(verify(builder_int4, short), 2, "tokens, fewer than the 19 each of the 2 windows reads")
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(builder_int4, untokenized)
+    (untokenized / "tokenizer.json").unlink()
+    assert_one_line_error(
+        verify(untokenized),
+        2,
+        f"--quality-text is tokenized with the folder's own tokenizer.json, and {untokenized} has none "
+        "(onnxruntime-genai model builder copies the one of the Hugging Face folder it exports)",
+    )
+    larger = tmp_path / "larger"
+    shutil.copytree(builder_int4, larger)
+    build_tokenizer(512).save(str(larger / "tokenizer.json"))  # ids past the graph's 256 logits
+    assert_one_line_error(verify(larger), 2, "but the model's vocab_size is 256")
 
 
 def test_optimum_fp32_verifies_through_the_cli(optimum_fp32, qwen3, tmp_path):
@@ -185,13 +268,6 @@ def test_bad_inputs_are_one_line_and_exit_2(builder_fp32, qwen3, tmp_path):
         run_cli("verify", builder_fp32, "--reference", other),
         2,
         "its config.json gives head_dim 16 where the folder has 32",
-    )
-    text = tmp_path / "text.txt"
-    text.write_text("a text to read", encoding="utf-8")
-    assert_one_line_error(
-        run_cli("verify", builder_fp32, "--reference", qwen3, "--quality-text", text),
-        2,
-        "--quality-text cannot serve a folder onnxruntime-genai model builder wrote",
     )
     assert_one_line_error(
         run_cli("verify", builder_fp32, "--reference", qwen3, "--transformers-js"),

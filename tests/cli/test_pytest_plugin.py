@@ -581,7 +581,7 @@ def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(
     # rather than reading the folder again.
     from exporter.artifact.manifest import read_manifest
     from exporter.cli.pytest_plugin import _verify
-    from exporter.verify import engine
+    from exporter.verify import plan as verify_plan
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.references import golden
@@ -604,7 +604,7 @@ def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(
         return load_bundle(folder, manifest)
 
     monkeypatch.setattr(golden, "load_bundle", counting)
-    monkeypatch.setattr(engine, "load_bundle", counting)
+    monkeypatch.setattr(verify_plan, "load_bundle", counting)
     plan = reference_plan(artifact_fp32, bundle)
     report = _verify(artifact_fp32, plan, ["cpu"])
     assert reads == [bundle] and report.passed and report.reference == f"golden bundle {bundle}", reads

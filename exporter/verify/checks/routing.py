@@ -15,6 +15,7 @@ disk changes).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -25,14 +26,21 @@ import onnx
 import onnxruntime as ort
 
 from exporter.artifact.folder import Artifact
+from exporter.artifact.manifest import Manifest
 from exporter.artifact.scopes import ROUTER_SCOPE, SCOPES_KEY
+from exporter.runtime.protocol import Runner
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.runtime.sessions import plain_session_options, session_providers
-from exporter.verify.inputs import prefill_feeds
+from exporter.tolerances import Profile
+from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prefill_feeds
 from exporter.verify.metrics import log_softmax
 
-if TYPE_CHECKING:  # torch is needed only by callers that hold the reference model
-    import torch
+if TYPE_CHECKING:
+    import torch  # needed only by callers that hold the reference model
+
+    from exporter.verify.references.golden import RecordedReference  # which imports this module
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -455,3 +463,48 @@ def check_expert_choice(
             )
         )
     return _agreement(counts)
+
+
+def expert_choice(
+    reference: RecordedReference,
+    artifact: Artifact,
+    provider: str,
+    batch: dict,
+    settings: ParitySettings,
+    profile: Profile,
+) -> ExpertAgreement | None:
+    """MoE routing agreement against the reference's routers, live or from a golden bundle (None for models
+    without routers)."""
+    manifest = artifact.manifest
+    if not manifest.is_moe:
+        return None
+    log.info("%s: expert choice of the MoE routers", provider)
+    rng = np.random.default_rng(settings.seed + 4)
+    steps = [
+        rng.integers(0, manifest.config.vocab_size, (settings.batch, n), dtype=np.int64)
+        for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]
+    ]
+    return check_expert_choice(reference, artifact, provider, batch, steps, profile.kv)
+
+
+class RoutingExplainer:
+    """For MoE models: the expert choices of both sides behind a failing call (judge_call's explain_routing,
+    asked right after the reference's call) or a greedy run that differs (check_greedy's); each graph's
+    router probe is built at its first use."""
+
+    def __init__(self, reference: RecordedReference, onnx: Runner, manifest: Manifest, profile: Profile):
+        self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.kv
+        self._probes: dict[str, RouterProbe] = {}
+
+    def _probe(self, graph: str) -> RouterProbe:
+        if graph not in self._probes:
+            self._probes[graph] = RouterProbe(self.onnx.artifact, graph, self.onnx.provider)
+        return self._probes[graph]
+
+    def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:
+        return routing_agreement(self.reference.last_routing(), self._probe(graph), onnx_feeds, valid, self.tolerance)
+
+    def greedy(self, reference_calls: list[dict], prompt: list[int], shared: list[int]) -> ExpertAgreement:
+        return greedy_choices(
+            reference_calls, self.onnx, self._probe("decode"), self.manifest, prompt, shared, self.tolerance
+        )

@@ -8,7 +8,8 @@ This module holds the command group `main`, which each command module joins; the
 - run / export / verify / generate / inspect / install_node: one command each
 - exporting: the export as `run` and `export` ask for it
 - generate_input: generate's option checks and its prompts read into token ids
-- options: the options several commands share (ExportOptions, VerifyOptions), the verification's checks and ending
+- options: the options several commands share (ExportOptions, VerifyOptions)
+- verification: the verification as `verify` and `run` ask for it: its checks, its run and its ending
 - outcome: how a command ends (exit codes, one-line errors, signals, progress lines)
 - document: the JSON error document
 - export_report: the export's and inspect's tables for people

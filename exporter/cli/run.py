@@ -10,15 +10,13 @@ from exporter.cli.options import (
     VerifyOptions,
     common_options,
     export_options,
-    finish_verification,
     genai_option,
     provider_option,
-    run_verification,
     transformers_js_option,
-    verification_plan,
     verify_options,
 )
 from exporter.cli.outcome import handle_errors, setup_logging
+from exporter.cli.verification import finish_verification, run_verification, verification_plan
 
 
 @click.command("run")

@@ -9,16 +9,14 @@ from exporter.cli.options import (
     PathOption,
     VerifyOptions,
     common_options,
-    finish_verification,
     folder_argument,
     genai_option,
     provider_option,
-    run_verification,
     transformers_js_option,
-    verification_plan,
     verify_options,
 )
 from exporter.cli.outcome import handle_errors, setup_logging
+from exporter.cli.verification import finish_verification, run_verification, verification_plan
 from exporter.errors import InputError
 
 

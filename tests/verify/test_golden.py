@@ -304,6 +304,31 @@ def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     assert probed.module_outputs({**step, "input_ids": ids[:, 1:2]}, "decode") is None
 
 
+def test_a_recorded_decode_call_holds_its_new_positions_alone():
+    """A decode call's presents are recorded as their new positions in arrays of their own: a view of them would
+    keep each call's whole present alive, and with a text read whole the memory grows with its length squared."""
+    import torch
+
+    from exporter.verify.references.golden import RecordedReference
+
+    class Backing:
+        model = torch.nn.Module()
+
+        def decode(self, feeds):
+            past = feeds["past_key_values.0.key"]
+            new = np.ones((1, 2, 1, 8), np.float32)
+            return {"logits": np.zeros((1, 1, 4), np.float32), "present.0.key": np.concatenate([past, new], axis=2)}
+
+    past = np.zeros((1, 2, 100, 8), np.float32)
+    ids = np.array([[7]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones((1, 101), np.int64), "position_ids": np.array([[100]])}
+    recorded = RecordedReference(Backing())
+    assert recorded.decode({**feeds, "past_key_values.0.key": past})["present.0.key"].shape == (1, 2, 101, 8)
+    [(_, _, stored)] = recorded.calls
+    present = stored["present.0.key"]
+    assert present.shape == (1, 2, 1, 8) and present.base is None and present.nbytes == 64
+
+
 def test_golden_bundle_of_another_dtype_is_a_mismatch_not_a_failure(full, artifact_fp16, artifact_fp32, tmp_path):
     with pytest.raises(GoldenMismatch, match="another model \\(differs in dtype: bundle float32, artifact float16\\)"):
         verify_artifact(artifact_fp16, None, ["cpu"], golden=full[1])

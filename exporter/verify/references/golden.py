@@ -153,7 +153,8 @@ class RecordedReference:
     @staticmethod
     def _stored(kind: str, name: str, value, feeds: dict):
         past = feeds.get(name.replace("present.", "past_key_values.", 1)) if kind == "decode" else None
-        return np.asarray(value)[:, :, past.shape[2] :] if past is not None else np.asarray(value)
+        # a copy: a view of the new positions would keep the whole present alive, past included, for every call
+        return np.asarray(value)[:, :, past.shape[2] :].copy() if past is not None else np.asarray(value)
 
     @staticmethod
     def _restored(kind: str, name: str, value, feeds: dict):

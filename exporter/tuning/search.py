@@ -8,7 +8,7 @@ raised one rung (int4 to int8, int8 to float) are then the most sensitive k; k i
 model keeps the target on the held-out windows, found by bisection over k (the KL falls as k grows, near enough
 monotonically, as each step raises the next most sensitive module). Below the rung above: k stops one short of
 every module, so the artifact stays smaller than the scheme of the rung above would make it (int4: the int8
-artifact). The mix's int8 modules take the accuracy level int8 takes by default, or the one asked for.
+artifact). The mix's int8 modules take the scheme's accuracy level.
 
 The artifact of that mix is then exported and its own figures measured by the verification's quality check (ONNX
 Runtime against the float reference, on the held-out half, as `verify --quality-text` reads a text): where they miss
@@ -33,7 +33,6 @@ import numpy as np
 
 from exporter.artifact.destination import check_destination, move_into_place
 from exporter.artifact.quantization import (
-    DEFAULT_ACCURACY_LEVELS,
     SCHEMES,
     ModulePrecision,
     QualityTarget,
@@ -50,11 +49,13 @@ from exporter.verify.metrics import bootstrap_interval
 
 log = logging.getLogger(__name__)
 
-WINDOW = 128  # token ids per window the PyTorch figures read
-CALIBRATION_WINDOWS = 2  # windows of the first half that rank the modules: each module costs one pass over them
+WINDOW = 128  # token ids per window of the held-out half the PyTorch figures of a mix read
+# Windows of the first half that rank the modules, and their length: each module costs a forward pass over them, so
+# they are few and short (the ranking needs the large differences between modules, which 128 positions show).
+CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 2, 64
 # Windows of the held-out half that judge each mix in PyTorch, spread over it: one pass over them per mix the
 # bisection tries; the artifact's own figures are then measured on all of the held-out half.
-HELD_OUT_WINDOWS = 8
+HELD_OUT_WINDOWS = 4
 RETRIES = 3  # exports after the first, each with more modules raised, when the artifact misses the target
 
 
@@ -121,7 +122,7 @@ def _split(ids: np.ndarray, source: str, window: int) -> tuple[np.ndarray, np.nd
             f"`calibration_text` {source} gives {len(ids)} tokens; its two halves (calibration, held out) need "
             f"{window} each: give a longer text"
         )
-    return text_windows(ids[:half], CALIBRATION_WINDOWS, window), ids[half:]
+    return text_windows(ids[:half], CALIBRATION_WINDOWS, min(window, CALIBRATION_WINDOW)), ids[half:]
 
 
 def export_to_target(
@@ -189,7 +190,6 @@ def export_to_target(
     held_rows = text_windows(held_ids, min(HELD_OUT_WINDOWS, windows_covering(len(held_ids), window)), window)
     profile = quality_profile_for(dtype, target)
     up = 8 if scheme.bits == 4 else None  # the rung above the scheme's bits; None: float
-    up_level = settings.accuracy_level if settings.accuracy_level is not None else DEFAULT_ACCURACY_LEVELS["int8"]
     model.eval()  # as the reference runs it
 
     began = time.perf_counter()
@@ -207,7 +207,7 @@ def export_to_target(
         target.describe(),
         len(modules),
         len(calibration),
-        window,
+        calibration.shape[1],
         shown,
         len(ids),
     )
@@ -265,7 +265,7 @@ def export_to_target(
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.target-", dir=parent))
     try:
         for attempt in range(RETRIES + 1):
-            mix = tuple(ModulePrecision(m, up, up_level if up is not None else 0) for m in ranked[:k])
+            mix = tuple(ModulePrecision(m, up, scheme.accuracy_level if up is not None else 0) for m in ranked[:k])
             built = work / f"k{k}"
             log.info("exporting with %d module(s) raised; then its own figures on the held-out half", k)
             export = export_artifact(

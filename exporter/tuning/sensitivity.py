@@ -92,17 +92,8 @@ class Scorer:
         return [self.rows[i : i + ROWS_PER_CALL] for i in range(0, len(self.rows), ROWS_PER_CALL)]
 
     def _logits(self, chunk: np.ndarray) -> np.ndarray:
-        import torch
-
-        ids = torch.from_numpy(chunk)
-        with torch.no_grad():
-            out = self.model(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                position_ids=torch.arange(ids.shape[1]).expand(ids.shape),
-                use_cache=True,
-            )
-        return out.logits.float().numpy().reshape(-1, out.logits.shape[-1])
+        logits = _forward(self.model, chunk).logits
+        return logits.float().numpy().reshape(-1, logits.shape[-1])
 
     def score(self, weights: dict[str, np.ndarray]) -> Figures:
         """The figures of the model holding `weights` ({module: (out, in) float32}) in place of its own."""
@@ -112,6 +103,21 @@ class Scorer:
                 for chunk, expected in zip(self._chunks(), self._reference)
             ]
         return Figures(np.concatenate([s["kl"] for s in stats]), np.concatenate([s["top1"] for s in stats]))
+
+
+def _forward(model, rows: np.ndarray):
+    """The model's output on `rows` (B, L) of token ids, every id real, positions from 0, as the reference runs a
+    prefill."""
+    import torch
+
+    ids = torch.from_numpy(np.asarray(rows, np.int64))
+    with torch.no_grad():
+        return model(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.arange(ids.shape[1]).expand(ids.shape),
+            use_cache=True,
+        )
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from conftest import TINY, TINY_SOURCE
 from helpers import assert_one_line_error, edit_manifest, replayed_export, run_cli
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVELS, QualityTarget, parse_quality_target
+from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, QualityTarget, parse_quality_target
 from exporter.artifact.scopes import module_of
 from exporter.errors import InputError
 from exporter.tuning.search import export_to_target
@@ -88,7 +88,7 @@ def test_the_search_raises_the_most_sensitive_modules_until_the_target_holds(mad
     mix, target = quantization.mix, quantization.target
     assert 0 < len(mix) < len(made.ranked)  # below int8: at least one module stays int4
     assert [m.module for m in mix] == [m for m, _ in made.ranked[: len(mix)]]  # the most sensitive first
-    assert {(m.bits, m.accuracy_level, m.algorithm) for m in mix} == {(8, DEFAULT_ACCURACY_LEVELS["int8"], "rtn")}
+    assert {(m.bits, m.accuracy_level, m.algorithm) for m in mix} == {(8, DEFAULT_ACCURACY_LEVEL, "rtn")}
     sensitivities = [kl for _, kl in made.ranked]
     assert sensitivities == sorted(sensitivities, reverse=True)
     # the record: the target, with the artifact's own held-out figures, whose whole interval keeps it
@@ -105,8 +105,7 @@ def test_the_search_raises_the_most_sensitive_modules_until_the_target_holds(mad
             module = module_of(node)
             if attributes["N"] == 512:  # the lm_head, int8 by default
                 continue
-            scheme = "int8" if module in raised else "int4"
-            expected = (int(scheme[3:]), DEFAULT_ACCURACY_LEVELS[scheme])
+            expected = (8 if module in raised else 4, DEFAULT_ACCURACY_LEVEL)
             assert (attributes["bits"], attributes.get("accuracy_level", 0)) == expected, module
 
 
@@ -114,7 +113,7 @@ def test_inspect_shows_the_mix_and_the_target(made):
     result = run_cli("inspect", made.export.folder)
     assert result.exit_code == 0, result.output
     count = len(Artifact.open(made.export.folder).manifest.quantization.mix)
-    assert f"mix: {count} module(s) at int8 (accuracy level {DEFAULT_ACCURACY_LEVELS['int8']}, rtn)" in result.stdout
+    assert f"mix: {count} module(s) at int8 (accuracy level {DEFAULT_ACCURACY_LEVEL}, rtn)" in result.stdout
     assert f"quality target {TARGET}: held-out mean KL" in result.stdout
     document = json.loads(run_cli("inspect", made.export.folder, "--json").stdout)
     assert len(document["quantization"]["mix"]) == count

@@ -10,6 +10,7 @@ The layers, lowest first, each importing only those listed before it (tests/test
 - export/ and verify/: siblings, neither importing the other; export/ is the torch side (export wrappers, tracing,
   graph passes, pre-export checks, shared weights, quantization, the pipeline), verify/ the verification engine
   (references, checks, diagnosis, results, reports);
+- tuning/: an export made to a quality target, which both quantizes (export/) and measures (verify/);
 - cli/: the `export-onnx` command and the pytest plugin, the only code that knows flags, prints and exits.
 
 The reference models (the `reference` package, with reference.source: a model with the record of where its weights
@@ -28,6 +29,7 @@ _PUBLIC = {
     "checkpoint_model": "reference.source",
     "export_artifact": "exporter.export.pipeline",
     "QuantizationSettings": "exporter.artifact.quantization",
+    "export_to_target": "exporter.tuning.search",
     "verify_artifact": "exporter.verify.engine",
     "ParitySettings": "exporter.verify.inputs",
     "VerifyReport": "exporter.verify.results",

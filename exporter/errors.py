@@ -81,6 +81,10 @@ class InputError(ToolkitError):
     """Token ids, lengths or options outside what the model accepts."""
 
 
+class QualityTargetMissed(ToolkitError):
+    """No mix of precisions below the rung above the scheme keeps an export's quality target (exporter.tuning)."""
+
+
 class ProviderError(ToolkitError):
     """A requested ONNX Runtime execution provider is not available here."""
 

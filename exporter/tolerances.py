@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.artifact.paths import read_json_object
+from exporter.artifact.quantization import QualityTarget
 from exporter.errors import InputError
 from exporter.runtime.sessions import CPU, CUDA
 
@@ -462,7 +463,33 @@ QUALITY_PROFILES: dict[str, QualityProfile] = {
 }
 
 
-def quality_profile_for(scheme: str) -> QualityProfile:
-    """The quality profile of a quantization scheme ("int4", "int8"); the provider does not change it: the
+# An artifact made to a quality target (exporter.tuning: `export --quality-target kl=X[,top1=Y]`) is judged by the
+# target in place of the profile's limits on the same figures: the target is the user's statement of the loss they
+# accept, which the export measured on held-out text and records. Its mean KL is held to X, and its top-1 agreement
+# over every position, where given, to Y. The profile's other limits stay: they catch a broken export, which moves
+# every figure by O(1) nats, whatever the target.
+TARGET_WHY = "the quality target the export was made to (exporter.tuning), in place of the profile's limit"
+
+
+def target_thresholds(target: QualityTarget) -> tuple[QualityThreshold, ...]:
+    """A quality target's limits as thresholds of the quality check's figures, in target.limits()' order."""
+    bounds = {"kl_mean": "at most", "top1_agreement": "at least"}
+    return tuple(
+        QualityThreshold(metric, limit, bounds[metric], TARGET_WHY) for metric, limit in target.limits().items()
+    )
+
+
+def quality_profile_for(scheme: str, target: QualityTarget | None = None) -> QualityProfile:
+    """The quality profile of a quantization scheme ("int4", "int8"), with `target`'s limits in place of the
+    profile's on the same figures where the artifact was made to one; the provider does not change it: the
     quantization's error dwarfs any provider's rounding."""
-    return QUALITY_PROFILES[scheme]
+    profile = QUALITY_PROFILES[scheme]
+    if target is None:
+        return profile
+    added = target_thresholds(target)
+    kept = tuple(t for t in profile.thresholds if t.metric not in target.limits())
+    return QualityProfile(
+        f"{profile.name}, target {target.describe()}",
+        added + kept,
+        f"{profile.why}; the export's quality target {target.describe()} in place of its limits on those figures",
+    )

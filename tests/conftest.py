@@ -50,6 +50,7 @@ ONE_WORKER_MODULES = (
     "tests/cli/test_hf_folders.py",
     "tests/cli/test_gguf_export.py",
     "tests/cli/test_smollm2.py",
+    "tests/tuning/test_search.py",
     "tests/verify/test_foreign.py",
     "tests/verify/test_localise.py",
 )

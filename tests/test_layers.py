@@ -11,9 +11,9 @@ PACKAGE = Path(exporter.__file__).parent
 REFERENCE = PACKAGE.parent / "reference"
 # Lowest first; a rank may hold siblings, which never import each other. errors is the one error hierarchy;
 # tolerances the profiles both the export's own checks and the verification judge by; export (PyTorch model ->
-# artifact) and verify (artifact + reference -> report) are siblings; cli (the commands and the pytest plugin) is
-# the top.
-LAYERS = [("errors",), ("artifact",), ("runtime",), ("tolerances",), ("export", "verify"), ("cli",)]
+# artifact) and verify (artifact + reference -> report) are siblings; tuning (an export made to a quality target)
+# needs both; cli (the commands and the pytest plugin) is the top.
+LAYERS = [("errors",), ("artifact",), ("runtime",), ("tolerances",), ("export", "verify"), ("tuning",), ("cli",)]
 NAMES = [name for rank in LAYERS for name in rank]
 # The reference models (the top-level reference/ package) sit beside artifact: they read its files and raise its
 # errors, and export, runtime and verify build on them.

@@ -6,11 +6,15 @@ per weight, one scale in the activations' type and one zero point per `block_siz
 reduced axis), and its token embedding, unless kept float, as
 GatherBlockQuantized rows in the same layout (blocks along the hidden axis). The manifest's optional `quantization`
 field says so; a manifest without it is a float artifact, as every manifest written before the field existed.
+
+An export made to a quality target (exporter.tuning) records its mix: the modules it kept at other precisions than
+the scheme's (ModulePrecision: bits or float, accuracy level, algorithm), and the target with the figures it
+measured on held-out text (QualityTarget).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exporter.artifact.contract import DTYPES
 from exporter.errors import InputError
@@ -26,6 +30,11 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float
 # Level 4 by default, as onnxruntime-genai's builder writes int4 for the CPU: onnxruntime's CPU MatMulNBits is fast
 # only there (its float32-math kernels decode a 4-bit minimind-3 slower than the float32 artifact does, see
 # benchmarks/QUANTIZED-RESULTS.md); the quality profile judges what its int8 activations cost. CUDA ignores it.
+# int8 keeps level 4 too, although a trained model whose activations carry outliers (SmolLM2-135M) misses the int8
+# profile there and keeps it at level 0: onnxruntime's CPU kernel for 8-bit blocks in float math decodes an order of
+# magnitude slower than the float32 artifact, which would leave int8 worth nothing but its bytes, and level 0 on the
+# projections one would suspect (down_proj, the lm_head) recovers only part of the loss, as it is spread over every
+# projection. Such a model's int8 is made to its profile with --accuracy-level 0, at that speed.
 DEFAULT_ACCURACY_LEVEL = 4
 # The embedding's or the lm_head's weights: kept float, at 8 bits, or at the scheme's bits.
 TABLE_CHOICES = ("float", "int8", "same")
@@ -39,6 +48,101 @@ EMBEDDING_BEFORE_THE_FIELD = "float"  # what a manifest written before `embeddin
 QUANTIZED_OP = "MatMulNBits"
 GATHER_OP = "GatherBlockQuantized"  # the quantized embedding's lookup (com.microsoft)
 QUANTIZED_OPS = (QUANTIZED_OP, GATHER_OP)
+# How a matrix's blocks are made: "rtn", onnxruntime's round-to-nearest (DefaultWeightOnlyQuantConfig); "hqq", its
+# half-quadratic solver (HQQWeightOnlyQuantConfig), which fits each 4-bit block's scale and float zero point.
+ALGORITHMS = ("rtn", "hqq")
+DEFAULT_ALGORITHM = "rtn"
+
+
+@dataclass(frozen=True)
+class ModulePrecision:
+    """One module's weights at another precision than its scheme's, in an export made to a quality target.
+
+    module: the reference module, e.g. "model.layers.3.mlp.down_proj"; bits: 4 or 8, None: kept float;
+    accuracy_level: its MatMulNBits' (not read when float); algorithm: one of ALGORITHMS.
+    """
+
+    module: str
+    bits: int | None
+    accuracy_level: int = 0
+    algorithm: str = DEFAULT_ALGORITHM
+
+    @property
+    def precision(self) -> str:
+        """ "int4", "int8" or "float"."""
+        return "float" if self.bits is None else f"int{self.bits}"
+
+    def to_dict(self) -> dict:
+        return {
+            "module": self.module,
+            "bits": self.bits,
+            "accuracy_level": self.accuracy_level,
+            "algorithm": self.algorithm,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModulePrecision:
+        return cls(data["module"], data["bits"], data.get("accuracy_level", 0), data.get("algorithm", "rtn"))
+
+    def problem(self) -> str | None:
+        if self.bits not in (None, *SCHEMES.values()):
+            return f"quantization mix: {self.module} has bits {self.bits!r}, none of 4, 8 or null (float)"
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            return f"quantization mix: {self.module} has an unknown accuracy_level {self.accuracy_level!r}"
+        if self.algorithm not in ALGORITHMS:
+            return f"quantization mix: {self.module} has algorithm {self.algorithm!r}, none of {', '.join(ALGORITHMS)}"
+        return None
+
+
+@dataclass(frozen=True)
+class QualityTarget:
+    """The quality an export was made to: mean KL(float || artifact) per token at most `kl`, and top-1 agreement
+    at least `top1` (None: not asked), with what the export measured on held-out text (`measured`: "kl_mean",
+    "kl_mean_interval", "kl_p99", "top1_agreement", "positions", "text", "part"; empty until measured)."""
+
+    kl: float
+    top1: float | None = None
+    measured: dict = field(default_factory=dict, compare=False)
+
+    def limits(self) -> dict[str, float]:
+        """{metric: limit} of the quality check's figures the target bounds: "kl_mean" at most, "top1_agreement"
+        at least."""
+        return {"kl_mean": self.kl, **({"top1_agreement": self.top1} if self.top1 is not None else {})}
+
+    def describe(self) -> str:
+        return f"kl={self.kl:g}" + (f",top1={self.top1:g}" if self.top1 is not None else "")
+
+    def to_dict(self) -> dict:
+        return {"kl_mean": self.kl, "top1_agreement": self.top1, "measured": dict(self.measured)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QualityTarget:
+        return cls(data["kl_mean"], data.get("top1_agreement"), dict(data.get("measured") or {}))
+
+
+def parse_quality_target(text: str) -> QualityTarget:
+    """`kl=X[,top1=Y]` (X > 0, 0 < Y <= 1) as a QualityTarget, or InputError naming what is wrong."""
+    fields: dict[str, float] = {}
+    for item in str(text).split(","):
+        name, sep, value = item.strip().partition("=")
+        name = name.strip()
+        if not sep or name not in ("kl", "top1") or name in fields:
+            raise InputError(
+                f"quality target {text!r}: expected kl=X[,top1=Y], each once, e.g. kl=0.1 or kl=0.05,top1=0.9 "
+                "(`quality_target`)"
+            )
+        try:
+            fields[name] = float(value)
+        except ValueError:
+            raise InputError(f"quality target {text!r}: {name}={value.strip()!r} is not a number (`quality_target`)")
+    if "kl" not in fields:
+        raise InputError(f"quality target {text!r}: kl=X is required, e.g. kl=0.1 (`quality_target`)")
+    kl, top1 = fields["kl"], fields.get("top1")
+    if not 0 < kl < float("inf"):
+        raise InputError(f"quality target {text!r}: kl must be a finite number > 0 (`quality_target`)")
+    if top1 is not None and not 0 < top1 <= 1:
+        raise InputError(f"quality target {text!r}: top1 must lie in (0, 1], a share of positions (`quality_target`)")
+    return QualityTarget(kl, top1)
 
 
 @dataclass(frozen=True)
@@ -50,7 +154,8 @@ class Quantization:
     symmetric: False, each block has a zero point; lm_head, embedding: "float", "int8" or "same" as asked;
     kept_float: the modules whose weights stay float, with why; matrices: weight matrices quantized (a tied table
     held once for the lm_head and the embedding counts once); float_bytes: their bytes before, in the graphs' dtype;
-    quantized_bytes: their blocks, scales and zero points after.
+    quantized_bytes: their blocks, scales and zero points after; mix: the modules at another precision than the
+    scheme's (an export made to a quality target); target: that target with its held-out figures, None if none.
     """
 
     scheme: str
@@ -64,6 +169,17 @@ class Quantization:
     matrices: int = 0
     float_bytes: int = 0
     quantized_bytes: int = 0
+    mix: tuple[ModulePrecision, ...] = ()
+    target: QualityTarget | None = None
+
+    @property
+    def levels(self) -> set[int]:
+        """Every accuracy level its MatMulNBits nodes carry: the scheme's and its mix's quantized modules'."""
+        return {self.accuracy_level} | {m.accuracy_level for m in self.mix if m.bits is not None}
+
+    def precision_of(self, module: str) -> ModulePrecision | None:
+        """The mix's entry for `module`, None where it has the scheme's precision."""
+        return next((m for m in self.mix if m.module == module), None)
 
     @property
     def ratio(self) -> float:
@@ -88,6 +204,8 @@ class Quantization:
             "matrices": self.matrices,
             "float_bytes": self.float_bytes,
             "quantized_bytes": self.quantized_bytes,
+            **({"mix": [m.to_dict() for m in self.mix]} if self.mix else {}),
+            **({"target": self.target.to_dict()} if self.target is not None else {}),
         }
 
     @classmethod
@@ -104,6 +222,8 @@ class Quantization:
             matrices=data.get("matrices", 0),
             float_bytes=data.get("float_bytes", 0),
             quantized_bytes=data.get("quantized_bytes", 0),
+            mix=tuple(ModulePrecision.from_dict(m) for m in data.get("mix", ())),
+            target=QualityTarget.from_dict(data["target"]) if data.get("target") is not None else None,
         )
 
     def problem(self) -> str | None:
@@ -117,7 +237,7 @@ class Quantization:
         for name, choice in (("lm_head", self.lm_head), ("embedding", self.embedding)):
             if choice not in TABLE_CHOICES:
                 return f"quantization {name} {choice!r} is none of {', '.join(TABLE_CHOICES)}"
-        return None
+        return next((problem for m in self.mix if (problem := m.problem())), None)
 
 
 @dataclass(frozen=True)
@@ -145,6 +265,7 @@ class QuantizationSettings:
     lm_head: str | None = None
     embedding: str | None = None
     activations: str | None = None
+    mix: tuple[ModulePrecision, ...] = ()
 
 
 def block_inputs(node) -> list[str]:
@@ -178,6 +299,7 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
     block_size, accuracy_level = settings.block_size, settings.accuracy_level
     lm_head, embedding = settings.lm_head, settings.embedding
     given = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head, "embedding": embedding}
+    given["mix"] = settings.mix or None
     if dtype not in SCHEMES:
         name = next((name for name, value in given.items() if value is not None), None)
         if name is not None:
@@ -209,7 +331,13 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
                 f"{name} {choice!r} is none of {', '.join(TABLE_CHOICES)} (float: kept float; int8: 8 bits; same: "
                 f"the scheme's bits) (`{name}`)"
             )
-    return Quantization(dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding)
+    mix = tuple(settings.mix)
+    for entry in mix:
+        if not isinstance(entry, ModulePrecision):
+            raise InputError(f"mix entries must be ModulePrecision, got {type(entry).__name__} (`mix`)")
+        if problem := entry.problem():
+            raise InputError(f"{problem} (`mix`)")
+    return Quantization(dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding, mix=mix)
 
 
 def activations_dtype(dtype: str, activations: str | None) -> str:

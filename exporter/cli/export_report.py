@@ -34,10 +34,43 @@ def _quantized(manifest) -> str:
     )
 
 
+def _target_lines(manifest) -> list[str]:
+    """An export made to a quality target: its mix (how many modules at each precision, by the kind of module) and
+    the target with the figures it measured on held-out text; [] for any other artifact."""
+    q = manifest.quantization
+    if q is None or (not q.mix and q.target is None):
+        return []
+    groups: dict[tuple, dict[str, int]] = {}
+    for entry in q.mix:
+        kinds = groups.setdefault((entry.precision, entry.accuracy_level, entry.algorithm), {})
+        kind = entry.module.rsplit(".", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    lines = [
+        f"  mix: {sum(kinds.values())} module(s) at {precision}"
+        + (f" (accuracy level {level}, {algorithm})" if precision != "float" else "")
+        + ": "
+        + ", ".join(f"{kind} x{count}" for kind, count in kinds.items())
+        for (precision, level, algorithm), kinds in groups.items()
+    ] or [f"  mix: none, every projection at {q.scheme}"]
+    if q.target is not None:
+        m = q.target.measured
+        figures = (
+            f"held-out mean KL {m['kl_mean']:.4g} [{m['kl_mean_interval'][0]:.4g}, {m['kl_mean_interval'][1]:.4g}], "
+            f"p99 KL {m['kl_p99']:.4g}, top-1 {m['top1_agreement']:.3f} over {m['positions']} positions of {m['text']}"
+            if {"kl_mean", "kl_mean_interval", "kl_p99", "top1_agreement", "positions", "text"} <= set(m)
+            else "no held-out figures recorded"
+        )
+        lines.append(f"  quality target {q.target.describe()}: {figures}")
+    return lines
+
+
 def format_export(result: ExportResult) -> str:
+    manifest = result.manifest
     return (
-        f"exported {result.folder} ({result.manifest.precision}) in {result.seconds:.1f} s, "
-        f"{result.bytes / 1e6:.1f} MB\n" + _quantized(result.manifest) + _files_table(result.manifest.files)
+        f"exported {result.folder} ({manifest.precision}) in {result.seconds:.1f} s, {result.bytes / 1e6:.1f} MB\n"
+        + _quantized(manifest)
+        + "".join(f"{line.strip()}\n" for line in _target_lines(manifest))
+        + _files_table(manifest.files)
     )
 
 
@@ -75,6 +108,7 @@ def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
         f"  dtype {manifest.precision}"
         + (f" (activations and cache {manifest.dtype})" if manifest.quantization is not None else "")
         + f", opset {manifest.opset}, weights file {manifest.weights_file}",
+        *_target_lines(manifest),
         "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
     ]
     for contract in (manifest.prefill, manifest.decode):

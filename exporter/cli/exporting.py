@@ -83,14 +83,31 @@ def _require_export_extra() -> None:
         )
 
 
-def export_as_asked(to_export: ExportOptions) -> tuple:
-    """Export as the command line says: --tokenizer, else the checkpoint's own unless --no-tokenizer.
+def _quality_target(dtype, quality_target, calibration_text):
+    """(QualityTarget, text path) of --quality-target and --calibration-text, or None where neither is given;
+    UsageError for one without the other or a float --dtype, InputError for a target of bad syntax."""
+    from exporter.artifact.quantization import SCHEMES, parse_quality_target
+
+    if quality_target is None and calibration_text is None:
+        return None
+    if quality_target is None or calibration_text is None:
+        given, missing = ("--quality-target", "--calibration-text")[:: 1 if calibration_text is None else -1]
+        raise click.UsageError(f"{given} needs {missing}: give both, or neither")
+    if dtype not in SCHEMES:
+        raise click.UsageError(f"--quality-target applies to --dtype int4 or int8, not {dtype}")
+    return parse_quality_target(quality_target), calibration_text
+
+
+def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> tuple:
+    """Export as the command line says: --tokenizer, else the checkpoint's own unless --no-tokenizer; to a quality
+    target where `target` (--quality-target, --calibration-text) gives one.
 
     Returns:
         (the model exported, export_artifact's result).
     """
     if to_export.tokenizer is not None and to_export.no_tokenizer:
         raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
+    to_target = _quality_target(to_export.dtype, *target)
     _require_export_extra()
     from exporter.artifact.destination import check_destination
     from exporter.artifact.quantization import QuantizationSettings
@@ -105,13 +122,29 @@ def export_as_asked(to_export: ExportOptions) -> tuple:
     quantization = QuantizationSettings(
         to_export.block_size, to_export.accuracy_level, to_export.lm_head, to_export.embedding, to_export.activations
     )
+    tokenizer = to_export.tokenizer if to_export.tokenizer is not None else sourced.tokenizer
+    if to_target is not None:
+        from exporter.tuning.search import export_to_target
+
+        made = export_to_target(
+            sourced.model,
+            folder,
+            to_export.dtype,
+            *to_target,
+            sourced.source,
+            tokenizer,
+            quantization=quantization,
+            with_loss=not to_export.no_loss,
+            trace_all_layers=to_export.trace_all_layers,
+        )
+        return sourced.model, made.export
     return sourced.model, export_artifact(
         sourced.model,
         folder,
         dtype=to_export.dtype,
         with_loss=not to_export.no_loss,
         source=sourced.source,
-        tokenizer=to_export.tokenizer if to_export.tokenizer is not None else sourced.tokenizer,
+        tokenizer=tokenizer,
         quantization=quantization,
         trace_all_layers=to_export.trace_all_layers,
     )

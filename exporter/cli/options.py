@@ -193,6 +193,25 @@ def export_options(func):
     return with_export_options
 
 
+def quality_target_options(func):
+    """`export`'s --quality-target and --calibration-text: an int4/int8 export made to a quality target."""
+    func = click.option(
+        "--calibration-text",
+        type=PathOption(),
+        default=None,
+        help="With --quality-target: a UTF-8 text, tokenized with the export's tokenizer; its first half ranks the "
+        "modules by sensitivity, its second half is held out and judges the artifact.",
+    )(func)
+    return click.option(
+        "--quality-target",
+        default=None,
+        metavar="kl=X[,top1=Y]",
+        help="int4/int8: raise the precision of the modules whose rounding costs most (int4 -> int8, int8 -> "
+        "float) until the artifact's mean KL from the float model is <= X (and top-1 agreement >= Y) on the "
+        "held-out half of --calibration-text; exit 2 when no mix below the next precision keeps it.",
+    )(func)
+
+
 def provider_option(func):
     """--provider, ONNX Runtime's execution providers, and --runtime, the runtimes, to verify on."""
     func = click.option(

@@ -144,6 +144,8 @@ FLAGS = {
     "probe": "--probe",
     "reference": "--reference",
     "quality_text": "--quality-text",
+    "quality_target": "--quality-target",
+    "calibration_text": "--calibration-text",
     "decode_steps": "--decode-steps",
     "tokenizer": "--tokenizer",
     "with_tokenizer": "--no-tokenizer",

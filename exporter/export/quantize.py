@@ -37,7 +37,7 @@ from onnx import helper, numpy_helper
 
 from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, Quantization, block_inputs
 from exporter.artifact.scopes import ROUTER_SCOPE, module_of
-from exporter.errors import ExportFailed
+from exporter.errors import ExportFailed, InputError
 
 log = logging.getLogger(__name__)
 
@@ -164,18 +164,23 @@ def _table_gathers(model: onnx.ModelProto, vocab_size: int) -> tuple[list, list]
     return tokens, others
 
 
-def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, include: list[str]) -> onnx.ModelProto:
+def _run_quantizer(
+    model: onnx.ModelProto, bits: int, scheme: Quantization, include: list[str], accuracy_level: int | None = None
+) -> onnx.ModelProto:
+    """`model` with the MatMuls named in `include` quantized at `bits`, accuracy level `accuracy_level` (None: the
+    scheme's)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     if not include:
         return model
+    level = scheme.accuracy_level if accuracy_level is None else accuracy_level
     # onnxruntime's quantizer takes a node listed in nodes_to_include *or* of a type in op_types_to_quantize: the
     # include list widens, never narrows. Every other MatMul is therefore excluded by name, which it honours first.
     exclude = [node.name for node in model.graph.node if node.op_type == "MatMul" and node.name not in include]
     config = DefaultWeightOnlyQuantConfig(
         block_size=scheme.block_size,
         is_symmetric=scheme.symmetric,
-        accuracy_level=scheme.accuracy_level or None,
+        accuracy_level=level or None,
         bits=bits,
         op_types_to_quantize=("MatMul",),
     )
@@ -194,18 +199,22 @@ def _run_quantizer(model: onnx.ModelProto, bits: int, scheme: Quantization, incl
     return quantized
 
 
+def matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The MatMulNBits blocks, scales and zero points onnxruntime's quantizer makes of a Linear's `weight` (out, in)
+    at `bits` with `scheme`'s block size and symmetry: its blocks run along `in`, the reduced axis."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits)
+    return DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(weight.T))
+
+
 def _quantize_embedding(
     model: onnx.ModelProto, node: onnx.NodeProto, table: onnx.TensorProto, bits: int, scheme: Quantization
 ) -> None:
     """Replace the token embedding's Gather by GatherBlockQuantized on `bits`-bit rows of `table`, behind the Gather
     of row numbers that fails on ids outside the table (the module's docstring)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
-
-    config = DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits)
     # MatMulNBits blocks of the (hidden, vocab) matrix: per vocab row, its blocks along the hidden axis
-    packed, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(
-        np.ascontiguousarray(numpy_helper.to_array(table).T)
-    )
+    packed, scales, zero_points = matrix_blocks(numpy_helper.to_array(table), bits, scheme)
     rows = table.dims[0]
     prefix = f"{table.name}_rows_Q{bits}"
     tensors = [
@@ -261,6 +270,21 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     matmuls = _constant_matmuls(model)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
+    # the body's MatMuls by the (bits, accuracy level) the scheme or its mix gives their module; bits None: float
+    groups: dict[tuple[int | None, int], list[str]] = {}
+    for node, _ in matmuls:
+        if node.name in body:
+            entry = scheme.precision_of(module_of(node) or "")
+            key = (scheme.bits, scheme.accuracy_level) if entry is None else (entry.bits, entry.accuracy_level)
+            groups.setdefault(key, []).append(node.name)
+    unmatched = sorted({m.module for m in scheme.mix} - {module_of(n) for n, _ in matmuls if n.name in body})
+    if unmatched:
+        raise InputError(
+            f"the mix names {len(unmatched)} module(s) whose weights are no projection of this model's graphs, e.g. "
+            f"{unmatched[0]!r}; name Linear modules other than the lm_head and a MoE router (`mix`)"
+        )
+    mixed_float = {name for (bits, _), names in groups.items() if bits is None for name in names}
+    body = [name for name in body if name not in mixed_float]
     tokens, others = _table_gathers(model, vocab_size)
     # float bytes of each quantized source matrix, by name: a tied table quantized for both counts once
     sources = {copies.get(t.name, t.name): _float_bytes(t) for n, t in matmuls if n.name in body}
@@ -269,6 +293,7 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
         for n, _ in others
     ]
     kept += [f"{module_of(node)} (a MoE router: its scores pick the experts)" for node in routers]
+    kept += [f"{module_of(n)} (the quality target's mix)" for n, _ in matmuls if n.name in mixed_float]
     if head_bits is None:
         kept += ["lm_head (asked: lm_head float)"] if heads or tied else []
     else:
@@ -281,7 +306,10 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
             _quantize_embedding(model, node, table, embedding_bits, scheme)
     if heads and head_bits is not None and head_bits != scheme.bits:
         model = _run_quantizer(model, head_bits, scheme, heads)
-    model = _run_quantizer(model, scheme.bits, scheme, body + (heads if head_bits == scheme.bits else []))
+    groups.setdefault((scheme.bits, scheme.accuracy_level), []).extend(heads if head_bits == scheme.bits else [])
+    for (bits, level), names in groups.items():
+        if bits is not None:
+            model = _run_quantizer(model, bits, scheme, names, level)
     _drop_unread_initializers(model)
     left = {node.name for node, _ in _constant_matmuls(model)}
     unexpected = sorted(left & set(body + (heads if head_bits is not None else [])))
@@ -323,7 +351,7 @@ def quantize_graphs(
     try:
         prefill, done = _quantize_one(prefill, scheme, vocab_size)
         decode, done_decode = _quantize_one(decode, scheme, vocab_size)
-    except ExportFailed:
+    except (ExportFailed, InputError):
         raise
     except Exception as exc:  # the quantizer's own errors, of any type
         raise ExportFailed(f"onnxruntime's quantizer failed: {type(exc).__name__}: {exc}") from exc
@@ -333,12 +361,13 @@ def quantize_graphs(
             "report this with the model's config"
         )
     log.info(
-        "quantized %d weight matrices to %s (block %d; lm_head %s, embedding %s): %.2f MB float -> %.2f MB",
+        "quantized %d weight matrices to %s (block %d; lm_head %s, embedding %s%s): %.2f MB float -> %.2f MB",
         done["matrices"],
         scheme.scheme,
         scheme.block_size,
         scheme.lm_head,
         scheme.embedding,
+        f"; {len(scheme.mix)} module(s) at the mix's precisions" if scheme.mix else "",
         done["float"] / 1e6,
         done["quantized"] / 1e6,
     )

@@ -356,10 +356,11 @@ def transformers_js_greedy(
 def _accuracy_level_notes(manifest: Manifest) -> tuple[str, ...]:
     """What onnxruntime-web's rows of a quantized artifact say of the accuracy_level its WASM kernels ignore."""
     quantization = manifest.quantization
-    if quantization is None or quantization.accuracy_level in (0, 1):
+    levels = [] if quantization is None else sorted(quantization.levels - {0, 1})
+    if not levels:
         return ()
     return (
-        f"onnxruntime-web's WASM MatMulNBits ignores this artifact's accuracy_level {quantization.accuracy_level}: "
+        f"onnxruntime-web's WASM MatMulNBits ignores this artifact's accuracy_level {', '.join(map(str, levels))}: "
         "it computes with float activations as at level 0, where ONNX Runtime's CPU provider computes at the "
         "artifact's level (int8 activations at level 4), so its answers differ from ONNX Runtime's by that",
     )

@@ -155,10 +155,11 @@ def accuracy_level_notes(manifest: Manifest) -> tuple[str, ...]:
     """What the rows of a quantized artifact say of the accuracy_level OpenVINO ignores; none where its level's math
     is float32 as OpenVINO's is."""
     quantization = manifest.quantization
-    if quantization is None or quantization.accuracy_level in _FLOAT_LEVELS:
+    levels = [] if quantization is None else sorted(quantization.levels - set(_FLOAT_LEVELS))
+    if not levels:
         return ()
     return (
-        f"OpenVINO ignores this artifact's MatMulNBits accuracy_level {quantization.accuracy_level}: it computes "
+        f"OpenVINO ignores this artifact's MatMulNBits accuracy_level {', '.join(map(str, levels))}: it computes "
         "with float activations as at level 0, where ONNX Runtime's CPU provider computes at the artifact's level "
         "(int8 activations at level 4), so its answers differ from ONNX Runtime's by that",
     )

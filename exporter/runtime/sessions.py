@@ -83,7 +83,8 @@ def check_quantized_provider(provider: str, manifest) -> None:
     quantization = manifest.quantization
     if quantization is None or provider == CPU:
         return
-    bits = sorted({quantization.bits, quantization.bits_for(quantization.lm_head) or quantization.bits})
+    bits = {quantization.bits, quantization.bits_for(quantization.lm_head) or quantization.bits}
+    bits = sorted(bits | {m.bits for m in quantization.mix if m.bits is not None})
     for reason in filter(None, (matmul_nbits_unusable(provider, b) for b in bits)):
         raise ProviderError(
             f"{provider} cannot run this {quantization.scheme} artifact: {reason}; run it on the CPU (`provider`), "

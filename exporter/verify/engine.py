@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ from exporter.verify.checks.invariants import check_invariants, float_matmul_set
 from exporter.verify.checks.long_context import check_long_context
 from exporter.verify.checks.outputs import DecodeCall, check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import attribute, cross_providers, repeat_run
-from exporter.verify.checks.quality import QualityReport, check_quality
+from exporter.verify.checks.quality import QualityReport, check_quality, recorded_target_checks
 from exporter.verify.checks.routing import RoutingExplainer, expert_choice
 from exporter.verify.checks.weights.audit import audit_weights
 from exporter.verify.checks.weights.results import WeightAudit
@@ -158,10 +158,13 @@ def _run_quality(
     """A quantized artifact on one provider: its quality profile's distributional checks, in place of parity, on
     seeded random ids or on `text`."""
     reference.rewind()
-    profile = quality_profile_for(manifest.precision)
+    target = manifest.quantization.target  # an artifact made to a quality target is judged by it
+    profile = quality_profile_for(manifest.precision, target)
     report = check_quality(
         reference, onnx, manifest, batch, settings, profile, np.random.default_rng(settings.seed + 1), text
     )
+    if target is not None:
+        report = replace(report, checks=report.checks + recorded_target_checks(target))
     for check in report.failures:
         log.info(
             "%s: %s %.4g is beyond %s %.4g",

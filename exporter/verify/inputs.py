@@ -200,6 +200,21 @@ def check_quality_text(text: QualityText, manifest: Manifest, folder: Path, sett
         )
 
 
+def read_text_file(path, argument: str) -> str:
+    """The UTF-8 text of the file at `path`, or InputError naming it and `argument` (the parameter it was given as)."""
+    source = shown_path(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"`{argument}` {source}: {exc.strerror or exc}; give a UTF-8 text file") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"`{argument}` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
+        ) from None
+
+
 def read_quality_text(path, manifest: Manifest, folder: Path, settings: ParitySettings) -> QualityText:
     """A UTF-8 text file tokenized with the artifact's tokenizer.json, checked to feed its quality check
     (check_quality_text).
@@ -236,16 +251,7 @@ def tokenize_quality_text(
         TokenizerError: the tokenizer cannot be read or does not fit the model's vocabulary.
     """
     source = shown_path(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"`quality_text` {source}: {exc.strerror or exc}; give a UTF-8 text file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"`quality_text` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
-        ) from None
+    text = read_text_file(path, "quality_text")
     loaded = load_tokenizer(tokenizer, manifest.config.vocab_size)
     quality_text = QualityText(source, np.asarray(loaded.encode(text).ids, dtype=np.int64))
     check_quality_text(quality_text, manifest, folder, settings)

@@ -16,7 +16,8 @@ from helpers import CONSUMER_PROMPTS, config_entry, edit_manifest, replayed_expo
 from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QuantizationSettings
+from exporter.artifact.quantization import ModulePrecision, QuantizationSettings
+from exporter.artifact.scopes import module_of
 from exporter.errors import ArtifactError, GraphRunError, InputError
 from exporter.export.pipeline import export_artifact
 from exporter.runtime.genai import genai_greedy
@@ -440,3 +441,36 @@ def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quant
     decode = runner.decode({**feeds, **runner.empty_past(1)})
     for row in compare_outputs("prefill vs decode", prefill, decode, profile_for("float32", CPU), mask):
         assert row.passed, row
+
+
+def test_a_mix_holds_its_modules_at_their_own_bits_and_levels(tiny_model, artifact_fp32, tmp_path, monkeypatch):
+    from exporter.verify.checks.weights import audit_weights
+
+    replayed_export(monkeypatch, artifact_fp32)
+    kept, raised = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"
+    mix = (ModulePrecision(kept, None), ModulePrecision(raised, 8, 0))
+    result = export_artifact(
+        tiny_model, tmp_path / "mix", dtype="int4", source=TINY_SOURCE, quantization=QuantizationSettings(mix=mix)
+    )
+    quantization = result.manifest.quantization
+    assert quantization.mix == mix and quantization.levels == {0, 4}
+    assert f"{kept} (the quality target's mix)" in quantization.kept_float
+    graph = onnx.load(str(tmp_path / "mix" / "decode.onnx"), load_external_data=False).graph
+    nodes = {module_of(n): _attributes(n) for n in graph.node if n.op_type == "MatMulNBits"}
+    assert kept not in nodes and (nodes[raised]["bits"], nodes[raised].get("accuracy_level", 0)) == (8, 0)
+    others = {(a["bits"], a["accuracy_level"]) for m, a in nodes.items() if m not in (raised, "lm_head")}
+    assert others == {(4, 4)}
+    audit = audit_weights(Artifact.open(tmp_path / "mix"), tiny_model)
+    assert audit.passed, [f.describe() for f in audit.findings]
+    # the manifest recording the raised module at 4 bits: its 8-bit blocks fail the audit
+    edit_manifest(tmp_path / "mix", lambda m: m["quantization"]["mix"][1].update(bits=4))
+    findings = audit_weights(Artifact.open(tmp_path / "mix"), tiny_model).findings
+    assert findings and all(f.problem == "scheme" and "mix holds at int4" in f.detail for f in findings), findings
+
+
+def test_a_mix_naming_no_projection_is_refused(tiny_model, artifact_fp32, tmp_path, monkeypatch):
+    replayed_export(monkeypatch, artifact_fp32)
+    mix = (ModulePrecision("model.layers.0.mlp.missing_proj", 8),)
+    with pytest.raises(InputError, match=r"'model.layers.0.mlp.missing_proj'; name Linear modules .*\(`mix`\)"):
+        export_artifact(tiny_model, tmp_path / "out", dtype="int4", quantization=QuantizationSettings(mix=mix))
+    assert not (tmp_path / "out").exists()

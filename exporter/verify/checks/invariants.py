@@ -59,7 +59,7 @@ def float_matmul_settings(manifest: Manifest) -> SessionSettings | None:
     """The session settings the numeric invariants need on `manifest`'s artifact, where any runner's would not do:
     on a quantized artifact at accuracy level 4, both graphs unprepacked (INT8_ACTIVATIONS_LEVEL); else None."""
     quantization = manifest.quantization
-    if quantization is None or quantization.accuracy_level != INT8_ACTIVATIONS_LEVEL:
+    if quantization is None or INT8_ACTIVATIONS_LEVEL not in quantization.levels:
         return None
     return SessionSettings(prepack_weights=False)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exporter.artifact.manifest import Manifest
+from exporter.artifact.quantization import QualityTarget
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import presents_as_past
@@ -35,6 +36,7 @@ from exporter.tolerances import (
     QUALITY_RESAMPLES,
     QualityProfile,
     QualityThreshold,
+    target_thresholds,
 )
 from exporter.verify.inputs import (
     FINAL_CHUNK,
@@ -412,6 +414,23 @@ def check_quality(
         window_length=window_length(settings),
         seconds=time.perf_counter() - began,
     )
+
+
+def recorded_target_checks(target: QualityTarget) -> tuple[QualityCheck, ...]:
+    """The figures an export made to `target` measured of itself on held-out text, as its manifest records them,
+    against the target, each by its recorded interval: a record whose own figures miss its target (edited, or
+    written otherwise than by the search) fails, as does one that records none."""
+    checks = []
+    for metric, threshold in zip(target.limits(), target_thresholds(target)):
+        recorded = dataclasses.replace(
+            threshold, metric=f"recorded held-out {metric}", why="the export's own figure on held-out text, as recorded"
+        )
+        value, interval = target.measured.get(metric), target.measured.get(f"{metric}_interval")
+        if value is None or interval is None:
+            checks.append(QualityCheck(recorded, math.nan, "the manifest records no held-out figure for its target"))
+        else:
+            checks.append(QualityCheck(recorded, float(value), interval=tuple(interval)))
+    return tuple(checks)
 
 
 def _check(threshold: QualityThreshold, metrics: dict, intervals: dict, sizes: dict) -> QualityCheck:

@@ -36,7 +36,7 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | N
     GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
     vocabulary width) at those of its `lm_head` option, every other matrix at the scheme's; None when they agree.
     Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact from the
-    one it claims to be."""
+    one it claims to be. A module of the mix (an export made to a quality target) is held to the mix's bits."""
     scheme, held = manifest.quantization, block_inputs(node)[0]
     if scheme is None:
         return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
@@ -46,7 +46,10 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | N
         role, choice = "the lm_head", ("lm_head", scheme.lm_head)
     else:
         role, choice = "a projection", None
-    expected = scheme.bits_for(choice[1]) if choice else scheme.bits
+    mixed = scheme.precision_of(module_of(node) or "")  # a quality target's mix overrides the scheme's bits
+    if mixed is not None:
+        role, choice = f"a projection the mix holds at {mixed.precision}", None
+    expected = mixed.bits if mixed is not None else scheme.bits_for(choice[1]) if choice else scheme.bits
     bits, block = _attribute(node, "bits", 4), _attribute(node, "block_size", 0)
     symmetric = len(block_inputs(node)) < 3  # no zero points
     if symmetric != scheme.symmetric:

@@ -1,0 +1,355 @@
+"""An int4/int8 export made to a quality target: the smallest mix of precisions found whose artifact keeps the target
+on held-out text.
+
+The calibration text's token ids are cut in two: the first half ranks the modules, the second half is held out and
+judges every mix. On the first half's windows each quantizable module is rounded alone at the scheme's bits and its
+sensitivity measured (exporter.tuning.sensitivity: the mean KL from the float model's distributions). The modules
+raised one rung (int4 to int8, int8 to float) are then the most sensitive k; k is the smallest for which the rounded
+model keeps the target on the held-out windows, found by bisection over k (the KL falls as k grows, near enough
+monotonically, as each step raises the next most sensitive module). Below the rung above: k stops one short of
+every module, so the artifact stays smaller than the scheme of the rung above would make it (int4: the int8
+artifact). The mix's int8 modules take the scheme's accuracy level.
+
+The artifact of that mix is then exported and its own figures measured by the verification's quality check (ONNX
+Runtime against the float reference, on the held-out half, as `verify --quality-text` reads a text): where they miss
+the target (ONNX Runtime's accuracy levels compute otherwise than the float-math rounding), k grows by a quarter of
+what is left, up to RETRIES times. A target is kept where the whole bootstrap interval of each of its figures is
+(exporter.tolerances: the quality profile's judgement). The artifact moves into place only once kept, its manifest
+recording the mix and the target with the held-out figures; else QualityTargetMissed names the best figures found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporter.artifact.destination import check_destination, move_into_place
+from exporter.artifact.quantization import (
+    SCHEMES,
+    ModulePrecision,
+    QualityTarget,
+    QuantizationSettings,
+    requested_scheme,
+)
+from exporter.artifact.tokenizer import export_tokenizer
+from exporter.errors import InputError, QualityTargetMissed
+from exporter.export.pipeline import ExportResult, export_artifact
+from exporter.tolerances import QUALITY_CONFIDENCE, QUALITY_RESAMPLES, quality_profile_for
+from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, quantizable_modules, rounded_weight
+from exporter.verify.inputs import ParitySettings, QualityText, read_text_file, text_windows, windows_covering
+from exporter.verify.metrics import bootstrap_interval
+
+log = logging.getLogger(__name__)
+
+WINDOW = 128  # token ids per window of the held-out half the PyTorch figures of a mix read
+# Windows of the first half that rank the modules, and their length: each module costs a forward pass over them, so
+# they are few and short (the ranking needs the large differences between modules, which 128 positions show).
+CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 2, 64
+# Windows of the held-out half that judge each mix in PyTorch, spread over it: one pass over them per mix the
+# bisection tries; the artifact's own figures are then measured on all of the held-out half.
+HELD_OUT_WINDOWS = 4
+RETRIES = 3  # exports after the first, each with more modules raised, when the artifact misses the target
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mix the search judged in PyTorch: the `raised` most sensitive modules one rung up, its weights' bytes
+    (`weight_bytes`: the quantizable modules' alone), and its figures on the held-out windows."""
+
+    raised: int
+    weight_bytes: int
+    kl_mean: float
+    kl_interval: tuple[float, float]
+    top1_agreement: float
+    kept: bool
+
+    def to_dict(self) -> dict:
+        return {
+            "raised": self.raised,
+            "weight_bytes": self.weight_bytes,
+            "kl_mean": self.kl_mean,
+            "kl_interval": list(self.kl_interval),
+            "top1_agreement": self.top1_agreement,
+            "kept": self.kept,
+        }
+
+
+@dataclass(frozen=True)
+class TargetExport:
+    """What export_to_target made: the export, the target with its held-out figures (as the manifest records it),
+    the modules by sensitivity (most sensitive first, with its mean KL on the calibration windows), and each mix
+    judged in PyTorch, in the order judged."""
+
+    export: ExportResult
+    target: QualityTarget
+    ranked: tuple[tuple[str, float], ...]
+    candidates: tuple[Candidate, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            **self.export.to_dict(),
+            "target": self.target.to_dict(),
+            "ranked": [{"module": m, "kl_mean": kl} for m, kl in self.ranked],
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def _interval(values: np.ndarray) -> tuple[float, float]:
+    return bootstrap_interval(values, lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
+
+
+def _keeps(profile, figures: dict[str, float], intervals: dict[str, tuple[float, float]], target) -> bool:
+    """Whether every figure the target bounds keeps its limit over its whole interval, as the quality check judges."""
+    thresholds = {t.metric: t for t in profile.thresholds}
+    return all(thresholds[m].holds_over(*intervals[m]) is True for m in target.limits()) and all(
+        np.isfinite(figures[m]) for m in target.limits()
+    )
+
+
+def _split(ids: np.ndarray, source: str, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """The calibration windows of the first half and the held-out half's ids, or InputError for a short text."""
+    half = len(ids) // 2
+    if half < window:
+        raise InputError(
+            f"`calibration_text` {source} gives {len(ids)} tokens; its two halves (calibration, held out) need "
+            f"{window} each: give a longer text"
+        )
+    return text_windows(ids[:half], CALIBRATION_WINDOWS, min(window, CALIBRATION_WINDOW)), ids[half:]
+
+
+def export_to_target(
+    model,
+    folder: Path,
+    dtype: str,
+    target: QualityTarget,
+    calibration_text: Path,
+    source: dict | None = None,
+    tokenizer=None,
+    *,
+    quantization: QuantizationSettings | None = None,
+    with_loss: bool = True,
+    trace_all_layers: bool = False,
+) -> TargetExport:
+    """Export `model` as `dtype` ("int4", "int8") with the fewest modules raised a rung that keeps `target` on the
+    held-out half of `calibration_text` (the module's docstring).
+
+    Args:
+        model: the reference model, as export_artifact takes it (float32).
+        folder: the output folder; an earlier artifact there is replaced only by one that keeps the target.
+        dtype: "int4" or "int8".
+        target: the QualityTarget (parse_quality_target), without figures.
+        calibration_text: a UTF-8 text file, tokenized with the export's tokenizer.
+        source: where the weights came from (export_artifact's).
+        tokenizer: the export's tokenizer (export_artifact's); required, to read the text.
+        quantization: block size, accuracy level, lm_head, embedding, activations (no mix: the search makes it).
+        with_loss: give prefill.onnx its loss.
+        trace_all_layers: export_artifact's.
+
+    Returns:
+        The TargetExport.
+
+    Raises:
+        InputError: a float dtype, no tokenizer, an unreadable or too short text, a mix given.
+        QualityTargetMissed: no mix below the rung above keeps the target; the message gives the best figures.
+        and whatever export_artifact raises.
+    """
+    from exporter.runtime.runner import OrtRunner
+    from exporter.verify.checks.quality import check_quality
+    from exporter.verify.references.torch_runner import TorchRunner
+
+    if dtype not in SCHEMES:
+        raise InputError(
+            f"a quality target applies to int4/int8 exports; {dtype!r} quantizes nothing: choose `dtype` int4 or int8"
+        )
+    if not isinstance(target, QualityTarget):
+        raise InputError(f"target must be a QualityTarget (parse_quality_target), got {type(target).__name__}")
+    settings = QuantizationSettings() if quantization is None else quantization
+    if settings.mix:
+        raise InputError("`quantization.mix` is what a quality target's search makes; drop it, or drop the target")
+    folder = Path(os.path.abspath(folder))
+    check_destination(folder)
+    config = model.config
+    scheme = requested_scheme(dtype, config.hidden_size, settings)
+    tokens = export_tokenizer(tokenizer, config.vocab_size)
+    if tokens is None:
+        raise InputError(
+            "`calibration_text` is tokenized with the export's tokenizer, and none is given: pass `tokenizer`"
+        )
+    shown = str(calibration_text)
+    ids = np.asarray(tokens.loaded.encode(read_text_file(calibration_text, "calibration_text")).ids, np.int64)
+    window = min(WINDOW, config.max_position_embeddings)
+    calibration, held_ids = _split(ids, shown, window)
+    held_rows = text_windows(held_ids, min(HELD_OUT_WINDOWS, windows_covering(len(held_ids), window)), window)
+    profile = quality_profile_for(dtype, target)
+    up = 8 if scheme.bits == 4 else None  # the rung above the scheme's bits; None: float
+    model.eval()  # as the reference runs it
+
+    began = time.perf_counter()
+    modules = quantizable_modules(model, config.vocab_size)
+    weights = {m: model.get_submodule(m).weight.detach().float().numpy() for m in modules}
+    rounded = {m: rounded_weight(w, scheme.bits, scheme) for m, w in weights.items()}
+    raised = {m: rounded_weight(w, up, scheme) for m, w in weights.items()} if up is not None else {}
+    float_bytes = 2 if settings.activations == "float16" else 4
+    sizes = {  # each module's bytes at the scheme's bits, and one rung up
+        m: tuple(module_bytes(w.shape, bits, scheme, float_bytes) for bits in (scheme.bits, up))
+        for m, w in weights.items()
+    }
+    log.info(
+        "quality target %s: ranking %d modules on %d calibration windows of %d tokens (the first half of %s's %d)",
+        target.describe(),
+        len(modules),
+        len(calibration),
+        calibration.shape[1],
+        shown,
+        len(ids),
+    )
+    scorer = Scorer(model, calibration)
+    sensitivity = {}
+    for index, module in enumerate(modules, 1):
+        sensitivity[module] = scorer.score({module: rounded[module]}).kl_mean
+        if index % max(1, len(modules) // 10) == 0 or index == len(modules):
+            log.info("sensitivity: %d/%d modules (%.0f s)", index, len(modules), time.perf_counter() - began)
+    ranked = sorted(modules, key=lambda m: -sensitivity[m])
+    held = Scorer(model, held_rows)
+    candidates: dict[int, Candidate] = {}
+
+    def judge(k: int) -> Candidate:
+        if k not in candidates:
+            top = set(ranked[:k])
+            mix = {m: (raised[m] if up is not None else weights[m]) if m in top else rounded[m] for m in modules}
+            figures: Figures = held.score(mix)
+            intervals = {"kl_mean": _interval(figures.kl), "top1_agreement": _interval(figures.top1)}
+            values = {"kl_mean": figures.kl_mean, "top1_agreement": figures.top1_agreement}
+            candidates[k] = Candidate(
+                k,
+                sum(sizes[m][m in top] for m in modules),
+                figures.kl_mean,
+                intervals["kl_mean"],
+                figures.top1_agreement,
+                _keeps(profile, values, intervals, target),
+            )
+            c = candidates[k]
+            log.info(
+                "%d of %d modules raised to %s: held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
+                k,
+                len(modules),
+                "float" if up is None else f"int{up}",
+                c.kl_mean,
+                *c.kl_interval,
+                c.top1_agreement,
+                "keeps the target" if c.kept else "misses it",
+            )
+        return candidates[k]
+
+    most = len(modules) - 1  # one short of the rung above for every module
+    if not judge(0).kept:
+        if not judge(most).kept:
+            raise _missed(target, dtype, up, judge(most), None)
+        low, high = 0, most  # low misses, high keeps
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if judge(middle).kept else (middle, high)
+        k = high
+    else:
+        k = 0
+    parent = folder.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.target-", dir=parent))
+    try:
+        for attempt in range(RETRIES + 1):
+            mix = tuple(ModulePrecision(m, up, scheme.accuracy_level if up is not None else 0) for m in ranked[:k])
+            built = work / f"k{k}"
+            log.info("exporting with %d module(s) raised; then its own figures on the held-out half", k)
+            export = export_artifact(
+                model,
+                built,
+                dtype,
+                with_loss,
+                source,
+                tokens,
+                quantization=dataclasses.replace(settings, mix=mix),
+                trace_all_layers=trace_all_layers,
+            )
+            manifest = export.manifest
+            text = QualityText(f"{shown} (held-out second half)", held_ids)
+            parity = ParitySettings().fit(config.max_position_embeddings)
+            report = check_quality(
+                TorchRunner(model, manifest),
+                OrtRunner(built),
+                manifest,
+                None,
+                parity,
+                profile,
+                np.random.default_rng(parity.seed + 1),
+                text,
+            )
+            measured = _measured(report, text, len(ids))
+            kept = all(c.passed for c in report.checks if c.threshold.metric in target.limits())
+            log.info(
+                "artifact with %d raised: held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
+                k,
+                measured["kl_mean"],
+                *measured["kl_mean_interval"],
+                measured["top1_agreement"],
+                "keeps the target" if kept else "misses it",
+            )
+            if kept:
+                recorded = dataclasses.replace(target, measured=measured)
+                manifest = dataclasses.replace(
+                    manifest, quantization=dataclasses.replace(manifest.quantization, target=recorded)
+                )
+                manifest.write(built)
+                move_into_place(built, folder)
+                export = dataclasses.replace(export, folder=folder, manifest=manifest)
+                return TargetExport(
+                    export, recorded, tuple((m, sensitivity[m]) for m in ranked), tuple(candidates.values())
+                )
+            if k >= most or attempt == RETRIES:
+                raise _missed(target, dtype, up, None, measured | {"raised": k})
+            shutil.rmtree(built, ignore_errors=True)
+            k = min(most, k + max(1, (len(modules) - k) // 4))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
+def _measured(report, text: QualityText, tokens: int) -> dict:
+    """The held-out figures the manifest records of a quality report."""
+    metrics, intervals = report.metrics, report.intervals
+    return {
+        "kl_mean": metrics["kl_mean"],
+        "kl_mean_interval": list(intervals["kl_mean"]),
+        "kl_p99": metrics["kl_p99"],
+        "kl_p99_interval": list(intervals["kl_p99"]),
+        "top1_agreement": metrics["top1_agreement"],
+        "top1_agreement_interval": list(intervals["top1_agreement"]),
+        "positions": metrics["positions"],
+        "text": text.source,
+        "part": f"token ids {tokens // 2}..{tokens} of {tokens} (the first half ranked the modules)",
+    }
+
+
+def _missed(target: QualityTarget, dtype: str, up, candidate: Candidate | None, measured: dict | None):
+    rung = "float" if up is None else f"int{up}"
+    if candidate is not None:
+        best = (
+            f"with {candidate.raised} modules at {rung} (all but one), held-out mean KL {candidate.kl_mean:.4g} "
+            f"(interval up to {candidate.kl_interval[1]:.4g}), top-1 {candidate.top1_agreement:.3f}"
+        )
+    else:
+        best = (
+            f"the artifact with {measured['raised']} modules at {rung}: held-out mean KL {measured['kl_mean']:.4g} "
+            f"(interval up to {measured['kl_mean_interval'][1]:.4g}), top-1 {measured['top1_agreement']:.3f}"
+        )
+    return QualityTargetMissed(
+        f"no {dtype} mix below {rung} keeps the quality target {target.describe()}; the best found, {best}: "
+        f"loosen the target (`quality_target`), or export {rung} (`dtype`)"
+    )

@@ -35,6 +35,10 @@ from exporter.verify.references.torch_runner import TorchRunner
 # Prompts that consumers (onnxruntime-genai, Optimum) generate from in the token-equality tests.
 CONSUMER_PROMPTS = [[1, 17, 230, 4, 99], [7], [300, 301, 302, 303, 304, 305, 306, 307]]
 
+# A CLI verification on the CPU provider alone, without the consumer checks (onnxruntime-genai, transformers.js),
+# which their own tests run: what most CLI tests of the verification pass.
+CPU_ONLY = ("--provider", "cpu", "--no-genai", "--no-transformers-js")
+
 # Verification settings that keep a verify_artifact test short: 2 decode steps, the probe on, and the long checks
 # (the sweep, long positions) off, each tested on its own.
 QUICK = ParitySettings(decode_steps=2, greedy_tokens=4, sweep=False, long_context=False, probe=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
-from helpers import assert_one_line_error, claim_seed, edit_manifest, run_cli
+from helpers import CPU_ONLY, assert_one_line_error, claim_seed, edit_manifest, run_cli
 
 # Verification options that keep a CLI test short; the default run is covered in test_verify_engine.
 QUICK = ("--decode-steps", "16", "--no-sweep")
@@ -31,10 +31,7 @@ def cli_artifact(tmp_path_factory):
         "--no-loss",
         "-o",
         folder,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "--decode-steps",
         "2",
         "--no-sweep",
@@ -98,10 +95,7 @@ def test_run_exits_one_on_a_parity_failure(artifact_fp32, tmp_path, monkeypatch)
         "minimind-3-tiny",
         "-o",
         tmp_path / "tiny",
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         *QUICK,
         "--atol",
@@ -202,10 +196,7 @@ def test_a_failing_report_is_strict_json_on_stdout_and_in_its_file(cli_artifact,
     result = run_cli(
         "verify",
         cli_artifact,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         *QUICK,
         "--json",
@@ -243,7 +234,7 @@ def test_table_output_names_every_check(cli_artifact, cpu_only):
     ):
         assert row in result.stdout
     assert "CUDAExecutionProvider: skipped (not available in this onnxruntime build" in result.stdout
-    result = run_cli("verify", cli_artifact, "--provider", "cpu", "--no-genai", "--no-transformers-js", "-q", *QUICK)
+    result = run_cli("verify", cli_artifact, *CPU_ONLY, "-q", *QUICK)
     assert result.exit_code == 0 and "consumer onnxruntime-genai: skipped (turned off)" in result.stdout
 
 
@@ -368,10 +359,7 @@ def test_verify_writes_reports_and_a_golden_bundle_then_replays_it(cli_artifact,
     result = run_cli(
         "verify",
         cli_artifact,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         "--decode-steps",
         "3",
@@ -438,10 +426,7 @@ def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_
     result = run_cli(
         "verify",
         cli_artifact,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         "--decode-steps",
         "2",
@@ -462,10 +447,7 @@ def test_a_verification_stopped_by_an_error_leaves_error_reports_not_an_earlier_
     result = run_cli(
         "verify",
         damaged,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         "--json",
         *_report_options(reports),
@@ -486,10 +468,7 @@ def test_a_report_that_cannot_be_written_is_a_one_line_error_after_the_verdict(c
     result = run_cli(
         "verify",
         cli_artifact,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         "--decode-steps",
         "2",
@@ -562,10 +541,7 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
     recorded = run_cli(
         "verify",
         cli_artifact,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "-q",
         "--decode-steps",
         "3",
@@ -583,31 +559,8 @@ def test_a_golden_replay_judges_with_the_overrides_it_was_recorded_with(cli_arti
     }
 
     def replay(*overrides):
-        result = run_cli(
-            "verify",
-            cli_artifact,
-            "--provider",
-            "cpu",
-            "--no-genai",
-            "--no-transformers-js",
-            "-q",
-            "--golden",
-            golden,
-            *overrides,
-            "--json",
-        )
-        text = run_cli(
-            "verify",
-            cli_artifact,
-            "--provider",
-            "cpu",
-            "--no-genai",
-            "--no-transformers-js",
-            "-q",
-            "--golden",
-            golden,
-            *overrides,
-        )
+        args = ("verify", cli_artifact, *CPU_ONLY, "-q", "--golden", golden, *overrides)
+        result, text = run_cli(*args, "--json"), run_cli(*args)
         assert text.exit_code == result.exit_code, text.output
         return result.exit_code, json.loads(result.stdout), text.stdout
 
@@ -728,10 +681,7 @@ def test_generate_stops_at_the_models_eos_unless_told_to_ignore_it(cli_artifact,
             [
                 "verify",
                 "-q",
-                "--provider",
-                "cpu",
-                "--no-genai",
-                "--no-transformers-js",
+                *CPU_ONLY,
                 "--decode-steps",
                 "2",
                 "--no-sweep",
@@ -868,10 +818,7 @@ def test_the_python_api_records_the_source_the_cli_records_so_verify_rebuilds_it
     result = run_cli(
         "verify",
         folder,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "--decode-steps",
         "1",
         "--no-sweep",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from helpers import assert_one_line_error, edit_graphs, edit_json, edit_manifest, run_cli
+from helpers import CPU_ONLY, assert_one_line_error, edit_graphs, edit_json, edit_manifest, run_cli
 
 
 def refused(result, fragment: str) -> None:
@@ -247,10 +247,7 @@ def test_a_report_never_overwrites_a_file_that_is_no_report_of_its_kind(artifact
     result = run_cli(
         "verify",
         artifact_fp32,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "--no-sweep",
         "--decode-steps",
         "1",

@@ -12,7 +12,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 import onnx
 import pytest
-from helpers import QUICK, perturb_weight, run_cli, scale_inline_weight
+from helpers import CPU_ONLY, QUICK, perturb_weight, run_cli, scale_inline_weight
 
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
@@ -315,10 +315,7 @@ def test_a_golden_replay_probes_against_the_module_outputs_its_bundle_recorded(b
         "--golden",
         bundle,
         "--probe",
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "--json",
         "-q",
     )

@@ -11,7 +11,7 @@ import shutil
 from xml.etree import ElementTree as ET
 
 import pytest
-from helpers import QUICK, assert_one_line_error, edit_manifest, run_cli
+from helpers import CPU_ONLY, QUICK, assert_one_line_error, edit_manifest, run_cli
 
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest, sha256_file
@@ -207,7 +207,7 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
             verify_artifact(folder, tiny_model, ["cpu"], QUICK, genai=False, transformers_js=False)
         message = str(caught.value)
         assert len(message.splitlines()) == 1 and message.endswith("; re-export the folder"), message
-        result = run_cli("verify", folder, "--provider", "cpu", "--no-genai", "--no-transformers-js", "-q")
+        result = run_cli("verify", folder, *CPU_ONLY, "-q")
         assert_one_line_error(result, 2, message)
         return message
 
@@ -230,9 +230,7 @@ def test_a_damaged_graph_listed_again_in_the_manifest_is_a_one_line_artifact_err
     # An op type that is no UTF-8: onnxruntime's message quoting it fails to decode, a ValueError, on which its
     # Python binding printed a four-line "EP Error ... Falling back" banner to stdout, into --json's document.
     assert "'utf-8' codec can't decode byte 0xff" in damaged("op-type", data.replace(b"MatMul", b"\xffatMul", 1))
-    result = run_cli(
-        "verify", tmp_path / "op-type", "--provider", "cpu", "--no-genai", "--no-transformers-js", "--json", "-q"
-    )
+    result = run_cli("verify", tmp_path / "op-type", *CPU_ONLY, "--json", "-q")
     assert result.exit_code == 2 and json.loads(result.stdout)["error"]["kind"] == "input", result.stdout
 
 
@@ -344,10 +342,7 @@ def test_verify_reads_the_manifest_once_and_hashes_each_file_once(artifact_fp32,
     result = run_cli(
         "verify",
         artifact_fp32,
-        "--provider",
-        "cpu",
-        "--no-genai",
-        "--no-transformers-js",
+        *CPU_ONLY,
         "--decode-steps",
         "2",
         "--no-sweep",

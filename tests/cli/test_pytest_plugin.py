@@ -146,7 +146,7 @@ def test_plugin_runs_invariants_and_skips_the_rest_with_the_reason_when_no_refer
     edit_manifest(folder, lambda manifest: manifest["model"].update(source={"kind": "in-memory"}))
     out = _pytest(tmp_path, f"--artifacts={folder}", "--artifact-provider", "cpu", "-rA")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "reference-free invariants only" in out.stdout and "1 passed, 9 skipped" in out.stdout
+    assert "reference-free invariants only" in out.stdout and "1 passed, 10 skipped" in out.stdout
     assert "PASSED mine/manifest.json::invariants" in out.stdout
     assert (
         f"{folder}::greedy: no reference to compare with: the weights came from a in-memory source this toolkit "
@@ -296,7 +296,7 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
     ) in out.stdout
     assert (
         f"{folder}::shape_sweep: no shape sweep ran: the golden bundle was recorded with --no-sweep" in out.stdout
-        and "6 passed, 4 skipped" in out.stdout  # the weight audit: no model to audit against
+        and "7 passed, 4 skipped" in out.stdout  # the weight audit: no model to audit against
         and f"{folder}::weight_audit: no PyTorch model to audit the weights against" in out.stdout
     ), out.stdout[-3000:]
 

@@ -444,7 +444,7 @@ def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quant
 
 
 def test_a_mix_holds_its_modules_at_their_own_bits_and_levels(tiny_model, artifact_fp32, tmp_path, monkeypatch):
-    from exporter.verify.checks.weights import audit_weights
+    from exporter.verify.checks.weights.audit import audit_weights
 
     replayed_export(monkeypatch, artifact_fp32)
     kept, raised = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj"

@@ -2,7 +2,7 @@
 
 - inputs: seeded feeds and the sweep grid; metrics: pure comparisons (judged by exporter.tolerances' profiles);
 - references/: the reference rebuilt from the manifest's source (model_source), the PyTorch model as a runner
-  (torch_runner), recorded golden bundles (golden), Transformers' model of a Hugging Face folder;
+  (torch_runner), recorded golden bundles (golden/), Transformers' model of a Hugging Face folder;
 - checks/: prefill, decode steps and sweep (outputs), each call's outputs judged (calls), greedy generation
   (greedy), invariants, the weight audit (weights/), health, MoE routing, providers;
 - diagnosis/: debug graphs that expose every layer (probe), the first layer that diverges (localise), both as

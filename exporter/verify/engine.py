@@ -38,7 +38,9 @@ from exporter.verify.diagnosis.diagnose import DebugGraphs, localise, probes_bet
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import ParitySettings, QualityText, greedy_prompt, prefill_feeds, prompt_batch
 from exporter.verify.plan import Plan, Row, plan_verification
-from exporter.verify.references.golden import GoldenBundle, RecordedReference
+from exporter.verify.references.golden.reading import GoldenBundle
+from exporter.verify.references.golden.recording import RecordedReference
+from exporter.verify.references.golden.writing import save_bundle
 from exporter.verify.references.transformers_reference import check_transformers
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 
@@ -230,7 +232,7 @@ def _save_golden(
     # recorded with or without --probe, so that any replay can probe both graphs
     reference.module_outputs(batch)
     reference.module_outputs(decode_call.feeds, "decode")
-    reference.save(destination, manifest, settings, overrides, {"torch": torch.__version__})
+    save_bundle(reference, destination, manifest, settings, overrides, {"torch": torch.__version__})
 
 
 def verify_artifact(
@@ -264,9 +266,9 @@ def verify_artifact(
         runtimes: the runtimes to verify in (exporter.runtime.registry: "onnxruntime", "openvino", "all" for every
             installed one; a str names one), each runner a row of the report; None: ONNX Runtime alone.
         golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle
-            that exporter.verify.references.golden.load_bundle read (not read again; held to the artifact all the
-            same, and replayed from its first call), judged with the tolerance overrides it was recorded with,
-            each term in `overrides` taking its recorded one's place.
+            that exporter.verify.references.golden.reading.load_bundle read (not read again; held to the artifact
+            all the same, and replayed from its first call), judged with the tolerance overrides it was recorded
+            with, each term in `overrides` taking its recorded one's place.
         golden_save: a folder to record the reference's inputs and outputs in, with `overrides`.
         overrides: tolerance terms in place of the profiles' (exporter.tolerances.parse_overrides).
         fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA

@@ -28,13 +28,9 @@ from exporter.verify.consumers import (
     transformers_js_skip_reason,
 )
 from exporter.verify.inputs import ParitySettings, QualityText, check_quality_text, read_quality_text
-from exporter.verify.references.golden import (
-    GoldenBundle,
-    RecordedReference,
-    check_golden_destination,
-    check_loaded,
-    load_bundle,
-)
+from exporter.verify.references.golden.reading import GoldenBundle, check_loaded, load_bundle
+from exporter.verify.references.golden.recording import RecordedReference
+from exporter.verify.references.golden.writing import check_golden_destination
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.references.transformers_reference import transformers_skip_reason
 from reference.families import get_family

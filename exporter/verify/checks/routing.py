@@ -4,7 +4,7 @@ The graphs' outputs are the I/O contract only; which experts a token chose is
 an intermediate. On the reference side a forward hook on every router module
 (one with `is_moe_router = True` at `...layers.{i}.mlp.gate`, returning
 scores, top-k weights, top-k ids) records it; the recording reference
-(verify/golden.py) keeps it with each call, so that a golden bundle replays it
+(verify/references/golden/recording.py) keeps it with each call, so that a golden bundle replays it
 without torch. On the ONNX side the probe finds
 each router's TopK node by the module scope the exporter records in node
 metadata, adds its indices as extra outputs to an in-memory copy of the graph,
@@ -38,7 +38,7 @@ from exporter.verify.metrics import log_softmax
 if TYPE_CHECKING:
     import torch  # needed only by callers that hold the reference model
 
-    from exporter.verify.references.golden import RecordedReference  # which imports this module
+    from exporter.verify.references.golden.recording import RecordedReference  # which imports this module
 
 log = logging.getLogger(__name__)
 

@@ -186,7 +186,7 @@ def pytest_configure(config):
             "it would configure the run"
         )
     from exporter.errors import ProviderError, ToolkitError, first_of
-    from exporter.runtime.sessions import check_parity_providers
+    from exporter.runtime.providers import check_parity_providers
 
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])

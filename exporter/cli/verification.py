@@ -45,8 +45,8 @@ def verification_plan(
         (or None) and the QualityText of --quality-text (or None), as run_verification takes them.
     """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
+    from exporter.runtime.providers import check_parity_providers
     from exporter.runtime.registry import select_runtimes
-    from exporter.runtime.sessions import check_parity_providers
     from exporter.tolerances import parse_overrides
     from exporter.verify.checks.providers import companion_for, read_companion
     from exporter.verify.inputs import ParitySettings

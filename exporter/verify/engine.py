@@ -18,9 +18,11 @@ import numpy as np
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest, unchanged_while_read
 from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, Runner, missing
+from exporter.runtime.providers import CPU
 from exporter.runtime.registry import DEFAULT_RUNTIME, registered_runtimes
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, SharedWeightMap, checking_settings
+from exporter.runtime.settings import checking_settings
+from exporter.runtime.shared_weights import SharedWeightMap
 from exporter.tolerances import Overrides, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.greedy import check_greedy

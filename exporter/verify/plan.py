@@ -16,7 +16,7 @@ from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import InputError, ProviderError
 from exporter.runtime.protocol import Runner
 from exporter.runtime.registry import Runtime, select_runtimes
-from exporter.runtime.sessions import SharedWeightMap
+from exporter.runtime.shared_weights import SharedWeightMap
 from exporter.tolerances import AppliedOverrides, Overrides
 from exporter.verify.checks.providers import check_companion
 from exporter.verify.consumers import (

@@ -29,8 +29,9 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.artifact.scopes import ROUTER_SCOPE, SCOPES_KEY
 from exporter.runtime.protocol import Runner
+from exporter.runtime.providers import session_providers
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.runtime.sessions import plain_session_options, session_providers
+from exporter.runtime.settings import plain_session_options
 from exporter.tolerances import Profile
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prefill_feeds
 from exporter.verify.metrics import log_softmax

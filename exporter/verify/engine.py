@@ -32,7 +32,8 @@ from exporter.verify.checks.long_context import check_long_context
 from exporter.verify.checks.outputs import DecodeCall, check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import attribute, cross_providers, repeat_run
 from exporter.verify.checks.quality import QualityReport, check_quality, recorded_target_checks
-from exporter.verify.checks.routing import RoutingExplainer, expert_choice
+from exporter.verify.checks.routing import expert_choice
+from exporter.verify.checks.routing_explainer import RoutingExplainer
 from exporter.verify.checks.weights.audit import audit_weights
 from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.consumers import CONSUMER_CHECKS

@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from exporter.verify.checks.greedy import GreedyTrace
-from exporter.verify.checks.routing import record_reference_routing
+from exporter.verify.checks.routers import record_reference_routing
 from exporter.verify.references.golden.bundle import GoldenMismatch
 
 TOKEN_FEEDS = ("input_ids", "attention_mask", "position_ids", "labels")

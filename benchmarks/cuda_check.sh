@@ -92,7 +92,7 @@ if "onnxruntime" not in failed:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         cuda = "CUDAExecutionProvider not available in this onnxruntime build"
     elif "exporter.runtime.runner" not in failed:
-        from exporter.runtime.sessions import cuda_unusable
+        from exporter.runtime.providers import cuda_unusable
         if (why := cuda_unusable()) is not None:
             cuda = f"CUDAExecutionProvider cannot start: {why}"
 code = 0

@@ -75,7 +75,7 @@ def prompt(length: int, vocab: int):
 
 def ort_runner(artifact: Path, provider: str, threads: int, shared_pool: bool = False):
     from exporter.runtime.runner import OrtRunner
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     return OrtRunner(
         artifact, provider, settings=SessionSettings(intra_op_threads=threads, shared_thread_pool=shared_pool)
@@ -748,7 +748,7 @@ def main() -> None:
 
 
 def run() -> None:
-    from exporter.runtime.sessions import MAX_THREADS  # more is refused here, not by a worker's traceback
+    from exporter.runtime.settings import MAX_THREADS  # more is refused here, not by a worker's traceback
 
     parser = _Parser(description=__doc__.splitlines()[0], epilog=__doc__.splitlines()[-1])  # the exit codes
     parser.add_argument(
@@ -810,7 +810,7 @@ def run() -> None:
         return
 
     from exporter.errors import ToolkitError
-    from exporter.runtime.sessions import check_provider
+    from exporter.runtime.providers import check_provider
     from exporter.verify.reports import json_text
 
     results = None if args.no_results else args.results

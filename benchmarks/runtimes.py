@@ -373,7 +373,7 @@ def main() -> None:
 
 
 def run() -> None:
-    from exporter.runtime.sessions import MAX_THREADS
+    from exporter.runtime.settings import MAX_THREADS
 
     parser = rt._Parser(description=__doc__.splitlines()[0], epilog=__doc__.splitlines()[-1])
     parser.add_argument("--steps", type=rt._at_least(1), help=f"decode steps per run (default {STEPS}; --quick 8)")

@@ -39,7 +39,7 @@ _PUBLIC = {
     "compare": "exporter.verify.metrics",
     "TOLERANCES": "exporter.tolerances",
     "OrtRunner": "exporter.runtime.runner",
-    "SessionSettings": "exporter.runtime.sessions",
+    "SessionSettings": "exporter.runtime.settings",
     "SamplingConfig": "exporter.runtime.generation",
     "generate": "exporter.runtime.generation",
     "generate_greedy": "exporter.runtime.generation",

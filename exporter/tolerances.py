@@ -19,7 +19,7 @@ import numpy as np
 from exporter.artifact.paths import read_json_object
 from exporter.artifact.quantization import QualityTarget
 from exporter.errors import InputError
-from exporter.runtime.sessions import CPU, CUDA
+from exporter.runtime.providers import CPU, CUDA
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ _CPU_FP16 = Profile(
     why="float16 rounds every activation to 11 bits at different points on each side; measured ~7u of the "
     "logits peak, allowed 16u of the peak + 4u elementwise",
 )
-# CUDA float32: every session turns TF32 off (exporter.runtime.sessions.session_providers), so the CUDA provider
+# CUDA float32: every session turns TF32 off (exporter.runtime.providers.session_providers), so the CUDA provider
 # computes in float32 with its own kernels and summation orders: the CPU argument and bound, not calibrated
 # on a GPU.
 _CUDA_FP32 = dataclasses.replace(

@@ -157,7 +157,7 @@ class FeedForward(nn.Module):
 class Router(nn.Module):
     """The MoE gate (key `mlp.gate.weight`, (E, hidden)): softmax scores, top-k experts and their weights."""
 
-    is_moe_router = True  # parity records its choices (exporter/verify/routing.py)
+    is_moe_router = True  # parity records its choices (exporter/verify/checks/routers.py)
 
     def __init__(self, config: MiniMindConfig):
         super().__init__()

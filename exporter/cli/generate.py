@@ -170,8 +170,9 @@ def generate(
     from exporter.artifact.folder import Artifact
     from exporter.artifact.manifest import unchanged_while_read
     from exporter.runtime.generation import SamplingConfig, check_request
+    from exporter.runtime.providers import check_provider
     from exporter.runtime.runner import OrtRunner
-    from exporter.runtime.sessions import SessionSettings, check_provider
+    from exporter.runtime.settings import SessionSettings
 
     check_generate_options(folder, prompt_ids, prompts, chat, system, tokenizer, sample, ignore_eos, save_optimized)
     messages = chat_messages(chat, system) if chat else None

@@ -53,7 +53,7 @@ def check_engine_options(engine, batch, repetition_penalty, ignore_eos, provider
     if engine != "genai":
         return
     from exporter.runtime.genai import INSTALL_HINT, genai_version
-    from exporter.runtime.sessions import CPU, provider_name
+    from exporter.runtime.providers import CPU, provider_name
 
     refusals = (
         (batch > 1, f"a batch ({batch} prompts): it runs one prompt at a time", "give one --prompt-ids or --prompt"),

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # the plugin imports the toolkit only once --artifacts is given
-    from exporter.verify.references.golden import GoldenBundle
+    from exporter.verify.references.golden.reading import GoldenBundle
 
 GOLDEN_IN_ARTIFACT = "golden"
 PATH_OPTIONS = ("--artifacts", "--golden-bundle")  # written --option=DIR: see the module's docstring
@@ -151,7 +151,7 @@ def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     """Read whole, as the replay reads it: a damaged bundle is a usage error here, as `verify --golden` refuses it
     (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
     from exporter.tolerances import AppliedOverrides
-    from exporter.verify.references.golden import load_bundle
+    from exporter.verify.references.golden.reading import load_bundle
 
     loaded = load_bundle(bundle, manifest)  # kept: the verification replays this one, not a second read
     return Plan(
@@ -186,7 +186,7 @@ def pytest_configure(config):
             "it would configure the run"
         )
     from exporter.errors import ProviderError, ToolkitError, first_of
-    from exporter.runtime.sessions import check_parity_providers
+    from exporter.runtime.providers import check_parity_providers
 
     try:
         check_parity_providers(config.getoption("artifact_provider") or [])
@@ -200,7 +200,7 @@ def pytest_configure(config):
     except BundleRefused as exc:
         raise pytest.UsageError(f"{'--golden-bundle' if exc.given else '--artifacts'}: {exc}") from None
     except ToolkitError as exc:
-        from exporter.verify.references.golden import misplaced_bundle_hint
+        from exporter.verify.references.golden.reading import misplaced_bundle_hint
 
         manifests = [str(f) for f in folders if Path(f).name == "manifest.json" and Path(f).is_file()]
         hint = (f" ({', '.join(manifests)}: pass the artifact folder, not its manifest.json)" if manifests else "") + (

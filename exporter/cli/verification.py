@@ -45,12 +45,12 @@ def verification_plan(
         (or None) and the QualityText of --quality-text (or None), as run_verification takes them.
     """
     from exporter.runtime.genai import INSTALL_HINT, genai_version
+    from exporter.runtime.providers import check_parity_providers
     from exporter.runtime.registry import select_runtimes
-    from exporter.runtime.sessions import check_parity_providers
     from exporter.tolerances import parse_overrides
     from exporter.verify.checks.providers import companion_for, read_companion
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.references.golden import check_golden_destination
+    from exporter.verify.references.golden.writing import check_golden_destination
     from exporter.verify.reports import check_report_destination
 
     if len(options.tolerance_files) > 1:
@@ -173,7 +173,7 @@ def run_verification(
     from exporter.artifact.folder import Artifact
     from exporter.artifact.manifest import unchanged_while_read
     from exporter.verify.engine import verify_artifact
-    from exporter.verify.references.golden import misplaced_bundle_hint
+    from exporter.verify.references.golden.reading import misplaced_bundle_hint
     from exporter.verify.references.model_source import reference_for
 
     overrides, settings, companion, text = plan

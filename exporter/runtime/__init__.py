@@ -3,7 +3,10 @@ runtimes a verification runs it in.
 
 - protocol: the Runner protocol the verification and generation use, its label in reports, its capabilities;
 - registry: the runtimes by name, each registered once by its module;
-- sessions: providers, session settings, the shared weights map and graph loading;
+- providers: the execution providers (CPU and CUDA), whether each can run here, a session's providers list;
+- settings: SessionSettings, the settings of the sessions that check an artifact, one session's options;
+- shared_weights: the artifact's weights file mapped once, read in place by every session;
+- sessions: sessions on an artifact's graphs (checked against the manifest), a modified copy or a graph file;
 - runner: OrtRunner, prefill and cached decode over the artifact's contract (the onnxruntime runtime);
 - openvino_runner: the artifact's graphs compiled by OpenVINO (the openvino runtime);
 - steps: start/step over a runner's decode with the cache held as numpy arrays;

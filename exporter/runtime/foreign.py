@@ -21,7 +21,9 @@ from exporter.artifact.foreign import NO_DECODER_FIX, ForeignGraph
 from exporter.artifact.manifest import Manifest
 from exporter.errors import ArtifactError, GraphRunError, first_line
 from exporter.runtime.protocol import RuntimeLabel
-from exporter.runtime.sessions import SessionSettings, check_provider, file_session
+from exporter.runtime.providers import check_provider
+from exporter.runtime.sessions import file_session
+from exporter.runtime.settings import SessionSettings
 from exporter.runtime.steps import NumpySteps
 
 _RUN_ERRORS = (_ort_errors.Fail, _ort_errors.RuntimeException, _ort_errors.InvalidArgument)

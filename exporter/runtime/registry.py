@@ -40,10 +40,10 @@ class Runtime:
             each a row of the report. `providers` are the ONNX Runtime providers asked for (None: every available
             one), which other runtimes ignore. Raises ProviderError for a target that cannot run the artifact.
         runner: runner(artifact, target, weights=None, threads=None) -> Runner, for the verification's checks.
-            `weights` is the artifact's weights file mapped once (exporter.runtime.sessions.SharedWeightMap), which a
-            runtime that reads weights in place shares; others ignore it. `threads`: the intra-op threads of the
-            runner's sessions; None: the runtime's count in the verification (a comparison across runtimes gives
-            each the same).
+            `weights` is the artifact's weights file mapped once (exporter.runtime.shared_weights.SharedWeightMap),
+            which a runtime that reads weights in place shares; others ignore it. `threads`: the intra-op threads of
+            the runner's sessions; None: the runtime's count in the verification (a comparison across runtimes
+            gives each the same).
     """
 
     name: str

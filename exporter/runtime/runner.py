@@ -23,21 +23,18 @@ from exporter.artifact.manifest import Manifest, unchanged_while_read
 from exporter.errors import GraphRunError, InputError, ProviderError, check_flag, first_line, first_of, is_integer
 from exporter.runtime.binding import BindingDecode
 from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, RuntimeLabel
-from exporter.runtime.registry import Runtime, register_runtime
-from exporter.runtime.sessions import (
+from exporter.runtime.providers import (
     CUDA,
-    SessionSettings,
-    SharedWeightMap,
     available_parity_providers,
     check_parity_providers,
     check_provider,
     check_quantized_provider,
-    checking_settings,
-    load_session,
-    optimized_graphs_saved,
-    session_options,
     session_providers,
 )
+from exporter.runtime.registry import Runtime, register_runtime
+from exporter.runtime.sessions import load_session, optimized_graphs_saved
+from exporter.runtime.settings import SessionSettings, checking_settings, session_options
+from exporter.runtime.shared_weights import SharedWeightMap
 from reference.families import DecoderConfig
 
 log = logging.getLogger(__name__)

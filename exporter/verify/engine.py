@@ -18,9 +18,11 @@ import numpy as np
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest, unchanged_while_read
 from exporter.runtime.protocol import DEBUG_GRAPHS, ROUTER_PROBES, Runner, missing
+from exporter.runtime.providers import CPU
 from exporter.runtime.registry import DEFAULT_RUNTIME, registered_runtimes
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, SharedWeightMap, checking_settings
+from exporter.runtime.settings import checking_settings
+from exporter.runtime.shared_weights import SharedWeightMap
 from exporter.tolerances import Overrides, profile_for, quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.greedy import check_greedy
@@ -30,7 +32,8 @@ from exporter.verify.checks.long_context import check_long_context
 from exporter.verify.checks.outputs import DecodeCall, check_decode, check_prefill, run_sweep
 from exporter.verify.checks.providers import attribute, cross_providers, repeat_run
 from exporter.verify.checks.quality import QualityReport, check_quality, recorded_target_checks
-from exporter.verify.checks.routing import RoutingExplainer, expert_choice
+from exporter.verify.checks.routing import expert_choice
+from exporter.verify.checks.routing_explainer import RoutingExplainer
 from exporter.verify.checks.weights.audit import audit_weights
 from exporter.verify.checks.weights.results import WeightAudit
 from exporter.verify.consumers import CONSUMER_CHECKS
@@ -38,7 +41,9 @@ from exporter.verify.diagnosis.diagnose import DebugGraphs, localise, probes_bet
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import ParitySettings, QualityText, greedy_prompt, prefill_feeds, prompt_batch
 from exporter.verify.plan import Plan, Row, plan_verification
-from exporter.verify.references.golden import GoldenBundle, RecordedReference
+from exporter.verify.references.golden.reading import GoldenBundle
+from exporter.verify.references.golden.recording import RecordedReference
+from exporter.verify.references.golden.writing import save_bundle
 from exporter.verify.references.transformers_reference import check_transformers
 from exporter.verify.results import ConsumerReport, ProviderReport, VerifyReport
 
@@ -230,7 +235,7 @@ def _save_golden(
     # recorded with or without --probe, so that any replay can probe both graphs
     reference.module_outputs(batch)
     reference.module_outputs(decode_call.feeds, "decode")
-    reference.save(destination, manifest, settings, overrides, {"torch": torch.__version__})
+    save_bundle(reference, destination, manifest, settings, overrides, {"torch": torch.__version__})
 
 
 def verify_artifact(
@@ -264,9 +269,9 @@ def verify_artifact(
         runtimes: the runtimes to verify in (exporter.runtime.registry: "onnxruntime", "openvino", "all" for every
             installed one; a str names one), each runner a row of the report; None: ONNX Runtime alone.
         golden: a golden bundle to compare with instead of a model (no torch): its folder, or the GoldenBundle
-            that exporter.verify.references.golden.load_bundle read (not read again; held to the artifact all the
-            same, and replayed from its first call), judged with the tolerance overrides it was recorded with,
-            each term in `overrides` taking its recorded one's place.
+            that exporter.verify.references.golden.reading.load_bundle read (not read again; held to the artifact
+            all the same, and replayed from its first call), judged with the tolerance overrides it was recorded
+            with, each term in `overrides` taking its recorded one's place.
         golden_save: a folder to record the reference's inputs and outputs in, with `overrides`.
         overrides: tolerance terms in place of the profiles' (exporter.tolerances.parse_overrides).
         fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA

@@ -24,7 +24,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.artifact.tokenizer import TOKENIZER
 from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
-from exporter.runtime.sessions import available_parity_providers, check_parity_providers, check_quantized_provider
+from exporter.runtime.providers import available_parity_providers, check_parity_providers, check_quantized_provider
 from exporter.tolerances import Overrides, profile_for, quality_profile_for
 from exporter.verify.checks.greedy import check_greedy
 from exporter.verify.checks.health import HealthScan

@@ -16,7 +16,7 @@ from exporter.artifact.paths import check_outside_artifact
 from exporter.errors import InputError, ProviderError
 from exporter.runtime.protocol import Runner
 from exporter.runtime.registry import Runtime, select_runtimes
-from exporter.runtime.sessions import SharedWeightMap
+from exporter.runtime.shared_weights import SharedWeightMap
 from exporter.tolerances import AppliedOverrides, Overrides
 from exporter.verify.checks.providers import check_companion
 from exporter.verify.consumers import (
@@ -28,13 +28,9 @@ from exporter.verify.consumers import (
     transformers_js_skip_reason,
 )
 from exporter.verify.inputs import ParitySettings, QualityText, check_quality_text, read_quality_text
-from exporter.verify.references.golden import (
-    GoldenBundle,
-    RecordedReference,
-    check_golden_destination,
-    check_loaded,
-    load_bundle,
-)
+from exporter.verify.references.golden.reading import GoldenBundle, check_loaded, load_bundle
+from exporter.verify.references.golden.recording import RecordedReference
+from exporter.verify.references.golden.writing import check_golden_destination
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.references.transformers_reference import transformers_skip_reason
 from reference.families import get_family

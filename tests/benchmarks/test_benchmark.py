@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import benchmark_script, edit_manifest
 
-from exporter.runtime.sessions import cuda_unusable
+from exporter.runtime.providers import cuda_unusable
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime.py"
 

@@ -15,7 +15,7 @@ from helpers import claim_seed, edit_manifest, perturb_weight
 from exporter.cli.pytest_plugin import CHECKS, SKIP, BundleRefused, Plan, _skip_reason, reference_plan
 from exporter.errors import ToolkitError
 from exporter.verify.checks.outputs import SweepCase
-from exporter.verify.references.golden import FORMAT, FORMAT_VERSION
+from exporter.verify.references.golden.bundle import FORMAT, FORMAT_VERSION
 from reference.errors import CheckpointError
 
 
@@ -584,8 +584,9 @@ def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(
     from exporter.verify import plan as verify_plan
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
-    from exporter.verify.references import golden
-    from exporter.verify.references.golden import GoldenMismatch, load_bundle
+    from exporter.verify.references.golden import reading
+    from exporter.verify.references.golden.bundle import GoldenMismatch
+    from exporter.verify.references.golden.reading import load_bundle
 
     bundle = tmp_path / "bundle"
     verify_artifact(
@@ -603,7 +604,7 @@ def test_a_golden_bundle_is_read_once_and_the_verification_takes_it_as_loaded(
         reads.append(folder)
         return load_bundle(folder, manifest)
 
-    monkeypatch.setattr(golden, "load_bundle", counting)
+    monkeypatch.setattr(reading, "load_bundle", counting)
     monkeypatch.setattr(verify_plan, "load_bundle", counting)
     plan = reference_plan(artifact_fp32, bundle)
     report = _verify(artifact_fp32, plan, ["cpu"])

@@ -13,7 +13,7 @@ from helpers import assert_one_line_error, replayed_export, run_cli
 from tokenizers import Tokenizer
 
 from exporter.errors import ProviderError
-from exporter.runtime import sessions
+from exporter.runtime import providers
 from exporter.verify import engine
 
 
@@ -71,11 +71,11 @@ def test_a_provider_without_the_kernel_is_refused(monkeypatch, quantized):
     from exporter.artifact.folder import Artifact
 
     manifest = Artifact.open(quantized["int4"]).manifest
-    assert sessions.matmul_nbits_unusable(sessions.CPU, 4) is None
-    sessions.check_quantized_provider(sessions.CPU, manifest)  # the CPU provider has it
-    monkeypatch.setattr(sessions, "matmul_nbits_unusable", lambda provider, bits: f"no {bits}-bit kernel")
+    assert providers.matmul_nbits_unusable(providers.CPU, 4) is None
+    providers.check_quantized_provider(providers.CPU, manifest)  # the CPU provider has it
+    monkeypatch.setattr(providers, "matmul_nbits_unusable", lambda provider, bits: f"no {bits}-bit kernel")
     with pytest.raises(ProviderError, match="cannot run this int4 artifact: no 4-bit kernel"):
-        sessions.check_quantized_provider(sessions.CUDA, manifest)
+        providers.check_quantized_provider(providers.CUDA, manifest)
 
 
 # words of the tiny tokenizer's corpus (tests/conftest.py build_tokenizer)

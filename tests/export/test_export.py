@@ -34,7 +34,7 @@ from exporter.export.pipeline import export_artifact
 from exporter.export.weights import INLINE_LIMIT_BYTES
 from exporter.runtime import runner as runtime
 from exporter.runtime.runner import OrtRunner, presents_as_past
-from exporter.runtime.sessions import SessionSettings
+from exporter.runtime.settings import SessionSettings
 from exporter.verify.references.torch_runner import TorchRunner
 from reference import build_model, get_preset
 from reference.minimind import RMSNorm
@@ -894,7 +894,7 @@ def test_the_reference_runs_in_the_artifacts_dtype_on_a_copy(tiny_model, artifac
 def test_the_parity_tolerances_are_the_cpu_profiles_per_kind():
     # exporter.parity.TOLERANCES, which the tests judge with: each kind its own bound (the loss's is 100x tighter
     # than the logits' in float32), from the CPU profile of its dtype
-    from exporter.runtime.sessions import CPU
+    from exporter.runtime.providers import CPU
     from exporter.tolerances import profile_for
 
     assert set(TOLERANCES) == {"float32", "float16"}

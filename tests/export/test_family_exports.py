@@ -29,7 +29,7 @@ from exporter.export.tracing import example_inputs
 from exporter.runtime.genai import GenaiGenerator
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
-from exporter.verify.checks.routing import RouterProbe, record_reference_routing
+from exporter.verify.checks.routers import RouterProbe, record_reference_routing
 from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify
 from reference.checkpoints import load_checkpoint

@@ -428,7 +428,7 @@ def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quant
     prefill.onnx prepacks a quantized artifact as its decode.onnx does, so both graphs compute what every consumer
     runs, and agree on the same prompt within float32's rounding (unprepacked, prefill differed from decode by the
     activations' int8 rounding)."""
-    from exporter.runtime.sessions import CPU
+    from exporter.runtime.providers import CPU
     from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
 

@@ -20,7 +20,7 @@ from exporter.cli.outcome import signals_deferred
 from exporter.errors import InputError, OutputPathError
 from exporter.runtime.generation import SamplingConfig, generate, generate_greedy, process_logits, stream
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import SessionSettings
+from exporter.runtime.settings import SessionSettings
 from exporter.verify.references.torch_runner import reference_greedy
 
 

@@ -16,8 +16,8 @@ from helpers import config_entry
 from exporter.artifact.folder import Artifact
 from exporter.errors import ArtifactError, GraphRunError, InputError, ProviderError
 from exporter.runtime.generation import generate_greedy
+from exporter.runtime.providers import CPU, CUDA, available_parity_providers, check_provider, cuda_unusable
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import CPU, CUDA, available_parity_providers, check_provider, cuda_unusable
 from exporter.verify.references.torch_runner import reference_greedy
 
 
@@ -92,9 +92,9 @@ def test_the_cuda_probe_fits_a_shared_thread_pool():
     import sys
 
     script = (
-        "import onnxruntime as ort; from exporter.runtime import sessions; sessions._use_global_thread_pool(1); "
-        "listed = [sessions.CUDA, *ort.get_available_providers()]; "
-        "ort.get_available_providers = lambda: listed; print(sessions.cuda_unusable())"
+        "import onnxruntime as ort; from exporter.runtime import providers, settings; "
+        "settings._use_global_thread_pool(1); listed = [providers.CUDA, *ort.get_available_providers()]; "
+        "ort.get_available_providers = lambda: listed; print(providers.cuda_unusable())"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -364,7 +364,7 @@ def test_generation_runs_the_prompt_through_decode_like_prefill(runner):
 def test_a_prompt_read_in_chunks_gives_the_logits_and_cache_of_one_call(artifact_fp32):
     """Chunks of 3 (a last one of 2) on a left-padded batch, against the whole prompt in one call."""
     from exporter.runtime.runner import position_ids_from_mask
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     whole = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=0))
     chunked = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=3))
@@ -410,7 +410,7 @@ def test_the_runner_leaves_other_sessions_of_the_process_working(artifact_fp32, 
 
 
 def test_bad_session_settings_are_refused():
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     with pytest.raises(InputError, match="optimization must be one of"):
         SessionSettings(optimization="max")
@@ -429,7 +429,7 @@ def test_bad_session_settings_are_refused():
 def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_path):
     """A string flag such as "no" is truthy: refused, not read as True; a str folder is a path (no AttributeError at
     load)."""
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     for name in ("prepack_weights", "shared_thread_pool", "float16_weights_cast_once"):
         for value in ("no", "false", "False", 0, None):
@@ -447,7 +447,7 @@ def test_session_flags_must_be_bools_and_the_folder_a_path(artifact_fp32, tmp_pa
 def test_an_empty_prompt_is_refused_by_start(artifact_fp32, prompt_chunk):
     """An InputError, whatever the prompt_chunk: not UnboundLocalError (no chunk runs), nor range()'s step-zero
     ValueError with prompt_chunk=0."""
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     runner = OrtRunner(artifact_fp32, settings=SessionSettings(prompt_chunk=prompt_chunk))
     empty = np.zeros((1, 0), dtype=np.int64)
@@ -541,7 +541,7 @@ def test_session_settings_reach_both_sessions(artifact_fp32):
     """Threads, optimisation level and prepacking as asked; the prefill session's threads do not spin (they
     took the cores from the decode step after it), decode's do; defaults: decode prepacks, prefill never does
     (it reads the shared mapping in place)."""
-    from exporter.runtime.sessions import SessionSettings
+    from exporter.runtime.settings import SessionSettings
 
     spin, prepack = "session.intra_op.allow_spinning", "session.disable_prepacking"
     default = OrtRunner(artifact_fp32)
@@ -571,7 +571,7 @@ def test_checking_sessions_of_a_float16_artifact_keep_no_float32_copy_of_its_wei
     each call instead, which the graphs onnxruntime optimised show, and compute the same values: both run the same
     float32 products of the same weights, in another order, and differ by float32 rounding carried through the
     graph's float16 activations, which the float16 profile (float16 against the float32 reference) bounds."""
-    from exporter.runtime.sessions import SessionSettings, checking_settings
+    from exporter.runtime.settings import SessionSettings, checking_settings
     from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
 
@@ -600,7 +600,9 @@ def test_the_prefill_session_computes_with_the_shared_weights_it_is_given(artifa
     import shutil
 
     from exporter.artifact.manifest import read_manifest
-    from exporter.runtime.sessions import SessionSettings, SharedWeightMap, load_session, session_options
+    from exporter.runtime.sessions import load_session
+    from exporter.runtime.settings import SessionSettings, session_options
+    from exporter.runtime.shared_weights import SharedWeightMap
 
     manifest = read_manifest(artifact_fp32)
     zeroed = shutil.copytree(artifact_fp32, tmp_path / "zeroed")
@@ -628,7 +630,7 @@ def test_a_weights_file_left_empty_maps_to_no_initializers(artifact_fp32, tmp_pa
     import shutil
 
     from exporter.artifact.manifest import read_manifest
-    from exporter.runtime.sessions import SharedWeightMap
+    from exporter.runtime.shared_weights import SharedWeightMap
 
     manifest = read_manifest(artifact_fp32)
     folder = shutil.copytree(artifact_fp32, tmp_path / "inline")
@@ -647,7 +649,7 @@ def test_runners_given_one_weight_map_map_the_file_once(artifact_fp32):
     """Every session of a verification reads one SharedWeightMap, the prepacking decode.onnx's too: a mapping of the
     weights file is resident once per mapping, so each map of its own would add the weights' size to the process
     again. A runner without one maps the file itself (and its decode.onnx loads what it prepacks on its own)."""
-    from exporter.runtime.sessions import SharedWeightMap
+    from exporter.runtime.shared_weights import SharedWeightMap
 
     artifact = Artifact.open(artifact_fp32)
     path = artifact.path(artifact.manifest.weights_file).resolve()
@@ -672,7 +674,8 @@ def test_a_float32_artifact_is_checked_unprepacked_and_agrees_with_its_prepacked
     products in another order, so their outputs differ by float32 rounding alone, which the float32 profile (ONNX
     Runtime against the float32 reference) bounds; a wrong packed layout would be off by the weights' scale."""
     from exporter.runtime.runner import presents_as_past
-    from exporter.runtime.sessions import SharedWeightMap, checking_settings
+    from exporter.runtime.settings import checking_settings
+    from exporter.runtime.shared_weights import SharedWeightMap
     from exporter.tolerances import profile_for
     from exporter.verify.metrics import compare_outputs
 
@@ -703,7 +706,7 @@ def test_a_float32_artifact_is_checked_unprepacked_and_agrees_with_its_prepacked
 def test_a_weight_map_of_another_artifact_is_refused(artifact_fp32, tmp_path):
     import shutil
 
-    from exporter.runtime.sessions import SharedWeightMap
+    from exporter.runtime.shared_weights import SharedWeightMap
 
     other = Artifact.open(shutil.copytree(artifact_fp32, tmp_path / "copy"))
     with pytest.raises(InputError, match=r"weights must be a SharedWeightMap of .*\(`weights`\)"):

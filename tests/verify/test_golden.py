@@ -21,13 +21,10 @@ from exporter.errors import OutputPathError, ToolkitError
 from exporter.tolerances import Overrides
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings
-from exporter.verify.references.golden import (
-    GoldenMismatch,
-    RecordedReference,
-    _recording_digest,
-    check_golden_destination,
-    load_bundle,
-)
+from exporter.verify.references.golden.bundle import GoldenMismatch, recording_digest
+from exporter.verify.references.golden.reading import load_bundle
+from exporter.verify.references.golden.recording import RecordedReference
+from exporter.verify.references.golden.writing import check_golden_destination, save_bundle
 from exporter.verify.reports import format_verify
 
 
@@ -79,7 +76,7 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
         if edit_meta:
             edit_meta(meta)
         if rehash:  # as a careful forger would: both hashes match, so what is checked is the content
-            meta["recording_sha256"] = _recording_digest(meta)
+            meta["recording_sha256"] = recording_digest(meta)
         (folder / "golden.json").write_text(json.dumps(meta))
         with pytest.raises(ToolkitError) as caught:
             load_bundle(folder, manifest)
@@ -141,7 +138,7 @@ def test_a_damaged_or_half_saved_bundle_is_refused_as_damaged(full, artifact_fp3
     blocked = tmp_path / "blocked"
     (blocked / "arrays.npz").mkdir(parents=True)  # the swap into place fails
     with pytest.raises(OutputPathError, match="cannot write the golden bundle"):
-        bundle.reference.save(blocked, manifest, bundle.settings, bundle.overrides, bundle.versions)
+        save_bundle(bundle.reference, blocked, manifest, bundle.settings, bundle.overrides, bundle.versions)
     assert [p.name for p in blocked.iterdir()] == ["arrays.npz"]  # no partial file left
 
 
@@ -169,15 +166,20 @@ def test_an_interrupted_first_golden_save_leaves_a_folder_the_next_save_accepts(
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("exporter.verify.references.golden.np.savez", interrupted)
+    monkeypatch.setattr("exporter.verify.references.golden.writing.np.savez", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        RecordedReference().save(folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
+        save_bundle(RecordedReference(), folder, read_manifest(artifact_fp32), ParitySettings(), Overrides(), {})
     assert list(folder.iterdir()) == []
     check_golden_destination(folder)  # an empty folder, not one that "holds no golden bundle"
     # the folders it made for the bundle are removed again: they stayed behind, empty
     with pytest.raises(KeyboardInterrupt):
-        RecordedReference().save(
-            tmp_path / "new" / "golden", read_manifest(artifact_fp32), ParitySettings(), Overrides(), {}
+        save_bundle(
+            RecordedReference(),
+            tmp_path / "new" / "golden",
+            read_manifest(artifact_fp32),
+            ParitySettings(),
+            Overrides(),
+            {},
         )
     assert list(tmp_path.iterdir()) == [folder]
 
@@ -197,9 +199,9 @@ def test_a_golden_save_interrupted_between_its_two_swaps_leaves_the_older_bundle
             raise KeyboardInterrupt
         replace(source, destination)
 
-    monkeypatch.setattr("exporter.verify.references.golden.os.replace", ctrl_c_before_the_index)
+    monkeypatch.setattr("exporter.verify.references.golden.writing.os.replace", ctrl_c_before_the_index)
     with pytest.raises(KeyboardInterrupt):
-        RecordedReference().save(folder, manifest, ParitySettings(), Overrides(), {})
+        save_bundle(RecordedReference(), folder, manifest, ParitySettings(), Overrides(), {})
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # and no hidden file left
     load_bundle(folder, manifest)
 
@@ -227,7 +229,7 @@ def test_a_second_golden_save_into_one_folder_waits_for_the_first(full, artifact
         text=True,
     )
     assert other.stdout.readline() == "saving\n"
-    bundle.reference.save(folder, manifest, bundle.settings, bundle.overrides, bundle.versions)
+    save_bundle(bundle.reference, folder, manifest, bundle.settings, bundle.overrides, bundle.versions)
     assert other.wait() == 0
     load_bundle(folder, manifest)  # this save's index and arrays, together
 
@@ -274,7 +276,7 @@ def test_a_golden_replay_runs_with_the_settings_it_was_recorded_with(artifact_fp
 def test_a_replay_fed_other_tokens_than_recorded_is_a_mismatch_not_a_failure():
     """The module's promise: replayed outputs are only handed out for the token inputs they were recorded with;
     other inputs (a toolkit that draws its prompts differently, say) must not read as a parity failure."""
-    from exporter.verify.references.golden import RecordedReference
+    from exporter.verify.references.golden.recording import RecordedReference
 
     ids = np.array([[5, 9, 100]])
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None]}
@@ -309,7 +311,7 @@ def test_a_recorded_decode_call_holds_its_new_positions_alone():
     keep each call's whole present alive, and with a text read whole the memory grows with its length squared."""
     import torch
 
-    from exporter.verify.references.golden import RecordedReference
+    from exporter.verify.references.golden.recording import RecordedReference
 
     class Backing:
         model = torch.nn.Module()

@@ -23,7 +23,8 @@ from exporter.verify.diagnosis.probe import DebugGraph, PositionAxes, real_eleme
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds, prompt_batch
 from exporter.verify.metrics import compare
-from exporter.verify.references.golden import load_bundle
+from exporter.verify.references.golden.reading import load_bundle
+from exporter.verify.references.golden.writing import save_bundle
 from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify, render_junit
 
@@ -329,7 +330,9 @@ def test_a_bundle_recorded_before_module_outputs_were_kept_replays_without_the_p
     manifest = read_manifest(folder)
     recorded = load_bundle(bundle, manifest)
     recorded.reference.recorded_module_outputs = {}  # saved as an earlier v4 toolkit saved it
-    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
+    old = save_bundle(
+        recorded.reference, tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions
+    )
     assert not any(name.startswith("modules/") for name in np.load(old / "arrays.npz"))
     [cpu] = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, transformers_js=False, golden=old).reports
     assert cpu.localisation.first_layer == 1 and cpu.localisation.probe is None
@@ -403,7 +406,9 @@ def test_a_golden_replay_probes_decode_onnx_only_with_the_decode_calls_module_ou
     # a bundle recorded before the decode call's module outputs were kept: the prefill probe alone, and why
     recorded = load_bundle(bundle, manifest)
     recorded.reference.recorded_module_outputs.pop("decode")
-    old = recorded.reference.save(tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions)
+    old = save_bundle(
+        recorded.reference, tmp_path / "old", manifest, recorded.settings, recorded.overrides, recorded.versions
+    )
     report = verify_artifact(folder, None, ["cpu"], QUICK, genai=False, transformers_js=False, golden=old)
     loc = report.reports[0].localisation
     assert loc.probe == live.probe and loc.decode_probe is None

@@ -9,8 +9,8 @@ from helpers import assert_decode_graph_matches
 from exporter import TOLERANCES, ParitySettings, compare, verify_artifact
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
+from exporter.runtime.providers import CUDA, cuda_unusable
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
-from exporter.runtime.sessions import CUDA, cuda_unusable
 from exporter.verify.references.torch_runner import TorchRunner
 from exporter.verify.reports import format_verify
 from reference import build_model

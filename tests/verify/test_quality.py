@@ -17,7 +17,7 @@ from exporter.artifact.manifest import file_entries
 from exporter.errors import InputError
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import SessionSettings
+from exporter.runtime.settings import SessionSettings
 from exporter.tolerances import (
     QUALITY_CONFIDENCE,
     QUALITY_RESAMPLES,

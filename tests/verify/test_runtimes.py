@@ -13,7 +13,7 @@ from exporter.artifact.folder import Artifact
 from exporter.runtime import openvino_runner, registry
 from exporter.runtime.protocol import Runner, RuntimeLabel
 from exporter.runtime.runner import OrtRunner
-from exporter.runtime.sessions import checking_settings
+from exporter.runtime.settings import checking_settings
 from exporter.runtime.steps import NumpySteps
 from exporter.verify.engine import verify_artifact
 from exporter.verify.reports import format_verify, render_html, render_junit

@@ -28,7 +28,8 @@ def test_a_routing_near_tie_excuses_only_the_positions_its_flip_reached(artifact
     a position left to judge. A flip that is not a near-tie, or no differing choice at all, excuses nothing."""
     from exporter.verify.checks.health import HealthScan
     from exporter.verify.checks.outputs import run_sweep
-    from exporter.verify.checks.routing import CallRouting, ExpertAgreement
+    from exporter.verify.checks.routing import ExpertAgreement
+    from exporter.verify.checks.routing_explainer import CallRouting
 
     perturb_weight(artifact_copy, "model.layers.1.mlp.down_proj", 0.05)  # moves the logits only: the presents pass
     manifest = read_manifest(artifact_copy)
@@ -74,7 +75,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     their router gaps. An earlier token of its row or a token of another row is not reached: a difference
     there is explained only as a near-tie of its own."""
     from exporter.tolerances import Tolerance
-    from exporter.verify.checks.routing import _compare_choices
+    from exporter.verify.checks.routing import compare_choices
 
     tolerance = Tolerance(1e-4, 1e-4)
     tie, clear = [0.5, 0.49999, 0.0], [0.9, 0.05, 0.05]  # a near-tie: experts 0 and 1 within 1e-5
@@ -86,7 +87,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
         flipped = [np.isin(np.arange(4), flips).astype(np.int64)[:, None] for flips in ([layer0_flip], layer1_flips)]
         reference = {0: (scores, reference_ids), 1: (np.array([clear] * 4), reference_ids)}
         onnx = {layer: (reference[layer][0], ids) for layer, ids in enumerate(flipped)}
-        result = _compare_choices(reference, onnx, valid, tolerance)
+        result = compare_choices(reference, onnx, valid, tolerance)
         return (result.pairs, result.agreeing, result.explained), result.reached.tolist()
 
     # token (0, 0) flips at a near-tie; at layer 1 it and the next token of its row follow
@@ -102,17 +103,17 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
 
 def _one_token_choice(scores, reference_expert: int, onnx_expert: int, onnx_scores=None, tolerance=None):
     from exporter.tolerances import Tolerance
-    from exporter.verify.checks.routing import _agreement, _compare_choices
+    from exporter.verify.checks.routing import agreement, compare_choices
 
     scores = np.array([scores])
     onnx_scores = scores if onnx_scores is None else np.array([onnx_scores])
-    count = _compare_choices(
+    count = compare_choices(
         {0: (scores, np.array([[reference_expert]]))},
         {0: (onnx_scores, np.array([[onnx_expert]]))},
         np.ones((1, 1), dtype=bool),
         tolerance or Tolerance(1e-2, 0.0),
     )
-    return _agreement([count])
+    return agreement([count])
 
 
 def test_a_flip_is_excused_only_between_experts_tied_with_the_reference_choice():
@@ -186,7 +187,8 @@ def test_after_an_explained_routing_flip_decode_continues_from_the_reference_cac
     judge the graph again. A flip that is not a near-tie keeps its failure and ONNX Runtime its own cache."""
     from exporter.verify.checks.health import HealthScan
     from exporter.verify.checks.outputs import check_decode
-    from exporter.verify.checks.routing import CallRouting, ExpertAgreement
+    from exporter.verify.checks.routing import ExpertAgreement
+    from exporter.verify.checks.routing_explainer import CallRouting
 
     manifest = runner.manifest
     batch = prompt_batch(manifest, QUICK, np.random.default_rng(0))

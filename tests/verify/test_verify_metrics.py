@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from exporter.errors import InputError
-from exporter.runtime.sessions import session_providers
+from exporter.runtime.providers import session_providers
 from exporter.tolerances import CPU, CUDA, Tolerance, parse_overrides, profile_for
 from exporter.verify.metrics import (
     aggregate,

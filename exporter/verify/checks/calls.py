@@ -180,7 +180,7 @@ def judge_call(
         valid: (B, T), 1 at the call's real tokens.
         cache: (B, L), 1 at the real cache positions, the call's tokens last.
         explain_routing: for MoE models, explain_routing(graph, onnx_feeds, valid) ->
-            exporter.verify.checks.routing.CallRouting, asked right after the reference's call: the expert
+            exporter.verify.checks.routing_explainer.CallRouting, asked right after the reference's call: the expert
             choices of that call on both sides; None: a failure stays unexplained.
         cache_only: a call that only builds the cache of the next one (its logits and loss are judged
             elsewhere or not at all) fails only by its presents.

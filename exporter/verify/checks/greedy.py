@@ -117,7 +117,7 @@ def check_greedy(
         settings: the verification's settings (greedy_tokens).
         profile: the profile whose logits tolerance defines a near-tie.
         explain_routing: for MoE models, explain_routing(reference_calls, prompt, shared) -> ExpertAgreement
-            (exporter.verify.checks.routing.greedy_choices), which compares the expert choices of the two runs
+            (exporter.verify.checks.routing_explainer.greedy_choices), which compares the expert choices of the two runs
             up to a differing token that is no near-tie of the reference's logits; None: no such comparison.
     """
     eos = manifest.config.eos_token_id

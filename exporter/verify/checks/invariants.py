@@ -29,7 +29,7 @@ from exporter.artifact.axes import lint_axes
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.runtime.sessions import SessionSettings
+from exporter.runtime.settings import SessionSettings
 from exporter.tolerances import Profile
 from exporter.verify.diagnosis.probe import FLOAT_TYPES
 from exporter.verify.inputs import prefill_feeds

@@ -2,9 +2,9 @@
 
 `reference` is anything with prefill(feeds) and decode(feeds): the PyTorch model
 (exporter.verify.references.torch_runner.TorchRunner) or a recorded golden bundle
-(exporter.verify.references.golden.RecordedReference); `onnx` is an exporter.runtime.runner.OrtRunner. Each call is
-judged by exporter.verify.checks.calls; greedy generation is exporter.verify.checks.greedy's. Nothing here imports
-torch.
+(exporter.verify.references.golden.recording.RecordedReference); `onnx` is an exporter.runtime.runner.OrtRunner.
+Each call is judged by exporter.verify.checks.calls; greedy generation is exporter.verify.checks.greedy's. Nothing
+here imports torch.
 """
 
 from __future__ import annotations

@@ -1,111 +1,29 @@
-"""MoE expert choices on both sides of parity: the reference's routers and the exported graphs' TopK nodes.
-
-The graphs' outputs are the I/O contract only; which experts a token chose is
-an intermediate. On the reference side a forward hook on every router module
-(one with `is_moe_router = True` at `...layers.{i}.mlp.gate`, returning
-scores, top-k weights, top-k ids) records it; the recording reference
-(verify/golden.py) keeps it with each call, so that a golden bundle replays it
-without torch. On the ONNX side the probe finds
-each router's TopK node by the module scope the exporter records in node
-metadata, adds its indices as extra outputs to an in-memory copy of the graph,
-and runs that copy (the weights are read from the artifact folder; nothing on
-disk changes).
+"""MoE expert choice judged: the (token, layer) expert choices of ONNX Runtime's routers against the reference's
+(exporter.verify.checks.routers records both), a differing choice explained as a near-tie of the reference's
+router scores or as reached by an earlier one, and the expert-choice check, which feeds both sides identical inputs
+so that it judges the graphs' routing alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.manifest import Manifest
-from exporter.artifact.scopes import ROUTER_SCOPE, SCOPES_KEY
-from exporter.runtime.protocol import Runner
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.runtime.sessions import plain_session_options, session_providers
 from exporter.tolerances import Profile
+from exporter.verify.checks.routers import RouterProbe
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prefill_feeds
-from exporter.verify.metrics import log_softmax
 
 if TYPE_CHECKING:
-    import torch  # needed only by callers that hold the reference model
-
-    from exporter.verify.references.golden import RecordedReference  # which imports this module
+    # whose module imports checks.greedy, which imports this module
+    from exporter.verify.references.golden.recording import RecordedReference
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def record_reference_routing(model: torch.nn.Module):
-    """Collect {layer: [(scores (N, E), ids (N, k)), ...]} from every router call inside the block
-    (nothing for a model without routers)."""
-    calls: dict[int, list] = {}
-    handles = []
-    for name, module in model.named_modules():
-        match = ROUTER_SCOPE.search(name)
-        if match and getattr(module, "is_moe_router", False):
-            layer = int(match.group(1))
-
-            def hook(_module, _inputs, output, layer=layer):
-                scores, _weight, ids = output
-                calls.setdefault(layer, []).append((scores.float().numpy(), ids.numpy()))
-
-            handles.append(module.register_forward_hook(hook))
-    try:
-        yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def router_layers(model: onnx.ModelProto) -> dict[int, tuple[str, str]]:
-    """layer -> names of the (scores, expert ids) values of that layer's router TopK node, from the node
-    scopes: the scores it ranks (its input) and the indices it chooses."""
-    found: dict[int, tuple[str, str]] = {}
-    for node in model.graph.node:
-        if node.op_type != "TopK":
-            continue
-        scopes = next((p.value for p in node.metadata_props if p.key == SCOPES_KEY), "")
-        for scope in re.findall(r"'([^']*)'", scopes):
-            match = ROUTER_SCOPE.search(scope)
-            if match:
-                found[int(match.group(1))] = (node.input[0], node.output[1])
-    return found
-
-
-class RouterProbe:
-    """One graph of an artifact, run with its routers' scores and chosen expert ids as extra outputs."""
-
-    def __init__(self, artifact: Artifact, graph: str, provider: str):
-        manifest = artifact.manifest
-        proto = artifact.graph(manifest.contract(graph))
-        self.layers = router_layers(proto)
-        self.complete = sorted(self.layers) == list(range(manifest.cache.num_layers))
-        for names in self.layers.values():
-            proto.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names)
-        options = plain_session_options()
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(artifact.folder))
-        self.session = ort.InferenceSession(
-            proto.SerializeToString(), options, providers=session_providers(provider), enable_fallback=0
-        )
-
-    def choices(self, feeds: dict) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """layer -> (scores (N, E), chosen expert ids (N, k)) for the N = batch * sequence tokens of `feeds`,
-        as record_reference_routing records the reference's."""
-        layers = sorted(self.layers)
-        values = self.session.run([name for layer in layers for name in self.layers[layer]], feeds)
-        return {
-            layer: (values[2 * i].reshape(-1, values[2 * i].shape[-1]).astype(np.float32), values[2 * i + 1])
-            for i, layer in enumerate(layers)
-        }
 
 
 # The most near-tie flips (the root differences, not the tokens they reach) excused in one check, as a share of
@@ -127,7 +45,7 @@ class ExpertAgreement:
     one side only has a reference router score within the score bound of the
     reference's k-th score: either choice is then within the precision of the
     computation), or when an earlier layer's disagreement reached the token
-    (see _compare_choices). Parity passes when every disagreement is explained,
+    (see compare_choices). Parity passes when every disagreement is explained,
     the near-tie flips are at most MAX_NEAR_TIE_SHARE of the pairs, and the
     routers' scores at the tokens no differing choice reached agree within the
     bound (`score_scale` <= 1, where measured). `measured` is False when the
@@ -229,7 +147,7 @@ def score_bound(tolerance, scores: np.ndarray) -> np.ndarray:
     return tolerance.allowed(scores, np.max(np.abs(scores), axis=-1, keepdims=True))
 
 
-def _compare_choices(reference_routing: dict, onnx_routing: dict, valid: np.ndarray, tolerance) -> ChoiceCount:
+def compare_choices(reference_routing: dict, onnx_routing: dict, valid: np.ndarray, tolerance) -> ChoiceCount:
     """The expert choices of one call at its real tokens (`valid`, (B, T)), layer by layer.
 
     A token routed differently at layer l reaches the later layers with other hidden states, and through
@@ -272,57 +190,7 @@ def _compare_choices(reference_routing: dict, onnx_routing: dict, valid: np.ndar
     return ChoiceCount(pairs, agreeing, explained, near_ties, score_scale, position >= first_reached[:, None])
 
 
-@dataclass(frozen=True)
-class CallRouting:
-    """One call's expert choices on both sides (each on its own inputs, e.g. its own cache)."""
-
-    agreement: ExpertAgreement
-    reached: np.ndarray  # (B, T): the tokens whose outputs a differing choice can have changed
-
-    def loss_without_reached(self, actual: dict, expected: dict, labels: np.ndarray) -> float:
-        """ONNX Runtime's loss of the call (one mean over the targets `labels` (B, T)) with the terms of the
-        positions a differing choice reached taken from the reference's logits: compared with the reference's
-        loss, it judges the other positions."""
-        terms = _loss_terms(actual["logits"], labels) - _loss_terms(expected["logits"], labels)
-        return float(actual["loss"]) - (terms * self.reached).sum() / max(int((labels[:, 1:] != -100).sum()), 1)
-
-
-def _loss_terms(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """(B, T): each position's term of MiniMind's shifted cross entropy, -log p(the next label) at t, 0 where
-    that label is ignored (-100) and at the last position."""
-    log_p = log_softmax(logits[:, :-1].astype(np.float64))
-    target = labels[:, 1:]
-    picked = np.take_along_axis(log_p, np.where(target == -100, 0, target)[..., None], axis=-1)[..., 0]
-    return np.pad(np.where(target == -100, 0.0, -picked), ((0, 0), (0, 1)))
-
-
-def routing_agreement(
-    reference_routing: dict, probe: RouterProbe, onnx_feeds: dict, valid: np.ndarray, tolerance
-) -> CallRouting:
-    """Expert choices of one call, each side on its own inputs: did the two route some real token differently,
-    and only at near-ties and where one reached?
-
-    Args:
-        reference_routing: {layer: (scores, ids)} of the reference's call; empty: no routers recorded.
-        probe: a RouterProbe of the graph that ran the call.
-        onnx_feeds: ONNX Runtime's feeds of the call, run again through the probe.
-        valid: (B, T), 1 at the call's real tokens.
-        tolerance: the Tolerance of router scores (score_bound): their agreement, and what makes a near-tie.
-
-    Returns:
-        The CallRouting: the agreement (not measured when either side's routers are missing) and the
-        positions a differing choice reached.
-    """
-    valid = np.asarray(valid) == 1
-    if not reference_routing or not probe.complete:
-        return CallRouting(
-            ExpertAgreement(False, 0, 0, 0, "router choices not found; not measured"), np.zeros_like(valid)
-        )
-    count = _compare_choices(reference_routing, probe.choices(onnx_feeds), valid, tolerance)
-    return CallRouting(_agreement([count]), count.reached)
-
-
-def _agreement(counts: list[ChoiceCount], scope: str = "", first: str = "", explained: int | None = None):
+def agreement(counts: list[ChoiceCount], scope: str = "", first: str = "", explained: int | None = None):
     """The ExpertAgreement of some calls' counts, with its note: 'N of M (token, layer) expert choices{scope}
     differ{first}', how many of those are explained and how, and the router scores' largest difference.
 
@@ -346,66 +214,6 @@ def _agreement(counts: list[ChoiceCount], scope: str = "", first: str = "", expl
         )
     note += f"; router scores within {score_scale:.2g}x their bound"
     return ExpertAgreement(True, pairs, agreeing, explained, note, near_ties, score_scale)
-
-
-def greedy_choices(
-    reference_calls: list[dict], onnx, probe: RouterProbe, manifest, prompt: list[int], shared: list[int], tolerance
-) -> ExpertAgreement:
-    """Expert choices of a greedy run up to the token where the two sides' runs differ.
-
-    ONNX Runtime's calls are replayed through decode.onnx as OrtRunner.start and step ran them, on its own
-    cache. A difference at a router near-tie in one call reaches every later call through the cache, so the
-    differing token is explained when the first call whose routers differ does so at near-ties only (or at
-    tokens an earlier layer's difference reached, as in one call of judge_call); the differences of the
-    calls after it are its consequences.
-
-    Args:
-        reference_calls: the reference run's routing per call ({layer: (scores, ids)}): the prompt, then each
-            chosen token fed back, call i choosing token i.
-        onnx: the OrtRunner whose decode.onnx replays the calls.
-        probe: a RouterProbe of decode.onnx.
-        manifest: the artifact's manifest.
-        prompt: the prompt's token ids.
-        shared: the tokens both sides chose before they differed.
-        tolerance: the Tolerance of router scores (score_bound): their agreement, and what makes a near-tie.
-
-    Returns:
-        The ExpertAgreement over the calls up to the differing token; not measured when the graph's routers
-        were not found or the reference's were not recorded.
-    """
-    calls = len(shared) + 1  # the last one chose the differing token
-    if not probe.complete or len(reference_calls) < calls:
-        what = (
-            "the graph's router TopK nodes were not found"
-            if not probe.complete
-            else "the reference's router choices of the greedy run were not recorded"
-        )
-        return ExpertAgreement(False, 0, 0, 0, f"{what}; not measured")
-    past = onnx.empty_past(1)
-    counts, explained = [], 0
-    first = None  # the first call whose routers differ
-    for call, routing in enumerate(reference_calls[:calls]):
-        tokens, length = (prompt if call == 0 else [shared[call - 1]]), len(prompt) + call
-        feeds = {
-            "input_ids": np.array([tokens], dtype=np.int64),
-            "attention_mask": np.ones((1, length), np.int64),
-            "position_ids": np.arange(length - len(tokens), length, dtype=np.int64)[None],
-            **past,
-        }
-        past = presents_as_past(manifest, onnx.decode(feeds))
-        count = _compare_choices(routing, probe.choices(feeds), np.ones(feeds["input_ids"].shape, bool), tolerance)
-        if first is not None:  # consequences of the first difference: explained, neither near-ties nor scores
-            count = ChoiceCount(count.pairs, count.agreeing, count.pairs - count.agreeing, 0, 0.0, count.reached)
-        explained += count.explained
-        counts.append(count)
-        if first is None and count.pairs > count.agreeing:
-            first = call
-    where = (
-        ""
-        if first is None
-        else f", first in call {first} ({'the prompt' if first == 0 else f'generated token {first - 1} fed back'})"
-    )
-    return _agreement(counts, f" of the {calls} call{'s' * (calls > 1)} up to the differing token", where, explained)
 
 
 def check_expert_choice(
@@ -445,7 +253,7 @@ def check_expert_choice(
             f"router TopK nodes not found in the graphs (found layers {found} of {layers}); expert choice not measured",
         )
     counts = [
-        _compare_choices(reference.last_routing(), probes[0].choices(feeds), batch["attention_mask"] == 1, tolerance)
+        compare_choices(reference.last_routing(), probes[0].choices(feeds), batch["attention_mask"] == 1, tolerance)
     ]
     mask = batch["attention_mask"]
     for tokens in decode_tokens:
@@ -458,11 +266,11 @@ def check_expert_choice(
         }
         ref_out = reference.decode(step)
         counts.append(
-            _compare_choices(
+            compare_choices(
                 reference.last_routing(), probes[1].choices(step), np.ones(tokens.shape, dtype=bool), tolerance
             )
         )
-    return _agreement(counts)
+    return agreement(counts)
 
 
 def expert_choice(
@@ -485,26 +293,3 @@ def expert_choice(
         for n in [1] * min(settings.decode_steps, 16) + [FINAL_CHUNK]
     ]
     return check_expert_choice(reference, artifact, provider, batch, steps, profile.kv)
-
-
-class RoutingExplainer:
-    """For MoE models: the expert choices of both sides behind a failing call (judge_call's explain_routing,
-    asked right after the reference's call) or a greedy run that differs (check_greedy's); each graph's
-    router probe is built at its first use."""
-
-    def __init__(self, reference: RecordedReference, onnx: Runner, manifest: Manifest, profile: Profile):
-        self.reference, self.onnx, self.manifest, self.tolerance = reference, onnx, manifest, profile.kv
-        self._probes: dict[str, RouterProbe] = {}
-
-    def _probe(self, graph: str) -> RouterProbe:
-        if graph not in self._probes:
-            self._probes[graph] = RouterProbe(self.onnx.artifact, graph, self.onnx.provider)
-        return self._probes[graph]
-
-    def call(self, graph: str, onnx_feeds: dict, valid) -> CallRouting:
-        return routing_agreement(self.reference.last_routing(), self._probe(graph), onnx_feeds, valid, self.tolerance)
-
-    def greedy(self, reference_calls: list[dict], prompt: list[int], shared: list[int]) -> ExpertAgreement:
-        return greedy_choices(
-            reference_calls, self.onnx, self._probe("decode"), self.manifest, prompt, shared, self.tolerance
-        )

@@ -13,7 +13,7 @@ from exporter.verify.checks.outputs import DecodeCall
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph
 from exporter.verify.inputs import PREFILL_BATCH, ParitySettings
-from exporter.verify.references.golden import RecordedReference
+from exporter.verify.references.golden.recording import RecordedReference
 
 log = logging.getLogger(__name__)
 

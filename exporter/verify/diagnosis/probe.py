@@ -25,7 +25,9 @@ from onnx import numpy_helper
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
 from exporter.artifact.scopes import module_of
-from exporter.runtime.sessions import SessionSettings, SharedWeightMap, graph_session
+from exporter.runtime.sessions import graph_session
+from exporter.runtime.settings import SessionSettings
+from exporter.runtime.shared_weights import SharedWeightMap
 from exporter.verify.metrics import real_queries
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}

@@ -27,7 +27,7 @@ from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import check_decode, check_prefill
 from exporter.verify.inputs import ParitySettings
-from exporter.verify.references.golden import RecordedReference
+from exporter.verify.references.golden.recording import RecordedReference
 from exporter.verify.references.referee import Float64Referee
 from exporter.verify.results import IndependentReport
 from reference.families import get_family

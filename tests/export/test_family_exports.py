@@ -54,7 +54,7 @@ def _failures(report):
 @pytest.mark.parametrize("family", FAMILY_ARTIFACTS)
 def test_family_artifact_matches_its_reference_on_cpu(family, request):
     artifact, model = (request.getfixturevalue(name) for name in FAMILY_ARTIFACTS[family])
-    report = verify_artifact(artifact, model, ["cpu"], FAMILY)
+    report = verify_artifact(artifact, model, ["cpu"], FAMILY, transformers_js=False)  # genai's check alone
     assert report.passed, _failures(report)
     [cpu] = report.reports
     assert [c.name for c in cpu.comparisons][:3] == ["prefill logits", "prefill present (all layers)", "prefill loss"]
@@ -113,7 +113,9 @@ FP16_MOE = ParitySettings(decode_steps=16, seed=83)
 def moe3_fp16_verified(moe3_artifact_fp16, moe3_model, tmp_path_factory):
     """The float16 MoE artifact verified against its reference, which is recorded as a golden bundle."""
     bundle = tmp_path_factory.mktemp("moe3-fp16-golden")
-    return verify_artifact(moe3_artifact_fp16, moe3_model, ["cpu"], FP16_MOE, golden_save=bundle), bundle
+    return verify_artifact(
+        moe3_artifact_fp16, moe3_model, ["cpu"], FP16_MOE, transformers_js=False, golden_save=bundle
+    ), bundle
 
 
 def _routing_record(cpu) -> list:
@@ -209,7 +211,13 @@ def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(mo
     replays from a golden bundle too."""
     settings = ParitySettings(decode_steps=2, seed=11, sweep=False)
     live = verify_artifact(
-        moe3_artifact_fp16, moe3_model, ["cpu"], settings, genai=True, golden_save=tmp_path / "golden"
+        moe3_artifact_fp16,
+        moe3_model,
+        ["cpu"],
+        settings,
+        genai=True,
+        transformers_js=False,
+        golden_save=tmp_path / "golden",
     )
     assert live.passed, _failures(live)
     greedy = live.reports[0].greedy
@@ -221,7 +229,9 @@ def test_a_float16_moe_greedy_run_that_differs_after_a_router_near_tie_passes(mo
     [genai] = live.consumers
     assert genai.passed and genai.greedy.match_length == 2 and genai.greedy.routing == greedy.routing
     assert "the tokens of our loop on the CPU up to and including this one" in genai.greedy.note
-    replay = verify_artifact(moe3_artifact_fp16, None, ["cpu"], golden=tmp_path / "golden", genai=True)
+    replay = verify_artifact(
+        moe3_artifact_fp16, None, ["cpu"], golden=tmp_path / "golden", genai=True, transformers_js=False
+    )
     assert replay.passed and replay.reports[0].greedy == greedy, _failures(replay)
     assert replay.consumers[0].greedy == genai.greedy
 
@@ -240,7 +250,12 @@ def test_a_consumer_run_that_differs_from_our_loop_is_not_explained_by_our_loops
 
     monkeypatch.setattr(GenaiGenerator, "greedy", another_second_token)
     report = verify_artifact(
-        moe3_artifact_fp16, moe3_model, ["cpu"], ParitySettings(decode_steps=2, seed=11, sweep=False), genai=True
+        moe3_artifact_fp16,
+        moe3_model,
+        ["cpu"],
+        ParitySettings(decode_steps=2, seed=11, sweep=False),
+        genai=True,
+        transformers_js=False,
     )
     assert report.reports[0].greedy.passed and report.reports[0].greedy.routing.explained_flip
     [genai] = report.consumers

@@ -234,7 +234,9 @@ def test_without_node_or_packages_each_runtime_says_how_to_install_them(artifact
 def test_verify_in_headless_chromium_judges_its_row_as_onnxruntime_webs(packages, artifact_fp32, tiny_model):
     if reason := chromium_unavailable(packages):
         pytest.skip(reason)
-    report = verify_artifact(artifact_fp32, tiny_model, settings=QUICK, genai=False, runtimes=[CHROMIUM])
+    report = verify_artifact(
+        artifact_fp32, tiny_model, settings=QUICK, genai=False, transformers_js=False, runtimes=[CHROMIUM]
+    )
     assert report.passed and [r.provider for r in report.reports] == [f"{CHROMIUM} wasm"]
     assert report.reports[0].runtime.name == f"{CHROMIUM} {NODE_PACKAGES[WEB]}"
 

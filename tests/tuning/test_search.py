@@ -129,7 +129,9 @@ def _held_out(made, tiny_tokenizer, text) -> QualityText:
 def test_verify_judges_the_artifact_by_its_target_and_its_record(made, tiny_model, tiny_tokenizer, text):
     settings = ParitySettings(sweep=False)
     held_out = _held_out(made, tiny_tokenizer, text)
-    report = verify_artifact(made.export.folder, tiny_model, ["cpu"], settings, genai=False, quality_text=held_out)
+    report = verify_artifact(
+        made.export.folder, tiny_model, ["cpu"], settings, genai=False, transformers_js=False, quality_text=held_out
+    )
     assert report.passed, format_verify(report)
     assert report.weights.passed  # the audit holds the mix's modules to 8 bits, the others to 4
     (quality,) = report.quality
@@ -151,7 +153,9 @@ def test_a_record_whose_figures_miss_its_target_fails_verify(made, tiny_model, t
     edit_manifest(folder, claim_a_worse_figure)
     settings = ParitySettings(sweep=False)
     held_out = _held_out(made, tiny_tokenizer, text)
-    report = verify_artifact(folder, tiny_model, ["cpu"], settings, genai=False, quality_text=held_out)
+    report = verify_artifact(
+        folder, tiny_model, ["cpu"], settings, genai=False, transformers_js=False, quality_text=held_out
+    )
     assert not report.passed
     (quality,) = report.quality
     assert [c.threshold.metric for c in quality.failures] == ["recorded held-out kl_mean"]

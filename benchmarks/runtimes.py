@@ -61,6 +61,7 @@ ACCURACY_LEVELS = (0, 4)  # MatMulNBits in float32 math, and with int8 activatio
 ANCHOR = "onnxruntime CPU"  # the row of the registry's ONNX Runtime runner on CPUExecutionProvider
 GENERATE = "onnxruntime CPU, generate's settings"
 BANDWIDTH = "bandwidth"
+CROSS = "runners against each other"  # the verdicts' row of a verify report's cross_provider comparisons
 IN_NODE = "decode in node"  # a Node runner's task: its last decode run's tokens/s inside Node
 STEPS, QUICK_STEPS = 32, 8
 FLOATS = ("float32", "float16")
@@ -284,7 +285,8 @@ def row_name(provider: str) -> str:
 
 def verdict_cells(report: dict) -> dict[str, dict]:
     """Each row of a verify JSON report, by row_name: its runners' rows (a float artifact's, judged by tolerance
-    profiles; a quantized one's, by its quality profile), its consumers' greedy tokens, and what it left out: the
+    profiles; a quantized one's, by its quality profile), CROSS (a float artifact's runners compared pairwise on
+    the prefill batch, those with a known cause left out), its consumers' greedy tokens, and what it left out: the
     verdict ("pass", "FAIL", "undecided", "differs, known cause", "not checked"), the worst multiple of a tolerance
     over the row's checks (the report's worst_multiple; None where the row has none: greedy tokens, a row not
     checked) and why, in words (a known cause, the runtime's notes, a consumer's note, a reason it did not run)."""
@@ -308,6 +310,13 @@ def verdict_cells(report: dict) -> dict[str, dict]:
             "verdict": "pass" if consumer["passed"] else "FAIL",
             "worst_multiple": None,
             "why": consumer["greedy"]["note"],
+        }
+    if report["cross_provider"]:  # a float artifact's runners without a known cause, each pair on the prefill batch
+        worst = max(report["cross_provider"], key=lambda c: -1 if c["multiple"] is None else c["multiple"])
+        cells[CROSS] = {
+            "verdict": "pass" if all(c["passed"] for c in report["cross_provider"]) else "FAIL",
+            "worst_multiple": worst["multiple"],
+            "why": f"worst: {worst['name']}",
         }
     left_out = {row_name(name): why for name, why in report["skipped"].items()}
     left_out.update({f"{name} greedy tokens": why for name, why in report["consumers_skipped"].items()})
@@ -421,7 +430,9 @@ def verdict_lines(report: dict) -> list[str]:
         "the error over what the check allows (a float artifact: the prefill and decode outputs, the shape sweep, "
         "the long positions and the repeat run against the dtype's tolerance profile, or the float64 referee where "
         "it judged; an int4 one: the figures of its quality profile, at the end of their confidence interval the "
-        "verdict rests on). At most 1 passes. Greedy tokens match or not, with no multiple.",
+        "verdict rests on). At most 1 passes. Greedy tokens match or not, with no multiple. The runners against each "
+        "other: a float artifact's runners without a known cause, each pair on the prefill batch, judged by the looser "
+        "of their two profiles.",
         "",
         f"| runtime | {' | '.join(names)} |",
         f"|---|{'---|' * len(names)}",

@@ -54,6 +54,7 @@ def test_a_verify_report_run_as_a_user_runs_it_gives_each_row_its_verdict(benchm
     cpu = cells["onnxruntime CPU"]
     # ONNX Runtime's CPU provider on its own float32 export: within its tolerance profile, with headroom
     assert cpu["verdict"] == "pass" and 0 <= cpu["worst_multiple"] < 0.5, cells
+    assert benchmark.CROSS not in cells  # one runner: no pair to compare
     assert cells["onnxruntime-genai greedy tokens"]["verdict"] == "not checked"  # --no-genai, with the reason
     assert cells["onnxruntime-genai greedy tokens"]["why"]
     js = cells["transformers.js greedy tokens"]
@@ -81,6 +82,10 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
         ],
         "quality": [{"provider": "node cpu", **row(False, verdict="undecided", multiple=1.2)}],
         "consumers": [{"consumer": "transformers.js 4.3.2", "passed": True, "greedy": {"note": "8 tokens identical"}}],
+        "cross_provider": [
+            {"name": "web wasm vs CPUExecutionProvider prefill logits", "passed": False, "multiple": 2.5},
+            {"name": "web wasm vs CPUExecutionProvider prefill present", "passed": True, "multiple": 0.5},
+        ],
         "skipped": {"CUDAExecutionProvider": "not available here"},
         "consumers_skipped": {"onnxruntime-genai": "not installed"},
     }
@@ -90,6 +95,11 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
         "vino default": {"verdict": "differs, known cause", "worst_multiple": 40.0, "why": "bf16"},
         "web wasm": {"verdict": "FAIL", "worst_multiple": 3.0, "why": ""},
         "node cpu": {"verdict": "undecided", "worst_multiple": 1.2, "why": ""},
+        benchmark.CROSS: {
+            "verdict": "FAIL",
+            "worst_multiple": 2.5,
+            "why": "worst: web wasm vs CPUExecutionProvider prefill logits",
+        },
         "transformers.js greedy tokens": {"verdict": "pass", "worst_multiple": None, "why": "8 tokens identical"},
         "onnxruntime CUDA": {"verdict": "not checked", "worst_multiple": None, "why": "not available here"},
         "onnxruntime-genai greedy tokens": {"verdict": "not checked", "worst_multiple": None, "why": "not installed"},

@@ -77,8 +77,8 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
         "seconds": 12.0,
         "providers": [
             {"provider": "CPUExecutionProvider", **row(True, multiple=0.25, notes=["level ignored"])},
-            {"provider": "vino default", **row(False, True, multiple=40.0, cause="bf16")},
-            {"provider": "web wasm", **row(False, multiple=3.0)},
+            {"provider": "vino default", **row(False, True, multiple=1234.4, cause="bf16")},
+            {"provider": "web wasm", **row(False, multiple=1.04)},
         ],
         "quality": [{"provider": "node cpu", **row(False, verdict="undecided", multiple=1.2)}],
         "consumers": [{"consumer": "transformers.js 4.3.2", "passed": True, "greedy": {"note": "8 tokens identical"}}],
@@ -92,8 +92,8 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
     cells = benchmark.verdict_cells(report)
     assert cells == {
         "onnxruntime CPU": {"verdict": "pass", "worst_multiple": 0.25, "why": "level ignored"},
-        "vino default": {"verdict": "differs, known cause", "worst_multiple": 40.0, "why": "bf16"},
-        "web wasm": {"verdict": "FAIL", "worst_multiple": 3.0, "why": ""},
+        "vino default": {"verdict": "differs, known cause", "worst_multiple": 1234.4, "why": "bf16"},
+        "web wasm": {"verdict": "FAIL", "worst_multiple": 1.04, "why": ""},
         "node cpu": {"verdict": "undecided", "worst_multiple": 1.2, "why": ""},
         benchmark.CROSS: {
             "verdict": "FAIL",
@@ -109,8 +109,10 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
     table["verdicts"] = {"a": {"verdict": "fail", "seconds": 12.0, "rows": cells}, "b": other}
     lines = benchmark.verdict_lines(table)
     assert "| onnxruntime CPU | pass, 0.25x | pass, 0.25x |" in lines
-    assert "| web wasm | FAIL, 3x | — |" in lines  # a row the second report lacks
+    # three significant digits: a multiple just past 1 reads as such; a row the second report lacks reads "—"
+    assert "| web wasm | FAIL, 1.04x | — |" in lines
     assert "| transformers.js greedy tokens | pass | — |" in lines  # tokens match or not: no multiple
+    assert "| vino default | differs, known cause, 1234x | — |" in lines
     assert "| the report's verdict | fail | pass |" in lines
     assert lines.count("- onnxruntime CPU (a, b): level ignored") == 1  # shared by both: said once
     assert "- vino default (a): bf16" in lines

@@ -22,10 +22,16 @@ The bound: bytes a decode step reads (the weights file, and the past keys and va
 divided by the read bandwidth measured in the same rounds (the highest of them); a runtime's share of it is its
 tokens/s over the bound's.
 
+The verdicts: minimind-3 (or the tiny one) also in float16, each of float32, float16 and int4 at accuracy levels 4 and
+0 verified as a user verifies it, `export-onnx verify FOLDER --runtime all --json` (with --runtime NAME: ONNX Runtime
+and those; --verify-options added), in a process of its own: for each row of its report (every runner, the
+consumers' greedy tokens, what it left out) the verdict, the worst multiple of a tolerance over the row's checks
+(the report's worst_multiple), and why a row differs or was not checked.
+
 Writes benchmarks/RUNTIME-RESULTS.md (or --results PATH; not with --no-results or --quick): a generated file.
 
     python benchmarks/runtimes.py [--steps N] [--rounds N] [--threads N] [--runtime NAME] [--quick] [--json]
-        [--results PATH | --no-results] [--work DIR]
+        [--verify-options OPTIONS] [--results PATH | --no-results] [--work DIR]
 
 Exit codes: 0 done, 1 a worker failed, 2 bad arguments or input, 130 interrupted (Ctrl-C).
 """
@@ -35,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -54,8 +61,12 @@ ACCURACY_LEVELS = (0, 4)  # MatMulNBits in float32 math, and with int8 activatio
 ANCHOR = "onnxruntime CPU"  # the row of the registry's ONNX Runtime runner on CPUExecutionProvider
 GENERATE = "onnxruntime CPU, generate's settings"
 BANDWIDTH = "bandwidth"
+CROSS = "runners against each other"  # the verdicts' row of a verify report's cross_provider comparisons
 IN_NODE = "decode in node"  # a Node runner's task: its last decode run's tokens/s inside Node
 STEPS, QUICK_STEPS = 32, 8
+FLOATS = ("float32", "float16")
+TIMED = ("float32", *(f"int4 level {level}" for level in ACCURACY_LEVELS))  # the decode part's artifacts
+VERIFIED = ("float32", "float16", *(f"int4 level {level}" for level in reversed(ACCURACY_LEVELS)))  # the verdicts'
 
 
 def progress(text: str) -> None:
@@ -65,11 +76,11 @@ def progress(text: str) -> None:
 # ----------------------------------------------------------------------------- the artifacts
 
 
-def export_artifacts(preset: str, work: Path) -> dict[str, Path]:
-    """float32 of `preset` (seed 0), and int4 at each of ACCURACY_LEVELS quantized from its graphs, by name; each
-    folder is exported only when missing."""
-    folders = {"float32": work / preset / "float32"}
-    folders.update({f"int4 level {level}": work / preset / f"int4-level{level}" for level in ACCURACY_LEVELS})
+def export_artifacts(preset: str, work: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """The artifacts `names` of `preset` (seed 0), by name: "float32" and "float16" exported with torch.onnx, "int4
+    level N" quantized from the float32 graphs at accuracy level N (the float32 folder exported first where
+    missing); each folder is exported only when missing."""
+    folders = {name: work / preset / name.replace("int4 level ", "int4-level") for name in names}
     if all(folder.exists() for folder in folders.values()):
         return folders
     from quality import replayed
@@ -79,13 +90,16 @@ def export_artifacts(preset: str, work: Path) -> dict[str, Path]:
     from reference.source import seeded_model
 
     seeded = seeded_model(preset)
-    if not folders["float32"].exists():
-        progress(f"{preset}: exporting float32 (torch.onnx)")
-        pipeline.export_artifact(seeded.model, folders["float32"], dtype="float32", source=seeded.source)
-    with replayed(folders["float32"]):
+    float32 = work / preset / "float32"
+    for dtype in ("float32", "float16"):
+        folder = work / preset / dtype
+        if not folder.exists() and (dtype in names or (dtype == "float32" and set(names) - set(FLOATS))):
+            progress(f"{preset}: exporting {dtype} (torch.onnx)")
+            pipeline.export_artifact(seeded.model, folder, dtype=dtype, source=seeded.source)
+    with replayed(float32):
         for level in ACCURACY_LEVELS:
-            folder = folders[f"int4 level {level}"]
-            if not folder.exists():
+            folder = folders.get(f"int4 level {level}")
+            if folder is not None and not folder.exists():
                 progress(f"{preset}: exporting int4 at accuracy level {level} from the float32 graphs")
                 settings = QuantizationSettings(accuracy_level=level)
                 pipeline.export_artifact(
@@ -243,6 +257,83 @@ def runtime_versions() -> dict[str, str | None]:
     return {**versions, "node": node_version()}
 
 
+# ----------------------------------------------------------------------------- the verdicts
+
+
+def verify_report(folder: Path, names: list[str] | None, options: list[str]) -> dict:
+    """`export-onnx verify FOLDER --runtime all --json` (with `names`: ONNX Runtime and those runtimes), as a user
+    runs it, in a process of its own with `options` added: its JSON report. A failed check (exit 1) is a verdict
+    the table reports; any other exit is the worker failing."""
+    from exporter.runtime.registry import ALL, DEFAULT_RUNTIME
+
+    runtimes = [ALL] if names is None else [DEFAULT_RUNTIME, *names]
+    flags = [flag for name in runtimes for flag in ("--runtime", name)]
+    command = [sys.executable, "-m", "exporter.cli", "verify", str(folder), *flags, "--json", "--quiet", *options]
+    progress(f"{folder}: {shlex.join(['export-onnx', *command[3:]])}")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        raise rt.WorkerFailed(f"verify of {folder} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout)
+
+
+def row_name(provider: str) -> str:
+    """A row's name: an ONNX Runtime provider as "onnxruntime CPU"; another runtime's row as the report names it."""
+    if provider.endswith("ExecutionProvider"):
+        return f"onnxruntime {provider.removesuffix('ExecutionProvider')}"
+    return provider
+
+
+def verdict_cells(report: dict) -> dict[str, dict]:
+    """Each row of a verify JSON report, by row_name: its runners' rows (a float artifact's, judged by tolerance
+    profiles; a quantized one's, by its quality profile), CROSS (a float artifact's runners compared pairwise on
+    the prefill batch, those with a known cause left out), its consumers' greedy tokens, and what it left out: the
+    verdict ("pass", "FAIL", "undecided", "differs, known cause", "not checked"), the worst multiple of a tolerance
+    over the row's checks (the report's worst_multiple; None where the row has none: greedy tokens, a row not
+    checked) and why, in words (a known cause, the runtime's notes, a consumer's note, a reason it did not run)."""
+    cells = {}
+    for row in [*report["providers"], *report.get("quality", [])]:
+        runtime = row["runtime"]
+        if row["passed"]:
+            verdict = "pass"
+        elif row["attributed"]:
+            verdict = "differs, known cause"
+        else:
+            verdict = "undecided" if row.get("verdict") == "undecided" else "FAIL"
+        why = [runtime["known_cause"]] if row["attributed"] else []
+        cells[row_name(row["provider"])] = {
+            "verdict": verdict,
+            "worst_multiple": row["worst_multiple"],
+            "why": "; ".join([*why, *runtime["notes"]]),
+        }
+    for consumer in report["consumers"]:
+        cells[f"{consumer['consumer'].split()[0]} greedy tokens"] = {
+            "verdict": "pass" if consumer["passed"] else "FAIL",
+            "worst_multiple": None,
+            "why": consumer["greedy"]["note"],
+        }
+    if report["cross_provider"]:  # a float artifact's runners without a known cause, each pair on the prefill batch
+        worst = max(report["cross_provider"], key=lambda c: -1 if c["multiple"] is None else c["multiple"])
+        cells[CROSS] = {
+            "verdict": "pass" if all(c["passed"] for c in report["cross_provider"]) else "FAIL",
+            "worst_multiple": worst["multiple"],
+            "why": f"worst: {worst['name']}",
+        }
+    left_out = {row_name(name): why for name, why in report["skipped"].items()}
+    left_out.update({f"{name} greedy tokens": why for name, why in report["consumers_skipped"].items()})
+    for name, why in left_out.items():
+        cells[name] = {"verdict": "not checked", "worst_multiple": None, "why": why}
+    return cells
+
+
+def verdicts(folders: dict[str, Path], names: list[str] | None, options: list[str]) -> dict:
+    """verify_report of each artifact, its rows' verdict_cells, the report's own verdict and the seconds it took."""
+    out = {}
+    for name, folder in folders.items():
+        report = verify_report(folder, names, options)
+        out[name] = {"verdict": report["verdict"], "seconds": report["seconds"], "rows": verdict_cells(report)}
+    return out
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -315,6 +406,56 @@ def tables(report: dict) -> list[str]:
     return lines
 
 
+def verdict_cell(cell: dict | None) -> str:
+    if cell is None:
+        return "—"
+    multiple = cell["worst_multiple"]
+    if multiple is None:
+        return cell["verdict"]
+    return f"{cell['verdict']}, {multiple:.3g}x" if multiple < 1000 else f"{cell['verdict']}, {multiple:.0f}x"
+
+
+def verdict_lines(report: dict) -> list[str]:
+    """The runtime x artifact table of the verdicts part, the reports' own verdicts, and each row's reasons (once
+    for the artifacts that share them)."""
+    entries = report["verdicts"]
+    names = list(entries)
+    rows = list(dict.fromkeys(row for entry in entries.values() for row in entry["rows"]))
+    seconds = [f"{entries[name]['seconds']:.0f}" for name in names]
+    lines = [
+        "",
+        f"## Verdicts: {report['preset']} in every runtime",
+        "",
+        f"Each column is `export-onnx verify FOLDER --runtime {report['verify_runtimes']} --json"
+        f"{' ' + report['verify_options'] if report['verify_options'] else ''}` on that artifact, as a user runs it; "
+        "each cell the row's verdict and its worst multiple of a tolerance: the largest over the row's checks of "
+        "the error over what the check allows (a float artifact: the prefill and decode outputs, the shape sweep, "
+        "the long positions and the repeat run against the dtype's tolerance profile, or the float64 referee where "
+        "it judged; an int4 one: the figures of its quality profile, at the end of their confidence interval the "
+        "verdict rests on). At most 1 passes. Greedy tokens match or not, with no multiple. The runners against each "
+        "other: a float artifact's runners without a known cause, each pair on the prefill batch, judged by the looser "
+        "of their two profiles. A row is judged against the reference, not against ONNX Runtime: where ONNX "
+        "Runtime's CPU row fails too, at a like multiple, the difference is the artifact's, not the runtime's.",
+        "",
+        f"| runtime | {' | '.join(names)} |",
+        f"|---|{'---|' * len(names)}",
+        *(f"| {row} | {' | '.join(verdict_cell(entries[n]['rows'].get(row)) for n in names)} |" for row in rows),
+        f"| the report's verdict | {' | '.join(entries[n]['verdict'] for n in names)} |",
+        f"| verify's seconds | {' | '.join(seconds)} |",
+        "",
+        "Why, where a row says more than its verdict:",
+        "",
+    ]
+    for row in rows:
+        reasons = {}
+        for name in names:
+            cell = entries[name]["rows"].get(row)
+            if cell is not None and cell["why"]:
+                reasons.setdefault(cell["why"], []).append(name)
+        lines += [f"- {row} ({', '.join(artifacts)}): {why}" for why, artifacts in reasons.items()]
+    return lines
+
+
 def format_results(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -338,6 +479,7 @@ def format_results(report: dict) -> str:
         "The Node runners send the cache through a pipe each step: their second row is the steps' session.run time "
         "inside Node, as a program in Node that keeps its tensors would see it.",
         *tables(report),
+        *verdict_lines(report),
     ]
     return "\n".join(lines) + "\n"
 
@@ -359,7 +501,7 @@ def summary(report: dict) -> str:
                     f"  {row + ', inside Node':40} {r['in_node_tokens_per_s']:8.1f} tokens/s  "
                     f"{r['in_node_to_onnxruntime']:5.2f}x onnxruntime CPU  (pipe {r['pipe_ms_per_step']:.2f} ms/step)"
                 )
-    return "\n".join(lines)
+    return "\n".join([*lines, *verdict_lines(report)])
 
 
 # ----------------------------------------------------------------------------- the command
@@ -390,6 +532,12 @@ def run() -> None:
         action="append",
         metavar="NAME",
         help="a registered runtime to time beside ONNX Runtime (repeatable; default: every registered one)",
+    )
+    parser.add_argument(
+        "--verify-options",
+        default="",
+        metavar="OPTIONS",
+        help='options the verdicts part adds to each `export-onnx verify`, e.g. "--decode-steps 16" (default none)',
     )
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"artifacts' folder (default {DEFAULT_WORK})")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -430,10 +578,15 @@ def run() -> None:
                 f"--steps {steps}: {preset} has {positions} positions, room for {positions - rt.PROMPT_FOR_DECODE} "
                 f"steps after the {rt.PROMPT_FOR_DECODE}-token prompt; pass fewer"
             )
-        folders = export_artifacts(preset, args.work)
+        options = shlex.split(args.verify_options)
+        folders = export_artifacts(preset, args.work, tuple(dict.fromkeys([*TIMED, *VERIFIED])))
         report = {"preset": preset, "threads": args.threads, "steps": steps, "rounds": rounds, "artifacts": {}}
-        for name, folder in folders.items():
-            report["artifacts"][name] = measure_artifact(folder, args.threads, steps, rounds, args.runtime)
+        for name in TIMED:
+            report["artifacts"][name] = measure_artifact(folders[name], args.threads, steps, rounds, args.runtime)
+        runtimes = "all" if args.runtime is None else " --runtime ".join(["onnxruntime", *args.runtime])
+        report["verify_runtimes"] = runtimes
+        report["verify_options"] = shlex.join(options)
+        report["verdicts"] = verdicts({name: folders[name] for name in VERIFIED}, args.runtime, options)
     except ToolkitError as exc:
         rt.fail("input", str(exc), 2, args.json)
     except rt.WorkerFailed as exc:

@@ -347,6 +347,14 @@ class QualityThreshold:
             apart = not self.holds(low if self.bound == "at most" else high)
         return False if apart else None
 
+    def multiple(self, value: float) -> float:
+        """`value`'s error in multiples of what the limit allows, at most 1 exactly where it holds: value / limit
+        ("at most"), |value| / limit ("within +-"); an "at least" limit is on a share of agreement (top-1, top-5,
+        greedy tokens), whose error is its shortfall from full agreement: (1 - value) / (1 - limit)."""
+        if self.bound == "at least":
+            return (1 - value) / (1 - self.limit)
+        return (abs(value) if self.bound == "within +-" else value) / self.limit
+
     def to_dict(self) -> dict:
         return {"metric": self.metric, "limit": self.limit, "bound": self.bound, "why": self.why}
 

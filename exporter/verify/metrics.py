@@ -9,6 +9,7 @@ distributions), the loss its abs difference and the perplexity ratio.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,9 +86,22 @@ class Comparison:
     llm: dict = field(default_factory=dict)  # logits: top1_agreement, topk_overlap, kl_mean, kl_max; loss: ...
     # judged against the float64 referee in place of the tolerance (exporter.verify.checks.referee); None: it was not
     referee: Refereed | None = None
+    members_multiple: float | None = None  # an aggregate's: its members' largest multiple; None: not an aggregate
 
     def __bool__(self) -> bool:
         return self.passed
+
+    @property
+    def multiple(self) -> float:
+        """The error in multiples of what its judgement allows, at most 1 where it passed: the float64 referee's
+        ratio over its limit where the referee judged it, else needed.scale (the factor the fixed tolerance would
+        need); an aggregate's, the largest of its members' (members_multiple), each judged its own way. A
+        comparison that compared nothing has no error to scale: NaN, and failed."""
+        if self.members_multiple is not None:
+            return self.members_multiple
+        if self.worst == NOTHING_COMPARED:
+            return float("nan")
+        return self.needed.scale if self.referee is None else self.referee.ratio / self.referee.limit
 
     def to_dict(self) -> dict:
         return {
@@ -99,6 +113,7 @@ class Comparison:
             "cosine": self.cosine,
             "tolerance": self.tolerance.to_dict(),
             "needed": self.needed.to_dict(),
+            "multiple": self.multiple,
             "passed": self.passed,
             "worst": self.worst,
             "referee": None if self.referee is None else self.referee.to_dict(),
@@ -376,6 +391,7 @@ def aggregate(name: str, comparisons: list[Comparison]) -> Comparison:
         Needed.worst([c.needed for c in comparisons]),
         llm,
         max((c.referee for c in comparisons if c.referee is not None), key=lambda r: r.ratio, default=None),
+        max((c.multiple for c in comparisons if not math.isnan(c.multiple)), default=float("nan")),
     )
 
 

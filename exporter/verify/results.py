@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from exporter.runtime.protocol import RuntimeLabel
@@ -68,6 +69,18 @@ class ProviderReport:
     def attributed(self) -> bool:
         return self.runtime.attributes(self.passed)
 
+    @property
+    def worst_multiple(self) -> float:
+        """The largest multiple of its tolerance (Comparison.multiple) among the row's compared outputs: the prefill
+        and decode rows, the sweep's and the long positions' cases, the repeat run. Greedy tokens and the outputs'
+        health pass or fail without one. NaN where no comparison has one."""
+        compared = [
+            *self.comparisons,
+            *(c for case in [*self.sweep, *self.long_context] for c in (case.logits, case.kv)),
+            self.repeat,
+        ]
+        return max((c.multiple for c in compared if not math.isnan(c.multiple)), default=float("nan"))
+
     def to_dict(self) -> dict:
         return {
             "provider": self.provider,
@@ -75,6 +88,7 @@ class ProviderReport:
             "dtype": self.dtype,
             "passed": self.passed,
             "attributed": self.attributed,
+            "worst_multiple": self.worst_multiple,
             "tolerances": self.profile.to_dict(),
             "comparisons": [c.to_dict() for c in self.comparisons],
             "greedy": self.greedy.to_dict(),

@@ -8,7 +8,7 @@ from helpers import benchmark_script
 
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime import registry
-from exporter.runtime.node import NODE, node_unavailable
+from exporter.runtime.node import NODE, TRANSFORMERS_JS, node_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,74 @@ def test_a_step_reads_the_past_at_the_runs_mean_length(benchmark, artifact_fp32)
     per_position = 2 * cache.num_layers * cache.num_key_value_heads * cache.head_dim * 4  # keys and values, float32
     # 16 prompt positions, then 3 steps: pasts of 16, 17 and 18
     assert benchmark.cache_bytes_per_step(manifest, 3) == per_position * 17
+
+
+def test_a_verify_report_run_as_a_user_runs_it_gives_each_row_its_verdict(benchmark, artifact_fp32):
+    quick = ["--decode-steps", "2", "--no-sweep", "--no-long-context", "--no-genai"]
+    report = benchmark.verify_report(artifact_fp32, [], quick)
+    cells = benchmark.verdict_cells(report)
+    cpu = cells["onnxruntime CPU"]
+    # ONNX Runtime's CPU provider on its own float32 export: within its tolerance profile, with headroom
+    assert cpu["verdict"] == "pass" and 0 <= cpu["worst_multiple"] < 0.5, cells
+    assert benchmark.CROSS not in cells  # one runner: no pair to compare
+    assert cells["onnxruntime-genai greedy tokens"]["verdict"] == "not checked"  # --no-genai, with the reason
+    assert cells["onnxruntime-genai greedy tokens"]["why"]
+    js = cells["transformers.js greedy tokens"]
+    assert js["worst_multiple"] is None
+    if node_unavailable(packages=(TRANSFORMERS_JS,)):
+        assert js["verdict"] == "not checked" and js["why"]
+    else:
+        assert js["verdict"] == "pass", js
+
+
+def row(passed, attributed=False, verdict=None, multiple=0.5, cause="", notes=()):
+    runtime = {"name": "r 1.0", "configuration": "c", "known_cause": cause, "notes": list(notes)}
+    entry = {"runtime": runtime, "passed": passed, "attributed": attributed, "worst_multiple": multiple}
+    return entry if verdict is None else {**entry, "verdict": verdict}
+
+
+def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once(benchmark):
+    report = {
+        "verdict": "fail",
+        "seconds": 12.0,
+        "providers": [
+            {"provider": "CPUExecutionProvider", **row(True, multiple=0.25, notes=["level ignored"])},
+            {"provider": "vino default", **row(False, True, multiple=1234.4, cause="bf16")},
+            {"provider": "web wasm", **row(False, multiple=1.04)},
+        ],
+        "quality": [{"provider": "node cpu", **row(False, verdict="undecided", multiple=1.2)}],
+        "consumers": [{"consumer": "transformers.js 4.3.2", "passed": True, "greedy": {"note": "8 tokens identical"}}],
+        "cross_provider": [
+            {"name": "web wasm vs CPUExecutionProvider prefill logits", "passed": False, "multiple": 2.5},
+            {"name": "web wasm vs CPUExecutionProvider prefill present", "passed": True, "multiple": 0.5},
+        ],
+        "skipped": {"CUDAExecutionProvider": "not available here"},
+        "consumers_skipped": {"onnxruntime-genai": "not installed"},
+    }
+    cells = benchmark.verdict_cells(report)
+    assert cells == {
+        "onnxruntime CPU": {"verdict": "pass", "worst_multiple": 0.25, "why": "level ignored"},
+        "vino default": {"verdict": "differs, known cause", "worst_multiple": 1234.4, "why": "bf16"},
+        "web wasm": {"verdict": "FAIL", "worst_multiple": 1.04, "why": ""},
+        "node cpu": {"verdict": "undecided", "worst_multiple": 1.2, "why": ""},
+        benchmark.CROSS: {
+            "verdict": "FAIL",
+            "worst_multiple": 2.5,
+            "why": "worst: web wasm vs CPUExecutionProvider prefill logits",
+        },
+        "transformers.js greedy tokens": {"verdict": "pass", "worst_multiple": None, "why": "8 tokens identical"},
+        "onnxruntime CUDA": {"verdict": "not checked", "worst_multiple": None, "why": "not available here"},
+        "onnxruntime-genai greedy tokens": {"verdict": "not checked", "worst_multiple": None, "why": "not installed"},
+    }
+    other = {"verdict": "pass", "seconds": 3.0, "rows": {"onnxruntime CPU": cells["onnxruntime CPU"]}}
+    table = {"preset": "p", "verify_runtimes": "all", "verify_options": "", "verdicts": {}}
+    table["verdicts"] = {"a": {"verdict": "fail", "seconds": 12.0, "rows": cells}, "b": other}
+    lines = benchmark.verdict_lines(table)
+    assert "| onnxruntime CPU | pass, 0.25x | pass, 0.25x |" in lines
+    # three significant digits: a multiple just past 1 reads as such; a row the second report lacks reads "—"
+    assert "| web wasm | FAIL, 1.04x | — |" in lines
+    assert "| transformers.js greedy tokens | pass | — |" in lines  # tokens match or not: no multiple
+    assert "| vino default | differs, known cause, 1234x | — |" in lines
+    assert "| the report's verdict | fail | pass |" in lines
+    assert lines.count("- onnxruntime CPU (a, b): level ignored") == 1  # shared by both: said once
+    assert "- vino default (a): bf16" in lines

@@ -356,6 +356,26 @@ def test_a_figure_whose_interval_straddles_its_limit_is_undecided_and_not_passed
     )
     assert report.verdict == verdict and report.passed is (verdict == "pass")
     assert VerifyReport(folder="f", reports=[], quality=[report]).verdict == verdict
+    # the multiple rests on the interval's end the verdict rests on: within 1 exactly where it passed
+    assert (check.multiple <= 1) is (verdict == "pass") and report.worst_multiple == check.multiple
+    assert report.to_dict()["worst_multiple"] == report.to_dict()["checks"][0]["multiple"] == check.multiple
+
+
+@pytest.mark.parametrize(
+    "bound, limit, value, multiple",
+    [
+        ("at most", 0.15, 0.30, 2.0),  # twice the KL allowed
+        ("within +-", 0.10, -0.05, 0.5),  # a loss change either way, half of it
+        ("at least", 0.85, 0.70, 2.0),  # 30% of positions disagree where 15% may
+        ("at least", 0.25, 1.0, 0.0),  # full agreement: no error
+    ],
+)
+def test_a_quality_checks_multiple_is_its_error_over_what_its_limit_allows(bound, limit, value, multiple):
+    check = QualityCheck(QualityThreshold("m", limit, bound, "a limit"), value)
+    assert check.multiple == pytest.approx(multiple)
+    # nothing to scale where the check was not judged, or was excused (a near-tie)
+    assert QualityCheck(check.threshold, None, "not judged").multiple is None
+    assert QualityCheck(check.threshold, value, "a near-tie", excused=True).multiple is None
 
 
 def test_quality_text_is_read_whole_and_every_figure_has_its_interval(quantized, tiny_model):

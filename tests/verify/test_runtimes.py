@@ -81,6 +81,11 @@ def test_a_runtime_whose_logits_are_off_fails_unless_its_configuration_explains_
     text = format_verify(report)
     honest, off, by_design = report.reports
     assert honest.passed and not off.passed and not off.attributed and by_design.attributed, text
+    # the worst multiple of a tolerance over each row's compared outputs: within 1 where the row passed, above it
+    # where the scaled logits failed it; the JSON carries it per row
+    assert honest.worst_multiple <= 1 < off.worst_multiple and by_design.worst_multiple > 1
+    providers = report.to_dict()["providers"]
+    assert [p["worst_multiple"] for p in providers] == [r.worst_multiple for r in report.reports]
     assert not report.passed
     assert "scaled off (float32, profile float32/CPU): FAIL" in text
     assert "scaled by-design (float32, profile float32/CPU): DIFFERS, known cause: logits scaled by 1.001" in text

@@ -11,7 +11,9 @@ import pytest
 from exporter.errors import InputError
 from exporter.runtime.providers import session_providers
 from exporter.tolerances import CPU, CUDA, Tolerance, parse_overrides, profile_for
+from exporter.verify.checks.referee import refereed
 from exporter.verify.metrics import (
+    Refereed,
     aggregate,
     compare,
     compare_outputs,
@@ -172,6 +174,24 @@ def test_loss_metrics_and_aggregate():
     assert not total.passed and total.worst == "b" and total.max_abs == pytest.approx(0.5)
     assert total.needed.scale == pytest.approx(5.0)
     assert match_length([1, 2, 3], [1, 2, 4]) == 2 and match_length([1], [1, 2]) == 1
+
+
+def test_a_comparisons_multiple_is_its_error_over_what_its_own_judgement_allows():
+    tol = Tolerance(atol=0.1, rtol=0.0)
+    plain = compare("a", "kv", [1.0, 1.09], [1.0, 1.0], tol)
+    assert plain.passed and plain.multiple == pytest.approx(0.9)  # |0.09| of 0.1 allowed
+    assert plain.to_dict()["multiple"] == pytest.approx(0.9)
+    # beyond its fixed tolerance (4x), passed by the float64 referee at 8x the reference's error of a 16x limit
+    failed = compare("b", "kv", [1.4], [1.0], tol)
+    judged = refereed(failed, Refereed(onnx_error=0.4, reference_error=0.05, ratio=8.0, limit=16.0, dtype="float32"))
+    assert failed.multiple == pytest.approx(4.0) and judged.passed and judged.multiple == pytest.approx(0.5)
+    # an aggregate: its worst member's multiple, each member judged its own way (not the fixed 4x of the refereed
+    # one, nor the referee's 0.5 alone, which would hide the other member's 0.9)
+    assert aggregate("all", [plain, judged]).multiple == pytest.approx(0.9)
+    assert aggregate("all", [plain, failed]).multiple == pytest.approx(4.0)
+    nothing = compare("c", "kv", [1.0], [1.0], tol, valid=np.array([False]))
+    assert not nothing.passed and np.isnan(nothing.multiple)
+    assert aggregate("all", [nothing, plain]).multiple == pytest.approx(0.9)
 
 
 def test_difference_histogram_counts_zeros_and_non_finite_apart():

@@ -97,10 +97,22 @@ class QualityCheck:
         not passed."""
         return self.verdict == PASS if self.judged else None
 
+    @property
+    def multiple(self) -> float | None:
+        """The error in multiples of what the limit allows (QualityThreshold.multiple), at the end of the interval
+        farther from the limit's side, which the verdict rests on: at most 1 exactly where it passed. None where
+        there is no error to scale: not judged, or excused (`note` says why)."""
+        if not self.judged or self.excused:
+            return None
+        if self.interval is None or not math.isfinite(self.value):
+            return self.threshold.multiple(self.value)
+        return max(self.threshold.multiple(end) for end in self.interval)
+
     def to_dict(self) -> dict:
         return {
             **self.threshold.to_dict(),
             "value": self.value,
+            "multiple": self.multiple,
             "interval": None if self.interval is None else list(self.interval),
             "verdict": self.verdict,
             "passed": self.passed,
@@ -166,6 +178,12 @@ class QualityReport:
     def attributed(self) -> bool:
         return self.runtime.attributes(self.passed)
 
+    @property
+    def worst_multiple(self) -> float | None:
+        """The largest multiple of its limit among the checks that have one (QualityCheck.multiple); None: none
+        has."""
+        return max((c.multiple for c in self.checks if c.multiple is not None), default=None)
+
     def to_dict(self) -> dict:
         read = {"windows": self.windows, "window_length": self.window_length, "positions": self.metrics["positions"]}
         return {
@@ -175,6 +193,7 @@ class QualityReport:
             "passed": self.passed,
             "verdict": self.verdict,
             "attributed": self.attributed,
+            "worst_multiple": self.worst_multiple,
             "input": {"kind": "random ids", **read}
             if self.text is None
             else {"kind": "text", **self.text.to_dict(), **read},

@@ -87,7 +87,8 @@ def test_a_runtime_whose_logits_are_off_fails_unless_its_configuration_explains_
     providers = report.to_dict()["providers"]
     assert [p["worst_multiple"] for p in providers] == [r.worst_multiple for r in report.reports]
     assert not report.passed
-    assert "scaled off (float32, profile float32/CPU): FAIL" in text
+    assert f"scaled off (float32, profile float32/CPU): FAIL (worst check at {off.worst_multiple:.3g}x" in text
+    assert f"scaled honest (float32, profile float32/CPU): PASS (worst check at {honest.worst_multiple:.3g}x" in text
     assert "scaled by-design (float32, profile float32/CPU): DIFFERS, known cause: logits scaled by 1.001" in text
     assert "DIFFERS, known cause" in render_html(report)
     suites = {suite.get("name"): suite for suite in ET.fromstring(render_junit(report)).iter("testsuite")}

@@ -42,7 +42,7 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     report, _ = full
     [cpu] = report.reports
     case = cpu.sweep[5]
-    kv = dataclasses.replace(case.kv, max_abs=0.5, passed=False, needed=Needed(0.5, 0.5, 3000.0))
+    kv = dataclasses.replace(case.kv, max_abs=0.5, passed=False, needed=Needed(0.5, 0.5, 3000.0), members_multiple=None)
     curve = [
         dataclasses.replace(s, logits=dataclasses.replace(s.logits, max_abs=value))
         for s, value in zip(cpu.curve, [float("nan"), float("inf")] + [s.logits.max_abs for s in cpu.curve[2:]])
@@ -70,7 +70,11 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     assert f"sweep FAIL: {case.name}: logits max abs" in text
     [row] = [line for line in text.splitlines() if line.startswith("shape sweep (36 shapes)")]
     [header] = [line for line in text.splitlines() if line.startswith(f"{cpu.provider} (")]
-    assert row.split()[-1] == "FAIL" and header.endswith(": FAIL") and text.split("\n")[-1].startswith("overall: FAIL")
+    assert (
+        row.split()[-1] == "FAIL"
+        and header.endswith(": FAIL (worst check at 3e+03x its tolerance)")
+        and text.split("\n")[-1].startswith("overall: FAIL")
+    )
 
     document = broken.to_dict()  # the provider fails on its sweep alone: every comparison row passes
     assert all(c["passed"] for c in document["providers"][0]["comparisons"])

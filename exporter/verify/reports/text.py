@@ -35,6 +35,13 @@ def row_verdict(row) -> str:
     return "PASS" if row.passed else "FAIL"
 
 
+def worst_note(multiple: float | None) -> str:
+    """A row's worst multiple of a tolerance (at most 1 where every check passed), or nothing where none has one."""
+    if multiple is None or math.isnan(multiple):
+        return ""
+    return f" (worst check at {multiple:.3g}x its tolerance)"
+
+
 def runtime_notes(row) -> list[str]:
     """The runtime a runner's row ran in and its configuration, then what its user should know of its results."""
     label = row.runtime
@@ -191,7 +198,8 @@ def _provider(p: ProviderReport) -> str:
     )
     lines = [
         f"{p.provider} ({p.dtype}, profile {p.profile.name}"
-        f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): {row_verdict(p)}",
+        f"{', overridden: ' + ', '.join(p.profile.overridden) if p.profile.overridden else ''}): {row_verdict(p)}"
+        f"{worst_note(p.worst_multiple)}",
         *(f"  {line}" for line in runtime_notes(p)),
         table(HEADER, rows),
         f"  greedy: {g.note}",
@@ -442,7 +450,7 @@ def quality_input(q) -> str:
 
 def quality_title(q) -> str:
     shown = "UNDECIDED" if q.verdict == "undecided" and not q.attributed else row_verdict(q)
-    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {shown}"
+    return f"{q.provider} ({q.scheme}, quality profile {q.profile.name}): {shown}{worst_note(q.worst_multiple)}"
 
 
 def format_quality(q) -> str:

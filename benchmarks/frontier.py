@@ -232,7 +232,8 @@ def measure(model: str, args, written) -> dict:
         row = rows[name]
         if name == "float32" or "folder" not in row or "kl_mean" in row:
             continue
-        if "kl_mean" in kept.get(name, {}) and kept[name].get("decode_steps", 64) == args.decode_steps:
+        judged_on = (args.decode_steps, heldout.stat().st_size)
+        if "kl_mean" in kept.get(name, {}) and (kept[name].get("decode_steps"), kept[name].get("text")) == judged_on:
             row.update({k: v for k, v in kept[name].items() if k not in row})  # judged by a run --work kept
             save()
             continue
@@ -240,7 +241,7 @@ def measure(model: str, args, written) -> dict:
         try:
             out = outs[name]
             row.update(judged(name, out, folder, heldout, out.with_name(out.name + ".json"), args.decode_steps))
-            row["decode_steps"] = args.decode_steps
+            row["decode_steps"], row["text"] = judged_on
         except StepFailed as failed:
             row["verdict"] = f"not judged: {failed}"
         save()

@@ -49,9 +49,12 @@ QUANTIZED_OP = "MatMulNBits"
 GATHER_OP = "GatherBlockQuantized"  # the quantized embedding's lookup (com.microsoft)
 QUANTIZED_OPS = (QUANTIZED_OP, GATHER_OP)
 # How a matrix's blocks are made: "rtn", onnxruntime's round-to-nearest (DefaultWeightOnlyQuantConfig); "hqq", its
-# half-quadratic solver (HQQWeightOnlyQuantConfig), which fits each 4-bit block's scale and float zero point.
+# half-quadratic solver (HQQWeightOnlyQuantConfig): each block's scale spans the block's range, and the solver fits
+# its zero point, stored as a float, to the weights. HQQ makes the 4-bit matrices only: 8-bit blocks (an int8 scheme,
+# an lm_head or embedding at int8) stay round-to-nearest, whose half step at 8 bits leaves a solver little to win.
 ALGORITHMS = ("rtn", "hqq")
 DEFAULT_ALGORITHM = "rtn"
+HQQ_BITS = 4
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class ModulePrecision:
             return f"quantization mix: {self.module} has an unknown accuracy_level {self.accuracy_level!r}"
         if self.algorithm not in ALGORITHMS:
             return f"quantization mix: {self.module} has algorithm {self.algorithm!r}, none of {', '.join(ALGORITHMS)}"
+        if self.algorithm == "hqq" and self.bits != HQQ_BITS:
+            return f"quantization mix: {self.module} has algorithm hqq at {self.precision}; hqq makes int4 blocks only"
         return None
 
 
@@ -155,7 +160,8 @@ class Quantization:
     kept_float: the modules whose weights stay float, with why; matrices: weight matrices quantized (a tied table
     held once for the lm_head and the embedding counts once); float_bytes: their bytes before, in the graphs' dtype;
     quantized_bytes: their blocks, scales and zero points after; mix: the modules at another precision than the
-    scheme's (an export made to a quality target); target: that target with its held-out figures, None if none.
+    scheme's (an export made to a quality target); target: that target with its held-out figures, None if none;
+    algorithm: how the scheme's 4-bit matrices are made (ALGORITHMS; a manifest without it: "rtn").
     """
 
     scheme: str
@@ -171,6 +177,7 @@ class Quantization:
     quantized_bytes: int = 0
     mix: tuple[ModulePrecision, ...] = ()
     target: QualityTarget | None = None
+    algorithm: str = DEFAULT_ALGORITHM
 
     @property
     def levels(self) -> set[int]:
@@ -180,6 +187,14 @@ class Quantization:
     def precision_of(self, module: str) -> ModulePrecision | None:
         """The mix's entry for `module`, None where it has the scheme's precision."""
         return next((m for m in self.mix if m.module == module), None)
+
+    def algorithm_for(self, module: str, bits: int) -> str:
+        """How the `bits`-bit blocks of `module` are made: its mix entry's algorithm, else the scheme's for 4-bit
+        blocks; 8-bit blocks are round-to-nearest (ALGORITHMS)."""
+        entry = self.precision_of(module)
+        if entry is not None and entry.bits == bits:
+            return entry.algorithm
+        return self.algorithm if bits == HQQ_BITS else DEFAULT_ALGORITHM
 
     @property
     def ratio(self) -> float:
@@ -206,6 +221,7 @@ class Quantization:
             "quantized_bytes": self.quantized_bytes,
             **({"mix": [m.to_dict() for m in self.mix]} if self.mix else {}),
             **({"target": self.target.to_dict()} if self.target is not None else {}),
+            "algorithm": self.algorithm,
         }
 
     @classmethod
@@ -224,6 +240,7 @@ class Quantization:
             quantized_bytes=data.get("quantized_bytes", 0),
             mix=tuple(ModulePrecision.from_dict(m) for m in data.get("mix", ())),
             target=QualityTarget.from_dict(data["target"]) if data.get("target") is not None else None,
+            algorithm=data.get("algorithm", DEFAULT_ALGORITHM),
         )
 
     def problem(self) -> str | None:
@@ -237,6 +254,8 @@ class Quantization:
         for name, choice in (("lm_head", self.lm_head), ("embedding", self.embedding)):
             if choice not in TABLE_CHOICES:
                 return f"quantization {name} {choice!r} is none of {', '.join(TABLE_CHOICES)}"
+        if self.algorithm not in ALGORITHMS:
+            return f"quantization algorithm {self.algorithm!r} is none of {', '.join(ALGORITHMS)}"
         return next((problem for m in self.mix if (problem := m.problem())), None)
 
 
@@ -258,6 +277,7 @@ class QuantizationSettings:
     activations: what the graphs compute in and the cache holds: "float32" (None, the default: for the CPU, whose
         MatMulNBits kernels compute in float32 or int8) or "float16" (for CUDA: half the bytes of every activation
         and of the cache, the scales in float16 too). A float dtype computes in itself.
+    algorithm: how the 4-bit matrices' blocks are made, one of ALGORITHMS (None: "rtn"); "hqq" needs int4.
     """
 
     block_size: int | None = None
@@ -266,6 +286,7 @@ class QuantizationSettings:
     embedding: str | None = None
     activations: str | None = None
     mix: tuple[ModulePrecision, ...] = ()
+    algorithm: str | None = None
 
 
 def block_inputs(node) -> list[str]:
@@ -300,6 +321,7 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
     lm_head, embedding = settings.lm_head, settings.embedding
     given = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head, "embedding": embedding}
     given["mix"] = settings.mix or None
+    given["algorithm"] = settings.algorithm
     if dtype not in SCHEMES:
         name = next((name for name, value in given.items() if value is not None), None)
         if name is not None:
@@ -331,13 +353,23 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
                 f"{name} {choice!r} is none of {', '.join(TABLE_CHOICES)} (float: kept float; int8: 8 bits; same: "
                 f"the scheme's bits) (`{name}`)"
             )
+    algorithm = DEFAULT_ALGORITHM if settings.algorithm is None else settings.algorithm
+    if algorithm not in ALGORITHMS:
+        raise InputError(f"algorithm {algorithm!r} is none of {', '.join(ALGORITHMS)} (`algorithm`)")
+    if algorithm == "hqq" and SCHEMES[dtype] != HQQ_BITS:
+        raise InputError(
+            f'algorithm hqq makes 4-bit blocks, and an {dtype} export has none: choose `dtype="int4"`, or drop '
+            "`algorithm` (`algorithm`)"
+        )
     mix = tuple(settings.mix)
     for entry in mix:
         if not isinstance(entry, ModulePrecision):
             raise InputError(f"mix entries must be ModulePrecision, got {type(entry).__name__} (`mix`)")
         if problem := entry.problem():
             raise InputError(f"{problem} (`mix`)")
-    return Quantization(dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding, mix=mix)
+    return Quantization(
+        dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding, mix=mix, algorithm=algorithm
+    )
 
 
 def activations_dtype(dtype: str, activations: str | None) -> str:

@@ -28,7 +28,8 @@ def _quantized(manifest) -> str:
     kept = "; ".join(q.kept_float) or "nothing"
     return (
         f"{q.matrices} weight matrices as {q.bits}-bit blocks of {q.block_size} (accuracy level "
-        f"{q.accuracy_level}, lm_head {q.lm_head}, embedding {q.embedding}): {q.float_bytes / 1e6:.2f} MB "
+        f"{q.accuracy_level}, {q.algorithm}, lm_head {q.lm_head}, embedding {q.embedding}): "
+        f"{q.float_bytes / 1e6:.2f} MB "
         f"{manifest.dtype} -> {q.quantized_bytes / 1e6:.2f} MB ({q.ratio:.2f}x); kept float: {kept}; activations "
         f"and cache {manifest.dtype}\n"
     )

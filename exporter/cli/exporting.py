@@ -120,7 +120,12 @@ def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> t
         to_export.preset, to_export.seed, to_export.checkpoint, to_export.config_path, with_tokenizer
     )
     quantization = QuantizationSettings(
-        to_export.block_size, to_export.accuracy_level, to_export.lm_head, to_export.embedding, to_export.activations
+        to_export.block_size,
+        to_export.accuracy_level,
+        to_export.lm_head,
+        to_export.embedding,
+        to_export.activations,
+        algorithm=to_export.quant_algorithm,
     )
     tokenizer = to_export.tokenizer if to_export.tokenizer is not None else sourced.tokenizer
     if to_target is not None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 
 from exporter.artifact.quantization import (
+    ALGORITHMS,
     DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_ALGORITHM,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
@@ -62,6 +64,7 @@ class ExportOptions:
     dtype: str
     block_size: int | None
     accuracy_level: int | None
+    quant_algorithm: str | None
     lm_head: str | None
     embedding: str | None
     activations: str | None
@@ -141,6 +144,14 @@ def export_options(func):
             default=None,
             help=f"int4/int8: MatMulNBits accuracy_level [default: {DEFAULT_ACCURACY_LEVEL}] (4: int8 math on the "
             "CPU, as onnxruntime-genai's builder; 0: float32 math, slower than the float32 artifact on the CPU).",
+        ),
+        click.option(
+            "--quant-algorithm",
+            type=click.Choice(list(ALGORITHMS)),
+            default=None,
+            help=f"int4: how the 4-bit blocks are made [default: {DEFAULT_ALGORITHM}]: rtn, onnxruntime's "
+            "round-to-nearest; hqq, its half-quadratic solver, which fits each block's zero point to its weights. "
+            "8-bit blocks are round-to-nearest.",
         ),
         click.option(
             "--lm-head",

@@ -119,6 +119,7 @@ FLAGS = {
     "dtype": "--dtype",
     "block_size": "--block-size",
     "accuracy_level": "--accuracy-level",
+    "algorithm": "--quant-algorithm",
     "lm_head": "--lm-head",
     "embedding": "--embedding",
     "activations": "--activations",

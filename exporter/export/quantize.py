@@ -1,12 +1,13 @@
 """Weight-only quantization of the exported float graphs, in memory, before their weights are written.
 
 onnxruntime's own quantizer (`MatMulNBitsQuantizer` with its `DefaultWeightOnlyQuantConfig`: round to nearest,
-asymmetric blocks) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits node reading
-`bits`-bit blocks, a scale per block (in the graph's float type: float32, or float16 for CUDA) and a zero point per
-block. The lm_head is quantized at the scheme's bits, at 8 bits, or left float, as `Quantization.lm_head` asks. A
-Linear that torch.onnx wrote as a Gemm (a tied lm_head on the embedding table, exporter.export.graphs; a MoE expert on
-its tokens) is first rewritten as a MatMul on a transposed copy of its weight, the form the quantizer takes; a MoE
-router stays float.
+asymmetric blocks; or, for the 4-bit matrices whose algorithm is "hqq", its `HQQWeightOnlyQuantConfig`, whose zero
+points are floats the solver fits) replaces each MatMul whose weight is a constant 2-D initializer by a MatMulNBits
+node reading `bits`-bit blocks, a scale per block (in the graph's float type: float32, or float16 for CUDA) and a
+zero point per block. The lm_head is quantized at the scheme's bits, at 8 bits, or left float, as
+`Quantization.lm_head` asks. A Linear that torch.onnx wrote as a Gemm (a tied lm_head on the embedding table,
+exporter.export.graphs; a MoE expert on its tokens) is first rewritten as a MatMul on a transposed copy of its
+weight, the form the quantizer takes; a MoE router stays float.
 
 The token embedding is quantized at the bits `Quantization.embedding` asks (or left float) as onnxruntime's
 GatherBlockQuantized, whose uint8 layout is MatMulNBits': its rows are the blocks the quantizer's own
@@ -35,7 +36,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OP, QUANTIZED_OPS, Quantization, block_inputs
+from exporter.artifact.quantization import (
+    DEFAULT_ALGORITHM,
+    GATHER_OP,
+    QUANTIZED_OP,
+    QUANTIZED_OPS,
+    Quantization,
+    block_inputs,
+)
 from exporter.artifact.scopes import ROUTER_SCOPE, module_of
 from exporter.errors import ExportFailed, InputError
 
@@ -165,11 +173,20 @@ def _table_gathers(model: onnx.ModelProto, vocab_size: int) -> tuple[list, list]
 
 
 def _run_quantizer(
-    model: onnx.ModelProto, bits: int, scheme: Quantization, include: list[str], accuracy_level: int | None = None
+    model: onnx.ModelProto,
+    bits: int,
+    scheme: Quantization,
+    include: list[str],
+    accuracy_level: int | None = None,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> onnx.ModelProto:
-    """`model` with the MatMuls named in `include` quantized at `bits`, accuracy level `accuracy_level` (None: the
-    scheme's)."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    """`model` with the MatMuls named in `include` quantized at `bits` by `algorithm` (ALGORITHMS), accuracy level
+    `accuracy_level` (None: the scheme's)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        HQQWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
 
     if not include:
         return model
@@ -177,13 +194,17 @@ def _run_quantizer(
     # onnxruntime's quantizer takes a node listed in nodes_to_include *or* of a type in op_types_to_quantize: the
     # include list widens, never narrows. Every other MatMul is therefore excluded by name, which it honours first.
     exclude = [node.name for node in model.graph.node if node.op_type == "MatMul" and node.name not in include]
-    config = DefaultWeightOnlyQuantConfig(
-        block_size=scheme.block_size,
-        is_symmetric=scheme.symmetric,
-        accuracy_level=level or None,
-        bits=bits,
-        op_types_to_quantize=("MatMul",),
-    )
+    if algorithm == "hqq":
+        # asymmetric always (a float zero point per block); it writes no accuracy_level, given below
+        config = HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=bits, op_types_to_quantize=("MatMul",))
+    else:
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=scheme.block_size,
+            is_symmetric=scheme.symmetric,
+            accuracy_level=level or None,
+            bits=bits,
+            op_types_to_quantize=("MatMul",),
+        )
     # The quantizer drops each MatMul's scope metadata; its MatMulNBits writes the MatMul's output, by which the
     # scope is given back: the weight audit places each block in its module by it
     # (exporter/verify/checks/weights/quantized.py).
@@ -194,8 +215,12 @@ def _run_quantizer(
         quantizer.process()
     quantized = quantizer.model.model
     for node in quantized.graph.node:
-        if node.op_type == QUANTIZED_OP and not node.metadata_props and node.output[0] in scopes:
+        if node.op_type != QUANTIZED_OP or node.output[0] not in scopes:
+            continue
+        if not node.metadata_props:
             node.metadata_props.extend(scopes[node.output[0]])
+        if algorithm == "hqq" and level:
+            node.attribute.append(helper.make_attribute("accuracy_level", level))
     return quantized
 
 
@@ -206,6 +231,21 @@ def matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[
 
     config = DefaultWeightOnlyQuantConfig(block_size=scheme.block_size, is_symmetric=scheme.symmetric, bits=bits)
     return DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(weight.T))
+
+
+def hqq_matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The MatMulNBits blocks, float32 scales and float32 zero points onnxruntime's HQQ (`HQQWeightOnlyQuantizer`,
+    as `_run_quantizer` runs it) makes of a Linear's `weight` (out, in) at `bits` with `scheme`'s block size: (out,
+    blocks x block x bits / 8), (out x blocks,) each."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=scheme.block_size, bits=bits))
+    matrix = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    codes, scales, zero_points = quantizer.quantize_internal(matrix, bits=bits, group_size=scheme.block_size)
+    q = codes.numpy().astype(np.uint8).reshape(weight.shape[0], -1, scheme.block_size)
+    packed = q if bits == 8 else q[..., 0::2] | (q[..., 1::2] << 4)  # MatMulNBits: the even code in the low nibble
+    return packed.reshape(weight.shape[0], -1), scales.numpy().reshape(-1), zero_points.numpy().reshape(-1)
 
 
 def _quantize_embedding(
@@ -270,20 +310,23 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     matmuls = _constant_matmuls(model)
     heads = [node.name for node, tensor in matmuls if tensor.dims[1] == vocab_size]
     body = [node.name for node, tensor in matmuls if tensor.dims[1] != vocab_size]
-    # the body's MatMuls by the (bits, accuracy level) the scheme or its mix gives their module; bits None: float
-    groups: dict[tuple[int | None, int], list[str]] = {}
+    # the body's MatMuls by the (bits, accuracy level, algorithm) the scheme or its mix gives their module; bits
+    # None: float
+    groups: dict[tuple[int | None, int, str], list[str]] = {}
     for node, _ in matmuls:
         if node.name in body:
-            entry = scheme.precision_of(module_of(node) or "")
-            key = (scheme.bits, scheme.accuracy_level) if entry is None else (entry.bits, entry.accuracy_level)
-            groups.setdefault(key, []).append(node.name)
+            module = module_of(node) or ""
+            entry = scheme.precision_of(module)
+            bits, level = (scheme.bits, scheme.accuracy_level) if entry is None else (entry.bits, entry.accuracy_level)
+            algorithm = scheme.algorithm_for(module, bits) if bits is not None else DEFAULT_ALGORITHM
+            groups.setdefault((bits, level, algorithm), []).append(node.name)
     unmatched = sorted({m.module for m in scheme.mix} - {module_of(n) for n, _ in matmuls if n.name in body})
     if unmatched:
         raise InputError(
             f"the mix names {len(unmatched)} module(s) whose weights are no projection of this model's graphs, e.g. "
             f"{unmatched[0]!r}; name Linear modules other than the lm_head and a MoE router (`mix`)"
         )
-    mixed_float = {name for (bits, _), names in groups.items() if bits is None for name in names}
+    mixed_float = {name for (bits, _, _), names in groups.items() if bits is None for name in names}
     body = [name for name in body if name not in mixed_float]
     tokens, others = _table_gathers(model, vocab_size)
     # float bytes of each quantized source matrix, by name: a tied table quantized for both counts once
@@ -306,10 +349,11 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
             _quantize_embedding(model, node, table, embedding_bits, scheme)
     if heads and head_bits is not None and head_bits != scheme.bits:
         model = _run_quantizer(model, head_bits, scheme, heads)
-    groups.setdefault((scheme.bits, scheme.accuracy_level), []).extend(heads if head_bits == scheme.bits else [])
-    for (bits, level), names in groups.items():
+    head_group = (scheme.bits, scheme.accuracy_level, scheme.algorithm_for("lm_head", scheme.bits))
+    groups.setdefault(head_group, []).extend(heads if head_bits == scheme.bits else [])
+    for (bits, level, algorithm), names in groups.items():
         if bits is not None:
-            model = _run_quantizer(model, bits, scheme, names, level)
+            model = _run_quantizer(model, bits, scheme, names, level, algorithm)
     _drop_unread_initializers(model)
     left = {node.name for node, _ in _constant_matmuls(model)}
     unexpected = sorted(left & set(body + (heads if head_bits is not None else [])))

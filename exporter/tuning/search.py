@@ -195,11 +195,16 @@ def export_to_target(
     began = time.perf_counter()
     modules = quantizable_modules(model, config.vocab_size)
     weights = {m: model.get_submodule(m).weight.detach().float().numpy() for m in modules}
-    rounded = {m: rounded_weight(w, scheme.bits, scheme) for m, w in weights.items()}
+    rounded = {
+        m: rounded_weight(w, scheme.bits, scheme, scheme.algorithm_for(m, scheme.bits)) for m, w in weights.items()
+    }
     raised = {m: rounded_weight(w, up, scheme) for m, w in weights.items()} if up is not None else {}
     float_bytes = 2 if settings.activations == "float16" else 4
     sizes = {  # each module's bytes at the scheme's bits, and one rung up
-        m: tuple(module_bytes(w.shape, bits, scheme, float_bytes) for bits in (scheme.bits, up))
+        m: tuple(
+            module_bytes(w.shape, bits, scheme, float_bytes, scheme.algorithm_for(m, bits))
+            for bits in (scheme.bits, up)
+        )
         for m, w in weights.items()
     }
     log.info(

@@ -1,9 +1,10 @@
 """What rounding each module's weights costs a model, measured in PyTorch on text.
 
-A module's weights are rounded exactly as onnxruntime's quantizer rounds them (exporter.export.quantize.matrix_blocks,
-dequantized as ONNX Runtime computes in float math by exporter.verify.checks.blocks.dequantize_blocks), swapped into
-the float model, and the model's next-token distributions on windows of text compared with the float model's own by
-the verification's statistics (exporter.verify.metrics.token_statistics: KL(float || rounded) and top-1 agreement per
+A module's weights are rounded exactly as onnxruntime's quantizer rounds them
+(exporter.export.quantize.matrix_blocks, or hqq_matrix_blocks where the scheme makes its blocks by HQQ; dequantized
+as ONNX Runtime computes in float math by exporter.verify.checks.blocks.dequantize_blocks), swapped into the float
+model, and the model's next-token distributions on windows of text compared with the float model's own by the
+verification's statistics (exporter.verify.metrics.token_statistics: KL(float || rounded) and top-1 agreement per
 position). One module rounded alone gives its sensitivity; a whole mix rounded at once gives the figures a mix is
 chosen by. These are float-math figures: an artifact's own (ONNX Runtime, its MatMulNBits accuracy levels) are
 measured on the built artifact by the quality check.
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import helper
 
-from exporter.artifact.quantization import QUANTIZED_OP, Quantization
+from exporter.artifact.quantization import DEFAULT_ALGORITHM, QUANTIZED_OP, Quantization
 from exporter.artifact.scopes import ROUTER_SCOPE
-from exporter.export.quantize import MS_DOMAIN, matrix_blocks
+from exporter.export.quantize import MS_DOMAIN, hqq_matrix_blocks, matrix_blocks
 from exporter.verify.checks.blocks import dequantize_blocks
 from exporter.verify.metrics import token_statistics
 
@@ -40,25 +41,34 @@ def quantizable_modules(model, vocab_size: int) -> list[str]:
     ]
 
 
-def rounded_weight(weight: np.ndarray, bits: int, scheme: Quantization) -> np.ndarray:
-    """A Linear's `weight` (out, in) as the artifact computes with it at `bits`: onnxruntime's blocks of it,
-    dequantized in float math, (out, in) float32."""
+def rounded_weight(
+    weight: np.ndarray, bits: int, scheme: Quantization, algorithm: str = DEFAULT_ALGORITHM
+) -> np.ndarray:
+    """A Linear's `weight` (out, in) as the artifact computes with it at `bits`: onnxruntime's blocks of it, made
+    by `algorithm` (ALGORITHMS), dequantized in float math, (out, in) float32."""
     n, k = weight.shape
     node = helper.make_node(
         QUANTIZED_OP, ["A", "B", "scales"], ["Y"], domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=scheme.block_size
     )
+    if algorithm == "hqq":
+        return dequantize_blocks(node, *hqq_matrix_blocks(weight, bits, scheme))
     packed, scales, zero_points = matrix_blocks(weight.astype(np.float32), bits, scheme)
     return dequantize_blocks(node, packed, scales, None if scheme.symmetric else zero_points)
 
 
-def module_bytes(shape: tuple[int, int], bits: int | None, scheme: Quantization, float_bytes: int) -> int:
+def module_bytes(
+    shape: tuple[int, int], bits: int | None, scheme: Quantization, float_bytes: int, algorithm: str = DEFAULT_ALGORITHM
+) -> int:
     """What a Linear's weight of `shape` (out, in) takes in an artifact: `bits`-bit blocks with their scales (of
-    `float_bytes` each, the graphs' float type) and packed zero points, or float (bits None)."""
+    `float_bytes` each, the graphs' float type) and packed zero points (HQQ's: floats of the same type), or float
+    (bits None)."""
     n, k = shape
     if bits is None:
         return n * k * float_bytes
     blocks = -(-k // scheme.block_size)
     zero_points = 0 if scheme.symmetric else n * -(-blocks * bits // 8)
+    if algorithm == "hqq":
+        zero_points = n * blocks * float_bytes
     return n * blocks * (scheme.block_size * bits // 8 + float_bytes) + zero_points
 
 

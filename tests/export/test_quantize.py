@@ -12,11 +12,20 @@ import onnx
 import onnxruntime as ort
 import pytest
 from conftest import TINY_SOURCE
-from helpers import CONSUMER_PROMPTS, config_entry, edit_manifest, replayed_export, shared_folder
+from helpers import (
+    CONSUMER_PROMPTS,
+    config_entry,
+    edit_initializers,
+    edit_manifest,
+    quantized_blocks,
+    read_initializer,
+    replayed_export,
+    shared_folder,
+)
 from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import ModulePrecision, QuantizationSettings
+from exporter.artifact.quantization import QUANTIZED_OPS, ModulePrecision, QuantizationSettings, block_inputs
 from exporter.artifact.scopes import module_of
 from exporter.errors import ArtifactError, GraphRunError, InputError
 from exporter.export.pipeline import export_artifact
@@ -315,6 +324,9 @@ def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(activ
         ({"dtype": "float16", "accuracy_level": 9}, r"accuracy_level 9 applies to int4/int8 exports only"),
         ({"dtype": "float32", "lm_head": "float"}, r"lm_head 'float' applies to int4/int8 exports only"),
         ({"dtype": "float16", "embedding": "int8"}, r"embedding 'int8' applies to int4/int8 exports only"),
+        ({"dtype": "float32", "algorithm": "hqq"}, r"algorithm 'hqq' applies to int4/int8 exports only"),
+        ({"dtype": "int4", "algorithm": "gptq"}, r"algorithm 'gptq' is none of rtn, hqq \(`algorithm`\)"),
+        ({"dtype": "int8", "algorithm": "hqq"}, r"algorithm hqq makes 4-bit blocks, and an int8 export has none"),
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):
@@ -474,3 +486,116 @@ def test_a_mix_naming_no_projection_is_refused(tiny_model, artifact_fp32, tmp_pa
     with pytest.raises(InputError, match=r"'model.layers.0.mlp.missing_proj'; name Linear modules .*\(`mix`\)"):
         export_artifact(tiny_model, tmp_path / "out", dtype="int4", quantization=QuantizationSettings(mix=mix))
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- HQQ
+
+
+@pytest.fixture(scope="session")
+def hqq(tmp_path_factory, tiny_model, artifact_fp32):
+    """The tiny model at int4 with its 4-bit blocks made by onnxruntime's HQQ, at accuracy level 0 as
+    quantized["int4"] (round to nearest), from the same float graphs."""
+
+    def build(root):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            replayed_export(monkeypatch, artifact_fp32)
+            settings = QuantizationSettings(accuracy_level=0, algorithm="hqq")
+            export_artifact(tiny_model, root / "hqq", dtype="int4", source=TINY_SOURCE, quantization=settings)
+
+    return shared_folder(tmp_path_factory, "quantized-hqq", build) / "hqq"
+
+
+def _zero_points(folder):
+    """{module: (bits, zero points)} of the quantized nodes of prefill.onnx."""
+    model = onnx.load(str(folder / "prefill.onnx"), load_external_data=False)
+    return {
+        module_of(n): (_attributes(n)["bits"], read_initializer(folder, block_inputs(n)[2]))
+        for n in model.graph.node
+        if n.op_type in QUANTIZED_OPS
+    }
+
+
+def test_hqq_makes_other_blocks_than_round_to_nearest_and_the_audit_holds_them(hqq, quantized, tiny_model):
+    from exporter.verify.checks.weights.audit import audit_weights
+
+    assert Artifact.open(hqq).manifest.quantization.algorithm == "hqq"
+    assert Artifact.open(quantized["int4"]).manifest.quantization.algorithm == "rtn"
+    ours, rtn = _zero_points(hqq), _zero_points(quantized["int4"])
+    assert ours.keys() == rtn.keys()
+    for module, (bits, zero_points) in ours.items():
+        if bits == 4:  # HQQ's zero points are the solver's floats, one per block
+            assert zero_points.dtype == np.float32 and zero_points.size == 2 * rtn[module][1].size, module
+        else:  # the int8 lm_head and embedding stay round-to-nearest: the same bytes
+            assert np.array_equal(zero_points, rtn[module][1]), module
+    ids = np.asarray(CONSUMER_PROMPTS[0], dtype=np.int64)[None]
+    mask = np.ones_like(ids)
+    logits = [OrtRunner(folder).start(ids, mask, np.arange(ids.shape[1])[None]) for folder in (hqq, quantized["int4"])]
+    assert not np.array_equal(*logits)
+    audit = audit_weights(Artifact.open(hqq), tiny_model)
+    assert audit.passed, [f.describe() for f in audit.findings]
+    assert all(g.quantized == len(_quantized_nodes(hqq)) and g.carried == g.parameters for g in audit.graphs)
+
+
+def test_the_audit_derives_hqq_scales_bit_for_bit():
+    # onnxruntime's own HQQ on a matrix with a constant block (no range: its scale is 1) and a last block padded
+    torch = pytest.importorskip("torch")
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    from exporter.verify.checks.blocks import hqq_scales
+
+    values = np.random.default_rng(0).standard_normal((8, 80)).astype(np.float32) * 0.02
+    values[3, :32] = 0.5
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=32, bits=4))
+    _, scales, _ = quantizer.quantize_internal(torch.from_numpy(values), bits=4, group_size=32)
+    expected, _ = hqq_scales(values, 4, 32, np.dtype(np.float32))
+    assert expected[3, 0] == 1 and expected.shape == (8, 3)
+    assert np.array_equal(scales.numpy().reshape(8, 3).view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda zero_points: zero_points + np.float32(1), "dequantized weights lie beyond half a step"),
+        (None, "scales are not the quantizer's"),
+    ],
+)
+def test_an_hqq_block_off_by_a_step_or_a_scale_fails_the_audit(hqq, tiny_model, tmp_path, change, expected):
+    from exporter.verify.checks.weights.audit import audit_weights
+
+    folder = shutil.copytree(hqq, tmp_path / "mutated")
+    module = "model.layers.1.mlp.down_proj"
+    which = 1 if change is None else 2  # the scales, or the zero points
+
+    def edit(values):
+        if change is None:
+            values.reshape(-1)[0] *= np.float32(1.05)
+            return values
+        return change(values)
+
+    edit_initializers(folder, lambda model: {quantized_blocks(model, module)[which]: edit})
+    findings = audit_weights(Artifact.open(folder), tiny_model).findings
+    assert len(findings) == 2 and all(module in f.detail and expected in f.detail for f in findings), findings
+
+
+def test_hqq_blocks_under_a_manifest_recording_round_to_nearest_fail_the_audit(hqq, tiny_model, tmp_path):
+    from exporter.verify.checks.weights.audit import audit_weights
+
+    folder = shutil.copytree(hqq, tmp_path / "relabelled")
+    edit_manifest(folder, lambda manifest: manifest["quantization"].update(algorithm="rtn"))
+    findings = audit_weights(Artifact.open(folder), tiny_model).findings
+    fours = sum(bits == 4 for bits, _ in _zero_points(hqq).values())
+    assert len(findings) == 2 * fours and all(f.problem == "scheme" for f in findings), [f.detail for f in findings]
+    assert "holds hqq blocks (float zero points), but the manifest records rtn for its 4-bit" in findings[0].detail
+
+
+def test_the_quality_search_rounds_a_module_as_the_hqq_artifact_holds_it(hqq, tiny_model):
+    # the search ranks modules by the weights the artifact will compute with: HQQ's, where the scheme asks for it
+    from exporter.tuning.sensitivity import rounded_weight
+    from exporter.verify.checks.weights.quantized import dequantized_weights
+
+    scheme = Artifact.open(hqq).manifest.quantization
+    held = dequantized_weights(Artifact.open(hqq))
+    module = "model.layers.1.mlp.down_proj"
+    weight = tiny_model.get_submodule(module).weight.detach().float().numpy()
+    assert np.array_equal(rounded_weight(weight, 4, scheme, "hqq"), held[module])
+    assert not np.array_equal(rounded_weight(weight, 4, scheme), held[module])  # round-to-nearest's differ

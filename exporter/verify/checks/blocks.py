@@ -22,6 +22,25 @@ rounding on top, in steps: the stored scale differs from scale_f by at most u_T 
 roundoff; 0 in float32), which stretches the M steps by at most M·u_T; 1/scale and v·(1/scale) each round once
 (u = 2^-24 relative, on |v/scale| <= M), and adding the zero point once more (u on a sum <= M + 1): at most 3(M + 1)u.
 The bound is therefore scale · (1/2 + (M + 1)(u_T + 3u)). A weight of another block, layer or matrix lies steps away.
+
+A 4-bit matrix made by onnxruntime's HQQ (`HQQWeightOnlyQuantizer.quantize_internal`, manifest algorithm "hqq") has
+float zero points, which tell its blocks from round-to-nearest ones. Its scale spans the block's own range, in
+float32 (torch divides a number by a tensor as the tensor's reciprocal times the number, each step an IEEE-754
+operation, correctly rounded as numpy's):
+
+    lo = min v, hi = max v (the padding's zeros counted)          exact
+    inverse = (1 / (hi - lo)) · M (hi - lo = M where zero)        three roundings; at most 2e4
+    scale = 1 / inverse, in the graph's float type                float32: one rounding; float16: two
+
+and is held bit for bit (`hqq_scales`). Its zero point is what the half-quadratic solver fitted (a float mean over
+the block, iterated), which no closed formula re-derives: it is held through the codes, q = clamp(round(v · inverse
++ zero_point), 0, M), each of which must be the nearest on the block's grid to its weight: within half a step, plus
+rounding, of (q - zero_point) · scale, or at the grid's end (0 or M) with the weight beyond it. The rounding, in
+steps: v · inverse and the sum with the zero point (a float of magnitude up to |zero_point|) each round once, on
+magnitudes below M + 1 + |zero_point|, and the stored scale is 1/inverse within u_T + u relative, which (q -
+zero_point) stretches by as many steps: (M + 1 + |zero_point|)(u_T + 3u). A zero point off by a step moves every
+code's weight a step, another layer's blocks have other scales, and both fail; a zero point that moves the grid
+whole steps off the block clamps its weights at the grid's ends, which only the quality check's figures judge.
 """
 
 from __future__ import annotations
@@ -68,12 +87,19 @@ def _codes(node: onnx.NodeProto, b: np.ndarray, zero_points: np.ndarray | None, 
         q = raw[:, :, :block]
     if zero_points is None:
         zero = np.full(q.shape[:2], 2 ** (bits - 1), np.int64)
+    elif is_hqq(zero_points):
+        return q.astype(np.int64), zero_points.reshape(n, blocks)[rows].astype(np.float64)
     elif bits == 4:
         packed = zero_points.reshape(n, -1)[rows]
         zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(len(packed), -1)[:, :blocks]
     else:
         zero = zero_points.reshape(n, blocks)[rows]
     return q.astype(np.int64), zero.astype(np.int64)
+
+
+def is_hqq(zero_points: np.ndarray | None) -> bool:
+    """Whether a node's zero points are HQQ's floats (the module's docstring), not round-to-nearest's integers."""
+    return zero_points is not None and np.issubdtype(zero_points.dtype, np.floating)
 
 
 def _row_chunks(n: int, k: int):
@@ -99,11 +125,7 @@ def dequantize_blocks(node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, z
 def expected_blocks(values: np.ndarray, bits: int, block: int, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """The scales (in `scale_dtype`) and zero points onnxruntime's quantizer makes of `values` (N, K), per block of
     `block` along K: (N, blocks) each (the module's docstring)."""
-    n, k = values.shape
-    blocks = -(-k // block)
-    padded = np.zeros((n, blocks * block), np.float32)  # zeros leave min(0, ·) and max(0, ·) as they are
-    padded[:, :k] = values
-    padded = padded.reshape(n, blocks, block)
+    padded = _padded_blocks(values, block)  # zeros leave min(0, ·) and max(0, ·) as they are
     top = np.float32(2**bits - 1)
     lo = np.minimum(padded.min(axis=-1), np.float32(0))
     hi = np.maximum(padded.max(axis=-1), np.float32(0))
@@ -113,6 +135,25 @@ def expected_blocks(values: np.ndarray, bits: int, block: int, scale_dtype: np.d
     rounded = np.floor(np.abs(zero_f) + np.float32(0.5)) * np.sign(zero_f)  # roundf: half away from zero
     zero = np.where(zero_f < 0, 0, np.where(zero_f > top, top, rounded)).astype(np.int64)
     return scale_f.astype(scale_dtype), zero
+
+
+def _padded_blocks(values: np.ndarray, block: int) -> np.ndarray:
+    """`values` (N, K) as (N, blocks, block) float32, the last block padded with zeros, as both quantizers pad."""
+    n, k = values.shape
+    blocks = -(-k // block)
+    padded = np.zeros((n, blocks * block), np.float32)
+    padded[:, :k] = values
+    return padded.reshape(n, blocks, block)
+
+
+def hqq_scales(values: np.ndarray, bits: int, block: int, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The scales (in `scale_dtype`) onnxruntime's HQQ makes of `values` (N, K), per block of `block` along K, and
+    the float32 inverses its codes are rounded with: (N, blocks) each (the module's docstring)."""
+    padded = _padded_blocks(values, block)
+    top = np.float32(2**bits - 1)
+    span = padded.max(axis=-1) - padded.min(axis=-1)
+    inverse = np.minimum(np.float32(1) / np.where(span == 0, top, span) * top, np.float32(2e4))
+    return (np.float32(1) / inverse).astype(scale_dtype), inverse
 
 
 @dataclass(frozen=True)
@@ -158,10 +199,15 @@ def check_blocks(
     node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, values: np.ndarray
 ) -> BlockCheck:
     """The node's blocks against `values` (N, K), the parameter in the graph's float type, as float32: scales and
-    zero points exactly, each dequantized weight within half a step plus QUANT_SLACK."""
+    zero points exactly, each dequantized weight within half a step plus QUANT_SLACK; an HQQ node's scales exactly
+    and each code the nearest on its grid (the module's docstring)."""
     n, k, bits, block = layout(node, b)
     stored = scales.reshape(n, -1)
-    expected_scale, expected_zero = expected_blocks(values, bits, block, stored.dtype)
+    hqq = is_hqq(zero_points)
+    if hqq:
+        expected_scale, _ = hqq_scales(values, bits, block, stored.dtype)
+    else:
+        expected_scale, expected_zero = expected_blocks(values, bits, block, stored.dtype)
     scale_differs = stored.view(np.uint8).reshape(n, -1, stored.itemsize) != expected_scale.view(np.uint8).reshape(
         n, -1, stored.itemsize
     )
@@ -170,20 +216,31 @@ def check_blocks(
         ratio = np.abs(stored.astype(np.float64) / expected_scale.astype(np.float64) - 1)
     worst_scale = float(np.nanmax(np.where(scale_differs, ratio, 0))) if scale_differs.any() else 0.0
     slack = quant_slack(bits, stored.dtype)
+    top = 2**bits - 1
     zero_differs = beyond = 0
     worst = 0.0
     for rows in _row_chunks(n, k):
         q, zero = _codes(node, b, zero_points, rows)
-        if zero_points is not None:
+        if zero_points is not None and not hqq:
             zero_differs += int((zero != expected_zero[rows]).sum())
         step = expected_scale[rows].astype(np.float64)
         dequantized = ((q - zero[:, :, None]) * stored[rows, :, None].astype(np.float64)).reshape(len(q), -1)[:, :k]
-        error = np.abs(dequantized - values[rows].astype(np.float64))
-        bound = np.repeat(step * (0.5 + slack), block, axis=1)[:, :k]
+        signed = dequantized - values[rows].astype(np.float64)
+        error = np.abs(signed)
+        if hqq:
+            rounding = (2**bits + np.abs(zero)) * (float(np.finfo(stored.dtype).eps) / 2 + 3 * U32)
+            bound = np.repeat(step * (0.5 + rounding), block, axis=1)[:, :k]
+            # a code at the grid's end with its weight beyond it is the nearest there is
+            codes = q.reshape(len(q), -1)[:, :k]
+            error = np.where(((codes == 0) & (signed >= 0)) | ((codes == top) & (signed <= 0)), 0, error)
+        else:
+            bound = np.repeat(step * (0.5 + slack), block, axis=1)[:, :k]
         beyond += int((error > bound).sum())
         with np.errstate(divide="ignore", invalid="ignore"):
             multiple = np.where(bound > 0, error / bound, np.where(error > 0, np.inf, 0))
         worst = max(worst, float(multiple.max()))
+    if hqq:  # a zero point no number: every code's weight is off
+        zero_differs = int((~np.isfinite(zero_points)).sum())
     return BlockCheck(
         blocks=int(stored.size),
         scales=int(scale_differs.sum()),

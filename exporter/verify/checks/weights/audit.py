@@ -205,7 +205,7 @@ def audit_graph(
         found = audit_blocks(artifact, node, initializers, weights, index, carried, named, file)
         quantized += found is None
         findings += [found] if found is not None else []
-        found = audit_scheme(artifact.manifest, node, file)
+        found = audit_scheme(artifact.manifest, node, file, initializers)
         findings += [found] if found is not None else []
     row_ids = row_id_tables(graph, initializers)
     for node, name in row_ids:

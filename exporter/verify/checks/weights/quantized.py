@@ -6,7 +6,9 @@ it cannot equal its parameter bit for bit. Each node lies in the module whose Li
 export gives it the MatMul's scope, exporter/export/quantize.py), and is held to that module's parameter as
 onnxruntime's quantizer makes blocks of it (exporter/verify/checks/blocks.py derives each bound): its scales and zero
 points equal the quantizer's bit for bit, and each dequantized weight, (q - zero_point) * scale, lies within half a
-step of the parameter, plus rounding. Another layer's blocks in its place, a scale × 1.05 or rounded to another
+step of the parameter, plus rounding. Blocks made by HQQ (float zero points, which the manifest's algorithm must
+record for the module) have their scales held bit for bit and their codes to the nearest on the grid, the solver's
+zero point being re-derivable by no formula. Another layer's blocks in its place, a scale × 1.05 or rounded to another
 format, a zero point off by one, fail; the finding names the parameter the blocks hold instead where they are
 another's. Blocks of more bits than recorded would pass that test, so each node's bits and block size (and whether
 it has zero points) are also held to the manifest's scheme (the lm_head to its `lm_head` option, the embedding to its
@@ -31,12 +33,14 @@ from exporter.verify.checks.weights.results import WeightFinding
 from exporter.verify.checks.weights.tensors import ReferenceIndex, ReferenceTensor, WeightsFile, read_initializer
 
 
-def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | None:
+def audit_scheme(manifest, node: onnx.NodeProto, file: str, initializers: dict) -> WeightFinding | None:
     """A quantized node's bits and block size against the scheme the manifest records: the embedding (the
     GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
     vocabulary width) at those of its `lm_head` option, every other matrix at the scheme's; None when they agree.
     Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact from the
-    one it claims to be. A module of the mix (an export made to a quality target) is held to the mix's bits."""
+    one it claims to be. A module of the mix (an export made to a quality target) is held to the mix's bits. Its
+    algorithm too: HQQ's blocks (float zero points, among `initializers` by name) where the manifest records "hqq"
+    for the module's bits, round-to-nearest's (integer zero points, or none) elsewhere."""
     scheme, held = manifest.quantization, block_inputs(node)[0]
     if scheme is None:
         return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
@@ -62,7 +66,7 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | N
             f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
         )
     if (bits, block) == (expected, scheme.block_size):
-        return None
+        return _audit_algorithm(scheme, node, bits, file, initializers)
     asked = f" ({choice[0]} {choice[1]})" if choice else ""
     recorded = f"{expected}-bit blocks of {scheme.block_size}" if expected else "float weights"
     return WeightFinding(
@@ -72,6 +76,25 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str) -> WeightFinding | N
         held,
         f"{node.name}, {role}{asked}, holds {bits}-bit blocks of {block}, but the manifest records {scheme.scheme} "
         f"with {recorded} for it",
+    )
+
+
+def _audit_algorithm(scheme, node: onnx.NodeProto, bits: int, file: str, initializers: dict) -> WeightFinding | None:
+    names = block_inputs(node)
+    zero_points = initializers.get(names[2]) if len(names) > 2 else None
+    float_types = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    held = "hqq" if zero_points is not None and zero_points.data_type in float_types else "rtn"
+    recorded = scheme.algorithm_for(module_of(node) or "", bits)
+    if held == recorded:
+        return None
+    zero = "float" if held == "hqq" else "integer or no"
+    return WeightFinding(
+        file,
+        "scheme",
+        "",
+        names[0],
+        f"{node.name} holds {held} blocks ({zero} zero points), but the manifest records {recorded} for its "
+        f"{bits}-bit blocks",
     )
 
 

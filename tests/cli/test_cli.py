@@ -146,7 +146,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:15] == [
+        assert options[:16] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -155,6 +155,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--dtype",
             "--block-size",
             "--accuracy-level",
+            "--quant-algorithm",
             "--lm-head",
             "--embedding",
             "--activations",

@@ -263,9 +263,9 @@ def test_expert_choice_that_measured_nothing_is_skipped_in_every_report(moe2_art
     """Router TopK nodes that cannot be found (renamed or fused by another tool): the expert choice check measured
     nothing. Every report shows it as skipped with the reason and counts it in no pass; the verdict does not fail
     on it either (a limitation of the check, not a parity failure)."""
-    from exporter.verify.checks import routing
+    from exporter.verify.checks import routers
 
-    monkeypatch.setattr(routing, "router_layers", lambda proto: {})
+    monkeypatch.setattr(routers, "router_layers", lambda proto: {})
     report = verify_artifact(moe2_artifact, moe2_model, ["cpu"], QUICK, genai=False, transformers_js=False)
     [cpu] = report.reports
     assert not cpu.experts.measured and "not found" in cpu.experts.note

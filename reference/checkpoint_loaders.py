@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from reference.errors import CheckpointError, ConfigError
-from reference.hf_decoder_config import translate_hf_config
+from reference.hf_decoder_config import TRANSFORMERS_BOOKKEEPING, translate_hf_config
 from reference.minimind_config import GENERATION_DEFAULTS, MiniMindConfig
 
 if TYPE_CHECKING:  # load_checkpoint's report, which prepare records into: a type here, built there
@@ -55,22 +55,7 @@ class MiniMindCheckpoints:
     family = "minimind"
     # Transformers config.json keys: upstream name -> toolkit field, and bookkeeping keys without effect here.
     aliases = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
-    ignored = {
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "_name_or_path",
-        "flash_attn",
-        "use_cache",
-        "pad_token_id",
-        "scoring_func",
-        "return_dict",
-        "output_hidden_states",
-        "output_attentions",
-    }
+    ignored = TRANSFORMERS_BOOKKEEPING | {"flash_attn", "scoring_func"}
 
     @staticmethod
     def claims(state: dict) -> bool:

@@ -242,23 +242,28 @@ _ROPE_SCHEMA = {
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# Keys of every Transformers config.json that say nothing about the model's math: bookkeeping and runtime options.
+TRANSFORMERS_BOOKKEEPING = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "pad_token_id",
+        "return_dict",
+        "output_hidden_states",
+        "output_attentions",
+    }
+)
 # Fields that change nothing the reference computes for inference: bookkeeping, training and runtime options.
-_IGNORED = {
-    "architectures",
-    "auto_map",
-    "model_type",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "_name_or_path",
-    "use_cache",
-    "pad_token_id",
+_IGNORED = TRANSFORMERS_BOOKKEEPING | {
     "initializer_range",
     "attention_dropout",
     "pretraining_tp",  # Llama's tensor-parallel split of the same matmuls
-    "return_dict",
-    "output_hidden_states",
-    "output_attentions",
     "tokenizer_class",
     "generation_config",
 }

@@ -54,7 +54,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "FRONTIER-RESULTS.md"
 DEFAULT_WORK = ROOT / "artifacts" / "frontier"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-INT8_KL = 0.005  # the int8 profile's mean KL limit (exporter.tolerances QUALITY_PROFILES): the int8 mix's target
+INT8_KL = 0.005  # the int8 profile's mean KL limit (tolerances.quality QUALITY_PROFILES): the int8 mix's target
 # row name: the export's flags (with --calibration-text where it is made to a target)
 SCHEMES = {
     "float32": ["--dtype", "float32"],

@@ -1,5 +1,5 @@
 """The quality figures of int8 and int4 exports, on the trained fixture and on random weights of the same size:
-the measurements the quality profiles (exporter/tolerances.py, QUALITY_PROFILES) are checked against.
+the measurements the quality profiles (exporter/tolerances/quality.py, QUALITY_PROFILES) are checked against.
 
     python benchmarks/quality.py [--batch 8] [--decode-steps 64] [--json]
 
@@ -30,7 +30,7 @@ import exporter.export.tracing as tracing  # noqa: E402
 from exporter.artifact.folder import Artifact  # noqa: E402
 from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE  # noqa: E402
 from exporter.runtime.runner import OrtRunner  # noqa: E402
-from exporter.tolerances import quality_profile_for  # noqa: E402
+from exporter.tolerances.quality import quality_profile_for
 from exporter.verify.checks.quality import check_quality  # noqa: E402
 from exporter.verify.inputs import ParitySettings, QualityText, prompt_batch  # noqa: E402
 from exporter.verify.references.torch_runner import TorchRunner  # noqa: E402

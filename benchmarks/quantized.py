@@ -459,7 +459,7 @@ def left_padded_rows(ours: Path, builder: Path, folder: Path) -> dict[str, float
     from exporter.runtime.foreign import ForeignRunner
     from exporter.runtime.runner import OrtRunner
     from exporter.runtime.settings import SessionSettings
-    from exporter.tolerances import profile_for
+    from exporter.tolerances.parity import profile_for
     from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone
     from exporter.verify.inputs import ParitySettings, prompt_batch
 

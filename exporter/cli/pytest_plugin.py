@@ -150,7 +150,7 @@ def reference_plan(folder: Path, golden: Path | None) -> Plan:
 def _golden_plan(bundle: Path, manifest, reason: str = "") -> Plan:
     """Read whole, as the replay reads it: a damaged bundle is a usage error here, as `verify --golden` refuses it
     (exit 2), not nine items that could not run (exit 1, as if the artifact had failed)."""
-    from exporter.tolerances import AppliedOverrides
+    from exporter.tolerances.parity import AppliedOverrides
     from exporter.verify.references.golden.reading import load_bundle
 
     loaded = load_bundle(bundle, manifest)  # kept: the verification replays this one, not a second read

@@ -47,7 +47,7 @@ def verification_plan(
     from exporter.runtime.genai import INSTALL_HINT, genai_version
     from exporter.runtime.providers import check_parity_providers
     from exporter.runtime.registry import select_runtimes
-    from exporter.tolerances import parse_overrides
+    from exporter.tolerances.parity import parse_overrides
     from exporter.verify.checks.providers import companion_for, read_companion
     from exporter.verify.inputs import ParitySettings
     from exporter.verify.references.golden.writing import check_golden_destination
@@ -137,7 +137,7 @@ def finish_verification(report, options: VerifyOptions, result: dict, as_json: b
     if unwritten is not None:
         raise unwritten
     if report.verdict == "undecided":  # not passed: exit 1 as a failure, saying what would decide it
-        from exporter.tolerances import QUALITY_CONFIDENCE
+        from exporter.tolerances.quality import QUALITY_CONFIDENCE
 
         undecided = dict.fromkeys(c.threshold.metric for q in report.quality for c in q.undecided)
         positions = max(q.metrics["positions"] for q in report.quality)

@@ -22,7 +22,7 @@ from exporter.artifact.manifest import Manifest, source_problem
 from exporter.errors import ExportFailed, GraphRunError, InputError, check_flag, first_line
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
 from exporter.runtime.settings import checking_settings
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from reference.source import SourcedModel
 
 

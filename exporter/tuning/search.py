@@ -14,7 +14,7 @@ The artifact of that mix is then exported and its own figures measured by the ve
 Runtime against the float reference, on the held-out half, as `verify --quality-text` reads a text): where they miss
 the target (ONNX Runtime's accuracy levels compute otherwise than the float-math rounding), k grows by a quarter of
 what is left, up to RETRIES times. A target is kept where the whole bootstrap interval of each of its figures is
-(exporter.tolerances: the quality profile's judgement). The artifact moves into place only once kept, its manifest
+(tolerances.quality: the quality profile's judgement). The artifact moves into place only once kept, its manifest
 recording the mix and the target with the held-out figures; else QualityTargetMissed names the best figures found.
 """
 
@@ -42,7 +42,7 @@ from exporter.artifact.quantization import (
 from exporter.artifact.tokenizer import export_tokenizer
 from exporter.errors import InputError, QualityTargetMissed
 from exporter.export.pipeline import ExportResult, export_artifact
-from exporter.tolerances import QUALITY_CONFIDENCE, QUALITY_RESAMPLES, quality_profile_for
+from exporter.tolerances.quality import QUALITY_CONFIDENCE, QUALITY_RESAMPLES, quality_profile_for
 from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, quantizable_modules, rounded_weight
 from exporter.verify.inputs import ParitySettings, QualityText, read_text_file, text_windows, windows_covering
 from exporter.verify.metrics import bootstrap_interval

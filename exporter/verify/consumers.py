@@ -23,7 +23,7 @@ from exporter.artifact.manifest import Manifest
 from exporter.errors import ConsumerError
 from exporter.runtime.genai import INSTALL_HINT, GenaiGenerator, genai_model_type, genai_version
 from exporter.runtime.node import NODE_PACKAGES, TRANSFORMERS_JS, node_unavailable, transformers_js_greedy
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.greedy import GreedyResult, judge_greedy
 from exporter.verify.inputs import ParitySettings, greedy_prompt
 from exporter.verify.results import ConsumerReport

@@ -23,7 +23,8 @@ from exporter.runtime.registry import DEFAULT_RUNTIME, registered_runtimes
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.settings import checking_settings
 from exporter.runtime.shared_weights import SharedWeightMap
-from exporter.tolerances import Overrides, profile_for, quality_profile_for
+from exporter.tolerances.parity import Overrides, profile_for
+from exporter.tolerances.quality import quality_profile_for
 from exporter.verify.checks.faithfulness import check_faithfulness
 from exporter.verify.checks.greedy import check_greedy
 from exporter.verify.checks.health import HealthScan
@@ -273,7 +274,7 @@ def verify_artifact(
             all the same, and replayed from its first call), judged with the tolerance overrides it was recorded
             with, each term in `overrides` taking its recorded one's place.
         golden_save: a folder to record the reference's inputs and outputs in, with `overrides`.
-        overrides: tolerance terms in place of the profiles' (exporter.tolerances.parse_overrides).
+        overrides: tolerance terms in place of the profiles' (exporter.tolerances.parity.parse_overrides).
         fp16_companion: a float16 export of the same model (Artifact or path), for the precision leg of the CUDA
             attribution.
         quality_text: for a quantized artifact, a text its quality check reads in place of seeded random ids: a

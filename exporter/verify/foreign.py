@@ -25,7 +25,8 @@ from exporter.artifact.tokenizer import TOKENIZER
 from exporter.errors import InputError
 from exporter.runtime.foreign import ForeignRunner
 from exporter.runtime.providers import available_parity_providers, check_parity_providers, check_quantized_provider
-from exporter.tolerances import Overrides, profile_for, quality_profile_for
+from exporter.tolerances.parity import Overrides, profile_for
+from exporter.tolerances.quality import quality_profile_for
 from exporter.verify.checks.greedy import check_greedy
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.invariants import float_matmul_settings, padded_row_alone, split_prefill

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exporter.tolerances import Tolerance, finite_magnitude
+from exporter.tolerances.parity import Tolerance, finite_magnitude
 
 TOP_K = 5
 
@@ -403,7 +403,7 @@ def compare_outputs(label: str, actual: dict, expected: dict, profile, mask: np.
         label: the call's name, which begins each row's name ("prefill").
         actual: ONNX Runtime's outputs by name: "logits" and the presents.
         expected: the reference's outputs by name.
-        profile: the tolerances.Profile whose logits and kv tolerances judge them.
+        profile: the tolerances.parity.Profile whose logits and kv tolerances judge them.
         mask: the call's attention mask (B, total): only real positions are judged.
     """
     rows = [

@@ -17,7 +17,7 @@ from exporter.errors import InputError, ProviderError
 from exporter.runtime.protocol import Runner
 from exporter.runtime.registry import Runtime, select_runtimes
 from exporter.runtime.shared_weights import SharedWeightMap
-from exporter.tolerances import AppliedOverrides, Overrides
+from exporter.tolerances.parity import AppliedOverrides, Overrides
 from exporter.verify.checks.providers import check_companion
 from exporter.verify.consumers import (
     GENAI,
@@ -116,7 +116,7 @@ def _check_arguments(settings, genai, transformers_js, overrides) -> None:
     if not isinstance(overrides, Overrides):
         raise InputError(
             f"overrides must be an Overrides, got {type(overrides).__name__}; build one with "
-            "exporter.tolerances.parse_overrides(atol=['logits=1e-3'])"
+            "exporter.tolerances.parity.parse_overrides(atol=['logits=1e-3'])"
         )
     for name, value in (("genai", genai), ("transformers_js", transformers_js)):
         if not isinstance(value, (bool, type(None))):

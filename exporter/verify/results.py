@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from exporter.runtime.protocol import RuntimeLabel
-from exporter.tolerances import AppliedOverrides, Profile
+from exporter.tolerances.parity import AppliedOverrides, Profile
 from exporter.verify.checks.calls import LayerError, RoutingFlip
 from exporter.verify.checks.faithfulness import Faithfulness
 from exporter.verify.checks.greedy import GreedyResult

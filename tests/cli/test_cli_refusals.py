@@ -337,7 +337,7 @@ def test_json_nested_deeper_than_the_parser_goes_is_a_named_input_error_in_every
     from exporter.artifact.manifest import read_manifest
     from exporter.artifact.tokenizer import find_tokenizer
     from exporter.errors import ToolkitError
-    from exporter.tolerances import parse_overrides
+    from exporter.tolerances.parity import parse_overrides
     from exporter.verify.references.golden.reading import check_bundle
     from reference.checkpoint_files import read_checkpoint
 

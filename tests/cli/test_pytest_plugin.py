@@ -215,7 +215,7 @@ def test_plugin_reports_a_broken_artifact_as_one_line_failures(artifact_fp32, tm
 def test_a_golden_bundle_is_judged_with_the_overrides_it_was_recorded_with(artifact_fp32, tiny_model, tmp_path):
     # The plugin takes no tolerance options: a bundle recorded under a tightened logits.peak (0: nothing meets
     # it) must fail its replay here too, and the header must say what the bundle overrides.
-    from exporter.tolerances import parse_overrides
+    from exporter.tolerances.parity import parse_overrides
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
 
@@ -246,7 +246,7 @@ def test_a_golden_bundle_inside_the_artifact_stands_in_only_when_the_reference_c
 ):
     # A perturbed artifact carrying a bundle recorded from itself with every tolerance loosened: the bundle
     # travels with the artifact, so it must not outrank the reference rebuilt from the seed.
-    from exporter.tolerances import parse_overrides
+    from exporter.tolerances.parity import parse_overrides
     from exporter.verify.engine import verify_artifact
     from exporter.verify.inputs import ParitySettings
 

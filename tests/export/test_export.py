@@ -895,7 +895,7 @@ def test_the_parity_tolerances_are_the_cpu_profiles_per_kind():
     # exporter.parity.TOLERANCES, which the tests judge with: each kind its own bound (the loss's is 100x tighter
     # than the logits' in float32), from the CPU profile of its dtype
     from exporter.runtime.providers import CPU
-    from exporter.tolerances import profile_for
+    from exporter.tolerances.parity import profile_for
 
     assert set(TOLERANCES) == {"float32", "float16"}
     for dtype, tolerances in TOLERANCES.items():

@@ -441,7 +441,7 @@ def test_at_accuracy_level_4_the_runner_computes_prefill_as_decode_in_int8(quant
     runs, and agree on the same prompt within float32's rounding (unprepacked, prefill differed from decode by the
     activations' int8 rounding)."""
     from exporter.runtime.providers import CPU
-    from exporter.tolerances import profile_for
+    from exporter.tolerances.parity import profile_for
     from exporter.verify.metrics import compare_outputs
 
     runner = OrtRunner(quantized["int4-level4"])

@@ -26,7 +26,7 @@ from exporter.errors import ArtifactError, ConsumerError
 from exporter.runtime.genai import GenaiGenerator, genai_greedy
 from exporter.runtime.generation import generate_greedy
 from exporter.runtime.runner import OrtRunner
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from exporter.verify import consumers as verify_consumers
 from exporter.verify import engine
 from exporter.verify.checks.greedy import judge_greedy

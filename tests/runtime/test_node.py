@@ -33,7 +33,7 @@ from exporter.runtime.node import (
     transformers_js_greedy,
 )
 from exporter.runtime.runner import presents_as_past
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from exporter.verify import consumers, engine
 from exporter.verify.consumers import (
     NO_REFERENCE,

@@ -572,7 +572,7 @@ def test_checking_sessions_of_a_float16_artifact_keep_no_float32_copy_of_its_wei
     float32 products of the same weights, in another order, and differ by float32 rounding carried through the
     graph's float16 activations, which the float16 profile (float16 against the float32 reference) bounds."""
     from exporter.runtime.settings import SessionSettings, checking_settings
-    from exporter.tolerances import profile_for
+    from exporter.tolerances.parity import profile_for
     from exporter.verify.metrics import compare_outputs
 
     artifact = Artifact.open(artifact_fp16)
@@ -676,7 +676,7 @@ def test_a_float32_artifact_is_checked_unprepacked_and_agrees_with_its_prepacked
     from exporter.runtime.runner import presents_as_past
     from exporter.runtime.settings import checking_settings
     from exporter.runtime.shared_weights import SharedWeightMap
-    from exporter.tolerances import profile_for
+    from exporter.tolerances.parity import profile_for
     from exporter.verify.metrics import compare_outputs
 
     artifact = Artifact.open(artifact_fp32)

@@ -18,7 +18,7 @@ from helpers import assert_one_line_error, perturb_weight, run_cli
 
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import OutputPathError, ToolkitError
-from exporter.tolerances import Overrides
+from exporter.tolerances.parity import Overrides
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden.bundle import GoldenMismatch, recording_digest

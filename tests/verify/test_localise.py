@@ -17,7 +17,7 @@ from helpers import CPU_ONLY, QUICK, perturb_weight, run_cli, scale_inline_weigh
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from exporter.verify.diagnosis.localise import probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph, PositionAxes, real_elements
 from exporter.verify.engine import verify_artifact

@@ -24,7 +24,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 from exporter.export.pipeline import export_artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask, presents_as_past
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from exporter.verify.metrics import compare, compare_outputs
 from exporter.verify.references.torch_runner import TorchRunner
 from reference import HFDecoderConfig, MiniMindConfig, build_model

@@ -18,12 +18,12 @@ from exporter.errors import InputError
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import OrtRunner
 from exporter.runtime.settings import SessionSettings
-from exporter.tolerances import (
+from exporter.tolerances.parity import profile_for
+from exporter.tolerances.quality import (
     QUALITY_CONFIDENCE,
     QUALITY_RESAMPLES,
     QualityProfile,
     QualityThreshold,
-    profile_for,
     quality_profile_for,
 )
 from exporter.verify import engine

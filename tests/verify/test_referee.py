@@ -17,7 +17,7 @@ from mutants import causal_mask_leaks_one
 from exporter import verify_artifact
 from exporter.artifact.folder import open_artifact
 from exporter.runtime.runner import presents_as_past
-from exporter.tolerances import Tolerance, parse_overrides, profile_for
+from exporter.tolerances.parity import Tolerance, parse_overrides, profile_for
 from exporter.verify import engine
 from exporter.verify.checks.referee import REFEREE_LIMIT, referee_ratio
 from exporter.verify.references.referee import Float64Referee

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import OrtRunner, position_ids_from_mask
-from exporter.tolerances import quality_profile_for
+from exporter.tolerances.quality import quality_profile_for
 from exporter.verify.checks.quality import TEXT_BATCH, check_quality
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings, QualityText, window_length, windows_covering

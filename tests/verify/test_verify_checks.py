@@ -14,7 +14,7 @@ from helpers import QUICK, claim_seed, edit_manifest, perturb_weight, scale_inli
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest
 from exporter.runtime.runner import OrtRunner
-from exporter.tolerances import Overrides, profile_for
+from exporter.tolerances.parity import Overrides, profile_for
 from exporter.verify.checks import calls, invariants
 from exporter.verify.checks import outputs as checks
 from exporter.verify.inputs import ParitySettings, prefill_feeds, prompt_batch
@@ -74,7 +74,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
     own token and the later tokens of its row (through attention): their differences follow from it whatever
     their router gaps. An earlier token of its row or a token of another row is not reached: a difference
     there is explained only as a near-tie of its own."""
-    from exporter.tolerances import Tolerance
+    from exporter.tolerances.parity import Tolerance
     from exporter.verify.checks.routing import compare_choices
 
     tolerance = Tolerance(1e-4, 1e-4)
@@ -102,7 +102,7 @@ def test_a_routing_difference_is_a_near_tie_or_reached_by_an_earlier_layers_flip
 
 
 def _one_token_choice(scores, reference_expert: int, onnx_expert: int, onnx_scores=None, tolerance=None):
-    from exporter.tolerances import Tolerance
+    from exporter.tolerances.parity import Tolerance
     from exporter.verify.checks.routing import agreement, compare_choices
 
     scores = np.array([scores])
@@ -151,7 +151,7 @@ def test_near_tie_flips_are_capped_and_nothing_compared_is_no_pass():
 
 
 def test_a_comparison_left_with_no_position_fails():
-    from exporter.tolerances import Tolerance
+    from exporter.tolerances.parity import Tolerance
 
     values = np.ones((1, 2, 3))
     result = compare("x", "logits", values, values, Tolerance(0, 0, 1e-3), valid=np.zeros((1, 2), bool))
@@ -587,8 +587,8 @@ def test_nan_logits_in_our_greedy_loop_are_a_failed_check_not_an_error(runner):
 
 
 def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32, artifact_fp16, monkeypatch):
-    from exporter import tolerances
-    from exporter.tolerances import CPU, CUDA
+    from exporter.tolerances import parity
+    from exporter.tolerances.parity import CPU, CUDA
     from exporter.verify.checks.providers import attribute, cross_providers
 
     rng = np.random.default_rng(0)
@@ -600,7 +600,7 @@ def test_providers_are_compared_with_the_looser_profile_of_the_two(artifact_fp32
     # a difference within a looser CUDA profile (4 float16 units more of the peak), beyond the CPU profile
     strict = profile_for("float32", CPU)
     looser = dataclasses.replace(strict.logits, peak=strict.logits.peak + 4 * 2.0**-11)
-    monkeypatch.setitem(tolerances.PROFILES, ("float32", CUDA), dataclasses.replace(strict, logits=looser, kv=looser))
+    monkeypatch.setitem(parity.PROFILES, ("float32", CUDA), dataclasses.replace(strict, logits=looser, kv=looser))
     peak = np.abs(cpu["logits"]).max(axis=-1, keepdims=True)  # each position's peak: its logits' own bound
     tf32 = {**cpu, "logits": cpu["logits"] + (2 * 2.0**-11 * peak).astype(np.float32)}
     assert not compare("cpu", "logits", tf32["logits"], cpu["logits"], strict.logits).passed
@@ -641,7 +641,7 @@ def test_the_precision_leg_compares_float16_with_cuda_float32_at_real_queries(
     # No CUDA here: the float16 companion runs on the CPU in its place. The leg reads CUDA's float32 logits (not
     # the CPU's, far off here), at real queries only, with float16's CUDA profile; the user's overrides apply to
     # every profile, the provider pairs' included.
-    from exporter.tolerances import CPU, CUDA
+    from exporter.tolerances.parity import CPU, CUDA
     from exporter.verify.checks import providers
 
     asked = []

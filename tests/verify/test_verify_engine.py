@@ -16,7 +16,7 @@ from helpers import CPU_ONLY, QUICK, assert_one_line_error, edit_manifest, run_c
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import read_manifest, sha256_file
 from exporter.errors import ArtifactError, OutputPathError, ToolkitError
-from exporter.tolerances import profile_for
+from exporter.tolerances.parity import profile_for
 from exporter.verify.checks import outputs as checks
 from exporter.verify.engine import verify_artifact
 from exporter.verify.inputs import ParitySettings

@@ -10,7 +10,7 @@ import pytest
 
 from exporter.errors import InputError
 from exporter.runtime.providers import session_providers
-from exporter.tolerances import CPU, CUDA, Tolerance, parse_overrides, profile_for
+from exporter.tolerances.parity import CPU, CUDA, Tolerance, parse_overrides, profile_for
 from exporter.verify.checks.referee import refereed
 from exporter.verify.metrics import (
     Refereed,

@@ -14,7 +14,7 @@ import numpy as np
 
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.referee import referee_ratio, refereed
 from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.metrics import Comparison, aggregate, compare, real_keys

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from exporter.artifact.folder import Artifact
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import check_decode, check_prefill
 from exporter.verify.checks.weights.quantized import dequantized_weights

@@ -14,7 +14,7 @@ import numpy as np
 
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.routing import ExpertAgreement
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.metrics import match_length

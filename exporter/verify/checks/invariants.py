@@ -30,7 +30,7 @@ from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
 from exporter.runtime.settings import SessionSettings
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.diagnosis.probe import FLOAT_TYPES
 from exporter.verify.inputs import prefill_feeds
 from exporter.verify.metrics import Comparison, compare_outputs, real_queries

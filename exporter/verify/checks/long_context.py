@@ -24,7 +24,7 @@ import numpy as np
 
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.calls import all_layers, judge_call, referee_truth
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import with_labels

@@ -25,7 +25,7 @@ from exporter.artifact.folder import Artifact, open_artifact
 from exporter.artifact.manifest import Manifest, config_differences
 from exporter.errors import ArtifactError, InputError
 from exporter.runtime.runner import OrtRunner
-from exporter.tolerances import CPU, CUDA, Overrides, profile_for
+from exporter.tolerances.parity import CPU, CUDA, Overrides, profile_for
 from exporter.verify.inputs import PREFILL_BATCH, prefill_feeds
 from exporter.verify.metrics import Comparison, aggregate, compare, compare_outputs
 from exporter.verify.results import Attribution, AttributionLeg, ProviderReport

@@ -8,7 +8,7 @@ log-likelihood of the token that follows it (ΔNLL, the perplexity ratio); the g
 the start. A text is read whole: as many windows as cover it, TEXT_BATCH windows to a batch.
 Each figure over positions carries its bootstrap confidence interval over them and is judged by it: pass where the
 whole interval keeps the limit, fail where none of it does, undecided where it straddles the limit (more positions
-decide it; undecided is not passed). The limits, the confidence and their reasoning are in exporter.tolerances
+decide it; undecided is not passed). The limits, the confidence and their reasoning are in exporter.tolerances.quality
 (QUALITY_PROFILES, QUALITY_CONFIDENCE); the statistics are llama.cpp's `perplexity --kl-divergence`.
 The KL is also kept per position of the sequence (kl_by_position), for the reports' plot of where it grows.
 """
@@ -28,7 +28,7 @@ from exporter.artifact.quantization import QualityTarget
 from exporter.runtime.generation import NonFiniteLogits, generate_greedy
 from exporter.runtime.protocol import RuntimeLabel
 from exporter.runtime.runner import presents_as_past
-from exporter.tolerances import (
+from exporter.tolerances.quality import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
     MIN_DECISIVE_POSITIONS,

@@ -1,10 +1,10 @@
 """The float64 referee: an error judged against the error the reference's own precision makes on the same input.
 
-A fixed profile (tolerances.PROFILES) bounds ONNX Runtime's difference from the reference by a constant share of each
-row's peak. That constant holds where both sides' rounding errors are typical, and a trained model breaks it: on
-some inputs its computation is ill-conditioned (a softmax near a tie, a norm of a nearly cancelled residual), and
-*both* float32 (or float16) computations then stray far from the exact result, each its own way. Their difference
-says nothing about which one, if either, is wrong.
+A fixed profile (tolerances.parity.PROFILES) bounds ONNX Runtime's difference from the reference by a constant share
+of each row's peak. That constant holds where both sides' rounding errors are typical, and a trained model breaks
+it: on some inputs its computation is ill-conditioned (a softmax near a tie, a norm of a nearly cancelled residual),
+and *both* float32 (or float16) computations then stray far from the exact result, each its own way. Their
+difference says nothing about which one, if either, is wrong.
 
 So where a comparison fails its fixed profile, the reference model is run again in float64 on the same token inputs,
 along the same chain of calls (the past's prefill, the decode steps before), each side's own cache fed back: the

@@ -15,7 +15,7 @@ import numpy as np
 
 from exporter.artifact.folder import Artifact
 from exporter.runtime.runner import position_ids_from_mask, presents_as_past
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.routers import RouterProbe
 from exporter.verify.inputs import FINAL_CHUNK, ParitySettings, prefill_feeds
 

@@ -12,7 +12,7 @@ import numpy as np
 from exporter.artifact.manifest import Manifest
 from exporter.runtime.protocol import Runner
 from exporter.runtime.runner import presents_as_past
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.routers import RouterProbe
 from exporter.verify.checks.routing import ChoiceCount, ExpertAgreement, agreement, compare_choices
 from exporter.verify.metrics import log_softmax

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from exporter.artifact.manifest import Manifest
-from exporter.tolerances import Overrides, Profile, profile_for
+from exporter.tolerances.parity import Overrides, Profile, profile_for
 from exporter.verify.checks.outputs import DecodeCall
 from exporter.verify.diagnosis.localise import Localisation, ProbeResult, locate_layer, probe_between, probe_reference
 from exporter.verify.diagnosis.probe import DebugGraph

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exporter.tolerances import Tolerance
+from exporter.tolerances.parity import Tolerance
 from exporter.verify.checks.calls import LayerError
 from exporter.verify.checks.outputs import StepError
 from exporter.verify.diagnosis.probe import DebugGraph, real_elements

@@ -22,7 +22,7 @@ import numpy as np
 from exporter.artifact.contract import KV_KINDS
 from exporter.artifact.manifest import Manifest
 from exporter.errors import InputError, first_line, first_of
-from exporter.tolerances import Profile
+from exporter.tolerances.parity import Profile
 from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.checks.health import HealthScan
 from exporter.verify.checks.outputs import check_decode, check_prefill

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from exporter.tolerances import QUALITY_CONFIDENCE
+from exporter.tolerances.quality import QUALITY_CONFIDENCE
 from exporter.verify.checks.faithfulness import NAME
 from exporter.verify.checks.weights.results import SHOWN_FINDINGS
 from exporter.verify.inputs import PREFILL_BATCH

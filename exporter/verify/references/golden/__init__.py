@@ -4,7 +4,7 @@ A bundle folder holds golden.json (format, versions, the artifact's config,
 dtype and file hashes, the settings, the tolerance overrides the recording
 was judged with, the call list, the sha256 of arrays.npz and one of what
 golden.json records) and arrays.npz. A replay judges with the recorded
-overrides (see tolerances.AppliedOverrides). The hashes tie the two files
+overrides (see tolerances.parity.AppliedOverrides). The hashes tie the two files
 together: a save interrupted between them, or a stored value or id edited
 since, reads as a damaged bundle, never as a numeric failure of the artifact.
 

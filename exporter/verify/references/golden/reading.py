@@ -13,7 +13,7 @@ from exporter.artifact.contract import BATCH, SEQUENCE, TOTAL
 from exporter.artifact.manifest import MANIFEST, Manifest, sha256_file
 from exporter.artifact.paths import read_json_bounded
 from exporter.errors import InputError, ToolkitError
-from exporter.tolerances import Overrides
+from exporter.tolerances.parity import Overrides
 from exporter.verify.checks.greedy import GreedyTrace
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden.bundle import (

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from exporter.artifact.manifest import Manifest, sha256_file
 from exporter.artifact.paths import check_output_path, folder_lock, parents_removed_unless_done, read_json_bounded
 from exporter.errors import OutputPathError
-from exporter.tolerances import Overrides
+from exporter.tolerances.parity import Overrides
 from exporter.verify.inputs import ParitySettings
 from exporter.verify.references.golden.bundle import (
     ARRAYS,

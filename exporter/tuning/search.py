@@ -268,6 +268,8 @@ def export_to_target(
     parent = folder.parent
     parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.target-", dir=parent))
+    text = QualityText(f"{shown} (held-out second half)", held_ids)
+    parity = ParitySettings().fit(config.max_position_embeddings)
     try:
         for attempt in range(RETRIES + 1):
             mix = tuple(ModulePrecision(m, up, scheme.accuracy_level if up is not None else 0) for m in ranked[:k])
@@ -284,8 +286,6 @@ def export_to_target(
                 trace_all_layers=trace_all_layers,
             )
             manifest = export.manifest
-            text = QualityText(f"{shown} (held-out second half)", held_ids)
-            parity = ParitySettings().fit(config.max_position_embeddings)
             report = check_quality(
                 TorchRunner(model, manifest),
                 OrtRunner(built),

@@ -66,9 +66,10 @@ def module_bytes(
     if bits is None:
         return n * k * float_bytes
     blocks = -(-k // scheme.block_size)
-    zero_points = 0 if scheme.symmetric else n * -(-blocks * bits // 8)
     if algorithm == "hqq":
         zero_points = n * blocks * float_bytes
+    else:
+        zero_points = 0 if scheme.symmetric else n * -(-blocks * bits // 8)
     return n * blocks * (scheme.block_size * bits // 8 + float_bytes) + zero_points
 
 

@@ -96,11 +96,20 @@ GREEDY_QUALITY_TOKENS = 64  # the greedy run of a quality profile, fitted to the
 # KL lies 40-100x inside the limits below, which stay anchored on llama.cpp's figures for real models.
 DECISIVE_MARGIN = 0.5
 MIN_DECISIVE_POSITIONS = 16
-# Each figure averaged over positions is judged by its bootstrap confidence interval over those positions, as
-# llama.cpp's perplexity --kl-divergence gives each figure with its uncertainty: a figure passes where the whole
-# interval keeps its limit, fails where none of it does, and is undecided where the interval straddles the limit
-# (more positions, a longer text, decide it). 95% over 1000 resamples: the interval's ends move by about 2% of its
-# width from one seed of the resampling to another.
+# Each figure averaged over positions is judged by its bootstrap confidence interval, as llama.cpp's perplexity
+# --kl-divergence gives each figure with its uncertainty: a figure passes where the whole interval keeps its limit,
+# fails where none of it does, and is undecided where the interval straddles the limit (more positions, a longer
+# text, decide it). 95% over 1000 resamples: the interval's ends move by about 2% of its width from one seed of the
+# resampling to another.
+#
+# What is resampled: the positions of one window share its context (a hard passage makes every position after it
+# harder), so they do not vary independently, and resampling positions one by one understates a figure's spread
+# between texts; on real text one window's mean KL can be several times another's (the real model's figures in
+# benchmarks/FRONTIER-RESULTS.md). A text's windows are therefore what is resampled (a cluster bootstrap) once there
+# are MIN_BOOTSTRAP_WINDOWS of them: k windows give C(2k-1, k) distinct resamples, 6435 at k = 8, so that 1000
+# resamples give quantiles that are not a handful of repeated values. Below it (a short text, or the random ids' few
+# batch rows) the positions are resampled, and the report says which.
+MIN_BOOTSTRAP_WINDOWS = 8
 QUALITY_CONFIDENCE = 0.95
 QUALITY_RESAMPLES = 1000
 

@@ -42,7 +42,12 @@ from exporter.artifact.quantization import (
 from exporter.artifact.tokenizer import export_tokenizer
 from exporter.errors import InputError, QualityTargetMissed
 from exporter.export.pipeline import ExportResult, export_artifact
-from exporter.tolerances.quality import QUALITY_CONFIDENCE, QUALITY_RESAMPLES, quality_profile_for
+from exporter.tolerances.quality import (
+    MIN_BOOTSTRAP_WINDOWS,
+    QUALITY_CONFIDENCE,
+    QUALITY_RESAMPLES,
+    quality_profile_for,
+)
 from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, quantizable_modules, rounded_weight
 from exporter.verify.inputs import ParitySettings, QualityText, read_text_file, text_windows, windows_covering
 from exporter.verify.metrics import bootstrap_interval
@@ -54,8 +59,9 @@ WINDOW = 128  # token ids per window of the held-out half the PyTorch figures of
 # they are few and short (the ranking needs the large differences between modules, which 128 positions show).
 CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 2, 64
 # Windows of the held-out half that judge each mix in PyTorch, spread over it: one pass over them per mix the
-# bisection tries; the artifact's own figures are then measured on all of the held-out half.
-HELD_OUT_WINDOWS = 4
+# bisection tries, as many as the window bootstrap needs (tolerances.quality); the artifact's own figures are then
+# measured on all of the held-out half.
+HELD_OUT_WINDOWS = MIN_BOOTSTRAP_WINDOWS
 RETRIES = 3  # exports after the first, each with more modules raised, when the artifact misses the target
 
 
@@ -102,8 +108,13 @@ class TargetExport:
         }
 
 
-def _interval(values: np.ndarray) -> tuple[float, float]:
-    return bootstrap_interval(values, lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
+def _interval(values: np.ndarray, windows: int) -> tuple[float, float]:
+    """The bootstrap interval of the mean of `values`, `windows` equal windows' positions in order: resampling the
+    windows where there are enough of them, as the quality check does, else the positions."""
+    clusters = np.repeat(np.arange(windows), len(values) // windows) if windows >= MIN_BOOTSTRAP_WINDOWS else None
+    return bootstrap_interval(
+        values, lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE, clusters=clusters
+    )
 
 
 def _keeps(profile, figures: dict[str, float], intervals: dict[str, tuple[float, float]], target) -> bool:
@@ -231,7 +242,8 @@ def export_to_target(
             top = set(ranked[:k])
             mix = {m: (raised[m] if up is not None else weights[m]) if m in top else rounded[m] for m in modules}
             figures: Figures = held.score(mix)
-            intervals = {"kl_mean": _interval(figures.kl), "top1_agreement": _interval(figures.top1)}
+            windows = len(held_rows)
+            intervals = {"kl_mean": _interval(figures.kl, windows), "top1_agreement": _interval(figures.top1, windows)}
             values = {"kl_mean": figures.kl_mean, "top1_agreement": figures.top1_agreement}
             candidates[k] = Candidate(
                 k,

@@ -207,17 +207,24 @@ def token_statistics(actual: np.ndarray, expected: np.ndarray, k: int = TOP_K, t
     }
 
 
-def bootstrap_interval(samples, statistic, resamples: int, confidence: float, seed: int = 0) -> tuple[float, float]:
+def bootstrap_interval(
+    samples, statistic, resamples: int, confidence: float, seed: int = 0, clusters=None
+) -> tuple[float, float]:
     """The percentile bootstrap confidence interval of `statistic` over `samples`: the statistic of `resamples`
-    resamples drawn with replacement, each as long as `samples`, from a generator seeded with `seed` (the same
-    samples give the same interval), cut at the (1 - confidence) / 2 quantiles of both ends.
+    resamples drawn with replacement from a generator seeded with `seed` (the same samples give the same interval),
+    cut at the (1 - confidence) / 2 quantiles of both ends. Each resample draws samples, as many as there are; or,
+    where `clusters` is given, whole clusters, as many as there are, and holds every sample of each drawn (a
+    cluster bootstrap: samples that share a cluster vary together, so drawing them one by one would understate the
+    statistic's spread).
 
     Args:
         samples: (N,) the per-position values, N >= 1.
-        statistic: maps a (R, N) array of resamples to its (R,) values along the last axis (a mean, a percentile).
+        statistic: maps a (R, N) array of resamples to its (R,) values along the last axis (a mean, a percentile);
+            with `clusters`, it is given one resample at a time, (1, n), n the drawn clusters' samples.
         resamples: how many resamples.
         confidence: the share of the resampled values the interval holds, in (0, 1).
         seed: the generator's seed.
+        clusters: None, or (N,) each sample's cluster (any integer label).
 
     Returns:
         (low, high).
@@ -225,10 +232,16 @@ def bootstrap_interval(samples, statistic, resamples: int, confidence: float, se
     samples = np.asarray(samples, np.float64).reshape(-1)
     rng = np.random.default_rng(seed)
     values = np.empty(resamples)
-    block = max(1, (1 << 22) // len(samples))  # resamples drawn at once: at most 4M indices in memory
-    for start in range(0, resamples, block):
-        count = min(block, resamples - start)
-        values[start : start + count] = statistic(samples[rng.integers(0, len(samples), (count, len(samples)))])
+    if clusters is None:
+        block = max(1, (1 << 22) // len(samples))  # resamples drawn at once: at most 4M indices in memory
+        for start in range(0, resamples, block):
+            count = min(block, resamples - start)
+            values[start : start + count] = statistic(samples[rng.integers(0, len(samples), (count, len(samples)))])
+    else:
+        labels = np.asarray(clusters).reshape(-1)
+        members = [samples[labels == label] for label in np.unique(labels)]
+        for index, drawn in enumerate(rng.integers(0, len(members), (resamples, len(members)))):
+            values[index] = statistic(np.concatenate([members[c] for c in drawn])[None])[0]
     tail = (1 - confidence) / 2
     low, high = np.quantile(values, [tail, 1 - tail])
     return float(low), float(high)

@@ -325,6 +325,28 @@ def test_the_bootstrap_is_seeded_and_its_interval_narrows_as_positions_grow():
     assert bootstrap_interval(kl[:155], lambda r: np.percentile(r, 99, axis=-1), 1000, 0.95, seed=1) != once
 
 
+def test_a_window_bootstrap_spreads_as_the_windows_differ():
+    """Positions that share a window's difficulty vary together: resampling whole windows gives the spread of the
+    mean between texts (the windows' own spread / sqrt(windows)), which resampling positions understates."""
+    rng = np.random.default_rng(4)
+    windows, length = 20, 80
+    difficulty = rng.exponential(0.1, windows)  # each window's own level
+    kl = (difficulty[:, None] + rng.exponential(0.01, (windows, length))).reshape(-1)
+    rows = np.repeat(np.arange(windows), length)
+
+    def width(interval) -> float:
+        return interval[1] - interval[0]
+
+    by_positions = bootstrap_interval(kl, lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
+    by_windows = bootstrap_interval(kl, lambda r: r.mean(axis=-1), QUALITY_RESAMPLES, QUALITY_CONFIDENCE, clusters=rows)
+    assert by_windows[0] < kl.mean() < by_windows[1]
+    expected = 2 * 1.96 * kl.reshape(windows, length).mean(axis=1).std() / np.sqrt(windows)
+    assert 0.75 < width(by_windows) / expected < 1.25
+    assert width(by_windows) > 3 * width(by_positions)
+    again = bootstrap_interval(kl, lambda r: np.percentile(r, 99, axis=-1), 200, 0.95, clusters=rows)
+    assert again == bootstrap_interval(kl, lambda r: np.percentile(r, 99, axis=-1), 200, 0.95, clusters=rows)
+
+
 @pytest.mark.parametrize(
     ("bound", "limit", "interval", "verdict"),
     [
@@ -392,6 +414,7 @@ def test_quality_text_is_read_whole_and_every_figure_has_its_interval(quantized,
 
     whole = quality(QualityText("text", ids))
     assert whole.windows == 21 and whole.window_length == length  # 20 windows and 7 ids: a 21st covers those
+    assert whole.resampled == "windows"  # at least MIN_BOOTSTRAP_WINDOWS of them
     starts = text_windows(np.arange(len(ids)), whole.windows, length)[:, 0]
     assert starts[0] == 0 and starts[-1] + length == len(ids) and (np.diff(starts) <= length).all()
     # every id of every window is a position, but the left padding of each batch's first row
@@ -407,6 +430,7 @@ def test_quality_text_is_read_whole_and_every_figure_has_its_interval(quantized,
     # two windows of the same text: a wider interval on fewer positions
     part = quality(QualityText("text", ids[: 2 * length]))
     assert part.windows == 2 and part.metrics["positions"] < whole.metrics["positions"] / 8
+    assert part.resampled == "positions"  # too few windows to resample
 
     def width(report):
         return report.intervals["kl_mean"][1] - report.intervals["kl_mean"][0]
@@ -424,5 +448,6 @@ def test_quality_text_is_read_whole_and_every_figure_has_its_interval(quantized,
     assert document["checks"][0]["interval"] == list(whole.intervals["kl_mean"]) and document["confidence"] == 0.95
     shown = format_quality(whole)
     assert f"text text, {len(ids)} tokens read whole (21 rows of {length} ids" in shown
+    assert "intervals resample the windows" in shown and document["resampled"] == "windows"
     low, high = whole.intervals["kl_mean"]
     assert "95% interval" in shown and f"[{low:.4g}, {high:.4g}]" in shown

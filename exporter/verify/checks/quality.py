@@ -6,7 +6,8 @@ Each real position's two distributions give a KL divergence KL(reference || arti
 top-5 agree, how far the log-probability of the reference's top token moved, and each side's negative
 log-likelihood of the token that follows it (ΔNLL, the perplexity ratio); the greedy run, how many tokens agree from
 the start. A text is read whole: as many windows as cover it, TEXT_BATCH windows to a batch.
-Each figure over positions carries its bootstrap confidence interval over them and is judged by it: pass where the
+Each figure over positions carries its bootstrap confidence interval (over the text's windows, or the positions:
+MIN_BOOTSTRAP_WINDOWS) and is judged by it: pass where the
 whole interval keeps the limit, fail where none of it does, undecided where it straddles the limit (more positions
 decide it; undecided is not passed). The limits, the confidence and their reasoning are in exporter.tolerances.quality
 (QUALITY_PROFILES, QUALITY_CONFIDENCE); the statistics are llama.cpp's `perplexity --kl-divergence`.
@@ -31,6 +32,7 @@ from exporter.runtime.runner import presents_as_past
 from exporter.tolerances.quality import (
     DECISIVE_MARGIN,
     GREEDY_QUALITY_TOKENS,
+    MIN_BOOTSTRAP_WINDOWS,
     MIN_DECISIVE_POSITIONS,
     QUALITY_CONFIDENCE,
     QUALITY_RESAMPLES,
@@ -151,6 +153,7 @@ class QualityReport:
     windows: int = 0
     window_length: int = 0
     seconds: float = 0.0
+    resampled: str = "positions"  # what the intervals' bootstrap draws: "windows" (of a text) or "positions"
 
     @property
     def verdict(self) -> str:
@@ -201,6 +204,7 @@ class QualityReport:
             "profile": self.profile.to_dict(),
             "confidence": QUALITY_CONFIDENCE,
             "resamples": QUALITY_RESAMPLES,
+            "resampled": self.resampled,
             "checks": [c.to_dict() for c in self.checks],
             "metrics": self.metrics,
             "intervals": {name: list(interval) for name, interval in self.intervals.items()},
@@ -351,6 +355,9 @@ def check_quality(
     per_call = list(zip(*runs))
     stats = {key: np.concatenate([s[key] for call in per_call for s, _ in call]) for key in runs[0][0][0]}
     valid = [np.concatenate([v for _, v in call]) for call in per_call]
+    first_rows = np.cumsum([0] + [len(b["input_ids"]) for b, _ in batches])
+    rows = np.concatenate([np.nonzero(v)[0] + first_rows[b] for call in per_call for b, (_, v) in enumerate(call)])
+    by_windows = text is not None and first_rows[-1] >= MIN_BOOTSTRAP_WINDOWS
     if text is None:
         prompt = greedy_prompt_of(manifest, settings)
     else:
@@ -373,22 +380,29 @@ def check_quality(
             token_statistics(trace.logits[agreed : agreed + 1], trace.logits[agreed : agreed + 1])["margin"][0]
         )
     known = ~np.isnan(stats["nll"])  # every position but each row's last, whose next id is not read
-    samples = {  # each figure over positions: (its per-position values, the statistic of them)
-        "kl_mean": (stats["kl"], _mean),
-        "kl_p99": (stats["kl"], _p99),
-        "top1_agreement": (stats["top1"], _mean),
-        "top5_overlap": (stats["top5"], _mean),
-        "top_logprob_delta_mean": (stats["top_delta"], _mean),
-        "nll_delta": ((stats["nll"] - stats["nll_expected"])[known], _mean),
-        **({"top1_agreement_decisive": (stats["top1"][decisive], _mean)} if judged else {}),
-        **({"top5_overlap_decisive": (stats["top5"][decisive_k], _mean)} if judged_k else {}),
+    everywhere = np.ones(len(stats["kl"]), bool)
+    samples = {  # each figure over positions: (its per-position values, the statistic of them, which positions)
+        "kl_mean": (stats["kl"], _mean, everywhere),
+        "kl_p99": (stats["kl"], _p99, everywhere),
+        "top1_agreement": (stats["top1"], _mean, everywhere),
+        "top5_overlap": (stats["top5"], _mean, everywhere),
+        "top_logprob_delta_mean": (stats["top_delta"], _mean, everywhere),
+        "nll_delta": (stats["nll"] - stats["nll_expected"], _mean, known),
+        **({"top1_agreement_decisive": (stats["top1"], _mean, decisive)} if judged else {}),
+        **({"top5_overlap_decisive": (stats["top5"], _mean, decisive_k)} if judged_k else {}),
     }
-    intervals = {
-        name: bootstrap_interval(values, statistic, QUALITY_RESAMPLES, QUALITY_CONFIDENCE)
-        for name, (values, statistic) in samples.items()
+    intervals = {  # resampling the text's windows where there are enough of them, else the positions
+        name: bootstrap_interval(
+            values[where],
+            statistic,
+            QUALITY_RESAMPLES,
+            QUALITY_CONFIDENCE,
+            clusters=rows[where] if by_windows else None,
+        )
+        for name, (values, statistic, where) in samples.items()
     }
     intervals["perplexity_ratio"] = tuple(float(np.exp(end)) for end in intervals["nll_delta"])
-    nll_delta = float(samples["nll_delta"][0].mean())
+    nll_delta = float((stats["nll"] - stats["nll_expected"])[known].mean())
     metrics = {
         "positions": int(len(stats["kl"])),
         "nll_positions": int(known.sum()),
@@ -414,7 +428,7 @@ def check_quality(
         "greedy_agreement": agreed / len(trace.ids) if trace.ids else 1.0,
         "greedy_divergence_margin": greedy_margin,
     }
-    sizes = {name: len(values) for name, (values, _) in samples.items()}
+    sizes = {name: int(where.sum()) for name, (_, _, where) in samples.items()}
     checks = tuple(_check(t, metrics, intervals, sizes) for t in profile.thresholds)
     return QualityReport(
         provider=onnx.provider,
@@ -432,6 +446,7 @@ def check_quality(
         windows=sum(len(b["input_ids"]) for b, _ in batches),
         window_length=window_length(settings),
         seconds=time.perf_counter() - began,
+        resampled="windows" if by_windows else "positions",
     )
 
 

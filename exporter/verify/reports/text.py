@@ -443,6 +443,7 @@ def kl_position_summary(q) -> str:
 def quality_input(q) -> str:
     """What the quality checks read, how much of it, and in what time."""
     read = f"{q.windows} rows of {q.window_length} ids, {q.metrics['positions']} positions judged, in {q.seconds:.1f} s"
+    read += f"; intervals resample the {q.resampled}"
     if q.text is None:
         return f"input: seeded random ids ({read})"
     return f"input: text {q.text.source}, {len(q.text.ids)} tokens read whole ({read})"

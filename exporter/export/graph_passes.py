@@ -97,10 +97,20 @@ def finish(model: onnx.ModelProto, contract: GraphContract) -> onnx.ModelProto:
     return model
 
 
+# Node metadata torch.onnx writes that the artifact drops: stack traces carry this machine's absolute paths; the
+# namespace and class hierarchy repeat the module path that the name scopes (exporter.artifact.scopes, kept: they place
+# each node in its module) give, with class names, at over half of a graph file's bytes.
+_DROPPED_METADATA = (
+    "pkg.torch.onnx.stack_trace",
+    "pkg.torch.onnx.fx_node",
+    "namespace",
+    "pkg.torch.onnx.class_hierarchy",
+)
+
+
 def _strip_trace_metadata(model: onnx.ModelProto) -> None:
-    # Stack traces carry this machine's absolute paths; the module namespace is kept.
     for node in model.graph.node:
-        kept = [p for p in node.metadata_props if p.key not in ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node")]
+        kept = [p for p in node.metadata_props if p.key not in _DROPPED_METADATA]
         del node.metadata_props[:]
         node.metadata_props.extend(kept)
 

@@ -52,8 +52,6 @@ TRACED_LAYERS = 3
 # `model`), as torch.onnx names it in each node's scopes.
 LAYERS_SCOPE = "model.model.layers"
 _PER_LAYER_IO = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)")
-# Node metadata that names the module, hence the layer: relabelled in each clone.
-_RELABELLED_METADATA = (SCOPES_KEY, "namespace")
 
 
 class NotRepeatable(Exception):
@@ -404,7 +402,7 @@ class _Expansion:
                     version=node.version,
                     name=self._fresh(node.name or node.op_type, layer),
                     metadata_props={
-                        key: _relabel(text, layer) if key in _RELABELLED_METADATA else text
+                        key: _relabel(text, layer) if key == SCOPES_KEY else text
                         for key, text in node.metadata_props.items()
                     },
                 )

@@ -27,6 +27,7 @@ from exporter.artifact import destination as destination_module
 from exporter.artifact.axes import lint_axes
 from exporter.artifact.contract import BATCH, PAST, SEQUENCE, TOTAL, GraphContract
 from exporter.artifact.manifest import read_manifest, sha256_file
+from exporter.artifact.scopes import SCOPES_KEY, module_of
 from exporter.errors import ExportFailed, GraphRunError, InputError, OutputPathError, TokenizerError
 from exporter.export import checks, graph_passes, tracing
 from exporter.export import pipeline as export_module
@@ -87,6 +88,22 @@ def test_weights_are_stored_once_and_shared_by_both_graphs(artifact_fp32, tiny_m
     params = sum(p.numel() * 4 for p in tiny_model.parameters() if p.numel() * 4 >= INLINE_LIMIT_BYTES)
     assert stored == params  # the tied embedding/lm_head and every matrix exactly once
     assert (artifact_fp32 / "weights.onnx.data").stat().st_size < stored + 4096 * len(distinct)
+
+
+@pytest.mark.parametrize("graph", ["prefill.onnx", "decode.onnx"])
+def test_nodes_keep_their_module_scopes_and_nothing_of_the_trace(artifact_fp32, graph):
+    """Each node keeps the name scopes that place it in its module; the metadata torch.onnx also writes (stack traces
+    with this machine's paths, the namespace and class hierarchy that repeat the scopes) is dropped."""
+    nodes = _load(artifact_fp32, graph).graph.node
+    keys = {p.key for node in nodes for p in node.metadata_props}
+    assert SCOPES_KEY in keys
+    assert not keys & {
+        "pkg.torch.onnx.stack_trace",
+        "pkg.torch.onnx.fx_node",
+        "namespace",
+        "pkg.torch.onnx.class_hierarchy",
+    }
+    assert "model.layers.1.self_attn.q_proj" in {module_of(node) for node in nodes}
 
 
 def test_shared_weights_are_matched_by_content_at_page_aligned_offsets(tmp_path):

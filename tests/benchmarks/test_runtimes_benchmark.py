@@ -116,3 +116,8 @@ def test_a_rows_verdict_says_why_it_differs_and_the_table_gives_each_reason_once
     assert "| the report's verdict | fail | pass |" in lines
     assert lines.count("- onnxruntime CPU (a, b): level ignored") == 1  # shared by both: said once
     assert "- vino default (a): bf16" in lines
+
+
+def test_a_node_runners_second_row_names_where_its_steps_ran(benchmark):
+    assert benchmark.inside("onnxruntime-node cpu") == "onnxruntime-node cpu, inside Node"
+    assert benchmark.inside("onnxruntime-web-chromium wasm") == "onnxruntime-web-chromium wasm, inside the page"

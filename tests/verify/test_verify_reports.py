@@ -64,6 +64,8 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     [failure] = suites.findall(".//failure")
     assert "present max abs 0.5 (3e+03x tol, FAIL)" in failure.text and "logits max abs" in failure.text
     assert failure.get("message") == failure.text[:200]  # what a CI system lists without opening the case
+    worst = {p.get("value") for p in suites.findall(".//property") if p.get("name") == "worst_multiple"}
+    assert worst == {f"{broken.reports[0].worst_multiple:.4g}"} and broken.reports[0].worst_multiple > 1000
 
     text = format_verify(broken)
     assert f"3e+03x (present) at {case.name}" in text  # the summary row: the worse of the two outputs
@@ -90,7 +92,9 @@ def test_reports_of_a_broken_run_stay_readable_and_name_what_failed(full):
     assert "art\x01&lt;&amp;&gt;" in page and "2 not finite, not drawn" in page
     assert not re.search(r'="[^"]*\b(nan|inf)\b', page)  # no SVG attribute holds a non-finite number
     assert ": FAIL</title>" in page and "<span class='FAIL'>FAIL</span></h1>" in page
-    assert f'{cpu.provider} (float32): <span class="FAIL">FAIL</span></h2>' in page
+    assert (
+        f'{cpu.provider} (float32): <span class="FAIL">FAIL</span> (worst check at 3e+03x its tolerance)</h2>' in page
+    )
 
     # MoE routing: one failing call's flip explained by a near-tie, another's not: the row fails
     from types import SimpleNamespace

@@ -25,6 +25,7 @@ from exporter.verify.reports.text import (
     runtime_notes,
     summary_tables,
     verdict,
+    worst_note,
 )
 from exporter.verify.results import ProviderReport, VerifyReport
 
@@ -138,7 +139,7 @@ def _provider(p: ProviderReport) -> str:
     return (
         f'<section class="provider"><h2>{escape(p.provider)} ({p.dtype}): '
         f'<span class="{"pass" if p.passed else "attributed" if p.attributed else "FAIL"}">'
-        f"{escape(row_verdict(p))}</span></h2>"
+        f"{escape(row_verdict(p))}</span>{escape(worst_note(p.worst_multiple))}</h2>"
         f"{_table(HEADER, rows)}<ul>{items}</ul>{_plots(p)}<h3>Shape sweep</h3>{sweep}</section>"
     )
 

@@ -54,7 +54,9 @@ def _suite(root: ET.Element, name: str, cases: list[tuple[str, bool | None, str]
     if row is not None:
         label = row.runtime
         properties = ET.SubElement(suite, "properties")
-        for name, value in (("runtime", f"{label.name}, {label.configuration}"), *(("note", n) for n in label.notes)):
+        worst = () if row.worst_multiple is None else (("worst_multiple", f"{row.worst_multiple:.4g}"),)
+        entries = (("runtime", f"{label.name}, {label.configuration}"), *worst, *(("note", n) for n in label.notes))
+        for name, value in entries:
             ET.SubElement(properties, "property", name=name, value=_xml_text(value))
     for case in cases:
         _case(suite, *case)

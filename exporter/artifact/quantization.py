@@ -296,6 +296,40 @@ def block_inputs(node) -> list[str]:
     return [name for name in names if name]
 
 
+@dataclass(frozen=True)
+class ZeroPointFractions:
+    """What an HQQ MatMulNBits node's float zero points z became (exporter/export/quantize.py): the node reads them
+    rounded to integers, and the graph adds back MatMul(MatMul(x, `blocks_sum`), `fractions`), the initializers'
+    names: `blocks_sum` the (K, blocks) 0/1 matrix that sums each block of the node's input x, `fractions` the
+    (blocks, N) float matrix of (round(z) - z) · scale."""
+
+    fractions: str
+    blocks_sum: str
+
+
+def zero_point_fractions(graph) -> dict[str, ZeroPointFractions]:
+    """By MatMulNBits node name, the ZeroPointFractions its output is added to, in `graph` (an onnx GraphProto):
+    found by the graph's structure, Add(node's output, MatMul(MatMul(node's input, initializer), initializer))."""
+    producers = {output: node for node in graph.node for output in node.output}
+    initializers = {tensor.name for tensor in graph.initializer}
+    found = {}
+    for add in graph.node:
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        node, correction = (producers.get(name) for name in add.input)
+        if node is None or correction is None or node.op_type != QUANTIZED_OP or correction.op_type != "MatMul":
+            continue
+        sums = producers.get(correction.input[0])
+        if (
+            sums is not None
+            and sums.op_type == "MatMul"
+            and sums.input[0] == node.input[0]
+            and {sums.input[1], correction.input[1]} <= initializers
+        ):
+            found[node.name] = ZeroPointFractions(correction.input[1], sums.input[1])
+    return found
+
+
 def _schemes() -> str:
     return ", ".join(f"{name} ({bits} bits)" for name, bits in SCHEMES.items())
 

@@ -221,7 +221,80 @@ def _run_quantizer(
             node.metadata_props.extend(scopes[node.output[0]])
         if algorithm == "hqq" and level:
             node.attribute.append(helper.make_attribute("accuracy_level", level))
+    if algorithm == "hqq":
+        _integer_zero_points(quantized, {output for output in scopes})
     return quantized
+
+
+def _integer_zero_points(model: onnx.ModelProto, outputs: set[str]) -> None:
+    """Rewrite each HQQ MatMulNBits (float zero points) writing one of `outputs` as onnxruntime's CPU kernels run
+    fast: MatMulNBits on the zero points rounded to integers, plus what the rounding left, added back exactly.
+
+    A block's weights are (q - z)·s = (q - round(z))·s + (round(z) - z)·s: the second term is one number per block,
+    so it adds to the output the sum of the block's inputs times that number. The graph computes it as
+    Add(MatMulNBits(x), MatMul(MatMul(x, blocks_sum), fractions)): `blocks_sum` the (K, blocks) 0/1 matrix that sums
+    each block of x (one per input and block size), `fractions` the (blocks, N) float matrix of (round(z) - z)·s
+    (exporter.artifact.quantization.zero_point_fractions finds them). onnxruntime's CPU MatMulNBits has fast kernels
+    for integer zero points only; float ones fall back to dequantizing every block at every call."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> its block sums
+    rewritten = []
+    for node in model.graph.node:
+        zero_points = initializers.get(node.input[3]) if node.op_type == QUANTIZED_OP and len(node.input) > 3 else None
+        if node.output[0] not in outputs or zero_points is None or zero_points.data_type not in GRAPH_FLOAT_TYPES:
+            rewritten.append(node)
+            continue
+        attributes = _attributes(node)
+        n, k, bits, block = attributes["N"], attributes["K"], attributes["bits"], attributes["block_size"]
+        blocks = -(-k // block)
+        float_type = helper.tensor_dtype_to_np_dtype(zero_points.data_type)
+        scales = numpy_helper.to_array(initializers[node.input[2]])
+        packed, fractions = split_zero_points(numpy_helper.to_array(zero_points), scales, n, bits, float_type)
+        integer_name, fractions_name = f"{zero_points.name}_integer", f"{zero_points.name}_fractions"
+        model.graph.initializer.extend(
+            [numpy_helper.from_array(packed, integer_name), numpy_helper.from_array(fractions, fractions_name)]
+        )
+        key = (node.input[0], k, block)
+        if key not in sums:
+            ones = f"blocks_sum_{k}_{block}"
+            if ones not in initializers:
+                matrix = np.zeros((k, blocks), float_type)
+                matrix[np.arange(k), np.arange(k) // block] = 1
+                initializers[ones] = numpy_helper.from_array(matrix, ones)
+                model.graph.initializer.append(initializers[ones])
+            sums[key] = f"{node.name}_blocks_sum"
+            rewritten.append(helper.make_node("MatMul", [node.input[0], ones], [sums[key]], name=sums[key]))
+        output = node.output[0]
+        node.input[3], node.output[0] = integer_name, f"{output}_integer_zero_points"
+        correction = helper.make_node(
+            "MatMul", [sums[key], fractions_name], [f"{output}_fractions"], name=f"{node.name}_fractions"
+        )
+        add = helper.make_node(
+            "Add", [node.output[0], correction.output[0]], [output], name=f"{node.name}_add_fractions"
+        )
+        for new in (correction, add):
+            new.metadata_props.extend(node.metadata_props)
+        rewritten += [node, correction, add]
+    del model.graph.node[:]
+    model.graph.node.extend(rewritten)
+
+
+def split_zero_points(
+    zero_points: np.ndarray, scales: np.ndarray, n: int, bits: int, float_type
+) -> tuple[np.ndarray, np.ndarray]:
+    """HQQ's float `zero_points` (N x blocks,) as the graph holds them (_integer_zero_points): rounded to integers in
+    [0, 2^bits - 1], in MatMulNBits' packed layout (per row, 4-bit ones two to a byte, the even block's in the low
+    nibble, the row padded to whole bytes; 8-bit ones a byte each; flat), and the fractions (round(z) - z) · scale
+    that the rounding left, (blocks, N) in `float_type`."""
+    zero = np.asarray(zero_points, np.float64).reshape(n, -1)
+    rounded = np.clip(np.rint(zero), 0, 2**bits - 1)
+    fractions = np.ascontiguousarray(((rounded - zero) * np.asarray(scales, np.float64).reshape(n, -1)).T)
+    integers = rounded.astype(np.uint8)
+    if bits == 8:
+        return integers.reshape(-1), fractions.astype(float_type)
+    padded = np.zeros((n, integers.shape[1] + integers.shape[1] % 2), np.uint8)
+    padded[:, : integers.shape[1]] = integers
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1), fractions.astype(float_type)
 
 
 def matrix_blocks(weight: np.ndarray, bits: int, scheme: Quantization) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

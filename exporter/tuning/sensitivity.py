@@ -20,8 +20,8 @@ from onnx import helper
 
 from exporter.artifact.quantization import DEFAULT_ALGORITHM, QUANTIZED_OP, Quantization
 from exporter.artifact.scopes import ROUTER_SCOPE
-from exporter.export.quantize import MS_DOMAIN, hqq_matrix_blocks, matrix_blocks
-from exporter.verify.checks.blocks import dequantize_blocks
+from exporter.export.quantize import MS_DOMAIN, hqq_matrix_blocks, matrix_blocks, split_zero_points
+from exporter.verify.checks.blocks import dequantize_blocks, fitted_zero_points
 from exporter.verify.metrics import token_statistics
 
 ROWS_PER_CALL = 4  # windows per forward pass: the float64 distributions of a call stay a few hundred MB at 50k tokens
@@ -50,8 +50,10 @@ def rounded_weight(
     node = helper.make_node(
         QUANTIZED_OP, ["A", "B", "scales"], ["Y"], domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=scheme.block_size
     )
-    if algorithm == "hqq":
-        return dequantize_blocks(node, *hqq_matrix_blocks(weight, bits, scheme))
+    if algorithm == "hqq":  # the float zero points held as the graph holds them: integers and their fractions
+        packed, scales, zero_points = hqq_matrix_blocks(weight, bits, scheme)
+        integers, fractions = split_zero_points(zero_points, scales, n, bits, scales.dtype)
+        return dequantize_blocks(node, packed, scales, fitted_zero_points(node, packed, scales, integers, fractions))
     packed, scales, zero_points = matrix_blocks(weight.astype(np.float32), bits, scheme)
     return dequantize_blocks(node, packed, scales, None if scheme.symmetric else zero_points)
 
@@ -60,16 +62,15 @@ def module_bytes(
     shape: tuple[int, int], bits: int | None, scheme: Quantization, float_bytes: int, algorithm: str = DEFAULT_ALGORITHM
 ) -> int:
     """What a Linear's weight of `shape` (out, in) takes in an artifact: `bits`-bit blocks with their scales (of
-    `float_bytes` each, the graphs' float type) and packed zero points (HQQ's: floats of the same type), or float
-    (bits None)."""
+    `float_bytes` each, the graphs' float type) and packed zero points (HQQ's: those and a float fraction per block,
+    exporter/export/quantize.py), or float (bits None)."""
     n, k = shape
     if bits is None:
         return n * k * float_bytes
     blocks = -(-k // scheme.block_size)
+    zero_points = 0 if scheme.symmetric and algorithm != "hqq" else n * -(-blocks * bits // 8)
     if algorithm == "hqq":
-        zero_points = n * blocks * float_bytes
-    else:
-        zero_points = 0 if scheme.symmetric else n * -(-blocks * bits // 8)
+        zero_points += n * blocks * float_bytes
     return n * blocks * (scheme.block_size * bits // 8 + float_bytes) + zero_points
 
 

@@ -25,7 +25,13 @@ from helpers import (
 from onnx import helper, numpy_helper
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QUANTIZED_OPS, ModulePrecision, QuantizationSettings, block_inputs
+from exporter.artifact.quantization import (
+    QUANTIZED_OPS,
+    ModulePrecision,
+    QuantizationSettings,
+    block_inputs,
+    zero_point_fractions,
+)
 from exporter.artifact.scopes import module_of
 from exporter.errors import ArtifactError, GraphRunError, InputError
 from exporter.export.pipeline import export_artifact
@@ -522,11 +528,16 @@ def test_hqq_makes_other_blocks_than_round_to_nearest_and_the_audit_holds_them(h
     assert Artifact.open(quantized["int4"]).manifest.quantization.algorithm == "rtn"
     ours, rtn = _zero_points(hqq), _zero_points(quantized["int4"])
     assert ours.keys() == rtn.keys()
+    graph = onnx.load(str(hqq / "prefill.onnx"), load_external_data=False).graph
+    fractions = zero_point_fractions(graph)
+    nodes = {module_of(n): n for n in graph.node if n.op_type in QUANTIZED_OPS}
     for module, (bits, zero_points) in ours.items():
-        if bits == 4:  # HQQ's zero points are the solver's floats, one per block
-            assert zero_points.dtype == np.float32 and zero_points.size == 2 * rtn[module][1].size, module
-        else:  # the int8 lm_head and embedding stay round-to-nearest: the same bytes
-            assert np.array_equal(zero_points, rtn[module][1]), module
+        if bits == 4:  # the solver's float zero points, held as integers (packed as RTN's) and their fractions
+            assert zero_points.dtype == np.uint8 and zero_points.size == rtn[module][1].size, module
+            held = read_initializer(hqq, fractions[nodes[module].name].fractions)
+            assert held.dtype == np.float32 and held.size == 2 * zero_points.size and held.any(), module
+        else:  # the int8 lm_head and embedding stay round-to-nearest: the same bytes, no fractions
+            assert np.array_equal(zero_points, rtn[module][1]) and nodes[module].name not in fractions, module
     ids = np.asarray(CONSUMER_PROMPTS[0], dtype=np.int64)[None]
     mask = np.ones_like(ids)
     logits = [OrtRunner(folder).start(ids, mask, np.arange(ids.shape[1])[None]) for folder in (hqq, quantized["int4"])]
@@ -534,6 +545,18 @@ def test_hqq_makes_other_blocks_than_round_to_nearest_and_the_audit_holds_them(h
     audit = audit_weights(Artifact.open(hqq), tiny_model)
     assert audit.passed, [f.describe() for f in audit.findings]
     assert all(g.quantized == len(_quantized_nodes(hqq)) and g.carried == g.parameters for g in audit.graphs)
+
+
+def test_an_hqq_artifact_computes_what_its_blocks_hold_and_passes_verify(hqq, tiny_model):
+    """The integer zero points and the fractions added back compute the HQQ blocks' weights: ONNX Runtime in float
+    math matches the reference holding the dequantized weights (faithfulness), and the whole verification passes."""
+    from exporter import verify_artifact
+    from exporter.verify.inputs import ParitySettings
+
+    settings = ParitySettings(decode_steps=8, sweep=False)
+    report = verify_artifact(hqq, tiny_model, ["cpu"], settings, genai=False, transformers_js=False)
+    assert report.faithfulness is not None and report.faithfulness.passed, report.faithfulness
+    assert report.passed, [q.verdict for q in report.quality]
 
 
 def test_the_audit_derives_hqq_scales_bit_for_bit():
@@ -552,29 +575,34 @@ def test_the_audit_derives_hqq_scales_bit_for_bit():
     assert np.array_equal(scales.numpy().reshape(8, 3).view(np.uint32), expected.view(np.uint32))
 
 
+def _scaled_first(values):
+    values.reshape(-1)[0] *= np.float32(1.05)
+    return values
+
+
+def _one_entry_cleared(values):
+    values[np.nonzero(values)[0][0], np.nonzero(values)[1][0]] = 0
+    return values
+
+
 @pytest.mark.parametrize(
-    ("change", "expected"),
-    [
-        (lambda zero_points: zero_points + np.float32(1), "dequantized weights lie beyond half a step"),
-        (None, "scales are not the quantizer's"),
+    ("which", "change", "expected"),
+    [  # which initializer of quantized_blocks: 1 scales, 2 integer zero points, 3 fractions, 4 block sums
+        (2, lambda zero_points: zero_points ^ np.uint8(1), "dequantized weights lie beyond half a step"),
+        (3, lambda fractions: fractions * np.float32(-3), "dequantized weights lie beyond half a step"),
+        (1, _scaled_first, "scales are not the quantizer's"),
+        (4, _one_entry_cleared, "must sum each block of 32 inputs (0s and 1s): 1 of"),
     ],
 )
-def test_an_hqq_block_off_by_a_step_or_a_scale_fails_the_audit(hqq, tiny_model, tmp_path, change, expected):
+def test_an_hqq_block_off_by_a_step_or_a_scale_fails_the_audit(hqq, tiny_model, tmp_path, which, change, expected):
     from exporter.verify.checks.weights.audit import audit_weights
 
     folder = shutil.copytree(hqq, tmp_path / "mutated")
     module = "model.layers.1.mlp.down_proj"
-    which = 1 if change is None else 2  # the scales, or the zero points
-
-    def edit(values):
-        if change is None:
-            values.reshape(-1)[0] *= np.float32(1.05)
-            return values
-        return change(values)
-
-    edit_initializers(folder, lambda model: {quantized_blocks(model, module)[which]: edit})
+    edit_initializers(folder, lambda model: {quantized_blocks(model, module)[which]: change})
     findings = audit_weights(Artifact.open(folder), tiny_model).findings
-    assert len(findings) == 2 and all(module in f.detail and expected in f.detail for f in findings), findings
+    named = module if which < 4 else "blocks_sum"  # the block-sum matrix is shared by the nodes reading one input
+    assert len(findings) == 2 and all(named in f.detail and expected in f.detail for f in findings), findings
 
 
 def test_hqq_blocks_under_a_manifest_recording_round_to_nearest_fail_the_audit(hqq, tiny_model, tmp_path):
@@ -585,7 +613,7 @@ def test_hqq_blocks_under_a_manifest_recording_round_to_nearest_fail_the_audit(h
     findings = audit_weights(Artifact.open(folder), tiny_model).findings
     fours = sum(bits == 4 for bits, _ in _zero_points(hqq).values())
     assert len(findings) == 2 * fours and all(f.problem == "scheme" for f in findings), [f.detail for f in findings]
-    assert "holds hqq blocks (float zero points), but the manifest records rtn for its 4-bit" in findings[0].detail
+    assert "holds hqq blocks (fitted zero points), but the manifest records rtn for its 4-bit" in findings[0].detail
 
 
 def test_the_quality_search_rounds_a_module_as_the_hqq_artifact_holds_it(hqq, tiny_model):

@@ -24,7 +24,9 @@ roundoff; 0 in float32), which stretches the M steps by at most M·u_T; 1/scale 
 The bound is therefore scale · (1/2 + (M + 1)(u_T + 3u)). A weight of another block, layer or matrix lies steps away.
 
 A 4-bit matrix made by onnxruntime's HQQ (`HQQWeightOnlyQuantizer.quantize_internal`, manifest algorithm "hqq") has
-float zero points, which tell its blocks from round-to-nearest ones. Its scale spans the block's own range, in
+float zero points, which tell its blocks from round-to-nearest ones. The graph holds them as integer zero points and
+the fractions the rounding left, added back after the node (exporter/export/quantize.py); `fitted_zero_points` puts
+the two together again, and they are judged as the floats. Its scale spans the block's own range, in
 float32 (torch divides a number by a tensor as the tensor's reciprocal times the number, each step an IEEE-754
 operation, correctly rounded as numpy's):
 
@@ -95,6 +97,22 @@ def _codes(node: onnx.NodeProto, b: np.ndarray, zero_points: np.ndarray | None, 
     else:
         zero = zero_points.reshape(n, blocks)[rows]
     return q.astype(np.int64), zero.astype(np.int64)
+
+
+def fitted_zero_points(
+    node: onnx.NodeProto, b: np.ndarray, scales: np.ndarray, integers: np.ndarray, fractions: np.ndarray
+) -> np.ndarray:
+    """The float zero points an HQQ node was made with, from the integer ones it reads and the `fractions` (blocks,
+    N) the graph adds back (exporter.artifact.quantization.ZeroPointFractions): z = round(z) - fraction / scale, in
+    float64 (N x blocks,). The division undoes the fraction's one rounding to within a unit roundoff of the scale
+    type relative, far inside the codes' slack; a block whose scale is 0 keeps its integer zero point."""
+    n, k, bits, block = layout(node, b)
+    blocks = -(-k // block)
+    _, integer = _codes(node, b, integers, slice(0, n))
+    scale = scales.reshape(n, blocks).astype(np.float64)
+    fraction = fractions.astype(np.float64).reshape(blocks, n).T
+    shift = np.divide(fraction, scale, out=np.zeros_like(fraction), where=scale != 0)
+    return (integer - shift).reshape(-1)
 
 
 def is_hqq(zero_points: np.ndarray | None) -> bool:

@@ -38,9 +38,15 @@ import onnx
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs
+from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs, zero_point_fractions
 from exporter.artifact.scopes import module_of
-from exporter.verify.checks.weights.quantized import audit_blocks, audit_row_ids, audit_scheme, row_id_tables
+from exporter.verify.checks.weights.quantized import (
+    audit_blocks,
+    audit_blocks_sum,
+    audit_row_ids,
+    audit_scheme,
+    row_id_tables,
+)
 from exporter.verify.checks.weights.results import GraphAudit, WeightAudit, WeightFinding
 from exporter.verify.checks.weights.tensors import (
     ReferenceIndex,
@@ -157,7 +163,9 @@ def audit_graph(
     scalars = integers = 0
     audited: list[_Initializer] = []
     blocks = [node for node in graph.node if node.op_type in QUANTIZED_OPS]
+    fractions = zero_point_fractions(graph)
     held_in_blocks = {name for node in blocks for name in block_inputs(node)}
+    held_in_blocks |= {name for f in fractions.values() for name in (f.fractions, f.blocks_sum)}
     for tensor in graph.initializer:
         if tensor.name in held_in_blocks:
             continue
@@ -202,10 +210,14 @@ def audit_graph(
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     quantized = 0
     for node in blocks:
-        found = audit_blocks(artifact, node, initializers, weights, index, carried, named, file)
+        found = audit_blocks(artifact, node, initializers, weights, index, carried, named, file, fractions)
         quantized += found is None
         findings += [found] if found is not None else []
-        found = audit_scheme(artifact.manifest, node, file, initializers)
+        found = audit_scheme(artifact.manifest, node, file, initializers, fractions)
+        findings += [found] if found is not None else []
+    sums = {f.blocks_sum: node for node in blocks if node.name in fractions for f in [fractions[node.name]]}
+    for name, node in sums.items():
+        found = audit_blocks_sum(artifact, node, name, initializers, weights, file)
         findings += [found] if found is not None else []
     row_ids = row_id_tables(graph, initializers)
     for node, name in row_ids:
@@ -237,6 +249,7 @@ def audit_graph(
         findings=tuple(findings),
         quantized=quantized,
         tables=len(row_ids),
+        block_sums=len(sums),
     )
 
 

@@ -1,20 +1,21 @@
 """The weight audit of a quantized artifact (manifest `quantization`): its blocks against their parameters.
 
-Each MatMulNBits node holds a projection, and a
-GatherBlockQuantized node the token embedding, as blocks of `bits`-bit integers, a scale and a zero point per block:
-it cannot equal its parameter bit for bit. Each node lies in the module whose Linear (or embedding) it replaced (the
-export gives it the MatMul's scope, exporter/export/quantize.py), and is held to that module's parameter as
-onnxruntime's quantizer makes blocks of it (exporter/verify/checks/blocks.py derives each bound): its scales and zero
-points equal the quantizer's bit for bit, and each dequantized weight, (q - zero_point) * scale, lies within half a
-step of the parameter, plus rounding. Blocks made by HQQ (float zero points, which the manifest's algorithm must
-record for the module) have their scales held bit for bit and their codes to the nearest on the grid, the solver's
-zero point being re-derivable by no formula. Another layer's blocks in its place, a scale × 1.05 or rounded to another
-format, a zero point off by one, fail; the finding names the parameter the blocks hold instead where they are
-another's. Blocks of more bits than recorded would pass that test, so each node's bits and block size (and whether
-it has zero points) are also held to the manifest's scheme (the lm_head to its `lm_head` option, the embedding to its
-`embedding` option). The ids reach the quantized embedding through a Gather of a table of row numbers (it fails on
-ids outside the table, as the float graph's Gather does): that integer table must hold 0 .. rows-1, or it would give
-one token another's row.
+Each MatMulNBits node holds a projection, and a GatherBlockQuantized node the token embedding, as blocks of
+`bits`-bit integers, a scale and a zero point per block: it cannot equal its parameter bit for bit. Each node lies
+in the module whose Linear (or embedding) it replaced (the export gives it the MatMul's scope,
+exporter/export/quantize.py), and is held to that module's parameter as onnxruntime's quantizer makes blocks of it
+(exporter/verify/checks/blocks.py derives each bound): its scales and zero points equal the quantizer's bit for bit,
+and each dequantized weight, (q - zero_point) * scale, lies within half a step of the parameter, plus rounding.
+Blocks made by HQQ (float zero points, which the manifest's algorithm must record for the module; the graph holds
+them as integer zero points and the fractions it adds back) have their scales held bit for bit and their codes to
+the nearest on the grid, the solver's zero point being re-derivable by no formula; the matrix that sums each block
+of the input for those fractions must hold 0s and 1s as the blocks lie. Another layer's blocks in its place, a scale
+× 1.05 or rounded to another format, a zero point off by one, fail; the finding names the parameter the blocks hold
+instead where they are another's. Blocks of more bits than recorded would pass that test, so each node's bits and
+block size (and whether it has zero points) are also held to the manifest's scheme (the lm_head to its `lm_head`
+option, the embedding to its `embedding` option). The ids reach the quantized embedding through a Gather of a table
+of row numbers (it fails on ids outside the table, as the float graph's Gather does): that integer table must hold 0
+.. rows-1, or it would give one token another's row.
 
 `dequantized_weights` gives the weights those blocks compute with, by module, for the checks that run them in float
 math (exporter.verify.checks.faithfulness).
@@ -26,21 +27,30 @@ import numpy as np
 import onnx
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import GATHER_OP, QUANTIZED_OPS, block_inputs
+from exporter.artifact.quantization import (
+    GATHER_OP,
+    QUANTIZED_OPS,
+    ZeroPointFractions,
+    block_inputs,
+    zero_point_fractions,
+)
 from exporter.artifact.scopes import module_of
-from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, layout
+from exporter.verify.checks.blocks import check_blocks, dequantize_blocks, fitted_zero_points, layout
 from exporter.verify.checks.weights.results import WeightFinding
 from exporter.verify.checks.weights.tensors import ReferenceIndex, ReferenceTensor, WeightsFile, read_initializer
 
 
-def audit_scheme(manifest, node: onnx.NodeProto, file: str, initializers: dict) -> WeightFinding | None:
+def audit_scheme(
+    manifest, node: onnx.NodeProto, file: str, initializers: dict, fractions: dict[str, ZeroPointFractions]
+) -> WeightFinding | None:
     """A quantized node's bits and block size against the scheme the manifest records: the embedding (the
     GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
     vocabulary width) at those of its `lm_head` option, every other matrix at the scheme's; None when they agree.
     Blocks of more bits than recorded still lie within their scales, so only this tells such an artifact from the
     one it claims to be. A module of the mix (an export made to a quality target) is held to the mix's bits. Its
-    algorithm too: HQQ's blocks (float zero points, among `initializers` by name) where the manifest records "hqq"
-    for the module's bits, round-to-nearest's (integer zero points, or none) elsewhere."""
+    algorithm too: HQQ's blocks (float zero points, among `initializers` by name, or integer ones with the
+    `fractions` the graph adds back, by node name) where the manifest records "hqq" for the module's bits,
+    round-to-nearest's (integer zero points, or none) elsewhere."""
     scheme, held = manifest.quantization, block_inputs(node)[0]
     if scheme is None:
         return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
@@ -66,7 +76,7 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str, initializers: dict) 
             f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
         )
     if (bits, block) == (expected, scheme.block_size):
-        return _audit_algorithm(scheme, node, bits, file, initializers)
+        return _audit_algorithm(scheme, node, bits, file, initializers, node.name in fractions)
     asked = f" ({choice[0]} {choice[1]})" if choice else ""
     recorded = f"{expected}-bit blocks of {scheme.block_size}" if expected else "float weights"
     return WeightFinding(
@@ -79,15 +89,17 @@ def audit_scheme(manifest, node: onnx.NodeProto, file: str, initializers: dict) 
     )
 
 
-def _audit_algorithm(scheme, node: onnx.NodeProto, bits: int, file: str, initializers: dict) -> WeightFinding | None:
+def _audit_algorithm(
+    scheme, node: onnx.NodeProto, bits: int, file: str, initializers: dict, fitted: bool
+) -> WeightFinding | None:
     names = block_inputs(node)
     zero_points = initializers.get(names[2]) if len(names) > 2 else None
     float_types = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-    held = "hqq" if zero_points is not None and zero_points.data_type in float_types else "rtn"
+    held = "hqq" if fitted or (zero_points is not None and zero_points.data_type in float_types) else "rtn"
     recorded = scheme.algorithm_for(module_of(node) or "", bits)
     if held == recorded:
         return None
-    zero = "float" if held == "hqq" else "integer or no"
+    zero = "fitted" if held == "hqq" else "integer or no"
     return WeightFinding(
         file,
         "scheme",
@@ -102,20 +114,37 @@ def _attribute(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def audit_blocks(artifact, node, initializers, weights, index: ReferenceIndex, carried: set, named: set, file: str):
-    """A quantized node's blocks against the parameter of the module it lies in (its scope), as onnxruntime's
-    quantizer makes them (exporter/verify/checks/blocks.py); None when they are (it is then carried), else the
-    finding, naming the parameter they hold instead where they are another's."""
-    names = block_inputs(node)
+def block_arrays(artifact, node, initializers: dict, weights, fractions: dict[str, ZeroPointFractions]):
+    """A quantized node's blocks, scales and zero points (None where it has none) as arrays, its zero points the
+    fitted floats where the graph adds their fractions back (blocks.fitted_zero_points); or, where one cannot be read,
+    (its name, why) in place of the arrays."""
+    names = block_inputs(node) + ([fractions[node.name].fractions] if node.name in fractions else [])
     arrays = []
     for name in names:
         array, problem = (
             read_initializer(artifact, initializers[name], weights) if name in initializers else (None, "missing")
         )
         if array is None:
-            return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
+            return name, problem
         arrays.append(array)
-    b, scales, zero_points = (*arrays, None)[:3]
+    if node.name in fractions:
+        b, scales, integers, held = arrays
+        return b, scales, fitted_zero_points(node, b, scales, integers, held)
+    return (*arrays, None)[:3]
+
+
+def audit_blocks(
+    artifact, node, initializers, weights, index: ReferenceIndex, carried: set, named: set, file: str, fractions: dict
+):
+    """A quantized node's blocks against the parameter of the module it lies in (its scope), as onnxruntime's
+    quantizer makes them (exporter/verify/checks/blocks.py); None when they are (it is then carried), else the
+    finding, naming the parameter they hold instead where they are another's."""
+    names = block_inputs(node)
+    arrays = block_arrays(artifact, node, initializers, weights, fractions)
+    if len(arrays) == 2:
+        name, problem = arrays
+        return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
+    b, scales, zero_points = arrays
     module = module_of(node)
     if module is None:
         return WeightFinding(
@@ -216,6 +245,33 @@ def audit_row_ids(
     )
 
 
+def audit_blocks_sum(
+    artifact, node: onnx.NodeProto, name: str, initializers: dict, weights, file: str
+) -> WeightFinding | None:
+    """The matrix `name` that sums each block of the HQQ `node`'s input for its zero points' fractions against what it
+    must be: (K, blocks), 1 where row k lies in block k // block_size, else 0; None when it is."""
+    table, problem = read_initializer(artifact, initializers[name], weights)
+    if table is None:
+        return WeightFinding(file, "unreadable", "", name, f"block-sum matrix {name} of {node.name} {problem}")
+    k, block = _attribute(node, "K", 0), _attribute(node, "block_size", 1)
+    expected = np.zeros((k, -(-k // block)), np.float32)
+    expected[np.arange(k), np.arange(k) // block] = 1
+    if table.shape == expected.shape and np.array_equal(table, expected):
+        return None
+    how = (
+        f"has shape {list(table.shape)}, not {list(expected.shape)}"
+        if table.shape != expected.shape
+        else f"{int((table != expected).sum())} of {expected.size} entries differ"
+    )
+    return WeightFinding(
+        file,
+        "differs",
+        "",
+        name,
+        f"the block-sum matrix {name} of {node.name} must sum each block of {block} inputs (0s and 1s): {how}",
+    )
+
+
 def dequantized_weights(artifact: Artifact) -> dict[str, np.ndarray]:
     """The weight each quantized node of `artifact`'s prefill graph computes with in float math, by the module it
     lies in ({"model.layers.0.self_attn.q_proj": (out, in) float32}; the embedding's (vocab, hidden)). Both graphs
@@ -223,13 +279,13 @@ def dequantized_weights(artifact: Artifact) -> dict[str, np.ndarray]:
     graph = artifact.graph(artifact.manifest.prefill).graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     weights = WeightsFile(artifact)
+    fractions = zero_point_fractions(graph)
     found = {}
     for node in graph.node:
         module = module_of(node) if node.op_type in QUANTIZED_OPS else None
         if module is None:
             continue
-        arrays = [read_initializer(artifact, initializers[name], weights)[0] for name in block_inputs(node)]
-        if any(array is None for array in arrays):
-            continue  # unreadable: the weight audit fails it
-        found[module] = dequantize_blocks(node, *arrays, *[None] * (3 - len(arrays)))
+        arrays = block_arrays(artifact, node, initializers, weights, fractions)
+        if len(arrays) == 3:  # else unreadable: the weight audit fails it
+            found[module] = dequantize_blocks(node, *arrays)
     return found

@@ -60,6 +60,7 @@ class GraphAudit:
     findings: tuple[WeightFinding, ...] = ()
     quantized: int = 0  # MatMulNBits and GatherBlockQuantized matrices, each its parameter's blocks as quantized
     tables: int = 0  # of the integer initializers, the row-id tables audited (equal to 0 .. rows-1)
+    block_sums: int = 0  # the 0/1 matrices that sum each block of an HQQ node's input for its zero points' fractions
 
     @property
     def passed(self) -> bool:
@@ -80,6 +81,7 @@ class GraphAudit:
         if not self.quantized:
             return ""
         tables = f", {self.tables} row-id tables equal to 0 .. rows-1" if self.tables else ""
+        tables += f", {self.block_sums} block-sum matrices of 0s and 1s" if self.block_sums else ""
         return (
             f"; {self.quantized} quantized matrices the quantizer's blocks of their module's parameter, scales and zero"
             f" points exactly, every weight within half a step{tables}"
@@ -109,6 +111,7 @@ class GraphAudit:
             "carried": self.carried,
             "quantized": self.quantized,
             "tables": self.tables,
+            "block_sums": self.block_sums,
             "findings": [f.to_dict() for f in self.findings],
         }
 

@@ -217,9 +217,10 @@ def quality_target_options(func):
         "--quality-target",
         default=None,
         metavar="kl=X[,top1=Y]",
-        help="int4/int8: raise the precision of the modules whose rounding costs most (int4 -> int8, int8 -> "
-        "float) until the artifact's mean KL from the float model is <= X (and top-1 agreement >= Y) on the "
-        "held-out half of --calibration-text; exit 2 when no mix below the next precision keeps it.",
+        help="int4/int8: raise the precision of the modules whose rounding costs most (int4 -> int4 by HQQ, "
+        "unless --quant-algorithm is given, -> int8; int8 -> float) until the artifact's mean KL from the float "
+        "model is <= X (and top-1 agreement >= Y) on the held-out half of --calibration-text; exit 2 when no mix "
+        "below the next precision keeps it.",
     )(func)
 
 

@@ -3,12 +3,15 @@ on held-out text.
 
 The calibration text's token ids are cut in two: the first half ranks the modules, the second half is held out and
 judges every mix. On the first half's windows each quantizable module is rounded alone at the scheme's bits and its
-sensitivity measured (exporter.tuning.sensitivity: the mean KL from the float model's distributions). The modules
-raised one rung (int4 to int8, int8 to float) are then the most sensitive k; k is the smallest for which the rounded
-model keeps the target on the held-out windows, found by bisection over k (the KL falls as k grows, near enough
-monotonically, as each step raises the next most sensitive module). Below the rung above: k stops one short of
-every module, so the artifact stays smaller than the scheme of the rung above would make it (int4: the int8
-artifact). The mix's int8 modules take the scheme's accuracy level.
+sensitivity measured (exporter.tuning.sensitivity: the mean KL from the float model's distributions). Above the
+scheme's precision lie rungs a module can be raised to: int4 climbs to HQQ's blocks (a fitted zero point per block,
+a float more per block; only where no algorithm was asked, else that algorithm's blocks are the scheme's) and then to
+int8, int8 to float. A step raises one module one rung: every module up the first rung, most sensitive first, then up
+the next. The mix of the first k steps is judged on the held-out windows, and k is the smallest that keeps the target,
+found by bisection (bytes grow with every step, and the KL falls near enough monotonically, as each step raises the
+next most sensitive module). The steps stop one short of every module on the top rung, so that the artifact stays
+smaller than the top rung's scheme would make it (int4: the int8 artifact). Raised modules take the scheme's
+accuracy level.
 
 The artifact of that mix is then exported and its own figures measured by the verification's quality check (ONNX
 Runtime against the float reference, on the held-out half, as `verify --quality-text` reads a text): where they miss
@@ -33,6 +36,7 @@ import numpy as np
 
 from exporter.artifact.destination import check_destination, move_into_place
 from exporter.artifact.quantization import (
+    DEFAULT_ALGORITHM,
     SCHEMES,
     ModulePrecision,
     QualityTarget,
@@ -67,8 +71,8 @@ RETRIES = 3  # exports after the first, each with more modules raised, when the 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One mix the search judged in PyTorch: the `raised` most sensitive modules one rung up, its weights' bytes
-    (`weight_bytes`: the quantizable modules' alone), and its figures on the held-out windows."""
+    """One mix the search judged in PyTorch: the first `raised` steps up the rungs (the module's docstring), its
+    weights' bytes (`weight_bytes`: the quantizable modules' alone), and its figures on the held-out windows."""
 
     raised: int
     weight_bytes: int
@@ -86,6 +90,22 @@ class Candidate:
             "top1_agreement": self.top1_agreement,
             "kept": self.kept,
         }
+
+
+@dataclass(frozen=True)
+class _Rung:
+    """A precision a module can be raised to: its name ("int4 hqq", "int8", "float"), bits (None: float), algorithm
+    and accuracy level, and each module's weights as the artifact would compute with them there, and bytes."""
+
+    name: str
+    bits: int | None
+    algorithm: str
+    accuracy_level: int
+    weights: dict[str, np.ndarray]
+    sizes: dict[str, int]
+
+    def precision(self, module: str) -> ModulePrecision:
+        return ModulePrecision(module, self.bits, self.accuracy_level, self.algorithm)
 
 
 @dataclass(frozen=True)
@@ -200,24 +220,26 @@ def export_to_target(
     calibration, held_ids = _split(ids, shown, window)
     held_rows = text_windows(held_ids, min(HELD_OUT_WINDOWS, windows_covering(len(held_ids), window)), window)
     profile = quality_profile_for(dtype, target)
-    up = 8 if scheme.bits == 4 else None  # the rung above the scheme's bits; None: float
     model.eval()  # as the reference runs it
 
     began = time.perf_counter()
     modules = quantizable_modules(model, config.vocab_size)
     weights = {m: model.get_submodule(m).weight.detach().float().numpy() for m in modules}
-    rounded = {
-        m: rounded_weight(w, scheme.bits, scheme, scheme.algorithm_for(m, scheme.bits)) for m, w in weights.items()
-    }
-    raised = {m: rounded_weight(w, up, scheme) for m, w in weights.items()} if up is not None else {}
     float_bytes = 2 if settings.activations == "float16" else 4
-    sizes = {  # each module's bytes at the scheme's bits, and one rung up
-        m: tuple(
-            module_bytes(w.shape, bits, scheme, float_bytes, scheme.algorithm_for(m, bits))
-            for bits in (scheme.bits, up)
-        )
-        for m, w in weights.items()
-    }
+
+    def rung(name: str, bits: int | None, algorithm: str = DEFAULT_ALGORITHM) -> _Rung:
+        made = {
+            m: w if bits is None else rounded_weight(w, bits, scheme, algorithm if bits == 4 else DEFAULT_ALGORITHM)
+            for m, w in weights.items()
+        }
+        sizes = {m: module_bytes(w.shape, bits, scheme, float_bytes, algorithm) for m, w in weights.items()}
+        level = scheme.accuracy_level if bits is not None else 0
+        return _Rung(name, bits, algorithm, level, made, sizes)
+
+    base = rung(f"int{scheme.bits} {scheme.algorithm}", scheme.bits, scheme.algorithm)
+    # the rungs above the scheme's, in order: int4 with no algorithm asked climbs through HQQ's blocks first
+    rungs = [rung("int4 hqq", 4, "hqq")] if scheme.bits == 4 and settings.algorithm is None else []
+    rungs.append(rung("int8", 8) if scheme.bits == 4 else rung("float", None))
     log.info(
         "quality target %s: ranking %d modules on %d calibration windows of %d tokens (the first half of %s's %d)",
         target.describe(),
@@ -230,24 +252,34 @@ def export_to_target(
     scorer = Scorer(model, calibration)
     sensitivity = {}
     for index, module in enumerate(modules, 1):
-        sensitivity[module] = scorer.score({module: rounded[module]}).kl_mean
+        sensitivity[module] = scorer.score({module: base.weights[module]}).kl_mean
         if index % max(1, len(modules) // 10) == 0 or index == len(modules):
             log.info("sensitivity: %d/%d modules (%.0f s)", index, len(modules), time.perf_counter() - began)
     ranked = sorted(modules, key=lambda m: -sensitivity[m])
+    # each step raises one module one rung: every module up the first rung, most sensitive first, then up the next;
+    # one short of every module on the top rung, so that the artifact stays smaller than the top rung's scheme
+    steps = [(m, r) for r in range(len(rungs)) for m in ranked][:-1]
     held = Scorer(model, held_rows)
     candidates: dict[int, Candidate] = {}
 
+    def placed(k: int) -> dict[str, int]:
+        """Each module's rung after the first `k` steps (-1: the scheme's)."""
+        where = dict.fromkeys(modules, -1)
+        for module, index in steps[:k]:
+            where[module] = index
+        return where
+
     def judge(k: int) -> Candidate:
         if k not in candidates:
-            top = set(ranked[:k])
-            mix = {m: (raised[m] if up is not None else weights[m]) if m in top else rounded[m] for m in modules}
+            where = placed(k)
+            mix = {m: rungs[r].weights[m] if r >= 0 else base.weights[m] for m, r in where.items()}
             figures: Figures = held.score(mix)
             windows = len(held_rows)
             intervals = {"kl_mean": _interval(figures.kl, windows), "top1_agreement": _interval(figures.top1, windows)}
             values = {"kl_mean": figures.kl_mean, "top1_agreement": figures.top1_agreement}
             candidates[k] = Candidate(
                 k,
-                sum(sizes[m][m in top] for m in modules),
+                sum(rungs[r].sizes[m] if r >= 0 else base.sizes[m] for m, r in where.items()),
                 figures.kl_mean,
                 intervals["kl_mean"],
                 figures.top1_agreement,
@@ -255,10 +287,8 @@ def export_to_target(
             )
             c = candidates[k]
             log.info(
-                "%d of %d modules raised to %s: held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
-                k,
-                len(modules),
-                "float" if up is None else f"int{up}",
+                "%s: held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
+                _described(where, rungs, len(modules)),
                 c.kl_mean,
                 *c.kl_interval,
                 c.top1_agreement,
@@ -266,10 +296,10 @@ def export_to_target(
             )
         return candidates[k]
 
-    most = len(modules) - 1  # one short of the rung above for every module
+    most = len(steps)
     if not judge(0).kept:
         if not judge(most).kept:
-            raise _missed(target, dtype, up, judge(most), None)
+            raise _missed(target, dtype, rungs[-1].name, judge(most), None)
         low, high = 0, most  # low misses, high keeps
         while high - low > 1:
             middle = (low + high) // 2
@@ -284,9 +314,10 @@ def export_to_target(
     parity = ParitySettings().fit(config.max_position_embeddings)
     try:
         for attempt in range(RETRIES + 1):
-            mix = tuple(ModulePrecision(m, up, scheme.accuracy_level if up is not None else 0) for m in ranked[:k])
+            where = placed(k)
+            mix = tuple(rungs[where[m]].precision(m) for m in ranked if where[m] >= 0)
             built = work / f"k{k}"
-            log.info("exporting with %d module(s) raised; then its own figures on the held-out half", k)
+            log.info("exporting %s; then its own figures on the held-out half", _described(where, rungs, len(modules)))
             export = export_artifact(
                 model,
                 built,
@@ -311,7 +342,7 @@ def export_to_target(
             measured = _measured(report, text, len(ids))
             kept = all(c.passed for c in report.checks if c.threshold.metric in target.limits())
             log.info(
-                "artifact with %d raised: held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
+                "artifact of %d step(s): held-out mean KL %.4g [%.4g, %.4g], top-1 %.3f: %s",
                 k,
                 measured["kl_mean"],
                 *measured["kl_mean_interval"],
@@ -330,9 +361,9 @@ def export_to_target(
                     export, recorded, tuple((m, sensitivity[m]) for m in ranked), tuple(candidates.values())
                 )
             if k >= most or attempt == RETRIES:
-                raise _missed(target, dtype, up, None, measured | {"raised": k})
+                raise _missed(target, dtype, rungs[-1].name, None, measured | {"raised": k})
             shutil.rmtree(built, ignore_errors=True)
-            k = min(most, k + max(1, (len(modules) - k) // 4))
+            k = min(most, k + max(1, (most - k) // 4))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raise AssertionError("unreachable: the loop returns or raises")
@@ -354,19 +385,25 @@ def _measured(report, text: QualityText, tokens: int) -> dict:
     }
 
 
-def _missed(target: QualityTarget, dtype: str, up, candidate: Candidate | None, measured: dict | None):
-    rung = "float" if up is None else f"int{up}"
+def _described(where: dict[str, int], rungs: list[_Rung], modules: int) -> str:
+    """How many of the `modules` a placement (placed) raised to each rung."""
+    counts = [sum(r == index for r in where.values()) for index in range(len(rungs))]
+    raised = ", ".join(f"{count} at {r.name}" for count, r in zip(counts, rungs) if count)
+    return f"{raised or 'none'} of {modules} modules raised"
+
+
+def _missed(target: QualityTarget, dtype: str, top: str, candidate: Candidate | None, measured: dict | None):
     if candidate is not None:
         best = (
-            f"with {candidate.raised} modules at {rung} (all but one), held-out mean KL {candidate.kl_mean:.4g} "
+            f"every module but one at {top}, held-out mean KL {candidate.kl_mean:.4g} "
             f"(interval up to {candidate.kl_interval[1]:.4g}), top-1 {candidate.top1_agreement:.3f}"
         )
     else:
         best = (
-            f"the artifact with {measured['raised']} modules at {rung}: held-out mean KL {measured['kl_mean']:.4g} "
+            f"the artifact of {measured['raised']} step(s) up: held-out mean KL {measured['kl_mean']:.4g} "
             f"(interval up to {measured['kl_mean_interval'][1]:.4g}), top-1 {measured['top1_agreement']:.3f}"
         )
     return QualityTargetMissed(
-        f"no {dtype} mix below {rung} keeps the quality target {target.describe()}; the best found, {best}: "
-        f"loosen the target (`quality_target`), or export {rung} (`dtype`)"
+        f"no {dtype} mix below {top} keeps the quality target {target.describe()}; the best found, {best}: "
+        f"loosen the target (`quality_target`), or export {top} (`dtype`)"
     )

@@ -16,7 +16,12 @@ from conftest import TINY, TINY_SOURCE
 from helpers import assert_one_line_error, edit_manifest, replayed_export, run_cli
 
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, QualityTarget, parse_quality_target
+from exporter.artifact.quantization import (
+    DEFAULT_ACCURACY_LEVEL,
+    QualityTarget,
+    QuantizationSettings,
+    parse_quality_target,
+)
 from exporter.artifact.scopes import module_of
 from exporter.errors import InputError
 from exporter.tuning.search import export_to_target
@@ -47,6 +52,24 @@ def made(tmp_path_factory, tiny_model, artifact_fp32, tiny_tokenizer, text):
     with pytest.MonkeyPatch.context() as monkeypatch:
         replayed_export(monkeypatch, artifact_fp32)
         folder = tmp_path_factory.mktemp("target") / TINY
+        return export_to_target(
+            tiny_model,
+            folder,
+            "int4",
+            parse_quality_target(TARGET),
+            text,
+            TINY_SOURCE,
+            tiny_tokenizer,
+            quantization=QuantizationSettings(algorithm="rtn"),  # asked: the rung above is int8 alone
+        )
+
+
+@pytest.fixture(scope="module")
+def laddered(tmp_path_factory, tiny_model, artifact_fp32, tiny_tokenizer, text):
+    """The same target with no algorithm asked: the search climbs through HQQ's blocks before int8."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        replayed_export(monkeypatch, artifact_fp32)
+        folder = tmp_path_factory.mktemp("laddered") / TINY
         return export_to_target(
             tiny_model, folder, "int4", parse_quality_target(TARGET), text, TINY_SOURCE, tiny_tokenizer
         )
@@ -107,6 +130,27 @@ def test_the_search_raises_the_most_sensitive_modules_until_the_target_holds(mad
                 continue
             expected = (8 if module in raised else 4, DEFAULT_ACCURACY_LEVEL)
             assert (attributes["bits"], attributes.get("accuracy_level", 0)) == expected, module
+
+
+def test_with_no_algorithm_asked_the_search_climbs_through_hqq_before_int8(laddered, tiny_model):
+    from exporter.verify.checks.weights.audit import audit_weights
+
+    ranked = [m for m, _ in laddered.ranked]
+    mix = Artifact.open(laddered.export.folder).manifest.quantization.mix
+    rungs = {(m.bits, m.accuracy_level, m.algorithm) for m in mix}
+    assert rungs <= {(4, DEFAULT_ACCURACY_LEVEL, "hqq"), (8, DEFAULT_ACCURACY_LEVEL, "rtn")} and mix
+    eights = [m.module for m in mix if m.bits == 8]
+    if eights:  # every module went up to HQQ's blocks first, then the most sensitive on to int8
+        assert sorted(m.module for m in mix) == sorted(ranked) and eights == ranked[: len(eights)]
+    else:
+        assert [m.module for m in mix] == ranked[: len(mix)]
+    steps = sorted(laddered.candidates, key=lambda c: c.raised)
+    assert steps[0].raised == 0 and not steps[0].kept
+    assert all(a.weight_bytes < b.weight_bytes for a, b in zip(steps, steps[1:]))  # each step costs bytes
+    audit = audit_weights(Artifact.open(laddered.export.folder), tiny_model)
+    assert audit.passed, [f.describe() for f in audit.findings]  # each module held to its rung's blocks
+    low, high = laddered.target.measured["kl_mean_interval"]
+    assert high <= 0.005
 
 
 def test_inspect_shows_the_mix_and_the_target(made):

@@ -447,6 +447,12 @@ def _sliding_layers(read: dict, hf_type: HFModelType, window) -> list[bool]:
     if hf_type.window == NO_WINDOW:
         return [False] * layers
     if hf_type.window == EVERY_LAYER:
+        if hf_type.read_as_with_layer_types and "layer_types" in read:
+            raise ConfigError(
+                f"config field layer_types is given ({read['layer_types']!r}); transformers reads a {hf_type.name} "
+                f"config holding it as {hf_type.read_as_with_layer_types}, with per-layer attention the reference "
+                f"does not compute: drop the field to export the {hf_type.name} model"
+            )
         return [window is not None] * layers
     layer_types = read.get("layer_types")
     if layer_types is None:

@@ -34,6 +34,9 @@ class HFModelType:
         window: which layers config.json's sliding_window applies to (NO_WINDOW, EVERY_LAYER, WINDOW_LAYERS).
         rope_types: the rope types of ROPE_TYPES the config class takes; another is refused.
         rope_aliases: rope types the config class reads as another (phi3 reads su and yarn as longrope).
+        read_as_with_layer_types: the transformers model class a config.json of this type holding layer_types (even
+            null) is read as instead (mistral's: Ministral, whose alternating attention the reference does not
+            compute), so that such a config is refused; None: layer_types is read as this type's.
         partial_rotary: whether the modeling file turns only the leading partial_rotary_factor of each head;
             otherwise a factor other than 1 is refused.
         genai: onnxruntime-genai's model.type for its artifacts (genai_config.json).
@@ -54,6 +57,7 @@ class HFModelType:
     rope_types: tuple[str, ...] = ROPE_TYPES
     rope_aliases: dict = field(default_factory=dict)
     partial_rotary: bool = False
+    read_as_with_layer_types: str | None = None
 
 
 HF_TYPES: dict[str, HFModelType] = {
@@ -105,6 +109,7 @@ HF_TYPES: dict[str, HFModelType] = {
             },
             null_read=("head_dim",),
             window=EVERY_LAYER,
+            read_as_with_layer_types="Ministral",
             genai="mistral",
             optimum="mistral",
             tiny=dict(

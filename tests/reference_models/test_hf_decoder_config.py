@@ -150,6 +150,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
         ("qwen3", {"layer_types": 5}, r"layer_types must be a list"),
         ("qwen3", {"layer_types": ["full_attention"]}, r"layer_types has 1 entries but num_hidden_layers is 2"),
         ("mistral", {"sliding_window": "x"}, r"sliding_window must be a positive integer or null, got 'x'"),
+        # transformers reads a mistral config holding layer_types, even null, as Ministral
+        (
+            "mistral",
+            {"layer_types": None},
+            r"layer_types is given \(None\); transformers reads a mistral config .* as Ministral",
+        ),
         ("qwen3", {"hidden_act": None}, r"hidden_act must be a string"),
         ("qwen3", {"num_key_value_heads": 0}, r"num_key_value_heads must be a positive integer or null, got 0"),
         ("qwen3", {"rms_norm_eps": float("nan")}, r"rms_norm_eps must be a positive finite number"),

@@ -31,11 +31,11 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float
 # only there (its float32-math kernels decode a 4-bit minimind-3 slower than the float32 artifact does, see
 # benchmarks/QUANTIZED-RESULTS.md); the quality profile judges what its int8 activations cost. CUDA ignores it.
 # int8 keeps level 4 too. A trained model whose activations carry outliers (SmolLM2-135M) misses the int8 profile
-# there, and no 8-bit block format keeps it on that model (benchmarks/FRONTIER-RESULTS.md): at level 0, or in blocks
+# there, and no 8-bit block format keeps it on that model (benchmarks/FRONTIER-RESULTS.md): at level 0, even in blocks
 # of 16, the weights' rounding alone leaves its perplexity change at the profile's 1% limit, and onnxruntime's CPU
 # kernel for 8-bit blocks in float math decodes slower than the float32 artifact, which would leave int8 worth nothing
 # but its bytes. Level 0 on any one kind of projection, or any one layer, recovers only its share of the loss, which
-# is spread over all of them. Blocks of 16 (--block-size 16) halve the KL at level 4 for 13% more bytes.
+# is spread over all of them. Blocks of 16 (--block-size 16) cut the KL at level 4 by a third for 13% more bytes.
 DEFAULT_ACCURACY_LEVEL = 4
 # The embedding's or the lm_head's weights: kept float, at 8 bits, or at the scheme's bits.
 TABLE_CHOICES = ("float", "int8", "same")

@@ -194,7 +194,9 @@ def test_a_sliding_window_that_never_applies_is_ignored(hf_folders):
     data = _qwen3_json(hf_folders)
     assert translate_hf_config({**data, "use_sliding_window": False, "sliding_window": 16})
     assert translate_hf_config({**data, "use_sliding_window": True, "sliding_window": 131072})
-    mistral = {**data, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}
+    qwen3_only = ("layer_types", "use_sliding_window", "max_window_layers")  # a mistral config has none of them
+    mistral = {k: v for k, v in data.items() if k not in qwen3_only}
+    mistral.update(model_type="mistral", sliding_window=4096, max_position_embeddings=4096)
     assert translate_hf_config(mistral)["max_position_embeddings"] == 4096
     with pytest.raises(ConfigError, match="sliding_window"):
         translate_hf_config({**mistral, "max_position_embeddings": 8192})

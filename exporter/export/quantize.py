@@ -43,6 +43,7 @@ from exporter.artifact.quantization import (
     QUANTIZED_OPS,
     Quantization,
     block_inputs,
+    zero_point_fractions,
 )
 from exporter.artifact.scopes import ROUTER_SCOPE, module_of
 from exporter.errors import ExportFailed, InputError
@@ -222,7 +223,7 @@ def _run_quantizer(
         if algorithm == "hqq" and level:
             node.attribute.append(helper.make_attribute("accuracy_level", level))
     if algorithm == "hqq":
-        _integer_zero_points(quantized, {output for output in scopes})
+        _integer_zero_points(quantized, set(scopes))
     return quantized
 
 
@@ -435,7 +436,7 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     initializers = {t.name: t for t in model.graph.initializer}
     quantized = [n for n in model.graph.node if n.op_type in QUANTIZED_OPS]
     # by content: a tied table at one bits is the same blocks for both nodes, stored once
-    blocks = {_digest(initializers[name]): initializers[name] for n in quantized for name in block_inputs(n)}
+    blocks = {_digest(initializers[name]): initializers[name] for names in _held(model).values() for name in names}
     matrices = {_digest(initializers[block_inputs(n)[0]]) for n in quantized}
     quantized_bytes = sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in blocks.values())
     return model, {
@@ -446,13 +447,24 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
     }
 
 
+def _held(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """By quantized node name, the initializers that hold its matrix: blocks, scales, zero points and, for an HQQ
+    node, its zero points' fractions and the block-sum matrix."""
+    fractions = zero_point_fractions(model.graph)
+    return {
+        node.name: block_inputs(node)
+        + ([fractions[node.name].fractions, fractions[node.name].blocks_sum] if node.name in fractions else [])
+        for node in model.graph.node
+        if node.op_type in QUANTIZED_OPS
+    }
+
+
 def _quantized_keys(model: onnx.ModelProto) -> set[tuple]:
     initializers = {t.name: t for t in model.graph.initializer}
     return {
         (initializers[name].data_type, tuple(initializers[name].dims), _digest(initializers[name]))
-        for node in model.graph.node
-        if node.op_type in QUANTIZED_OPS
-        for name in block_inputs(node)
+        for names in _held(model).values()
+        for name in names
     }
 
 

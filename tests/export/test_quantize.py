@@ -538,6 +538,11 @@ def test_hqq_makes_other_blocks_than_round_to_nearest_and_the_audit_holds_them(h
             assert held.dtype == np.float32 and held.size == 2 * zero_points.size and held.any(), module
         else:  # the int8 lm_head and embedding stay round-to-nearest: the same bytes, no fractions
             assert np.array_equal(zero_points, rtn[module][1]) and nodes[module].name not in fractions, module
+    # the manifest's bytes: RTN's layout (integer zero points the same size), plus the fractions and block sums
+    added = {name for f in fractions.values() for name in (f.fractions, f.blocks_sum)}
+    extra = sum(read_initializer(hqq, name).nbytes for name in added)
+    bytes_of = {f: Artifact.open(f).manifest.quantization.quantized_bytes for f in (hqq, quantized["int4"])}
+    assert bytes_of[hqq] == bytes_of[quantized["int4"]] + extra and extra > 0
     ids = np.asarray(CONSUMER_PROMPTS[0], dtype=np.int64)[None]
     mask = np.ones_like(ids)
     logits = [OrtRunner(folder).start(ids, mask, np.arange(ids.shape[1])[None]) for folder in (hqq, quantized["int4"])]

@@ -331,6 +331,13 @@ def zero_point_fractions(graph) -> dict[str, ZeroPointFractions]:
     return found
 
 
+def held_inputs(node, fractions: dict[str, ZeroPointFractions]) -> list[str]:
+    """The initializers that hold a quantized node's matrix: its block_inputs and, for an HQQ node (by name in
+    `fractions`, zero_point_fractions'), its zero points' fractions and the block-sum matrix."""
+    held = fractions.get(node.name)
+    return block_inputs(node) + ([held.fractions, held.blocks_sum] if held is not None else [])
+
+
 def _schemes() -> str:
     return ", ".join(f"{name} ({bits} bits)" for name, bits in SCHEMES.items())
 

@@ -43,6 +43,7 @@ from exporter.artifact.quantization import (
     QUANTIZED_OPS,
     Quantization,
     block_inputs,
+    held_inputs,
     zero_point_fractions,
 )
 from exporter.artifact.scopes import ROUTER_SCOPE, module_of
@@ -451,12 +452,7 @@ def _held(model: onnx.ModelProto) -> dict[str, list[str]]:
     """By quantized node name, the initializers that hold its matrix: blocks, scales, zero points and, for an HQQ
     node, its zero points' fractions and the block-sum matrix."""
     fractions = zero_point_fractions(model.graph)
-    return {
-        node.name: block_inputs(node)
-        + ([fractions[node.name].fractions, fractions[node.name].blocks_sum] if node.name in fractions else [])
-        for node in model.graph.node
-        if node.op_type in QUANTIZED_OPS
-    }
+    return {node.name: held_inputs(node, fractions) for node in model.graph.node if node.op_type in QUANTIZED_OPS}
 
 
 def _quantized_keys(model: onnx.ModelProto) -> set[tuple]:

@@ -228,10 +228,7 @@ def export_to_target(
     float_bytes = 2 if settings.activations == "float16" else 4
 
     def rung(name: str, bits: int | None, algorithm: str = DEFAULT_ALGORITHM) -> _Rung:
-        made = {
-            m: w if bits is None else rounded_weight(w, bits, scheme, algorithm if bits == 4 else DEFAULT_ALGORITHM)
-            for m, w in weights.items()
-        }
+        made = {m: w if bits is None else rounded_weight(w, bits, scheme, algorithm) for m, w in weights.items()}
         sizes = {m: module_bytes(w.shape, bits, scheme, float_bytes, algorithm) for m, w in weights.items()}
         level = scheme.accuracy_level if bits is not None else 0
         return _Rung(name, bits, algorithm, level, made, sizes)

@@ -81,22 +81,27 @@ def quant_slack(bits: int, scale_dtype: np.dtype) -> float:
 def _codes(node: onnx.NodeProto, b: np.ndarray, zero_points: np.ndarray | None, rows: slice) -> tuple:
     """The integer codes (rows, blocks, block) and zero points (rows, blocks) of `rows`."""
     n, k, bits, block = layout(node, b)
-    blocks = -(-k // block)
-    raw = b.reshape(n, blocks, -1)[rows]
+    raw = b.reshape(n, -(-k // block), -1)[rows]
     if bits == 4:
         q = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(*raw.shape[:2], -1)[:, :, :block]
     else:
         q = raw[:, :, :block]
+    return q.astype(np.int64), _zero_points(node, b, zero_points, rows)
+
+
+def _zero_points(node: onnx.NodeProto, b: np.ndarray, zero_points: np.ndarray | None, rows: slice) -> np.ndarray:
+    """The zero points (rows, blocks) of `rows`: int64, unpacked; HQQ's floats as float64; the type's middle where
+    the node has none."""
+    n, k, bits, block = layout(node, b)
+    blocks = -(-k // block)
     if zero_points is None:
-        zero = np.full(q.shape[:2], 2 ** (bits - 1), np.int64)
-    elif is_hqq(zero_points):
-        return q.astype(np.int64), zero_points.reshape(n, blocks)[rows].astype(np.float64)
-    elif bits == 4:
+        return np.full((len(range(n)[rows]), blocks), 2 ** (bits - 1), np.int64)
+    if is_hqq(zero_points):
+        return zero_points.reshape(n, blocks)[rows].astype(np.float64)
+    if bits == 4:
         packed = zero_points.reshape(n, -1)[rows]
-        zero = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(len(packed), -1)[:, :blocks]
-    else:
-        zero = zero_points.reshape(n, blocks)[rows]
-    return q.astype(np.int64), zero.astype(np.int64)
+        return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(len(packed), -1)[:, :blocks].astype(np.int64)
+    return zero_points.reshape(n, blocks)[rows].astype(np.int64)
 
 
 def fitted_zero_points(
@@ -108,7 +113,7 @@ def fitted_zero_points(
     type relative, far inside the codes' slack; a block whose scale is 0 keeps its integer zero point."""
     n, k, bits, block = layout(node, b)
     blocks = -(-k // block)
-    _, integer = _codes(node, b, integers, slice(0, n))
+    integer = _zero_points(node, b, integers, slice(0, n))
     scale = scales.reshape(n, blocks).astype(np.float64)
     fraction = fractions.astype(np.float64).reshape(blocks, n).T
     shift = np.divide(fraction, scale, out=np.zeros_like(fraction), where=scale != 0)

@@ -380,6 +380,7 @@ def check_quality(
             token_statistics(trace.logits[agreed : agreed + 1], trace.logits[agreed : agreed + 1])["margin"][0]
         )
     known = ~np.isnan(stats["nll"])  # every position but each row's last, whose next id is not read
+    nll_change = stats["nll"] - stats["nll_expected"]
     everywhere = np.ones(len(stats["kl"]), bool)
     samples = {  # each figure over positions: (its per-position values, the statistic of them, which positions)
         "kl_mean": (stats["kl"], _mean, everywhere),
@@ -387,7 +388,7 @@ def check_quality(
         "top1_agreement": (stats["top1"], _mean, everywhere),
         "top5_overlap": (stats["top5"], _mean, everywhere),
         "top_logprob_delta_mean": (stats["top_delta"], _mean, everywhere),
-        "nll_delta": (stats["nll"] - stats["nll_expected"], _mean, known),
+        "nll_delta": (nll_change, _mean, known),
         **({"top1_agreement_decisive": (stats["top1"], _mean, decisive)} if judged else {}),
         **({"top5_overlap_decisive": (stats["top5"], _mean, decisive_k)} if judged_k else {}),
     }
@@ -402,7 +403,7 @@ def check_quality(
         for name, (values, statistic, where) in samples.items()
     }
     intervals["perplexity_ratio"] = tuple(float(np.exp(end)) for end in intervals["nll_delta"])
-    nll_delta = float((stats["nll"] - stats["nll_expected"])[known].mean())
+    nll_delta = float(nll_change[known].mean())
     metrics = {
         "positions": int(len(stats["kl"])),
         "nll_positions": int(known.sum()),

@@ -38,7 +38,7 @@ import onnx
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QUANTIZED_OPS, block_inputs, zero_point_fractions
+from exporter.artifact.quantization import QUANTIZED_OPS, held_inputs, zero_point_fractions
 from exporter.artifact.scopes import module_of
 from exporter.verify.checks.weights.quantized import (
     audit_blocks,
@@ -164,8 +164,7 @@ def audit_graph(
     audited: list[_Initializer] = []
     blocks = [node for node in graph.node if node.op_type in QUANTIZED_OPS]
     fractions = zero_point_fractions(graph)
-    held_in_blocks = {name for node in blocks for name in block_inputs(node)}
-    held_in_blocks |= {name for f in fractions.values() for name in (f.fractions, f.blocks_sum)}
+    held_in_blocks = {name for node in blocks for name in held_inputs(node, fractions)}
     for tensor in graph.initializer:
         if tensor.name in held_in_blocks:
             continue

@@ -24,7 +24,7 @@ from onnx import numpy_helper
 from exporter import TOLERANCES, compare
 from exporter.artifact.folder import Artifact
 from exporter.artifact.manifest import file_entries, read_manifest, sha256_file
-from exporter.artifact.quantization import QUANTIZED_OPS, held_inputs, zero_point_fractions
+from exporter.artifact.quantization import QUANTIZED_OPS, held_inputs, smoothing_divisors, zero_point_fractions
 from exporter.artifact.scopes import module_of
 from exporter.errors import ProviderError
 from exporter.runtime.node import install_node_packages, node_unavailable, packages_folder
@@ -305,9 +305,9 @@ def edit_weights(folder: Path, changes: dict) -> None:
 
 def quantized_blocks(model: onnx.ModelProto, module: str) -> list[str]:
     """The initializers (blocks, scales, zero points; then, for an HQQ node, its zero points' fractions and the
-    block-sum matrix) of the quantized node that lies in `module`."""
+    block-sum matrix; for a smoothed one, its input's divisors) of the quantized node that lies in `module`."""
     [node] = [n for n in model.graph.node if n.op_type in QUANTIZED_OPS and module_of(n) == module]
-    return held_inputs(node, zero_point_fractions(model.graph))
+    return held_inputs(node, zero_point_fractions(model.graph), smoothing_divisors(model.graph))
 
 
 def read_initializer(folder: Path, name: str) -> np.ndarray:

@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
-from exporter.errors import OutputPathError, ToolkitError, first_line
+from exporter.errors import InputError, OutputPathError, ToolkitError, first_line
 
 try:
     import fcntl
@@ -345,3 +345,18 @@ def read_json_file(
     if not isinstance(data, dict):
         raise error(f"{what} {path} holds a JSON {json_type(data)}, not a JSON object; {fix}")
     return content, data
+
+
+def read_text_file(path, argument: str) -> str:
+    """The UTF-8 text of the file at `path`, or InputError naming it and `argument` (the parameter it was given as)."""
+    source = shown_path(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"`{argument}` {source}: {exc.strerror or exc}; give a UTF-8 text file") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"`{argument}` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
+        ) from None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from exporter.artifact.contract import DTYPES
 from exporter.errors import InputError
 
@@ -56,6 +58,17 @@ QUANTIZED_OPS = (QUANTIZED_OP, GATHER_OP)
 ALGORITHMS = ("rtn", "hqq")
 DEFAULT_ALGORITHM = "rtn"
 HQQ_BITS = 4
+# Smoothing (SmoothQuant, Xiao et al. 2023) moves the outliers of a projection's input into its weights before they
+# are quantized: the graph divides the input by a factor per channel, and the weights' rows along that channel are
+# multiplied by it, x @ W = (x / s) @ (s · W), s = max|x|^alpha / max|W|^(1 - alpha) per channel, max|x| measured on
+# calibration text. Accuracy level 4 quantizes each block of the input to int8 by its largest element, so one
+# outlier channel costs its block's other channels their precision; spread over the weights, whose 8-bit rounding has
+# steps to spare, it costs far less. It is the int8 scheme's default at level 4 only: at level 0 the input is not
+# rounded, and at 4 bits the weights' rounding dominates, which the migrated outliers make worse.
+SMOOTHING_BITS = 8
+SMOOTHING_LEVEL = 4
+DEFAULT_SMOOTHING = 0.5  # alpha, the migration strength: SmoothQuant's default
+NO_SMOOTHING = "none"
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,22 @@ class ModulePrecision:
         if self.algorithm == "hqq" and self.bits != HQQ_BITS:
             return f"quantization mix: {self.module} has algorithm hqq at {self.precision}; hqq makes int4 blocks only"
         return None
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """How an int8 export smoothed its projections' inputs (module comment at SMOOTHING_BITS): `alpha` the migration
+    strength, `calibration` what the inputs' channel maxima were measured on."""
+
+    alpha: float
+    calibration: str
+
+    def to_dict(self) -> dict:
+        return {"alpha": self.alpha, "calibration": self.calibration}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Smoothing:
+        return cls(data["alpha"], data.get("calibration", ""))
 
 
 @dataclass(frozen=True)
@@ -162,7 +191,8 @@ class Quantization:
     held once for the lm_head and the embedding counts once); float_bytes: their bytes before, in the graphs' dtype;
     quantized_bytes: their blocks, scales and zero points after; mix: the modules at another precision than the
     scheme's (an export made to a quality target); target: that target with its held-out figures, None if none;
-    algorithm: how the scheme's 4-bit matrices are made (ALGORITHMS; a manifest without it: "rtn").
+    algorithm: how the scheme's 4-bit matrices are made (ALGORITHMS; a manifest without it: "rtn");
+    smoothing: how the inputs of its 8-bit projections at accuracy level 4 were smoothed (`smooths`), None: not.
     """
 
     scheme: str
@@ -179,6 +209,7 @@ class Quantization:
     mix: tuple[ModulePrecision, ...] = ()
     target: QualityTarget | None = None
     algorithm: str = DEFAULT_ALGORITHM
+    smoothing: Smoothing | None = None
 
     @property
     def levels(self) -> set[int]:
@@ -196,6 +227,13 @@ class Quantization:
         if entry is not None and entry.bits == bits:
             return entry.algorithm
         return self.algorithm if bits == HQQ_BITS else DEFAULT_ALGORITHM
+
+    def smooths(self, module: str) -> bool:
+        """Whether the projection `module` (not the lm_head) has its input smoothed: with smoothing recorded, where
+        its blocks (the mix's, else the scheme's) are 8-bit at accuracy level 4."""
+        entry = self.precision_of(module)
+        bits, level = (self.bits, self.accuracy_level) if entry is None else (entry.bits, entry.accuracy_level)
+        return self.smoothing is not None and bits == SMOOTHING_BITS and level == SMOOTHING_LEVEL
 
     @property
     def ratio(self) -> float:
@@ -223,6 +261,7 @@ class Quantization:
             **({"mix": [m.to_dict() for m in self.mix]} if self.mix else {}),
             **({"target": self.target.to_dict()} if self.target is not None else {}),
             "algorithm": self.algorithm,
+            **({"smoothing": self.smoothing.to_dict()} if self.smoothing is not None else {}),
         }
 
     @classmethod
@@ -242,6 +281,7 @@ class Quantization:
             mix=tuple(ModulePrecision.from_dict(m) for m in data.get("mix", ())),
             target=QualityTarget.from_dict(data["target"]) if data.get("target") is not None else None,
             algorithm=data.get("algorithm", DEFAULT_ALGORITHM),
+            smoothing=Smoothing.from_dict(data["smoothing"]) if data.get("smoothing") is not None else None,
         )
 
     def problem(self) -> str | None:
@@ -257,6 +297,8 @@ class Quantization:
                 return f"quantization {name} {choice!r} is none of {', '.join(TABLE_CHOICES)}"
         if self.algorithm not in ALGORITHMS:
             return f"quantization algorithm {self.algorithm!r} is none of {', '.join(ALGORITHMS)}"
+        if self.smoothing is not None and alpha_problem(self.smoothing.alpha):
+            return f"quantization smoothing {alpha_problem(self.smoothing.alpha)}"
         return next((problem for m in self.mix if (problem := m.problem())), None)
 
 
@@ -279,6 +321,9 @@ class QuantizationSettings:
         MatMulNBits kernels compute in float32 or int8) or "float16" (for CUDA: half the bytes of every activation
         and of the cache, the scales in float16 too). A float dtype computes in itself.
     algorithm: how the 4-bit matrices' blocks are made, one of ALGORITHMS (None: "rtn"); "hqq" needs int4.
+    smoothing: the migration strength alpha (0 < alpha <= 1) of the smoothing of the 8-bit projections' inputs at
+        accuracy level 4 (module comment at SMOOTHING_BITS), or NO_SMOOTHING; None: DEFAULT_SMOOTHING for int8 at
+        level 4, none otherwise. Only int8 at level 4 takes a value.
     """
 
     block_size: int | None = None
@@ -288,6 +333,7 @@ class QuantizationSettings:
     activations: str | None = None
     mix: tuple[ModulePrecision, ...] = ()
     algorithm: str | None = None
+    smoothing: float | str | None = None
 
 
 def block_inputs(node) -> list[str]:
@@ -331,11 +377,42 @@ def zero_point_fractions(graph) -> dict[str, ZeroPointFractions]:
     return found
 
 
-def held_inputs(node, fractions: dict[str, ZeroPointFractions]) -> list[str]:
+def smoothing_divisors(graph) -> dict[str, str]:
+    """By MatMulNBits node name, the initializer its input is divided by (the node reads Div(x, initializer): a
+    smoothed projection, module comment at SMOOTHING_BITS), in `graph` (an onnx GraphProto)."""
+    producers = {output: node for node in graph.node for output in node.output}
+    initializers = {tensor.name for tensor in graph.initializer}
+    found = {}
+    for node in graph.node:
+        div = producers.get(node.input[0]) if node.op_type == QUANTIZED_OP else None
+        if div is not None and div.op_type == "Div" and div.input[1] in initializers:
+            found[node.name] = div.input[1]
+    return found
+
+
+def held_inputs(node, fractions: dict[str, ZeroPointFractions], divisors: dict[str, str]) -> list[str]:
     """The initializers that hold a quantized node's matrix: its block_inputs and, for an HQQ node (by name in
-    `fractions`, zero_point_fractions'), its zero points' fractions and the block-sum matrix."""
+    `fractions`, zero_point_fractions'), its zero points' fractions and the block-sum matrix; for a smoothed one (by
+    name in `divisors`, smoothing_divisors'), the divisors of its input."""
     held = fractions.get(node.name)
-    return block_inputs(node) + ([held.fractions, held.blocks_sum] if held is not None else [])
+    extra = [held.fractions, held.blocks_sum] if held is not None else []
+    return block_inputs(node) + extra + ([divisors[node.name]] if node.name in divisors else [])
+
+
+def smoothed_weight(weight, divisors, dtype):
+    """A Linear's `weight` (out, in) as a smoothed projection's blocks are made of it: each column (input channel)
+    times its divisor, in float32 arithmetic (one correctly rounded product each), cast to `dtype`, the graphs'
+    float type. The export and the weight audit both compute it here, so that the audit's blocks equal the export's
+    bit for bit."""
+    product = np.asarray(weight, np.float32) * np.asarray(divisors, np.float32)[None, :]
+    return product.astype(dtype)
+
+
+def alpha_problem(alpha) -> str | None:
+    """Why `alpha` is no migration strength (a number in (0, 1]), or None."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        return f"alpha {alpha!r} is not a number in (0, 1]"
+    return None
 
 
 def _schemes() -> str:
@@ -364,6 +441,7 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
     given = {"block_size": block_size, "accuracy_level": accuracy_level, "lm_head": lm_head, "embedding": embedding}
     given["mix"] = settings.mix or None
     given["algorithm"] = settings.algorithm
+    given["smoothing"] = settings.smoothing
     if dtype not in SCHEMES:
         name = next((name for name, value in given.items() if value is not None), None)
         if name is not None:
@@ -403,6 +481,7 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
             f'algorithm hqq makes 4-bit blocks, and an {dtype} export has none: choose `dtype="int4"`, or drop '
             "`algorithm` (`algorithm`)"
         )
+    smoothing = _smoothing(dtype, accuracy_level, settings.smoothing)
     mix = tuple(settings.mix)
     for entry in mix:
         if not isinstance(entry, ModulePrecision):
@@ -410,8 +489,41 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
         if problem := entry.problem():
             raise InputError(f"{problem} (`mix`)")
     return Quantization(
-        dtype, SCHEMES[dtype], block_size, accuracy_level, lm_head, embedding, mix=mix, algorithm=algorithm
+        dtype,
+        SCHEMES[dtype],
+        block_size,
+        accuracy_level,
+        lm_head,
+        embedding,
+        mix=mix,
+        algorithm=algorithm,
+        smoothing=smoothing,
     )
+
+
+def _smoothing(dtype: str, accuracy_level: int, asked: float | str | None) -> Smoothing | None:
+    """The smoothing `asked` of an export of `dtype` at `accuracy_level` (QuantizationSettings.smoothing), its
+    calibration not yet measured, or InputError."""
+    applies = SCHEMES[dtype] == SMOOTHING_BITS and accuracy_level == SMOOTHING_LEVEL
+    if asked is None:
+        return Smoothing(DEFAULT_SMOOTHING, "") if applies else None
+    if asked == NO_SMOOTHING:
+        return None
+    if problem := alpha_problem(asked):
+        raise InputError(
+            f"smoothing {problem}: give the migration strength, e.g. {DEFAULT_SMOOTHING}, or "
+            f'"{NO_SMOOTHING}" (`smoothing`)'
+        )
+    if not applies:
+        why = (
+            "at 4 bits the weights' rounding dominates, and the outliers moved into them make it worse"
+            if SCHEMES[dtype] != SMOOTHING_BITS
+            else f"at accuracy level {accuracy_level} the inputs are not rounded to int8"
+        )
+        raise InputError(
+            f"smoothing applies to int8 at accuracy level {SMOOTHING_LEVEL} only ({why}): drop `smoothing`"
+        )
+    return Smoothing(float(asked), "")
 
 
 def activations_dtype(dtype: str, activations: str | None) -> str:

@@ -35,6 +35,17 @@ def _quantized(manifest) -> str:
     )
 
 
+def _smoothing_lines(manifest) -> list[str]:
+    """An int8 export that smoothed its projections' inputs: how, and what it measured them on; [] otherwise."""
+    q = manifest.quantization
+    if q is None or q.smoothing is None:
+        return []
+    return [
+        f"  smoothing: the inputs of the 8-bit projections at accuracy level 4 divided per channel (alpha "
+        f"{q.smoothing.alpha:g}), measured on {q.smoothing.calibration}"
+    ]
+
+
 def _target_lines(manifest) -> list[str]:
     """An export made to a quality target: its mix (how many modules at each precision, by the kind of module) and
     the target with the figures it measured on held-out text; [] for any other artifact."""
@@ -70,7 +81,7 @@ def format_export(result: ExportResult) -> str:
     return (
         f"exported {result.folder} ({manifest.precision}) in {result.seconds:.1f} s, {result.bytes / 1e6:.1f} MB\n"
         + _quantized(manifest)
-        + "".join(f"{line.strip()}\n" for line in _target_lines(manifest))
+        + "".join(f"{line.strip()}\n" for line in _smoothing_lines(manifest) + _target_lines(manifest))
         + _files_table(manifest.files)
     )
 
@@ -109,6 +120,7 @@ def format_inspect(manifest: Manifest, folder: str, status: dict) -> str:
         f"  dtype {manifest.precision}"
         + (f" (activations and cache {manifest.dtype})" if manifest.quantization is not None else "")
         + f", opset {manifest.opset}, weights file {manifest.weights_file}",
+        *_smoothing_lines(manifest),
         *_target_lines(manifest),
         "  versions: " + ", ".join(f"{k} {v}" for k, v in manifest.versions.items()),
     ]

@@ -84,18 +84,29 @@ def _require_export_extra() -> None:
 
 
 def _quality_target(dtype, quality_target, calibration_text):
-    """(QualityTarget, text path) of --quality-target and --calibration-text, or None where neither is given;
-    UsageError for one without the other or a float --dtype, InputError for a target of bad syntax."""
+    """(QualityTarget, text path) of --quality-target and --calibration-text, or None where no target is given;
+    UsageError for a target without a text or a float --dtype, InputError for a target of bad syntax."""
     from exporter.artifact.quantization import SCHEMES, parse_quality_target
 
-    if quality_target is None and calibration_text is None:
+    if quality_target is None:
         return None
-    if quality_target is None or calibration_text is None:
-        given, missing = ("--quality-target", "--calibration-text")[:: 1 if calibration_text is None else -1]
-        raise click.UsageError(f"{given} needs {missing}: give both, or neither")
+    if calibration_text is None:
+        raise click.UsageError("--quality-target needs --calibration-text: give both")
     if dtype not in SCHEMES:
         raise click.UsageError(f"--quality-target applies to --dtype int4 or int8, not {dtype}")
     return parse_quality_target(quality_target), calibration_text
+
+
+def _smoothing(value: str | None) -> float | str | None:
+    """--smoothing as QuantizationSettings takes it: None, "none", or the migration strength as a number."""
+    from exporter.artifact.quantization import NO_SMOOTHING
+
+    if value is None or value == NO_SMOOTHING:
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise click.UsageError(f"--smoothing {value!r} is neither a number in (0, 1] nor {NO_SMOOTHING}") from None
 
 
 def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> tuple:
@@ -107,7 +118,19 @@ def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> t
     """
     if to_export.tokenizer is not None and to_export.no_tokenizer:
         raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
+    from exporter.artifact.quantization import NO_SMOOTHING, SCHEMES, SMOOTHING_BITS, SMOOTHING_LEVEL
+
     to_target = _quality_target(to_export.dtype, *target)
+    smooths = (
+        SCHEMES.get(to_export.dtype) == SMOOTHING_BITS
+        and to_export.accuracy_level in (None, SMOOTHING_LEVEL)
+        and to_export.smoothing != NO_SMOOTHING
+    )
+    if to_target is None and target[1] is not None and not smooths:
+        raise click.UsageError(
+            "--calibration-text applies with --quality-target, or to an int8 export that smooths its projections' "
+            "inputs (--dtype int8 at accuracy level 4, without --smoothing none)"
+        )
     _require_export_extra()
     from exporter.artifact.destination import check_destination
     from exporter.artifact.quantization import QuantizationSettings
@@ -126,6 +149,7 @@ def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> t
         to_export.embedding,
         to_export.activations,
         algorithm=to_export.quant_algorithm,
+        smoothing=_smoothing(to_export.smoothing),
     )
     tokenizer = to_export.tokenizer if to_export.tokenizer is not None else sourced.tokenizer
     if to_target is not None:
@@ -151,5 +175,6 @@ def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> t
         source=sourced.source,
         tokenizer=tokenizer,
         quantization=quantization,
+        calibration=target[1],
         trace_all_layers=to_export.trace_all_layers,
     )

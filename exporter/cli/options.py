@@ -17,6 +17,7 @@ from exporter.artifact.quantization import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
+    DEFAULT_SMOOTHING,
     TABLE_CHOICES,
 )
 from reference import DEFAULT_PRESET, PRESETS
@@ -65,6 +66,7 @@ class ExportOptions:
     block_size: int | None
     accuracy_level: int | None
     quant_algorithm: str | None
+    smoothing: str | None
     lm_head: str | None
     embedding: str | None
     activations: str | None
@@ -154,6 +156,14 @@ def export_options(func):
             "8-bit blocks are round-to-nearest.",
         ),
         click.option(
+            "--smoothing",
+            default=None,
+            metavar="ALPHA|none",
+            help="int8 at accuracy level 4: move the outliers of each projection's input into its weights before "
+            "they are rounded (SmoothQuant), with migration strength ALPHA in (0, 1], measured on "
+            f"--calibration-text or a built-in text [default: {DEFAULT_SMOOTHING}; none: inputs left as they are].",
+        ),
+        click.option(
             "--lm-head",
             type=click.Choice(list(TABLE_CHOICES)),
             default=None,
@@ -211,7 +221,8 @@ def quality_target_options(func):
         type=PathOption(),
         default=None,
         help="With --quality-target: a UTF-8 text, tokenized with the export's tokenizer; its first half ranks the "
-        "modules by sensitivity, its second half is held out and judges the artifact.",
+        "modules by sensitivity (and measures --smoothing's inputs), its second half is held out and judges the "
+        "artifact. Without it: the text an int8 export's --smoothing measures the inputs on.",
     )(func)
     return click.option(
         "--quality-target",

@@ -147,6 +147,8 @@ FLAGS = {
     "quality_text": "--quality-text",
     "quality_target": "--quality-target",
     "calibration_text": "--calibration-text",
+    "calibration": "--calibration-text",
+    "smoothing": "--smoothing",
     "decode_steps": "--decode-steps",
     "tokenizer": "--tokenizer",
     "with_tokenizer": "--no-tokenizer",

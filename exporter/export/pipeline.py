@@ -39,7 +39,8 @@ from exporter.export.checks import check_arguments, check_finite_weights, check_
 from exporter.export.graph_passes import finish
 from exporter.export.graphs import share_tied_table
 from exporter.export.layer_template import LayerTemplate
-from exporter.export.quantize import quantize_graphs
+from exporter.export.quantize import quantizable_modules, quantize_graphs
+from exporter.export.smoothing import Calibration, calibration_rows, measured_divisors
 from exporter.export.tracing import OPSET, copy_for_export, example_inputs
 from exporter.export.weights import SharedWeightsWriter
 from reference.families import family_of
@@ -83,6 +84,7 @@ def _build(
     built: Path,
     quantization: Quantization | None = None,
     trace_all_layers: bool = False,
+    divisors: dict | None = None,
 ) -> Manifest:
     """Both graphs, the weights file they share, the consumers' files and the manifest, written into the empty
     folder `built` and checked there (onnx.checker, a smoke run in onnxruntime)."""
@@ -101,7 +103,7 @@ def _build(
         prefill_model, decode_model = (finish(graph, contract) for graph, contract in zip(graphs, (prefill, decode)))
         if quantization is not None:
             prefill_model, decode_model, quantization = quantize_graphs(
-                prefill_model, decode_model, quantization, config.vocab_size
+                prefill_model, decode_model, quantization, config.vocab_size, divisors
             )
             prefill_model, decode_model = weights.add(prefill_model), weights.add(decode_model)
     shared = weights.result
@@ -149,6 +151,7 @@ def export_artifact(
     tokenizer: Path | TokenizerSource | None = None,
     *,
     quantization: QuantizationSettings | None = None,
+    calibration: Path | Calibration | None = None,
     trace_all_layers: bool = False,
 ) -> ExportResult:
     """Export `model` as an artifact folder.
@@ -174,6 +177,10 @@ def export_artifact(
             consumer.
         quantization: for "int4"/"int8", the block size, accuracy level, lm_head and embedding bits, and what the
             graphs compute in (QuantizationSettings; None: the defaults). A float dtype takes none of them set.
+        calibration: what an int8 export that smooths its projections' inputs (QuantizationSettings.smoothing)
+            measures them on: a UTF-8 text file tokenized with `tokenizer`, or a Calibration (token ids); None: the
+            built-in text, or seeded random ids without a tokenizer (exporter.export.smoothing). Read by no other
+            export.
         trace_all_layers: trace every layer with torch.onnx. By default a model whose layers repeat is traced three
             layers deep and its graph grown to its depth (exporter/export/layer_template.py), which takes a fraction
             of the time and gives the same graph.
@@ -211,7 +218,28 @@ def export_artifact(
     check_finite_weights(model, exported, dtype)  # before the exports, which take the time
     model = exported
     share_tied_table(model)
+    divisors = None
+    if calibration is not None and (scheme is None or scheme.smoothing is None):
+        raise InputError(
+            "`calibration` is what an int8 export smoothing its projections' inputs measures them on, and this "
+            "export smooths none: drop `calibration`, or export int8 at accuracy level 4 (`dtype`, `quantization`)"
+        )
+    if calibration is not None and not isinstance(calibration, (str, os.PathLike, Calibration)):
+        raise InputError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
+    if scheme is not None and scheme.smoothing is not None:
+        if not isinstance(calibration, Calibration):
+            calibration = calibration_rows(
+                tokenizer_source, calibration, config.vocab_size, config.max_position_embeddings
+            )
+        modules = [name for name in quantizable_modules(model, config.vocab_size) if scheme.smooths(name)]
+        log.info("smoothing %d projections' inputs: measuring them on %s", len(modules), calibration.source)
+        divisors = measured_divisors(model, modules, calibration, scheme.smoothing.alpha)
+        scheme = dataclasses.replace(
+            scheme, smoothing=dataclasses.replace(scheme.smoothing, calibration=calibration.source)
+        )
     with built_in_place(folder) as built:
-        manifest = _build(model, config, dtype, with_loss, source, tokenizer_source, built, scheme, trace_all_layers)
+        manifest = _build(
+            model, config, dtype, with_loss, source, tokenizer_source, built, scheme, trace_all_layers, divisors
+        )
     total = sum(entry["bytes"] for entry in manifest.files.values())
     return ExportResult(shown, manifest, time.perf_counter() - start, total)

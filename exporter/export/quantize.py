@@ -19,6 +19,10 @@ the float graph's Gather fails (exporter.export.graphs: ids are sent past the ta
 so the ids first go through a Gather of the table's row numbers: it passes every id in [0, vocab) unchanged and
 fails on the others as the float graph does.
 
+An int8 scheme at accuracy level 4 smooths its projections' inputs (exporter.artifact.quantization, at
+SMOOTHING_BITS): each such MatMul first reads Div(x, divisors), and its weight's rows (input channels) are multiplied
+by them (smoothed_weight) before the quantizer makes its blocks; the divisors come from exporter.export.smoothing.
+
 The quantizer is deterministic (the same weights give the same bytes), so prefill and decode, which hold the same
 weights, get identical quantized initializers and still share one weights file by content; `quantize_graphs`
 checks that they do.
@@ -44,6 +48,8 @@ from exporter.artifact.quantization import (
     Quantization,
     block_inputs,
     held_inputs,
+    smoothed_weight,
+    smoothing_divisors,
     zero_point_fractions,
 )
 from exporter.artifact.scopes import ROUTER_SCOPE, module_of
@@ -75,6 +81,51 @@ def _constant_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx
         if _float_matrix(tensor):
             found.append((node, tensor))
     return found
+
+
+def quantizable_modules(model, vocab_size: int) -> list[str]:
+    """The Linear modules whose weights the export quantizes at the scheme's bits, in the model's order: every
+    Linear but the lm_head (of vocabulary width; `lm_head` sets its bits) and a MoE router (kept float)."""
+    import torch
+
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and module.out_features != vocab_size
+        and ROUTER_SCOPE.search(name) is None
+    ]
+
+
+def _smooth(model: onnx.ModelProto, matmuls: list, divisors: dict[str, np.ndarray]) -> None:
+    """Each MatMul of `matmuls` ((node, weight)) whose module has divisors made to read Div(x, divisors), its
+    weight's rows times them (the module's docstring); the divisors in its weight's float type."""
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    added = {}
+    for node, tensor in matmuls:
+        module = module_of(node)
+        if module not in divisors:
+            continue
+        if readers[tensor.name] != 1:
+            raise ExportFailed(f"the weight {tensor.name} of {module} is read by more than its MatMul; cannot smooth")
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        divisor = np.asarray(divisors[module], dtype)
+        if divisor.shape != (tensor.dims[0],) or not np.all(np.isfinite(divisor) & (divisor > 0)):
+            raise ExportFailed(f"the smoothing divisors of {module} are not {tensor.dims[0]} positive finite numbers")
+        weight = numpy_helper.to_array(tensor)  # (K, N): its rows are the input channels
+        tensor.CopyFrom(numpy_helper.from_array(smoothed_weight(weight.T, divisor, dtype).T, tensor.name))
+        name = f"{module}.input_divisors"
+        model.graph.initializer.append(numpy_helper.from_array(divisor, name))
+        div = helper.make_node("Div", [node.input[0], name], [f"{node.name}_smoothed"], name=f"{node.name}_smooth")
+        div.metadata_props.extend(node.metadata_props)
+        node.input[0] = div.output[0]
+        added[node.name] = div
+    nodes = [new for node in model.graph.node for new in ([added[node.name]] if node.name in added else []) + [node]]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
@@ -373,8 +424,11 @@ def _digest(tensor: onnx.TensorProto) -> str:
     return hashlib.sha256(tensor.raw_data or numpy_helper.to_array(tensor).tobytes()).hexdigest()
 
 
-def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int) -> tuple[onnx.ModelProto, dict]:
-    """One graph quantized; with what stayed float, the matrices quantized and their bytes before and after."""
+def _quantize_one(
+    model: onnx.ModelProto, scheme: Quantization, vocab_size: int, divisors: dict[str, np.ndarray]
+) -> tuple[onnx.ModelProto, dict]:
+    """One graph quantized, the inputs of the projections `scheme` smooths divided by `divisors` (by module); with
+    what stayed float, the matrices quantized and their bytes before and after."""
     _name_nodes(model)
     head_bits = scheme.bits_for(scheme.lm_head)
     embedding_bits = scheme.bits_for(scheme.embedding)
@@ -401,6 +455,10 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
             f"the mix names {len(unmatched)} module(s) whose weights are no projection of this model's graphs, e.g. "
             f"{unmatched[0]!r}; name Linear modules other than the lm_head and a MoE router (`mix`)"
         )
+    smoothed = {module_of(n) for n, _ in matmuls if n.name in body and scheme.smooths(module_of(n) or "")}
+    if smoothed - set(divisors):
+        raise ExportFailed(f"no smoothing divisors were measured for {sorted(smoothed - set(divisors))[0]}")
+    _smooth(model, [(n, t) for n, t in matmuls if module_of(n) in smoothed], divisors)
     mixed_float = {name for (bits, _, _), names in groups.items() if bits is None for name in names}
     body = [name for name in body if name not in mixed_float]
     tokens, others = _table_gathers(model, vocab_size)
@@ -451,8 +509,10 @@ def _quantize_one(model: onnx.ModelProto, scheme: Quantization, vocab_size: int)
 def _held(model: onnx.ModelProto) -> dict[str, list[str]]:
     """By quantized node name, the initializers that hold its matrix: blocks, scales, zero points and, for an HQQ
     node, its zero points' fractions and the block-sum matrix."""
-    fractions = zero_point_fractions(model.graph)
-    return {node.name: held_inputs(node, fractions) for node in model.graph.node if node.op_type in QUANTIZED_OPS}
+    fractions, divisors = zero_point_fractions(model.graph), smoothing_divisors(model.graph)
+    return {
+        node.name: held_inputs(node, fractions, divisors) for node in model.graph.node if node.op_type in QUANTIZED_OPS
+    }
 
 
 def _quantized_keys(model: onnx.ModelProto) -> set[tuple]:
@@ -465,17 +525,22 @@ def _quantized_keys(model: onnx.ModelProto) -> set[tuple]:
 
 
 def quantize_graphs(
-    prefill: onnx.ModelProto, decode: onnx.ModelProto, scheme: Quantization, vocab_size: int
+    prefill: onnx.ModelProto,
+    decode: onnx.ModelProto,
+    scheme: Quantization,
+    vocab_size: int,
+    divisors: dict[str, np.ndarray] | None = None,
 ) -> tuple[onnx.ModelProto, onnx.ModelProto, Quantization]:
     """Both graphs with their MatMul weights (and the token embedding, unless kept float) quantized as `scheme`
-    asks, and the scheme with what was done (matrices, bytes, what stayed float).
+    asks, the inputs of the projections it smooths divided by `divisors` ({module: (in,) positive}, from
+    exporter.export.smoothing), and the scheme with what was done (matrices, bytes, what stayed float).
 
     Raises:
         ExportFailed: the quantizer failed, left a projection float, or gave the two graphs different blocks.
     """
     try:
-        prefill, done = _quantize_one(prefill, scheme, vocab_size)
-        decode, done_decode = _quantize_one(decode, scheme, vocab_size)
+        prefill, done = _quantize_one(prefill, scheme, vocab_size, divisors or {})
+        decode, done_decode = _quantize_one(decode, scheme, vocab_size, divisors or {})
     except (ExportFailed, InputError):
         raise
     except Exception as exc:  # the quantizer's own errors, of any type

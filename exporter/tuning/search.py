@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.artifact.destination import check_destination, move_into_place
+from exporter.artifact.paths import read_text_file
 from exporter.artifact.quantization import (
     DEFAULT_ALGORITHM,
     SCHEMES,
@@ -46,14 +47,16 @@ from exporter.artifact.quantization import (
 from exporter.artifact.tokenizer import export_tokenizer
 from exporter.errors import InputError, QualityTargetMissed
 from exporter.export.pipeline import ExportResult, export_artifact
+from exporter.export.quantize import quantizable_modules
+from exporter.export.smoothing import Calibration
 from exporter.tolerances.quality import (
     MIN_BOOTSTRAP_WINDOWS,
     QUALITY_CONFIDENCE,
     QUALITY_RESAMPLES,
     quality_profile_for,
 )
-from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, quantizable_modules, rounded_weight
-from exporter.verify.inputs import ParitySettings, QualityText, read_text_file, text_windows, windows_covering
+from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, rounded_weight
+from exporter.verify.inputs import ParitySettings, QualityText, text_windows, windows_covering
 from exporter.verify.metrics import bootstrap_interval
 
 log = logging.getLogger(__name__)
@@ -218,6 +221,12 @@ def export_to_target(
     ids = np.asarray(tokens.loaded.encode(read_text_file(calibration_text, "calibration_text")).ids, np.int64)
     window = min(WINDOW, config.max_position_embeddings)
     calibration, held_ids = _split(ids, shown, window)
+    # an int8 export that smooths its projections' inputs measures them on the calibration half too
+    smoothing_calibration = (
+        Calibration(calibration, f"{len(calibration)} windows of {window} tokens of the first half of {shown}")
+        if scheme.smoothing is not None
+        else None
+    )
     held_rows = text_windows(held_ids, min(HELD_OUT_WINDOWS, windows_covering(len(held_ids), window)), window)
     profile = quality_profile_for(dtype, target)
     model.eval()  # as the reference runs it
@@ -323,6 +332,7 @@ def export_to_target(
                 source,
                 tokens,
                 quantization=dataclasses.replace(settings, mix=mix),
+                calibration=smoothing_calibration,
                 trace_all_layers=trace_all_layers,
             )
             manifest = export.manifest

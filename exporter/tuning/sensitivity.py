@@ -19,26 +19,11 @@ import numpy as np
 from onnx import helper
 
 from exporter.artifact.quantization import DEFAULT_ALGORITHM, QUANTIZED_OP, Quantization
-from exporter.artifact.scopes import ROUTER_SCOPE
 from exporter.export.quantize import MS_DOMAIN, hqq_matrix_blocks, matrix_blocks, split_zero_points
 from exporter.verify.checks.blocks import dequantize_blocks, fitted_zero_points
 from exporter.verify.metrics import token_statistics
 
 ROWS_PER_CALL = 4  # windows per forward pass: the float64 distributions of a call stay a few hundred MB at 50k tokens
-
-
-def quantizable_modules(model, vocab_size: int) -> list[str]:
-    """The Linear modules whose weights the export quantizes at the scheme's bits, in the model's order: every
-    Linear but the lm_head (of vocabulary width; `lm_head` sets its bits) and a MoE router (kept float)."""
-    import torch
-
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and module.out_features != vocab_size
-        and ROUTER_SCOPE.search(name) is None
-    ]
 
 
 def rounded_weight(

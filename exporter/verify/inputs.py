@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.artifact.manifest import Manifest
-from exporter.artifact.paths import shown_path
+from exporter.artifact.paths import read_text_file, shown_path
 from exporter.artifact.tokenizer import TOKENIZER, load_tokenizer
 from exporter.errors import InputError, check_flag, is_integer
 from exporter.runtime.runner import position_ids_from_mask
@@ -198,21 +198,6 @@ def check_quality_text(text: QualityText, manifest: Manifest, folder: Path, sett
             f"{settings.batch} windows reads (a {settings.prompt_length}-token prompt, {settings.decode_steps} decode "
             f"steps and a {FINAL_CHUNK}-token chunk); give a longer text or fewer decode steps (`decode_steps`)"
         )
-
-
-def read_text_file(path, argument: str) -> str:
-    """The UTF-8 text of the file at `path`, or InputError naming it and `argument` (the parameter it was given as)."""
-    source = shown_path(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InputError(f"`{argument}` {source}: {exc.strerror or exc}; give a UTF-8 text file") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"`{argument}` {source} is not UTF-8 text ({exc.reason} at byte {exc.start}); give UTF-8 text"
-        ) from None
 
 
 def read_quality_text(path, manifest: Manifest, folder: Path, settings: ParitySettings) -> QualityText:

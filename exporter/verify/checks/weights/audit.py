@@ -38,7 +38,7 @@ import onnx
 
 from exporter.artifact.contract import GraphContract
 from exporter.artifact.folder import Artifact
-from exporter.artifact.quantization import QUANTIZED_OPS, held_inputs, zero_point_fractions
+from exporter.artifact.quantization import QUANTIZED_OPS, held_inputs, smoothing_divisors, zero_point_fractions
 from exporter.artifact.scopes import module_of
 from exporter.verify.checks.weights.quantized import (
     audit_blocks,
@@ -163,8 +163,8 @@ def audit_graph(
     scalars = integers = 0
     audited: list[_Initializer] = []
     blocks = [node for node in graph.node if node.op_type in QUANTIZED_OPS]
-    fractions = zero_point_fractions(graph)
-    held_in_blocks = {name for node in blocks for name in held_inputs(node, fractions)}
+    fractions, divisors = zero_point_fractions(graph), smoothing_divisors(graph)
+    held_in_blocks = {name for node in blocks for name in held_inputs(node, fractions, divisors)}
     for tensor in graph.initializer:
         if tensor.name in held_in_blocks:
             continue
@@ -209,10 +209,10 @@ def audit_graph(
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     quantized = 0
     for node in blocks:
-        found = audit_blocks(artifact, node, initializers, weights, index, carried, named, file, fractions)
+        found = audit_blocks(artifact, node, initializers, weights, index, carried, named, file, fractions, divisors)
         quantized += found is None
         findings += [found] if found is not None else []
-        found = audit_scheme(artifact.manifest, node, file, initializers, fractions)
+        found = audit_scheme(artifact.manifest, node, file, initializers, fractions, divisors)
         findings += [found] if found is not None else []
     sums = {f.blocks_sum: node for node in blocks if node.name in fractions for f in [fractions[node.name]]}
     for name, node in sums.items():

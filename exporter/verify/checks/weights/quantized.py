@@ -17,6 +17,13 @@ option, the embedding to its `embedding` option). The ids reach the quantized em
 of row numbers (it fails on ids outside the table, as the float graph's Gather does): that integer table must hold 0
 .. rows-1, or it would give one token another's row.
 
+A smoothed projection (an int8 scheme's at accuracy level 4, when the manifest records smoothing) reads its input
+divided by an initializer of divisors, one per input channel: its blocks are those of the parameter with each
+column times its divisor (exporter.artifact.quantization.smoothed_weight, computed here bit for bit as the export
+did), so a divisor changed without its blocks, or blocks without their divisors, fail as another block does. The
+divisors must be positive and finite, one per input channel, and a node is smoothed exactly where the manifest's
+scheme says (`Quantization.smooths`).
+
 `dequantized_weights` gives the weights those blocks compute with, by module, for the checks that run them in float
 math (exporter.verify.checks.faithfulness).
 """
@@ -32,6 +39,8 @@ from exporter.artifact.quantization import (
     QUANTIZED_OPS,
     ZeroPointFractions,
     block_inputs,
+    smoothed_weight,
+    smoothing_divisors,
     zero_point_fractions,
 )
 from exporter.artifact.scopes import module_of
@@ -41,7 +50,12 @@ from exporter.verify.checks.weights.tensors import ReferenceIndex, ReferenceTens
 
 
 def audit_scheme(
-    manifest, node: onnx.NodeProto, file: str, initializers: dict, fractions: dict[str, ZeroPointFractions]
+    manifest,
+    node: onnx.NodeProto,
+    file: str,
+    initializers: dict,
+    fractions: dict[str, ZeroPointFractions],
+    divisors: dict[str, str],
 ) -> WeightFinding | None:
     """A quantized node's bits and block size against the scheme the manifest records: the embedding (the
     GatherBlockQuantized node) at the bits its `embedding` option gives, the lm_head (the MatMulNBits matrix of
@@ -50,7 +64,8 @@ def audit_scheme(
     one it claims to be. A module of the mix (an export made to a quality target) is held to the mix's bits. Its
     algorithm too: HQQ's blocks (float zero points, among `initializers` by name, or integer ones with the
     `fractions` the graph adds back, by node name) where the manifest records "hqq" for the module's bits,
-    round-to-nearest's (integer zero points, or none) elsewhere."""
+    round-to-nearest's (integer zero points, or none) elsewhere. And its smoothing: a projection's input divided by
+    `divisors` (by node name) where the scheme smooths its module, and nowhere else."""
     scheme, held = manifest.quantization, block_inputs(node)[0]
     if scheme is None:
         return WeightFinding(file, "scheme", "", held, f"{node.name} is quantized, but the manifest is float")
@@ -76,6 +91,16 @@ def audit_scheme(
             f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
         )
     if (bits, block) == (expected, scheme.block_size):
+        smooths = role.startswith("a projection") and scheme.smooths(module_of(node) or "")
+        if smooths != (node.name in divisors):
+            return WeightFinding(
+                file,
+                "scheme",
+                "",
+                held,
+                f"{node.name}, {role}, reads its input {'as it is' if smooths else 'divided by smoothing divisors'}, "
+                f"but the manifest records {'smoothing for it' if smooths else 'no smoothing of it'}",
+            )
         return _audit_algorithm(scheme, node, bits, file, initializers, node.name in fractions)
     asked = f" ({choice[0]} {choice[1]})" if choice else ""
     recorded = f"{expected}-bit blocks of {scheme.block_size}" if expected else "float weights"
@@ -133,17 +158,47 @@ def block_arrays(artifact, node, initializers: dict, weights, fractions: dict[st
     return (*arrays, None)[:3]
 
 
+def read_divisors(artifact, node, initializers: dict, weights, divisors: dict[str, str]):
+    """The smoothing divisors of a quantized node's input (by node name in `divisors`) as an array; None where it
+    has none; or, where they cannot be read, (their name, why)."""
+    name = divisors.get(node.name)
+    if name is None:
+        return None
+    array, problem = read_initializer(artifact, initializers[name], weights)
+    return (name, problem) if array is None else array
+
+
+def _divisors_problem(node, divisor: np.ndarray) -> str | None:
+    """Why `divisor` cannot divide `node`'s input channels, or None."""
+    k = _attribute(node, "K", 0)
+    if divisor.shape != (k,) or not np.all(np.isfinite(divisor) & (divisor > 0)):
+        return f"hold no {k} positive finite divisors, one per input channel (shape {list(divisor.shape)})"
+    return None
+
+
 def audit_blocks(
-    artifact, node, initializers, weights, index: ReferenceIndex, carried: set, named: set, file: str, fractions: dict
+    artifact,
+    node,
+    initializers,
+    weights,
+    index: ReferenceIndex,
+    carried: set,
+    named: set,
+    file: str,
+    fractions: dict,
+    divisors: dict,
 ):
     """A quantized node's blocks against the parameter of the module it lies in (its scope), as onnxruntime's
-    quantizer makes them (exporter/verify/checks/blocks.py); None when they are (it is then carried), else the
-    finding, naming the parameter they hold instead where they are another's."""
+    quantizer makes them (exporter/verify/checks/blocks.py), each column times its smoothing divisor where it has
+    them (`divisors`, smoothing_divisors'); None when they are (it is then carried), else the finding, naming the
+    parameter they hold instead where they are another's."""
     names = block_inputs(node)
     arrays = block_arrays(artifact, node, initializers, weights, fractions)
-    if len(arrays) == 2:
-        name, problem = arrays
-        return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
+    divisor = read_divisors(artifact, node, initializers, weights, divisors)
+    for unread in (arrays, divisor):
+        if isinstance(unread, tuple) and len(unread) == 2:
+            name, problem = unread
+            return WeightFinding(file, "unreadable", "", name, f"initializer {name} of {node.name} {problem}")
     b, scales, zero_points = arrays
     module = module_of(node)
     if module is None:
@@ -167,17 +222,30 @@ def audit_blocks(
             f"quantized matrix {names[0]} {list(shape)} of {node.name} (in {module}) is no parameter of {module} "
             "of that shape",
         )
-    checked = check_blocks(node, b, scales, zero_points, _graph_values(due, index.export_dtype))
+
+    if divisor is not None and (problem := _divisors_problem(node, divisor)):
+        named.add(id(due))
+        return WeightFinding(
+            file,
+            "differs",
+            due.names[0],
+            divisors[node.name],
+            f"{due.name}: the smoothing divisors {divisors[node.name]} of {node.name} {problem}",
+        )
+
+    def values(reference: ReferenceTensor) -> np.ndarray:
+        graph_values = _graph_values(reference, index.export_dtype)
+        if divisor is None:
+            return graph_values
+        return smoothed_weight(graph_values.astype(divisor.dtype), divisor, divisor.dtype).astype(np.float32)
+
+    checked = check_blocks(node, b, scales, zero_points, values(due))
     if checked.passed:
         carried.add(id(due))
         return None
     named.add(id(due))
     held = next(
-        (
-            r
-            for r in fitting
-            if r is not due and check_blocks(node, b, scales, zero_points, _graph_values(r, index.export_dtype)).passed
-        ),
+        (r for r in fitting if r is not due and check_blocks(node, b, scales, zero_points, values(r)).passed),
         None,
     )
     if held is not None:
@@ -273,19 +341,24 @@ def audit_blocks_sum(
 
 
 def dequantized_weights(artifact: Artifact) -> dict[str, np.ndarray]:
-    """The weight each quantized node of `artifact`'s prefill graph computes with in float math, by the module it
-    lies in ({"model.layers.0.self_attn.q_proj": (out, in) float32}; the embedding's (vocab, hidden)). Both graphs
-    hold the same blocks (the invariants check it). A node in no module is left out: the weight audit fails it."""
+    """The weight each quantized node of `artifact`'s prefill graph computes with in float math (a smoothed node's
+    blocks over its divisors, column by column), by the module it lies in ({"model.layers.0.self_attn.q_proj":
+    (out, in) float32}; the embedding's (vocab, hidden)). Both graphs hold the same blocks (the invariants check
+    it). A node in no module is left out: the weight audit fails it."""
     graph = artifact.graph(artifact.manifest.prefill).graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     weights = WeightsFile(artifact)
-    fractions = zero_point_fractions(graph)
+    fractions, divisors = zero_point_fractions(graph), smoothing_divisors(graph)
     found = {}
     for node in graph.node:
         module = module_of(node) if node.op_type in QUANTIZED_OPS else None
         if module is None:
             continue
         arrays = block_arrays(artifact, node, initializers, weights, fractions)
-        if len(arrays) == 3:  # else unreadable: the weight audit fails it
-            found[module] = dequantize_blocks(node, *arrays)
+        divisor = read_divisors(artifact, node, initializers, weights, divisors)
+        if len(arrays) == 3 and not isinstance(divisor, tuple):  # else unreadable: the weight audit fails it
+            if divisor is not None and _divisors_problem(node, divisor):
+                continue  # no weight: the weight audit fails it
+            weight = dequantize_blocks(node, *arrays)
+            found[module] = weight if divisor is None else weight / divisor.astype(np.float32)[None, :]
     return found

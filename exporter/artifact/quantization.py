@@ -26,18 +26,20 @@ SCHEMES = {"int4": 4, "int8": 8}  # the --dtype values that quantize, and their 
 # MatMulNBits kernels compute in float32 or int8; float16 is for CUDA, where activations and cache in float16 halve
 # what every step reads besides the weights.
 DEFAULT_ACTIVATIONS = "float32"
-DEFAULT_BLOCK_SIZE = 32
+# Weights per scale by default: 32 for int4, as onnxruntime-genai's builder and llama.cpp's Q4_0 and Q8_0; 16 for
+# int8, whose 8-bit projections' inputs accuracy level 4 rounds to int8 a block at a time by the block's largest
+# element: at 16, half as many inputs share each rounding. int8 is the near-lossless scheme, and on a trained model
+# whose activations carry outliers (SmolLM2-135M) its profile holds, with smoothing (SMOOTHING_BITS), at 16 and not
+# at 32 (benchmarks/FRONTIER-RESULTS.md); the cost is a scale and a zero point per 16 weights, 13% more bytes.
+DEFAULT_BLOCK_SIZES = {"int4": 32, "int8": 16}
 MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float32 math), 4 int8 math on the CPU
 # Level 4 by default, as onnxruntime-genai's builder writes int4 for the CPU: onnxruntime's CPU MatMulNBits is fast
 # only there (its float32-math kernels decode a 4-bit minimind-3 slower than the float32 artifact does, see
 # benchmarks/QUANTIZED-RESULTS.md); the quality profile judges what its int8 activations cost. CUDA ignores it.
-# int8 keeps level 4 too. A trained model whose activations carry outliers (SmolLM2-135M) misses the int8 profile
-# there, and no 8-bit block format keeps it on that model (benchmarks/FRONTIER-RESULTS.md): at level 0, even in blocks
-# of 16, the weights' rounding alone leaves its perplexity change at the profile's 1% limit, and onnxruntime's CPU
-# kernel for 8-bit blocks in float math decodes slower than the float32 artifact, which would leave int8 worth nothing
-# but its bytes. Level 0 on any one kind of projection, or any one layer, recovers only its share of the loss, which
-# is spread over all of them. Blocks of 16 (--block-size 16) cut the KL at level 4 by a third for 13% more bytes.
+# int8 keeps level 4 too, its inputs smoothed (SMOOTHING_BITS) in blocks of 16 (DEFAULT_BLOCK_SIZES): onnxruntime's
+# CPU kernel for 8-bit blocks in float math (level 0) decodes slower than the float32 artifact, which would leave
+# int8 worth nothing but its bytes.
 DEFAULT_ACCURACY_LEVEL = 4
 # The embedding's or the lm_head's weights: kept float, at 8 bits, or at the scheme's bits.
 TABLE_CHOICES = ("float", "int8", "same")
@@ -307,7 +309,8 @@ class QuantizationSettings:
     """What an int4/int8 export is asked for (export_artifact's `quantization`); None takes the default, and a float
     dtype takes none of them (InputError names the one given).
 
-    block_size: the weights per scale: a power of two >= 16 dividing the hidden size (None: 32).
+    block_size: the weights per scale: a power of two >= 16 dividing the hidden size (None: DEFAULT_BLOCK_SIZES
+        of the scheme: 32 for int4, 16 for int8).
     accuracy_level: MatMulNBits' accuracy_level (0: float32 math; 4, the default: int8 math on the CPU).
     lm_head: the lm_head's weights, tied or not: "int8" (default), "float", or "same" (the scheme's bits). The
         vocabulary-wide projection is the most sensitive one: its error moves every logit.
@@ -450,7 +453,7 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
                 f'drop `{name}`, or choose `dtype="int4"` or `dtype="int8"`'
             )
         return None
-    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    block_size = DEFAULT_BLOCK_SIZES[dtype] if block_size is None else block_size
     accuracy_level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
     lm_head = DEFAULT_LM_HEAD if lm_head is None else lm_head
     embedding = DEFAULT_EMBEDDING if embedding is None else embedding

@@ -14,7 +14,7 @@ from exporter.artifact.quantization import (
     ALGORITHMS,
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_ALGORITHM,
-    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BLOCK_SIZES,
     DEFAULT_EMBEDDING,
     DEFAULT_LM_HEAD,
     DEFAULT_SMOOTHING,
@@ -138,7 +138,7 @@ def export_options(func):
             type=int,
             default=None,
             help="int4/int8: weights per quantization scale (a power of two >= 16 dividing the hidden size) "
-            f"[default: {DEFAULT_BLOCK_SIZE}].",
+            f"[default: {DEFAULT_BLOCK_SIZES['int4']} for int4, {DEFAULT_BLOCK_SIZES['int8']} for int8].",
         ),
         click.option(
             "--accuracy-level",

@@ -6,6 +6,7 @@
 - tracing: the model traced with torch.onnx once for both graphs (example inputs, dynamic shapes);
 - graph_passes: the graphs cut from the traced program and rewritten (trace metadata, RMSNorm's form, axis names);
 - checks: what an export refuses before tracing (arguments, source, weights, the eager forward), and the smoke run;
+- smoothing: the int8 projections' input maxima measured on calibration ids, and the divisors that smooth them;
 - quantize: int4/int8 weight-only quantization of the written graphs;
 - pipeline: export_artifact, the orchestration: checks, tracing, passes, quantization and the folder's files, built
   beside the destination and swapped in (exporter.artifact.destination).

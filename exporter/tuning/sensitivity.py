@@ -6,8 +6,9 @@ as ONNX Runtime computes in float math by exporter.verify.checks.blocks.dequanti
 model, and the model's next-token distributions on windows of text compared with the float model's own by the
 verification's statistics (exporter.verify.metrics.token_statistics: KL(float || rounded) and top-1 agreement per
 position). One module rounded alone gives its sensitivity; a whole mix rounded at once gives the figures a mix is
-chosen by. These are float-math figures: an artifact's own (ONNX Runtime, its MatMulNBits accuracy levels) are
-measured on the built artifact by the quality check.
+chosen by. These are float-math figures: an artifact's own (ONNX Runtime, its MatMulNBits accuracy levels, and the
+smoothing of an int8 scheme's inputs at level 4, which moves rounding from the inputs into the weights) are measured
+on the built artifact by the quality check.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             for line in result.output.splitlines()
             if line.startswith("  -")
         ]
-        assert options[:16] == [
+        assert options[:17] == [
             "--preset",
             "--checkpoint",
             "--config",
@@ -156,6 +156,7 @@ def test_help_lists_the_export_options_in_their_written_order():
             "--block-size",
             "--accuracy-level",
             "--quant-algorithm",
+            "--smoothing",
             "--lm-head",
             "--embedding",
             "--activations",

@@ -374,7 +374,7 @@ def test_a_second_export_to_the_same_folder_waits_for_the_first_ones_swap(tmp_pa
     )
     assert other.stdout.readline() == "swapping\n"
 
-    def build(model, config, dtype, with_loss, source, tokenizer, built, quantization, trace_all_layers):
+    def build(model, config, dtype, with_loss, source, tokenizer, built, quantization, trace_all_layers, divisors):
         # written while the other export swaps its folder in
         (built / "manifest.json").write_text("mine")
         return types.SimpleNamespace(files={})

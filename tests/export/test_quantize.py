@@ -123,13 +123,19 @@ def _held(folder) -> tuple[int, list]:
 # ----------------------------------------------------------------------------- what the graphs hold
 
 
-@pytest.mark.parametrize(("scheme", "bits"), [("int4", 4), ("int8", 8)])
-def test_default_export_quantizes_projections_lm_head_and_embedding_once(quantized, tiny_model, scheme, bits):
+@pytest.mark.parametrize(("scheme", "bits", "block"), [("int4", 4, 32), ("int8", 8, 16)])
+def test_default_export_quantizes_projections_lm_head_and_embedding_once(quantized, tiny_model, scheme, bits, block):
     folder = quantized[scheme]
     manifest = json.loads((folder / "manifest.json").read_text())
     q = manifest["quantization"]
     assert manifest["dtype"] == "float32" and manifest["cache"]["dtype"] == "float32"
-    assert (q["scheme"], q["bits"], q["block_size"], q["lm_head"], q["embedding"]) == (scheme, bits, 32, "int8", "int8")
+    assert (q["scheme"], q["bits"], q["block_size"], q["lm_head"], q["embedding"]) == (
+        scheme,
+        bits,
+        block,
+        "int8",
+        "int8",
+    )
     vocab, hidden = tiny_model.model.embed_tokens.weight.shape
     projections = _projections(tiny_model)
     assert len(projections) == 14  # 2 layers x (q, k, v, o, gate, up, down)
@@ -139,8 +145,8 @@ def test_default_export_quantizes_projections_lm_head_and_embedding_once(quantiz
         + [("MatMulNBits", 8, vocab), ("GatherBlockQuantized", 8, vocab)]
     )
     assert _quantized_nodes(folder) == _quantized_nodes(folder, "decode.onnx") == expected
-    table = _block_bytes(hidden, vocab, 8)
-    assert q["quantized_bytes"] == sum(_block_bytes(k, n, bits) for k, n in projections) + table
+    table = _block_bytes(hidden, vocab, 8, block)
+    assert q["quantized_bytes"] == sum(_block_bytes(k, n, bits, block) for k, n in projections) + table
     assert q["float_bytes"] == 4 * (sum(k * n for k, n in projections) + vocab * hidden)
     assert q["matrices"] == 15 and q["kept_float"] == []
     assert _held(folder) == (q["quantized_bytes"], [])  # the tied table once, and no float copy of it left
@@ -370,7 +376,7 @@ def test_blocks_of_other_bits_than_the_manifest_records_fail_the_audit(quantized
     audit = audit_weights(Artifact.open(folder), tiny_model)
     findings = [f for f in audit.findings if f.problem == "scheme"]
     assert not audit.passed and len(findings) == len(audit.findings) == 28, [f.describe() for f in audit.findings]
-    expected = "a projection, holds 8-bit blocks of 32, but the manifest records int4 with 4-bit blocks of 32"
+    expected = "a projection, holds 8-bit blocks of 16, but the manifest records int4 with 4-bit blocks of 16"
     assert expected in findings[0].detail, findings[0].detail
 
 

@@ -198,3 +198,20 @@ def test_calibration_for_an_export_that_smooths_nothing_is_refused(tiny_model, t
     with pytest.raises(InputError, match=r"`calibration_text` is tokenized with the export's tokenizer, and none"):
         export_artifact(tiny_model, tmp_path / "out", dtype="int8", calibration=text)
     assert [p.name for p in tmp_path.iterdir()] == ["calibration.txt"]
+
+
+def test_float16_activations_divide_in_float16_and_the_audit_holds_the_blocks(
+    tiny_model, artifact_fp16, tmp_path, monkeypatch
+):
+    replayed_export(monkeypatch, artifact_fp16)
+    folder = tmp_path / "int8-float16"
+    settings = QuantizationSettings(activations="float16")
+    export_artifact(tiny_model, folder, dtype="int8", source=TINY_SOURCE, quantization=settings)
+    graph = _graph(folder)
+    initializers = {t.name: t for t in graph.initializer}
+    divisors = smoothing_divisors(graph)
+    assert len(divisors) == 14 and {initializers[name].data_type for name in divisors.values()} == {
+        onnx.TensorProto.FLOAT16
+    }
+    audit = audit_weights(Artifact.open(folder), tiny_model)
+    assert audit.passed, [f.describe() for f in audit.findings]

@@ -219,7 +219,9 @@ def test_no_mix_meeting_the_target_is_refused_in_one_line(text, tiny_tokenizer, 
     [
         (["--dtype", "int4", "--quality-target", "kl=abc", "--calibration-text", "TEXT"], "'abc' is not a number"),
         (["--dtype", "int4", "--quality-target", "kl=0.1"], "--quality-target needs --calibration-text"),
-        (["--dtype", "int4", "--calibration-text", "TEXT"], "--calibration-text needs --quality-target"),
+        (["--dtype", "int4", "--calibration-text", "TEXT"], "--calibration-text applies with --quality-target, or to"),
+        (["--dtype", "int8", "--smoothing", "none", "--calibration-text", "TEXT"], "without --smoothing none)"),
+        (["--dtype", "int8", "--smoothing", "half"], "--smoothing 'half' is neither a number in (0, 1] nor none"),
         (["--quality-target", "kl=0.1", "--calibration-text", "TEXT"], "applies to --dtype int4 or int8"),
     ],
 )

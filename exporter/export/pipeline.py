@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime
@@ -142,6 +143,34 @@ def _build(
     return manifest
 
 
+def _calibration(scheme: Quantization | None, calibration, tokenizer_source, config) -> Calibration | None:
+    """What an export that smooths its projections' inputs measures them on (export_artifact's `calibration`, read
+    and tokenized now, before the export's work); None for an export that smooths none, or InputError."""
+    if calibration is not None and not isinstance(calibration, (str, os.PathLike, Calibration)):
+        raise InputError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
+    if scheme is None or scheme.smoothing is None:
+        if calibration is not None:
+            raise InputError(
+                "`calibration` is what an int8 export smoothing its projections' inputs measures them on, and this "
+                "export smooths none: drop `calibration`, or export int8 at accuracy level 4 (`dtype`, "
+                "`quantization`)"
+            )
+        return None
+    if isinstance(calibration, Calibration):
+        rows = np.asarray(calibration.rows)
+        if rows.ndim != 2 or rows.dtype.kind not in "iu" or rows.size == 0 or rows.min() < 0:
+            raise InputError(
+                "calibration.rows must be a non-empty (windows, length) array of token ids (`calibration`)"
+            )
+        if rows.max() >= config.vocab_size:
+            raise InputError(
+                f"calibration.rows holds token id {rows.max()}, beyond the vocabulary of {config.vocab_size} "
+                "(`calibration`)"
+            )
+        return calibration
+    return calibration_rows(tokenizer_source, calibration, config.vocab_size, config.max_position_embeddings)
+
+
 def export_artifact(
     model: torch.nn.Module,
     folder: Path,
@@ -213,24 +242,14 @@ def export_artifact(
     shown, folder = Path(folder), Path(os.path.abspath(folder))  # absolute: `-o .` has a name and a parent
     check_destination(folder)
     tokenizer_source = export_tokenizer(tokenizer, config.vocab_size)
+    calibration = _calibration(scheme, calibration, tokenizer_source, config)
     start = time.perf_counter()
     exported = copy_for_export(model, TORCH_DTYPES[dtype])
     check_finite_weights(model, exported, dtype)  # before the exports, which take the time
     model = exported
     share_tied_table(model)
     divisors = None
-    if calibration is not None and (scheme is None or scheme.smoothing is None):
-        raise InputError(
-            "`calibration` is what an int8 export smoothing its projections' inputs measures them on, and this "
-            "export smooths none: drop `calibration`, or export int8 at accuracy level 4 (`dtype`, `quantization`)"
-        )
-    if calibration is not None and not isinstance(calibration, (str, os.PathLike, Calibration)):
-        raise InputError(f"calibration must be a path or a Calibration, got {type(calibration).__name__}")
-    if scheme is not None and scheme.smoothing is not None:
-        if not isinstance(calibration, Calibration):
-            calibration = calibration_rows(
-                tokenizer_source, calibration, config.vocab_size, config.max_position_embeddings
-            )
+    if calibration is not None:
         modules = [name for name in quantizable_modules(model, config.vocab_size) if scheme.smooths(name)]
         log.info("smoothing %d projections' inputs: measuring them on %s", len(modules), calibration.source)
         divisors = measured_divisors(model, modules, calibration, scheme.smoothing.alpha)

@@ -98,8 +98,8 @@ def quantizable_modules(model, vocab_size: int) -> list[str]:
 
 
 def _smooth(model: onnx.ModelProto, matmuls: list, divisors: dict[str, np.ndarray]) -> None:
-    """Each MatMul of `matmuls` ((node, weight)) whose module has divisors made to read Div(x, divisors), its
-    weight's rows times them (the module's docstring); the divisors in its weight's float type."""
+    """Each MatMul of `matmuls` ((node, weight)) made to read Div(x, its module's `divisors`), its weight's rows
+    times them (the module's docstring); the divisors in its weight's float type."""
     readers: dict[str, int] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -107,8 +107,6 @@ def _smooth(model: onnx.ModelProto, matmuls: list, divisors: dict[str, np.ndarra
     added = {}
     for node, tensor in matmuls:
         module = module_of(node)
-        if module not in divisors:
-            continue
         if readers[tensor.name] != 1:
             raise ExportFailed(f"the weight {tensor.name} of {module} is read by more than its MatMul; cannot smooth")
         dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
@@ -508,7 +506,7 @@ def _quantize_one(
 
 def _held(model: onnx.ModelProto) -> dict[str, list[str]]:
     """By quantized node name, the initializers that hold its matrix: blocks, scales, zero points and, for an HQQ
-    node, its zero points' fractions and the block-sum matrix."""
+    node, its zero points' fractions and the block-sum matrix; for a smoothed one, its input's divisors."""
     fractions, divisors = zero_point_fractions(model.graph), smoothing_divisors(model.graph)
     return {
         node.name: held_inputs(node, fractions, divisors) for node in model.graph.node if node.op_type in QUANTIZED_OPS

@@ -215,3 +215,16 @@ def test_float16_activations_divide_in_float16_and_the_audit_holds_the_blocks(
     }
     audit = audit_weights(Artifact.open(folder), tiny_model)
     assert audit.passed, [f.describe() for f in audit.findings]
+
+
+@pytest.mark.parametrize(
+    ("rows", "fragment"),
+    [
+        (np.zeros((2, 3, 4), np.int64), r"must be a non-empty \(windows, length\) array of token ids"),
+        (np.full((2, 8), 512), r"holds token id 512, beyond the vocabulary of 512"),
+    ],
+)
+def test_calibration_ids_the_model_cannot_read_are_refused(tiny_model, tmp_path, rows, fragment):
+    with pytest.raises(InputError, match=fragment):
+        export_artifact(tiny_model, tmp_path / "out", dtype="int8", calibration=Calibration(rows, "test"))
+    assert not any(tmp_path.iterdir())

@@ -2,8 +2,9 @@
 onnxruntime-genai's builder int4 of the same Hugging Face folders.
 
 1. minimind-3 (seeded weights; --quick: minimind-3-tiny) exported in float32 (torch.onnx), then in int8 and int4
-   from those same graphs (block 32, --accuracy-level, default 4: int8 math on the CPU; the lm_head and the
-   token embedding at the export's defaults, which the tables name). Artifact bytes per
+   from those same graphs (the export's defaults: int4 in blocks of 32, int8 in blocks of 16 with its inputs
+   smoothed; --accuracy-level, default 4: int8 math on the CPU; the lm_head and the token embedding at the
+   export's defaults, which the tables name). Artifact bytes per
    precision; prefill and decode timed in turns with benchmarks/runtime.py's workers (same prompts, steps,
    warm-up, rounds; ratios are medians of per-round ratios) against PyTorch float32; the int4 weight-read floor.
 2. The Qwen3-0.6B config (export_sizes.py's random-weight folder; --quick: a tiny one) exported by us in float32
@@ -163,7 +164,7 @@ def variant_name(block: int, level: int) -> str:
 
 
 def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dict[str, Path], list[tuple[int, int]]]:
-    """float32, int8 and int4 (block 32) of `preset` at `accuracy_level`, and each int4 variant of the trade-off
+    """float32, int8 and int4 (the export's default blocks) of `preset` at `accuracy_level`, and each int4 variant of the trade-off
     table (trade_off_variants, keyed by variant_name; the first is that int4), the quantized ones from the float32
     graphs; and those variants."""
     from quality import replayed

@@ -55,7 +55,7 @@ from exporter.tolerances.quality import (
     QUALITY_RESAMPLES,
     quality_profile_for,
 )
-from exporter.tuning.sensitivity import Figures, Scorer, module_bytes, rounded_weight
+from exporter.tuning.sensitivity import Figures, RoundedBlocks, Scorer, module_bytes, rounded_blocks
 from exporter.verify.inputs import ParitySettings, QualityText, text_windows, windows_covering
 from exporter.verify.metrics import bootstrap_interval
 
@@ -98,17 +98,24 @@ class Candidate:
 @dataclass(frozen=True)
 class _Rung:
     """A precision a module can be raised to: its name ("int4 hqq", "int8", "float"), bits (None: float), algorithm
-    and accuracy level, and each module's weights as the artifact would compute with them there, and bytes."""
+    and accuracy level, and each module's weight there and its bytes: the float weight itself, or the blocks the
+    artifact would hold (a byte or half a byte per weight, dequantized when a mix is scored: three float copies of
+    every projection would not fit beside a 1B model)."""
 
     name: str
     bits: int | None
     algorithm: str
     accuracy_level: int
-    weights: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray | RoundedBlocks]
     sizes: dict[str, int]
 
     def precision(self, module: str) -> ModulePrecision:
         return ModulePrecision(module, self.bits, self.accuracy_level, self.algorithm)
+
+    def weight(self, module: str) -> np.ndarray:
+        """The module's weight at this rung as the artifact computes with it, (out, in) float32."""
+        held = self.weights[module]
+        return held.weight() if isinstance(held, RoundedBlocks) else held
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,7 @@ def export_to_target(
     float_bytes = 2 if settings.activations == "float16" else 4
 
     def rung(name: str, bits: int | None, algorithm: str = DEFAULT_ALGORITHM) -> _Rung:
-        made = {m: w if bits is None else rounded_weight(w, bits, scheme, algorithm) for m, w in weights.items()}
+        made = {m: w if bits is None else rounded_blocks(w, bits, scheme, algorithm) for m, w in weights.items()}
         sizes = {m: module_bytes(w.shape, bits, scheme, float_bytes, algorithm) for m, w in weights.items()}
         level = scheme.accuracy_level if bits is not None else 0
         return _Rung(name, bits, algorithm, level, made, sizes)
@@ -258,7 +265,7 @@ def export_to_target(
     scorer = Scorer(model, calibration)
     sensitivity = {}
     for index, module in enumerate(modules, 1):
-        sensitivity[module] = scorer.score({module: base.weights[module]}).kl_mean
+        sensitivity[module] = scorer.score({module: base.weight(module)}).kl_mean
         if index % max(1, len(modules) // 10) == 0 or index == len(modules):
             log.info("sensitivity: %d/%d modules (%.0f s)", index, len(modules), time.perf_counter() - began)
     ranked = sorted(modules, key=lambda m: -sensitivity[m])
@@ -278,7 +285,7 @@ def export_to_target(
     def judge(k: int) -> Candidate:
         if k not in candidates:
             where = placed(k)
-            mix = {m: rungs[r].weights[m] if r >= 0 else base.weights[m] for m, r in where.items()}
+            mix = {m: (rungs[r] if r >= 0 else base).weight(m) for m, r in where.items()}
             figures: Figures = held.score(mix)
             windows = len(held_rows)
             intervals = {"kl_mean": _interval(figures.kl, windows), "top1_agreement": _interval(figures.top1, windows)}

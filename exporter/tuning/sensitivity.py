@@ -27,21 +27,45 @@ from exporter.verify.metrics import token_statistics
 ROWS_PER_CALL = 4  # windows per forward pass: the float64 distributions of a call stay a few hundred MB at 50k tokens
 
 
-def rounded_weight(
+@dataclass(frozen=True)
+class RoundedBlocks:
+    """A Linear's weight as an artifact's MatMulNBits node holds it (`node` gives its layout): packed codes, scales
+    and zero points (None where symmetric), at a byte or half a byte per weight; `weight()` dequantizes it."""
+
+    node: object
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+
+    def weight(self) -> np.ndarray:
+        """(out, in) float32, as ONNX Runtime computes with it in float math."""
+        return dequantize_blocks(self.node, self.packed, self.scales, self.zero_points)
+
+
+def rounded_blocks(
     weight: np.ndarray, bits: int, scheme: Quantization, algorithm: str = DEFAULT_ALGORITHM
-) -> np.ndarray:
-    """A Linear's `weight` (out, in) as the artifact computes with it at `bits`: onnxruntime's blocks of it, made
-    by `algorithm` (ALGORITHMS), dequantized in float math, (out, in) float32."""
+) -> RoundedBlocks:
+    """A Linear's `weight` (out, in) as the artifact holds it at `bits`: onnxruntime's blocks of it, made by
+    `algorithm` (ALGORITHMS); HQQ's float zero points as the graph computes with them (integers and their
+    fractions, put together again)."""
     n, k = weight.shape
     node = helper.make_node(
         QUANTIZED_OP, ["A", "B", "scales"], ["Y"], domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=scheme.block_size
     )
-    if algorithm == "hqq":  # the float zero points held as the graph holds them: integers and their fractions
+    if algorithm == "hqq":
         packed, scales, zero_points = hqq_matrix_blocks(weight, bits, scheme)
         integers, fractions = split_zero_points(zero_points, scales, n, bits, scales.dtype)
-        return dequantize_blocks(node, packed, scales, fitted_zero_points(node, packed, scales, integers, fractions))
+        return RoundedBlocks(node, packed, scales, fitted_zero_points(node, packed, scales, integers, fractions))
     packed, scales, zero_points = matrix_blocks(weight.astype(np.float32), bits, scheme)
-    return dequantize_blocks(node, packed, scales, None if scheme.symmetric else zero_points)
+    return RoundedBlocks(node, packed, scales, None if scheme.symmetric else zero_points)
+
+
+def rounded_weight(
+    weight: np.ndarray, bits: int, scheme: Quantization, algorithm: str = DEFAULT_ALGORITHM
+) -> np.ndarray:
+    """A Linear's `weight` (out, in) as the artifact computes with it at `bits` (rounded_blocks, dequantized in float
+    math), (out, in) float32."""
+    return rounded_blocks(weight, bits, scheme, algorithm).weight()
 
 
 def module_bytes(

@@ -228,7 +228,13 @@ MUTATION = st.one_of(
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomized: the same 40 cases on every run, so that the default suite passes or fails on the code alone
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3))
 def test_a_mutated_config_json_is_read_or_refused_in_one_line(hf_folders, tmp_path, model_type, mutations):
     # Stops at the reference model: a config read without error builds the model its tensors fit, whose logits

@@ -339,6 +339,14 @@ def test_onnxruntime_genai_runs_the_quantized_artifact_as_our_runtime_does(activ
         ({"dtype": "float32", "algorithm": "hqq"}, r"algorithm 'hqq' applies to int4/int8 exports only"),
         ({"dtype": "int4", "algorithm": "gptq"}, r"algorithm 'gptq' is none of rtn, hqq \(`algorithm`\)"),
         ({"dtype": "int8", "algorithm": "hqq"}, r"algorithm hqq makes 4-bit blocks, and an int8 export has none"),
+        ({"dtype": "int4", "smoothing": 0.5}, r"smoothing applies to int8 at accuracy level 4 only \(at 4 bits"),
+        (
+            {"dtype": "int8", "accuracy_level": 0, "smoothing": 0.5},
+            r"\(at accuracy level 0 the inputs are not rounded to int8\)",
+        ),
+        ({"dtype": "int8", "smoothing": 1.5}, r"smoothing alpha 1.5 is not a number in \(0, 1\]"),
+        ({"dtype": "int8", "smoothing": "yes"}, r"smoothing alpha 'yes' is not a number in \(0, 1\]"),
+        ({"dtype": "float32", "smoothing": 0.5}, r"smoothing 0.5 applies to int4/int8 exports only"),
     ],
 )
 def test_bad_quantization_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):

@@ -169,27 +169,6 @@ def test_smoothing_recovers_what_an_outlier_channel_costs_at_level_4(tiny_model,
     assert kl[None] < kl["none"] / 3, kl
 
 
-@pytest.mark.parametrize(
-    ("arguments", "fragment"),
-    [
-        ({"dtype": "int4", "smoothing": 0.5}, r"smoothing applies to int8 at accuracy level 4 only \(at 4 bits"),
-        (
-            {"dtype": "int8", "accuracy_level": 0, "smoothing": 0.5},
-            r"\(at accuracy level 0 the inputs are not rounded to int8\)",
-        ),
-        ({"dtype": "int8", "smoothing": 1.5}, r"smoothing alpha 1.5 is not a number in \(0, 1\]"),
-        ({"dtype": "int8", "smoothing": "yes"}, r"smoothing alpha 'yes' is not a number in \(0, 1\]"),
-        ({"dtype": "float32", "smoothing": 0.5}, r"smoothing 0.5 applies to int4/int8 exports only"),
-    ],
-)
-def test_bad_smoothing_refused_before_anything_is_written(tiny_model, tmp_path, arguments, fragment):
-    settings = dict(arguments)
-    dtype = settings.pop("dtype")
-    with pytest.raises(InputError, match=fragment):
-        export_artifact(tiny_model, tmp_path / "out", dtype=dtype, quantization=QuantizationSettings(**settings))
-    assert not any(tmp_path.iterdir())
-
-
 def test_calibration_for_an_export_that_smooths_nothing_is_refused(tiny_model, tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text("some text " * 100)

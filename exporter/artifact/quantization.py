@@ -56,7 +56,11 @@ QUANTIZED_OPS = (QUANTIZED_OP, GATHER_OP)
 # How a matrix's blocks are made: "rtn", onnxruntime's round-to-nearest (DefaultWeightOnlyQuantConfig); "hqq", its
 # half-quadratic solver (HQQWeightOnlyQuantConfig): each block's scale spans the block's range, and the solver fits
 # its zero point, stored as a float, to the weights. HQQ makes the 4-bit matrices only: 8-bit blocks (an int8 scheme,
-# an lm_head or embedding at int8) stay round-to-nearest, whose half step at 8 bits leaves a solver little to win.
+# an lm_head or embedding at int8) stay round-to-nearest. A solver wins at 8 bits too where the weights lie on a
+# coarser affine grid (a GGUF's Q4_1 blocks, whose float zero points integer ones miss by up to half a step), but an
+# int8 scheme at level 4 smooths its weights off any grid, and at level 0 onnxruntime's 8-bit kernel decodes slower
+# than float32. onnxruntime's GPTQ (its bundled neural-compressor code) is not offered: on the frontier's two trained
+# models it measured no better than round-to-nearest (benchmarks/FRONTIER-RESULTS.md's models; see git history).
 ALGORITHMS = ("rtn", "hqq")
 DEFAULT_ALGORITHM = "rtn"
 HQQ_BITS = 4

@@ -147,7 +147,7 @@ QUALITY_PROFILES: dict[str, QualityProfile] = {
                 "an expected first flip after ~100 tokens, yet one near-tie ends it early: a quarter",
             ),
         ),
-        _QUALITY_WHY.format(scheme="int8 (8-bit blocks of 32, scale + zero point)", anchor="Q8_0"),
+        _QUALITY_WHY.format(scheme="int8 (8-bit blocks, a scale and a zero point each)", anchor="Q8_0"),
     ),
     "int4": QualityProfile(
         "int4 quality",
@@ -181,7 +181,7 @@ QUALITY_PROFILES: dict[str, QualityProfile] = {
                 "the first flip is expected after ~10 tokens, so only the first few (4 of 64) are required",
             ),
         ),
-        _QUALITY_WHY.format(scheme="int4 (4-bit blocks of 32, scale + zero point)", anchor="Q4_0/Q4_1"),
+        _QUALITY_WHY.format(scheme="int4 (4-bit blocks, a scale and a zero point each)", anchor="Q4_0/Q4_1"),
     ),
 }
 

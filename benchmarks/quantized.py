@@ -164,9 +164,9 @@ def variant_name(block: int, level: int) -> str:
 
 
 def export_precisions(preset: str, work: Path, accuracy_level: int) -> tuple[dict[str, Path], list[tuple[int, int]]]:
-    """float32, int8 and int4 (the export's default blocks) of `preset` at `accuracy_level`, and each int4 variant of the trade-off
-    table (trade_off_variants, keyed by variant_name; the first is that int4), the quantized ones from the float32
-    graphs; and those variants."""
+    """float32, int8 and int4 (the export's default blocks) of `preset` at `accuracy_level`, and each int4 variant of
+    the trade-off table (trade_off_variants, keyed by variant_name; the first is that int4), the quantized ones from
+    the float32 graphs; and those variants."""
     from quality import replayed
 
     import exporter.export.pipeline as pipeline

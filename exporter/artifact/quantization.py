@@ -384,6 +384,14 @@ def zero_point_fractions(graph) -> dict[str, ZeroPointFractions]:
     return found
 
 
+def blocks_sum_matrix(k: int, block: int, dtype) -> np.ndarray:
+    """The (K, blocks) 0/1 matrix that sums each block of `block` inputs (ZeroPointFractions.blocks_sum): 1 where
+    row k lies in block k // block, in `dtype`."""
+    matrix = np.zeros((k, -(-k // block)), dtype)
+    matrix[np.arange(k), np.arange(k) // block] = 1
+    return matrix
+
+
 def smoothing_divisors(graph) -> dict[str, str]:
     """By MatMulNBits node name, the initializer its input is divided by (the node reads Div(x, initializer): a
     smoothed projection, module comment at SMOOTHING_BITS), in `graph` (an onnx GraphProto)."""
@@ -508,10 +516,16 @@ def requested_scheme(dtype: str, hidden_size: int, settings: QuantizationSetting
     )
 
 
+def smoothing_applies(dtype: str, accuracy_level: int | None) -> bool:
+    """Whether an export of `dtype` at `accuracy_level` (None: the default) takes smoothing (SMOOTHING_BITS)."""
+    level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    return SCHEMES.get(dtype) == SMOOTHING_BITS and level == SMOOTHING_LEVEL
+
+
 def _smoothing(dtype: str, accuracy_level: int, asked: float | str | None) -> Smoothing | None:
     """The smoothing `asked` of an export of `dtype` at `accuracy_level` (QuantizationSettings.smoothing), its
     calibration not yet measured, or InputError."""
-    applies = SCHEMES[dtype] == SMOOTHING_BITS and accuracy_level == SMOOTHING_LEVEL
+    applies = smoothing_applies(dtype, accuracy_level)
     if asked is None:
         return Smoothing(DEFAULT_SMOOTHING, "") if applies else None
     if asked == NO_SMOOTHING:

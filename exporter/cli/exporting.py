@@ -118,14 +118,10 @@ def export_as_asked(to_export: ExportOptions, target: tuple = (None, None)) -> t
     """
     if to_export.tokenizer is not None and to_export.no_tokenizer:
         raise click.UsageError("give --tokenizer or --no-tokenizer, not both")
-    from exporter.artifact.quantization import NO_SMOOTHING, SCHEMES, SMOOTHING_BITS, SMOOTHING_LEVEL
+    from exporter.artifact.quantization import NO_SMOOTHING, smoothing_applies
 
     to_target = _quality_target(to_export.dtype, *target)
-    smooths = (
-        SCHEMES.get(to_export.dtype) == SMOOTHING_BITS
-        and to_export.accuracy_level in (None, SMOOTHING_LEVEL)
-        and to_export.smoothing != NO_SMOOTHING
-    )
+    smooths = smoothing_applies(to_export.dtype, to_export.accuracy_level) and to_export.smoothing != NO_SMOOTHING
     if to_target is None and target[1] is not None and not smooths:
         raise click.UsageError(
             "--calibration-text applies with --quality-target, or to an int8 export that smooths its projections' "

@@ -47,6 +47,7 @@ from exporter.artifact.quantization import (
     QUANTIZED_OPS,
     Quantization,
     block_inputs,
+    blocks_sum_matrix,
     held_inputs,
     smoothed_weight,
     smoothing_divisors,
@@ -297,7 +298,6 @@ def _integer_zero_points(model: onnx.ModelProto, outputs: set[str]) -> None:
             continue
         attributes = _attributes(node)
         n, k, bits, block = attributes["N"], attributes["K"], attributes["bits"], attributes["block_size"]
-        blocks = -(-k // block)
         float_type = helper.tensor_dtype_to_np_dtype(zero_points.data_type)
         scales = numpy_helper.to_array(initializers[node.input[2]])
         packed, fractions = split_zero_points(numpy_helper.to_array(zero_points), scales, n, bits, float_type)
@@ -309,9 +309,7 @@ def _integer_zero_points(model: onnx.ModelProto, outputs: set[str]) -> None:
         if key not in sums:
             ones = f"blocks_sum_{k}_{block}"
             if ones not in initializers:
-                matrix = np.zeros((k, blocks), float_type)
-                matrix[np.arange(k), np.arange(k) // block] = 1
-                initializers[ones] = numpy_helper.from_array(matrix, ones)
+                initializers[ones] = numpy_helper.from_array(blocks_sum_matrix(k, block, float_type), ones)
                 model.graph.initializer.append(initializers[ones])
             sums[key] = f"{node.name}_blocks_sum"
             rewritten.append(helper.make_node("MatMul", [node.input[0], ones], [sums[key]], name=sums[key]))

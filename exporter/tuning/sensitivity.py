@@ -60,14 +60,6 @@ def rounded_blocks(
     return RoundedBlocks(node, packed, scales, None if scheme.symmetric else zero_points)
 
 
-def rounded_weight(
-    weight: np.ndarray, bits: int, scheme: Quantization, algorithm: str = DEFAULT_ALGORITHM
-) -> np.ndarray:
-    """A Linear's `weight` (out, in) as the artifact computes with it at `bits` (rounded_blocks, dequantized in float
-    math), (out, in) float32."""
-    return rounded_blocks(weight, bits, scheme, algorithm).weight()
-
-
 def module_bytes(
     shape: tuple[int, int], bits: int | None, scheme: Quantization, float_bytes: int, algorithm: str = DEFAULT_ALGORITHM
 ) -> int:

@@ -637,15 +637,15 @@ def test_hqq_blocks_under_a_manifest_recording_round_to_nearest_fail_the_audit(h
 
 def test_the_quality_search_rounds_a_module_as_the_hqq_artifact_holds_it(hqq, tiny_model):
     # the search ranks modules by the weights the artifact will compute with: HQQ's, where the scheme asks for it
-    from exporter.tuning.sensitivity import rounded_blocks, rounded_weight
+    from exporter.tuning.sensitivity import rounded_blocks
     from exporter.verify.checks.weights.quantized import dequantized_weights
 
     scheme = Artifact.open(hqq).manifest.quantization
     held = dequantized_weights(Artifact.open(hqq))
     module = "model.layers.1.mlp.down_proj"
     weight = tiny_model.get_submodule(module).weight.detach().float().numpy()
-    assert np.array_equal(rounded_weight(weight, 4, scheme, "hqq"), held[module])
-    assert not np.array_equal(rounded_weight(weight, 4, scheme), held[module])  # round-to-nearest's differ
+    assert np.array_equal(rounded_blocks(weight, 4, scheme, "hqq").weight(), held[module])
+    assert not np.array_equal(rounded_blocks(weight, 4, scheme).weight(), held[module])  # round-to-nearest's differ
     # what the search keeps of each rung between mixes: the blocks, half a byte per weight, not a float copy
     blocks = rounded_blocks(weight, 4, scheme, "hqq")
     assert blocks.packed.nbytes == weight.size // 2 and np.array_equal(blocks.weight(), held[module])

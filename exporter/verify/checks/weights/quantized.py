@@ -39,6 +39,7 @@ from exporter.artifact.quantization import (
     QUANTIZED_OPS,
     ZeroPointFractions,
     block_inputs,
+    blocks_sum_matrix,
     smoothed_weight,
     smoothing_divisors,
     zero_point_fractions,
@@ -91,7 +92,7 @@ def audit_scheme(
             f"{'symmetric' if scheme.symmetric else 'asymmetric'} ones",
         )
     if (bits, block) == (expected, scheme.block_size):
-        smooths = role.startswith("a projection") and scheme.smooths(module_of(node) or "")
+        smooths = choice is None and scheme.smooths(module_of(node) or "")  # a projection, the mix's or the scheme's
         if smooths != (node.name in divisors):
             return WeightFinding(
                 file,
@@ -322,8 +323,7 @@ def audit_blocks_sum(
     if table is None:
         return WeightFinding(file, "unreadable", "", name, f"block-sum matrix {name} of {node.name} {problem}")
     k, block = _attribute(node, "K", 0), _attribute(node, "block_size", 1)
-    expected = np.zeros((k, -(-k // block)), np.float32)
-    expected[np.arange(k), np.arange(k) // block] = 1
+    expected = blocks_sum_matrix(k, block, np.float32)
     if table.shape == expected.shape and np.array_equal(table, expected):
         return None
     how = (

@@ -30,7 +30,7 @@ DEFAULT_ACTIVATIONS = "float32"
 # int8, whose 8-bit projections' inputs accuracy level 4 rounds to int8 a block at a time by the block's largest
 # element: at 16, half as many inputs share each rounding. int8 is the near-lossless scheme, and on a trained model
 # whose activations carry outliers (SmolLM2-135M) its profile holds, with smoothing (SMOOTHING_BITS), at 16 and not
-# at 32 (benchmarks/FRONTIER-RESULTS.md); the cost is a scale and a zero point per 16 weights, 13% more bytes.
+# at 32 (benchmarks/FRONTIER-RESULTS.md); the cost is a scale and a zero point per 16 weights rather than 32.
 DEFAULT_BLOCK_SIZES = {"int4": 32, "int8": 16}
 MIN_BLOCK_SIZE = 16  # MatMulNBits takes power-of-two blocks of at least 16
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 unset (float32 math), 4 int8 math on the CPU
